@@ -1,0 +1,132 @@
+"""Scheduler: decides, each step, how many tokens of which requests go into the next forward pass."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # new tokens computed this step: a prefill chunk, or 1 for a decode
+    start: int  # the request's num_computed_tokens before this step (its first new position)
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step computes the last known token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching under a token budget, FCFS, with chunked prefill mixed into decode steps and
+    recompute preemption of the newest running request when the pool runs dry."""
+
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+                break
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - num_hit
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            request.num_computed_tokens = num_hit
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance progress after the forward pass and publish newly full blocks to the prefix cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.start + s.num_tokens
+            self.kv.publish_computed_blocks(s.request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from whichever queue holds it and return its blocks at once."""
+        request.status = status
+        request.finished_time = time.monotonic()
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.forget(request)

@@ -1,0 +1,111 @@
+"""KVCacheManager: which blocks each request holds, prefix lookups, and growth on demand."""
+
+from __future__ import annotations
+
+from kvserve.engine.request import Request
+from kvserve.kv.block import KVCacheBlock
+from kvserve.kv.hashing import hash_full_blocks
+from kvserve.kv.pool import BlockPool
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps requests to block lists. A request holds blocks only for the tokens it has; full computed
+    blocks are published to the prefix cache so later requests with the same prefix can share them."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_hashes: dict[str, list[bytes]] = {}
+        self.req_num_published: dict[str, int] = {}
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def _extra_keys(self, request: Request) -> bytes:
+        return request.cache_salt.encode() if request.cache_salt else b""
+
+    def _hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        return hash_full_blocks(request.all_token_ids, self.block_size, hashes, self._extra_keys(request), num_tokens)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached blocks matching the request's tokens. Never covers the last token,
+        whose logits must be computed; skipped when prompt logprobs need every position's logits."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._hashes(request, request.num_tokens - 1)
+        blocks = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def can_fit(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
+        held = self.req_blocks.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        needed = cdiv(num_tokens, self.block_size) - len(held) - len(new_computed_blocks)
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return max(needed, 0) + revived <= self.pool.num_free_blocks
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after any prefix-hit blocks).
+        Returns False, changing nothing, when the pool cannot supply them."""
+        new_computed_blocks = new_computed_blocks or []
+        if not self.can_fit(request, num_new_tokens, new_computed_blocks):
+            return False
+        held = self.req_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks:
+            if held:
+                raise ValueError(f"request {request.request_id} already holds blocks; prefix hits come first")
+            self.req_num_published[request.request_id] = len(new_computed_blocks)
+        self.pool.touch(new_computed_blocks)
+        held.extend(new_computed_blocks)
+        num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        needed = cdiv(num_tokens, self.block_size) - len(held)
+        if needed > 0:
+            held.extend(self.pool.allocate(needed))
+        return True
+
+    def publish_computed_blocks(self, request: Request) -> None:
+        """Hash the request's blocks that are now full and computed, making them prefix-cache hits."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = min(request.num_computed_tokens // self.block_size, len(self.req_blocks.get(rid, ())))
+        start = self.req_num_published.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(request, num_full * self.block_size)
+        blocks = self.req_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.req_num_published[rid] = num_full
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
+
+    def num_blocks_held(self, request: Request) -> int:
+        return len(self.req_blocks.get(request.request_id, ()))
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks, last block first so that a sequence's tail is evicted before its
+        shareable head. Freeing an unknown or already freed request does nothing."""
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self.req_num_published.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request bookkeeping once a request is gone for good."""
+        self.free(request)
+        self.req_hashes.pop(request.request_id, None)

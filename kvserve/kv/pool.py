@@ -1,0 +1,100 @@
+"""BlockPool: hands out KV blocks, takes them back, and remembers which full blocks hold which prefix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
+
+
+class BlockPool:
+    """Owns every block. Free blocks are reused from the head of the free queue; when a block that still
+    carries a hash is reused, its hash is dropped (eviction), so the least recently freed cached block goes
+    first."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, count: int) -> list[KVCacheBlock]:
+        if count > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} are free")
+        blocks = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on blocks found by a prefix hit, reviving them from the free queue if needed."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block. Blocks that reach zero return to the free queue: hashed
+        blocks at the tail (reused last, revivable until then), unhashed ones at the head."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"{block} freed more often than it was referenced")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Record that a full, computed block holds the prefix `block_hash`."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+
+    def check_invariants(self) -> None:
+        """Every block is either free or referenced, never both; hashes map to exactly one block."""
+        free_ids = [b.block_id for b in self.free_queue]
+        if len(free_ids) != len(set(free_ids)) or len(free_ids) != self.num_free_blocks:
+            raise AssertionError("free queue is corrupt")
+        free_set = set(free_ids)
+        for block in self.blocks:
+            if (block.block_id in free_set) == (block.ref_cnt > 0):
+                raise AssertionError(f"{block} is {'both free and referenced' if block.ref_cnt else 'lost'}")
+            if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
+                raise AssertionError(f"{block} has a hash the cache map does not point back to")
+        for block_hash, block in self.cached.items():
+            if block.block_hash != block_hash:
+                raise AssertionError(f"cache map entry points at {block} with another hash")

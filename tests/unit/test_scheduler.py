@@ -1,0 +1,176 @@
+"""Scheduler + KV manager driven without a model: budgets, chunking, preemption and the pool invariant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pool import BlockPool
+
+
+@dataclass
+class Params:
+    """The fields of SamplingParams that the scheduler and manager read."""
+
+    seed: int | None = None
+    prompt_logprobs: int | None = None
+    max_tokens: int = 8
+
+
+def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True):
+    pool = BlockPool(num_blocks, enable_caching=caching)
+    kv = KVCacheManager(pool, block_size)
+    return Scheduler(kv, max_seqs, budget, max_len), pool, kv
+
+
+def req(rid: str, n: int, max_tokens: int = 8, base: int = 0) -> Request:
+    return Request(rid, [base + i for i in range(n)], Params(max_tokens=max_tokens))
+
+
+def fake_step(sched: Scheduler) -> list[Request]:
+    """Run one step with a fake model that emits token 7; returns requests that finished."""
+    out = sched.schedule()
+    sched.on_step_done(out)
+    done = []
+    for s in out.scheduled:
+        r = s.request
+        if s.completes_sequence:
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.sampling_params.max_tokens or r.num_tokens >= sched.max_model_len:
+                sched.finish(r, RequestStatus.FINISHED_LENGTH)
+                done.append(r)
+    return done
+
+
+def check(sched: Scheduler, pool: BlockPool, kv: KVCacheManager) -> None:
+    pool.check_invariants()
+    counts: dict[int, int] = {}
+    for blocks in kv.req_blocks.values():
+        for b in blocks:
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
+    assert all(b.ref_cnt == counts.get(b.block_id, 0) for b in pool.blocks)
+    assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_blocks
+    for r in sched.running:
+        assert kv.num_blocks_held(r) * kv.block_size >= r.num_computed_tokens
+
+
+def test_chunked_prefill_respects_budget_and_mixes_decodes():
+    sched, pool, kv = make(num_blocks=64, budget=10)
+    a = req("a", 3, max_tokens=5)
+    sched.add(a)
+    fake_step(sched)  # a: prefill 3, samples
+    b = req("b", 25, base=100)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    assert out.num_tokens <= 10 and not out.scheduled[1].completes_sequence
+    sched.on_step_done(out)
+    assert b.num_computed_tokens == 9 and kv.num_blocks_held(b) == 3
+    check(sched, pool, kv)
+
+
+def test_preemption_frees_newest_and_it_resumes():
+    sched, pool, kv = make(num_blocks=6, block_size=4, budget=64, max_len=24)
+    a, b = req("a", 10, max_tokens=8), req("b", 10, max_tokens=8, base=50)
+    sched.add(a)
+    sched.add(b)
+    finished = []
+    for _ in range(200):
+        finished += fake_step(sched)
+        check(sched, pool, kv)
+        if not sched.num_unfinished:
+            break
+    assert {r.request_id for r in finished} == {"a", "b"}
+    assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 8
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_prefix_hit_shares_full_blocks_but_not_the_last_token():
+    sched, pool, kv = make(num_blocks=32, block_size=4, budget=64)
+    a = req("a", 10, max_tokens=30)
+    sched.add(a)
+    fake_step(sched)
+    b = req("b", 8, max_tokens=2)  # same first 8 tokens: two full blocks, but the last token is recomputed
+    sched.add(b)
+    out = sched.schedule()
+    sb = [s for s in out.scheduled if s.request is b][0]
+    assert sb.start == 4 and sb.num_tokens == 4 and b.num_cached_tokens == 4
+    assert kv.req_blocks["b"][0] is kv.req_blocks["a"][0] and kv.req_blocks["a"][0].ref_cnt == 2
+    sched.on_step_done(out)
+    check(sched, pool, kv)
+
+
+def test_salted_request_gets_no_hit():
+    sched, pool, kv = make(num_blocks=32, block_size=4, budget=64)
+    a = req("a", 10, max_tokens=30)
+    sched.add(a)
+    fake_step(sched)
+    b = req("b", 10)
+    b.cache_salt = "tenant-2"
+    assert kv.get_computed_blocks(b) == ([], 0)
+
+
+def test_abort_and_double_finish_keep_pool_whole():
+    sched, pool, kv = make()
+    a = req("a", 9)
+    sched.add(a)
+    fake_step(sched)
+    sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    kv.free(req("unknown", 3))
+    check(sched, pool, kv)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 64), caching=st.booleans())
+def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching):
+    block_size = 4
+    max_len = min(48, num_blocks * block_size)
+    sched, pool, kv = make(num_blocks=num_blocks, block_size=block_size, max_seqs=5, budget=budget,
+                           max_len=max_len, caching=caching)
+    live: list[Request] = []
+    count = 0
+    for op in ops:
+        if op[0] == "add":
+            _, n, max_tokens, family = op
+            n = min(n, max_len - 1)
+            r = Request(f"r{count}", [family * 1000 + i for i in range(n)], Params(max_tokens=max_tokens))
+            count += 1
+            sched.add(r)
+            live.append(r)
+        elif op[0] == "step":
+            for r in fake_step(sched):
+                live.remove(r)
+        elif live:
+            victim = live.pop(op[1] % len(live))
+            sched.finish(victim, RequestStatus.FINISHED_ABORTED)
+        check(sched, pool, kv)
+        placed = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
+        assert len(placed) == len(set(placed)) == len(live)
+    for _ in range(2000):
+        if not sched.num_unfinished:
+            break
+        for r in fake_step(sched):
+            live.remove(r)
+        check(sched, pool, kv)
+    assert not live and not sched.num_unfinished
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not kv.req_blocks
