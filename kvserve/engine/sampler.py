@@ -1,0 +1,304 @@
+"""Turns one row of logits per request into the next token, with vLLM's sampling semantics.
+
+Order (as vLLM): penalties -> min_tokens blocking -> temperature -> top-k -> top-p -> min-p -> sample.
+Greedy rows take the argmax of the penalized logits. Reported logprobs are the raw model logprobs
+(log_softmax of the logits as given), as vLLM's default "raw_logprobs".
+
+Everything is a batched tensor op with per-row parameters; Python loops run over requests, never
+over the vocabulary. For a large vocabulary the costly parts are avoided:
+  * top-k / top-p never sort the whole row: the cut-off is found in `torch.topk` of a window that
+    widens (64 -> 2048) only for rows whose nucleus does not fit in it, then by an O(V) bucket
+    select, so top_p=0.9 on a peaked distribution costs one small topk;
+  * penalties touch only the tokens a row has seen (O(tokens), not O(rows x vocab));
+  * sampling is inverse-CDF with one uniform number per row (cumsum + searchsorted), not a full
+    row of random numbers. A seeded request draws that number from its own generator, so it gets the
+    same tokens whatever else is in the batch and wherever its row is; unseeded rows share one
+    batch-level draw from the sampler's generator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.outputs import Logprob
+
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
+    from kvserve.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+# Width of the first topk window used to find top-p cut-offs.
+_TOP_P_WINDOW = 64
+_TOP_P_WIDE_WINDOW = 2048  # the second try; after it, `_bucket_cut`
+# `_bucket_cut` keeps 23 - 16 = 7 mantissa bits: 128 buckets per octave, 16,257 buckets in all.
+_BUCKET_SHIFT = 16
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None  # raw logprob of the sampled token, if logprobs were asked
+    rank: int | None  # 1-based rank of the sampled token among the raw logprobs
+    # Top-n (n = params.logprobs) in descending order, then the sampled token if not among them.
+    top_logprobs: dict[int, float] | None
+
+
+class Sampler:
+    """Samples one token per row. Holds only a generator for unseeded rows (seeded by `seed`)."""
+
+    def __init__(self, eos_token_ids: Sequence[int], seed: int | None = None) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self._generator = torch.Generator()  # for unseeded rows; seeded requests bring their own
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
+        """`logits` is [S, V] float32, row i belonging to `requests[i]`. It is not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits must be [{len(requests)}, V], got {list(logits.shape)}")
+        params = [r.sampling_params for r in requests]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(_rows(logits, want_lp), dim=-1) if want_lp else None
+
+        logits = self._penalized(logits, requests)
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        rand = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy:
+            token_ids[greedy] = _rows(logits, greedy).argmax(dim=-1)
+        if rand:
+            token_ids[rand] = self._sample(
+                _rows(logits, rand), [params[i] for i in rand], [requests[i].generator for i in rand]
+            )
+        ids = token_ids.tolist()
+        out = [SampledToken(t, None, None, None) for t in ids]
+        if raw_logprobs is not None:
+            _fill_logprobs(out, want_lp, raw_logprobs, [params[i].logprobs or 0 for i in want_lp])
+        return out
+
+    # -- logits processing ----------------------------------------------------------------------
+
+    def _penalized(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Penalties and min_tokens blocking, on a copy (only made when some row needs it)."""
+        pen = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
+        block_rows: list[int] = []
+        block_cols: list[int] = []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if len(r.output_token_ids) < p.min_tokens:
+                blocked = set(p.stop_token_ids or ())
+                if not p.ignore_eos:  # with ignore_eos, eos does not stop, so it needs no blocking
+                    blocked.update(self.eos_token_ids)
+                block_rows += [i] * len(blocked)
+                block_cols += sorted(blocked)
+        if pen:
+            logits = apply_penalties(logits, requests)  # a copy
+        elif block_rows:
+            logits = logits.clone()
+        if block_rows:
+            logits[block_rows, block_cols] = _NEG_INF
+        return logits
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Works in probability space on `exp((x - max) / T)` (max = 1, unnormalized): top-k/top-p
+        and min-p become one threshold per row, and no softmax division is needed."""
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        probs = logits / temps  # a new tensor, so everything below may work in place
+        probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+        threshold = top_k_top_p_threshold(probs, params)
+        # min-p after top-k/top-p, as in vLLM; they never remove the most likely token (prob 1 here),
+        # so p >= min_p * p_max is simply p >= min_p.
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        threshold = torch.maximum(threshold, min_p)
+        if any(p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            probs.masked_fill_(probs < threshold.unsqueeze(1), 0.0)
+        cdf = probs.cumsum_(dim=-1)
+        total = cdf[:, -1:].contiguous()
+        u = self._uniforms(generators).to(device=device, dtype=cdf.dtype)
+        picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+        # u * total may round up to total: fall back to the last token with non-zero probability.
+        last = torch.searchsorted(cdf, total, right=False)
+        return torch.minimum(picked, last).squeeze(1)
+
+    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One U[0, 1) per row, drawn on the CPU so that results do not depend on the logits'
+        device: from the request's generator if seeded, else from one batch draw."""
+        u = torch.rand(len(generators), generator=self._generator, dtype=torch.float64)
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).item()
+        return u
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t[rows]`, without a copy when `rows` is every row in order."""
+    return t if len(rows) == t.shape[0] and rows == list(range(len(rows))) else t[rows]
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens; presence/frequency over output tokens.
+
+    Touches only the tokens each row has seen: (row, token) pairs become flat keys
+    `row * V + token`, counted with one `torch.unique`, so the cost is O(tokens), not O(rows x V).
+    Returns a new tensor."""
+    vocab = logits.shape[1]
+    device = logits.device
+    params = [r.sampling_params for r in requests]
+    pen = [i for i, p in enumerate(params) if p.has_penalties]
+    out = logits.clone()
+    flat = out.view(-1)
+
+    def keys(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = [i * vocab + t for i, s in zip(pen, seqs) for t in s]
+        return torch.unique(torch.tensor(key, dtype=torch.long, device=device), return_counts=True)
+
+    seen, _ = keys([requests[i].prompt_token_ids + requests[i].output_token_ids for i in pen])
+    if seen.numel():
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[seen // vocab]
+        vals = flat[seen]
+        flat[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+    generated, counts = keys([requests[i].output_token_ids for i in pen])
+    if generated.numel():
+        row = generated // vocab
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[row]
+        flat[generated] -= freq * counts.to(flat.dtype) + pres
+    return out
+
+
+def top_k_top_p_threshold(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Per row, the smallest (unnormalized) probability that top-k and top-p keep; 0 for rows
+    without them. Ties with it are kept.
+
+    top-p acts on the distribution renormalized over the top-k survivors, as vLLM does: keep the
+    smallest prefix (by descending probability) whose mass reaches top_p, at least one token.
+    Nothing is sorted whole: the cut-off is looked for in a `topk` window (64, then 2048), and rows
+    whose nucleus is wider still go through `_bucket_cut`, which is O(V)."""
+    vocab = probs.shape[1]
+    device = probs.device
+    threshold = torch.zeros(probs.shape[0], device=device, dtype=probs.dtype)
+    # top_k >= vocab is no top-k at all.
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    rows = [i for i, p in enumerate(params) if ks[i] < vocab or p.top_p < 1.0]
+    if not rows:
+        return threshold
+    # Every top-k row's survivors fit in the first window; only top-p may need to widen it.
+    first = min(vocab, max([ks[i] for i in rows if ks[i] < vocab] + [_TOP_P_WINDOW]))
+    widths = [first] + ([_TOP_P_WIDE_WINDOW] if first < _TOP_P_WIDE_WINDOW <= vocab // 4 else [])
+    for width in widths:
+        sub = _rows(probs, rows)
+        k = torch.tensor([ks[i] for i in rows], device=device)
+        # top_p = 1 keeps every top-k survivor, whatever rounding does to the running mass.
+        top_p = torch.tensor([params[i].top_p if params[i].top_p < 1.0 else math.inf for i in rows], device=device)
+        vals = torch.topk(sub, width, dim=-1).values  # descending
+        in_k = torch.arange(width, device=device).unsqueeze(0) < k.unsqueeze(1)
+        vals.masked_fill_(~in_k, 0.0)
+        # Mass to renormalize by: the top-k survivors (all inside the window), else the whole row.
+        k_fits = k <= width
+        norm = vals.sum(dim=-1) if bool(k_fits.all()) else torch.where(k_fits, vals.sum(dim=-1), sub.sum(dim=-1))
+        mass_before = vals.cumsum(dim=-1).sub_(vals)
+        n_keep = (in_k & (mass_before < (top_p * norm).unsqueeze(1))).sum(dim=-1).clamp_min(1)
+        decided = (n_keep < width) | k_fits
+        cut = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+        done = decided.nonzero().flatten().tolist()
+        threshold[[rows[j] for j in done]] = cut[done]
+        rows = [rows[j] for j in (~decided).nonzero().flatten().tolist()]
+        if not rows:
+            return threshold
+    # Left: top-p rows (top-k off) whose nucleus is wider than the last window.
+    sub = _rows(probs, rows)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=device, dtype=probs.dtype)
+    threshold[rows] = _bucket_cut(sub, top_p * sub.sum(dim=-1))
+    return threshold
+
+
+def _bucket_cut(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Exact top-p cut-off of wide nuclei without sorting the rows (radix-select style): bucket the
+    probabilities (in [0, 1]) by the top bits of their float32 pattern, which orders non-negative
+    floats like their values (exponent, then 7 mantissa bits: 1/128 octave per bucket), find from
+    the buckets' sums the bucket where the running mass reaches `target`, and order only its
+    members."""
+    device = probs.device
+    one = 0x3F800000  # the bits of 1.0f; bucket 0 holds the largest probabilities
+    nb = (one >> _BUCKET_SHIFT) + 1
+    bits = probs.float().view(torch.int32)
+    bucket = torch.sub(one, bits).bitwise_right_shift_(_BUCKET_SHIFT).long()
+    mass = torch.zeros(probs.shape[0], nb, device=device, dtype=probs.dtype).scatter_add_(1, bucket, probs)
+    ones = torch.ones((), dtype=torch.long, device=device).expand_as(bucket)
+    sizes = torch.zeros(probs.shape[0], nb, device=device, dtype=torch.long).scatter_add_(1, bucket, ones)
+    cum = mass.cumsum(dim=-1)
+    j = (cum < target.unsqueeze(1)).sum(dim=-1).clamp_max(nb - 1)  # first bucket reaching target
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp_min(0).unsqueeze(1)).squeeze(1), 0.0)
+    members = bucket == j.unsqueeze(1)
+    count = sizes.gather(1, j.unsqueeze(1)).squeeze(1)
+    # Padding (-1 -> 0 mass) sorts last; a row with no member keeps everything (threshold 0).
+    vals = torch.topk(torch.where(members, probs, -1.0), max(int(count.max()), 1), dim=-1).values.clamp_min_(0.0)
+    mass_before = vals.cumsum(dim=-1).sub_(vals).add_(before.unsqueeze(1))
+    in_bucket = torch.arange(vals.shape[1], device=device).unsqueeze(0) < count.unsqueeze(1)
+    n_keep = (in_bucket & (mass_before < target.unsqueeze(1))).sum(dim=-1).clamp_min(1)
+    return vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+
+
+def _fill_logprobs(
+    out: list[SampledToken], rows: list[int], logprobs: torch.Tensor, num_top: list[int]
+) -> None:
+    """Raw logprob and rank of each sampled token, and the top-n of its row."""
+    device = logprobs.device
+    sampled = torch.tensor([out[i].token_id for i in rows], device=device).unsqueeze(1)
+    sampled_lp = logprobs.gather(1, sampled)
+    ranks = torch.count_nonzero(logprobs > sampled_lp, dim=-1).add_(1).tolist()
+    sampled_lp_list = sampled_lp.squeeze(1).tolist()
+    max_top = max(num_top)
+    top_vals, top_ids = torch.topk(logprobs, max_top, dim=-1) if max_top else (None, None)
+    top_v = top_vals.tolist() if top_vals is not None else None
+    top_i = top_ids.tolist() if top_ids is not None else None
+    for j, i in enumerate(rows):
+        tok = out[i]
+        tok.logprob, tok.rank = sampled_lp_list[j], ranks[j]
+        top: dict[int, float] = {}
+        if top_i is not None and top_v is not None:
+            top = dict(zip(top_i[j][: num_top[j]], top_v[j][: num_top[j]]))
+        top.setdefault(tok.token_id, tok.logprob)
+        tok.top_logprobs = top
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: Sequence[int], num_top: int
+) -> list[dict[int, Logprob]]:
+    """Logprobs of prompt tokens: row j of `logits` (position j) judges `next_token_ids[j]`
+    (the token at position j + 1). Each dict holds that token first (with its rank), then the top
+    `num_top` tokens. Works on any chunk of positions, so chunked prefill can call it per chunk;
+    the caller prepends None for the first prompt token. `decoded_token` is left to the caller."""
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(next_token_ids)} next tokens")
+    if not next_token_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(next_token_ids), device=lp.device).unsqueeze(1)
+    tok_lp = lp.gather(1, ids)
+    ranks = torch.count_nonzero(lp > tok_lp, dim=-1).add_(1).tolist()
+    tok_lp_list = tok_lp.squeeze(1).tolist()
+    if num_top:
+        top_vals, top_ids = torch.topk(lp, num_top, dim=-1)
+        tv, ti = top_vals.tolist(), top_ids.tolist()
+    result = []
+    for j, tid in enumerate(next_token_ids):
+        entry = {tid: Logprob(tok_lp_list[j], ranks[j])}
+        if num_top:
+            for r, (t, v) in enumerate(zip(ti[j], tv[j]), start=1):
+                entry.setdefault(t, Logprob(v, r))
+        result.append(entry)
+    return result

@@ -1,0 +1,63 @@
+"""What `LLM.generate` returns: vLLM's offline-API output shapes, so user code carries over."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-probability of one token; `rank` is 1 for the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the `n` samples of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request: its prompt and all of its samples so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Any = None
+
+
+def logprob_entry(
+    token_id: int,
+    logprob: float,
+    rank: int,
+    top: Mapping[int, float],
+    decode: Callable[[int], str] | None = None,
+) -> dict[int, Logprob]:
+    """The per-position logprobs dict as vLLM lays it out: the chosen token first (with its rank),
+    then the top-n tokens in rank order. `top` must be in descending order (as the Sampler gives it);
+    it may contain the chosen token, which is not repeated."""
+    entry = {token_id: Logprob(logprob, rank, decode(token_id) if decode else None)}
+    for position, (tid, lp) in enumerate(top.items(), start=1):
+        if tid not in entry:
+            entry[tid] = Logprob(lp, position, decode(tid) if decode else None)
+    return entry

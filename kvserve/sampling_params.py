@@ -1,0 +1,131 @@
+"""Sampling parameters of one request, with vLLM's field names, defaults and validation.
+
+Users carry their vLLM habits over, so names, defaults and accepted ranges follow vLLM's
+`SamplingParams`; a bad value raises `ValueError` naming the field and the value, which the server
+turns into a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Below this temperature a request is greedy (dividing by ~0 would only produce inf/nan).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _bad(field: str, value: object, expected: str) -> ValueError:
+    return ValueError(f"{field} must be {expected}, got {value!r}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request. `stop` and `stop_token_ids` are normalized to lists."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max-model-len, decided by the engine
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n logprobs of each generated token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise _bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise _bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not self.temperature >= 0.0:
+            raise _bad("temperature", self.temperature, ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise _bad("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            raise _bad("seed", self.seed, "an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise _bad(name, value, "an integer >= 0 or None")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _bad("stop", self.stop, "non-empty strings")
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0:
+                raise _bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+
+    def validate_against(self, max_logprobs: int, vocab_size: int) -> None:
+        """Checks that need the engine's limits (`--max-logprobs`, the model's vocabulary)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs={max_logprobs}, got {value}")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be < vocab_size={vocab_size}, got {bad}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        """A validated copy with `changes` applied (lists are copied, never shared)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def child(self, index: int) -> SamplingParams:
+        """Parameters of sample `index` of an `n > 1` request: n=1 and, as in vLLM, seed + index
+        so that the samples differ yet stay reproducible."""
+        seed = None if self.seed is None else self.seed + index
+        return self.clone(n=1, seed=seed)
