@@ -93,7 +93,9 @@ def _stream(tokenizer, ids, **params):
             stopped = r.stopped_on
             break
     else:
-        deltas.append(detok.finish().delta_text)
+        final = detok.finish()  # text held back until the end (a byte-fallback run) may complete a stop
+        deltas.append(final.delta_text)
+        stopped = final.stopped_on
     return deltas, stopped, detok
 
 
