@@ -1,0 +1,323 @@
+"""ModelConfig: the architecture facts the engine needs, read from HF config.json or GGUF metadata.
+
+Pure Python (no torch import) so that capacity tools can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.model.gguf_reader import GGUFFile
+
+# HF model_type -> our family name.
+_HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+# GGUF general.architecture -> our family name.
+_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA3_SLIDING_PATTERN = 6  # HF Gemma3TextConfig default: every 6th layer is global
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_END_OF_TURN = 106
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    family: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    hidden_act: str = "silu"
+    # Per layer: None for full attention, else the window (a query at p sees keys at p - window + 1 .. p).
+    sliding_windows: list[int | None] = field(default_factory=list)
+    # Per layer rope base (gemma3 uses a different base for local layers).
+    rope_thetas: list[float] = field(default_factory=list)
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (gemma); else head_dim
+    torch_dtype: str | None = None  # the checkpoint's dtype, e.g. "bfloat16"
+    generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    # Per layer rope scaling (gemma3 scales only its global layers); None entries = plain rope.
+    rope_scalings: list[dict | None] = field(default_factory=list)
+    attention_out_bias: bool = False  # o_proj bias (llama/qwen3 attention_bias); qwen2 has q/k/v bias only
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        n = self.num_layers
+        if not self.sliding_windows:
+            self.sliding_windows = [None] * n
+        if not self.rope_thetas:
+            self.rope_thetas = [self.rope_theta] * n
+        if not self.rope_scalings:
+            self.rope_scalings = [self.rope_scaling] * n
+        for name in ("sliding_windows", "rope_thetas", "rope_scalings"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"ModelConfig.{name} has {len(getattr(self, name))} entries for {n} layers")
+        for scaling in self.rope_scalings:
+            if scaling is not None and scaling.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+                raise NotImplementedError(
+                    f"rope scaling type {scaling.get('rope_type')!r} is not supported (supported: "
+                    f"{', '.join(SUPPORTED_ROPE_TYPES)})"
+                )
+
+    # -- per-family switches (one decoder, no per-family copies) ---------------------------------
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma3 normalizes attention/MLP outputs too (four norms per layer)."""
+        return self.family == "gemma3"
+
+    @property
+    def embedding_multiplier(self) -> float | None:
+        """Gemma scales the embedding by sqrt(hidden) (in the compute dtype)."""
+        return math.sqrt(self.hidden_size) if self.family == "gemma3" else None
+
+    @property
+    def norm_adds_one(self) -> bool:
+        """HF Gemma RMSNorm multiplies by (1 + weight); the loader folds the 1 into the stored weight."""
+        return self.family == "gemma3"
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    # -- constructors ----------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        """Read config.json (+ generation_config.json when present) of an HF checkpoint directory."""
+        path = Path(path)
+        cfg = _read_json(path / "config.json", required=True)
+        gen = _read_json(path / "generation_config.json", required=False) or {}
+        try:
+            return cls.from_hf_dict(cfg, gen)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path / 'config.json'}: missing or malformed field {e}") from e
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Map an HF config dict (transformers 4.x or 5.x layout) onto ModelConfig."""
+        if "text_config" in cfg and cfg.get("model_type") == "gemma3":
+            raise ValueError("multimodal Gemma3ForConditionalGeneration checkpoints are not supported; "
+                             "use a text-only (gemma3_text) checkpoint")
+        model_type = cfg.get("model_type")
+        family = _HF_FAMILIES.get(model_type)
+        if family is None:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(_HF_FAMILIES)})")
+        if cfg.get("mlp_bias"):
+            raise NotImplementedError("mlp_bias=True is not supported")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise NotImplementedError("attention logit softcapping is not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise NotImplementedError("bidirectional attention is not supported")
+        n_layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        n_heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+        layer_types = _hf_layer_types(cfg, family, n_layers)
+        if model_type == "mistral" and cfg.get("sliding_window") and "layer_types" not in cfg:
+            layer_types = ["sliding_attention"] * n_layers  # Mistral's window applies to every layer
+        window = cfg.get("sliding_window")
+        windows = [int(window) if t == "sliding_attention" and window else None for t in layer_types]
+        thetas, scalings = _hf_rope(cfg, family, layer_types)
+        gen = dict(generation_config or {})
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        global_scaling = next((s for s, w in zip(scalings, windows) if w is None), scalings[0])
+        return cls(
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=max(thetas),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            sliding_windows=windows,
+            rope_thetas=thetas,
+            rope_scaling=global_scaling,
+            rope_scalings=scalings,
+            attention_bias=True if family == "qwen2" else attention_bias,
+            attention_out_bias=attention_bias and family in ("llama", "qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3"),
+            query_pre_attn_scalar=(float(cfg.get("query_pre_attn_scalar", 256)) if family == "gemma3" else None),
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            generation_defaults=gen,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+    @classmethod
+    def from_gguf(cls, gguf: str | Path | GGUFFile) -> ModelConfig:
+        """Read a GGUF file's metadata (llama, qwen2, qwen3, gemma3 architectures); no tensor data."""
+        from kvserve.model.gguf_reader import GGUFFile
+
+        f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
+        arch = f.architecture
+        family = _GGUF_FAMILIES.get(arch)
+        if family is None:
+            raise ValueError(f"{f.path}: unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(_GGUF_FAMILIES)})")
+
+        def need(key: str) -> Any:
+            value = f.arch_value(key)
+            if value is None:
+                raise ValueError(f"{f.path}: GGUF metadata key {arch}.{key} is missing")
+            return value
+
+        n_layers = int(need("block_count"))
+        hidden = int(need("embedding_length"))
+        n_heads = int(need("attention.head_count"))
+        n_kv = f.arch_value("attention.head_count_kv", n_heads)
+        if isinstance(n_kv, list):
+            raise NotImplementedError(f"{f.path}: per-layer KV head counts are not supported")
+        head_dim = int(f.arch_value("attention.key_length") or f.arch_value("rope.dimension_count")
+                       or hidden // n_heads)
+        theta = float(f.arch_value("rope.freq_base", 10_000.0))
+        embd = f.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ValueError(f"{f.path}: tensor token_embd.weight is missing")
+        vocab = int(f.arch_value("vocab_size") or embd.shape[0])
+        scaling = _gguf_rope_scaling(f)
+        windows: list[int | None] = [None] * n_layers
+        thetas = [theta] * n_layers
+        scalings = [scaling] * n_layers
+        if family == "gemma3":
+            window = f.arch_value("attention.sliding_window")
+            for i in range(n_layers):
+                if window and (i + 1) % GEMMA3_SLIDING_PATTERN != 0:
+                    windows[i], thetas[i], scalings[i] = int(window), GEMMA3_LOCAL_ROPE_THETA, None
+        md = f.metadata
+        bos = md.get("tokenizer.ggml.bos_token_id")
+        eos = md.get("tokenizer.ggml.eos_token_id")
+        eos_ids = [] if eos is None else [int(eos)]
+        if family == "gemma3" and GEMMA3_END_OF_TURN < vocab and GEMMA3_END_OF_TURN not in eos_ids:
+            eos_ids.append(GEMMA3_END_OF_TURN)
+        return cls(
+            family=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=int(n_kv),
+            head_dim=head_dim,
+            intermediate_size=int(need("feed_forward_length")),
+            rms_norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(f.arch_value("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in f.tensors,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            hidden_act="gelu_pytorch_tanh" if family == "gemma3" else "silu",
+            sliding_windows=windows,
+            rope_thetas=thetas,
+            rope_scaling=scaling,
+            rope_scalings=scalings,
+            attention_bias="blk.0.attn_q.bias" in f.tensors,
+            attention_out_bias="blk.0.attn_output.bias" in f.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+            # HF's GGUF config mapping leaves Gemma3TextConfig's default (256) in place.
+            query_pre_attn_scalar=256.0 if family == "gemma3" else None,
+            torch_dtype=None,
+        )
+
+    @property
+    def max_sliding_window(self) -> int | None:
+        windows = [w for w in self.sliding_windows if w is not None]
+        return max(windows) if windows else None
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ValueError(f"{path}: file is missing")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _hf_layer_types(cfg: dict[str, Any], family: str, n_layers: int) -> list[str]:
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != n_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
+        return list(types)
+    if family == "gemma3":  # transformers 4.x configs: sliding_window_pattern
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if family == "qwen2" and cfg.get("use_sliding_window"):
+        first = int(cfg.get("max_window_layers", n_layers))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    return ["full_attention"] * n_layers
+
+
+def _normalize_scaling(params: dict[str, Any] | None) -> dict | None:
+    """Rope parameters without rope_theta; None for plain rope."""
+    if not params:
+        return None
+    out = {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = out.pop("type", None) or out.get("rope_type") or "default"
+    out["rope_type"] = rope_type
+    if rope_type == "default":
+        return None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return out
+
+
+def _hf_rope(cfg: dict[str, Any], family: str, layer_types: list[str]) -> tuple[list[float], list[dict | None]]:
+    """Per layer (theta, scaling) from either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    if family == "gemma3":
+        if params and "full_attention" in params:
+            per_type = {t: params.get(t) or {} for t in ("full_attention", "sliding_attention")}
+        else:
+            full = dict(cfg.get("rope_scaling") or {})
+            full["rope_theta"] = cfg.get("rope_theta", 1_000_000.0)
+            per_type = {"full_attention": full,
+                        "sliding_attention": {"rope_theta": cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)}}
+        defaults = {"full_attention": 1_000_000.0, "sliding_attention": GEMMA3_LOCAL_ROPE_THETA}
+        thetas = [float(per_type[t].get("rope_theta", defaults[t])) for t in layer_types]
+        scalings = [_normalize_scaling(per_type[t]) for t in layer_types]
+        return thetas, scalings
+    if params and "rope_theta" in params:
+        theta, scaling = float(params["rope_theta"]), _normalize_scaling(params)
+    else:
+        theta, scaling = float(cfg.get("rope_theta", 10_000.0)), _normalize_scaling(cfg.get("rope_scaling"))
+    return [theta] * len(layer_types), [scaling] * len(layer_types)
+
+
+def _gguf_rope_scaling(f: GGUFFile) -> dict | None:
+    kind = f.arch_value("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(f.arch_value("rope.scaling.factor", 1.0))}
+    raise NotImplementedError(f"{f.path}: GGUF rope scaling type {kind!r} is not supported")

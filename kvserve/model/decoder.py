@@ -1,0 +1,180 @@
+"""One decoder-only transformer for the llama / qwen2 / qwen3 / gemma3 families (per-family switches).
+
+Parameter names follow HF's (without the leading "model."), except the fused `qkv_proj` and `gate_up_proj`;
+`load_weights` maps canonical checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, get_attention_backend
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; with `sandwich` (gemma3) the attention and MLP outputs are normalized too.
+
+    Norm names are HF's: for llama/qwen `post_attention_layernorm` is the norm *before* the MLP; for
+    gemma3 it normalizes the attention output and `pre_feedforward_layernorm` precedes the MLP.
+    """
+
+    def __init__(self, config: ModelConfig, attention: PagedAttention) -> None:
+        super().__init__()
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.sandwich = config.sandwich_norms
+        self.self_attn = attention
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(x)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Token ids + positions of one flat batch -> final hidden states; the KV cache is paged and external."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        backend = get_attention_backend(attention_backend)
+        c = config
+        # Parameters are created on the meta device and materialized uninitialized: the loader fills them.
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+            self.layers = nn.ModuleList()
+            for i in range(c.num_layers):
+                attn = PagedAttention(
+                    c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                    qkv_bias=c.attention_bias, out_bias=c.attention_out_bias,
+                    qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+                    scale=c.attention_scale, sliding_window=c.sliding_windows[i], backend=backend,
+                )
+                self.layers.append(DecoderLayer(c, attn).to(dtype=dtype))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
+                                                                         dtype=dtype)
+        self._keep_norms_float32()
+        self.to_empty(device=device)
+        self.requires_grad_(False)
+        # One rope table per distinct (theta, scaling); layers point at theirs by index.
+        keys: list[tuple[float, str]] = []
+        self.rope_index: list[int] = []
+        ropes = []
+        for theta, scaling in zip(c.rope_thetas, c.rope_scalings):
+            key = (theta, repr(sorted((scaling or {}).items())))
+            if key not in keys:
+                keys.append(key)
+                ropes.append(RotaryEmbedding(c.head_dim, theta, scaling))
+            self.rope_index.append(keys.index(key))
+        self.ropes = nn.ModuleList(ropes).to(device)
+
+    def _keep_norms_float32(self) -> None:
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        if multiplier is not None:
+            h = h * torch.tensor(multiplier, dtype=h.dtype)
+        tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]
+        for layer, rope_i, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
+            cos, sin = tables[rope_i]
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32, with final logit softcapping when the config has it."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden.to(weight.dtype), weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy canonical tensors (HF names without "model.", norms already multiplicative) into the model.
+
+        Raises ValueError naming unknown, misshaped or missing tensors.
+        """
+        params = dict(self.named_parameters())
+        c = self.config
+        q_rows, kv_rows, ff = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        fused = {  # checkpoint sub-name -> (fused param sub-name, row offset, rows)
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q_rows, kv_rows),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, kv_rows),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, ff),
+            "mlp.up_proj": ("mlp.gate_up_proj", ff, ff),
+        }
+        needed = {(name, 0) for name in params}
+        for name in params:
+            if ".qkv_proj." in name:
+                needed |= {(name, q_rows), (name, q_rows + kv_rows)}
+            elif ".gate_up_proj." in name:
+                needed.add((name, ff))
+        done: set[tuple[str, int]] = set()
+        for name, tensor in tensors:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the shared matrix twice
+            if name == "rope_freqs.weight":  # llama.cpp's llama3 rope: per-frequency divisors
+                for rope in self.ropes:
+                    rope.inv_freq.div_(tensor.to(rope.inv_freq))
+                continue
+            target, offset, rows = name, 0, None
+            if name.startswith("layers."):
+                _, idx, rest = name.split(".", 2)
+                sub, _, suffix = rest.rpartition(".")
+                if sub in fused:
+                    fsub, offset, rows = fused[sub]
+                    target = f"layers.{idx}.{fsub}.{suffix}"
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {c.family} model")
+            dest = param.data if rows is None else param.data.narrow(0, offset, rows)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            done.add((target, offset))
+        missing = sorted(f"{n}[{o}:]" if o else n for n, o in needed - done)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))

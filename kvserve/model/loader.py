@@ -1,0 +1,223 @@
+"""Weight loading: HF safetensors checkpoints and GGUF files into a DecoderModel.
+
+Every source is turned into a stream of *canonical* tensors (HF names without the leading "model.", RMSNorm
+weights as the factor actually multiplied, i.e. Gemma's 1 + w) that `DecoderModel.load_weights` consumes.
+GGUF tensors are dequantized once and cached as canonical float32 safetensors under ~/.cache/kvserve, so a
+second start only memory-maps that file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.decoder import DecoderModel
+from kvserve.model.gguf_reader import GGUFFile
+from kvserve.model.source import ModelFormat, ModelSource
+
+log = logging.getLogger(__name__)
+
+GGUF_CACHE_VERSION = 1  # bump when the canonical layout of cached tensors changes
+DEFAULT_CACHE_DIR = Path("~/.cache/kvserve")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: DecoderModel
+    source: ModelSource
+    load_seconds: float
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """Architecture facts only (config.json / GGUF metadata); reads no tensor data."""
+    if source.format == ModelFormat.GGUF:
+        with GGUFFile(source.path) as f:
+            return ModelConfig.from_gguf(f)
+    return ModelConfig.from_hf_dir(source.path)
+
+
+def resolve_dtype(dtype: str, device: torch.device | str, config: ModelConfig) -> torch.dtype:
+    """`--dtype`: auto = float32 on CPU, else the checkpoint's dtype (bfloat16 when unknown, e.g. GGUF)."""
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r} (choose from auto, {', '.join(_DTYPES)})")
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    ckpt = _DTYPES.get(str(config.torch_dtype).removeprefix("torch."))
+    if ckpt is None or ckpt == torch.bfloat16:
+        ok = torch.device(device).type != "cuda" or torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if ok else torch.float16
+    return ckpt
+
+
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str = "cpu",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Build the model for `source` and fill its weights; `cache_dir` holds dequantized GGUF tensors."""
+    start = time.perf_counter()
+    if source.format == ModelFormat.GGUF:
+        with GGUFFile(source.path) as f:
+            config = ModelConfig.from_gguf(f)
+            cache_file = _gguf_cache_file(source, cache_dir)
+            if not cache_file.is_file():
+                _write_gguf_cache(f, config, cache_file)
+        model = DecoderModel(config, dtype, device, attention_backend)
+        try:
+            model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
+        except ValueError as e:  # a damaged cache is rebuilt once, never trusted
+            log.warning("dequantized cache %s is unusable (%s); rebuilding it", cache_file, e)
+            cache_file.unlink(missing_ok=True)
+            with GGUFFile(source.path) as f:
+                _write_gguf_cache(f, config, cache_file)
+            model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
+    else:
+        config = ModelConfig.from_hf_dir(source.path)
+        model = DecoderModel(config, dtype, device, attention_backend)
+        model.load_weights(_hf_canonical_tensors(source.path, config))
+    model.eval()
+    seconds = time.perf_counter() - start
+    log.info("loaded %s (%s, %s, %s) in %.2f s", source.name, config.family, dtype, device, seconds)
+    return LoadedModel(config=config, model=model, source=source, load_seconds=seconds)
+
+
+# -- HF checkpoints ---------------------------------------------------------------------------------
+def hf_safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's shard files, from model.safetensors.index.json when present; clear errors if not."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: malformed index (need a JSON object with a 'weight_map'): {e}") from e
+        files = [path / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{f}: file is missing (listed in {index.name})")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weight files found (only safetensors checkpoints are supported)")
+    return files
+
+
+def _hf_canonical_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def rename(name: str) -> str | None:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        return name.removeprefix("model.")
+
+    for name, tensor in _safetensors_tensors(hf_safetensors_files(path), rename):
+        if config.norm_adds_one and name.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
+        yield name, tensor
+
+
+def _safetensors_tensors(files: list[Path], rename) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """(canonical name, tensor) from each file, one tensor in memory at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    name = rename(key)
+                    if name is not None:
+                        yield name, f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: cannot read safetensors file: {e}") from e
+
+
+# -- GGUF -------------------------------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs.weight",
+}
+
+
+def gguf_canonical_name(name: str, config: ModelConfig) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk":
+        _, idx, kind, suffix = parts
+        if kind == "ffn_norm":  # the pre-MLP norm: HF calls it differently in the two layouts
+            hf = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
+        else:
+            hf = _GGUF_LAYER_NAMES.get(kind)
+        if hf is not None:
+            return f"layers.{idx}.{hf}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} is not understood for the {config.family} family")
+
+
+def _unpermute_llama_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope pairs) back to HF's rotate-half layout."""
+    rows = w.shape[0]
+    # GGUF rows of a head are ordered (pair index, 0/1); HF's are (0/1, pair index).
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_canonical_tensors(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors under canonical names; llama-arch Q/K rows un-permuted."""
+    for gguf_name in f.tensors:
+        name = gguf_canonical_name(gguf_name, config)
+        tensor = torch.from_numpy(f.tensor_float32(gguf_name))
+        if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute_llama_rows(tensor, config.num_heads)
+        elif config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute_llama_rows(tensor, config.num_kv_heads)
+        yield name, tensor
+
+
+def _gguf_cache_file(source: ModelSource, cache_dir: Path | None) -> Path:
+    stat = source.path.stat()
+    root = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    key = f"{source.path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{GGUF_CACHE_VERSION}"
+    return root / key / "model.safetensors"
+
+
+def _write_gguf_cache(f: GGUFFile, config: ModelConfig, cache_file: Path) -> None:
+    """Dequantize every tensor once and store them (float32) atomically: tmp file, then rename."""
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    tensors = dict(gguf_canonical_tensors(f, config))
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"source": str(f.path), "layout": f"kvserve-canonical-v{GGUF_CACHE_VERSION}"})
+        os.replace(tmp, cache_file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("dequantized %s into %s in %.2f s", f.path.name, cache_file, time.perf_counter() - start)

@@ -1,0 +1,101 @@
+"""Tiny random HF checkpoints (built with transformers' own classes) and a paged-cache driver for them."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.model.decoder import DecoderModel
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=256,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (transformers config class name, model class name, config kwargs)
+TINY_VARIANTS: dict[str, tuple[str, str, dict]] = {
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0)),
+    "llama_mqa_bias_llama3rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, attention_bias=True,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16},
+        rope_theta=500.0)),
+    "qwen2_gqa": ("Qwen2Config", "Qwen2ForCausalLM",
+                  dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0)),
+    "qwen3_gqa_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+        rope_theta=1000.0)),
+    "gemma3_mqa_sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "gemma3_gqa_linear_rope": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+        layer_types=["full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+}
+
+
+def build_tiny_hf_model(variant: str, **overrides: object) -> torch.nn.Module:
+    """A seeded random transformers model; norms and biases perturbed so they matter."""
+    import transformers
+
+    config_cls, model_cls, kwargs = TINY_VARIANTS[variant]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+class PagedDriver:
+    """Runs a DecoderModel step by step over a shuffled paged cache, like the engine's runner would."""
+
+    def __init__(self, model: DecoderModel, seqs: list[list[int]], block_size: int = 4, seed: int = 0) -> None:
+        c = model.config
+        self.model, self.seqs, self.block_size = model, seqs, block_size
+        need = [-(-len(s) // block_size) for s in seqs]
+        ids = list(range(1, sum(need) + 7))  # block 0 is never handed out (it is the table padding)
+        random.Random(seed).shuffle(ids)
+        self.tables, at = [], 0
+        for n in need:
+            self.tables.append(ids[at : at + n])
+            at += n
+        shape = (len(ids) + 1, block_size, c.num_kv_heads, c.head_dim)
+        self.kv = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(c.num_layers)]
+        self.done = [0] * len(seqs)
+
+    def step(self, plan: dict[int, int]) -> dict[int, torch.Tensor]:
+        """plan: seq index -> number of new tokens. Returns seq -> logits [n, vocab] of those tokens."""
+        order = list(plan)
+        ids, pos = [], []
+        for i in order:
+            start, n = self.done[i], plan[i]
+            ids += self.seqs[i][start : start + n]
+            pos += list(range(start, start + n))
+        seq_lens = [self.done[i] + plan[i] for i in order]
+        meta = AttentionMetadata.build(
+            [self.tables[i] for i in order], seq_lens, [plan[i] for i in order], self.block_size, torch.device("cpu")
+        )
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta)
+            logits = self.model.compute_logits(hidden)
+        out, row = {}, 0
+        for i in order:
+            out[i] = logits[row : row + plan[i]]
+            row += plan[i]
+            self.done[i] += plan[i]
+        return out
