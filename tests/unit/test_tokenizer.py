@@ -1,0 +1,221 @@
+"""Tokenizer wrapper on a tiny HF checkpoint dir built in tmp_path: BOS rules, chat templates, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from kvserve.model.chat_template import GEMMA_CHAT_TEMPLATE, resolve_chat_template
+from kvserve.model.source import ModelFormat, ModelSource
+from kvserve.model.tokenizer import load_tokenizer
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+WORDS = ["hello", "world", "user", "model", "system", "hi", "there", "be", "brief", "\n", "A", "B", "C"]
+TEMPLATE_WITH_BOS = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def make_checkpoint(root: Path, chat_template: str | None = TEMPLATE_WITH_BOS, with_bos: bool = True) -> Path:
+    """A tokenizer-only 'checkpoint': word-level vocab, BOS post-processor like Gemma's."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit()])
+    raw.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    raw.add_special_tokens(SPECIALS)
+    if with_bos:
+        raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    root.mkdir(parents=True, exist_ok=True)
+    raw.save(str(root / "tokenizer.json"))
+    cfg: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>",
+                 "pad_token": "<pad>"}
+    if with_bos:
+        cfg["bos_token"] = "<bos>"
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (root / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return root
+
+
+def source(path: Path) -> ModelSource:
+    return ModelSource(ModelFormat.HF, path, path.name)
+
+
+@pytest.fixture
+def tok(tmp_path):
+    return load_tokenizer(source(make_checkpoint(tmp_path / "ckpt")))
+
+
+def test_loads_tiny_checkpoint(tok):
+    assert tok.bos_token_id == 2 and tok.eos_token_id == 1
+    assert tok.add_bos
+    assert tok.vocab_size == len(SPECIALS) + len(WORDS)
+    assert {0, 1, 2, 3} <= set(tok.all_special_ids)
+    assert tok.token_to_id("<end_of_turn>") == 5
+    assert tok.token_to_id("not-a-token") is None
+
+
+def test_string_prompt_gets_bos_once(tok):
+    assert tok.encode("hello world") == [2, 6, 7]
+    assert tok.encode("hello world", add_special_tokens=False) == [6, 7]
+    assert tok.encode("<bos> hello") == [2, 6]  # text that already starts with BOS: no second one
+    assert tok.encode("") == [2]
+    assert tok.decode([2, 6, 7]) == "hello world"
+    assert tok.decode([2, 6, 7], skip_special_tokens=False) == "<bos> hello world"
+
+
+def test_chat_template_that_writes_bos_gets_no_second(tok):
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert prompt == "<bos><start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n"
+    ids = tok.encode(prompt)
+    assert ids.count(2) == 1 and ids[0] == 2
+
+
+def test_list_of_parts_content(tok):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    as_parts = tok.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=False)
+    as_text = tok.apply_chat_template([{"role": "user", "content": "hello\nworld"}], add_generation_prompt=False)
+    assert as_parts == as_text
+    with pytest.raises(ValueError, match="image_url"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_gemma_template(tok):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": " hi \n"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "there"}]
+    out = tok.apply_chat_template(msgs, chat_template=GEMMA_CHAT_TEMPLATE)
+    assert out == ("<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+                   "<start_of_turn>user\nthere<end_of_turn>\n<start_of_turn>model\n")
+    no_prompt = tok.apply_chat_template(msgs[1:2], add_generation_prompt=False, chat_template=GEMMA_CHAT_TEMPLATE)
+    assert no_prompt == "<bos><start_of_turn>user\nhi<end_of_turn>\n"
+    with pytest.raises(ValueError, match="alternate"):
+        tok.apply_chat_template([{"role": "assistant", "content": "x"}], chat_template=GEMMA_CHAT_TEMPLATE)
+
+
+def test_chat_template_override(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    file = tmp_path / "t.jinja"
+    file.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    from_file = load_tokenizer(source(ckpt), chat_template=str(file))
+    assert from_file.apply_chat_template([{"role": "user", "content": "A"}]) == "[A]"
+    from_str = load_tokenizer(source(ckpt), chat_template="{{ messages[0]['content'] }}!")
+    assert from_str.apply_chat_template([{"role": "user", "content": "A"}]) == "A!"
+    with pytest.raises(ValueError, match="no such file"):
+        resolve_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_no_chat_template_is_a_clear_error(tmp_path):
+    tok = load_tokenizer(source(make_checkpoint(tmp_path / "ckpt", chat_template=None)))
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_without_bos(tmp_path):
+    tok = load_tokenizer(source(make_checkpoint(tmp_path / "ckpt", with_bos=False)))
+    assert not tok.add_bos and tok.bos_token_id is None
+    assert tok.encode("hello world") == [6, 7]
+
+
+def test_malformed_tokenizer_json_names_the_file(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    (ckpt / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        load_tokenizer(source(ckpt))
+
+
+def test_missing_tokenizer_files(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        load_tokenizer(source(ckpt))
+
+
+# -- GGUF vocabulary -> fast tokenizer, cached -----------------------------------------------------------
+
+GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n", "▁", "▁hello",
+               "▁world", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "lo", "▁w"]
+
+
+def make_gguf(path: Path, with_vocab: bool = True, chat_template: str | None = None) -> Path:
+    """A tiny llama-arch GGUF with an SPM-style vocabulary (control, normal and byte tokens)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    tokens = GGUF_TOKENS + [f"<0x{i:02X}>" for i in range(256)]
+    if with_vocab:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * 7 + [-1.0, -2.0, -3.0] + [-5.0] * 12 + [0.0] * 256)
+        w.add_token_types([3, 3, 3, 2, 3, 3, 1] + [1] * 15 + [6] * 256)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_space_prefix(False)
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def gguf_source(path: Path) -> ModelSource:
+    return ModelSource(ModelFormat.GGUF, path, path.stem)
+
+
+def test_gguf_tokenizer_is_cached(tmp_path):
+    from unittest import mock
+
+    from transformers import AutoTokenizer
+
+    from kvserve.model.tokenizer import gguf_tokenizer_cache_path
+
+    path = make_gguf(tmp_path / "tiny.gguf", chat_template="{{ messages[0]['content'] }}")
+    cache = tmp_path / "cache"
+    first = load_tokenizer(gguf_source(path), cache_dir=cache)
+    ids = first.encode("hello world")
+    assert ids[0] == 2 and first.decode(ids) == "hello world"
+    assert first.encode("<bos>hello")[:2] != [2, 2]
+    assert first.apply_chat_template([{"role": "user", "content": "A"}]) == "A"  # the file's own template
+    entry = gguf_tokenizer_cache_path(path, cache)
+    assert (entry / "tokenizer.json").is_file()
+
+    calls: list = []
+    real = AutoTokenizer.from_pretrained
+    with mock.patch.object(AutoTokenizer, "from_pretrained",
+                           side_effect=lambda *a, **k: calls.append(k.get("gguf_file")) or real(*a, **k)):
+        second = load_tokenizer(gguf_source(path), cache_dir=cache)
+    assert calls == [None]  # read from the cache, no GGUF conversion
+    assert second.encode("hello world") == ids
+    assert second.chat_template == first.chat_template
+
+    (entry / "tokenizer.json").write_text("{not json")  # a damaged entry is rebuilt, not fatal
+    third = load_tokenizer(gguf_source(path), cache_dir=cache)
+    assert third.encode("hello world") == ids
+
+
+def test_gguf_without_vocabulary_names_the_file(tmp_path):
+    path = make_gguf(tmp_path / "novocab.gguf", with_vocab=False)
+    with pytest.raises(ValueError, match=r"novocab\.gguf.*tokenizer"):
+        load_tokenizer(gguf_source(path), cache_dir=tmp_path / "cache")
