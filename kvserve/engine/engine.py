@@ -1,0 +1,394 @@
+"""LLMEngine: requests in, outputs out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.runner import ModelRunner
+from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.kv.cache import KVCacheSpec, allocate_kv_cache, resolve_kv_cache_dtype
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pool import BlockPool
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
+from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """How many blocks the KV budget buys, and the context length that follows."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        gib = self.num_blocks * self.bytes_per_block / (1 << 30)
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} tokens ({gib:.2f} GiB); "
+            f"max concurrency at max-model-len {self.max_model_len}: {self.max_concurrency:.2f}x"
+        )
+
+
+def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheSpec, device: torch.device) -> CachePlan:
+    """Size the pool from the KV budget and check that one request of max-model-len fits."""
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    else:
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * config.gpu_memory_utilization)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        if device.type == "cpu":
+            available = _available_memory_bytes()
+            if available is not None and budget > available:
+                raise ValueError(
+                    f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
+                    f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, 1 << 20)}"
+                )
+        num_blocks = budget // spec.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV budget ({budget} bytes) is smaller than one block ({spec.bytes_per_block} bytes)"
+            )
+    capacity = num_blocks * spec.block_size
+    model_len = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        max_model_len = min(model_len, capacity)
+    else:
+        max_model_len = config.max_model_len
+        if max_model_len > model_len:
+            raise ValueError(
+                f"--max-model-len {max_model_len} is larger than the model's context length ({model_len})"
+            )
+        if max_model_len > capacity:
+            raise ValueError(
+                f"--max-model-len {max_model_len} does not fit in the KV cache: {num_blocks} blocks x "
+                f"{spec.block_size} = {capacity} tokens; the largest max-model-len that fits is {capacity} "
+                f"(or raise --kv-cache-memory-bytes)"
+            )
+    return CachePlan(num_blocks, spec.block_size, spec.bytes_per_block, max_model_len)
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Engine-side state of one of a request's n sequences."""
+
+    request: Request
+    group_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """One user request: a prompt, its parameters and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler and the per-request state. Single-threaded: the
+    caller (LLM.generate or the server's loop) drives it with add_request / abort_request / step."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: "ModelConfig",
+        model: torch.nn.Module,
+        tokenizer: "Tokenizer",
+        device: torch.device | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.device = device or torch.device(config.device)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, compute_dtype)
+        self.kv_spec = KVCacheSpec(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, kv_dtype
+        )
+        self.cache_plan = plan_cache(config, model_config, self.kv_spec, self.device)
+        self.max_model_len = self.cache_plan.max_model_len
+        self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        kv_caches = allocate_kv_cache(self.kv_spec, self.cache_plan.num_blocks, self.device)
+        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, self.device)
+        self.eos_token_ids = list(model_config.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.groups: dict[str, _Group] = {}
+        self.sequences: dict[str, _Sequence] = {}  # by the engine-internal request id of each sequence
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        logger.info(self.cache_plan.describe())
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """Load the model and tokenizer named by the config and build an engine around them."""
+        from kvserve.model.loader import load_model, load_model_config, resolve_dtype
+        from kvserve.model.source import resolve_model
+        from kvserve.model.tokenizer import load_tokenizer
+
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
+        device = torch.device(config.device)
+        source = resolve_model(config.model)
+        model_config = load_model_config(source)
+        dtype = resolve_dtype(config.dtype, device, model_config)
+        tokenizer = load_tokenizer(source, chat_template=config.chat_template)
+        loaded = load_model(source, dtype, device, attention_backend=config.attention_backend)
+        if config.served_model_name is None:
+            config.served_model_name = source.name
+        return cls(config, loaded.config, loaded.model, tokenizer, device=device, compute_dtype=dtype)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ValueError with a clear message for bad input."""
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self.validate_prompt(token_ids)
+        params.validate_against(self.config.max_logprobs, self.model_config.vocab_size)
+        max_new = self.max_model_len - len(token_ids)
+        if params.max_tokens is None or params.max_tokens > max_new:
+            params = params.clone(max_tokens=max_new)
+        group = _Group(request_id, text, token_ids, params)
+        for index in range(params.n):
+            child = params if params.n == 1 else params.child(index)
+            request = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                prompt_token_ids=token_ids,
+                sampling_params=child,
+                cache_salt=cache_salt,
+            )
+            detok = IncrementalDetokenizer(self.tokenizer.hf, token_ids, child)
+            seq = _Sequence(request, request_id, index, detok)
+            if child.logprobs is not None:
+                seq.logprobs, seq.cumulative_logprob = [], 0.0
+            group.sequences.append(seq)
+            self.sequences[request.request_id] = seq
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self.groups[request_id] = group
+        for seq in group.sequences:
+            self.scheduler.add(seq.request)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of the vocabulary (0..{vocab - 1})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
+                f"(max-model-len) is {self.max_model_len} tokens, and at least one token must be generated; "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request and free its blocks at once; an unknown or finished id does nothing."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.sequences:
+            if not seq.request.is_finished:
+                self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
+                seq.text += seq.detokenizer.finish().delta_text
+            self.sequences.pop(seq.request.request_id, None)
+        return self._make_output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and return the requests that advanced or finished."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        self.scheduler.on_step_done(out)
+        self.num_prompt_tokens_total += sum(
+            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
+        )
+        touched: dict[str, _Group] = {}
+        for rid, (first, logits) in result.prompt_logits.items():
+            self._add_prompt_logprobs(self.groups[self.sequences[rid].group_id], first, logits)
+        sampled = self.sampler(result.logits, result.sample_requests) if result.sample_requests else []
+        now = time.monotonic()
+        for request, token in zip(result.sample_requests, sampled):
+            seq = self.sequences[request.request_id]
+            self._append_token(seq, token, now)
+            touched[seq.group_id] = self.groups[seq.group_id]
+        outputs = [self._make_output(g) for g in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                self._drop(group)
+        return outputs
+
+    def _append_token(self, seq: _Sequence, token: SampledToken, now: float) -> None:
+        """Record a sampled token, stream its text, and finish the sequence if a stop condition holds."""
+        request = seq.request
+        params = request.sampling_params
+        tid = token.token_id
+        request.output_token_ids.append(tid)
+        self.num_generation_tokens_total += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if seq.logprobs is not None and token.top_logprobs is not None:
+            seq.logprobs.append(logprob_entry(tid, token.logprob, token.rank, token.top_logprobs, self._token_text))
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + (token.logprob or 0.0)
+        num_out = len(request.output_token_ids)
+        status, reason = None, None
+        if num_out >= params.min_tokens and not (params.ignore_eos and tid in self.eos_token_ids):
+            if tid in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif tid in params.stop_token_ids:
+                status, reason = RequestStatus.FINISHED_STOPPED, tid
+        if status is None or params.include_stop_str_in_output:
+            result = seq.detokenizer.append(tid)  # the stop token itself stays out of the text
+            seq.text += result.delta_text
+            if status is None and result.stopped_on is not None:
+                status, reason = RequestStatus.FINISHED_STOPPED, result.stopped_on
+        if status is None and (num_out >= params.max_tokens or request.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            request.stop_reason = reason
+            if seq.detokenizer.stopped_on is None:
+                seq.text += seq.detokenizer.finish().delta_text  # release text held back as a possible stop
+            self.scheduler.finish(request, status)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.hf.convert_ids_to_tokens(token_id)
+
+    def _add_prompt_logprobs(self, group: _Group, first: int, logits: torch.Tensor) -> None:
+        assert group.prompt_logprobs is not None
+        ids = group.prompt_token_ids
+        judged = ids[first + 1:first + 1 + logits.shape[0]]
+        entries = prompt_logprobs(logits, judged, group.params.prompt_logprobs or 0)
+        for offset, entry in enumerate(entries):
+            position = first + 1 + offset
+            if position == len(group.prompt_logprobs):  # a recompute after preemption adds nothing twice
+                group.prompt_logprobs.append(
+                    {tid: Logprob(lp.logprob, lp.rank, self._token_text(tid)) for tid, lp in entry.items()}
+                )
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for seq in group.sequences:
+            request = seq.request
+            finish = request.status.value if request.is_finished else None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(request.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.logprobs,
+                    finish_reason=finish,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=group.prompt_logprobs,
+            outputs=completions,
+            finished=group.finished,
+            num_cached_tokens=min(s.request.num_cached_tokens for s in group.sequences),
+        )
+
+    def _drop(self, group: _Group) -> None:
+        self.groups.pop(group.request_id, None)
+        for seq in group.sequences:
+            self.sequences.pop(seq.request.request_id, None)
+
+    def check_invariants(self) -> None:
+        """The pool is whole: every block free or referenced, and references match requests' holdings."""
+        self.pool.check_invariants()
+        counts: dict[int, int] = {}
+        for blocks in self.kv_manager.req_blocks.values():
+            for b in blocks:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != counts.get(block.block_id, 0):
+                raise AssertionError(f"{block} has ref_cnt {block.ref_cnt} but {counts.get(block.block_id, 0)} holders")

@@ -1,0 +1,73 @@
+"""ModelRunner: turns a scheduler decision into one flat forward pass and returns the logits needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sample_requests: list[Request]  # rows of `logits`, in order
+    logits: torch.Tensor  # [len(sample_requests), vocab] float32
+    # Per request asking for prompt logprobs: (first position judged, logits of the chunk's positions).
+    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Builds input ids, positions and attention metadata for the flat batch, runs the model, and computes
+    logits only for the rows that are sampled (plus prompt rows when prompt logprobs are asked)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_manager: KVCacheManager,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv = kv_manager
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        block_tables, seq_lens, query_lens = [], [], []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        prompt_rows: dict[str, tuple[int, int, int]] = {}
+        for s in out.scheduled:
+            request, start, end = s.request, s.start, s.start + s.num_tokens
+            row0 = len(input_ids)
+            tokens = request.all_token_ids
+            input_ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            block_tables.append(self.kv.block_ids(request))
+            seq_lens.append(end)
+            query_lens.append(s.num_tokens)
+            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                last = min(end, request.num_prompt_tokens - 1)  # positions start..last-1 judge tokens start+1..last
+                prompt_rows[request.request_id] = (start, row0, row0 + last - start)
+            if s.completes_sequence:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(request)
+        meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        prompt_logits = {
+            rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
+        }
+        return RunnerOutput(sample_requests, logits, prompt_logits)
