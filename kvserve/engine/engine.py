@@ -107,6 +107,34 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of what the engine is doing, for metrics and diagnosis."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    kv_cache_usage: float  # referenced blocks / all blocks (cached-but-free blocks count as free)
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int  # prompt tokens computed (cache hits excluded; recomputes included)
+    generation_tokens_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Timestamps (time.monotonic) of one sequence's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int
+
+
 @dataclass(slots=True)
 class _Sequence:
     """Engine-side state of one of a request's n sequences."""
@@ -277,6 +305,21 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            block_size=self.config.block_size,
+            kv_cache_usage=self.pool.usage,
+            prefix_cache_queries_tokens=self.kv_manager.prefix_queries_tokens,
+            prefix_cache_hits_tokens=self.kv_manager.prefix_hits_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.num_prompt_tokens_total,
+            generation_tokens_total=self.num_generation_tokens_total,
+        )
+
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -375,7 +418,13 @@ class LLMEngine:
             outputs=completions,
             finished=group.finished,
             num_cached_tokens=min(s.request.num_cached_tokens for s in group.sequences),
+            metrics=self._metrics(group.sequences[0].request),
         )
+
+    @staticmethod
+    def _metrics(request: Request) -> RequestMetrics:
+        return RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                              request.finished_time, request.num_preemptions)
 
     def _drop(self, group: _Group) -> None:
         self.groups.pop(group.request_id, None)

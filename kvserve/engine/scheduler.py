@@ -92,10 +92,9 @@ class Scheduler:
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
-            request.num_computed_tokens = num_hit
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
-                request.num_computed_tokens = 0
                 break
+            request.num_computed_tokens = num_hit
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit

@@ -22,6 +22,8 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_num_published: dict[str, int] = {}
+        self.prefix_queries_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits_tokens = 0  # of those, tokens served from cached blocks
 
     @property
     def enable_caching(self) -> bool:
@@ -46,6 +48,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        self.prefix_queries_tokens += request.num_tokens
+        self.prefix_hits_tokens += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
     def can_fit(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
