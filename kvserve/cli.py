@@ -37,6 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV blocks of common prompt prefixes")
+    c.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
+                   help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens")
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
@@ -53,6 +55,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, cpu_threads=args.cpu_threads,
         attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
         chat_template=args.chat_template, served_model_name=getattr(args, "served_model_name", None),

@@ -40,6 +40,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; hits still compare block contents)
     enable_chunked_prefill: bool = True
     seed: int = 0
     cpu_threads: int | None = None  # None: all cores
@@ -63,6 +64,7 @@ class EngineConfig:
             (self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype",
              "one of auto, float32, bfloat16, float16"),
             (self.attention_backend in ("cpu", "reference"), "attention_backend", "cpu or reference"),
+            (self.prefix_caching_hash_algo in ("sha256", "xxhash"), "prefix_caching_hash_algo", "sha256 or xxhash"),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", ">= 1"),
             (self.max_logprobs >= 0, "max_logprobs", ">= 0"),
         ]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.capacity import CachePlan, plan_kv_cache
 from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.request import Request, RequestStatus
@@ -28,37 +29,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class CachePlan:
-    """How many blocks the KV budget buys, and the context length that follows."""
-
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-    max_model_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def max_concurrency(self) -> float:
-        return self.num_tokens / self.max_model_len
-
-    def describe(self) -> str:
-        gib = self.num_blocks * self.bytes_per_block / (1 << 30)
-        return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} tokens ({gib:.2f} GiB); "
-            f"max concurrency at max-model-len {self.max_model_len}: {self.max_concurrency:.2f}x"
-        )
-
-
 def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheSpec, device: torch.device) -> CachePlan:
     """Size the pool from the KV budget and check that one request of max-model-len fits."""
-    if config.num_gpu_blocks_override is not None:
-        num_blocks = config.num_gpu_blocks_override
-    else:
-        budget = config.kv_cache_memory_bytes
+    budget = config.kv_cache_memory_bytes
+    if config.num_gpu_blocks_override is None:
         if budget is None:
             if device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(device)
@@ -72,28 +46,9 @@ def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheS
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, 1 << 20)}"
                 )
-        num_blocks = budget // spec.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV budget ({budget} bytes) is smaller than one block ({spec.bytes_per_block} bytes)"
-            )
-    capacity = num_blocks * spec.block_size
-    model_len = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        max_model_len = min(model_len, capacity)
-    else:
-        max_model_len = config.max_model_len
-        if max_model_len > model_len:
-            raise ValueError(
-                f"--max-model-len {max_model_len} is larger than the model's context length ({model_len})"
-            )
-        if max_model_len > capacity:
-            raise ValueError(
-                f"--max-model-len {max_model_len} does not fit in the KV cache: {num_blocks} blocks x "
-                f"{spec.block_size} = {capacity} tokens; the largest max-model-len that fits is {capacity} "
-                f"(or raise --kv-cache-memory-bytes)"
-            )
-    return CachePlan(num_blocks, spec.block_size, spec.bytes_per_block, max_model_len)
+    return plan_kv_cache(spec.bytes_per_block, spec.block_size, model_config.max_position_embeddings,
+                         budget_bytes=budget, num_blocks_override=config.num_gpu_blocks_override,
+                         max_model_len=config.max_model_len)
 
 
 def _available_memory_bytes() -> int | None:
@@ -119,6 +74,7 @@ class EngineStats:
     kv_cache_usage: float  # referenced blocks / all blocks (cached-but-free blocks count as free)
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
+    prefix_cache_hit_rate: float  # over the last 1,000 lookups
     num_preemptions: int
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded; recomputes included)
     generation_tokens_total: int
@@ -188,7 +144,7 @@ class LLMEngine:
         self.cache_plan = plan_cache(config, model_config, self.kv_spec, self.device)
         self.max_model_len = self.cache_plan.max_model_len
         self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
@@ -313,8 +269,9 @@ class LLMEngine:
             num_free_blocks=self.pool.num_free_blocks,
             block_size=self.config.block_size,
             kv_cache_usage=self.pool.usage,
-            prefix_cache_queries_tokens=self.kv_manager.prefix_queries_tokens,
-            prefix_cache_hits_tokens=self.kv_manager.prefix_hits_tokens,
+            prefix_cache_queries_tokens=self.kv_manager.prefix_stats.queries_total,
+            prefix_cache_hits_tokens=self.kv_manager.prefix_stats.hits_total,
+            prefix_cache_hit_rate=self.kv_manager.prefix_stats.hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.num_prompt_tokens_total,
             generation_tokens_total=self.num_generation_tokens_total,

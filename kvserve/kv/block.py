@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvserve.kv.hashing import BlockKey
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -17,6 +19,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    key: BlockKey | None = None  # set with block_hash: the content a prefix hit must match
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
     in_free_queue: bool = False

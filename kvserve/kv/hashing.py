@@ -1,32 +1,67 @@
-"""Chained block hashes: a full block's hash covers its tokens, every block before it, and extra keys."""
+"""Chained block hashes: a full block's hash covers its tokens, every block before it, and extra keys
+(such as a tenant's cache salt), so equal hashes mean equal prefixes.
+
+sha256 is the default (collision-resistant: safe when tenants share a server); xxhash (xxh3-128) is faster.
+Either way a prefix hit also compares the block's stored content key, so even a collision cannot hand one
+request another's KV."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+HASH_ALGOS = ("sha256", "xxhash")
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
-    """sha256 over (parent hash, token ids, extra keys such as a cache salt)."""
-    digest = hashlib.sha256()
-    digest.update(parent or b"\x00" * 32)
-    digest.update(array("q", token_ids).tobytes())
-    digest.update(len(extra_keys).to_bytes(4, "little"))
-    digest.update(extra_keys)
-    return digest.digest()
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """What a cached block holds: its parent's hash, its token ids and the extra keys. Compared on a hit."""
+
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    extra_keys: bytes
 
 
-def hash_full_blocks(
-    token_ids: Sequence[int],
-    block_size: int,
-    known: list[bytes],
-    extra_keys: bytes = b"",
-    limit: int | None = None,
-) -> list[bytes]:
-    """Extend `known` (hashes of the first blocks) with the hashes of the following full blocks of
-    `token_ids`, up to `limit` tokens; returns the same list."""
-    end = len(token_ids) if limit is None else min(limit, len(token_ids))
-    for start in range(len(known) * block_size, end - block_size + 1, block_size):
-        known.append(hash_block(known[-1] if known else None, token_ids[start:start + block_size], extra_keys))
-    return known
+def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
+    if algo == "sha256":
+        return lambda data: hashlib.sha256(data).digest()
+    if algo == "xxhash":
+        import xxhash
+
+        return lambda data: xxhash.xxh3_128_digest(data)
+    raise ValueError(f"unknown prefix-caching hash algorithm {algo!r}; choose from {', '.join(HASH_ALGOS)}")
+
+
+class BlockHasher:
+    """Hashes full blocks with one algorithm; one instance per KV manager."""
+
+    def __init__(self, algo: str = "sha256") -> None:
+        self.algo = algo
+        self._digest = _digest_fn(algo)
+
+    def hash_block(self, parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
+        data = b"".join((
+            parent or b"\x00" * 16,
+            len(extra_keys).to_bytes(4, "little"),
+            extra_keys,
+            array("q", token_ids).tobytes(),
+        ))
+        return self._digest(data)
+
+    def extend(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        known: list[bytes],
+        extra_keys: bytes = b"",
+        limit: int | None = None,
+    ) -> list[bytes]:
+        """Extend `known` (hashes of the first blocks) with the hashes of the following full blocks of
+        `token_ids`, up to `limit` tokens; returns the same list."""
+        end = len(token_ids) if limit is None else min(limit, len(token_ids))
+        for start in range(len(known) * block_size, end - block_size + 1, block_size):
+            parent = known[-1] if known else None
+            known.append(self.hash_block(parent, token_ids[start:start + block_size], extra_keys))
+        return known

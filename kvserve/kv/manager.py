@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
+
 from kvserve.engine.request import Request
 from kvserve.kv.block import KVCacheBlock
-from kvserve.kv.hashing import hash_full_blocks
+from kvserve.kv.hashing import BlockHasher, BlockKey
 from kvserve.kv.pool import BlockPool
 
 
@@ -12,18 +15,46 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache accounting in tokens: totals since start, and a hit rate over the last `window`
+    lookups (a gauge users of vLLM keep asking for: totals hide what the cache does now)."""
+
+    window: int = 1000
+    queries_total: int = 0
+    hits_total: int = 0
+    recent: deque[tuple[int, int]] = field(default_factory=deque)
+    recent_queries: int = 0
+    recent_hits: int = 0
+
+    def record(self, queries: int, hits: int) -> None:
+        self.queries_total += queries
+        self.hits_total += hits
+        self.recent.append((queries, hits))
+        self.recent_queries += queries
+        self.recent_hits += hits
+        if len(self.recent) > self.window:
+            old_q, old_h = self.recent.popleft()
+            self.recent_queries -= old_q
+            self.recent_hits -= old_h
+
+    @property
+    def hit_rate(self) -> float:
+        return self.recent_hits / self.recent_queries if self.recent_queries else 0.0
+
+
 class KVCacheManager:
     """Maps requests to block lists. A request holds blocks only for the tokens it has; full computed
     blocks are published to the prefix cache so later requests with the same prefix can share them."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, hash_algo: str = "sha256") -> None:
         self.pool = pool
         self.block_size = block_size
+        self.hasher = BlockHasher(hash_algo)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_num_published: dict[str, int] = {}
-        self.prefix_queries_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits_tokens = 0  # of those, tokens served from cached blocks
+        self.prefix_stats = PrefixCacheStats()
 
     @property
     def enable_caching(self) -> bool:
@@ -34,7 +65,12 @@ class KVCacheManager:
 
     def _hashes(self, request: Request, num_tokens: int) -> list[bytes]:
         hashes = self.req_hashes.setdefault(request.request_id, [])
-        return hash_full_blocks(request.all_token_ids, self.block_size, hashes, self._extra_keys(request), num_tokens)
+        return self.hasher.extend(request.all_token_ids, self.block_size, hashes, self._extra_keys(request), num_tokens)
+
+    def _key(self, request: Request, hashes: list[bytes], index: int) -> BlockKey:
+        bs = self.block_size
+        tokens = tuple(request.all_token_ids[index * bs:(index + 1) * bs])
+        return BlockKey(hashes[index - 1] if index else None, tokens, self._extra_keys(request))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks matching the request's tokens. Never covers the last token,
@@ -43,13 +79,12 @@ class KVCacheManager:
             return [], 0
         hashes = self._hashes(request, request.num_tokens - 1)
         blocks = []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
+        for i, block_hash in enumerate(hashes):
+            block = self.pool.lookup(block_hash, self._key(request, hashes, i))
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_queries_tokens += request.num_tokens
-        self.prefix_hits_tokens += len(blocks) * self.block_size
+        self.prefix_stats.record(request.num_tokens, len(blocks) * self.block_size)
         return blocks, len(blocks) * self.block_size
 
     def can_fit(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
@@ -92,7 +127,7 @@ class KVCacheManager:
         hashes = self._hashes(request, num_full * self.block_size)
         blocks = self.req_blocks[rid]
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            self.pool.cache_block(blocks[i], hashes[i], self._key(request, hashes, i))
         self.req_num_published[rid] = num_full
 
     def block_ids(self, request: Request) -> list[int]:

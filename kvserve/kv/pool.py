@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
+from kvserve.kv.hashing import BlockKey
 
 
 class BlockPool:
@@ -41,8 +42,10 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: bytes, key: BlockKey) -> KVCacheBlock | None:
+        """The cached block for this hash, if its stored content matches `key` (guards against collisions)."""
+        block = self.cached.get(block_hash)
+        return block if block is not None and block.key == key else None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found by a prefix hit, reviving them from the free queue if needed."""
@@ -64,24 +67,24 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes, key: BlockKey) -> None:
         """Record that a full, computed block holds the prefix `block_hash`."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
-            return  # an identical block is already cached; this one stays private
-        block.block_hash = block_hash
+            return  # an identical block (or a colliding one) is already cached; this one stays private
+        block.block_hash, block.key = block_hash, key
         self.cached[block_hash] = block
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.key = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
-            block.block_hash = None
+            block.block_hash = block.key = None
         self.cached.clear()
 
     def check_invariants(self) -> None:

@@ -109,7 +109,7 @@ def test_output_independent_of_batching_chunking_and_preemption(loaded, referenc
     if "num_gpu_blocks_override" in kw:
         assert eng.scheduler.num_preemptions > 0
     if not kw:
-        assert eng.kv_manager.prefix_hits_tokens > 0
+        assert eng.stats().prefix_cache_hits_tokens > 0
     eng.check_invariants()
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
 

@@ -214,3 +214,27 @@ def test_token_id_prompt_is_used_verbatim_and_text_prompt_gets_bos(checkpoints):
     by_text, by_ids = llm.generate(["Hi", [45, 78]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert by_text.prompt_token_ids == [2, 45, 78]
     assert by_ids.prompt_token_ids == [45, 78]
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["roomy", "preempt"])
+def test_prefix_caching_on_and_off_give_the_same_output(checkpoints, preempt):
+    path, _ = checkpoints["gemma3_mqa_sliding"]
+    system = prompts(1, seed=10)[0] + list(range(100, 140))  # shared "system prompt", crosses the window
+    batch = [system + q[1:] for q in prompts(8, seed=11)]
+    kw = dict(num_gpu_blocks_override=40, max_model_len=120) if preempt else {}
+    results = {}
+    for caching in (True, False):
+        engine = make_engine(path, enable_prefix_caching=caching, **kw)
+        llm = LLM(engine=engine)
+        single = llm.generate([batch[0]], GREEDY, use_tqdm=False)[0]
+        many = llm.generate(batch, GREEDY, use_tqdm=False)
+        results[caching] = [single] + many
+        if caching:
+            assert many[0].num_cached_tokens > 0 and engine.stats().prefix_cache_hit_rate > 0
+        if preempt:
+            assert engine.scheduler.num_preemptions > 0
+        engine.check_invariants()
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    for on, off in zip(results[True], results[False]):
+        a, b = off.outputs[0], on.outputs[0]
+        assert_logprobs_close(a.token_ids, tops_of(a), b.token_ids, tops_of(b), name=f"preempt={preempt}")

@@ -3,8 +3,12 @@
 import pytest
 
 from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
-from kvserve.kv.hashing import hash_block, hash_full_blocks
+from kvserve.kv.hashing import BlockHasher, BlockKey
 from kvserve.kv.pool import BlockPool
+
+
+KEY = BlockKey(None, (1, 2, 3, 4), b"")
+OTHER = BlockKey(None, (1, 2, 3, 5), b"")
 
 
 def ids(queue):
@@ -33,7 +37,7 @@ def test_pool_allocate_free_and_reuse_order():
     pool = BlockPool(4)
     a = pool.allocate(2)
     assert [b.block_id for b in a] == [0, 1] and pool.num_free_blocks == 2
-    pool.cache_block(a[0], b"h0")
+    pool.cache_block(a[0], b"h0", KEY)
     pool.free(a)  # a[0] hashed -> tail, a[1] unhashed -> head
     assert ids(pool.free_queue) == [1, 2, 3, 0]
     with pytest.raises(ValueError):
@@ -46,22 +50,26 @@ def test_pool_allocate_free_and_reuse_order():
 def test_cached_block_revived_then_evicted_on_reuse():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
-    pool.cache_block(block, b"h")
+    pool.cache_block(block, b"h", KEY)
     pool.free([block])
-    assert pool.lookup(b"h") is block and pool.num_free_blocks == 2
+    assert pool.lookup(b"h", KEY) is block and pool.lookup(b"h", OTHER) is None and pool.num_free_blocks == 2
     pool.touch([block])  # a prefix hit takes it back out of the free queue
     assert block.ref_cnt == 1 and pool.num_free_blocks == 1
     pool.free([block])
     pool.allocate(2)  # reuse evicts its hash
-    assert pool.lookup(b"h") is None and block.block_hash is None
+    assert pool.lookup(b"h", KEY) is None and block.block_hash is None
     pool.check_invariants()
 
 
-def test_chained_hashes_depend_on_parent_and_salt():
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+def test_chained_hashes_depend_on_parent_and_salt(algo):
+    hasher = BlockHasher(algo)
     tokens = list(range(10))
-    hashes = hash_full_blocks(tokens, 4, [])
+    hashes = hasher.extend(tokens, 4, [])
     assert len(hashes) == 2  # the partial third block is not hashed
-    assert hashes[1] == hash_block(hashes[0], tokens[4:8])
-    assert hash_block(None, tokens[4:8]) != hashes[1]
-    assert hash_full_blocks(tokens, 4, [], extra_keys=b"salt")[0] != hashes[0]
-    assert hash_full_blocks(tokens, 4, [], limit=7) == hashes[:1]
+    assert hashes[1] == hasher.hash_block(hashes[0], tokens[4:8])
+    assert hasher.hash_block(None, tokens[4:8]) != hashes[1]
+    assert hasher.extend(tokens, 4, [], extra_keys=b"salt")[0] != hashes[0]
+    assert hasher.extend(tokens, 4, [], limit=7) == hashes[:1]
+    with pytest.raises(ValueError, match="md5"):
+        BlockHasher("md5")

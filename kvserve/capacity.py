@@ -1,0 +1,271 @@
+"""KV-cache memory math, pure Python (no torch): bytes per token, blocks per budget, what fits.
+
+The engine sizes its block pool with `plan_kv_cache`, and `kvserve estimate` / `advise` report from the
+same functions, so an estimate agrees with what `kvserve serve` allocates, to the block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.model.config import ModelConfig
+
+GiB = 1 << 30
+# 8-bit KV stores one float32 scale per token, per KV head, per layer, for K and for V (issue 6's layout).
+SCALE_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class KVDtype:
+    """How one cached element is stored: its bytes, plus a scale's bytes per head vector for 8-bit formats."""
+
+    name: str
+    element_bytes: int
+    scale_bytes: int = 0
+
+    @property
+    def is_8bit(self) -> bool:
+        return self.element_bytes == 1
+
+
+KV_DTYPES: dict[str, KVDtype] = {
+    d.name: d for d in (
+        KVDtype("float32", 4), KVDtype("bfloat16", 2), KVDtype("float16", 2),
+        KVDtype("fp8", 1, SCALE_BYTES), KVDtype("fp8_e4m3", 1, SCALE_BYTES), KVDtype("fp8_e5m2", 1, SCALE_BYTES),
+        KVDtype("int8", 1, SCALE_BYTES),
+    )
+}
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_compute_dtype(dtype: str, device_type: str, checkpoint_dtype: str | None) -> str:
+    """`--dtype auto`: float32 on CPU, else the checkpoint's dtype (bfloat16 when unknown), as the loader does."""
+    if dtype in COMPUTE_DTYPES:
+        return dtype
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r} (choose from auto, {', '.join(COMPUTE_DTYPES)})")
+    if device_type == "cpu":
+        return "float32"
+    ckpt = str(checkpoint_dtype).removeprefix("torch.")
+    return ckpt if ckpt in COMPUTE_DTYPES else "bfloat16"
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: str) -> KVDtype:
+    """`--kv-cache-dtype auto` follows the compute dtype."""
+    name = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"unsupported --kv-cache-dtype {kv_cache_dtype!r}; choose from auto, {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """What one token costs per layer: `kv_factor` vectors (2 = K and V; 1 = MLA's joint latent) for each of
+    `num_kv_heads` heads, `head_dim` elements each. `head_dim_note` says where head_dim came from."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_attention_heads: int
+    sliding_windows: tuple[int | None, ...]
+    kv_factor: int = 2
+    head_dim_note: str = "head_dim"
+
+    def __post_init__(self) -> None:
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_factor) < 1:
+            raise ValueError(f"invalid KV shape {self}")
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> KVShape:
+        derived = cfg.hidden_size // cfg.num_heads
+        note = "head_dim" if cfg.head_dim != derived else f"hidden_size {cfg.hidden_size} / {cfg.num_heads} heads"
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, tuple(cfg.sliding_windows),
+                   head_dim_note=note)
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, num_attention_heads: int) -> KVShape:
+        """Multi-head latent attention caches one compressed latent plus the rope key part, shared by all heads."""
+        return cls(num_layers, 1, kv_lora_rank + qk_rope_head_dim, num_attention_heads, (None,) * num_layers,
+                   kv_factor=1, head_dim_note=f"kv_lora_rank {kv_lora_rank} + qk_rope_head_dim {qk_rope_head_dim}")
+
+    @property
+    def attention(self) -> str:
+        if self.kv_factor == 1:
+            return "MLA"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return "MHA" if self.num_kv_heads == self.num_attention_heads else "GQA"
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(w is not None for w in self.sliding_windows)
+
+    def layer_bytes_per_token(self, dtype: KVDtype) -> int:
+        return self.kv_factor * self.num_kv_heads * (self.head_dim * dtype.element_bytes + dtype.scale_bytes)
+
+    def bytes_per_token(self, dtype: KVDtype) -> int:
+        """What the engine's uniform pool stores per token: every layer keeps every token."""
+        return self.num_layers * self.layer_bytes_per_token(dtype)
+
+    def formula(self, dtype: KVDtype) -> str:
+        factor = "2 (K and V)" if self.kv_factor == 2 else "1 (joint latent)"
+        heads = "1 latent" if self.kv_factor == 1 else f"{self.num_kv_heads} kv_heads"
+        elem = f"{self.head_dim} head_dim ({self.head_dim_note}) x {dtype.element_bytes} bytes ({dtype.name})"
+        if dtype.scale_bytes:
+            elem = f"({elem} + {dtype.scale_bytes}-byte scale)"
+        return f"{factor} x {self.num_layers} layers x {heads} x {elem} = {self.bytes_per_token(dtype)} bytes"
+
+    def window_capped_bytes(self, seq_len: int, dtype: KVDtype, block_size: int) -> int:
+        """Bytes a request of seq_len tokens needs if each sliding layer keeps only its window's blocks."""
+        per_layer = self.layer_bytes_per_token(dtype) * block_size
+        return per_layer * sum(window_blocks(seq_len, w, block_size) for w in self.sliding_windows)
+
+
+def window_blocks(seq_len: int, window: int | None, block_size: int) -> int:
+    """Blocks one layer must hold for the next query of a seq_len-token sequence: all of them for a global
+    layer, only those overlapping the last `window` tokens for a sliding one."""
+    if seq_len <= 0:
+        return 0
+    last = (seq_len - 1) // block_size
+    first = 0 if window is None else max(0, seq_len - window) // block_size
+    return last - first + 1
+
+
+def blocks_per_request(seq_len: int, block_size: int) -> int:
+    return ceil_div(seq_len, block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """How many blocks the KV budget buys, and the context length that follows."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        gib = self.num_blocks * self.bytes_per_block / GiB
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} tokens ({gib:.2f} GiB); "
+            f"max concurrency at max-model-len {self.max_model_len}: {self.max_concurrency:.2f}x"
+        )
+
+
+def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
+    """Whole blocks that fit in the budget; a budget below one block is an error, not zero blocks."""
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"the KV budget ({budget_bytes} bytes) is smaller than one block ({bytes_per_block} bytes)")
+    return num_blocks
+
+
+def plan_kv_cache(
+    bytes_per_block: int,
+    block_size: int,
+    model_context_len: int,
+    budget_bytes: int | None = None,
+    num_blocks_override: int | None = None,
+    max_model_len: int | None = None,
+) -> CachePlan:
+    """The engine's sizing rule: blocks from the override or the budget; max-model-len defaults to the model's
+    context capped by the pool, and an explicit one must fit both."""
+    if num_blocks_override is not None:
+        num_blocks = num_blocks_override
+    elif budget_bytes is not None:
+        num_blocks = num_blocks_for_budget(budget_bytes, bytes_per_block)
+    else:
+        raise ValueError("plan_kv_cache needs a KV budget or a block count")
+    capacity = num_blocks * block_size
+    if max_model_len is None:
+        return CachePlan(num_blocks, block_size, bytes_per_block, min(model_context_len, capacity))
+    if max_model_len > model_context_len:
+        raise ValueError(
+            f"--max-model-len {max_model_len} is larger than the model's context length ({model_context_len})"
+        )
+    if max_model_len > capacity:
+        raise ValueError(
+            f"--max-model-len {max_model_len} does not fit in the KV cache: {num_blocks} blocks x "
+            f"{block_size} = {capacity} tokens; the largest max-model-len that fits is {capacity} "
+            f"(or raise --kv-cache-memory-bytes)"
+        )
+    return CachePlan(num_blocks, block_size, bytes_per_block, max_model_len)
+
+
+def max_concurrent_requests(num_blocks: int, seq_len: int, block_size: int) -> int:
+    """Requests of seq_len tokens that the pool holds at once (each rounds up to whole blocks)."""
+    return num_blocks // blocks_per_request(seq_len, block_size)
+
+
+def max_model_len_for_concurrency(num_blocks: int, block_size: int, concurrency: int, model_context_len: int) -> int:
+    """The longest max-model-len at which `concurrency` full-length requests still fit together."""
+    return min(model_context_len, num_blocks // concurrency * block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """The KV budget in bytes and how it was arrived at (shown to the user as a formula)."""
+
+    kv_bytes: int
+    source: str  # "kv-cache-memory-bytes" | "memory" | "cpu-default"
+    formula: str
+
+
+def budget_from_memory(memory_bytes: int, utilization: float, weights_bytes: int, overhead_bytes: int = 0) -> Budget:
+    """vLLM's rule for a device: memory x utilization, less the weights and the activation/runtime overhead."""
+    kv = int(memory_bytes * utilization) - weights_bytes - overhead_bytes
+    formula = (f"{memory_bytes} (memory) x {utilization} (gpu-memory-utilization) - {weights_bytes} (weights) - "
+               f"{overhead_bytes} (overhead) = {kv} bytes")
+    if kv <= 0:
+        raise ValueError(f"no memory left for the KV cache: {formula}")
+    return Budget(kv, "memory", formula)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayoutUse:
+    """One cache layout serving the same requests: bytes reserved, bytes holding tokens, how many fit."""
+
+    allocated_bytes: int
+    used_bytes: int
+    requests_that_fit: int
+
+    @property
+    def waste_perc(self) -> float:
+        return 100.0 * (self.allocated_bytes - self.used_bytes) / self.allocated_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ContiguousComparison:
+    contiguous: CacheLayoutUse
+    paged: CacheLayoutUse
+
+
+def compare_contiguous(bytes_per_token: int, block_size: int, requests: int, avg_len: int, max_len: int,
+                       budget_bytes: int) -> ContiguousComparison:
+    """A cache reserving max_len per request vs the paged cache rounding each (average-length) request up to
+    whole blocks; 'fit' = how many such requests the budget holds under each layout."""
+    if not 1 <= avg_len <= max_len:
+        raise ValueError(f"--avg-len must be between 1 and --max-len ({max_len}), got {avg_len}")
+    used = requests * avg_len * bytes_per_token
+    per_request_contig = max_len * bytes_per_token
+    per_request_paged = blocks_per_request(avg_len, block_size) * block_size * bytes_per_token
+    return ContiguousComparison(
+        contiguous=CacheLayoutUse(requests * per_request_contig, used, budget_bytes // per_request_contig),
+        paged=CacheLayoutUse(requests * per_request_paged, used, budget_bytes // per_request_paged),
+    )
