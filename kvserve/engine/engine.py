@@ -284,7 +284,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except BaseException:
+            self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+            raise
         self.scheduler.on_step_done(out)
         self.num_prompt_tokens_total += sum(
             max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled

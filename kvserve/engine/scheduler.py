@@ -115,10 +115,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance progress after the forward pass and publish newly full blocks to the prefix cache."""
+        """Advance progress after the forward pass."""
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start + s.num_tokens
-            self.kv.publish_computed_blocks(s.request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from whichever queue holds it and return its blocks at once."""

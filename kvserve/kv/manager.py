@@ -113,14 +113,21 @@ class KVCacheManager:
         needed = cdiv(num_tokens, self.block_size) - len(held)
         if needed > 0:
             held.extend(self.pool.allocate(needed))
+        self._publish(request, num_tokens)
         return True
 
-    def publish_computed_blocks(self, request: Request) -> None:
-        """Hash the request's blocks that are now full and computed, making them prefix-cache hits."""
+    def _publish(self, request: Request, num_tokens: int) -> None:
+        """Hash the request's blocks that are full once `num_tokens` tokens are computed.
+
+        This happens at allocation, before the step computes them, as in vLLM: a request scheduled later
+        in the same step (a sibling of an n > 1 request, or a batch sharing a system prompt) can then
+        share the blocks at once. It is safe because every layer writes the whole batch's new K/V before
+        any query reads the cache, and the scheduler never preempts a request it already scheduled in the
+        same step. If a step fails, the engine drops the prefix cache (reset_prefix_cache)."""
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = min(request.num_computed_tokens // self.block_size, len(self.req_blocks.get(rid, ())))
+        num_full = min(num_tokens // self.block_size, len(self.req_blocks.get(rid, ())))
         start = self.req_num_published.get(rid, 0)
         if num_full <= start:
             return

@@ -135,6 +135,9 @@ def test_n_samples_share_the_prompt(checkpoints):
                        use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # The siblings were scheduled in the same step as the first sample yet shared its full prompt blocks.
+    full_blocks = (len(p) - 1) // 4 * 4
+    assert llm.engine.stats().prefix_cache_hits_tokens == 2 * full_blocks
     greedy = llm.generate([p], SamplingParams(n=2, temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 

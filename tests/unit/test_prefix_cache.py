@@ -29,7 +29,6 @@ def run_prefill(kv: KVCacheManager, r: Request) -> int:
     hit_blocks, num_hit = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - num_hit, hit_blocks)
     r.num_computed_tokens = r.num_tokens
-    kv.publish_computed_blocks(r)
     return num_hit
 
 
