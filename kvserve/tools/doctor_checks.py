@@ -1,0 +1,182 @@
+"""doctor's diagnoses: each check reads measured values (scrapes of /metrics, an optional probe) and returns a
+finding with the numbers that triggered it and the fix, or nothing. Thresholds are data, not constants in code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+from kvserve.tools.metrics_snapshot import Snapshot, Window, windows
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    growth_factor: float = 1.5  # prompt length and TTFT both grow at least this much across the scrapes
+    near_limit: float = 0.5  # mean prompt length as a share of max-model-len that means "history grows unbounded"
+    kv_full: float = 0.9  # kv_cache_usage_perc at or above this is "near full"
+    slow_decode_s: float = 0.05  # mean inter-token latency (s) that counts as slow decode
+    small_batch: float = 4  # running requests at or below this is a small batch
+    large_context_tokens: int = 4096  # cached tokens per running request that make decode bandwidth-bound
+    low_hit_rate: float = 0.1
+    min_prefix_queries: float = 1000  # prompt tokens looked up before a hit rate means anything
+    concurrency_slowdown: float = 2.0  # probe: latency at the highest concurrency over latency alone
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What `doctor --probe` measured itself."""
+
+    ttft_by_prompt_len: list[tuple[int, float]]  # (prompt tokens, seconds to the first token)
+    latency_by_concurrency: list[tuple[int, float, float]]  # (concurrency, mean latency s, s per output token)
+
+    @property
+    def slowdown(self) -> float | None:
+        rows = self.latency_by_concurrency
+        return rows[-1][1] / rows[0][1] if len(rows) > 1 and rows[0][1] > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    code: str
+    summary: str
+    evidence: dict[str, Any]
+    fix: str
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    snapshots: list[Snapshot]
+    probe: ProbeResult | None = None
+    windows: list[Window] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.snapshots:
+            raise ValueError("doctor needs at least one /metrics scrape")
+        object.__setattr__(self, "windows", windows(self.snapshots))
+
+    @property
+    def last(self) -> Snapshot:
+        return self.snapshots[-1]
+
+    def busy_windows(self) -> list[Window]:
+        return [w for w in self.windows if w.requests > 0]
+
+    def max_of(self, name: str) -> float | None:
+        values = [v for v in (s.get(name) for s in self.snapshots) if v is not None]
+        return max(values) if values else None
+
+    def preemptions(self) -> float:
+        """Preemptions during the scrapes (or since start, with one scrape)."""
+        return sum(w.preemptions for w in self.windows)
+
+
+Check = Callable[[Evidence, Thresholds], Finding | None]
+
+
+def check_growing_prompts(ev: Evidence, th: Thresholds) -> Finding | None:
+    busy = [w for w in ev.busy_windows() if w.prompt_len_mean and w.ttft_mean]
+    max_len = ev.last.config_int("max_model_len")
+    if len(busy) >= 2:
+        prompts = [w.prompt_len_mean for w in busy]
+        ttfts = [w.ttft_mean for w in busy]
+        rising = all(b >= a for a, b in pairwise(prompts))
+        if rising and prompts[-1] >= th.growth_factor * prompts[0] and ttfts[-1] >= th.growth_factor * ttfts[0]:
+            return _growth_finding({"prompt_len_mean_by_window": [round(p, 1) for p in prompts],
+                                    "ttft_mean_s_by_window": [round(t, 4) for t in ttfts]},
+                                   f"mean prompt length grew {prompts[-1] / prompts[0]:.1f}x across the scrapes and "
+                                   f"time to first token grew {ttfts[-1] / ttfts[0]:.1f}x with it")
+    if busy and max_len:
+        mean = busy[-1].prompt_len_mean
+        assert mean is not None
+        if mean >= th.near_limit * max_len:
+            return _growth_finding({"prompt_len_mean": round(mean, 1), "max_model_len": max_len,
+                                    "ttft_mean_s": round(busy[-1].ttft_mean or 0.0, 4)},
+                                   f"prompts average {mean:.0f} tokens, {100 * mean / max_len:.0f}% of max-model-len "
+                                   f"{max_len}")
+    return None
+
+
+def _growth_finding(evidence: dict[str, Any], what: str) -> Finding:
+    return Finding("growing_prompts", f"Time to first token grows with prompt length: {what}.", evidence,
+                   "Conversations are growing without bound. Truncate or summarize old turns (kvserve serve "
+                   "--chat-history-policy truncate drops the oldest turns after the system prompt), and keep the "
+                   "start of each prompt identical turn to turn so earlier turns are prefix-cache hits.")
+
+
+def check_kv_pressure(ev: Evidence, th: Thresholds) -> Finding | None:
+    usage = ev.max_of("kv_cache_usage_perc")
+    preempted = ev.preemptions()
+    if usage is None or usage < th.kv_full or preempted <= 0:
+        return None
+    evidence: dict[str, Any] = {"kv_cache_usage_perc_max": round(usage, 3), "preemptions": preempted,
+                                "num_requests_running_max": ev.max_of("num_requests_running"),
+                                "num_requests_waiting_max": ev.max_of("num_requests_waiting")}
+    climb = ""
+    if ev.probe is not None and ev.probe.slowdown is not None:
+        evidence["probe_latency_slowdown"] = round(ev.probe.slowdown, 2)
+        if ev.probe.slowdown >= th.concurrency_slowdown:
+            climb = (f"; latency at concurrency {ev.probe.latency_by_concurrency[-1][0]} is "
+                     f"{ev.probe.slowdown:.1f}x that of one request")
+    return Finding("kv_cache_pressure",
+                   f"The KV cache is near full ({100 * usage:.0f}% used) and {preempted:.0f} requests were "
+                   f"preempted{climb}.", evidence,
+                   "Lower --max-num-seqs so running requests fit without preemption, raise the KV budget "
+                   "(--kv-cache-memory-bytes / --gpu-memory-utilization), or use an 8-bit KV dtype "
+                   "(--kv-cache-dtype fp8) for about twice the tokens; `kvserve advise` sizes these.")
+
+
+def check_bandwidth_bound(ev: Evidence, th: Thresholds) -> Finding | None:
+    dtype = ev.last.cache_config.get("kv_cache_dtype", "")
+    if dtype.startswith(("fp8", "int8")):
+        return None
+    busy = [w for w in ev.busy_windows() if w.itl_mean is not None]
+    itl = busy[-1].itl_mean if busy else None
+    source = "inter_token_latency_seconds"
+    if itl is None and ev.probe is not None and ev.probe.latency_by_concurrency:
+        itl, source = ev.probe.latency_by_concurrency[0][2], "probe at concurrency 1"
+    num_blocks, block_size = ev.last.config_int("num_blocks"), ev.last.config_int("block_size")
+    peak = max(ev.snapshots, key=lambda s: s.running or 0.0)
+    running = peak.running or 0.0
+    if itl is None or itl < th.slow_decode_s or not num_blocks or not block_size or peak.kv_usage is None:
+        return None
+    if running > th.small_batch or running < 1:
+        return None
+    tokens_per_request = peak.kv_usage * num_blocks * block_size / running
+    if tokens_per_request < th.large_context_tokens:
+        return None
+    return Finding("memory_bandwidth_bound",
+                   f"Decode is slow ({1000 * itl:.0f} ms per token) with only {running:.0f} running requests holding "
+                   f"about {tokens_per_request:.0f} cached tokens each: each step is bound by reading the KV cache.",
+                   {"itl_mean_s": round(itl, 4), "itl_source": source, "num_requests_running": running,
+                    "cached_tokens_per_request": round(tokens_per_request), "kv_cache_dtype": dtype or None},
+                   "Use an 8-bit KV dtype (--kv-cache-dtype fp8 or int8): it halves the bytes read per decode step "
+                   "next to 16-bit KV (a quarter of fp32).")
+
+
+def check_prefix_hits(ev: Evidence, th: Thresholds) -> Finding | None:
+    if ev.last.cache_config.get("enable_prefix_caching", "").lower() in ("false", "0"):
+        return Finding("prefix_caching_off", "Prefix caching is off, so shared prompt prefixes are recomputed.",
+                       {"enable_prefix_caching": ev.last.cache_config["enable_prefix_caching"]},
+                       "Start the server with --enable-prefix-caching (the default).")
+    queries = sum(w.prefix_queries for w in ev.windows)
+    hits = sum(w.prefix_hits for w in ev.windows)
+    if queries < th.min_prefix_queries or hits / queries >= th.low_hit_rate:
+        return None
+    return Finding("low_prefix_hit_rate",
+                   f"The prefix cache hit rate is {100 * hits / queries:.1f}% ({hits:.0f} of {queries:.0f} prompt "
+                   f"tokens).", {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                                 "hit_rate": round(hits / queries, 4)},
+                   "If your prompts share a system prompt, their beginnings still differ: something varying "
+                   "(a timestamp, a user id, a request id) sits before the shared part. Move the varying parts to "
+                   "the end of the prompt so the shared prefix is byte-identical.")
+
+
+CHECKS: tuple[Check, ...] = (check_growing_prompts, check_kv_pressure, check_bandwidth_bound, check_prefix_hits)
+
+
+def diagnose(ev: Evidence, th: Thresholds | None = None) -> list[Finding]:
+    th = th or Thresholds()
+    return [f for f in (check(ev, th) for check in CHECKS) if f is not None]

@@ -1,0 +1,106 @@
+"""A kvserve /metrics exposition as numbers doctor can reason about, and the windows between two scrapes.
+
+Metric names follow vLLM's with the `kvserve:` prefix; samples are summed over their labels (one engine, one
+model). Parsing uses prometheus_client's own parser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+P = "kvserve:"
+TTFT = f"{P}time_to_first_token_seconds"
+ITL = (f"{P}inter_token_latency_seconds", f"{P}time_per_output_token_seconds")  # new name, vLLM's older name
+E2E = f"{P}e2e_request_latency_seconds"
+PROMPT_LEN = f"{P}request_prompt_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One scrape: sample name -> value summed over label sets, plus the cache_config_info labels."""
+
+    values: dict[str, float]
+    cache_config: dict[str, str] = field(default_factory=dict)
+    time: float = 0.0  # when it was taken (seconds, any origin); 0 for files
+
+    @classmethod
+    def parse(cls, text: str, time: float = 0.0) -> Snapshot:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values: dict[str, float] = {}
+        config: dict[str, str] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == f"{P}cache_config_info":
+                        config = dict(sample.labels)
+                    elif "le" not in sample.labels and "quantile" not in sample.labels:
+                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        except ValueError as e:
+            raise ValueError(f"not a Prometheus text exposition: {e}") from e
+        if not any(name.startswith(P) for name in values) and not config:
+            raise ValueError("no kvserve: metrics in this exposition (is it a kvserve server's /metrics?)")
+        return cls(values, config, time)
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name if name.startswith(P) else P + name)
+
+    @property
+    def kv_usage(self) -> float | None:
+        return self.get("kv_cache_usage_perc")
+
+    @property
+    def running(self) -> float | None:
+        return self.get("num_requests_running")
+
+    def config_int(self, key: str) -> int | None:
+        value = self.cache_config.get(key)
+        try:
+            return None if value is None else int(float(value))
+        except ValueError:
+            return None
+
+
+ZERO = Snapshot({})
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What happened between two scrapes (or since the server started): counts and means of the deltas."""
+
+    requests: float  # first tokens produced (TTFT observations)
+    ttft_mean: float | None
+    prompt_len_mean: float | None
+    itl_mean: float | None
+    e2e_mean: float | None
+    preemptions: float
+    prefix_queries: float
+    prefix_hits: float
+    kv_usage: float | None  # the gauge at the end of the window
+    running: float | None
+
+    @classmethod
+    def between(cls, a: Snapshot, b: Snapshot) -> Window:
+        def delta(name: str) -> float:
+            return (b.values.get(name) or 0.0) - (a.values.get(name) or 0.0)
+
+        def mean(names: tuple[str, ...]) -> float | None:
+            count = max((delta(n + "_count") for n in names), default=0.0)
+            name = next((n for n in names if delta(n + "_count") == count), names[0])
+            return delta(name + "_sum") / count if count > 0 else None
+
+        requests = delta(TTFT + "_count")
+        prompt_mean = mean((PROMPT_LEN,))
+        if prompt_mean is None and requests > 0 and f"{P}prompt_tokens_total" in b.values:
+            prompt_mean = delta(f"{P}prompt_tokens_total") / requests
+        return cls(requests, mean((TTFT,)), prompt_mean, mean(ITL), mean((E2E,)),
+                   delta(f"{P}num_preemptions_total"), delta(f"{P}prefix_cache_queries_total"),
+                   delta(f"{P}prefix_cache_hits_total"), b.kv_usage, b.running)
+
+
+def windows(snapshots: list[Snapshot]) -> list[Window]:
+    """Consecutive windows between scrapes; a single scrape gives one window since the server started."""
+    if len(snapshots) == 1:
+        return [Window.between(ZERO, snapshots[0])]
+    return [Window.between(a, b) for a, b in pairwise(snapshots)]

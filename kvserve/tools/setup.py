@@ -1,0 +1,86 @@
+"""The sizing flags shared by estimate and advise, and how they resolve into dtype, weights and KV budget."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.capacity import KV_DTYPES, Budget, budget_from_memory, resolve_compute_dtype
+from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES
+from kvserve.tools.model_facts import ModelFacts
+from kvserve.tools.report import size_arg
+
+
+def add_sizing_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="an HF config.json or checkpoint directory (weights optional), a .gguf file, or a "
+                             "catalog name such as llama-3.1-8b (see --list-models); default: kvserve's default model")
+    parser.add_argument("--list-models", action="store_true", help="list the built-in catalog and exit")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="where the model would run: decides what --dtype auto means (default: cuda when "
+                             "--memory is given, else cpu)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights/compute dtype as `kvserve serve` takes it: auto = float32 on CPU, the "
+                             "checkpoint's dtype (bfloat16 when unknown) on CUDA")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-memory-bytes", type=size_arg, default=None,
+                        help="the KV budget itself, as the engine takes it (e.g. 4GiB); default on CPU: 4GiB")
+    budget.add_argument("--memory", type=size_arg, default=None,
+                        help="device memory (e.g. 80GiB): KV budget = memory x --gpu-memory-utilization - weights "
+                             "- --overhead")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--overhead", type=size_arg, default=0,
+                        help="memory for activations and runtime, subtracted with --memory (vLLM profiles it)")
+    parser.add_argument("--weights-bytes", type=size_arg, default=None,
+                        help="override the weights' size (e.g. for quantized weights)")
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """The resolved sizing inputs: what the engine would run with, and the KV budget it would get."""
+
+    device: str
+    dtype: str
+    block_size: int
+    weights_bytes: int | None
+    weights_formula: str
+    budget: Budget | None
+
+    def to_json(self) -> dict[str, Any]:
+        budget = None if self.budget is None else {
+            "kv_bytes": self.budget.kv_bytes, "source": self.budget.source, "formula": self.budget.formula}
+        return {"device": self.device, "dtype": self.dtype, "block_size": self.block_size,
+                "weights": {"bytes": self.weights_bytes, "formula": self.weights_formula}, "budget": budget}
+
+
+def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    device = args.device or ("cuda" if args.memory is not None else "cpu")
+    dtype = resolve_compute_dtype(args.dtype, device, facts.checkpoint_dtype)
+    if args.weights_bytes is not None:
+        weights, formula = args.weights_bytes, f"{args.weights_bytes} bytes (--weights-bytes)"
+    elif facts.num_parameters is not None:
+        elem = KV_DTYPES[dtype].element_bytes
+        weights = facts.num_parameters * elem
+        formula = (f"{facts.num_parameters} parameters ({facts.num_parameters_note}) x {elem} bytes ({dtype}) "
+                   f"= {weights} bytes")
+    else:
+        weights, formula = None, f"unknown: {facts.num_parameters_note}"
+    return Setup(device, dtype, args.block_size, weights, formula, _budget(args, device, weights))
+
+
+def _budget(args: argparse.Namespace, device: str, weights: int | None) -> Budget | None:
+    if args.kv_cache_memory_bytes is not None:
+        return Budget(args.kv_cache_memory_bytes, "kv-cache-memory-bytes",
+                      f"{args.kv_cache_memory_bytes} bytes (--kv-cache-memory-bytes)")
+    if args.memory is not None:
+        if weights is None:
+            raise ValueError("--memory needs the weights' size, which is unknown for this model; pass --weights-bytes")
+        return budget_from_memory(args.memory, args.gpu_memory_utilization, weights, args.overhead)
+    if device == "cpu":
+        return Budget(DEFAULT_CPU_KV_CACHE_BYTES, "cpu-default",
+                      f"{DEFAULT_CPU_KV_CACHE_BYTES} bytes (kvserve serve's default --kv-cache-memory-bytes on CPU)")
+    return None

@@ -1,0 +1,79 @@
+"""`kvserve estimate` predicts the engine's block count to the block, for the same flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.config import EngineConfig
+
+
+def estimate_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tiny_models import build_tiny_hf_model
+    from tiny_tokenizer import write_char_tokenizer
+
+    out = {}
+    for variant in ("llama_gqa", "gemma3_mqa_sliding"):
+        path = tmp_path_factory.mktemp(variant)
+        build_tiny_hf_model(variant).save_pretrained(path)
+        write_char_tokenizer(path)
+        out[variant] = path
+    return out
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
+@pytest.mark.parametrize("flags", [
+    dict(kv_cache_memory_bytes=1_000_003, block_size=16),
+    dict(kv_cache_memory_bytes=777_777, block_size=4, kv_cache_dtype="bfloat16"),
+    dict(kv_cache_memory_bytes=5_000_000, block_size=8, max_model_len=200),
+    dict(kv_cache_memory_bytes=333_333, block_size=16, kv_cache_dtype="int8"),
+    dict(kv_cache_memory_bytes=333_333, block_size=32, kv_cache_dtype="fp8"),
+], ids=["fp32-b16", "bf16kv-b4", "max-model-len", "int8-scales", "fp8-scales"])
+def test_estimate_matches_the_engine_on_tiny_checkpoints(capsys, tiny_dirs, variant, flags) -> None:
+    from kvserve.engine.engine import LLMEngine
+
+    path = tiny_dirs[variant]
+    engine = LLMEngine.from_config(EngineConfig(model=str(path), **flags))
+    argv = ["--model", str(path), "--kv-cache-memory-bytes", str(flags["kv_cache_memory_bytes"]),
+            "--block-size", str(flags["block_size"]), "--kv-cache-dtype", flags.get("kv_cache_dtype", "auto")]
+    if "max_model_len" in flags:
+        argv += ["--max-model-len", str(flags["max_model_len"])]
+    kv = estimate_json(capsys, *argv)["kv"][0]
+    assert kv["bytes_per_token"] == engine.kv_spec.bytes_per_token
+    assert kv["bytes_per_block"] == engine.cache_plan.bytes_per_block
+    assert kv["plan"]["num_blocks"] == engine.cache_plan.num_blocks == engine.pool.num_blocks
+    assert kv["plan"]["max_model_len"] == engine.cache_plan.max_model_len
+
+
+def test_estimate_reports_the_engines_max_model_len_error(capsys, tiny_dirs) -> None:
+    path = tiny_dirs["llama_gqa"]
+    assert main(["estimate", "--model", str(path), "--kv-cache-memory-bytes", "100000", "--max-model-len", "250"]) == 2
+    assert "does not fit in the KV cache" in capsys.readouterr().err
+
+
+def test_estimate_matches_the_engine_plan_on_the_default_gguf(capsys) -> None:
+    """Metadata only: the engine's plan_cache on the GGUF's ModelConfig, no weights loaded."""
+    import torch
+
+    from kvserve.engine.engine import plan_cache
+    from kvserve.kv.cache import KVCacheSpec
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.source import default_model_path
+
+    model_config = ModelConfig.from_gguf(default_model_path())
+    budget = (1 << 30) + 12345
+    spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, 16, torch.float32)
+    plan = plan_cache(EngineConfig(kv_cache_memory_bytes=budget), model_config, spec, torch.device("cpu"))
+    kv = estimate_json(capsys, "--kv-cache-memory-bytes", str(budget))["kv"][0]
+    assert kv["bytes_per_token"] == 36864
+    assert kv["plan"]["num_blocks"] == plan.num_blocks == budget // (36864 * 16)
+    assert kv["plan"]["max_model_len"] == plan.max_model_len == 1820 * 16  # the pool, not the 32768 context
