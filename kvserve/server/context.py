@@ -1,0 +1,82 @@
+"""What every route of one app shares: the async engine, the server settings, the metrics.
+
+Why an explicit object: the app factory builds one per app and hands it to the route modules, so two
+apps in one process (tests, embedding) never share state through module globals.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvserve.server.errors import APIError
+from kvserve.server.logprobs import TokenTexts
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.metrics import ServerMetrics
+    from kvserve.model.tokenizer import Tokenizer
+
+CHAT_HISTORY_POLICIES = ("reject", "truncate")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Server-side options (the engine's live in EngineConfig). The first served name is the one
+    reported; any of them is accepted in a request's `model` field."""
+
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    chat_history_policy: str = "reject"  # "reject": 400 when a chat is too long; "truncate": drop old turns
+    model_root: str | None = None  # where the model came from, for /v1/models
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("at least one served model name is required")
+        if self.chat_history_policy not in CHAT_HISTORY_POLICIES:
+            raise ValueError(f"--chat-history-policy must be one of {', '.join(CHAT_HISTORY_POLICIES)}, "
+                             f"got {self.chat_history_policy!r}")
+
+
+@dataclass(slots=True)
+class ServerContext:
+    engine: AsyncLLMEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    texts: TokenTexts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.tokenizer)
+
+    @property
+    def core(self) -> LLMEngine:
+        """The engine itself, for its immutable facts (tokenizer, limits); never to drive it."""
+        return self.engine.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The model name to report; 404 for a model this server does not serve (None means ours)."""
+        if requested is None or requested == "":
+            return self.model_name
+        if requested not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.settings.served_model_names)}.",
+                           param="model", code="model_not_found")
+        return requested
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,112 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and the status of each failure.
+
+Why one place: every way a request can fail (validation, engine limits, auth, a dead engine, a bug) must
+reach clients in the same shape and with the same status, whether it happens before the response starts
+(an HTTP status) or inside a stream (a `data: {"error": ...}` frame).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.engine.async_engine import (
+    EngineDeadError,
+    EngineFaultError,
+    QueueFullError,
+)
+from kvserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+
+# Fields named first in SamplingParams' ValueError messages ("temperature must be ..."), for `param`.
+_PARAM_NAMES = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+    "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop", "stop_token_ids",
+})
+
+
+class APIError(Exception):
+    """A failure with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=_TYPES.get(self.status, "server_error"),
+                         param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map any exception to the error a client sees; 500 only for what is a bug (or a dead engine's fault)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        first = str(exc).split(" ", 1)[0]
+        return bad_request(str(exc), param=first if first in _PARAM_NAMES else None)
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, EngineFaultError):
+        return APIError(500, str(exc), code="engine_fault")
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    parts, param = [], None
+    for err in errors[:3]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if param is None and loc:
+            param = ".".join(loc)
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure through APIError so that all bodies share OpenAI's shape."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return APIError(exc.status_code, str(exc.detail)).response(headers=exc.headers)
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return from_exception(exc).response()
+
+    for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineFaultError):
+        app.add_exception_handler(kind, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

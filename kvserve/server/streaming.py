@@ -1,0 +1,143 @@
+"""The engine requests behind one HTTP request: submitting them, merging their outputs, and making sure
+that a client who goes away (or an error) aborts them at once, so their KV blocks are freed.
+
+Why here and not in the routes: completions (several prompts, n samples) and chat share all of it, and
+the two disconnect paths differ: a streaming response is cancelled by Starlette when the client leaves,
+which ends the stream iteration (and so aborts); a non-streaming handler is not, so it races the work
+against the connection's `http.disconnect` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from kvserve.server.errors import from_exception
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_engine import RequestStream
+    from kvserve.outputs import RequestOutput
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.server.context import ServerContext
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event frame (plain `data:` lines, no comments)."""
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(exclude_none=False)
+    else:
+        text = json.dumps(payload, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+async def sse_with_errors(frames: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass frames through; an error after the stream has started becomes an error frame, then [DONE]."""
+    try:
+        async for frame in frames:
+            yield frame
+    except Exception as exc:  # noqa: BLE001 -- the status line is gone; the error must travel in-band
+        error = from_exception(exc)
+        if error.status >= 500:
+            logger.error("stream failed: %s", exc)
+        yield sse(error.body())
+        yield SSE_DONE
+
+
+def submit(
+    ctx: ServerContext,
+    request_id: str,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    cache_salt: str | None,
+) -> list[RequestStream]:
+    """Queue one engine request per prompt; if one is refused, the ones already queued are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(ctx.engine.add_request(rid, ids, params, cache_salt=cache_salt))
+    except BaseException:
+        for stream in streams:
+            stream.abort()
+        raise
+    return streams
+
+
+async def merged(ctx: ServerContext, streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come, with metrics; ends when all have finished.
+    Leaving early aborts every stream that is still running."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        tracker = ctx.metrics.tracker()
+        try:
+            async for output in stream:
+                tracker.observe(output)
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 -- handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def final_outputs(ctx: ServerContext, streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The finished output of every stream, in prompt order."""
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in merged(ctx, streams):
+        if output.finished:
+            finals[index] = output
+    return [finals[i] for i in range(len(streams))]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,168 @@
+"""AsyncLLMEngine on its own (no HTTP): streaming, abort on cancellation, faults, idling, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import aclosing
+from typing import Any
+
+import pytest
+from conftest import HookedEngine, make_engine
+
+from kvserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineFaultError,
+)
+from kvserve.sampling_params import SamplingParams
+
+TIMEOUT_S = 20
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def pool_is_free(e) -> bool:
+    e.check_invariants()
+    return e.pool.num_free_blocks == e.pool.num_blocks and not e.has_unfinished_requests()
+
+
+def test_generate_streams_cumulative_outputs(engine):
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+
+    async def go() -> None:
+        async def one(i: int) -> list:
+            return [o async for o in async_engine.generate(f"r{i}", [2, 10 + i, 20], params(6))]
+
+        results = await asyncio.gather(*(one(i) for i in range(3)))
+        for outs in results:
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            assert lengths == sorted(lengths)
+        assert await asyncio.wrap_future(async_engine.call(pool_is_free))
+
+    try:
+        run(go())
+    finally:
+        async_engine.shutdown()
+
+
+def test_leaving_a_stream_aborts_the_request(engine):
+    async_engine = AsyncLLMEngine(HookedEngine(engine, lambda: time.sleep(0.005)))
+    async_engine.start()
+
+    async def go() -> None:
+        seen = 0
+        async with aclosing(async_engine.generate("r", [2, 30, 31], params(200))) as outputs:
+            async for _ in outputs:
+                seen += 1
+                if seen == 2:
+                    break
+        # the abort is applied by the engine thread before its next step; a call queued after it sees it
+        assert await asyncio.wrap_future(async_engine.call(pool_is_free))
+
+    try:
+        run(go())
+    finally:
+        async_engine.shutdown()
+
+
+def test_validation_error_arrives_as_the_first_item(engine):
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+
+    async def go() -> None:
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            async for _ in async_engine.generate("bad", [2, 10_000], params(2)):
+                pass
+
+    try:
+        run(go())
+    finally:
+        async_engine.shutdown()
+
+
+def test_engine_fault_fails_in_flight_requests_and_refuses_new_ones(engine):
+    steps = 0
+
+    def fail_on_third_step() -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise RuntimeError("injected fault")
+
+    async_engine = AsyncLLMEngine(HookedEngine(engine, fail_on_third_step))
+    async_engine.start()
+
+    async def consume(rid: str) -> None:
+        async for _ in async_engine.generate(rid, [2, 40, 41], params(50)):
+            pass
+
+    async def go() -> None:
+        results = await asyncio.gather(consume("a"), consume("b"), return_exceptions=True)
+        assert all(isinstance(r, EngineFaultError) and "injected fault" in str(r) for r in results)
+        assert not async_engine.is_running and isinstance(async_engine.error, RuntimeError)
+        with pytest.raises(EngineDeadError):
+            async_engine.add_request("c", [2, 5], params(2))
+
+    run(go())
+
+
+def test_idle_loop_sleeps_instead_of_polling(engine):
+    calls = 0
+
+    class Counting(HookedEngine):
+        def has_unfinished_requests(self) -> bool:
+            nonlocal calls
+            calls += 1
+            return self._inner.has_unfinished_requests()
+
+    async_engine = AsyncLLMEngine(Counting(engine, lambda: None))
+    async_engine.start()
+    try:
+        async def go() -> None:
+            async for _ in async_engine.generate("r", [2, 7], params(3)):
+                pass
+
+        run(go())
+        before = calls
+        woke = threading.Event()
+        assert not woke.wait(0.2)  # an idle period; a polling loop would call in many times meanwhile
+        assert calls - before <= 1
+    finally:
+        async_engine.shutdown()
+
+
+def test_shutdown_aborts_remaining_requests(engine):
+    async_engine = AsyncLLMEngine(HookedEngine(engine, lambda: time.sleep(0.005)))
+    async_engine.start()
+
+    async def go() -> str | None:
+        last = None
+        async for out in async_engine.generate("r", [2, 9, 9], params(200)):
+            last = out
+            if len(out.outputs[0].token_ids) >= 2:
+                threading.Thread(target=async_engine.shutdown).start()
+        return last.outputs[0].finish_reason if last else None
+
+    assert run(go()) == "abort"
+    assert pool_is_free(engine)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_add(async_engine))
+
+
+async def _add(async_engine: AsyncLLMEngine) -> None:
+    async_engine.add_request("late", [2, 5], params(2))

@@ -1,0 +1,157 @@
+"""Error statuses and OpenAI's error body, over raw HTTP: 400 (incl. FastAPI's 422), 401, 404, 503."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from conftest import API_KEY, MODEL
+
+
+def assert_error(response: httpx.Response, status: int, *words: str, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    for word in words:
+        assert word in error["message"], error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize("path,method", [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
+                                         ("/v1/models", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+def test_api_key_required(server, path, method, headers):
+    with server.client(headers=headers) as c:
+        r = c.request(method, path, json={"prompt": "x"})
+    assert_error(r, 401, "API key")
+
+
+def test_open_endpoints_need_no_key(server):
+    with server.client() as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+        assert c.get("/version").status_code == 200
+
+
+def test_unknown_model_is_404(http):
+    err = assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "gpt-4",
+                       param="model")
+    assert err["code"] == "model_not_found"
+    assert_error(http.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user",
+                                                                                         "content": "x"}]}), 404)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "prompt"),                                             # missing field (FastAPI's 422)
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),     # wrong type (422)
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),        # SamplingParams' own check
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),              # over --max-logprobs
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "n": 0}, "n"),
+])
+def test_bad_completion_requests_are_400(http, body, param):
+    assert_error(http.post("/v1/completions", json={"model": MODEL, **body}), 400, param=param)
+
+
+def test_malformed_json_is_400(http):
+    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+def test_out_of_vocabulary_and_empty_token_prompts(http):
+    assert_error(http.post("/v1/completions", json={"prompt": [5, 9999]}), 400, "9999", "vocabulary")
+    assert_error(http.post("/v1/completions", json={"prompt": [[]]}), 400, "empty")
+
+
+def test_prompt_over_max_model_len_names_both_numbers(http, server):
+    limit = server.engine.engine.max_model_len
+    prompt = "x" * (limit + 10)
+    assert_error(http.post("/v1/completions", json={"prompt": prompt}), 400, str(limit + 11), str(limit))
+
+
+def test_max_tokens_that_cannot_fit(http, server):
+    limit = server.engine.engine.max_model_len
+    err = assert_error(http.post("/v1/completions", json={"prompt": "abc", "max_tokens": limit}), 400,
+                       str(limit), "4 in the prompt", param="max_tokens")
+    assert err["type"] == "invalid_request_error"
+
+
+def test_chat_errors(http, server):
+    user = [{"role": "user", "content": "x"}]
+    assert_error(http.post("/v1/chat/completions", json={"messages": []}), 400, param="messages")
+    assert_error(http.post("/v1/chat/completions", json={"messages": [{"content": "no role"}]}), 400)
+    assert_error(http.post("/v1/chat/completions", json={"messages": user, "tools": [{"type": "function"}]}),
+                 400, param="tools")
+    assert_error(http.post("/v1/chat/completions", json={"messages": user,
+                                                         "response_format": {"type": "json_object"}}), 400)
+    assert_error(http.post("/v1/chat/completions", json={"messages": user, "top_logprobs": 2}), 400)
+    assert_error(http.post("/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "image_url")
+    long_chat = [{"role": "user", "content": "y" * server.engine.engine.max_model_len}]
+    assert_error(http.post("/v1/chat/completions", json={"messages": long_chat}), 400, "max-model-len")
+
+
+def test_unknown_fields_are_ignored(http):
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "some_future_field": 3})
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_route_is_openai_shaped_404(http):
+    assert_error(http.get("/v1/nothing"), 404)
+
+
+def test_queue_full_is_503(make_server):
+    """With one request waiting (the engine held at its first step), the next one is refused."""
+    entered, release = threading.Event(), threading.Event()
+
+    def gate() -> None:
+        entered.set()
+        assert release.wait(30)
+
+    srv = make_server(before_step=gate, max_queued_requests=1)
+    results: dict[str, httpx.Response] = {}
+
+    def first() -> None:
+        with srv.client() as c:
+            results["first"] = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    try:
+        assert entered.wait(10)
+        with srv.client() as c:
+            err = assert_error(c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2}), 503,
+                               "--max-num-queued-reqs")
+            assert err["code"] == "queue_full"
+    finally:
+        release.set()
+        worker.join(30)
+    assert results["first"].status_code == 200
+
+
+def test_chat_history_truncation(make_server):
+    srv = make_server(chat_history_policy="truncate", max_model_len=64)
+    system = {"role": "system", "content": "S"}
+    turns = []
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+    messages = [system, *turns, {"role": "user", "content": "last"}]
+    with srv.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        dropped = int(r.headers["X-Kvserve-Truncated-Turns"])
+        assert 0 < dropped <= 6
+        assert r.json()["usage"]["prompt_tokens"] + 4 <= 64
+        short = c.post("/v1/chat/completions", json={"messages": [system, {"role": "user", "content": "q"}],
+                                                     "max_tokens": 2})
+        assert short.status_code == 200 and "X-Kvserve-Truncated-Turns" not in short.headers
+        too_long = [system, {"role": "user", "content": "z" * 80}]
+        assert_error(c.post("/v1/chat/completions", json={"messages": too_long}), 400)

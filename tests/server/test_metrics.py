@@ -1,0 +1,44 @@
+"""/metrics in Prometheus text format, parsed with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+from conftest import metric_values
+
+GAUGES = ["kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
+          "kvserve:prefix_cache_hit_rate"]
+COUNTERS = ["kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
+            "kvserve:num_preemptions_total", "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total"]
+HISTOGRAMS = ["kvserve:time_to_first_token_seconds", "kvserve:inter_token_latency_seconds",
+              "kvserve:e2e_request_latency_seconds", "kvserve:request_queue_time_seconds"]
+
+
+def test_metrics_names_and_values(make_server):
+    srv = make_server()
+    prompt = "a prompt long enough to fill some blocks"
+    with srv.client() as c:
+        empty = metric_values(c)
+        for name in GAUGES + COUNTERS:
+            assert empty[name] == 0, name
+        info = [k for k in empty if k.startswith("kvserve:cache_config_info{")]
+        expected = ("kvserve:cache_config_info{block_size=4,enable_prefix_caching=True,kv_cache_dtype=float32,"
+                    "max_model_len=256,num_blocks=256}")
+        assert info == [expected]
+
+        for _ in range(2):  # the second one hits the prefix cache
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "xyz", "max_tokens": 5, "ignore_eos": True, "n": 2,
+                                            "stream": True})
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        m = metric_values(c)
+
+    assert m["kvserve:generation_tokens_total"] == 5 + 5 + 2 * 5
+    assert m["kvserve:request_success_total{finished_reason=length}"] == 4
+    assert m["kvserve:prefix_cache_hits_total"] > 0
+    assert 0 < m["kvserve:prefix_cache_hit_rate"] <= 1
+    assert m["kvserve:prompt_tokens_total"] > 0
+    assert m["kvserve:kv_cache_usage_perc"] == 0 and m["kvserve:num_requests_running"] == 0
+    for name in HISTOGRAMS:
+        assert m[f"{name}_count"] >= 3, name
+        assert m[f"{name}_bucket{{le=+Inf}}"] == m[f"{name}_count"]
+    assert m["kvserve:inter_token_latency_seconds_count"] <= 4 * 4  # at most one gap per token after the first
