@@ -9,7 +9,7 @@ from contextlib import aclosing
 from typing import Any
 
 import pytest
-from conftest import HookedEngine, make_engine
+from server_support import HookedEngine, make_engine
 
 from kvserve.engine.async_engine import (
     AsyncLLMEngine,

@@ -6,7 +6,7 @@ import threading
 
 import httpx
 import pytest
-from conftest import API_KEY, MODEL
+from server_support import API_KEY, MODEL
 
 
 def assert_error(response: httpx.Response, status: int, *words: str, param: str | None = None) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import CHAT_TEMPLATE, metric_values, wait_until
+from server_support import CHAT_TEMPLATE, metric_values, wait_until
 
 
 def slow_steps(seconds: float):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import metric_values
+from server_support import metric_values
 
 GAUGES = ["kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
           "kvserve:prefix_cache_hit_rate"]

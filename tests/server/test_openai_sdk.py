@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 import torch
-from conftest import API_KEY, MODEL
+from server_support import API_KEY, MODEL
 
 GREEDY = {"ignore_eos": True}  # extra_body: random tiny models would otherwise stop at random
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from conftest import RunningServer
+from server_support import RunningServer
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
