@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 # Below this temperature a request is greedy (dividing by ~0 would only produce inf/nan).
 GREEDY_TEMPERATURE = 1e-5
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 
 def _bad(field: str, value: object, expected: str) -> ValueError:
@@ -75,6 +76,9 @@ class SamplingParams:
             raise _bad("min_p", self.min_p, "in [0, 1]")
         if self.seed is not None and not is_int(self.seed):
             raise _bad("seed", self.seed, "an integer or None")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX - (self.n - 1):
+            # torch.Generator takes 64 bits; sample i of n uses seed + i
+            raise _bad("seed", self.seed, f"in [{_SEED_MIN}, {_SEED_MAX - (self.n - 1)}] for n={self.n}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise _bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
         if not is_int(self.min_tokens) or self.min_tokens < 0:

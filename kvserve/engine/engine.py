@@ -217,11 +217,11 @@ class LLMEngine:
             if child.logprobs is not None:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
             group.sequences.append(seq)
-            self.sequences[request.request_id] = seq
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[request_id] = group
-        for seq in group.sequences:
+        for seq in group.sequences:  # registered only once all were built: a failure leaves no trace
+            self.sequences[seq.request.request_id] = seq
             self.scheduler.add(seq.request)
 
     def validate_prompt(self, token_ids: list[int]) -> None:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.metrics import ServerMetrics
+from kvserve.server.body_limit import BodyLimitMiddleware
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext, ServerSettings
@@ -61,6 +62,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     app.include_router(_open_routes(ctx))
     app.include_router(_api_routes(ctx), dependencies=[Depends(_api_key_check(settings.api_key))])
     return app
@@ -139,8 +141,10 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
         if body.messages is not None:
             text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
                                            add_generation_prompt=body.add_generation_prompt)
+            ctx.check_prompt_chars(text, param="messages")
             ids = tok.encode(text)
         else:
+            ctx.check_prompt_chars(body.prompt or "")
             ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         strs = tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,

@@ -77,6 +77,7 @@ class _Renderer:
         tok = self._ctx.tokenizer
         text = tok.apply_chat_template(messages, add_generation_prompt=self._request.add_generation_prompt,
                                        chat_template=self._request.chat_template)
+        self._ctx.check_prompt_chars(text, param="messages")
         return tok.encode(text)
 
 
@@ -106,7 +107,7 @@ def render_prompt(
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(request.model)
     reject_unsupported(request, {"tools": request.tools, "functions": request.functions,
-                                 "function_call": request.function_call})
+                                 "function_call": request.function_call}, max_n=ctx.core.config.max_num_seqs)
     if request.tool_choice not in (None, "none"):
         raise bad_request("tool_choice is not supported by this server", param="tool_choice")
     if request.response_format and request.response_format.get("type", "text") != "text":
@@ -114,6 +115,10 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                           param="response_format")
     if not request.messages:
         raise bad_request("messages must not be empty", param="messages")
+    if request.chat_template is not None and not ctx.settings.trust_request_chat_template:
+        # A template is a program: even sandboxed, nested loops can hold the event loop for hours.
+        raise bad_request("chat_template in a request is refused unless the server runs with "
+                          "--trust-request-chat-template", param="chat_template")
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

@@ -50,6 +50,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--chat-history-policy", choices=["reject", "truncate"], default="reject",
                    help="a chat longer than max-model-len: reject with 400, or drop the oldest turns after "
                         "the system prompt (reported in the X-Kvserve-Truncated-Turns header)")
+    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20,  # body_limit's default; not imported: --help stays fast
+                   help="request bodies larger than this get 413 (bounds what one client makes the server hold)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` field in chat requests (rendered sandboxed, but it runs "
+                        "client code on the server); by default such requests get 400")
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long running requests may finish before they are aborted")
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
@@ -90,6 +95,8 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=resolve_api_key(args.api_key),
         chat_history_policy=args.chat_history_policy,
         model_root=args.model or str(engine.config.served_model_name),
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     app = build_app(AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs), settings)
     print(f"kvserve: serving {settings.served_model_names[0]} on http://{args.host}:{args.port} "

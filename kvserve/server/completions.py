@@ -77,6 +77,8 @@ def _prompts(ctx: ServerContext, request: CompletionRequest) -> list[_Prompt]:
         raise bad_request("prompt must not be empty", param="prompt")
     prompts = []
     for item in items:
+        if isinstance(item, str):
+            ctx.check_prompt_chars(item)
         ids = ctx.tokenizer.encode(item) if isinstance(item, str) else list(item)
         ctx.core.validate_prompt(ids)  # empty, out-of-vocabulary ids (before decoding them), too long
         text = item if isinstance(item, str) else ctx.tokenizer.decode(ids, request.skip_special_tokens)
@@ -86,7 +88,7 @@ def _prompts(ctx: ServerContext, request: CompletionRequest) -> list[_Prompt]:
 
 def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
     model = ctx.resolve_model(request.model)
-    reject_unsupported(request, {"suffix": request.suffix})
+    reject_unsupported(request, {"suffix": request.suffix}, max_n=ctx.core.config.max_num_seqs)
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
     prompts = _prompts(ctx, request)

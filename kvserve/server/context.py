@@ -10,7 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.server.errors import APIError
+from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvserve.server.errors import APIError, bad_request
 from kvserve.server.logprobs import TokenTexts
 
 if TYPE_CHECKING:
@@ -31,13 +32,25 @@ class ServerSettings:
     api_key: str | None = None
     chat_history_policy: str = "reject"  # "reject": 400 when a chat is too long; "truncate": drop old turns
     model_root: str | None = None  # where the model came from, for /v1/models
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
+    trust_request_chat_template: bool = False  # a request's own `chat_template` is refused unless set
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is required")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.chat_history_policy not in CHAT_HISTORY_POLICIES:
             raise ValueError(f"--chat-history-policy must be one of {', '.join(CHAT_HISTORY_POLICIES)}, "
                              f"got {self.chat_history_policy!r}")
+
+
+def max_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
+    """Text longer than this cannot fit in max_model_len tokens: no token covers more characters than
+    the longest vocabulary entry (x2 for normalizers that compose characters). Tokenizing runs on the
+    event loop at ~1 us per character, so a multi-megabyte prompt would stall every connection."""
+    longest = max((len(t) for t in tokenizer.hf.get_vocab()), default=1)
+    return max_model_len * max(longest, 1) * 2
 
 
 @dataclass(slots=True)
@@ -46,9 +59,19 @@ class ServerContext:
     settings: ServerSettings
     metrics: ServerMetrics
     texts: TokenTexts = field(init=False)
+    max_prompt_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+
+    def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
+        """400 for text that cannot fit in max-model-len tokens, before spending seconds tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt has {len(text)} characters, more than max-model-len ({self.max_model_len} tokens) "
+                f"can hold with this tokenizer (at most {self.max_prompt_chars} characters); shorten it.",
+                param=param)
 
     @property
     def core(self) -> LLMEngine:

@@ -25,7 +25,8 @@ from kvserve.server.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "service_unavailable_error"}
 
 # Fields named first in SamplingParams' ValueError messages ("temperature must be ..."), for `param`.
 _PARAM_NAMES = frozenset({

@@ -71,8 +71,9 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> N
             param="max_tokens")
 
 
-def reject_unsupported(request: SamplingFields, fields: Mapping[str, Any]) -> None:
-    """400 for features that would change the output's meaning if ignored; log unknown fields."""
+def reject_unsupported(request: SamplingFields, fields: Mapping[str, Any], max_n: int) -> None:
+    """400 for features that would change the output's meaning if ignored, and for n over `max_n` (one
+    request must not queue unbounded work); log unknown fields."""
     for name, value in fields.items():
         if value:
             raise bad_request(f"{name} is not supported by this server", param=name)
@@ -80,6 +81,8 @@ def reject_unsupported(request: SamplingFields, fields: Mapping[str, Any]) -> No
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
     if request.n < 1:
         raise bad_request(f"n must be at least 1, got {request.n}", param="n")
+    if request.n > max_n:
+        raise bad_request(f"n must be at most max-num-seqs ({max_n}), got {request.n}", param="n")
     unknown = request.unknown_fields()
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
