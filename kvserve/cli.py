@@ -29,7 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference"])
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    c.add_argument("--kv-cache-dtype", default="auto", help="auto (= --dtype), float32, bfloat16, float16")
+    c.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (= --dtype), float32, bfloat16, float16, or 8-bit with a per-token scale: "
+                        "fp8 (= fp8_e4m3), fp8_e5m2, int8 (about 4x the tokens of float32)")
     c.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
                    help="KV cache budget, e.g. 4GiB or 512MiB (default on CPU: 4GiB)")
     c.add_argument("--gpu-memory-utilization", type=float, default=0.9,

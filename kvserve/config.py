@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvserve.capacity import KV_DTYPES
+
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
 
@@ -61,8 +63,7 @@ class EngineConfig:
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", ">= 1"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "> 0"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "one of auto, float32, bfloat16, float16"),
-            (self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype",
-             "one of auto, float32, bfloat16, float16"),
+            (self.kv_cache_dtype in ("auto", *KV_DTYPES), "kv_cache_dtype", f"one of auto, {', '.join(KV_DTYPES)}"),
             (self.attention_backend in ("cpu", "reference"), "attention_backend", "cpu or reference"),
             (self.prefix_caching_hash_algo in ("sha256", "xxhash"), "prefix_caching_hash_algo", "sha256 or xxhash"),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", ">= 1"),

@@ -5,6 +5,8 @@
   with a padding mask. The query heads sharing a KV head are folded into the query-length
   axis ([B, kv_heads, group, D]), so GQA/MQA never copies K/V per query head and each step is a small
   matmul instead of `group` matrix-vector products.
+- An 8-bit cache is dequantized in the gather (LayerKVCache.read): only the context rows of this step's
+  sequences are ever converted, never the whole cache.
 - Prefill chunks run one SDPA call per sequence (enable_gqa), with `is_causal` when the chunk is the whole
   context and no window applies, else an explicit mask (later chunks, sliding windows).
 Checked against attention/reference.py in tests/unit/test_attention.py.
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import context_slots
+from kvserve.kv.cache import LayerKVCache
 
 
 def cpu_attention(
@@ -28,11 +31,12 @@ def cpu_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    cache = LayerKVCache(k_cache, v_cache, k_scales, v_scales)
     if meta.is_decode_only:
-        return _decode_batch(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, scale, sliding_window
-        )
+        return _decode_batch(q, cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, scale, sliding_window)
     out = torch.empty_like(q)
     decode_idx = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     starts = [0, *accumulate(meta.query_lens_cpu)]
@@ -40,33 +44,30 @@ def cpu_attention(
         idx = torch.tensor(decode_idx, dtype=torch.int64, device=q.device)
         rows = meta.query_start_loc[idx]
         out[rows] = _decode_batch(
-            q[rows], k_cache, v_cache, meta.block_tables[idx], meta.seq_lens[idx],
+            q[rows], cache, meta.block_tables[idx], meta.seq_lens[idx],
             [meta.seq_lens_cpu[i] for i in decode_idx], scale, sliding_window,
         )
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         if q_len == 1:
             continue
         s, e = starts[i], starts[i + 1]
-        out[s:e] = _prefill_one(q[s:e], k_cache, v_cache, meta.block_tables[i], seq_len, scale, sliding_window)
+        out[s:e] = _prefill_one(q[s:e], cache, meta.block_tables[i], seq_len, scale, sliding_window)
     return out
 
 
 def _prefill_one(
     q: torch.Tensor,  # [L, H, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKVCache,
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
     q_len = q.shape[0]
     # Earliest key any of these queries can see.
     first = max(0, seq_len - q_len - window + 1) if window is not None else 0
-    slots = context_slots(block_table, seq_len, block_size)[first:]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S', D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+    k, v = cache.read(context_slots(block_table, seq_len, cache.block_size)[first:], q.dtype)  # [S', Hkv, D]
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S', D]
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
     if first == 0 and q_len == seq_len and (window is None or window >= seq_len):
         o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -82,16 +83,16 @@ def _prefill_one(
 
 def _decode_batch(
     q: torch.Tensor,  # [B, H, D], one query per sequence at position seq_len - 1
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKVCache,
     block_tables: torch.Tensor,  # [B, max_blocks]
     seq_lens: torch.Tensor,  # [B]
     seq_lens_cpu: list[int],
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    batch, num_heads, _ = q.shape
+    block_size = cache.block_size
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = cache.key.shape[2]
     group = num_heads // num_kv_heads
     lo = (seq_lens - window).clamp(min=0) if window is not None else torch.zeros_like(seq_lens)
     # Padded width from host-side lengths (no device sync).
@@ -102,8 +103,8 @@ def _decode_batch(
     # whatever they hold (even NaN), cannot leak into the result; the mask removes them.
     k_pos = torch.minimum(k_pos, seq_lens[:, None] - 1)
     slots = block_tables.gather(1, k_pos // block_size) * block_size + k_pos % block_size
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, W, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype).transpose(1, 2)
+    k, v = cache.read(slots, q.dtype)  # [B, W, Hkv, D]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, W, D]
     qg = q.view(batch, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(batch, num_heads, head_dim)

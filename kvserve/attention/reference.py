@@ -2,7 +2,8 @@
 
 Shared contract of every attention backend (see `AttentionBackend`): the layer has already written the new
 tokens' K/V into the caches (`write_kv`); the backend attends the T query rows of the flat batch over each
-sequence's whole context, read through its block table.
+sequence's whole context, read through its block table. An 8-bit cache comes with its per-token-head scales
+(k_scales, v_scales); backends read through `LayerKVCache.read`, which dequantizes only the rows read.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kv.cache import LayerKVCache
 
 
 class AttentionBackend(Protocol):
@@ -23,17 +25,24 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32, 8-bit caches only
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots (block_id * block_size + offset)."""
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots (block_id * block_size + offset),
+    quantized with fresh per-token-head scales when the cache is 8-bit."""
+    LayerKVCache(k_cache, v_cache, k_scales, v_scales).write(k, v, slot_mapping)
 
 
 def context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -49,18 +58,18 @@ def reference_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per sequence: gather the context, repeat KV heads, masked softmax in float32."""
-    num_heads = q.shape[1]
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    """Per sequence: gather (and dequantize) the context, repeat KV heads, masked softmax in float32."""
+    cache = LayerKVCache(k_cache, v_cache, k_scales, v_scales)
+    group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-        slots = context_slots(meta.block_tables[i], seq_len, block_size)
-        k = k_flat[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, H, D]
-        v = v_flat[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        k, v = cache.read(context_slots(meta.block_tables[i], seq_len, cache.block_size), torch.float32)
+        k = k.repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v.repeat_interleave(group, dim=1)
         qi = q[start : start + q_len].float()  # [L, H, D]
         scores = torch.einsum("lhd,shd->hls", qi, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]

@@ -1,12 +1,27 @@
-"""The KV cache tensors: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim]."""
+"""The KV cache tensors: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim],
+plus, for 8-bit dtypes (kv/quant.py), one float32 scale per token and KV head in the same paged layout
+([num_blocks, block_size, kv_heads]), so that block ids index data and scales alike and prefix sharing,
+preemption and freeing need to know nothing about quantization."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kvserve.capacity import SCALE_BYTES
+from kvserve.kv.quant import KV_QUANT_FORMATS, load, quant_format, store
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": KV_QUANT_FORMATS["fp8_e4m3"].storage,  # vLLM's meaning of plain "fp8"
+    **{name: fmt.storage for name, fmt in KV_QUANT_FORMATS.items()},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,19 +32,61 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the storage dtype; an 8-bit one means a quantized cache with scales
+
+    @property
+    def is_quantized(self) -> bool:
+        return quant_format(self.dtype) is not None
+
+    @property
+    def dtype_name(self) -> str:
+        """The --kv-cache-dtype name of the storage (fp8_e4m3, int8, float32, ...), for logs and metrics."""
+        fmt = quant_format(self.dtype)
+        return fmt.name if fmt is not None else str(self.dtype).removeprefix("torch.")
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V, every layer, every KV head: head_dim elements plus, if 8-bit, one float32 scale
+        (the same rule as kvserve.capacity.KVShape.bytes_per_token)."""
+        scale_bytes = SCALE_BYTES if self.is_quantized else 0
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.dtype.itemsize + scale_bytes)
 
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
 
+@dataclass(slots=True)
+class LayerKVCache:
+    """One layer's paged K and V; key_scale/value_scale are set exactly when the storage dtype is 8-bit."""
+
+    key: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    value: torch.Tensor
+    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads] float32
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[1]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store new tokens' K/V ([T, kv_heads, head_dim]) at `slots`, quantizing if 8-bit."""
+        store(self.key, self.key_scale, k, slots)
+        store(self.value, self.value_scale, v, slots)
+
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any index shape) as [*slots.shape, kv_heads, head_dim] in `dtype`; only
+        these rows are dequantized."""
+        return load(self.key, self.key_scale, slots, dtype), load(self.value, self.value_scale, slots, dtype)
+
+
+def as_layer_cache(kv_cache: LayerKVCache | tuple[torch.Tensor, torch.Tensor]) -> LayerKVCache:
+    """A bare (k_cache, v_cache) pair, as older callers and tests pass, is an unquantized cache."""
+    return kv_cache if isinstance(kv_cache, LayerKVCache) else LayerKVCache(*kv_cache)
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """`auto` follows the model's compute dtype."""
+    """`auto` follows the model's compute dtype; fp8 means fp8_e4m3."""
     if kv_cache_dtype == "auto":
         return compute_dtype
     if kv_cache_dtype not in _DTYPES:
@@ -37,9 +94,21 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> t
     return _DTYPES[kv_cache_dtype]
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerKVCache]:
+    """Zeroed caches for every layer (scales of 1 beside 8-bit data); logs the dtype and the block count."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [
-        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+
+    def scales() -> torch.Tensor | None:
+        return torch.ones(shape[:3], dtype=torch.float32, device=device) if spec.is_quantized else None
+
+    caches = [
+        LayerKVCache(torch.zeros(shape, dtype=spec.dtype, device=device),
+                     torch.zeros(shape, dtype=spec.dtype, device=device), scales(), scales())
         for _ in range(spec.num_layers)
     ]
+    logger.info(
+        "KV cache dtype %s: %d blocks x %d tokens, %d bytes/token (%s)",
+        spec.dtype_name, num_blocks, spec.block_size, spec.bytes_per_token,
+        "8-bit with a float32 scale per token and KV head" if spec.is_quantized else "unquantized",
+    )
+    return caches

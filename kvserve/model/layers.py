@@ -14,6 +14,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import AttentionBackend, reference_attention, write_kv
+from kvserve.kv.cache import LayerKVCache, as_layer_cache
 
 ATTENTION_BACKENDS = ("cpu", "reference")
 
@@ -146,7 +147,7 @@ class PagedAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache | tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -158,7 +159,7 @@ class PagedAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = self.backend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        c = as_layer_cache(kv_cache)
+        write_kv(c.key, c.value, k, v, meta.slot_mapping, c.key_scale, c.value_scale)
+        out = self.backend(q, c.key, c.value, meta, self.scale, self.sliding_window, c.key_scale, c.value_scale)
         return self.o_proj(out.reshape(t, q_size))
