@@ -115,7 +115,7 @@ def _write_json(doc: object, target: str) -> None:
 # Modules that each define `add_parser(subparsers)`, registering one subcommand whose parser sets `func`
 # (a callable taking the parsed args and returning an exit code). Heavy imports belong inside `func`.
 SUBCOMMAND_MODULES: tuple[str, ...] = ("kvserve.tools.estimate", "kvserve.tools.advise", "kvserve.tools.doctor",
-                                        "kvserve.server.cli")
+                                        "kvserve.server.cli", "kvserve.bench.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

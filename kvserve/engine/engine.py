@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.compute_dtype = compute_dtype
         self.device = device or torch.device(config.device)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, compute_dtype)
         self.kv_spec = KVCacheSpec(
@@ -180,6 +182,12 @@ class LLMEngine:
         if config.served_model_name is None:
             config.served_model_name = source.name
         return cls(config, loaded.config, loaded.model, tokenizer, device=device, compute_dtype=dtype)
+
+    def sibling(self, **changes: object) -> "LLMEngine":
+        """A new engine (own KV cache, scheduler and requests) sharing this one's loaded model and tokenizer,
+        with `changes` applied to the config: for comparing settings without loading the model twice."""
+        config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
+        return LLMEngine(config, self.model_config, self.runner.model, self.tokenizer, self.device, self.compute_dtype)
 
     # ---- requests -------------------------------------------------------------------------------
 

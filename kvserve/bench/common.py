@@ -1,0 +1,46 @@
+"""Steps every engine-backed bench command takes: build kvserve and its peers, warm them, alternate runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from kvserve.bench.systems import KVServeSystem, System, build_engine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def load_kvserve(args: argparse.Namespace) -> KVServeSystem:
+    system = KVServeSystem(build_engine(args))
+    warm_up(system)
+    return system
+
+
+def load_hf_peer(args: argparse.Namespace, kvserve: KVServeSystem) -> System:
+    """HF transformers on the very file kvserve loaded, in kvserve's compute dtype."""
+    from kvserve.bench.peers.hf import HFPeer
+    from kvserve.model.source import resolve_model
+
+    dtype = next(p.dtype for p in kvserve.engine.runner.model.parameters() if p.is_floating_point())
+    log.info("loading the HF transformers peer (for the default GGUF this takes a minute or two)")
+    peer = HFPeer.load(resolve_model(args.model), dtype=dtype)
+    warm_up(peer)
+    return peer
+
+
+def warm_up(system: System) -> None:
+    """One tiny generation first, so that thread pools and allocators start outside any measurement."""
+    system.timed_generate([[100 + i for i in range(8)]], 2)
+
+
+def alternate(systems: Sequence[System], repeats: int, run: Callable[[System, int], T]) -> dict[str, list[T]]:
+    """Run every system once per round, in turns, so that a slow spell on a shared machine hits all of them
+    rather than one; returns each system's results in round order."""
+    results: dict[str, list[T]] = {s.name: [] for s in systems}
+    for round_index in range(repeats):
+        for system in systems:
+            results[system.name].append(run(system, round_index))
+    return results

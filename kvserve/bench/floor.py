@@ -1,0 +1,92 @@
+"""What a forward pass must cost on this model, whatever the implementation: the bytes it must read and
+the FLOPs it must do. Divided by the machine's measured ceilings, they give the floor of each figure."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from kvserve.bench.machine import Ceilings
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """Per-token costs of one model at one weight dtype."""
+
+    weight_bytes_per_step: int  # every weight a step must read (the tied embedding is the LM head: all of it)
+    matmul_params: int  # parameters in matrix products, per token (LM head included, embedding lookup not)
+    lm_head_params: int  # of which the LM head: prefill needs it for the last prompt position only
+    kv_bytes_per_token: int  # K and V of one token, all layers, in the cache's dtype
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    sliding_windows: tuple[int | None, ...]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def attended(self, context: int) -> int:
+        """Keys one query at position `context - 1` attends to, summed over layers (windows capped)."""
+        return sum(min(context, w) if w else context for w in self.sliding_windows)
+
+    def decode_flops(self, context: int) -> float:
+        """FLOPs of one decoded token at `context`: 2 per weight, and 4 per head-dim per key (QK and PV)."""
+        return 2.0 * self.matmul_params + 4.0 * self.num_heads * self.head_dim * self.attended(context)
+
+    def decode_bytes(self, batch: int, context: int) -> float:
+        """Bytes read by one decode step of `batch` sequences at `context`: weights once, each one's KV."""
+        kv_tokens = sum(min(context, w) if w else context for w in self.sliding_windows) / max(self.num_layers, 1)
+        return self.weight_bytes_per_step + batch * kv_tokens * self.kv_bytes_per_token
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """FLOPs of a prompt of `prompt_len` tokens: the body for every token, the LM head for the last one
+        only (its logits are the only ones sampled), causal attention over the tokens before each."""
+        attention = sum(self.attended(p + 1) for p in range(prompt_len))
+        body = self.matmul_params - self.lm_head_params
+        return (2.0 * (body * prompt_len + self.lm_head_params)
+                + 4.0 * self.num_heads * self.head_dim * attention)
+
+    def decode_floor_ms(self, ceilings: Ceilings, batch: int, context: int) -> float:
+        """A step can be no faster than its bytes over bandwidth, nor its FLOPs over the matmul rate."""
+        memory_s = self.decode_bytes(batch, context) / (ceilings.bandwidth_gbps * 1e9)
+        compute_s = batch * self.decode_flops(context) / (ceilings.matmul_gflops * 1e9)
+        return 1e3 * max(memory_s, compute_s)
+
+    def prefill_floor_ms(self, ceilings: Ceilings, prompt_len: int) -> float:
+        compute_s = self.prefill_flops(prompt_len) / (ceilings.matmul_gflops * 1e9)
+        memory_s = self.weight_bytes_per_step / (ceilings.bandwidth_gbps * 1e9)
+        return 1e3 * max(memory_s, compute_s)
+
+
+def model_cost(model: torch.nn.Module, config: ModelConfig, kv_bytes_per_token: int) -> ModelCost:
+    """Count from the loaded module itself, so the figure follows the dtype the weights are held in."""
+    seen: set[int] = set()
+    total_bytes = 0
+    matmul_params = 0
+    for _, param in model.named_parameters(remove_duplicate=True):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total_bytes += param.numel() * param.element_size()
+        if param.dim() >= 2:
+            matmul_params += param.numel()
+    if not config.tie_word_embeddings:
+        # An untied input embedding is only looked up (one row per token), never read whole or multiplied.
+        embed = model.embed_tokens.weight
+        total_bytes -= embed.numel() * embed.element_size()
+        matmul_params -= embed.numel()
+    return ModelCost(
+        weight_bytes_per_step=total_bytes,
+        matmul_params=matmul_params,
+        lm_head_params=config.vocab_size * config.hidden_size,
+        kv_bytes_per_token=kv_bytes_per_token,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        sliding_windows=tuple(config.sliding_windows),
+    )

@@ -1,0 +1,88 @@
+"""PNG plots for the bench commands, drawn on an Agg canvas without pyplot (no global figure state)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    label: str
+    x: Sequence[float]
+    y: Sequence[float | None]  # None: no point (a figure that was not measured)
+    style: str = "o-"
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    title: str
+    xlabel: str
+    ylabel: str
+    series: Sequence[Series]
+    log_x: bool = False
+    log_y: bool = False
+
+
+def _figure(num_panels: int) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.5 * num_panels, 4.2), dpi=90)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def line_plot(path: str, panels: Sequence[Panel], title: str | None = None) -> None:
+    """One or more side-by-side line charts in one PNG."""
+    fig = _figure(len(panels))
+    for i, panel in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for s in panel.series:
+            points = [(x, y) for x, y in zip(s.x, s.y) if y is not None]
+            ax.plot([p[0] for p in points], [p[1] for p in points], s.style, label=s.label)
+        if panel.log_x:
+            from matplotlib.ticker import NullFormatter
+
+            ax.set_xscale("log", base=2)
+            ticks = sorted({x for s in panel.series for x in s.x})
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        if panel.log_y:
+            ax.set_yscale("log")
+        _decorate(ax, panel.title, panel.xlabel, panel.ylabel)
+    _save(fig, path, title)
+
+
+def bar_plot(path: str, title: str, ylabel: str, groups: Sequence[str], series: Sequence[Series]) -> None:
+    """Grouped bars: one group per label in `groups`, one bar per series (its y values in group order)."""
+    fig = _figure(1)
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(series), 1)
+    for i, s in enumerate(series):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, [0.0 if y is None else y for y in s.y], width=width, label=s.label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks(range(len(groups)), list(groups))
+    _decorate(ax, "", "", ylabel)
+    _save(fig, path, title)
+
+
+def _decorate(ax: Axes, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig: Figure, path: str, title: str | None) -> None:
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
