@@ -155,6 +155,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         kv_caches = allocate_kv_cache(self.kv_spec, self.cache_plan.num_blocks, self.device)
+        self._use_static_kv_scales(kv_caches, getattr(model, "static_kv_scales", None))
         self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, self.device)
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
@@ -163,6 +164,19 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         logger.info(self.cache_plan.describe())
+
+    def _use_static_kv_scales(self, kv_caches: list, scales: list[tuple[float, float]] | None) -> None:
+        """A checkpoint's calibrated per-tensor KV scales are for fp8_e4m3 (how vLLM and llm-compressor make
+        them); with that KV dtype every layer quantizes with them, otherwise they are ignored (logged)."""
+        if scales is None:
+            return
+        if self.kv_spec.dtype_name != "fp8_e4m3":
+            logger.info("the checkpoint's static fp8 KV scales are unused with --kv-cache-dtype %s",
+                        self.kv_spec.dtype_name)
+            return
+        for cache, (k_scale, v_scale) in zip(kv_caches, scales):
+            cache.static_key_scale, cache.static_value_scale = k_scale, v_scale
+        logger.info("fp8 KV cache uses the checkpoint's per-tensor scales for all %d layers", len(scales))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

@@ -64,6 +64,9 @@ class LayerKVCache:
     value: torch.Tensor
     key_scale: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads] float32
     value_scale: torch.Tensor | None = None
+    # A checkpoint's per-tensor scales: every written token takes them instead of its own (computed) scale.
+    static_key_scale: float | None = None
+    static_value_scale: float | None = None
 
     @property
     def block_size(self) -> int:
@@ -71,8 +74,8 @@ class LayerKVCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new tokens' K/V ([T, kv_heads, head_dim]) at `slots`, quantizing if 8-bit."""
-        store(self.key, self.key_scale, k, slots)
-        store(self.value, self.value_scale, v, slots)
+        store(self.key, self.key_scale, k, slots, self.static_key_scale)
+        store(self.value, self.value_scale, v, slots, self.static_value_scale)
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any index shape) as [*slots.shape, kv_heads, head_dim] in `dtype`; only

@@ -89,15 +89,25 @@ def fake_quantize(x: torch.Tensor, fmt: KVQuantFormat, dims: tuple[int, ...] = (
     return dequantize(quantize(x, scale, fmt), scale, x.dtype)
 
 
-def store(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor) -> None:
+def store(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    static_scale: float | None = None,
+) -> None:
     """Write x ([T, kv_heads, head_dim]) at `slots` of a paged cache [num_blocks, block_size, kv_heads, head_dim];
-    with `scales` ([num_blocks, block_size, kv_heads] float32), quantize per token and head first."""
+    with `scales` ([num_blocks, block_size, kv_heads] float32), quantize per token and head first, using
+    `static_scale` (a checkpoint's calibrated per-tensor scale) for every token when it is given."""
     rows = cache.view(-1, *cache.shape[2:])
     fmt = _format_with_scales(cache, scales)
     if fmt is None:
         rows.index_copy_(0, slots, x.to(cache.dtype))
         return
-    scale = compute_scales(x, fmt)  # [T, kv_heads, 1]
+    if static_scale is None:
+        scale = compute_scales(x, fmt)  # [T, kv_heads, 1]
+    else:
+        scale = torch.full((*x.shape[:-1], 1), static_scale, dtype=torch.float32, device=x.device)
     # index_copy_ has no float8 kernel on CPU: copy the bytes through a same-size integer view.
     rows.view(torch.uint8).index_copy_(0, slots, quantize(x, scale, fmt).view(torch.uint8))
     scales.view(-1, scales.shape[-1]).index_copy_(0, slots, scale.squeeze(-1))

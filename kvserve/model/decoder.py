@@ -65,6 +65,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        # Per layer (k_scale, v_scale): static fp8 KV scales shipped by the checkpoint, if it has them.
+        self.static_kv_scales: list[tuple[float, float]] | None = None
         backend = get_attention_backend(attention_backend)
         c = config
         # Parameters are created on the meta device and materialized uninitialized: the loader fills them.

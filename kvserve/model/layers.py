@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.reference import AttentionBackend, reference_attention, write_kv
+from kvserve.attention.reference import AttentionBackend, reference_attention
 from kvserve.kv.cache import LayerKVCache, as_layer_cache
 
 ATTENTION_BACKENDS = ("cpu", "reference")
@@ -160,6 +160,6 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         c = as_layer_cache(kv_cache)
-        write_kv(c.key, c.value, k, v, meta.slot_mapping, c.key_scale, c.value_scale)
+        c.write(k, v, meta.slot_mapping)
         out = self.backend(q, c.key, c.value, meta, self.scale, self.sliding_window, c.key_scale, c.value_scale)
         return self.o_proj(out.reshape(t, q_size))

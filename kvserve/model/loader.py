@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,7 +89,9 @@ def load_model(
     else:
         config = ModelConfig.from_hf_dir(source.path)
         model = DecoderModel(config, dtype, device, attention_backend)
-        model.load_weights(_hf_canonical_tensors(source.path, config))
+        kv_scales: dict[str, float] = {}
+        model.load_weights(_without_kv_scales(_hf_canonical_tensors(source.path, config), kv_scales))
+        model.static_kv_scales = _static_kv_scales(kv_scales, config.num_layers, source.path)
     model.eval()
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s, %s, %s) in %.2f s", source.name, config.family, dtype, device, seconds)
@@ -126,6 +129,40 @@ def _hf_canonical_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str
         if config.norm_adds_one and name.endswith("norm.weight"):
             tensor = tensor.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
         yield name, tensor
+
+
+_KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+def _without_kv_scales(
+    tensors: Iterator[tuple[str, torch.Tensor]], found: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass weights through; keep fp8 checkpoints' per-tensor KV scales (`layers.N.self_attn.k_scale` /
+    `v_scale`, as vLLM and llm-compressor write them) aside in `found`."""
+    for name, tensor in tensors:
+        if _KV_SCALE_NAME.search(name):
+            if tensor.numel() != 1:
+                raise ValueError(f"{name}: a KV scale must hold one value (per-tensor), got shape {list(tensor.shape)}")
+            found[name] = float(tensor.reshape(()).float())
+        else:
+            yield name, tensor
+
+
+def _static_kv_scales(found: dict[str, float], num_layers: int, path: Path) -> list[tuple[float, float]] | None:
+    """Per layer (k_scale, v_scale), or None without any; a checkpoint with only some of them is malformed."""
+    if not found:
+        return None
+    by_layer: dict[tuple[int, str], float] = {}
+    for name, value in found.items():
+        match = _KV_SCALE_NAME.search(name)
+        assert match is not None
+        if not value > 0:
+            raise ValueError(f"{path}: KV scale {name} must be positive, got {value}")
+        by_layer[int(match.group(1)), match.group(2)] = value
+    missing = [f"layers.{i}.self_attn.{kv}_scale" for i in range(num_layers) for kv in "kv" if (i, kv) not in by_layer]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint has KV scales for some layers but not {', '.join(missing[:4])}")
+    return [(by_layer[i, "k"], by_layer[i, "v"]) for i in range(num_layers)]
 
 
 def _safetensors_tensors(files: list[Path], rename) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[no-untyped-def]

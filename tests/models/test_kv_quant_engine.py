@@ -120,3 +120,41 @@ def test_budget_buys_4x_blocks_and_startup_log_says_so(checkpoints, caplog):
     assert blocks["int8"] == blocks["fp8"]
     assert f"KV cache dtype fp8_e4m3: {blocks['fp8']} blocks" in caplog.text
     assert f"KV cache dtype int8: {blocks['int8']} blocks" in caplog.text
+
+
+def _with_static_kv_scales(src: Path, dst: Path, layers: range, scale: float) -> Path:
+    """A copy of a checkpoint carrying per-tensor fp8 KV scales, named as vLLM / llm-compressor write them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    for i in layers:
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(scale)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(scale * 2)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_checkpoint_static_fp8_scales_are_used(checkpoints, float32_outputs, tmp_path):
+    path = _with_static_kv_scales(checkpoints["llama_gqa"], tmp_path / "static", range(2), 0.02)
+    engine = make_engine(path, kv_cache_dtype="fp8")
+    outs = generate(engine, prompts(6, seed=11))
+    for ref, got in zip(float32_outputs["llama_gqa"], outs):
+        assert_logprobs_close(ref.token_ids, tops_of(ref), got.token_ids, tops_of(got), name="static fp8")
+    cache = engine.runner.kv_caches[0]
+    used = cache.key_scale.view(-1)[cache.key_scale.view(-1) != 1.0]  # slots written (scales start at 1)
+    assert used.numel() > 0 and torch.all(used == 0.02)
+    assert torch.all(cache.value_scale.view(-1)[cache.value_scale.view(-1) != 1.0] == 0.04)
+    # Another 8-bit format computes its own per-token scales: the fp8 calibration does not apply to it.
+    int8 = make_engine(path, kv_cache_dtype="int8")
+    generate(int8, prompts(2, seed=12))
+    written = int8.runner.kv_caches[0].key_scale.view(-1)
+    assert len(set(written[written != 1.0].tolist())) > 1
+
+
+def test_partial_static_kv_scales_are_a_clear_error(checkpoints, tmp_path):
+    path = _with_static_kv_scales(checkpoints["llama_gqa"], tmp_path / "partial", range(1), 0.02)
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_scale"):
+        make_engine(path, kv_cache_dtype="fp8")
