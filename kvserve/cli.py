@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import resource
 import sys
@@ -90,26 +89,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     elapsed = time.perf_counter() - start
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    if args.json is not None:
-        doc = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
-                "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-                            for c in o.outputs]} for o in outputs]
-        _write_json(doc, args.json)
-    if args.json not in ("-", ""):
-        for o in outputs:
-            for c in o.outputs:
-                print(f"{o.prompt}{c.text}" if args.echo else c.text)
+    from kvserve.tools.report import emit
+
+    doc = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
+            "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                        for c in o.outputs]} for o in outputs]
+    text = "\n".join(f"{o.prompt}{c.text}" if args.echo else c.text for o in outputs for c in o.outputs)
+    emit(doc, text, args.json)
     print(f"{num_out} tokens in {elapsed:.2f} s ({num_out / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
     return 0
-
-
-def _write_json(doc: object, target: str) -> None:
-    text = json.dumps(doc, indent=2, ensure_ascii=False)
-    if target in ("-", ""):
-        print(text)
-    else:
-        with open(target, "w") as f:
-            f.write(text + "\n")
 
 
 # Modules that each define `add_parser(subparsers)`, registering one subcommand whose parser sets `func`

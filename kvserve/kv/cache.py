@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.capacity import SCALE_BYTES
+from kvserve.capacity import KV_DTYPES, KVShape
 from kvserve.kv.quant import KV_QUANT_FORMATS, load, quant_format, store
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,10 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head: head_dim elements plus, if 8-bit, one float32 scale
-        (the same rule as kvserve.capacity.KVShape.bytes_per_token)."""
-        scale_bytes = SCALE_BYTES if self.is_quantized else 0
-        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.dtype.itemsize + scale_bytes)
+        """K and V, every layer, every KV head: head_dim elements plus, if 8-bit, one float32 scale; computed
+        by kvserve.capacity, so that `kvserve estimate` and the engine cannot disagree."""
+        shape = KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.num_kv_heads, (None,) * self.num_layers)
+        return shape.bytes_per_token(KV_DTYPES[self.dtype_name])
 
     @property
     def bytes_per_block(self) -> int:

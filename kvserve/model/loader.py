@@ -48,18 +48,15 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def resolve_dtype(dtype: str, device: torch.device | str, config: ModelConfig) -> torch.dtype:
-    """`--dtype`: auto = float32 on CPU, else the checkpoint's dtype (bfloat16 when unknown, e.g. GGUF)."""
-    if dtype in _DTYPES:
-        return _DTYPES[dtype]
-    if dtype != "auto":
-        raise ValueError(f"unknown dtype {dtype!r} (choose from auto, {', '.join(_DTYPES)})")
-    if torch.device(device).type == "cpu":
-        return torch.float32
-    ckpt = _DTYPES.get(str(config.torch_dtype).removeprefix("torch."))
-    if ckpt is None or ckpt == torch.bfloat16:
-        ok = torch.device(device).type != "cuda" or torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if ok else torch.float16
-    return ckpt
+    """`--dtype`, by capacity's rule (auto = float32 on CPU, else the checkpoint's dtype, bfloat16 when unknown,
+    e.g. GGUF), falling back to float16 on a CUDA device without bfloat16."""
+    from kvserve.capacity import resolve_compute_dtype
+
+    device = torch.device(device)
+    chosen = _DTYPES[resolve_compute_dtype(dtype, device.type, config.torch_dtype if config else None)]
+    if chosen == torch.bfloat16 and dtype == "auto" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return chosen
 
 
 def load_model(

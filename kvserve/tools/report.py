@@ -1,4 +1,4 @@
-"""Output helpers shared by the capacity commands: the `--json [PATH]` convention, sizes, plain tables."""
+"""Output helpers shared by the capacity commands (and `kvserve generate`): the `--json [PATH]` convention, sizes, plain tables."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def add_json_arg(parser: argparse.ArgumentParser, schema: str) -> None:
                              f"table on stdout. Schema: {schema}")
 
 
-def emit(doc: dict[str, Any], text: str, json_target: str | None) -> None:
+def emit(doc: dict[str, Any] | list[Any], text: str, json_target: str | None) -> None:
     """Print the table, the JSON, or the table with the JSON written to a file."""
     if json_target in ("-", ""):
         print(json.dumps(doc, indent=2))
