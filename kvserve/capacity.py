@@ -6,6 +6,7 @@ same functions, so an estimate agrees with what `kvserve serve` allocates, to th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -262,10 +263,20 @@ def compare_contiguous(bytes_per_token: int, block_size: int, requests: int, avg
     whole blocks; 'fit' = how many such requests the budget holds under each layout."""
     if not 1 <= avg_len <= max_len:
         raise ValueError(f"--avg-len must be between 1 and --max-len ({max_len}), got {avg_len}")
-    used = requests * avg_len * bytes_per_token
+    return compare_layouts([avg_len] * requests, bytes_per_token, block_size, max_len, budget_bytes)
+
+
+def compare_layouts(lengths: Sequence[int], bytes_per_token: int, block_size: int, max_len: int,
+                    budget_bytes: int) -> ContiguousComparison:
+    """The same requests (their lengths in tokens, prompt + output) in a cache that reserves max_len per
+    request and in the paged cache, which rounds each up to whole blocks. 'fit' = how many requests of this
+    length distribution the budget holds at once: budget over the mean bytes one request takes."""
+    if not lengths or not all(1 <= n <= max_len for n in lengths):
+        raise ValueError(f"request lengths must be between 1 and max-len ({max_len})")
+    used = sum(lengths) * bytes_per_token
     per_request_contig = max_len * bytes_per_token
-    per_request_paged = blocks_per_request(avg_len, block_size) * block_size * bytes_per_token
+    paged = sum(blocks_per_request(n, block_size) for n in lengths) * block_size * bytes_per_token
     return ContiguousComparison(
-        contiguous=CacheLayoutUse(requests * per_request_contig, used, budget_bytes // per_request_contig),
-        paged=CacheLayoutUse(requests * per_request_paged, used, budget_bytes // per_request_paged),
+        contiguous=CacheLayoutUse(len(lengths) * per_request_contig, used, budget_bytes // per_request_contig),
+        paged=CacheLayoutUse(paged, used, budget_bytes * len(lengths) // paged),
     )

@@ -44,6 +44,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; hits still compare block contents)
     enable_chunked_prefill: bool = True
+    # Emulate a contiguous cache: each request reserves blocks for max-model-len at admission (bench memory).
+    reserve_max_model_len: bool = False
     seed: int = 0
     cpu_threads: int | None = None  # None: all cores
     attention_backend: str = "cpu"  # "cpu" (fast) or "reference"

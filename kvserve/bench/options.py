@@ -41,5 +41,5 @@ def new_command(sub: argparse._SubParsersAction, name: str, summary: str, descri
     """A bench subcommand whose --help ends with its JSON schema."""
     return sub.add_parser(name, help=summary, description=description,
                           epilog="JSON schema (--json), inside the common envelope {schema, command, created_utc, "
-                                 "machine, config, results, ratios, notes}:\n" + schema,
+                                 "machine, config, results, ratios, notes, tables}:\n" + schema,
                           formatter_class=argparse.RawDescriptionHelpFormatter)

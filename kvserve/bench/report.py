@@ -3,7 +3,9 @@
 JSON envelope, shared by every subcommand (the command-specific part is `results`):
   {"schema": "kvserve.bench.<command>/1", "command", "created_utc", "machine": {cpu_model, logical_cpus,
    torch_threads, memory_gib, python, torch, transformers, platform}, "config": {flag: value},
-   "results": {...}, "ratios": {name: float | null}, "notes": [str]}
+   "results": {...}, "ratios": {name: float | null}, "notes": [str],
+   "tables": [{"title", "columns": [str], "rows": [[cell]]}] (the printed tables, raw cells; `bench all`
+   writes docs/BENCHMARKS.md's tables from them)}
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Table:
         if len(cells) != len(self.columns):
             raise ValueError(f"{self.title}: row has {len(cells)} cells for {len(self.columns)} columns")
         self.rows.append(list(cells))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"title": self.title, "columns": self.columns, "rows": self.rows}
 
     def render(self) -> str:
         cells = [self.columns] + [[format_cell(c) for c in row] for row in self.rows]
@@ -77,6 +82,7 @@ class Report:
             "results": self.results,
             "ratios": self.ratios,
             "notes": self.notes,
+            "tables": [t.to_json() for t in self.tables],
         }
 
     def render(self) -> str:

@@ -6,6 +6,7 @@ prefix-cache hit flatters a figure, and they need no dataset on a machine withou
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,6 +70,34 @@ def random_token_requests(
         )
         for _ in range(num_requests)
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDistribution:
+    """Request lengths in tokens (prompt + output): lognormal with the given mean, clipped to [2, max_len].
+    Real chat traffic is long-tailed like this (most requests short, a few near the context limit), which is
+    exactly what makes reserving max-model-len per request wasteful."""
+
+    mean: float
+    max_len: int
+    sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2 or not 0 < self.mean <= self.max_len or self.sigma < 0:
+            raise ValueError(f"invalid length distribution: mean {self.mean}, max {self.max_len}, sigma {self.sigma}"
+                             " (need 0 < mean <= max, max >= 2, sigma >= 0)")
+
+    def sample(self, rng: random.Random, n: int) -> list[int]:
+        mu = math.log(self.mean) - self.sigma ** 2 / 2  # so that the unclipped mean is `mean`
+        return [min(self.max_len, max(2, round(rng.lognormvariate(mu, self.sigma)))) for _ in range(n)]
+
+
+def split_length(length: int, output_share: float) -> tuple[int, int]:
+    """(prompt, output) tokens of a request `length` tokens long, each at least one."""
+    if length < 2:
+        raise ValueError(f"a request needs at least 2 tokens (1 prompt + 1 output), got {length}")
+    output = min(length - 1, max(1, round(length * output_share)))
+    return length - output, output
 
 
 # Plain English words written for this file; prompts made of them tokenize to roughly one token per word.

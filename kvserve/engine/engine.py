@@ -146,7 +146,8 @@ class LLMEngine:
         self.cache_plan = plan_cache(config, model_config, self.kv_spec, self.device)
         self.max_model_len = self.cache_plan.max_model_len
         self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo)
+        reserve = self.max_model_len if config.reserve_max_model_len else 0
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo, reserve)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,

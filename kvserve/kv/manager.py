@@ -45,11 +45,18 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     """Maps requests to block lists. A request holds blocks only for the tokens it has; full computed
-    blocks are published to the prefix cache so later requests with the same prefix can share them."""
+    blocks are published to the prefix cache so later requests with the same prefix can share them.
 
-    def __init__(self, pool: BlockPool, block_size: int, hash_algo: str = "sha256") -> None:
+    `reserve_tokens` > 0 emulates a contiguous cache (pre-PagedAttention systems, HF's static cache): a
+    request takes blocks for that many tokens at its first allocation, whatever its length, so `bench
+    memory` can measure what reserving max-model-len per request costs on the very same engine."""
+
+    def __init__(self, pool: BlockPool, block_size: int, hash_algo: str = "sha256", reserve_tokens: int = 0) -> None:
+        if reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
         self.pool = pool
         self.block_size = block_size
+        self.reserve_tokens = reserve_tokens
         self.hasher = BlockHasher(hash_algo)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
@@ -87,10 +94,14 @@ class KVCacheManager:
         self.prefix_stats.record(request.num_tokens, len(blocks) * self.block_size)
         return blocks, len(blocks) * self.block_size
 
+    def _blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request of num_tokens tokens holds: just enough, or its whole reservation."""
+        return cdiv(max(num_tokens, self.reserve_tokens), self.block_size)
+
     def can_fit(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
         held = self.req_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-        needed = cdiv(num_tokens, self.block_size) - len(held) - len(new_computed_blocks)
+        needed = self._blocks_for(num_tokens) - len(held) - len(new_computed_blocks)
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return max(needed, 0) + revived <= self.pool.num_free_blocks
 
@@ -110,7 +121,7 @@ class KVCacheManager:
         self.pool.touch(new_computed_blocks)
         held.extend(new_computed_blocks)
         num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-        needed = cdiv(num_tokens, self.block_size) - len(held)
+        needed = self._blocks_for(num_tokens) - len(held)
         if needed > 0:
             held.extend(self.pool.allocate(needed))
         self._publish(request, num_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ENVELOPE = {"schema", "command", "created_utc", "machine", "config", "results", "ratios", "notes"}
+ENVELOPE = {"schema", "command", "created_utc", "machine", "config", "results", "ratios", "notes", "tables"}
 MACHINE = {"cpu_model", "logical_cpus", "torch_threads", "memory_gib", "python", "torch", "transformers", "platform"}
 SUMMARY = {"count", "mean", "p50", "p90", "p99", "min", "max"}
 

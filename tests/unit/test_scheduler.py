@@ -22,9 +22,9 @@ class Params:
     max_tokens: int = 8
 
 
-def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True):
+def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False):
     pool = BlockPool(num_blocks, enable_caching=caching)
-    kv = KVCacheManager(pool, block_size)
+    kv = KVCacheManager(pool, block_size, reserve_tokens=max_len if reserve else 0)
     return Scheduler(kv, max_seqs, budget, max_len), pool, kv
 
 
@@ -128,6 +128,45 @@ def test_abort_and_double_finish_keep_pool_whole():
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def test_reserving_max_model_len_takes_every_block_at_admission_and_returns_them():
+    # 14 blocks of 4 tokens, max-model-len 16: each request reserves 4 blocks, so 3 fit however short they are.
+    sched, pool, kv = make(num_blocks=14, block_size=4, max_seqs=8, budget=64, max_len=16, reserve=True)
+    requests = [req(f"r{i}", 3, max_tokens=2 + i, base=100 * i) for i in range(5)]
+    for r in requests:
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1", "r2"]  # r3 waits: 2 blocks are left
+    assert all(kv.num_blocks_held(r) == 4 for r in requests[:3]) and pool.num_free_blocks == 2
+    sched.on_step_done(out)
+    check(sched, pool, kv)
+    finished = []
+    for _ in range(100):
+        held = {r.request_id: kv.num_blocks_held(r) for r in sched.running}
+        assert all(n == 4 for n in held.values())  # growth within the reservation allocates nothing
+        assert len(held) <= 3
+        finished += fake_step(sched)
+        check(sched, pool, kv)
+        if not sched.num_unfinished:
+            break
+    assert sorted(r.request_id for r in finished) == [f"r{i}" for i in range(5)]
+    assert sched.num_preemptions == 0 and pool.num_free_blocks == pool.num_blocks and not kv.req_blocks
+
+
+def test_reservation_counts_prefix_hit_blocks():
+    sched, pool, kv = make(num_blocks=32, block_size=4, budget=64, max_len=24, reserve=True)
+    a = req("a", 10, max_tokens=30)
+    sched.add(a)
+    fake_step(sched)
+    b = req("b", 9, max_tokens=2)  # shares a's first two full blocks
+    sched.add(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 8 and kv.req_blocks["b"][0] is kv.req_blocks["a"][0]
+    assert kv.num_blocks_held(a) == kv.num_blocks_held(b) == 6  # 24 tokens, hit blocks included
+    assert pool.num_free_blocks == 32 - 6 - 4
+    sched.on_step_done(out)
+    check(sched, pool, kv)
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
@@ -140,14 +179,15 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 64), caching=st.booleans())
+@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 64), caching=st.booleans(),
+       reserve=st.booleans())
 # A preempted request re-admitted through a prefix hit once counted its cached tokens twice and never fit.
-@example(ops=[("add", 13, 9, 0), ("add", 22, 4, 1)], num_blocks=12, budget=5, caching=True)
-def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching):
+@example(ops=[("add", 13, 9, 0), ("add", 22, 4, 1)], num_blocks=12, budget=5, caching=True, reserve=False)
+def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching, reserve):
     block_size = 4
     max_len = min(48, num_blocks * block_size)
     sched, pool, kv = make(num_blocks=num_blocks, block_size=block_size, max_seqs=5, budget=budget,
-                           max_len=max_len, caching=caching)
+                           max_len=max_len, caching=caching, reserve=reserve)
     live: list[Request] = []
     count = 0
     for op in ops:
