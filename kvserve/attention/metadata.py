@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +27,15 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     block_size: int
+    # Index tensors a backend derives from this step's metadata, shared by every layer (they differ only by
+    # sliding window): computed by the first layer, reused by the other layers. Lives and dies with the step.
+    derived: dict[tuple, Any] = field(default_factory=dict)
+
+    def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """`make()` once per step per key."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     @property
     def num_seqs(self) -> int:

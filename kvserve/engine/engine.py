@@ -193,7 +193,8 @@ class LLMEngine:
         model_config = load_model_config(source)
         dtype = resolve_dtype(config.dtype, device, model_config)
         tokenizer = load_tokenizer(source, chat_template=config.chat_template)
-        loaded = load_model(source, dtype, device, attention_backend=config.attention_backend)
+        loaded = load_model(source, dtype, device, attention_backend=config.attention_backend,
+                            quantization=config.quantization)
         if config.served_model_name is None:
             config.served_model_name = source.name
         return cls(config, loaded.config, loaded.model, tokenizer, device=device, compute_dtype=dtype)
@@ -201,6 +202,9 @@ class LLMEngine:
     def sibling(self, **changes: object) -> "LLMEngine":
         """A new engine (own KV cache, scheduler and requests) sharing this one's loaded model and tokenizer,
         with `changes` applied to the config: for comparing settings without loading the model twice."""
+        fixed = {"model", "dtype", "quantization", "device", "attention_backend"} & changes.keys()
+        if fixed:
+            raise ValueError(f"a sibling engine shares the loaded model, so it cannot change {', '.join(sorted(fixed))}")
         config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
         return LLMEngine(config, self.model_config, self.runner.model, self.tokenizer, self.device, self.compute_dtype)
 

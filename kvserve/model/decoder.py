@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, get_attention_backend
+from kvserve.model.quantization import TiedEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -71,7 +71,7 @@ class DecoderModel(nn.Module):
         c = config
         # Parameters are created on the meta device and materialized uninitialized: the loader fills them.
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+            self.embed_tokens = TiedEmbedding(c.vocab_size, c.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList()
             for i in range(c.num_layers):
                 attn = PagedAttention(
@@ -123,8 +123,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32, with final logit softcapping when the config has it."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden.to(weight.dtype), weight).float()
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens.attend  # tied: the embedding
+        logits = head(hidden).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

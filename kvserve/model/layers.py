@@ -39,9 +39,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)  # one fused op
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -77,15 +75,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim/2] in the compute dtype."""
+        """[T] positions -> (cos, signed sin), each [T, 1, head_dim] in the compute dtype, laid out for
+        `apply_rope`: cos repeated over both halves, sin negated on the first half. Computed once per step."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; rotates the pair (i, i + head_dim/2)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; rotates the pair (i, i + head_dim/2):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + swap_halves(x) * (-sin, sin), in three ops."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 _ACTIVATIONS = {
@@ -151,14 +151,18 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, q_size = self.num_heads, self.num_kv_heads, self.num_heads * self.head_dim
+        qkv = self.qkv_proj(x)
+        # Q and K side by side as [T, heads + kv_heads, head_dim]: one norm and one rope call for both.
+        qk = qkv[:, : q_size + kv_heads * self.head_dim].view(t, heads + kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_heads * self.head_dim :].view(t, kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps)
+            qk[:, :heads] *= self.q_norm.weight
+            qk[:, heads:] *= self.k_norm.weight
+            qk = qk.to(x.dtype)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
         c = as_layer_cache(kv_cache)
         c.write(k, v, meta.slot_mapping)
         out = self.backend(q, c.key, c.value, meta, self.scale, self.sliding_window, c.key_scale, c.value_scale)

@@ -2,7 +2,7 @@
 
 Every source is turned into a stream of *canonical* tensors (HF names without the leading "model.", RMSNorm
 weights as the factor actually multiplied, i.e. Gemma's 1 + w) that `DecoderModel.load_weights` consumes.
-GGUF tensors are dequantized once and cached as canonical float32 safetensors under ~/.cache/kvserve, so a
+GGUF tensors are dequantized once and cached as canonical float32 safetensors under the cache directory (~/.cache/kvserve), so a
 second start only memory-maps that file.
 """
 
@@ -19,15 +19,18 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.q8 import load_q8_kernel
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.gguf_reader import GGUFFile
+from kvserve.model.quantization import quantize_model
 from kvserve.model.source import ModelFormat, ModelSource
+from kvserve.model.tokenizer import default_cache_dir
 
 log = logging.getLogger(__name__)
 
 GGUF_CACHE_VERSION = 1  # bump when the canonical layout of cached tensors changes
-DEFAULT_CACHE_DIR = Path("~/.cache/kvserve")
+QUANTIZED_CACHE_VERSION = 1  # bump when a quantization's stored layout changes
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,9 +68,12 @@ def load_model(
     device: torch.device,
     attention_backend: str = "cpu",
     cache_dir: Path | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Build the model for `source` and fill its weights; `cache_dir` holds dequantized GGUF tensors."""
+    """Build the model for `source`, fill its weights, then quantize them as `quantization` says;
+    `cache_dir` holds dequantized GGUF tensors and the compiled kernels."""
     start = time.perf_counter()
+    kernel_dir = (cache_dir or default_cache_dir()).expanduser() / "kernels"
     if source.format == ModelFormat.GGUF:
         with GGUFFile(source.path) as f:
             config = ModelConfig.from_gguf(f)
@@ -75,6 +81,16 @@ def load_model(
             if not cache_file.is_file():
                 _write_gguf_cache(f, config, cache_file)
         model = DecoderModel(config, dtype, device, attention_backend)
+        quantized_file = cache_file.with_name(f"model.{quantization}-v{QUANTIZED_CACHE_VERSION}.{dtype_name(dtype)}"
+                                              ".safetensors")
+        if quantization != "none" and quantized_file.is_file():
+            try:
+                _load_quantized_cache(model, quantized_file, quantization, kernel_dir)
+                return _loaded(config, model, source, dtype, device, quantization, start)
+            except ValueError as e:  # damaged or stale: rebuilt from the float32 cache below
+                log.warning("%s; rebuilding it", e)
+                quantized_file.unlink(missing_ok=True)
+                model = DecoderModel(config, dtype, device, attention_backend)
         try:
             model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
         except ValueError as e:  # a damaged cache is rebuilt once, never trusted
@@ -83,15 +99,27 @@ def load_model(
             with GGUFFile(source.path) as f:
                 _write_gguf_cache(f, config, cache_file)
             model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
+        if quantization != "none":
+            quantize_model(model, quantization, load_q8_kernel(kernel_dir))
+            _save_atomically(model.state_dict(), quantized_file, {"quantization": quantization})
+            return _loaded(config, model, source, dtype, device, quantization, start)
     else:
         config = ModelConfig.from_hf_dir(source.path)
         model = DecoderModel(config, dtype, device, attention_backend)
         kv_scales: dict[str, float] = {}
         model.load_weights(_without_kv_scales(_hf_canonical_tensors(source.path, config), kv_scales))
         model.static_kv_scales = _static_kv_scales(kv_scales, config.num_layers, source.path)
+    if quantization != "none":
+        quantize_model(model, quantization, load_q8_kernel(kernel_dir))
+    return _loaded(config, model, source, dtype, device, quantization, start)
+
+
+def _loaded(config: ModelConfig, model: DecoderModel, source: ModelSource, dtype: torch.dtype, device: torch.device,
+            quantization: str, start: float) -> LoadedModel:
     model.eval()
     seconds = time.perf_counter() - start
-    log.info("loaded %s (%s, %s, %s) in %.2f s", source.name, config.family, dtype, device, seconds)
+    log.info("loaded %s (%s, %s, quantization %s, %s) in %.2f s", source.name, config.family, dtype, quantization,
+             device, seconds)
     return LoadedModel(config=config, model=model, source=source, load_seconds=seconds)
 
 
@@ -236,22 +264,44 @@ def gguf_canonical_tensors(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[s
 
 def _gguf_cache_file(source: ModelSource, cache_dir: Path | None) -> Path:
     stat = source.path.stat()
-    root = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    root = (cache_dir or default_cache_dir()).expanduser()
     key = f"{source.path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{GGUF_CACHE_VERSION}"
     return root / key / "model.safetensors"
 
 
-def _write_gguf_cache(f: GGUFFile, config: ModelConfig, cache_file: Path) -> None:
-    """Dequantize every tensor once and store them (float32) atomically: tmp file, then rename."""
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _load_quantized_cache(model: DecoderModel, file: Path, quantization: str, kernel_dir: Path) -> None:
+    """Fill `model` from a saved quantized state: a later start skips the float32 pass and reads a third of
+    the bytes. Raises ValueError when the file does not fit the model."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    quantize_model(model, quantization, load_q8_kernel(kernel_dir), quantize=False)
+    try:
+        model.load_state_dict(load_file(str(file)), strict=True, assign=True)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"quantized cache {file} is unusable ({e})") from e
+
+
+def _save_atomically(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """tmp file, then rename: a crash or a concurrent start never leaves a half-written cache behind."""
     from safetensors.torch import save_file
 
-    start = time.perf_counter()
-    tensors = dict(gguf_canonical_tensors(f, config))
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata={"source": str(f.path), "layout": f"kvserve-canonical-v{GGUF_CACHE_VERSION}"})
-        os.replace(tmp, cache_file)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.replace(tmp, file)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _write_gguf_cache(f: GGUFFile, config: ModelConfig, cache_file: Path) -> None:
+    """Dequantize every tensor once and store them (float32) atomically: tmp file, then rename."""
+    start = time.perf_counter()
+    tensors = dict(gguf_canonical_tensors(f, config))
+    _save_atomically(tensors, cache_file, {"source": str(f.path), "layout": f"kvserve-canonical-v{GGUF_CACHE_VERSION}"})
     log.info("dequantized %s into %s in %.2f s", f.path.name, cache_file, time.perf_counter() - start)
