@@ -5,6 +5,8 @@
   with a padding mask. The query heads sharing a KV head are folded into the query-length
   axis ([B, kv_heads, group, D]), so GQA/MQA never copies K/V per query head and each step is a small
   matmul instead of `group` matrix-vector products.
+- With the native kernels and a float32 cache, decode rows skip the gather: kernels.paged_decode_attention
+  reads K/V through the block tables in place (kvserve/kernels/paged_attention.cpp).
 - An 8-bit cache is dequantized in the gather (LayerKVCache.read): only the context rows of this step's
   sequences are ever converted, never the whole cache.
 - Prefill chunks run one SDPA call per sequence (enable_gqa), with `is_causal` when the chunk is the whole
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import context_slots
+from kvserve.kernels.ops import Kernels, TorchKernels
 from kvserve.kv.cache import LayerKVCache
 
 
@@ -35,10 +38,15 @@ def cpu_attention(
     sliding_window: int | None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    kernels: Kernels = TorchKernels(),
 ) -> torch.Tensor:
     cache = LayerKVCache(k_cache, v_cache, k_scales, v_scales)
     window = sliding_window
+    paged = k_scales is None and kernels.has_paged_attention(k_cache) and q.dtype == k_cache.dtype
     if meta.is_decode_only:
+        if paged:
+            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, window,
+                                                  scale)
         slots, mask = meta.memo(("decode", window), lambda: _decode_gather(
             meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, meta.block_size, window))
         return _decode_batch(q, cache, slots, mask, scale)
@@ -46,15 +54,16 @@ def cpu_attention(
     decode_idx = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     starts = [0, *accumulate(meta.query_lens_cpu)]
     if decode_idx:
-        rows = meta.memo(("decode-rows",), lambda: meta.query_start_loc[torch.tensor(decode_idx, device=q.device)])
-
-        def gather() -> tuple[torch.Tensor, torch.Tensor]:
-            idx = torch.tensor(decode_idx, dtype=torch.int64, device=q.device)
-            return _decode_gather(meta.block_tables[idx], meta.seq_lens[idx],
-                                  [meta.seq_lens_cpu[i] for i in decode_idx], meta.block_size, window)
-
-        slots, mask = meta.memo(("decode-subset", window), gather)
-        out[rows] = _decode_batch(q[rows], cache, slots, mask, scale)
+        idx = meta.memo(("decode-idx",), lambda: torch.tensor(decode_idx, dtype=torch.int64, device=q.device))
+        rows = meta.memo(("decode-rows",), lambda: meta.query_start_loc[idx])
+        if paged:
+            tables, lens = meta.memo(("decode-tables",), lambda: (meta.block_tables[idx], meta.seq_lens[idx]))
+            out[rows] = kernels.paged_decode_attention(q[rows], k_cache, v_cache, tables, lens, window, scale)
+        else:
+            slots, mask = meta.memo(("decode-subset", window), lambda: _decode_gather(
+                meta.block_tables[idx], meta.seq_lens[idx], [meta.seq_lens_cpu[i] for i in decode_idx],
+                meta.block_size, window))
+            out[rows] = _decode_batch(q[rows], cache, slots, mask, scale)
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         if q_len == 1:
             continue

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels.ops import Kernels, TorchKernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, get_attention_backend
 from kvserve.model.quantization import TiedEmbedding
@@ -61,6 +62,7 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention_backend: str = "cpu",
+        kernels: Kernels = TorchKernels(),
     ) -> None:
         super().__init__()
         self.config = config
@@ -98,6 +100,13 @@ class DecoderModel(nn.Module):
                 ropes.append(RotaryEmbedding(c.head_dim, theta, scaling))
             self.rope_index.append(keys.index(key))
         self.ropes = nn.ModuleList(ropes).to(device)
+        self.use_kernels(kernels)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Every module with its own kernels (norms, quantized layers) uses these."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def _keep_norms_float32(self) -> None:
         for module in self.modules():

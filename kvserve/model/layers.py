@@ -14,6 +14,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import AttentionBackend, reference_attention
+from kvserve.kernels.ops import Kernels, TorchKernels
 from kvserve.kv.cache import LayerKVCache, as_layer_cache
 
 ATTENTION_BACKENDS = ("cpu", "reference")
@@ -33,13 +34,14 @@ def get_attention_backend(name: str) -> AttentionBackend:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 with a float32 weight, cast back to the input dtype at the end."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels = TorchKernels()) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)  # one fused op
+        return self.kernels.rms_norm(x, self.weight, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -141,6 +143,7 @@ class PagedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=out_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.kernels: Kernels = TorchKernels()
 
     def forward(
         self,
@@ -156,14 +159,15 @@ class PagedAttention(nn.Module):
         # Q and K side by side as [T, heads + kv_heads, head_dim]: one norm and one rope call for both.
         qk = qkv[:, : q_size + kv_heads * self.head_dim].view(t, heads + kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_heads * self.head_dim :].view(t, kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps)
-            qk[:, :heads] *= self.q_norm.weight
-            qk[:, heads:] *= self.k_norm.weight
-            qk = qk.to(x.dtype)
+        if self.q_norm is not None:  # both norms write into one [T, heads + kv_heads, head_dim] tensor
+            normed = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
+            self.q_norm.kernels.rms_norm(qk[:, :heads], self.q_norm.weight, self.q_norm.eps, out=normed[:, :heads])
+            self.k_norm.kernels.rms_norm(qk[:, heads:], self.k_norm.weight, self.k_norm.eps, out=normed[:, heads:])
+            qk = normed.to(x.dtype)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         c = as_layer_cache(kv_cache)
         c.write(k, v, meta.slot_mapping)
-        out = self.backend(q, c.key, c.value, meta, self.scale, self.sliding_window, c.key_scale, c.value_scale)
+        out = self.backend(q, c.key, c.value, meta, self.scale, self.sliding_window, c.key_scale, c.value_scale,
+                           self.kernels)
         return self.o_proj(out.reshape(t, q_size))

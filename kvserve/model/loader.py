@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kernels.q8 import load_q8_kernel
+from kvserve.kernels.ops import Kernels, load_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.gguf_reader import GGUFFile
@@ -73,24 +73,24 @@ def load_model(
     """Build the model for `source`, fill its weights, then quantize them as `quantization` says;
     `cache_dir` holds dequantized GGUF tensors and the compiled kernels."""
     start = time.perf_counter()
-    kernel_dir = (cache_dir or default_cache_dir()).expanduser() / "kernels"
+    kernels = load_kernels((cache_dir or default_cache_dir()).expanduser() / "kernels")
     if source.format == ModelFormat.GGUF:
         with GGUFFile(source.path) as f:
             config = ModelConfig.from_gguf(f)
             cache_file = _gguf_cache_file(source, cache_dir)
             if not cache_file.is_file():
                 _write_gguf_cache(f, config, cache_file)
-        model = DecoderModel(config, dtype, device, attention_backend)
+        model = DecoderModel(config, dtype, device, attention_backend, kernels)
         quantized_file = cache_file.with_name(f"model.{quantization}-v{QUANTIZED_CACHE_VERSION}.{dtype_name(dtype)}"
                                               ".safetensors")
         if quantization != "none" and quantized_file.is_file():
             try:
-                _load_quantized_cache(model, quantized_file, quantization, kernel_dir)
+                _load_quantized_cache(model, quantized_file, quantization, kernels)
                 return _loaded(config, model, source, dtype, device, quantization, start)
             except ValueError as e:  # damaged or stale: rebuilt from the float32 cache below
                 log.warning("%s; rebuilding it", e)
                 quantized_file.unlink(missing_ok=True)
-                model = DecoderModel(config, dtype, device, attention_backend)
+                model = DecoderModel(config, dtype, device, attention_backend, kernels)
         try:
             model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
         except ValueError as e:  # a damaged cache is rebuilt once, never trusted
@@ -100,17 +100,17 @@ def load_model(
                 _write_gguf_cache(f, config, cache_file)
             model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
         if quantization != "none":
-            quantize_model(model, quantization, load_q8_kernel(kernel_dir))
+            quantize_model(model, quantization, kernels)
             _save_atomically(model.state_dict(), quantized_file, {"quantization": quantization})
             return _loaded(config, model, source, dtype, device, quantization, start)
     else:
         config = ModelConfig.from_hf_dir(source.path)
-        model = DecoderModel(config, dtype, device, attention_backend)
+        model = DecoderModel(config, dtype, device, attention_backend, kernels)
         kv_scales: dict[str, float] = {}
         model.load_weights(_without_kv_scales(_hf_canonical_tensors(source.path, config), kv_scales))
         model.static_kv_scales = _static_kv_scales(kv_scales, config.num_layers, source.path)
     if quantization != "none":
-        quantize_model(model, quantization, load_q8_kernel(kernel_dir))
+        quantize_model(model, quantization, kernels)
     return _loaded(config, model, source, dtype, device, quantization, start)
 
 
@@ -273,13 +273,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _load_quantized_cache(model: DecoderModel, file: Path, quantization: str, kernel_dir: Path) -> None:
+def _load_quantized_cache(model: DecoderModel, file: Path, quantization: str, kernels: Kernels) -> None:
     """Fill `model` from a saved quantized state: a later start skips the float32 pass and reads a third of
     the bytes. Raises ValueError when the file does not fit the model."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    quantize_model(model, quantization, load_q8_kernel(kernel_dir), quantize=False)
+    quantize_model(model, quantization, kernels, quantize=False)
     try:
         model.load_state_dict(load_file(str(file)), strict=True, assign=True)
     except (SafetensorError, OSError, RuntimeError) as e:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.capacity import QUANTIZATION_METHODS
-from kvserve.kernels.q8 import GROUP_SIZE, Q8Kernel, dequantize_q8, quantize_q8
+from kvserve.kernels.ops import Kernels
+from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8, quantize_q8
 
 log = logging.getLogger(__name__)
 
@@ -26,29 +27,29 @@ log = logging.getLogger(__name__)
 class Q8Linear(nn.Module):
     """A linear layer whose weight is q8_0; computes in float32 and returns the input's dtype."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, kernel: Q8Kernel) -> None:
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.kernel = kernel
+        self.kernels = kernels
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kernel: Q8Kernel, quantize: bool = True) -> Q8Linear:
+    def from_linear(cls, linear: nn.Linear, kernels: Kernels, quantize: bool = True) -> Q8Linear:
         """`quantize=False`: uninitialized buffers of the right shapes, to be filled from a quantized cache."""
         q, scales = quantize_q8(linear.weight) if quantize else _empty_q8(linear.weight)
-        return cls(q, scales, linear.bias, kernel)
+        return cls(q, scales, linear.bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.kernel.matmul(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        y = self.kernels.q8_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0, kernel={self.kernel.name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0, kernels={self.kernels.name}"
 
 
 class TiedEmbedding(nn.Embedding):
@@ -61,27 +62,27 @@ class TiedEmbedding(nn.Embedding):
 class Q8Embedding(nn.Module):
     """A q8_0 embedding: lookups widen only the rows asked for; `attend` is the tied LM head's matmul."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernel: Q8Kernel) -> None:
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = q.shape
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
         self.dtype = dtype
-        self.kernel = kernel
+        self.kernels = kernels
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, kernel: Q8Kernel, quantize: bool = True) -> Q8Embedding:
+    def from_embedding(cls, embedding: nn.Embedding, kernels: Kernels, quantize: bool = True) -> Q8Embedding:
         q, scales = quantize_q8(embedding.weight) if quantize else _empty_q8(embedding.weight)
-        return cls(q, scales, embedding.weight.dtype, kernel)
+        return cls(q, scales, embedding.weight.dtype, kernels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_q8(self.qweight[ids], self.scales[ids]).to(self.dtype)
 
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernel.matmul(hidden.reshape(-1, self.embedding_dim), self.qweight, self.scales)
+        return self.kernels.q8_matmul(hidden.reshape(-1, self.embedding_dim), self.qweight, self.scales)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, q8_0, kernel={self.kernel.name}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, q8_0, kernels={self.kernels.name}"
 
 
 def _empty_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +91,7 @@ def _empty_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(n, k // GROUP_SIZE, dtype=torch.float32, device=weight.device))
 
 
-def quantize_model(model: nn.Module, method: str, kernel: Q8Kernel | None, quantize: bool = True) -> int:
+def quantize_model(model: nn.Module, method: str, kernels: Kernels, quantize: bool = True) -> int:
     """Replace the model's linear layers and embeddings in place; returns how many were replaced.
 
     The float weights are dropped as each layer is replaced, so peak memory is the float model plus one layer.
@@ -99,19 +100,17 @@ def quantize_model(model: nn.Module, method: str, kernel: Q8Kernel | None, quant
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
     if method == "none":
         return 0
-    if kernel is None:
-        raise ValueError("q8_0 quantization needs a kernel")
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % GROUP_SIZE == 0:
-                setattr(parent, name, Q8Linear.from_linear(child, kernel, quantize))
+                setattr(parent, name, Q8Linear.from_linear(child, kernels, quantize))
             elif isinstance(child, nn.Embedding) and child.embedding_dim % GROUP_SIZE == 0:
-                setattr(parent, name, Q8Embedding.from_embedding(child, kernel, quantize))
+                setattr(parent, name, Q8Embedding.from_embedding(child, kernels, quantize))
             else:
                 continue
             count += 1
-    log.info("%s %d layers to q8_0 (%s kernel)", "quantized" if quantize else "laid out", count, kernel.name)
+    log.info("%s %d layers to q8_0 (%s kernels)", "quantized" if quantize else "laid out", count, kernels.name)
     return count
 
 

@@ -19,7 +19,8 @@ from tiny_tokenizer import write_char_tokenizer
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.kernels.q8 import TorchQ8Kernel, dequantize_q8, load_q8_kernel, quantize_q8
+from kvserve.kernels.ops import TorchKernels, load_kernels
+from kvserve.kernels.q8 import dequantize_q8, quantize_q8
 from kvserve.model.loader import load_model
 from kvserve.model.quantization import Q8Embedding, Q8Linear, quantize_model, weight_bytes
 from kvserve.model.source import ModelFormat, ModelSource
@@ -56,7 +57,8 @@ def test_q8_model_equals_fake_quantized_float_model(variant: str, tiny_checkpoin
     _fake_quantize(reference)
     native = _load(path, "q8_0")
     fallback = _load(path)
-    quantize_model(fallback, "q8_0", TorchQ8Kernel())
+    fallback.use_kernels(TorchKernels())
+    quantize_model(fallback, "q8_0", TorchKernels())
     assert any(isinstance(m, Q8Linear) for m in native.modules())
     assert isinstance(native.embed_tokens, Q8Embedding)
     assert not any(isinstance(m, torch.nn.Linear) for m in native.modules())  # every layer here is 32-aligned
@@ -73,7 +75,7 @@ def test_q8_model_equals_fake_quantized_float_model(variant: str, tiny_checkpoin
 
 def test_unaligned_layers_stay_float() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 40))
-    assert quantize_model(model, "q8_0", TorchQ8Kernel()) == 1
+    assert quantize_model(model, "q8_0", TorchKernels()) == 1
     assert isinstance(model[0], Q8Linear) and isinstance(model[1], torch.nn.Linear)
     x = torch.randn(3, 64)
     assert model(x).shape == (3, 40)
@@ -81,7 +83,7 @@ def test_unaligned_layers_stay_float() -> None:
 
 def test_q8_linear_keeps_bias_and_dtype() -> None:
     linear = torch.nn.Linear(32, 6, bias=True)
-    q8 = Q8Linear.from_linear(linear, TorchQ8Kernel())
+    q8 = Q8Linear.from_linear(linear, TorchKernels())
     x = torch.randn(2, 5, 32)
     ref = torch.nn.functional.linear(x, dequantize_q8(q8.qweight, q8.scales), linear.bias)
     torch.testing.assert_close(q8(x), ref, atol=1e-5, rtol=1e-5)
@@ -92,7 +94,7 @@ def test_unknown_method_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="--quantization must be one of none, q8_0"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="--quantization"):
-        quantize_model(torch.nn.Linear(32, 2), "int4", TorchQ8Kernel())
+        quantize_model(torch.nn.Linear(32, 2), "int4", TorchKernels())
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +131,6 @@ def test_engine_q8_close_to_float_and_pool_whole(gemma_checkpoint: Path) -> None
 
 
 def test_kernel_cache_dir_is_used(tmp_path: Path) -> None:
-    kernel = load_q8_kernel(tmp_path / "k")
-    if kernel.name == "native":
-        assert list((tmp_path / "k").glob("kvserve_q8_*.so"))
+    kernels = load_kernels(tmp_path / "k")
+    if kernels.name == "native":
+        assert list((tmp_path / "k").glob("kvserve_kernels_*.so"))

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from kvserve.attention.cpu import cpu_attention
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import reference_attention, write_kv
+from kvserve.kernels.native import cpu_supports_native
+from kvserve.kernels.ops import TorchKernels, load_kernels
 
 ATOL = RTOL = 1e-5
 
@@ -54,16 +56,36 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module", params=["torch", "native"])
+def kernels(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The CPU backend with plain torch, and with the compiled paged decode attention where it builds."""
+    if request.param == "torch":
+        return TorchKernels()
+    ok, why = cpu_supports_native()
+    if not ok:
+        pytest.skip(why)
+    return load_kernels(tmp_path_factory.mktemp("kernels"))
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("window", [None, 1, 6, 100])
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_cpu_matches_reference(case: str, heads: tuple[int, int], window: int | None, block_size: int) -> None:
+def test_cpu_matches_reference(case: str, heads: tuple[int, int], window: int | None, block_size: int,
+                               kernels) -> None:  # type: ignore[no-untyped-def]
     q, kc, vc, meta = _scenario(CASES[case], block_size, *heads, seed=zlib.crc32(repr((case, heads, window)).encode()))
     scale = 0.3
     ref = reference_attention(q, kc, vc, meta, scale, window)
-    fast = cpu_attention(q, kc, vc, meta, scale, window)
+    fast = cpu_attention(q, kc, vc, meta, scale, window, kernels=kernels)
     torch.testing.assert_close(fast, ref, atol=ATOL, rtol=RTOL)
+
+
+def test_native_paged_attention_takes_long_contexts_and_wide_heads(kernels) -> None:  # type: ignore[no-untyped-def]
+    """head_dim 256 (Gemma 3) and a context of many blocks, decode only."""
+    q, kc, vc, meta = _scenario([(300, 1), (77, 1)], 16, 4, 1, seed=7, head_dim=256)
+    ref = reference_attention(q, kc, vc, meta, 0.0625, None)
+    torch.testing.assert_close(cpu_attention(q, kc, vc, meta, 0.0625, None, kernels=kernels), ref,
+                               atol=ATOL, rtol=RTOL)
 
 
 def test_reference_matches_dense_causal_sdpa() -> None:

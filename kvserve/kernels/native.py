@@ -1,0 +1,78 @@
+"""Building and loading the compiled CPU kernels: every kvserve/kernels/*.cpp, compiled with the system C++
+compiler into one shared library on first use (about 2 s), cached by a hash of the sources, compiler and flags,
+and called through ctypes (which releases the GIL). No torch headers are involved, so the build is fast and
+cannot break with a torch upgrade; OpenMP binds to the runtime torch has already loaded (one thread pool)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Every exported function and its C signature; all return void.
+SIGNATURES: dict[str, list] = {
+    "kvserve_q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P],
+    "kvserve_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64],
+    "kvserve_paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
+}
+
+
+def cpu_supports_native() -> tuple[bool, str]:
+    """AVX2 and FMA on x86-64 Linux: what the library is built for. (ok, why not)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not Path("/proc/cpuinfo").is_file():
+        return False, f"the native kernels are for x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    missing = {"avx2", "fma"} - flags
+    if missing:
+        return False, f"the CPU lacks {', '.join(sorted(missing))}"
+    return True, ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def build_native_library(cache_dir: Path) -> Path:
+    """Compile the sources once per (sources, compiler, flags) into cache_dir; returns the .so path.
+
+    Raises RuntimeError with the compiler's message when the build fails."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    digest = hashlib.sha256(compiler.encode() + " ".join(COMPILE_FLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
+    target = cache_dir / f"kvserve_kernels_{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent first starts never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        partial = Path(tmp) / target.name
+        result = subprocess.run([compiler, *COMPILE_FLAGS, *map(str, SOURCES), "-o", str(partial)],
+                                check=False, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to build the kernels: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    return target
+
+
+def load_native_library(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = None
+    return library

@@ -1,0 +1,159 @@
+"""The operations kvserve runs through its own kernels, with two implementations of each:
+- `NativeKernels`: the compiled library (kvserve/kernels/native.py): AVX2 + FMA, OpenMP.
+- `TorchKernels`: plain torch; the fallback where the library cannot be built or run (no compiler, no AVX2,
+  tensors not on the CPU) and the reference the native kernels are tested against.
+`load_kernels` picks the native ones when it can and says why when it cannot. Modules hold the `Kernels`
+they were given (no module-level state)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library
+from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
+
+log = logging.getLogger(__name__)
+
+
+class Kernels(Protocol):
+    name: str
+
+    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ dequant(q [N, K] int8, scales [N, K/32] float32)^T -> [M, N] float32."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """RMSNorm over the last axis of x ([T, D] or [T, G, D]) in float32 times weight [D]; into `out` (same
+        shape, float32, may be a strided view) when given, else a new contiguous tensor."""
+        ...
+
+    def has_paged_attention(self, cache: torch.Tensor) -> bool:
+        """Whether `paged_decode_attention` takes this cache (else the caller gathers K/V and uses SDPA)."""
+        ...
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
+                               scale: float) -> torch.Tensor:
+        """q [B, H, D] (one token per sequence, at position seq_len - 1) over each sequence's context in the
+        paged cache [blocks, block_size, kv_heads, D], read through block_tables [B, W] -> [B, H, D]."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TorchKernels:
+    """Plain torch. The q8 matmul widens `slab_rows` weight rows at a time, so the float32 copy never exceeds
+    slab_rows x K."""
+
+    slab_rows: int = 16384
+    name: str = "torch"
+
+    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if q.shape[0] <= self.slab_rows:
+            return x @ dequantize_q8(q, scales).T
+        out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32, device=x.device)
+        for start in range(0, q.shape[0], self.slab_rows):
+            end = min(start + self.slab_rows, q.shape[0])
+            out[:, start:end] = x @ dequantize_q8(q[start:end], scales[start:end]).T
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        y = F.rms_norm(x.float(), weight.shape, weight, eps)
+        return y if out is None else out.copy_(y)
+
+    def has_paged_attention(self, cache: torch.Tensor) -> bool:
+        return False  # torch has no paged attention: attention/cpu.py gathers K/V and calls SDPA
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
+                               scale: float) -> torch.Tensor:
+        raise NotImplementedError("the torch kernels have no paged attention; check has_paged_attention first")
+
+
+@dataclass(frozen=True, slots=True)
+class NativeKernels:
+    """The compiled kernels; anything they cannot take (other devices, dtypes or layouts) goes to `fallback`."""
+
+    library: ctypes.CDLL
+    fallback: TorchKernels = TorchKernels()
+    name: str = "native"
+
+    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or q.device.type != "cpu":
+            return self.fallback.q8_matmul(x, q, scales)
+        x = x.float().contiguous()
+        m, k = x.shape
+        n = q.shape[0]
+        if q.shape[1] != k or scales.shape != (n, k // GROUP_SIZE) or k % GROUP_SIZE:
+            raise ValueError(f"q8 matmul shapes do not fit: x {tuple(x.shape)}, q {tuple(q.shape)}, "
+                             f"scales {tuple(scales.shape)}")
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            self.library.kvserve_q8_matmul(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr())
+        return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        dst = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+        if not (_rows_layout(x) and _rows_layout(dst) and x.dtype == dst.dtype == weight.dtype == torch.float32
+                and x.device.type == "cpu" and weight.is_contiguous()):
+            return self.fallback.rms_norm(x, weight, eps, out)
+        tokens = x.shape[0] if x.dim() > 1 else 1
+        groups = x.shape[1] if x.dim() == 3 else 1
+        if tokens:
+            self.library.kvserve_rms_norm(x.data_ptr(), tokens, x.stride(0) if x.dim() > 1 else 0, groups,
+                                          x.shape[-1], weight.data_ptr(), eps, dst.data_ptr(),
+                                          dst.stride(0) if dst.dim() > 1 else 0)
+        return dst
+
+
+    def has_paged_attention(self, cache: torch.Tensor) -> bool:
+        return cache.dtype == torch.float32 and cache.device.type == "cpu" and cache.is_contiguous()
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
+                               scale: float) -> torch.Tensor:
+        batch, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        q = q.float().contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty(batch, heads, dim, dtype=torch.float32)
+        if batch:
+            self.library.kvserve_paged_decode_attention(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                lens.data_ptr(), batch, heads, kv_heads, dim, block_size, window or 0, scale, out.data_ptr())
+        return out
+
+
+def _rows_layout(t: torch.Tensor) -> bool:
+    """[D], [T, D] or [T, G, D] whose groups of D are contiguous and adjacent: what the native norm walks."""
+    if t.dim() == 1:
+        return t.stride(0) == 1
+    if t.dim() == 2:
+        return t.stride(1) == 1
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def load_kernels(cache_dir: Path, native: bool = True) -> Kernels:
+    """The native kernels when this machine can build and run them, else the torch ones (with a warning)."""
+    if not native:
+        return TorchKernels()
+    ok, why = cpu_supports_native()
+    if ok:
+        try:
+            return NativeKernels(load_native_library(build_native_library(cache_dir)))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+    log.warning("using the slower torch kernels: %s", why)
+    return TorchKernels()

@@ -1,0 +1,138 @@
+"""The compiled kernels against the torch ones (the reference) on shapes and layouts that exercise every
+remainder path: the q8_0 matmul (and q8_0 quantization round trips) and RMSNorm; the build's cache and fallback."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.kernels.native import build_native_library, cpu_supports_native
+from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
+from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8, quantize_q8
+
+NATIVE_OK, WHY = cpu_supports_native()
+needs_native = pytest.mark.skipif(not NATIVE_OK, reason=WHY)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> NativeKernels:
+    if not NATIVE_OK:
+        pytest.skip(WHY)
+    kernel = load_kernels(tmp_path_factory.mktemp("kernels"))
+    assert isinstance(kernel, NativeKernels), "this machine has a compiler and AVX2: the native kernel must build"
+    return kernel
+
+
+def test_quantize_round_trip_is_exact_for_q8_values() -> None:
+    """Weights that already are int8 x a per-block scale (a GGUF Q8_0 tensor) come back unchanged."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (6, 4 * GROUP_SIZE), generator=g, dtype=torch.int8)
+    q[:, ::GROUP_SIZE] = 127  # each block's largest value sets its scale, as Q8_0 does
+    scales = torch.rand(6, 4, generator=g) + 0.01
+    w = dequantize_q8(q, scales)
+    q2, s2 = quantize_q8(w)
+    torch.testing.assert_close(dequantize_q8(q2, s2), w, atol=0, rtol=1e-6)
+
+
+def test_quantize_error_is_half_a_step() -> None:
+    w = torch.randn(33, 96, generator=torch.Generator().manual_seed(1))
+    q, scales = quantize_q8(w)
+    assert q.dtype == torch.int8 and scales.shape == (33, 3)
+    step = scales.repeat_interleave(GROUP_SIZE, dim=1)
+    assert ((dequantize_q8(q, scales) - w).abs() <= step / 2 + 1e-7).all()
+    zero_q, zero_s = quantize_q8(torch.zeros(2, 32))
+    assert not zero_q.any() and not zero_s.any()  # an all-zero block is not a division by zero
+
+
+def test_quantize_rejects_unaligned_input() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8(torch.randn(4, 40))
+
+
+def test_torch_kernel_slabs_match_one_matmul() -> None:
+    g = torch.Generator().manual_seed(2)
+    q, s = quantize_q8(torch.randn(1000, 64, generator=g))
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(TorchKernels(slab_rows=128).q8_matmul(x, q, s), x @ dequantize_q8(q, s).T)
+
+
+@needs_native
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 33])
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 64), (130, 640), (7, 2080)])  # 2080 > the kernel's stack buffer
+def test_native_matches_torch(native: NativeKernels, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    q, s = quantize_q8(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    got = native.q8_matmul(x, q, s)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, TorchKernels().q8_matmul(x, q, s), atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_native_takes_non_contiguous_and_half_inputs(native: NativeKernels) -> None:
+    g = torch.Generator().manual_seed(3)
+    q, s = quantize_q8(torch.randn(10, 64, generator=g))
+    x = torch.randn(64, 4, generator=g).T  # a transposed view
+    torch.testing.assert_close(native.q8_matmul(x, q, s), TorchKernels().q8_matmul(x, q, s), atol=1e-4, rtol=1e-4)
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(native.q8_matmul(xb, q, s), TorchKernels().q8_matmul(xb, q, s), atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_native_rejects_mismatched_shapes(native: NativeKernels) -> None:
+    q, s = quantize_q8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="do not fit"):
+        native.q8_matmul(torch.randn(2, 32), q, s)
+
+
+@needs_native
+def test_build_is_cached(tmp_path: Path) -> None:
+    first = build_native_library(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert build_native_library(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+def test_falls_back_to_torch_when_the_build_fails(tmp_path: Path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CXX", "/bin/false")
+    with caplog.at_level(logging.WARNING):
+        kernel = load_kernels(tmp_path)
+    assert isinstance(kernel, TorchKernels)
+    assert "slower torch kernels" in caplog.text
+    assert load_kernels(tmp_path, native=False).name == "torch"
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 640), (5, 7), (3, 4, 256), (130, 64)])
+def test_native_rms_norm_matches_torch(native: NativeKernels, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    got = native.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(got, TorchKernels().rms_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_native_rms_norm_on_strided_heads_into_a_view(native: NativeKernels) -> None:
+    """The Q and K heads of a fused QKV row, normalized straight into a slice of a wider tensor."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, tokens = 4, 2, 32, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    wq, wk = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    out = torch.full((tokens, heads + kv_heads, dim), float("nan"))
+    native.rms_norm(q, wq, 1e-6, out=out[:, :heads])
+    native.rms_norm(k, wk, 1e-6, out=out[:, heads:])
+    ref = torch.cat([TorchKernels().rms_norm(q, wq, 1e-6), TorchKernels().rms_norm(k, wk, 1e-6)], dim=1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_native_rms_norm_falls_back_for_other_dtypes(native: NativeKernels) -> None:
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w = torch.ones(64)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-6), TorchKernels().rms_norm(x, w, 1e-6))
