@@ -45,6 +45,16 @@ QUANTIZATION_METHODS = ("none", "q8_0")
 QUANTIZED_WEIGHT_BYTES = {"q8_0": 1 + 4 / 32}
 
 
+def resolve_quantization(quantization: str, device_type: str, checkpoint_format: str) -> str:
+    """`--quantization auto`: a GGUF checkpoint (its weights already 4-8 bit) runs as q8_0 on CPU, where decode
+    time is the bytes of weights read, as llama.cpp runs it quantized; everything else keeps its weights."""
+    if quantization in QUANTIZATION_METHODS:
+        return quantization
+    if quantization != "auto":
+        raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATION_METHODS)})")
+    return "q8_0" if checkpoint_format == "gguf" and device_type == "cpu" else "none"
+
+
 def resolve_compute_dtype(dtype: str, device_type: str, checkpoint_dtype: str | None) -> str:
     """`--dtype auto`: float32 on CPU, else the checkpoint's dtype (bfloat16 when unknown), as the loader does."""
     if dtype in COMPUTE_DTYPES:

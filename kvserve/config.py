@@ -32,7 +32,9 @@ def parse_size(value: str | int) -> int:
 class EngineConfig:
     model: str | None = None  # None: the default model (Gemma 3 270M GGUF)
     dtype: str = "auto"
-    quantization: str = "none"  # weights: "none" (the checkpoint's, in --dtype) or "q8_0" (8-bit, a scale per 32)
+    # Weights: "none" (the checkpoint's, in --dtype), "q8_0" (8-bit, a scale per 32), or "auto": q8_0 for a GGUF
+    # checkpoint on CPU, else none (capacity.resolve_quantization).
+    quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length, capped by what the cache holds
     max_num_seqs: int = 256
@@ -66,7 +68,8 @@ class EngineConfig:
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", ">= 1"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "> 0"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "one of auto, float32, bfloat16, float16"),
-            (self.quantization in QUANTIZATION_METHODS, "quantization", f"one of {', '.join(QUANTIZATION_METHODS)}"),
+            (self.quantization in ("auto", *QUANTIZATION_METHODS), "quantization",
+             f"one of auto, {', '.join(QUANTIZATION_METHODS)}"),
             (self.kv_cache_dtype in ("auto", *KV_DTYPES), "kv_cache_dtype", f"one of auto, {', '.join(KV_DTYPES)}"),
             (self.attention_backend in ("cpu", "reference"), "attention_backend", "cpu or reference"),
             (self.prefix_caching_hash_algo in ("sha256", "xxhash"), "prefix_caching_hash_algo", "sha256 or xxhash"),

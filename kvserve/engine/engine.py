@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.capacity import CachePlan, plan_kv_cache
+from kvserve.capacity import CachePlan, plan_kv_cache, resolve_quantization
 from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.request import Request, RequestStatus
@@ -193,6 +193,7 @@ class LLMEngine:
         model_config = load_model_config(source)
         dtype = resolve_dtype(config.dtype, device, model_config)
         tokenizer = load_tokenizer(source, chat_template=config.chat_template)
+        config.quantization = resolve_quantization(config.quantization, device.type, source.format.value)
         loaded = load_model(source, dtype, device, attention_backend=config.attention_backend,
                             quantization=config.quantization)
         if config.served_model_name is None:

@@ -90,8 +90,23 @@ def test_q8_linear_keeps_bias_and_dtype() -> None:
     assert q8(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+def test_auto_is_q8_0_for_gguf_on_cpu_only() -> None:
+    from kvserve.capacity import resolve_quantization
+
+    assert resolve_quantization("auto", "cpu", "gguf") == "q8_0"
+    assert resolve_quantization("auto", "cpu", "hf") == "none"
+    assert resolve_quantization("auto", "cuda", "gguf") == "none"
+    assert resolve_quantization("none", "cpu", "gguf") == "none"
+
+
+def test_hf_checkpoint_keeps_float_weights_by_default(gemma_checkpoint: Path) -> None:
+    engine = LLMEngine.from_config(EngineConfig(model=str(gemma_checkpoint), num_gpu_blocks_override=8))
+    assert engine.config.quantization == "none"
+    assert not any(isinstance(m, Q8Linear) for m in engine.runner.model.modules())
+
+
 def test_unknown_method_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="--quantization must be one of none, q8_0"):
+    with pytest.raises(ValueError, match="--quantization must be one of auto, none, q8_0"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="--quantization"):
         quantize_model(torch.nn.Linear(32, 2), "int4", TorchKernels())
