@@ -64,22 +64,29 @@ class ModelCost:
 
 
 def model_cost(model: torch.nn.Module, config: ModelConfig, kv_bytes_per_token: int) -> ModelCost:
-    """Count from the loaded module itself, so the figure follows the dtype the weights are held in."""
+    """Count from the loaded module itself, so the figure follows the dtype the weights are held in; quantized
+    layers hold theirs as buffers (int8 qweight plus float32 scales), counted the same way."""
     seen: set[int] = set()
     total_bytes = 0
     matmul_params = 0
-    for _, param in model.named_parameters(remove_duplicate=True):
-        if id(param) in seen:
+    tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
+    embed_names = {"embed_tokens.weight", "embed_tokens.qweight", "embed_tokens.scales"}
+    embed_bytes = embed_params = 0
+    for name, tensor in tensors:
+        if id(tensor) in seen:
             continue
-        seen.add(id(param))
-        total_bytes += param.numel() * param.element_size()
-        if param.dim() >= 2:
-            matmul_params += param.numel()
+        seen.add(id(tensor))
+        size = tensor.numel() * tensor.element_size()
+        weight = tensor.dim() >= 2 and not name.endswith("scales")  # a matrix of weights, not its scales
+        total_bytes += size
+        matmul_params += tensor.numel() if weight else 0
+        if name in embed_names:
+            embed_bytes += size
+            embed_params += tensor.numel() if weight else 0
     if not config.tie_word_embeddings:
         # An untied input embedding is only looked up (one row per token), never read whole or multiplied.
-        embed = model.embed_tokens.weight
-        total_bytes -= embed.numel() * embed.element_size()
-        matmul_params -= embed.numel()
+        total_bytes -= embed_bytes
+        matmul_params -= embed_params
     return ModelCost(
         weight_bytes_per_step=total_bytes,
         matmul_params=matmul_params,
