@@ -21,6 +21,7 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, list] = {
     "kvserve_q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P],
     "kvserve_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64],
+    "kvserve_gated_act": [_P, _I64, _I64, ctypes.c_int32, _P],
     "kvserve_paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
 }
 

@@ -12,6 +12,7 @@ import logging
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -21,6 +22,18 @@ from kvserve.kernels.native import build_native_library, cpu_supports_native, lo
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
 
 log = logging.getLogger(__name__)
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+# The activations kvserve_gated_act computes (its `act` code); exact-erf GELU stays with torch.
+_NATIVE_ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu_tanh": 0, "gelu_new": 0, "silu": 1, "swish": 1}
 
 
 class Kernels(Protocol):
@@ -34,6 +47,10 @@ class Kernels(Protocol):
                  ) -> torch.Tensor:
         """RMSNorm over the last axis of x ([T, D] or [T, G, D]) in float32 times weight [D]; into `out` (same
         shape, float32, may be a strided view) when given, else a new contiguous tensor."""
+        ...
+
+    def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """act(gate) * up for gate_up = [..., gate | up] (equal halves); act is one of GATED_ACTIVATIONS."""
         ...
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
@@ -70,6 +87,10 @@ class TorchKernels:
                  ) -> torch.Tensor:
         y = F.rms_norm(x.float(), weight.shape, weight, eps)
         return y if out is None else out.copy_(y)
+
+    def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return GATED_ACTIVATIONS[act](gate) * up
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         return False  # torch has no paged attention: attention/cpu.py gathers K/V and calls SDPA
@@ -116,6 +137,18 @@ class NativeKernels:
                                           dst.stride(0) if dst.dim() > 1 else 0)
         return dst
 
+
+    def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        code = _NATIVE_ACTIVATIONS.get(act)
+        if code is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu":
+            return self.fallback.gated_act(gate_up, act)
+        gate_up = gate_up.contiguous()
+        inter = gate_up.shape[-1] // 2
+        rows = gate_up.numel() // gate_up.shape[-1] if gate_up.numel() else 0
+        out = torch.empty(*gate_up.shape[:-1], inter, dtype=torch.float32)
+        if rows:
+            self.library.kvserve_gated_act(gate_up.data_ptr(), rows, inter, code, out.data_ptr())
+        return out
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         return cache.dtype == torch.float32 and cache.device.type == "cpu" and cache.is_contiguous()

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import AttentionBackend, reference_attention
-from kvserve.kernels.ops import Kernels, TorchKernels
+from kvserve.kernels.ops import GATED_ACTIVATIONS, Kernels, TorchKernels
 from kvserve.kv.cache import LayerKVCache, as_layer_cache
 
 ATTENTION_BACKENDS = ("cpu", "reference")
@@ -90,31 +89,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate and up fused into one projection."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one projection and act * up in one kernel."""
 
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
-        if act not in _ACTIVATIONS:
-            raise NotImplementedError(f"activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
-        self.act = _ACTIVATIONS[act]
+        if act not in GATED_ACTIVATIONS:
+            raise NotImplementedError(f"activation {act!r} is not supported ({', '.join(GATED_ACTIVATIONS)})")
+        self.act = act
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.kernels: Kernels = TorchKernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.kernels.gated_act(self.gate_up_proj(x), self.act).to(x.dtype))
 
 
 class PagedAttention(nn.Module):

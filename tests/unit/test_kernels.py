@@ -136,3 +136,14 @@ def test_native_rms_norm_falls_back_for_other_dtypes(native: NativeKernels) -> N
     x = torch.randn(2, 64).to(torch.bfloat16)
     w = torch.ones(64)
     torch.testing.assert_close(native.rms_norm(x, w, 1e-6), TorchKernels().rms_norm(x, w, 1e-6))
+
+
+@needs_native
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu", "gelu"])
+@pytest.mark.parametrize("shape", [(1, 2 * 1024), (7, 2 * 13), (300, 2 * 128)])
+def test_native_gated_act_matches_torch(native: NativeKernels, act: str, shape: tuple[int, int]) -> None:
+    """tanh-GELU and SiLU natively (exp from a polynomial), exact GELU through the torch fallback."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])) * 4
+    got = native.gated_act(x, act)
+    assert got.shape == (shape[0], shape[1] // 2)
+    torch.testing.assert_close(got, TorchKernels().gated_act(x, act), atol=1e-5, rtol=1e-5)
