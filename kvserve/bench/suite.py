@@ -48,6 +48,9 @@ QUICK: tuple[QuickCommand, ...] = (
     QuickCommand("prefix", ("--requests", "6", "--system-tokens", "256", "--turns", "4", "--output-len", "4",
                             "--kv-cache-memory-bytes", "1GiB")),
     QuickCommand("memory", ()),  # its defaults are its quick version (a couple of minutes)
+    QuickCommand("quantization", ("--ppl-tokens", "500", "--greedy-prompts", "2", "--greedy-tokens", "16",
+                                  "--prefill-len", "256", "--decode-batches", "1,8", "--decode-tokens", "8",
+                                  "--repeats", "1", "--kv-cache-memory-bytes", "1GiB"), plot=False),
     QuickCommand("serve", ("--num-prompts", "8", "--max-tokens", "16", "--max-concurrency", "1,8"), engine=False),
 )
 NAMES = tuple(q.name for q in QUICK)
