@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import context_slots
-from kvserve.kernels.ops import Kernels, TorchKernels
+from kvserve.kernels.ops import TORCH_KERNELS, Kernels
 from kvserve.kv.cache import LayerKVCache
 
 
@@ -38,7 +38,7 @@ def cpu_attention(
     sliding_window: int | None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    kernels: Kernels = TorchKernels(),
+    kernels: Kernels = TORCH_KERNELS,
 ) -> torch.Tensor:
     cache = LayerKVCache(k_cache, v_cache, k_scales, v_scales)
     window = sliding_window
@@ -68,7 +68,7 @@ def cpu_attention(
         if q_len == 1:
             continue
         s, e = starts[i], starts[i + 1]
-        slots, mask = meta.memo(("prefill", i, window), lambda: _prefill_gather(
+        slots, mask = meta.memo(("prefill", i, window), lambda i=i, seq_len=seq_len, q_len=q_len: _prefill_gather(
             meta.block_tables[i], seq_len, q_len, meta.block_size, window))
         out[s:e] = _prefill_one(q[s:e], cache, slots, mask, scale)
     return out

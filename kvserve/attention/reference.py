@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.ops import Kernels, TorchKernels
+from kvserve.kernels.ops import TORCH_KERNELS, Kernels
 from kvserve.kv.cache import LayerKVCache
 
 
@@ -28,7 +28,7 @@ class AttentionBackend(Protocol):
         sliding_window: int | None,
         k_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32, 8-bit caches only
         v_scales: torch.Tensor | None = None,
-        kernels: Kernels = TorchKernels(),  # compiled kernels a backend may use (the reference uses none)
+        kernels: Kernels = TORCH_KERNELS,  # compiled kernels a backend may use (the reference uses none)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
@@ -62,7 +62,7 @@ def reference_attention(
     sliding_window: int | None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    kernels: Kernels = TorchKernels(),
+    kernels: Kernels = TORCH_KERNELS,
 ) -> torch.Tensor:
     """Per sequence: gather (and dequantize) the context, repeat KV heads, masked softmax in float32."""
     cache = LayerKVCache(k_cache, v_cache, k_scales, v_scales)

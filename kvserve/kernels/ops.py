@@ -169,6 +169,9 @@ class NativeKernels:
         return out
 
 
+TORCH_KERNELS = TorchKernels()  # stateless: the default of every module until the loader hands out its kernels
+
+
 def _rows_layout(t: torch.Tensor) -> bool:
     """[D], [T, D] or [T, G, D] whose groups of D are contiguous and adjacent: what the native norm walks."""
     if t.dim() == 1:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.ops import Kernels, TorchKernels
+from kvserve.kernels.ops import TORCH_KERNELS, Kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, get_attention_backend
 from kvserve.model.quantization import TiedEmbedding
@@ -62,7 +62,7 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention_backend: str = "cpu",
-        kernels: Kernels = TorchKernels(),
+        kernels: Kernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.config = config

@@ -13,7 +13,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import AttentionBackend, reference_attention
-from kvserve.kernels.ops import GATED_ACTIVATIONS, Kernels, TorchKernels
+from kvserve.kernels.ops import GATED_ACTIVATIONS, TORCH_KERNELS, Kernels
 from kvserve.kv.cache import LayerKVCache, as_layer_cache
 
 ATTENTION_BACKENDS = ("cpu", "reference")
@@ -33,7 +33,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 with a float32 weight, cast back to the input dtype at the end."""
 
-    def __init__(self, dim: int, eps: float, kernels: Kernels = TorchKernels()) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
@@ -100,7 +100,7 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.kernels: Kernels = TorchKernels()
+        self.kernels: Kernels = TORCH_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.gated_act(self.gate_up_proj(x), self.act).to(x.dtype))
@@ -132,7 +132,7 @@ class PagedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=out_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.kernels: Kernels = TorchKernels()
+        self.kernels: Kernels = TORCH_KERNELS
 
     def forward(
         self,
