@@ -2,8 +2,9 @@
 
 Every source is turned into a stream of *canonical* tensors (HF names without the leading "model.", RMSNorm
 weights as the factor actually multiplied, i.e. Gemma's 1 + w) that `DecoderModel.load_weights` consumes.
-GGUF tensors are dequantized once and cached as canonical float32 safetensors under the cache directory (~/.cache/kvserve), so a
-second start only memory-maps that file.
+GGUF tensors are dequantized once and cached as canonical float32 safetensors under the cache directory
+(~/.cache/kvserve), so a second start only memory-maps that file; with --quantization the quantized weights are
+cached beside it, and a later start reads only those.
 """
 
 from __future__ import annotations
