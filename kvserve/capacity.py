@@ -39,10 +39,9 @@ KV_DTYPES: dict[str, KVDtype] = {
     )
 }
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# `--quantization` (weights), and the bytes each quantized weight takes: q8_0 is an int8 plus a float32 scale
-# shared by 32 weights. "none" keeps the compute dtype's size.
+# `--quantization` (weights): "none" keeps the checkpoint's weights in the compute dtype; "q8_0" is an int8 plus
+# a float32 scale shared by 32 weights (kvserve/model/quantization.py).
 QUANTIZATION_METHODS = ("none", "q8_0")
-QUANTIZED_WEIGHT_BYTES = {"q8_0": 1 + 4 / 32}
 
 
 def resolve_quantization(quantization: str, device_type: str, checkpoint_format: str) -> str:

@@ -55,11 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtypes", default="float32,bfloat16,fp8_e4m3,fp8_e5m2,int8",
                    help="comma-separated --kv-cache-dtype values (float32, the baseline, always runs first)")
     p.add_argument("--budget", type=parse_size, default=4 << 30, help="budget for the blocks column (no allocation)")
-    p.add_argument("--text", type=Path, default=GPL3, help="perplexity text (default: the GPL-3 shipped here)")
-    p.add_argument("--ppl-tokens", type=int, default=2000)
-    p.add_argument("--greedy-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
-                   metavar=f"1..{len(PROMPTS)}")
-    p.add_argument("--greedy-tokens", type=int, default=64)
+    add_accuracy_args(p, greedy_tokens=64)
     p.add_argument("--decode-batch", type=int, default=32)
     p.add_argument("--decode-context", type=int, default=128, help="prompt tokens of each decoding request")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per request in the timed run")
@@ -68,6 +64,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     # The engines run here need a modest pool, whole chunks of prompt logits in memory, and no prefix hits.
     p.set_defaults(func=run, kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=512, enable_prefix_caching=False)
+
+
+def add_accuracy_args(p: argparse.ArgumentParser, greedy_tokens: int) -> None:
+    """The accuracy flags shared with `bench quantization`: perplexity text and length, greedy prompts."""
+    p.add_argument("--text", type=Path, default=GPL3, help="perplexity text (default: the GPL-3 shipped here)")
+    p.add_argument("--ppl-tokens", type=int, default=2000)
+    p.add_argument("--greedy-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
+                   metavar=f"1..{len(PROMPTS)}")
+    p.add_argument("--greedy-tokens", type=int, default=greedy_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

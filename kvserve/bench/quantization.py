@@ -9,10 +9,9 @@ import argparse
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.bench.kv_dtype import GPL3, PROMPTS
+from kvserve.bench.kv_dtype import PROMPTS, add_accuracy_args
 from kvserve.bench.options import add_engine_args, add_output_args, add_repeats_arg, int_list, new_command
 
 if TYPE_CHECKING:
@@ -36,11 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = new_command(sub, "quantization", "accuracy, memory and speed of each --quantization (weights)",
                     __doc__.splitlines()[0], SCHEMA)
     p.add_argument("--methods", default="none,q8_0", help="comma-separated --quantization values (none runs first)")
-    p.add_argument("--text", type=Path, default=GPL3, help="perplexity text (default: the GPL-3 shipped here)")
-    p.add_argument("--ppl-tokens", type=int, default=2000)
-    p.add_argument("--greedy-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
-                   metavar=f"1..{len(PROMPTS)}")
-    p.add_argument("--greedy-tokens", type=int, default=32)
+    add_accuracy_args(p, greedy_tokens=32)
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill figure")
     p.add_argument("--decode-batches", type=int_list, default=[1, 32], help="batch sizes of the decode figures")
     p.add_argument("--decode-context", type=int, default=128, help="prompt tokens of each decoding request")

@@ -195,7 +195,7 @@ class LLMEngine:
         tokenizer = load_tokenizer(source, chat_template=config.chat_template)
         config.quantization = resolve_quantization(config.quantization, device.type, source.format.value)
         loaded = load_model(source, dtype, device, attention_backend=config.attention_backend,
-                            quantization=config.quantization)
+                            quantization=config.quantization, config=model_config)
         if config.served_model_name is None:
             config.served_model_name = source.name
         return cls(config, loaded.config, loaded.model, tokenizer, device=device, compute_dtype=dtype)

@@ -125,10 +125,10 @@ class NativeKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        dst = torch.empty(x.shape, dtype=torch.float32) if out is None else out
-        if not (_rows_layout(x) and _rows_layout(dst) and x.dtype == dst.dtype == weight.dtype == torch.float32
-                and x.device.type == "cpu" and weight.is_contiguous()):
+        if not (_rows_layout(x) and (out is None or (_rows_layout(out) and out.dtype == torch.float32))
+                and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.is_contiguous()):
             return self.fallback.rms_norm(x, weight, eps, out)
+        dst = torch.empty(x.shape, dtype=torch.float32) if out is None else out
         tokens = x.shape[0] if x.dim() > 1 else 1
         groups = x.shape[1] if x.dim() == 3 else 1
         if tokens:

@@ -70,49 +70,55 @@ def load_model(
     attention_backend: str = "cpu",
     cache_dir: Path | None = None,
     quantization: str = "none",
+    config: ModelConfig | None = None,
 ) -> LoadedModel:
     """Build the model for `source`, fill its weights, then quantize them as `quantization` says;
-    `cache_dir` holds dequantized GGUF tensors and the compiled kernels."""
+    `cache_dir` holds dequantized GGUF tensors, quantized weights and the compiled kernels. `config`, when the
+    caller has already read it (load_model_config), saves parsing the checkpoint's metadata again."""
     start = time.perf_counter()
     kernels = load_kernels((cache_dir or default_cache_dir()).expanduser() / "kernels")
+    config = config or load_model_config(source)
+    model = DecoderModel(config, dtype, device, attention_backend, kernels)
+    quantized_file: Path | None = None
     if source.format == ModelFormat.GGUF:
-        with GGUFFile(source.path) as f:
-            config = ModelConfig.from_gguf(f)
-            cache_file = _gguf_cache_file(source, cache_dir)
-            if not cache_file.is_file():
-                _write_gguf_cache(f, config, cache_file)
-        model = DecoderModel(config, dtype, device, attention_backend, kernels)
-        quantized_file = cache_file.with_name(f"model.{quantization}-v{QUANTIZED_CACHE_VERSION}.{dtype_name(dtype)}"
-                                              ".safetensors")
-        if quantization != "none" and quantized_file.is_file():
+        cache_file = _gguf_cache_file(source, cache_dir)
+        if quantization != "none":
+            quantized_file = cache_file.with_name(
+                f"model.{quantization}-v{QUANTIZED_CACHE_VERSION}.{str(dtype).removeprefix('torch.')}.safetensors")
+        if quantized_file is not None and quantized_file.is_file():
             try:
                 _load_quantized_cache(model, quantized_file, quantization, kernels)
                 return _loaded(config, model, source, dtype, device, quantization, start)
-            except ValueError as e:  # damaged or stale: rebuilt from the float32 cache below
+            except ValueError as e:  # damaged or stale: rebuilt from the float32 weights below
                 log.warning("%s; rebuilding it", e)
                 quantized_file.unlink(missing_ok=True)
                 model = DecoderModel(config, dtype, device, attention_backend, kernels)
-        try:
-            model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
-        except ValueError as e:  # a damaged cache is rebuilt once, never trusted
-            log.warning("dequantized cache %s is unusable (%s); rebuilding it", cache_file, e)
-            cache_file.unlink(missing_ok=True)
-            with GGUFFile(source.path) as f:
-                _write_gguf_cache(f, config, cache_file)
-            model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
-        if quantization != "none":
-            quantize_model(model, quantization, kernels)
-            _save_atomically(model.state_dict(), quantized_file, {"quantization": quantization})
-            return _loaded(config, model, source, dtype, device, quantization, start)
+        _load_gguf_weights(model, source, config, cache_file)
     else:
-        config = ModelConfig.from_hf_dir(source.path)
-        model = DecoderModel(config, dtype, device, attention_backend, kernels)
         kv_scales: dict[str, float] = {}
         model.load_weights(_without_kv_scales(_hf_canonical_tensors(source.path, config), kv_scales))
         model.static_kv_scales = _static_kv_scales(kv_scales, config.num_layers, source.path)
     if quantization != "none":
         quantize_model(model, quantization, kernels)
+        if quantized_file is not None:
+            _save_atomically(model.state_dict(), quantized_file, {"quantization": quantization})
     return _loaded(config, model, source, dtype, device, quantization, start)
+
+
+def _load_gguf_weights(model: DecoderModel, source: ModelSource, config: ModelConfig, cache_file: Path) -> None:
+    """The float weights from the dequantized cache, written first if missing and rebuilt once if damaged."""
+    for attempt in range(2):
+        if not cache_file.is_file():
+            with GGUFFile(source.path) as f:
+                _write_gguf_cache(f, config, cache_file)
+        try:
+            model.load_weights(_safetensors_tensors([cache_file], lambda name: name))
+            return
+        except ValueError as e:  # a damaged cache is rebuilt once, never trusted
+            if attempt:
+                raise
+            log.warning("dequantized cache %s is unusable (%s); rebuilding it", cache_file, e)
+            cache_file.unlink(missing_ok=True)
 
 
 def _loaded(config: ModelConfig, model: DecoderModel, source: ModelSource, dtype: torch.dtype, device: torch.device,
@@ -268,10 +274,6 @@ def _gguf_cache_file(source: ModelSource, cache_dir: Path | None) -> Path:
     root = (cache_dir or default_cache_dir()).expanduser()
     key = f"{source.path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{GGUF_CACHE_VERSION}"
     return root / key / "model.safetensors"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _load_quantized_cache(model: DecoderModel, file: Path, quantization: str, kernels: Kernels) -> None:
