@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
+    from kvserve.model.tokenizer import Tokenizer
     from kvserve.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
@@ -48,14 +47,14 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
     ) -> None:
         del prompt_token_ids
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        self._special_ids = frozenset(tokenizer.all_special_ids) if params.skip_special_tokens else frozenset()
+        self._special_ids = tokenizer.special_ids if params.skip_special_tokens else frozenset()
         self._stops: list[str] = list(params.stop or ())
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._include_stop = params.include_stop_str_in_output
@@ -107,7 +106,7 @@ class IncrementalDetokenizer:
         nor a skipped special token (invisible to the decoder, so it closes nothing)."""
         if token_id in self._special_ids:
             return False
-        return not _is_byte_token(self._tokenizer.convert_ids_to_tokens(token_id))
+        return not _is_byte_token(self._tokenizer.id_to_token(token_id))
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)

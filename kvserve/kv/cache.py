@@ -98,15 +98,18 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> t
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerKVCache]:
-    """Zeroed caches for every layer (scales of 1 beside 8-bit data); logs the dtype and the block count."""
+    """Caches for every layer (scales of 1 beside 8-bit data); logs the dtype and the block count.
+
+    The data is not zero-filled: attention never reads a slot before it is written (decode padding re-reads
+    the sequence's last token), and filling 1 GiB costs 0.3 s of every start. Pages are touched on first use."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
     def scales() -> torch.Tensor | None:
         return torch.ones(shape[:3], dtype=torch.float32, device=device) if spec.is_quantized else None
 
     caches = [
-        LayerKVCache(torch.zeros(shape, dtype=spec.dtype, device=device),
-                     torch.zeros(shape, dtype=spec.dtype, device=device), scales(), scales())
+        LayerKVCache(torch.empty(shape, dtype=spec.dtype, device=device),
+                     torch.empty(shape, dtype=spec.dtype, device=device), scales(), scales())
         for _ in range(spec.num_layers)
     ]
     logger.info(

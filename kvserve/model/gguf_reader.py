@@ -24,6 +24,7 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 _NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
                 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,16 @@ class GGUFFile:
         (n,) = struct.unpack_from("<Q", self._mm, pos)
         return self._mm[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
 
+    def _read_strings(self, count: int, pos: int) -> tuple[list[str], int]:
+        mm, length = self._mm, _U64.unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = length(mm, pos)
+            pos += 8
+            out.append(mm[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        return out, pos
+
     def _read_value(self, vtype: int, pos: int) -> tuple[Any, int]:
         if vtype == _STRING:
             return self._read_str(pos)
@@ -101,6 +112,8 @@ class GGUFFile:
                 dt = np.dtype(_NUMPY_TYPES[etype])
                 arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=pos)
                 return arr.tolist(), pos + count * dt.itemsize
+            if etype == _STRING:  # vocabularies: 262k strings, so the loop is kept tight
+                return self._read_strings(count, pos)
             out = []
             for _ in range(count):
                 value, pos = self._read_value(etype, pos)

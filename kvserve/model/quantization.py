@@ -55,6 +55,10 @@ class Q8Linear(nn.Module):
 class TiedEmbedding(nn.Embedding):
     """An embedding that can also serve as the output projection (tied LM head)."""
 
+    def reset_parameters(self) -> None:
+        """No random init: the loader fills the weight. (nn.Embedding's normal_ on the meta device imports
+        torch._dynamo: 1.7 s of every start.)"""
+
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.to(self.weight.dtype), self.weight)
 

@@ -146,7 +146,7 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
         else:
             ctx.check_prompt_chars(body.prompt or "")
             ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        strs = tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        strs = [tok.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
                                              token_strs=strs).model_dump())
 

@@ -49,7 +49,7 @@ def max_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
     """Text longer than this cannot fit in max_model_len tokens: no token covers more characters than
     the longest vocabulary entry (x2 for normalizers that compose characters). Tokenizing runs on the
     event loop at ~1 us per character, so a multi-megabyte prompt would stall every connection."""
-    longest = max((len(t) for t in tokenizer.hf.get_vocab()), default=1)
+    longest = max((len(t) for t in tokenizer.vocab()), default=1)
     return max_model_len * max(longest, 1) * 2
 
 

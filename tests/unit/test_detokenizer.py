@@ -1,4 +1,5 @@
-"""Incremental detokenization: streamed text == full decode, no partial characters, stop strings."""
+"""Incremental detokenization: streamed text == full decode (transformers' decode, the reference), no partial
+characters, stop strings."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.model.tokenizer import Tokenizer as KvTokenizer
 from kvserve.sampling_params import SamplingParams
 
 CORPUS = [
@@ -84,7 +86,7 @@ TOKENIZERS = {
 
 
 def _stream(tokenizer, ids, **params):
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], SamplingParams(**params))
+    detok = IncrementalDetokenizer(KvTokenizer.from_hf(tokenizer), [1, 2, 3], SamplingParams(**params))
     deltas, stopped = [], None
     for t in ids:
         r = detok.append(t)
@@ -167,7 +169,7 @@ def test_stop_string_across_token_boundaries(include):
 
 def test_partial_stop_string_is_held_back_then_released():
     tok = TOKENIZERS["byte_level"]
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["STOP"]))
+    detok = IncrementalDetokenizer(KvTokenizer.from_hf(tok), [], SamplingParams(stop=["STOP"]))
     streamed = ""
     for t in _char_ids(tok, "a STO"):
         streamed += detok.append(t).delta_text

@@ -145,12 +145,12 @@ GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_t
                "▁world", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "lo", "▁w"]
 
 
-def make_gguf(path: Path, with_vocab: bool = True, chat_template: str | None = None) -> Path:
-    """A tiny llama-arch GGUF with an SPM-style vocabulary (control, normal and byte tokens)."""
+def make_gguf(path: Path, with_vocab: bool = True, chat_template: str | None = None, arch: str = "llama") -> Path:
+    """A tiny GGUF (llama or gemma3 architecture) with an SPM-style vocabulary (control, normal and byte tokens)."""
     import gguf
     import numpy as np
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(64)
     w.add_embedding_length(8)
@@ -215,7 +215,85 @@ def test_gguf_tokenizer_is_cached(tmp_path):
     assert third.encode("hello world") == ids
 
 
+def test_gguf_tokenizer_named_by_architecture_is_transformers_own(tmp_path):
+    """For a known architecture kvserve names the tokenizer class (skipping AutoTokenizer's slow config pass);
+    the result must be what plain AutoTokenizer builds."""
+    from transformers import AutoTokenizer
+
+    path = make_gguf(tmp_path / "gemma.gguf", arch="gemma3")
+    ours = load_tokenizer(gguf_source(path), cache_dir=tmp_path / "cache")
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name, local_files_only=True)
+    assert ours.backend.to_str() == ref.backend_tokenizer.to_str()
+    assert ours.special_tokens == ref.special_tokens_map and set(ref.all_special_ids) <= ours.special_ids
+    for text in ("hello world", "<bos>hello", "hello<end_of_turn>"):
+        ids = ref.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids and ours.decode(ids) == ref.decode(
+            ids, skip_special_tokens=True)
+
+
 def test_gguf_without_vocabulary_names_the_file(tmp_path):
     path = make_gguf(tmp_path / "novocab.gguf", with_vocab=False)
     with pytest.raises(ValueError, match=r"novocab\.gguf.*tokenizer"):
         load_tokenizer(gguf_source(path), cache_dir=tmp_path / "cache")
+
+
+# -- the wrapper against transformers' own tokenizer (the reference) --------------------------------------
+
+TEXTS = ["hello world", "<bos> hello", "hello <end_of_turn> world", "", "A B C not-a-token", "hi\nthere"]
+
+
+def test_matches_transformers_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    ours, hf = load_tokenizer(source(ckpt)), AutoTokenizer.from_pretrained(str(ckpt))
+    assert ours.vocab_size == len(hf) and ours.vocab() == hf.get_vocab()
+    assert set(hf.all_special_ids) <= ours.special_ids
+    for text in TEXTS:
+        ids = hf.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+        assert [ours.id_to_token(i) for i in ids] == hf.convert_ids_to_tokens(ids)
+    msgs = [{"role": "user", "content": "hello"}, {"role": "model", "content": "world", "name": None}]
+    for template in (TEMPLATE_WITH_BOS, GEMMA_CHAT_TEMPLATE.replace("assistant", "model")):
+        for prompt in (True, False):
+            assert ours.apply_chat_template(msgs, prompt, template) == hf.apply_chat_template(
+                msgs, chat_template=template, add_generation_prompt=prompt, tokenize=False)
+
+
+def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
+    """A WordLevel tokenizer that asks for transformers' clean-up of spaces before punctuation."""
+    from transformers import AutoTokenizer
+
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    raw = RawTokenizer.from_file(str(ckpt / "tokenizer.json"))
+    raw.add_tokens([".", "n't", "'s"])
+    raw.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    raw.save(str(ckpt / "tokenizer.json"))
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**cfg, "clean_up_tokenization_spaces": True}))
+    ours, hf = load_tokenizer(source(ckpt)), AutoTokenizer.from_pretrained(str(ckpt))
+    ids = hf.encode("hello world . A n't B 's", add_special_tokens=False)
+    assert ours.decode(ids) == hf.decode(ids) == "hello world. An't B's"
+
+
+def test_cached_gguf_tokenizer_loads_without_transformers(tmp_path):
+    """A later start reads the cache with `tokenizers` alone: transformers' import (~1 s) stays out of it."""
+    import subprocess
+    import sys
+
+    path = make_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    first = load_tokenizer(gguf_source(path), cache_dir=cache)
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from kvserve.model.source import ModelFormat, ModelSource\n"
+        "from kvserve.model.tokenizer import load_tokenizer\n"
+        f"tok = load_tokenizer(ModelSource(ModelFormat.GGUF, Path({str(path)!r}), 'tiny'), cache_dir={str(cache)!r})\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+        "print(tok.encode('hello world'), tok.bos_token_id, tok.eos_token_id, sorted(tok.special_ids), tok.add_bos)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (f"{first.encode('hello world')} {first.bos_token_id} {first.eos_token_id} "
+                           f"{sorted(first.special_ids)} {first.add_bos}")
