@@ -8,7 +8,9 @@ on shutdown, after uvicorn's graceful period has let running requests finish).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -40,6 +42,13 @@ if TYPE_CHECKING:
 
 __all__ = ["ServerSettings", "build_app"]
 
+logger = logging.getLogger(__name__)
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("could not prepare the chat-template renderer: %s", future.exception())
+
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     core = engine.engine
@@ -55,6 +64,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        # In the background once serving: a chat request that comes first simply waits for the import.
+        warm = asyncio.get_running_loop().run_in_executor(None, core.tokenizer.prepare_chat_template)
+        warm.add_done_callback(_log_failure)
         try:
             yield
         finally:
