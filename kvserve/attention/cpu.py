@@ -6,11 +6,12 @@
   axis ([B, kv_heads, group, D]), so GQA/MQA never copies K/V per query head and each step is a small
   matmul instead of `group` matrix-vector products.
 - With the native kernels and a float32 cache, decode rows skip the gather: kernels.paged_decode_attention
-  reads K/V through the block tables in place (kvserve/kernels/paged_attention.cpp).
+  reads K/V through the block tables in place (kvserve/kernels/paged_attention.cpp); so do prefill chunks,
+  through kernels.paged_prefill_attention (a flash-attention kernel, kvserve/kernels/prefill_attention.cpp).
 - An 8-bit cache is dequantized in the gather (LayerKVCache.read): only the context rows of this step's
   sequences are ever converted, never the whole cache.
-- Prefill chunks run one SDPA call per sequence (enable_gqa), with `is_causal` when the chunk is the whole
-  context and no window applies, else an explicit mask (later chunks, sliding windows).
+- Otherwise prefill chunks run one SDPA call per sequence (enable_gqa), with `is_causal` when the chunk is the
+  whole context and no window applies, else an explicit mask (later chunks, sliding windows).
 - The index tensors a step needs (slots, masks) depend only on its metadata and the layer's window, so they
   are built by the first layer and reused by the rest (AttentionMetadata.memo).
 Checked against attention/reference.py in tests/unit/test_attention.py.
@@ -68,6 +69,10 @@ def cpu_attention(
         if q_len == 1:
             continue
         s, e = starts[i], starts[i + 1]
+        if paged:
+            kernels.paged_prefill_attention(q[s:e], k_cache, v_cache, meta.block_tables[i], seq_len, window, scale,
+                                            out=out[s:e])
+            continue
         slots, mask = meta.memo(("prefill", i, window), lambda i=i, seq_len=seq_len, q_len=q_len: _prefill_gather(
             meta.block_tables[i], seq_len, q_len, meta.block_size, window))
         out[s:e] = _prefill_one(q[s:e], cache, slots, mask, scale)

@@ -54,7 +54,8 @@ class Kernels(Protocol):
         ...
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
-        """Whether `paged_decode_attention` takes this cache (else the caller gathers K/V and uses SDPA)."""
+        """Whether `paged_decode_attention` and `paged_prefill_attention` take this cache (else the caller
+        gathers K/V and uses SDPA)."""
         ...
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -62,6 +63,13 @@ class Kernels(Protocol):
                                scale: float) -> torch.Tensor:
         """q [B, H, D] (one token per sequence, at position seq_len - 1) over each sequence's context in the
         paged cache [blocks, block_size, kv_heads, D], read through block_tables [B, W] -> [B, H, D]."""
+        ...
+
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_table: torch.Tensor, seq_len: int, window: int | None, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [L, H, D] (one sequence's chunk, at positions seq_len - L .. seq_len - 1), causal over its context
+        in the paged cache, read through block_table [W] -> [L, H, D]; into `out` (contiguous) when given."""
         ...
 
 
@@ -98,6 +106,11 @@ class TorchKernels:
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
                                scale: float) -> torch.Tensor:
+        raise NotImplementedError("the torch kernels have no paged attention; check has_paged_attention first")
+
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_table: torch.Tensor, seq_len: int, window: int | None, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("the torch kernels have no paged attention; check has_paged_attention first")
 
 
@@ -167,6 +180,23 @@ class NativeKernels:
                 q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
                 lens.data_ptr(), batch, heads, kv_heads, dim, block_size, window or 0, scale, out.data_ptr())
         return out
+
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_table: torch.Tensor, seq_len: int, window: int | None, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+        q_len, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        table = block_table.to(torch.int64).contiguous()
+        if not 0 < q_len <= seq_len or table.numel() * block_size < seq_len or heads % kv_heads:
+            raise ValueError(f"paged prefill attention: {q_len} queries, context {seq_len}, a table of "
+                             f"{table.numel()} blocks of {block_size}, {heads} heads over {kv_heads} KV heads")
+        q = q.float().contiguous()
+        direct = out is not None and out.is_contiguous() and out.dtype == torch.float32
+        dst = out if direct else torch.empty(q_len, heads, dim, dtype=torch.float32)
+        self.library.kvserve_paged_prefill_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), q_len, seq_len, heads,
+            kv_heads, dim, block_size, window or 0, scale, dst.data_ptr())
+        return dst if out is None or direct else out.copy_(dst)
 
 
 TORCH_KERNELS = TorchKernels()  # stateless: the default of every module until the loader hands out its kernels

@@ -1,5 +1,6 @@
 """The compiled kernels against the torch ones (the reference) on shapes and layouts that exercise every
-remainder path: the q8_0 matmul (and q8_0 quantization round trips) and RMSNorm; the build's cache and fallback."""
+remainder path: the q8_0 matmul (and q8_0 quantization round trips), RMSNorm, the gated activation and the paged
+prefill attention; the build's cache and fallback."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.reference import reference_attention
 from kvserve.kernels.native import build_native_library, cpu_supports_native
 from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8, quantize_q8
@@ -147,3 +150,62 @@ def test_native_gated_act_matches_torch(native: NativeKernels, act: str, shape: 
     got = native.gated_act(x, act)
     assert got.shape == (shape[0], shape[1] // 2)
     torch.testing.assert_close(got, TorchKernels().gated_act(x, act), atol=1e-5, rtol=1e-5)
+
+
+def _paged_prompt(seq_len: int, q_len: int, block_size: int, heads: int, kv_heads: int, dim: int, seed: int):
+    """One sequence's context in a random paged cache (shuffled blocks, NaN in every slot it does not own)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-seq_len // block_size)
+    table = (torch.randperm(blocks + 3, generator=g)[:blocks] + 1).tolist()
+    k_cache = torch.full((blocks + 4, block_size, kv_heads, dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for p in range(seq_len):
+        k_cache[table[p // block_size], p % block_size] = torch.randn(kv_heads, dim, generator=g)
+        v_cache[table[p // block_size], p % block_size] = torch.randn(kv_heads, dim, generator=g)
+    meta = AttentionMetadata.build([table], [seq_len], [q_len], block_size, torch.device("cpu"))
+    return torch.randn(q_len, heads, dim, generator=g), k_cache, v_cache, meta
+
+
+@needs_native
+@pytest.mark.parametrize("seq_len,q_len,block_size,heads,kv_heads,dim,window", [
+    (1, 1, 16, 4, 1, 256, None),  # a one-token prompt
+    (9, 1, 5, 4, 1, 64, 4),  # one query at the end of a context: the decode shape
+    (67, 67, 16, 4, 1, 256, None),  # a chunk that is no multiple of the query and key tiles
+    (130, 35, 5, 8, 2, 40, 50),  # a later chunk in a window, GQA 4, head_dim 40 (8 x 5)
+    (200, 199, 3, 3, 3, 24, 1),  # window 1: each query sees only itself
+    (90, 90, 7, 2, 1, 20, 33),  # head_dim 20: no multiple of 8
+])
+def test_native_paged_prefill_attention_matches_reference(native: NativeKernels, seq_len: int, q_len: int,
+                                                          block_size: int, heads: int, kv_heads: int, dim: int,
+                                                          window: int | None) -> None:
+    q, kc, vc, meta = _paged_prompt(seq_len, q_len, block_size, heads, kv_heads, dim, seed=seq_len + q_len)
+    got = native.paged_prefill_attention(q, kc, vc, meta.block_tables[0], seq_len, window, 0.125)
+    torch.testing.assert_close(got, reference_attention(q, kc, vc, meta, 0.125, window), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_native_paged_prefill_attention_writes_into_out(native: NativeKernels) -> None:
+    """Into a contiguous `out` in place; a strided one gets a copy."""
+    q, kc, vc, meta = _paged_prompt(40, 24, 16, 4, 2, 32, seed=1)
+    want = native.paged_prefill_attention(q, kc, vc, meta.block_tables[0], 40, None, 0.2)
+    out = torch.empty(24, 4, 32)
+    assert native.paged_prefill_attention(q, kc, vc, meta.block_tables[0], 40, None, 0.2, out=out) is out
+    strided = torch.empty(4, 24, 32).transpose(0, 1)
+    native.paged_prefill_attention(q, kc, vc, meta.block_tables[0], 40, None, 0.2, out=strided)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(strided, want, atol=0, rtol=0)
+
+
+@needs_native
+def test_native_paged_prefill_attention_rejects_a_short_block_table(native: NativeKernels) -> None:
+    q, kc, vc, meta = _paged_prompt(40, 8, 16, 4, 1, 32, seed=2)
+    with pytest.raises(ValueError, match="paged prefill attention"):
+        native.paged_prefill_attention(q, kc, vc, meta.block_tables[0][:2], 40, None, 0.2)  # 32 < 40 slots
+
+
+def test_torch_kernels_have_no_paged_prefill_attention() -> None:
+    kernels = TorchKernels()
+    assert not kernels.has_paged_attention(torch.zeros(2, 4, 1, 8))
+    with pytest.raises(NotImplementedError):
+        kernels.paged_prefill_attention(torch.zeros(2, 1, 8), torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8),
+                                        torch.zeros(2, dtype=torch.int64), 2, None, 1.0)
