@@ -24,6 +24,7 @@ SIGNATURES: dict[str, list] = {
     "kvserve_gated_act": [_P, _I64, _I64, ctypes.c_int32, _P],
     "kvserve_paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
     "kvserve_paged_prefill_attention": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
+    "kvserve_qk_norm_rope": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F32, _P, _P, _P],
 }
 
 

@@ -53,6 +53,15 @@ class Kernels(Protocol):
         """act(gate) * up for gate_up = [..., gate | up] (equal halves); act is one of GATED_ACTIVATIONS."""
         ...
 
+    def qk_norm_rope(self, qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
+                     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
+                     ) -> torch.Tensor:
+        """qk [T, heads, D] (Q heads then K heads; rows may be strided, as slices of the fused QKV output): the
+        per-head RMSNorm (q_weight on the first q_heads, k_weight on the rest; none when the weights are None),
+        then NEOX rope with cos / signed_sin [T, 1, D] (cos over both halves, sin negated on the first half)
+        -> a new contiguous [T, heads, D] in qk's dtype."""
+        ...
+
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         """Whether `paged_decode_attention` and `paged_prefill_attention` take this cache (else the caller
         gathers K/V and uses SDPA)."""
@@ -99,6 +108,17 @@ class TorchKernels:
     def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return GATED_ACTIVATIONS[act](gate) * up
+
+    def qk_norm_rope(self, qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
+                     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
+                     ) -> torch.Tensor:
+        if q_weight is not None and k_weight is not None:
+            normed = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
+            self.rms_norm(qk[:, :q_heads], q_weight, eps, out=normed[:, :q_heads])
+            self.rms_norm(qk[:, q_heads:], k_weight, eps, out=normed[:, q_heads:])
+            qk = normed.to(qk.dtype)
+        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + swap_halves(x) * (-sin, sin)
+        return torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, dims=-1), signed_sin)
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         return False  # torch has no paged attention: attention/cpu.py gathers K/V and calls SDPA
@@ -150,6 +170,25 @@ class NativeKernels:
                                           dst.stride(0) if dst.dim() > 1 else 0)
         return dst
 
+
+    def qk_norm_rope(self, qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
+                     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
+                     ) -> torch.Tensor:
+        tokens, heads, dim = qk.shape
+        weights = (q_weight, k_weight) if q_weight is not None and k_weight is not None else (None, None)
+        if not (qk.dtype == cos.dtype == signed_sin.dtype == torch.float32 and qk.device.type == "cpu"
+                and qk.stride(2) == 1 and qk.stride(1) == dim and dim % 16 == 0
+                and cos.is_contiguous() and signed_sin.is_contiguous() and cos.numel() == signed_sin.numel() == tokens * dim
+                and all(w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.numel() == dim)
+                        for w in weights)):
+            return self.fallback.qk_norm_rope(qk, q_heads, q_weight, k_weight, eps, cos, signed_sin)
+        out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+        if tokens:
+            self.library.kvserve_qk_norm_rope(
+                qk.data_ptr(), tokens, qk.stride(0), heads, q_heads, dim,
+                *(w.data_ptr() if w is not None else None for w in weights), eps, cos.data_ptr(),
+                signed_sin.data_ptr(), out.data_ptr())
+        return out
 
     def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         code = _NATIVE_ACTIVATIONS.get(act)

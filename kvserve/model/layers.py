@@ -83,12 +83,6 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; rotates the pair (i, i + head_dim/2):
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + swap_halves(x) * (-sin, sin), in three ops."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one projection and act * up in one kernel."""
 
@@ -148,12 +142,10 @@ class PagedAttention(nn.Module):
         # Q and K side by side as [T, heads + kv_heads, head_dim]: one norm and one rope call for both.
         qk = qkv[:, : q_size + kv_heads * self.head_dim].view(t, heads + kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_heads * self.head_dim :].view(t, kv_heads, self.head_dim)
-        if self.q_norm is not None:  # both norms write into one [T, heads + kv_heads, head_dim] tensor
-            normed = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
-            self.q_norm.kernels.rms_norm(qk[:, :heads], self.q_norm.weight, self.q_norm.eps, out=normed[:, :heads])
-            self.k_norm.kernels.rms_norm(qk[:, heads:], self.k_norm.weight, self.k_norm.eps, out=normed[:, heads:])
-            qk = normed.to(x.dtype)
-        qk = apply_rope(qk, cos, sin)
+        # Per-head norms (if any) and rope in one kernel call: rotates the pair (i, i + head_dim / 2).
+        qn, kn = self.q_norm, self.k_norm
+        qk = self.kernels.qk_norm_rope(qk, heads, qn.weight if qn else None, kn.weight if kn else None,
+                                       qn.eps if qn else 0.0, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         c = as_layer_cache(kv_cache)
         c.write(k, v, meta.slot_mapping)

@@ -209,3 +209,49 @@ def test_torch_kernels_have_no_paged_prefill_attention() -> None:
     with pytest.raises(NotImplementedError):
         kernels.paged_prefill_attention(torch.zeros(2, 1, 8), torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8),
                                         torch.zeros(2, dtype=torch.int64), 2, None, 1.0)
+
+
+def _qk_slice(tokens: int, q_heads: int, kv_heads: int, dim: int, seed: int) -> torch.Tensor:
+    """Q and K heads as the attention layer sees them: a strided view into a fused [T, (q + 2 kv) * dim] output."""
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(seed))
+    return qkv[:, : (q_heads + kv_heads) * dim].view(tokens, q_heads + kv_heads, dim)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_torch_qk_norm_rope_matches_the_hf_formula(norm: bool) -> None:
+    """The reference itself against HF's rotate_half formulation, with the norms written out."""
+    from kvserve.model.layers import RotaryEmbedding
+
+    tokens, q_heads, kv_heads, dim, eps = 5, 4, 2, 32, 1e-6
+    qk = _qk_slice(tokens, q_heads, kv_heads, dim, 0)
+    qw, kw = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if norm else (None, None)
+    positions = torch.tensor([0, 1, 7, 100, 5000])
+    cos, sin = RotaryEmbedding(dim, 10000.0, None).cos_sin(positions, torch.float32)
+    got = TorchKernels().qk_norm_rope(qk, q_heads, qw, kw, eps, cos, sin)
+    x = qk.clone()
+    if norm:
+        w = torch.cat([qw.expand(q_heads, dim), kw.expand(kv_heads, dim)])
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    freqs = positions.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))[None]
+    emb = torch.cat((freqs, freqs), -1)[:, None, :]
+    rotate_half = torch.cat((-x[..., dim // 2:], x[..., : dim // 2]), -1)
+    torch.testing.assert_close(got, x * emb.cos() + rotate_half * emb.sin(), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("tokens", "q_heads", "kv_heads", "dim", "norm"), [
+    (1, 4, 1, 256, True), (9, 4, 1, 256, True), (300, 4, 1, 256, True), (3, 8, 2, 64, False), (5, 2, 2, 16, True),
+    (4, 2, 1, 8, True),  # head_dim 8: not a multiple of 16, so the native kernel hands it to torch
+])
+def test_native_qk_norm_rope_matches_torch(native: NativeKernels, tokens: int, q_heads: int, kv_heads: int,
+                                           dim: int, norm: bool) -> None:
+    from kvserve.model.layers import RotaryEmbedding
+
+    qk = _qk_slice(tokens, q_heads, kv_heads, dim, 1)
+    g = torch.Generator().manual_seed(2)
+    qw, kw = (torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5) if norm else (None, None)
+    cos, sin = RotaryEmbedding(dim, 1e6, None).cos_sin(torch.randint(0, 30000, (tokens,), generator=g),
+                                                       torch.float32)
+    want = TorchKernels().qk_norm_rope(qk, q_heads, qw, kw, 1e-6, cos, sin)
+    got = native.qk_norm_rope(qk, q_heads, qw, kw, 1e-6, cos, sin)
+    assert got.is_contiguous() and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
