@@ -37,6 +37,15 @@ class ModelRunner:
         self.kv = kv_manager
         self.block_size = block_size
         self.device = device
+        self._logits: torch.Tensor | None = None  # reused by every step's sampled rows (see compute_logits)
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """[rows, vocab] float32 out of one buffer kept between steps; it grows to the largest batch seen. The
+        logits of a step are consumed (sampled) before the next step writes the buffer again."""
+        vocab = self.model.config.vocab_size
+        if self._logits is None or self._logits.shape[0] < rows:
+            self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+        return self._logits[:rows]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -66,7 +75,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, rows), out=self._logits_buffer(len(rows))).float()
         prompt_logits = {
             rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
         }

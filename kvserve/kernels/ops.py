@@ -39,8 +39,10 @@ _NATIVE_ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu_tanh": 0, "gelu_new": 0, "s
 class Kernels(Protocol):
     name: str
 
-    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ dequant(q [N, K] int8, scales [N, K/32] float32)^T -> [M, N] float32."""
+    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """x [M, K] @ dequant(q [N, K] int8, scales [N, K/32] float32)^T -> [M, N] float32; into `out` ([M, N]
+        float32 contiguous) when given, and then `out` is returned."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
@@ -90,11 +92,13 @@ class TorchKernels:
     slab_rows: int = 16384
     name: str = "torch"
 
-    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         x = x.float()
         if q.shape[0] <= self.slab_rows:
-            return x @ dequantize_q8(q, scales).T
-        out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32, device=x.device)
+            return torch.matmul(x, dequantize_q8(q, scales).T, out=out)
+        if out is None:
+            out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32, device=x.device)
         for start in range(0, q.shape[0], self.slab_rows):
             end = min(start + self.slab_rows, q.shape[0])
             out[:, start:end] = x @ dequantize_q8(q[start:end], scales[start:end]).T
@@ -142,16 +146,20 @@ class NativeKernels:
     fallback: TorchKernels = TorchKernels()
     name: str = "native"
 
-    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         if x.device.type != "cpu" or q.device.type != "cpu":
-            return self.fallback.q8_matmul(x, q, scales)
+            return self.fallback.q8_matmul(x, q, scales, out)
         x = x.float().contiguous()
         m, k = x.shape
         n = q.shape[0]
         if q.shape[1] != k or scales.shape != (n, k // GROUP_SIZE) or k % GROUP_SIZE:
             raise ValueError(f"q8 matmul shapes do not fit: x {tuple(x.shape)}, q {tuple(q.shape)}, "
                              f"scales {tuple(scales.shape)}")
-        y = torch.empty(m, n, dtype=torch.float32)
+        if out is not None and (out.shape != (m, n) or out.dtype != torch.float32 or not out.is_contiguous()):
+            raise ValueError(f"q8 matmul output must be a contiguous float32 [{m}, {n}], got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m:
             self.library.kvserve_q8_matmul(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr())
         return y

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.capacity import QUANTIZATION_METHODS
@@ -41,11 +40,12 @@ class Q8Linear(nn.Module):
         q, scales = quantize_q8(linear.weight) if quantize else _empty_q8(linear.weight)
         return cls(q, scales, linear.bias, kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: an [N, out_features] float32 buffer to write into (N = x's rows; x then float32)."""
         lead = x.shape[:-1]
-        y = self.kernels.q8_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        y = self.kernels.q8_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, out)
         if self.bias is not None:
-            y = y + self.bias
+            y = y.add_(self.bias) if out is not None else y + self.bias
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -59,8 +59,8 @@ class TiedEmbedding(nn.Embedding):
         """No random init: the loader fills the weight. (nn.Embedding's normal_ on the meta device imports
         torch._dynamo: 1.7 s of every start.)"""
 
-    def attend(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.to(self.weight.dtype), self.weight)
+    def attend(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.matmul(hidden.to(self.weight.dtype), self.weight.T, out=out)
 
 
 class Q8Embedding(nn.Module):
@@ -82,8 +82,8 @@ class Q8Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_q8(self.qweight[ids], self.scales[ids]).to(self.dtype)
 
-    def attend(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_matmul(hidden.reshape(-1, self.embedding_dim), self.qweight, self.scales)
+    def attend(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.q8_matmul(hidden.reshape(-1, self.embedding_dim), self.qweight, self.scales, out)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, q8_0, kernels={self.kernels.name}"

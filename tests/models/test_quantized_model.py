@@ -149,3 +149,20 @@ def test_kernel_cache_dir_is_used(tmp_path: Path) -> None:
     kernels = load_kernels(tmp_path / "k")
     if kernels.name == "native":
         assert list((tmp_path / "k").glob("kvserve_kernels_*.so"))
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+@pytest.mark.parametrize("quantization", ["none", "q8_0"])
+def test_logits_into_a_reused_buffer(variant: str, quantization: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """compute_logits(out=buffer) (the runner's per-step buffer) equals a fresh computation, tied or untied head,
+    and a buffer of the wrong shape is not used."""
+    path, _ = tiny_checkpoint(variant)
+    model = _load(path, quantization)
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = model.compute_logits(hidden)
+    buffer = torch.full((3, want.shape[1]), float("nan"))
+    got = model.compute_logits(hidden, out=buffer)
+    assert got.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    wrong = torch.empty(3, want.shape[1] + 1)
+    torch.testing.assert_close(model.compute_logits(hidden, out=wrong), want, atol=1e-5, rtol=1e-5)
