@@ -89,6 +89,23 @@ def test_native_paged_attention_takes_long_contexts_and_wide_heads(kernels) -> N
                                atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize(("seq_len", "window", "threads"), [(300, None, 2), (1, None, 2), (2, None, 3), (3, 2, 2),
+                                                            (700, 512, 2), (41, None, 4), (41, None, 1)])
+def test_decode_of_one_sequence_split_over_threads(seq_len: int, window: int | None, threads: int,
+                                                   kernels) -> None:  # type: ignore[no-untyped-def]
+    """Batch 1 on one KV head: the native kernel splits the context over threads and merges the parts' softmax
+    sums (some parts empty when the context is shorter than the thread count)."""
+    q, kc, vc, meta = _scenario([(seq_len, 1)], 16, 4, 1, seed=seq_len, head_dim=256)
+    ref = reference_attention(q, kc, vc, meta, 0.0625, window)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_attention(q, kc, vc, meta, 0.0625, window, kernels=kernels)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+
+
 # Prefill chunks on the Gemma 3 shape (head_dim 256, 4 heads over 1 KV head) and around it: whole prompts and
 # later chunks, windows smaller and larger than the context, GQA 2 and 4, MQA, MHA, block sizes 16 and 5,
 # chunk lengths that are no multiple of the kernel's tiles, decode rows in the same batch, a head_dim that is no
