@@ -288,7 +288,13 @@ def _load_gguf(path: Path, cache_root: Path, name: str) -> Tokenizer:
     hints = {"tokenizer_type": arch} if TOKENIZER_MAPPING_NAMES.get(arch) else {}
     t0 = time.perf_counter()
     try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True, **hints)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True, **hints)
+        except Exception:  # noqa: BLE001 -- the named class may not take this file; AutoTokenizer's own pass decides
+            if not hints:
+                raise
+            logger.info("tokenizer class %s did not load %s; letting AutoTokenizer choose", arch, path.name)
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:
         raise ValueError(f"{path}: cannot build a tokenizer from the GGUF vocabulary: {type(e).__name__}: {e}") from e
     tok = Tokenizer.from_hf(hf, template, name)

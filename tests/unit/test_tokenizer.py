@@ -297,3 +297,22 @@ def test_cached_gguf_tokenizer_loads_without_transformers(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == (f"{first.encode('hello world')} {first.bos_token_id} {first.eos_token_id} "
                            f"{sorted(first.special_ids)} {first.add_bos}")
+
+
+def test_gguf_tokenizer_falls_back_to_autotokenizer_when_the_named_class_fails(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    path = make_gguf(tmp_path / "gemma.gguf", arch="gemma3")
+    real = AutoTokenizer.from_pretrained.__func__
+    calls: list = []
+
+    def flaky(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs.get("tokenizer_type"))
+        if kwargs.get("tokenizer_type"):
+            raise OSError("this class cannot read the file")
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(flaky))
+    tok = load_tokenizer(gguf_source(path), cache_dir=tmp_path / "cache")
+    assert calls == ["gemma3", None]
+    assert tok.encode("hello world")[0] == 2
