@@ -10,9 +10,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -186,7 +186,8 @@ class NativeKernels:
         weights = (q_weight, k_weight) if q_weight is not None and k_weight is not None else (None, None)
         if not (qk.dtype == cos.dtype == signed_sin.dtype == torch.float32 and qk.device.type == "cpu"
                 and qk.stride(2) == 1 and qk.stride(1) == dim and dim % 16 == 0
-                and cos.is_contiguous() and signed_sin.is_contiguous() and cos.numel() == signed_sin.numel() == tokens * dim
+                and cos.is_contiguous() and signed_sin.is_contiguous()
+                and cos.numel() == signed_sin.numel() == tokens * dim
                 and all(w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.numel() == dim)
                         for w in weights)):
             return self.fallback.qk_norm_rope(qk, q_heads, q_weight, k_weight, eps, cos, signed_sin)

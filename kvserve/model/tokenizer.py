@@ -290,7 +290,7 @@ def _load_gguf(path: Path, cache_root: Path, name: str) -> Tokenizer:
     try:
         try:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True, **hints)
-        except Exception:  # noqa: BLE001 -- the named class may not take this file; AutoTokenizer's own pass decides
+        except Exception:  # the named class may not take this file; AutoTokenizer's own pass decides
             if not hints:
                 raise
             logger.info("tokenizer class %s did not load %s; letting AutoTokenizer choose", arch, path.name)
