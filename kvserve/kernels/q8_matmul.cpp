@@ -63,11 +63,24 @@ inline void micro(const float* buf, const float* x, int64_t k, int64_t kc, int64
             for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r)
+    if constexpr (R == 4) {
+        // The four weight rows are four adjacent outputs: reduce their accumulators together into one vector
+        // (three horizontal adds and a half-add) and store it once, instead of four scalar reductions.
         for (int c = 0; c < C; ++c) {
-            float* out = y + (m0 + c) * n + n0 + r;
-            *out = ADD ? *out + hsum(acc[r][c]) : hsum(acc[r][c]);
+            const __m256 h01 = _mm256_hadd_ps(acc[0][c], acc[1][c]), h23 = _mm256_hadd_ps(acc[2][c], acc[3][c]);
+            const __m256 h = _mm256_hadd_ps(h01, h23);  // per 128-bit half: [r0, r1, r2, r3]
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            float* out = y + (m0 + c) * n + n0;
+            if (ADD) s = _mm_add_ps(s, _mm_loadu_ps(out));
+            _mm_storeu_ps(out, s);
         }
+    } else {
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) {
+                float* out = y + (m0 + c) * n + n0 + r;
+                *out = ADD ? *out + hsum(acc[r][c]) : hsum(acc[r][c]);
+            }
+    }
 }
 
 // Activation rows [m_lo, m_hi) against the widened rows in buf.
