@@ -42,9 +42,8 @@ class ModelRunner:
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """[rows, vocab] float32 out of one buffer kept between steps; it grows to the largest batch seen. The
         logits of a step are consumed (sampled) before the next step writes the buffer again."""
-        vocab = self.model.config.vocab_size
         if self._logits is None or self._logits.shape[0] < rows:
-            self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+            self._logits = torch.empty(rows, self.model.num_logits, dtype=torch.float32, device=self.device)
         return self._logits[:rows]
 
     @torch.inference_mode()

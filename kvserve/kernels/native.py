@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the build's hash
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Every exported function and its C signature; all return void.
@@ -55,7 +56,7 @@ def build_native_library(cache_dir: Path) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
     digest = hashlib.sha256(compiler.encode() + " ".join(COMPILE_FLAGS).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.name.encode() + source.read_bytes())
     target = cache_dir / f"kvserve_kernels_{digest.hexdigest()[:16]}.so"
     if target.is_file():

@@ -23,34 +23,20 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <vector>
 
 namespace {
+
+using kvserve::exp256;
 
 constexpr int64_t kRowTile = 64;  // query rows per work item: Q and O tiles of 64 KB each at head_dim 256
 constexpr int64_t kKeyTile = 64;  // keys per online-softmax step: the K and V tiles stay in L2 (64 KB each)
 constexpr int kRows = 4;          // output micro-kernel rows (one query's 4 heads for Gemma 3)
 constexpr int kKeys = 6;          // scores micro-kernel: 6 keys x 16 rows = 12 accumulators
 constexpr int kVecs = 3;          // output micro-kernel width in 8-float vectors: 4 x 3 accumulators
-
-// exp with a degree-6 polynomial (relative error ~2e-7), as in gated_act.cpp.
-inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 
 // Transposes the 8 x 8 block in r0..r7 (rows) in place: r_i becomes column i.
 inline void transpose8(__m256 r[8]) {

@@ -10,23 +10,20 @@
 // torch's runtime) split the weight rows. Loaded with ctypes; kvserve/kernels/q8.py builds it.
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "simd.h"
 #include <string.h>
 
 #include <algorithm>
 
 namespace {
 
+using kvserve::hsum;
+
 constexpr int64_t kGroup = 32;
 constexpr int ROWS = 4;
 constexpr int64_t kMaxChunk = 1024;
 
-inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 // Widen columns [k0, k0 + kc) of rows [n0, n0 + rows) of w to float32 (scales applied) into buf[rows][kc].
 inline void widen_rows(const int8_t* w, const float* scales, int64_t k, int64_t k0, int64_t kc, int64_t n0, int rows,

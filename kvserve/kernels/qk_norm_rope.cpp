@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 extern "C" {
 
 // qkv: [tokens, row_stride] float32, the first (heads) x dim values of a row are the Q heads then the K heads.
@@ -33,10 +35,7 @@ void kvserve_qk_norm_rope(const float* qkv, int64_t tokens, int64_t row_stride, 
                 const __m256 v = _mm256_loadu_ps(x + i);
                 acc = _mm256_fmadd_ps(v, v, acc);
             }
-            __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-            r = _mm_add_ss(r, _mm_movehdup_ps(r));
-            inv = 1.0f / sqrtf(_mm_cvtss_f32(r) / static_cast<float>(dim) + eps);
+            inv = 1.0f / sqrtf(kvserve::hsum(acc) / static_cast<float>(dim) + eps);
         }
         const __m256 iv = _mm256_set1_ps(inv);
         for (int64_t i = 0; i < half; i += 8) {

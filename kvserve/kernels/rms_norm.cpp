@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 extern "C" void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t groups, int64_t dim,
                                  const float* w, float eps, float* out, int64_t out_stride) {
     const int64_t rows = tokens * groups;
@@ -21,10 +23,7 @@ extern "C" void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_strid
             const __m256 v = _mm256_loadu_ps(src + i);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-        float ss = _mm_cvtss_f32(s4);
+        float ss = kvserve::hsum(acc);
         for (; i < dim; ++i) ss += src[i] * src[i];
         const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
         const __m256 scale = _mm256_set1_ps(inv);

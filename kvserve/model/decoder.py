@@ -129,14 +129,18 @@ class DecoderModel(nn.Module):
             h = layer(h, cos, sin, kv_cache, meta)
         return self.norm(h)
 
+    @property
+    def num_logits(self) -> int:
+        """Columns of compute_logits: the LM head's rows (the embedding's, when tied)."""
+        return self.embed_tokens.num_embeddings if self.lm_head is None else self.lm_head.out_features
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32, with final logit softcapping when the config has it.
 
         `out`: an [N, vocab] float32 buffer the logits are written into (and returned). At batch 32-64 the
         logits are 33-67 MB: a fresh tensor that size is a fresh mmap, page-faulted and zeroed by the kernel on
         every step (+13% on the LM head at batch 64); the runner reuses one buffer instead."""
-        vocab = self.embed_tokens.num_embeddings if self.lm_head is None else self.lm_head.out_features
-        if out is not None and (hidden.dtype != torch.float32 or out.shape != (hidden.shape[0], vocab)):
+        if out is not None and (hidden.dtype != torch.float32 or out.shape != (hidden.shape[0], self.num_logits)):
             out = None  # the buffer is float32 [N, vocab]; half-precision heads compute in their own dtype
         if self.lm_head is None:
             logits = self.embed_tokens.attend(hidden, out=out)  # tied: the embedding

@@ -89,7 +89,7 @@ class GGUFFile:
         return metadata, tensors
 
     def _read_str(self, pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", self._mm, pos)
+        (n,) = _U64.unpack_from(self._mm, pos)
         return self._mm[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
 
     def _read_strings(self, count: int, pos: int) -> tuple[list[str], int]:

@@ -99,6 +99,20 @@ def test_build_is_cached(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
 
 
+def test_build_hash_covers_the_shared_header(tmp_path: Path, monkeypatch) -> None:
+    """Editing simd.h (included by the sources) must rebuild the library, as editing a .cpp does."""
+    from kvserve.kernels import native
+
+    assert any(h.name == "simd.h" for h in native.HEADERS)
+    monkeypatch.setenv("CXX", "/bin/true")  # a "compiler" that succeeds without output: only the names matter
+    monkeypatch.setattr(native.os, "replace", lambda src, dst: Path(dst).write_bytes(b""))
+    first = build_native_library(tmp_path)
+    edited = tmp_path / "simd.h"
+    edited.write_text("// edited\n")
+    monkeypatch.setattr(native, "HEADERS", (edited,))
+    assert build_native_library(tmp_path) != first
+
+
 def test_falls_back_to_torch_when_the_build_fails(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("CXX", "/bin/false")
     with caplog.at_level(logging.WARNING):
