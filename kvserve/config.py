@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from kvserve.capacity import KV_DTYPES, QUANTIZATION_METHODS
+from kvserve.units import GiB, parse_size
+from kvserve.vocab import ATTENTION_BACKENDS, COMPUTE_DTYPES, HASH_ALGOS, KV_DTYPES, QUANTIZATION_METHODS
 
-GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30, "gib": 1 << 30,
-    "ti": 1 << 40, "tib": 1 << 40,
-}
 
-
-def parse_size(value: str | int) -> int:
-    """Parse a byte size such as 4GiB, 512MiB, 2G or 1048576."""
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {value!r}: expected a number with an optional unit such as 4GiB or 512MiB")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+def _one_of(value: str, name: str, choices: tuple[str, ...]) -> tuple[bool, str, str]:
+    """A check row of EngineConfig: `value` must be one of the registry's `choices` (kvserve/vocab.py)."""
+    return value in choices, name, f"one of {', '.join(choices)}"
 
 
 @dataclass(slots=True)
@@ -65,14 +52,14 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]"),
-            (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", ">= 1"),
+            (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override",
+             ">= 1"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "> 0"),
-            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "one of auto, float32, bfloat16, float16"),
-            (self.quantization in ("auto", *QUANTIZATION_METHODS), "quantization",
-             f"one of auto, {', '.join(QUANTIZATION_METHODS)}"),
-            (self.kv_cache_dtype in ("auto", *KV_DTYPES), "kv_cache_dtype", f"one of auto, {', '.join(KV_DTYPES)}"),
-            (self.attention_backend in ("cpu", "reference"), "attention_backend", "cpu or reference"),
-            (self.prefix_caching_hash_algo in ("sha256", "xxhash"), "prefix_caching_hash_algo", "sha256 or xxhash"),
+            _one_of(self.dtype, "dtype", ("auto", *COMPUTE_DTYPES)),
+            _one_of(self.quantization, "quantization", ("auto", *QUANTIZATION_METHODS)),
+            _one_of(self.kv_cache_dtype, "kv_cache_dtype", ("auto", *KV_DTYPES)),
+            _one_of(self.attention_backend, "attention_backend", ATTENTION_BACKENDS),
+            _one_of(self.prefix_caching_hash_algo, "prefix_caching_hash_algo", HASH_ALGOS),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", ">= 1"),
             (self.max_logprobs >= 0, "max_logprobs", ">= 0"),
         ]

@@ -80,6 +80,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduling.",
                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "First scheduling to first token.",
+                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -96,23 +98,24 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self._last_time: float | None = None
-        self._num_tokens = 0
+        self._finish_reasons: list[str] = []
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new = num_tokens - self._num_tokens
+        # The server's outputs are deltas (RequestOutputKind.DELTA): each sample's tokens and finish arrive once.
+        new = sum(len(c.token_ids) for c in output.outputs)
+        self._finish_reasons.extend(c.finish_reason for c in output.outputs if c.finish_reason is not None)
         if new > 0 and self._last_time is not None:
             gap = (now - self._last_time) / new  # outputs that arrive together share the gap evenly
             for _ in range(new):
                 self._metrics.itl.observe(gap)
         if new > 0:
-            self._last_time, self._num_tokens = now, num_tokens
+            self._last_time = now
         if output.finished:
             self._finish(output, now)
 
     def _finish(self, output: RequestOutput, now: float) -> None:
-        reasons = [c.finish_reason for c in output.outputs]
+        reasons = self._finish_reasons
         if "abort" in reasons:
             return
         for reason in reasons:
@@ -124,4 +127,6 @@ class RequestTracker:
             self._metrics.ttft.observe(m.first_token_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self._metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:  # TTFT = queue + prefill: doctor tells the two causes apart
+                self._metrics.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         self._metrics.e2e.observe((m.finished_time or now) - m.arrival_time)

@@ -8,16 +8,49 @@ turns into a 400.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+import math
+import numbers
+import struct
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy (dividing by ~0 would only produce inf/nan).
 GREEDY_TEMPERATURE = 1e-5
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+# Stop-list bounds: generous next to OpenAI's 4 strings, and they cap the per-sequence stop-string automaton
+# (engine/stop_strings.py) at 64 x 256 = 16,384 characters, built once per sequence.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 
 
 def _bad(field: str, value: object, expected: str) -> ValueError:
     return ValueError(f"{field} must be {expected}, got {value!r}")
+
+
+def _as_float32(field: str, value: object) -> float:
+    """`value` as the sampler will see it (a float32 tensor element), or ValueError naming the field.
+
+    Why float32: the sampler builds float32 tensors from these fields, so a Python float that is finite
+    (1e39) can still become inf there and turn a whole row of logits into NaN. A value that is not finite
+    once cast is rejected here, where it becomes a 400, instead of failing later on the engine thread."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise _bad(field, value, "a number")
+    try:
+        cast = struct.unpack("f", struct.pack("f", float(value)))[0]
+    except OverflowError:  # rounds to +-inf in float32 (or does not even fit a Python float)
+        cast = math.inf
+    if not math.isfinite(cast):
+        raise _bad(field, value, "a finite number (in float32 range, |x| < 3.4e38)")
+    return cast
+
+
+class RequestOutputKind(enum.Enum):
+    """What each engine output of a request carries (vLLM's names): everything so far, only what is new
+    since the previous output (the server streams these without re-diffing), or one output at the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -43,6 +76,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -60,19 +94,23 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "an integer >= 1")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        presence, frequency, repetition, temperature, top_p, min_p = (
+            _as_float32(name, getattr(self, name))
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+        )
+        if not -2.0 <= presence <= 2.0:
             raise _bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not -2.0 <= frequency <= 2.0:
             raise _bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise _bad("repetition_penalty", self.repetition_penalty, "> 0")
-        if not self.temperature >= 0.0:
+        if not repetition > 0.0:  # vLLM's range; a tiny penalty can still overflow logits: the sampler copes
+            raise _bad("repetition_penalty", self.repetition_penalty, "> 0 (in float32)")
+        if not temperature >= 0.0:
             raise _bad("temperature", self.temperature, ">= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise _bad("top_p", self.top_p, "in (0, 1]")
+        if not 0.0 < top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "in (0, 1] (in float32)")
         if not is_int(self.top_k) or self.top_k < -1:
             raise _bad("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= min_p <= 1.0:
             raise _bad("min_p", self.min_p, "in [0, 1]")
         if self.seed is not None and not is_int(self.seed):
             raise _bad("seed", self.seed, "an integer or None")
@@ -91,9 +129,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):
                 raise _bad(name, value, "an integer >= 0 or None")
-        for s in self.stop:
+        stops = self.stop or []  # a list since __post_init__; `or` narrows the declared type for the checker
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        for s in stops:
             if not isinstance(s, str) or not s:
                 raise _bad("stop", self.stop, "non-empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop must hold strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                                 f"got one of {len(s)}")
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")

@@ -19,11 +19,13 @@ Checked against attention/reference.py in tests/unit/test_attention.py.
 
 from __future__ import annotations
 
+from functools import partial
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import context_slots
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels
@@ -32,18 +34,15 @@ from kvserve.kv.cache import LayerKVCache
 
 def cpu_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKVCache,
     meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
+    layer: AttentionLayerSpec,
     kernels: Kernels = TORCH_KERNELS,
 ) -> torch.Tensor:
-    cache = LayerKVCache(k_cache, v_cache, k_scales, v_scales)
-    window = sliding_window
-    paged = k_scales is None and kernels.has_paged_attention(k_cache) and q.dtype == k_cache.dtype
+    """The AttentionBackend "cpu" (kvserve/attention/backend.py); the paths are in the module's docstring."""
+    window, scale = layer.sliding_window, layer.scale
+    k_cache, v_cache = cache.key, cache.value
+    paged = not cache.is_quantized and kernels.has_paged_attention(k_cache) and q.dtype == k_cache.dtype
     if meta.is_decode_only:
         if paged:
             return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, window,
@@ -73,8 +72,8 @@ def cpu_attention(
             kernels.paged_prefill_attention(q[s:e], k_cache, v_cache, meta.block_tables[i], seq_len, window, scale,
                                             out=out[s:e])
             continue
-        slots, mask = meta.memo(("prefill", i, window), lambda i=i, seq_len=seq_len, q_len=q_len: _prefill_gather(
-            meta.block_tables[i], seq_len, q_len, meta.block_size, window))
+        slots, mask = meta.memo(("prefill", i, window), partial(
+            _prefill_gather, meta.block_tables[i], seq_len, q_len, meta.block_size, window))
         out[s:e] = _prefill_one(q[s:e], cache, slots, mask, scale)
     return out
 
@@ -140,7 +139,7 @@ def _decode_batch(
     scale: float,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = cache.key.shape[2]
+    num_kv_heads = cache.num_kv_heads
     k, v = cache.read(slots, q.dtype)  # [B, W, Hkv, D]
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, W, D]
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kvserve.capacity import NULL_BLOCK_ID
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -21,7 +23,7 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int64, padded with 0
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int64, padded with the null block (never holds KV)
     seq_lens: torch.Tensor  # [S] int64, context length after this step
     query_start_loc: torch.Tensor  # [S + 1] int64
     seq_lens_cpu: list[int]
@@ -36,10 +38,6 @@ class AttentionMetadata:
         if key not in self.derived:
             self.derived[key] = make()
         return self.derived[key]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
 
     @property
     def is_decode_only(self) -> bool:
@@ -60,7 +58,7 @@ class AttentionMetadata:
             for pos in range(seq_len - q_len, seq_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        padded = [t + [NULL_BLOCK_ID] * (width - len(t)) for t in block_tables]
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)

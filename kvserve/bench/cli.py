@@ -28,3 +28,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     for module in BENCH_COMMANDS:
         importlib.import_module(module).add_parser(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser of `kvserve bench ...` alone: `bench all` parses each quick command's flags with it, in process,
+    without importing kvserve.cli (which imports this module: the dependency runs cli -> bench only)."""
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.bench.options import add_engine_args, add_output_args, int_list, new_command
-from kvserve.config import parse_size
+from kvserve.units import GiB, cdiv, parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     __doc__.splitlines()[0], SCHEMA)
     p.add_argument("--kv-dtypes", default="float32,bfloat16,fp8_e4m3,fp8_e5m2,int8",
                    help="comma-separated --kv-cache-dtype values (float32, the baseline, always runs first)")
-    p.add_argument("--budget", type=parse_size, default=4 << 30, help="budget for the blocks column (no allocation)")
+    p.add_argument("--budget", type=parse_size, default=4 * GiB, help="budget for the blocks column (no allocation)")
     add_accuracy_args(p, greedy_tokens=64)
     p.add_argument("--decode-batch", type=int, default=32)
     p.add_argument("--decode-context", type=int, default=128, help="prompt tokens of each decoding request")
@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_output_args(p, "(no plot for this command)")
     add_engine_args(p)
     # The engines run here need a modest pool, whole chunks of prompt logits in memory, and no prefix hits.
-    p.set_defaults(func=run, kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=512, enable_prefix_caching=False)
+    p.set_defaults(func=run, kv_cache_memory_bytes=GiB, max_num_batched_tokens=512, enable_prefix_caching=False)
 
 
 def add_accuracy_args(p: argparse.ArgumentParser, greedy_tokens: int) -> None:
@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench.report import Report, Table, config_of, emit
     from kvserve.bench.stats import ratio
     from kvserve.capacity import num_blocks_for_budget
-    from kvserve.cli import engine_config_from_args
     from kvserve.engine.engine import LLMEngine
+    from kvserve.engine_args import engine_config_from_args
 
     names = [BASELINE] + [d for d in args.kv_dtypes.split(",") if d and d != BASELINE]
     base_config = engine_config_from_args(args)
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         report.ratios.update({f"capacity@{d}": row["capacity_vs_float32"],
                               f"ppl_delta_perc@{d}": row["perplexity_delta_perc"],
                               f"decode@{d}": row["decode_vs_float32"]})
-    main = Table(f"KV cache dtypes: blocks at {args.budget / (1 << 30):g} GiB, perplexity on {len(ppl_ids) - 1} "
+    main = Table(f"KV cache dtypes: blocks at {args.budget / GiB:g} GiB, perplexity on {len(ppl_ids) - 1} "
                  f"tokens, greedy vs float32 KV ({len(prompts)} prompts x {args.greedy_tokens} tokens), decode at "
                  f"batch {args.decode_batch}",
                  ["kv dtype", "bytes/token", "blocks", "x fp32", "ppl", "ppl +%", "identical", "match %",
@@ -209,7 +209,7 @@ def granularity_errors(engine: LLMEngine, ids: list[int], block_sizes: list[int]
 
     runner, bs = engine.runner, engine.config.block_size
     n = len(ids)
-    meta = AttentionMetadata.build([list(range(-(-n // bs)))], [n], [n], bs, engine.device)
+    meta = AttentionMetadata.build([list(range(cdiv(n, bs)))], [n], [n], bs, engine.device)
     with torch.inference_mode():
         runner.model(torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device),
                      runner.kv_caches, meta)

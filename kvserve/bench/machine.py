@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvserve.units import GiB, KiB, MiB
+
 if TYPE_CHECKING:
     import torch
 
@@ -58,7 +60,7 @@ def machine_info() -> MachineInfo:
         cpu_model=_read_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown",
         logical_cpus=os.cpu_count() or 1,
         torch_threads=torch.get_num_threads(),
-        memory_gib=int(mem_kib.split()[0]) / (1 << 20) if mem_kib else 0.0,
+        memory_gib=int(mem_kib.split()[0]) * KiB / GiB if mem_kib else 0.0,
         python=platform.python_version(),
         torch=torch.__version__,
         transformers=hf_version,
@@ -104,7 +106,7 @@ def _bandwidths(buffer_mib: int, repeats: int, device: torch.device) -> tuple[fl
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    src = torch.ones(buffer_mib * (1 << 20) // 4, dtype=torch.float32, device=device)
+    src = torch.ones(buffer_mib * MiB // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.bench.options import add_engine_args, add_output_args, add_repeats_arg, new_command
 from kvserve.bench.workload import TokenRequest
+from kvserve.units import GiB, format_bytes
 
 if TYPE_CHECKING:
     from kvserve.bench.report import Table
@@ -61,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_output_args(p, "running requests and KV usage over the (last) measured run, paged vs reserved")
     add_engine_args(p)
     # A 1 GiB budget and an 8K context as the example; no prefix caching, so only allocation differs.
-    p.set_defaults(func=run, kv_cache_memory_bytes=1 << 30, max_model_len=8192, enable_prefix_caching=False)
+    p.set_defaults(func=run, kv_cache_memory_bytes=GiB, max_model_len=8192, enable_prefix_caching=False)
 
 
 @dataclass(slots=True)
@@ -93,8 +94,8 @@ class MemoryRun:
 def run(args: argparse.Namespace) -> int:
     from kvserve.bench.machine import machine_info
     from kvserve.bench.report import Report, config_of, emit
-    from kvserve.cli import engine_config_from_args
     from kvserve.engine.engine import LLMEngine
+    from kvserve.engine_args import engine_config_from_args
 
     full, small = workloads(args)
     config = engine_config_from_args(args)
@@ -249,16 +250,9 @@ def ratios(analytic: dict, measured: dict) -> dict[str, float | None]:
 
 def _describe(plan: dict) -> str:
     s = plan["lengths"]["summary"]
-    return (f"{_size(plan['budget_bytes'])} = {plan['num_blocks']} blocks x {plan['block_size']} tokens "
+    return (f"{format_bytes(plan['budget_bytes'], '.4g')} = {plan['num_blocks']} blocks x {plan['block_size']} tokens "
             f"({plan['bytes_per_token']:,} bytes/token); lengths lognormal (mean {s['mean']:.0f}, p50 {s['p50']:.0f}, "
             f"p99 {s['p99']:.0f}, max {s['max']:.0f}) clipped at max-model-len {plan['max_model_len']}")
-
-
-def _size(num_bytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.4g} {unit}"
-    return f"{num_bytes} bytes"
 
 
 def analytic_table(a: dict) -> Table:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve import engine_args
+
 
 def int_list(text: str) -> list[int]:
     """Parse "1,8,32" into [1, 8, 32]."""
@@ -31,9 +33,7 @@ def add_repeats_arg(parser: argparse.ArgumentParser, default: int) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """kvserve's engine flags, the same as `kvserve generate` (the --seed there also seeds the workload)."""
-    from kvserve.cli import add_engine_args as add
-
-    add(parser)
+    engine_args.add_engine_args(parser)
 
 
 def new_command(sub: argparse._SubParsersAction, name: str, summary: str, description: str,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.bench.kv_dtype import PROMPTS, add_accuracy_args
 from kvserve.bench.options import add_engine_args, add_output_args, add_repeats_arg, int_list, new_command
+from kvserve.units import GiB
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import LLMEngine
@@ -43,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_repeats_arg(p, 3)
     add_output_args(p, "(no plot for this command)")
     add_engine_args(p)
-    p.set_defaults(func=run, kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=512, enable_prefix_caching=False)
+    p.set_defaults(func=run, kv_cache_memory_bytes=GiB, max_num_batched_tokens=512, enable_prefix_caching=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench.report import Report, Table, config_of, emit
     from kvserve.bench.stats import ratio
     from kvserve.bench.systems import KVServeSystem
-    from kvserve.cli import engine_config_from_args
     from kvserve.engine.engine import LLMEngine
+    from kvserve.engine_args import engine_config_from_args
     from kvserve.model.quantization import weight_bytes
 
     names = [BASELINE] + [m for m in args.methods.split(",") if m and m != BASELINE]

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.bench import cli as bench_cli
+
 log = logging.getLogger(__name__)
 
 
@@ -150,8 +152,9 @@ def extra_flags(specs: list[str]) -> dict[str, list[str]]:
 def plan(args: argparse.Namespace) -> list[Step]:
     """The steps of this invocation, in the suite's order, each argv checked by the command's own parser."""
     extra = extra_flags(args.args)
-    engine = [f for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-                                    ("--cpu-threads", args.cpu_threads)) if value is not None for f in (flag, str(value))]
+    chosen = (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+              ("--cpu-threads", args.cpu_threads))
+    engine = [f for flag, value in chosen if value is not None for f in (flag, str(value))]
     engine += extra.get("engine", [])
     steps = []
     for quick in QUICK:
@@ -183,10 +186,8 @@ def peer_flags(name: str, args: argparse.Namespace) -> list[str]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from kvserve.cli import build_parser
-
     try:
-        return build_parser().parse_args(["bench", *argv])
+        return bench_cli.build_parser().parse_args(["bench", *argv])
     except SystemExit as e:  # argparse has printed why
         raise ValueError(f"invalid flags for `kvserve bench {shlex.join(argv)}`") from e
 

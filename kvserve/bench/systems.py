@@ -113,8 +113,8 @@ class KVServeSystem:
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine named by the command's engine flags (the same flags as `kvserve generate`)."""
-    from kvserve.cli import engine_config_from_args
     from kvserve.engine.engine import LLMEngine
+    from kvserve.engine_args import engine_config_from_args
 
     return LLMEngine.from_config(engine_config_from_args(args))
 

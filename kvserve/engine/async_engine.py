@@ -15,14 +15,16 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestOutput, merge_deltas
+from kvserve.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import EngineStats, LLMEngine
+    from kvserve.engine.facts import EngineFacts
     from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,12 +36,17 @@ class EngineDeadError(RuntimeError):
     """The engine is not serving (its loop failed or was shut down): a new request is refused."""
 
 
+class ServerShuttingDownError(EngineDeadError):
+    """The server is shutting down: a new request is refused, and one still running when the grace period
+    ends is aborted (its stream ends with this error, so that a client sees why)."""
+
+
 class EngineFaultError(RuntimeError):
     """The engine loop raised while this request was in flight; the request cannot complete."""
 
 
 class QueueFullError(RuntimeError):
-    """More requests are waiting than `max_queued_requests` allows."""
+    """More sequences would wait than `max_queued_requests` allows."""
 
 
 _StreamItem = RequestOutput | BaseException
@@ -47,14 +54,25 @@ _StreamItem = RequestOutput | BaseException
 
 class RequestStream:
     """The outputs of one request, in order, as an async iterator. Iteration ends after the finished
-    output; leaving the iteration early (break, cancellation, error) aborts the request."""
+    output; leaving the iteration early (break, cancellation, error) aborts the request.
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]) -> None:
+    A consumer that falls behind gets the outputs waiting for it as one: the newest, for cumulative
+    outputs (it holds everything); their concatenation, for DELTA outputs (each holds only its part)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        abort: Callable[[str], None],
+        kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
         self.request_id = request_id
         self.finished = False
         self._loop = loop
         self._queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._abort = abort
+        self._kind = kind
+        self._held: _StreamItem | None = None
 
     def put(self, item: _StreamItem) -> None:
         """Called from the engine thread."""
@@ -70,13 +88,28 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
+    async def _next(self) -> _StreamItem:
+        """The next output, with those queued behind it coalesced into it; an error queued behind them is
+        held back for the next call, so the outputs before it are still delivered."""
+        item = self._held if self._held is not None else await self._queue.get()
+        self._held = None
+        if isinstance(item, BaseException):
+            return item
+        pending = [item]
+        while not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._held = later
+                break
+            pending.append(later)
+        if self._kind is RequestOutputKind.DELTA:
+            return merge_deltas(pending)
+        return pending[-1]
+
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._queue.get()
-                # Outputs are cumulative, so a consumer that fell behind only needs the newest one.
-                while not isinstance(item, BaseException) and not self._queue.empty():
-                    item = self._queue.get_nowait()
+                item = await self._next()
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
@@ -111,8 +144,9 @@ _Command = _Add | _Abort | _Call
 class AsyncLLMEngine:
     """Runs `engine` in a background thread; `add_request` / `generate` from an asyncio loop.
 
-    `max_queued_requests` bounds the requests waiting for admission (engine's waiting queue plus
-    requests not yet handed to it); beyond it `add_request` raises QueueFullError."""
+    `max_queued_requests` bounds the sequences waiting for admission (the engine's waiting queue, which
+    holds each of a request's n samples, plus those not yet handed to it); a request (or a batch, which is
+    all or nothing) that would go beyond it raises QueueFullError, and one that could never fit ValueError."""
 
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1000) -> None:
         if max_queued_requests < 0:
@@ -121,7 +155,7 @@ class AsyncLLMEngine:
         self.max_queued_requests = max_queued_requests
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
-        self._num_pending_adds = 0
+        self._num_pending_seqs = 0  # posted, not yet counted in the published stats' num_waiting
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
         self._stats: EngineStats = engine.stats()
         self._thread: threading.Thread | None = None
@@ -138,11 +172,18 @@ class AsyncLLMEngine:
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
-        """Abort every remaining request and stop the thread (blocks until the current step ends)."""
+    def stop(self) -> None:
+        """Begin stopping without waiting (safe on the event loop): new requests are refused, and after the
+        current step the thread aborts every remaining request, whose stream ends with
+        ServerShuttingDownError, and exits. The server calls it when its shutdown grace period runs out."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+
+    def shutdown(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
+        """Abort every remaining request and stop the thread (blocks until the current step ends)."""
+        self.stop()
+        with self._cond:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -165,6 +206,11 @@ class AsyncLLMEngine:
         """The engine's stats as of the last step or command (a snapshot published by the thread)."""
         return self._stats
 
+    @property
+    def facts(self) -> EngineFacts:
+        """The engine's fixed limits and settings: immutable, so safe to read from the event loop."""
+        return self.engine.facts
+
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(
@@ -177,18 +223,47 @@ class AsyncLLMEngine:
         """Queue a request and return its output stream. Must be called on the event loop that will
         consume the stream. Raises EngineDeadError or QueueFullError at once; the engine's own
         validation errors (ValueError) arrive as the stream's first item."""
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
+        (stream,) = self.add_requests([(request_id, prompt)], params, cache_salt)
+        return stream
+
+    def add_requests(
+        self,
+        requests: Sequence[tuple[str, str | list[int]]],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> list[RequestStream]:
+        """Queue (request id, prompt) pairs that share `params`, all or none, and return their streams.
+        Why all or none: one HTTP request with many prompts must either fit in the queue whole (counted as
+        prompts x n sequences) or be refused whole, without crowding out other clients in between."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(rid, loop, self.abort, params.output_kind) for rid, _ in requests]
         with self._cond:
             self.check_alive()
-            queued = self._num_pending_adds + self._stats.num_waiting
-            if queued >= self.max_queued_requests:
-                raise QueueFullError(
-                    f"the server is at capacity: {queued} requests are already waiting "
-                    f"(--max-num-queued-reqs {self.max_queued_requests}); retry later"
-                )
-            self._num_pending_adds += 1
-            self._post(_Add(stream, prompt, params, cache_salt))
-        return stream
+            self._reserve(len(requests) * params.n)
+            for stream, (_, prompt) in zip(streams, requests):
+                self._post(_Add(stream, prompt, params, cache_salt))
+        return streams
+
+    @property
+    def num_queued_seqs(self) -> int:
+        """Sequences counted against max_queued_requests now: waiting in the engine or not yet handed to it."""
+        with self._cond:
+            return self._num_pending_seqs + self._stats.num_waiting
+
+    def _reserve(self, num_seqs: int) -> None:
+        """Count `num_seqs` new sequences against max_queued_requests (called with the lock held)."""
+        if num_seqs > self.max_queued_requests:
+            raise ValueError(
+                f"this request asks for {num_seqs} sequences (prompts x n), more than the server queues at once "
+                f"(--max-num-queued-reqs {self.max_queued_requests}); send fewer prompts or a smaller n"
+            )
+        queued = self._num_pending_seqs + self._stats.num_waiting
+        if queued + num_seqs > self.max_queued_requests:
+            raise QueueFullError(
+                f"the server is at capacity: {queued} sequences are already waiting and this request adds "
+                f"{num_seqs} (--max-num-queued-reqs {self.max_queued_requests}); retry later"
+            )
+        self._num_pending_seqs += num_seqs
 
     async def generate(
         self,
@@ -224,8 +299,10 @@ class AsyncLLMEngine:
         """Raise EngineDeadError unless the loop is serving."""
         if self._error is not None:
             raise EngineDeadError(f"the engine has failed and is not serving: {self._error!r}")
-        if self._stopping or self._thread is None:
-            raise EngineDeadError("the engine is not running (not started, or shutting down)")
+        if self._stopping:
+            raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
+        if self._thread is None:
+            raise EngineDeadError("the engine is not running (it has not been started)")
 
     def _post(self, command: _Command) -> None:
         self._inbox.append(command)
@@ -242,6 +319,7 @@ class AsyncLLMEngine:
                 for command in commands:
                     self._apply(command)
                 self._stats = self.engine.stats()
+                self._settle(commands)
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self._stats = self.engine.stats()
@@ -259,13 +337,18 @@ class AsyncLLMEngine:
                 self._cond.wait()
             if self._stopping:
                 commands, self._inbox = self._inbox, []
-                self._num_pending_adds = 0
+                self._num_pending_seqs = 0
                 for command in commands:
-                    self._refuse(command, EngineDeadError("the engine is shutting down"))
+                    self._refuse(command, ServerShuttingDownError("the server is shutting down"))
                 return None
             commands, self._inbox = self._inbox, []
-            self._num_pending_adds -= sum(isinstance(c, _Add) for c in commands)
             return commands
+
+    def _settle(self, commands: list[_Command]) -> None:
+        """Stop counting applied adds as pending, now that the published stats count them as waiting (in
+        this order, so that add_request never sees a moment where they are counted in neither)."""
+        with self._cond:
+            self._num_pending_seqs -= sum(c.params.n for c in commands if isinstance(c, _Add))
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Add):
@@ -293,13 +376,22 @@ class AsyncLLMEngine:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
+        if output.error is not None:  # this request failed alone (the engine serves on): its stream ends in error
+            del self._streams[output.request_id]
+            stream.put(EngineFaultError(output.error))
+            return
         stream.put(output)
         if output.finished:
             del self._streams[output.request_id]
 
     def _abort_all(self) -> None:
-        for rid in list(self._streams):
-            self._apply(_Abort(rid))
+        """At shutdown: abort what is left (freeing its blocks) and tell each stream why it ends."""
+        error = ServerShuttingDownError("the server is shutting down: this request was aborted when the "
+                                        "shutdown grace period (--shutdown-grace-seconds) ran out; retry it")
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            stream.put(error)
+        self._streams.clear()
         self._stats = self.engine.stats()
 
     @staticmethod
@@ -313,7 +405,7 @@ class AsyncLLMEngine:
         with self._cond:
             self._error = exc
             commands, self._inbox = self._inbox, []
-            self._num_pending_adds = 0
+            self._num_pending_seqs = 0
         fault = EngineFaultError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         fault.__cause__ = exc
         for stream in self._streams.values():

@@ -14,6 +14,9 @@ Text is held back, never emitted partially:
   * while the text ends with what may be the start of a stop string (unless
     include_stop_str_in_output, where a partial stop string is ordinary output either way).
 
+Stop strings are matched by an automaton fed only the new characters (engine/stop_strings.py), so the
+work per token does not grow with the number or the length of the stop strings.
+
 The engine should not append the eos / stop token that ended a request unless
 include_stop_str_in_output, as vLLM leaves it out of the text.
 """
@@ -23,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from kvserve.engine.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
     from kvserve.model.tokenizer import Tokenizer
@@ -55,8 +60,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._special_ids = tokenizer.special_ids if params.skip_special_tokens else frozenset()
-        self._stops: list[str] = list(params.stop or ())
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._stops = StopStringMatcher(params.stop) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._ids: list[int] = []
@@ -121,35 +125,23 @@ class IncrementalDetokenizer:
         self._add_text(new_text)
 
     def _add_text(self, new_text: str) -> None:
-        old_len = len(self._text)
         self._text += new_text
-        if not self._stops or len(self._ids) <= self._min_tokens:
-            return  # as vLLM: stop strings count only after min_tokens tokens
-        # Only a match that ends in the new text is new; earlier text was checked already.
-        start = max(0, old_len - self._max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            at = self._text.find(stop, start)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is not None:
-            at, stop = best
-            self._text = self._text[: at + len(stop) if self._include_stop else at]
-            self._stopped_on = stop
+        if self._stops is None:
+            return
+        # As vLLM: stop strings count only after min_tokens tokens (text before that is still fed, so that
+        # the hold-back and later matches see it); only a match that ends in the new text is new.
+        match = self._stops.feed(new_text, detect=len(self._ids) > self._min_tokens)
+        if match is not None:
+            end = match.start + len(match.stop) if self._include_stop else match.start
+            self._text = self._text[:end]
+            self._stopped_on = match.stop
             self._finished = True
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that could still grow into a stop string."""
-        if self._include_stop:
+        if self._include_stop or self._stops is None:
             return 0
-        text = self._text
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        return self._stops.held_back
 
     def _result(self, final: bool) -> DetokenizeResult:
         if final:

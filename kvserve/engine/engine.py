@@ -14,6 +14,7 @@ import torch
 from kvserve.capacity import CachePlan, plan_kv_cache, resolve_quantization
 from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.facts import EngineFacts, validate_request
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
@@ -22,7 +23,8 @@ from kvserve.kv.cache import KVCacheSpec, allocate_kv_cache, resolve_kv_cache_dt
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.units import MiB
 
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
@@ -46,7 +48,7 @@ def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheS
             if available is not None and budget > available:
                 raise ValueError(
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
-                    f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, 1 << 20)}"
+                    f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
     return plan_kv_cache(spec.bytes_per_block, spec.block_size, model_config.max_position_embeddings,
                          budget_bytes=budget, num_blocks_override=config.num_gpu_blocks_override,
@@ -62,6 +64,20 @@ def _available_memory_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def _check_cache_salt(cache_salt: str | None) -> None:
+    """The salt joins the prefix-cache hashes as UTF-8 bytes, so a string that has none (a lone surrogate, from
+    a JSON "\\ud800") is bad input here, not a UnicodeEncodeError on the engine thread at the first lookup."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"cache_salt must be valid UTF-8 text: it holds an unpaired surrogate at position {e.start}"
+                         ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +120,10 @@ class _Sequence:
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # How much a DELTA output has already handed out (characters, tokens, and whether the finish was).
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass(slots=True)
@@ -116,6 +136,8 @@ class _Group:
     params: SamplingParams
     sequences: list[_Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # set when one of its sequences failed (finish_reason "error")
+    sent_prompt_logprobs: bool = False  # DELTA outputs carry the prompt's logprobs once, in the first
 
     @property
     def finished(self) -> bool:
@@ -163,9 +185,27 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.groups: dict[str, _Group] = {}
         self.sequences: dict[str, _Sequence] = {}  # by the engine-internal request id of each sequence
+        self._num_sequences_added = 0  # numbers the internal ids, so that they never collide
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.facts = self._facts()
         logger.info(self.cache_plan.describe())
+
+    def _facts(self) -> EngineFacts:
+        """The engine's fixed facts, published once for code that must not touch the engine (handlers)."""
+        return EngineFacts(
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            max_logprobs=self.config.max_logprobs,
+            max_num_seqs=self.config.max_num_seqs,
+            block_size=self.config.block_size,
+            num_blocks=self.pool.num_blocks,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            kv_cache_dtype=self.kv_spec.dtype_name,
+            eos_token_ids=tuple(self.eos_token_ids),
+            generation_defaults=self.model_config.generation_defaults,
+            served_model_name=self.config.served_model_name,
+        )
 
     def _use_static_kv_scales(self, kv_caches: list, scales: list[tuple[float, float]] | None) -> None:
         """A checkpoint's calibrated per-tensor KV scales are for fp8_e4m3 (how vLLM and llm-compressor make
@@ -226,13 +266,13 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError with a clear message for bad input."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        _check_cache_salt(cache_salt)
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        self.validate_prompt(token_ids)
-        params.validate_against(self.config.max_logprobs, self.model_config.vocab_size)
+        validate_request(self.facts, token_ids, params)
         max_new = self.max_model_len - len(token_ids)
         if params.max_tokens is None or params.max_tokens > max_new:
             params = params.clone(max_tokens=max_new)
@@ -240,7 +280,7 @@ class LLMEngine:
         for index in range(params.n):
             child = params if params.n == 1 else params.child(index)
             request = Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                request_id=self._new_sequence_id(request_id, index),
                 prompt_token_ids=token_ids,
                 sampling_params=child,
                 cache_salt=cache_salt,
@@ -252,24 +292,25 @@ class LLMEngine:
             group.sequences.append(seq)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
+        self._check_unique(group)
         self.groups[request_id] = group
         for seq in group.sequences:  # registered only once all were built: a failure leaves no trace
             self.sequences[seq.request.request_id] = seq
             self.scheduler.add(seq.request)
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of the vocabulary (0..{vocab - 1})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
-                f"(max-model-len) is {self.max_model_len} tokens, and at least one token must be generated; "
-                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
-            )
+    def _new_sequence_id(self, request_id: str, index: int) -> str:
+        """The engine-internal id of sample `index` of `request_id`, the key of the scheduler's and the KV
+        manager's maps. Why not the user's id (or "id#index"): user ids are arbitrary strings, so request "x"
+        with n=2 and a request named "x#0" collided. A serial number leads, ended by the first ":", so two
+        sequences never share an id whatever the user ids hold; the user's id follows only for the logs."""
+        self._num_sequences_added += 1
+        return f"{self._num_sequences_added}:{request_id}#{index}"
+
+    def _check_unique(self, group: _Group) -> None:
+        """Every sequence's internal id is new: a clash would make two sequences share blocks and outputs."""
+        ids = [seq.request.request_id for seq in group.sequences]
+        if len(set(ids)) != len(ids) or any(i in self.sequences for i in ids):
+            raise RuntimeError(f"internal sequence ids {ids} of request {group.request_id!r} are not unique")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request and free its blocks at once; an unknown or finished id does nothing."""
@@ -313,12 +354,17 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, and return the requests that advanced or finished."""
+        """Schedule, run one forward pass, sample, and return the requests that advanced or finished. A fault in
+        the forward pass, the sampler or one request's post-processing fails one request, never the step's
+        caller (see _on_step_failed); only a fault outside any request (the scheduler's) raises."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         try:
             result = self.runner.execute(out)
+            sampled = self.sampler(result.logits, result.sample_requests) if result.sample_requests else []
+        except Exception as exc:  # noqa: BLE001 -- pinned on one request, not the engine (see _on_step_failed)
+            return self._on_step_failed(out, exc)
         except BaseException:
             self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
             raise
@@ -328,18 +374,57 @@ class LLMEngine:
         )
         touched: dict[str, _Group] = {}
         for rid, (first, logits) in result.prompt_logits.items():
-            self._add_prompt_logprobs(self.groups[self.sequences[rid].group_id], first, logits)
-        sampled = self.sampler(result.logits, result.sample_requests) if result.sample_requests else []
+            seq = self.sequences[rid]
+            try:
+                self._add_prompt_logprobs(self.groups[seq.group_id], first, logits)
+            except Exception as exc:  # noqa: BLE001 -- this request's own fault: it fails alone
+                touched[seq.group_id] = self._fail(seq, exc)
         now = time.monotonic()
         for request, token in zip(result.sample_requests, sampled):
             seq = self.sequences[request.request_id]
-            self._append_token(seq, token, now)
             touched[seq.group_id] = self.groups[seq.group_id]
-        outputs = [self._make_output(g) for g in touched.values()]
+            if request.is_finished:  # its request failed earlier in this step
+                continue
+            try:
+                self._append_token(seq, token, now)
+            except Exception as exc:  # noqa: BLE001 -- e.g. the detokenizer or a stop check: it fails alone
+                self._fail(seq, exc)
+        outputs = [self._make_output(g) for g in touched.values() if self._emits(g)]
         for group in touched.values():
             if group.finished:
                 self._drop(group)
         return outputs
+
+    def _on_step_failed(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """One request's fault must not end everyone's requests, nor the engine. The step's requests go back to
+        waiting (recomputed, as after a preemption: the step may have written partial K/V) as suspects that
+        the scheduler runs alone; a suspect that fails alone is the culprit and fails by itself, with an
+        error output. Requests the failed step did not touch keep their progress."""
+        self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+        culprits = self.scheduler.quarantine(out)
+        if not culprits:
+            logger.warning("a step of %d requests failed (%s: %s); running each alone to find the culprit",
+                           len(out.scheduled), type(exc).__name__, exc, exc_info=exc)
+            return []
+        outputs = []
+        for request in culprits:
+            group = self._fail(self.sequences[request.request_id], exc)
+            outputs.append(self._make_output(group))
+            self._drop(group)
+        return outputs
+
+    def _fail(self, culprit: _Sequence, exc: Exception) -> _Group:
+        """Finish `culprit` with an error and its unfinished siblings as aborted (the request cannot complete
+        without it), freeing their blocks at once. Returns the group, now finished, for its output."""
+        group = self.groups[culprit.group_id]
+        logger.error("request %r failed and is ended alone: %s: %s", group.request_id, type(exc).__name__, exc,
+                     exc_info=exc)
+        group.error = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        self.scheduler.finish(culprit.request, RequestStatus.FINISHED_ERROR)
+        for seq in group.sequences:
+            if not seq.request.is_finished:
+                self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
+        return group
 
     def _append_token(self, seq: _Sequence, token: SampledToken, now: float) -> None:
         """Record a sampled token, stream its text, and finish the sequence if a stop condition holds."""
@@ -388,32 +473,73 @@ class LLMEngine:
                     {tid: Logprob(lp.logprob, lp.rank, self._token_text(tid)) for tid, lp in entry.items()}
                 )
 
+    @staticmethod
+    def _emits(group: _Group) -> bool:
+        """Whether a step that advanced `group` produces an output for it (FINAL_ONLY: only at the end)."""
+        return group.finished or group.params.output_kind is not RequestOutputKind.FINAL_ONLY
+
     def _make_output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for seq in group.sequences:
-            request = seq.request
-            finish = request.status.value if request.is_finished else None
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.text,
-                    token_ids=list(request.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=seq.logprobs,
-                    finish_reason=finish,
-                    stop_reason=request.stop_reason,
-                )
-            )
+        """The group's output in the kind its parameters ask for. DELTA: only the sequences that advanced or
+        finished since the previous output, each with only its new text, tokens and logprobs (so a consumer
+        does O(new) work per output, not O(everything so far)); the prompt's logprobs once, in the first."""
+        delta = group.params.output_kind is RequestOutputKind.DELTA
+        if delta:
+            completions = [self._delta_output(seq) for seq in group.sequences if self._has_news(seq)]
+            prompt_logprobs = None if group.sent_prompt_logprobs else group.prompt_logprobs
+            group.sent_prompt_logprobs = True
+        else:
+            completions = [self._cumulative_output(seq) for seq in group.sequences]
+            prompt_logprobs = group.prompt_logprobs
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=group.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=group.finished,
             num_cached_tokens=min(s.request.num_cached_tokens for s in group.sequences),
             metrics=self._metrics(group.sequences[0].request),
+            error=group.error,
         )
+
+    @staticmethod
+    def _finish_reason(seq: _Sequence) -> str | None:
+        return seq.request.status.value if seq.request.is_finished else None
+
+    def _cumulative_output(self, seq: _Sequence) -> CompletionOutput:
+        request = seq.request
+        return CompletionOutput(
+            index=seq.index,
+            text=seq.text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            finish_reason=self._finish_reason(seq),
+            stop_reason=request.stop_reason,
+        )
+
+    @staticmethod
+    def _has_news(seq: _Sequence) -> bool:
+        """Whether a DELTA output has something new for `seq`: tokens, text, or its finish."""
+        return (len(seq.request.output_token_ids) > seq.sent_tokens or len(seq.text) > seq.sent_chars
+                or (seq.request.is_finished and not seq.sent_finish))
+
+    def _delta_output(self, seq: _Sequence) -> CompletionOutput:
+        """What `seq` gained since its previous DELTA output, and the marks of how much is now handed out."""
+        request = seq.request
+        tokens, chars = len(request.output_token_ids), len(seq.text)
+        logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:tokens]
+        out = CompletionOutput(
+            index=seq.index,
+            text=seq.text[seq.sent_chars:],
+            token_ids=request.output_token_ids[seq.sent_tokens:tokens],
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=self._finish_reason(seq),
+            stop_reason=request.stop_reason,
+        )
+        seq.sent_tokens, seq.sent_chars, seq.sent_finish = tokens, chars, request.is_finished
+        return out
 
     @staticmethod
     def _metrics(request: Request) -> RequestMetrics:

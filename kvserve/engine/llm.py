@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -48,7 +48,9 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
+                # Only the finished outputs are wanted: the engine then builds no output for a step in between.
+                final_only = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(rid, prompt, final_only, cache_salt=cache_salt)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:

@@ -9,6 +9,7 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kv.cache import LayerKVCache
 from kvserve.kv.manager import KVCacheManager
 
 
@@ -27,7 +28,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         kv_manager: KVCacheManager,
         block_size: int,
         device: torch.device,
@@ -57,8 +58,7 @@ class ModelRunner:
         for s in out.scheduled:
             request, start, end = s.request, s.start, s.start + s.num_tokens
             row0 = len(input_ids)
-            tokens = request.all_token_ids
-            input_ids.extend(tokens[start:end])
+            input_ids.extend(request.token_slice(start, end))
             positions.extend(range(start, end))
             block_tables.append(self.kv.block_ids(request))
             seq_lens.append(end)

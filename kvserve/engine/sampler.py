@@ -14,6 +14,13 @@ over the vocabulary. For a large vocabulary the costly parts are avoided:
     row of random numbers. A seeded request draws that number from its own generator, so it gets the
     same tokens whatever else is in the batch and wherever its row is; unseeded rows share one
     batch-level draw from the sampler's generator.
+
+Never an id outside the vocabulary, whatever the parameters or the model do to the logits: NaN (a
+penalty or temperature that overflows, a broken model) would make every comparison false and the
+inverse-CDF search return the vocabulary size, which the next step's embedding lookup cannot take.
+So NaN counts as -inf (never chosen), +inf as the largest finite float, a row left with no finite
+candidate takes the argmax of the raw logits, and the final ids are checked. The checks ride on
+reductions the sampler makes anyway (argmax, the row max); only a row that needs fixing is copied.
 """
 
 from __future__ import annotations
@@ -67,17 +74,19 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(_rows(logits, want_lp), dim=-1) if want_lp else None
 
+        raw = logits
         logits = self._penalized(logits, requests)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         rand = [i for i, p in enumerate(params) if not p.is_greedy]
         if greedy:
-            token_ids[greedy] = _rows(logits, greedy).argmax(dim=-1)
+            token_ids[greedy] = _greedy(_rows(logits, greedy), _rows(raw, greedy))
         if rand:
             token_ids[rand] = self._sample(
-                _rows(logits, rand), [params[i] for i in rand], [requests[i].generator for i in rand]
+                _rows(logits, rand), _rows(raw, rand), [params[i] for i in rand], [requests[i].generator for i in rand]
             )
         ids = token_ids.tolist()
+        _check_in_vocab(ids, logits.shape[1])
         out = [SampledToken(t, None, None, None) for t in ids]
         if raw_logprobs is not None:
             _fill_logprobs(out, want_lp, raw_logprobs, [params[i].logprobs or 0 for i in want_lp])
@@ -109,6 +118,7 @@ class Sampler:
     def _sample(
         self,
         logits: torch.Tensor,
+        raw: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
@@ -117,7 +127,14 @@ class Sampler:
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         probs = logits / temps  # a new tensor, so everything below may work in place
-        probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+        peak = probs.amax(dim=-1, keepdim=True)  # NaN if the row has a NaN, +inf if it has a +inf
+        hopeless = None
+        if not bool(torch.isfinite(peak).all()):
+            _sanitize_(probs)
+            peak = probs.amax(dim=-1, keepdim=True)
+            hopeless = torch.isneginf(peak.squeeze(1))  # no finite candidate left in the row
+            peak.masked_fill_(hopeless.unsqueeze(1), 0.0)  # so that -inf - peak is not NaN
+        probs.sub_(peak).exp_()
         threshold = top_k_top_p_threshold(probs, params)
         # min-p after top-k/top-p, as in vLLM; they never remove the most likely token (prob 1 here),
         # so p >= min_p * p_max is simply p >= min_p.
@@ -131,7 +148,10 @@ class Sampler:
         picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
         # u * total may round up to total: fall back to the last token with non-zero probability.
         last = torch.searchsorted(cdf, total, right=False)
-        return torch.minimum(picked, last).squeeze(1)
+        ids = torch.minimum(picked, last).squeeze(1)
+        if hopeless is not None and bool(hopeless.any()):
+            ids[hopeless] = _raw_argmax(raw[hopeless])
+        return ids
 
     def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One U[0, 1) per row, drawn on the CPU so that results do not depend on the logits'
@@ -146,6 +166,42 @@ class Sampler:
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """`t[rows]`, without a copy when `rows` is every row in order."""
     return t if len(rows) == t.shape[0] and rows == list(range(len(rows))) else t[rows]
+
+
+def _sanitize_(logits: torch.Tensor) -> torch.Tensor:
+    """In place: NaN -> -inf (never chosen), +inf -> the largest finite value (still the favourite, but
+    `x - max` stays a number), -inf kept (a blocked token stays blocked)."""
+    return torch.nan_to_num_(logits, nan=_NEG_INF, posinf=torch.finfo(logits.dtype).max, neginf=_NEG_INF)
+
+
+def _raw_argmax(raw: torch.Tensor) -> torch.Tensor:
+    """The fallback for rows whose processed logits kept no finite candidate: the model's own favourite
+    (NaN ignored; a row of nothing but NaN and -inf gives token 0, which is at least a real token)."""
+    return _sanitize_(raw.clone()).argmax(dim=-1)
+
+
+def _greedy(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Argmax per row. torch's argmax prefers NaN, and a row of -inf gives index 0 whatever it means, so
+    rows whose chosen value is NaN or -inf are redone on sanitized copies (or the raw fallback)."""
+    ids = logits.argmax(dim=-1)
+    chosen = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+    bad = (torch.isnan(chosen) | torch.isneginf(chosen)).nonzero().flatten()
+    if bad.numel():
+        fixed = _sanitize_(logits[bad])  # fancy indexing copies: the caller's tensor is untouched
+        redo = fixed.argmax(dim=-1)
+        hopeless = torch.isneginf(fixed.gather(1, redo.unsqueeze(1)).squeeze(1))
+        if bool(hopeless.any()):
+            redo[hopeless] = _raw_argmax(raw[bad][hopeless])
+        ids[bad] = redo
+    return ids
+
+
+def _check_in_vocab(ids: list[int], vocab: int) -> None:
+    """The last guard: an id outside the vocabulary would fail the next step's embedding lookup for the
+    whole batch, so a bug that lets one through fails this step (and the engine isolates the request)."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RuntimeError(f"the sampler produced token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -38,7 +38,11 @@ class SchedulerOutput:
 
 class Scheduler:
     """Continuous batching under a token budget, FCFS, with chunked prefill mixed into decode steps and
-    recompute preemption of the newest running request when the pool runs dry."""
+    recompute preemption of the newest running request when the pool runs dry.
+
+    Fault isolation: after a failed step, `quarantine` sends every request of that step back to waiting
+    as a suspect. A suspect runs alone (one per step, before anything else) until it samples a token; one
+    that fails alone is the culprit, and the engine fails it by itself."""
 
     def __init__(
         self,
@@ -56,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.suspects: set[str] = set()  # request ids of a failed step's requests, each to be run alone
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -65,6 +70,11 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self.suspects:
+            suspect = self._next_suspect()
+            if suspect is not None:
+                return self._schedule_alone(suspect)
+            self.suspects.clear()  # stale ids only (cannot happen: finish() discards them); never get stuck
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
@@ -96,8 +106,9 @@ class Scheduler:
                 break
             request.num_computed_tokens = num_hit
             self.waiting.popleft()
-            if request.status is RequestStatus.WAITING:
+            if request.status is RequestStatus.WAITING:  # first admission: not a retry, not after preemption
                 request.num_cached_tokens = num_hit
+                self.kv.record_prefix_query(request, num_hit)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -105,6 +116,54 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
         return out
+
+    def _next_suspect(self) -> Request | None:
+        """The suspect to run now: the one already running (its prefill takes several steps), else the first
+        waiting one."""
+        for request in self.running:
+            if request.request_id in self.suspects:
+                return request
+        return next((r for r in self.waiting if r.request_id in self.suspects), None)
+
+    def _schedule_alone(self, request: Request) -> SchedulerOutput:
+        """A step of `request` only, so that a failure can be pinned on it. Without prefix-cache hits (it
+        recomputes everything it has, as after a preemption); newer running requests are preempted if the pool
+        is short (one request always fits: the engine checked max-model-len against the pool at start)."""
+        out = SchedulerOutput()
+        num_new = min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
+        while not self.kv.allocate_slots(request, num_new):
+            victim = next((r for r in reversed(self.running) if r is not request), None)
+            if victim is None:
+                return out
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        if request.status is not RequestStatus.RUNNING:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+        return out
+
+    def quarantine(self, out: SchedulerOutput) -> list[Request]:
+        """After the step of `out` failed: return the culprit (a suspect that failed alone) for the engine to
+        fail, or else send every request of the step back to the front of the waiting queue, blocks freed and
+        progress reset (the step may have written partial K/V), as suspects. Not counted as preemptions:
+        the KV cache was not short."""
+        if len(out.scheduled) == 1 and out.scheduled[0].request.request_id in self.suspects:
+            return [out.scheduled[0].request]
+        for s in reversed(out.scheduled):
+            request = s.request
+            if request in self.running:
+                self.running.remove(request)
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+            self.suspects.add(request.request_id)
+        return []
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -118,11 +177,14 @@ class Scheduler:
         """Advance progress after the forward pass."""
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start + s.num_tokens
+            if s.completes_sequence:  # a suspect cleared: it got through a whole step of its own
+                self.suspects.discard(s.request.request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from whichever queue holds it and return its blocks at once."""
         request.status = status
         request.finished_time = time.monotonic()
+        self.suspects.discard(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

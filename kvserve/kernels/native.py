@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the build's hash
@@ -62,6 +65,7 @@ def build_native_library(cache_dir: Path) -> Path:
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    log.info("compiling kvserve's CPU kernels with %s into %s (once; about 10 s)", compiler, cache_dir)
     # Build beside the target, then rename: concurrent first starts never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         partial = Path(tmp) / target.name

@@ -37,7 +37,10 @@ _NATIVE_ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu_tanh": 0, "gelu_new": 0, "s
 
 
 class Kernels(Protocol):
-    name: str
+    @property
+    def name(self) -> str:
+        """"torch" or "native" (read-only, so that the frozen dataclasses below satisfy the protocol)."""
+        ...
 
     def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
                   ) -> torch.Tensor:

@@ -10,18 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.capacity import KV_DTYPES, KVShape
-from kvserve.kv.quant import KV_QUANT_FORMATS, load, quant_format, store
+from kvserve.capacity import KVShape
+from kvserve.dtypes import dtype_name, torch_dtype
+from kvserve.kv.quant import load, quant_format, store
+from kvserve.vocab import KV_DTYPES, check_choice
 
 logger = logging.getLogger(__name__)
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8": KV_QUANT_FORMATS["fp8_e4m3"].storage,  # vLLM's meaning of plain "fp8"
-    **{name: fmt.storage for name, fmt in KV_QUANT_FORMATS.items()},
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +35,7 @@ class KVCacheSpec:
     @property
     def dtype_name(self) -> str:
         """The --kv-cache-dtype name of the storage (fp8_e4m3, int8, float32, ...), for logs and metrics."""
-        fmt = quant_format(self.dtype)
-        return fmt.name if fmt is not None else str(self.dtype).removeprefix("torch.")
+        return dtype_name(self.dtype)
 
     @property
     def bytes_per_token(self) -> int:
@@ -72,6 +65,15 @@ class LayerKVCache:
     def block_size(self) -> int:
         return self.key.shape[1]
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def is_quantized(self) -> bool:
+        """8-bit storage: reads dequantize through the scales, so kernels over plain tensors cannot take it."""
+        return self.key_scale is not None
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new tokens' K/V ([T, kv_heads, head_dim]) at `slots`, quantizing if 8-bit."""
         store(self.key, self.key_scale, k, slots, self.static_key_scale)
@@ -83,18 +85,11 @@ class LayerKVCache:
         return load(self.key, self.key_scale, slots, dtype), load(self.value, self.value_scale, slots, dtype)
 
 
-def as_layer_cache(kv_cache: LayerKVCache | tuple[torch.Tensor, torch.Tensor]) -> LayerKVCache:
-    """A bare (k_cache, v_cache) pair, as older callers and tests pass, is an unquantized cache."""
-    return kv_cache if isinstance(kv_cache, LayerKVCache) else LayerKVCache(*kv_cache)
-
-
 def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
     """`auto` follows the model's compute dtype; fp8 means fp8_e4m3."""
-    if kv_cache_dtype == "auto":
+    if check_choice("--kv-cache-dtype", kv_cache_dtype, ("auto", *KV_DTYPES)) == "auto":
         return compute_dtype
-    if kv_cache_dtype not in _DTYPES:
-        raise ValueError(f"unsupported --kv-cache-dtype {kv_cache_dtype!r}; choose from auto, {', '.join(_DTYPES)}")
-    return _DTYPES[kv_cache_dtype]
+    return torch_dtype(kv_cache_dtype)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerKVCache]:

@@ -12,7 +12,10 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-HASH_ALGOS = ("sha256", "xxhash")
+from kvserve.vocab import HASH_ALGOS
+
+# tokens(start, end) -> the token ids [start, end) of a sequence, without copying the rest of it.
+TokenSlice = Callable[[int, int], Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +55,16 @@ class BlockHasher:
 
     def extend(
         self,
-        token_ids: Sequence[int],
+        tokens: TokenSlice,
+        num_tokens: int,
         block_size: int,
         known: list[bytes],
         extra_keys: bytes = b"",
-        limit: int | None = None,
     ) -> list[bytes]:
-        """Extend `known` (hashes of the first blocks) with the hashes of the following full blocks of
-        `token_ids`, up to `limit` tokens; returns the same list."""
-        end = len(token_ids) if limit is None else min(limit, len(token_ids))
-        for start in range(len(known) * block_size, end - block_size + 1, block_size):
+        """Extend `known` (hashes of the first blocks) with the hashes of the following full blocks among the
+        first `num_tokens` tokens; returns the same list. `tokens(start, end)` returns tokens [start, end), so
+        each block costs O(block_size) however long the sequence is."""
+        for start in range(len(known) * block_size, num_tokens - block_size + 1, block_size):
             parent = known[-1] if known else None
-            known.append(self.hash_block(parent, token_ids[start:start + block_size], extra_keys))
+            known.append(self.hash_block(parent, tokens(start, start + block_size), extra_keys))
         return known

@@ -4,21 +4,41 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvserve.engine.request import Request
 from kvserve.kv.block import KVCacheBlock
 from kvserve.kv.hashing import BlockHasher, BlockKey
 from kvserve.kv.pool import BlockPool
+from kvserve.units import cdiv
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class KVRequest(Protocol):
+    """What the KV layer reads of a request; the engine's Request satisfies it. A protocol here, rather than an
+    import of the engine's class, keeps kv/ below engine/: the KV layer never imports what it serves."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Prefix-cache accounting in tokens: totals since start, and a hit rate over the last `window`
-    lookups (a gauge users of vLLM keep asking for: totals hide what the cache does now)."""
+    queries (a gauge users of vLLM keep asking for: totals hide what the cache does now). A query is one
+    request's first admission, not every lookup (see KVCacheManager.record_prefix_query)."""
 
     window: int = 1000
     queries_total: int = 0
@@ -67,22 +87,31 @@ class KVCacheManager:
     def enable_caching(self) -> bool:
         return self.pool.enable_caching
 
-    def _extra_keys(self, request: Request) -> bytes:
-        return request.cache_salt.encode() if request.cache_salt else b""
+    def _extra_keys(self, request: KVRequest) -> bytes:
+        """The salt's UTF-8 bytes. surrogatepass: a lone surrogate must never raise on the engine thread (the
+        server rejects one up front); its bytes cannot equal any valid string's, so salts still never collide."""
+        return request.cache_salt.encode("utf-8", "surrogatepass") if request.cache_salt else b""
 
-    def _hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+    def _hashes(self, request: KVRequest, num_tokens: int) -> list[bytes]:
+        """Hashes of the full blocks among the first num_tokens tokens; only blocks not hashed before cost work,
+        each O(block_size)."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
-        return self.hasher.extend(request.all_token_ids, self.block_size, hashes, self._extra_keys(request), num_tokens)
+        num_tokens = min(num_tokens, request.num_tokens)
+        return self.hasher.extend(request.token_slice, num_tokens, self.block_size, hashes, self._extra_keys(request))
 
-    def _key(self, request: Request, hashes: list[bytes], index: int) -> BlockKey:
+    def _key(self, request: KVRequest, hashes: list[bytes], index: int) -> BlockKey:
         bs = self.block_size
-        tokens = tuple(request.all_token_ids[index * bs:(index + 1) * bs])
+        tokens = tuple(request.token_slice(index * bs, (index + 1) * bs))
         return BlockKey(hashes[index - 1] if index else None, tokens, self._extra_keys(request))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def _reads_prefix_cache(self, request: KVRequest) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks matching the request's tokens. Never covers the last token,
-        whose logits must be computed; skipped when prompt logprobs need every position's logits."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        whose logits must be computed; skipped when prompt logprobs need every position's logits.
+        A lookup only: it counts nothing, since a request that cannot be admitted looks up again next step."""
+        if not self._reads_prefix_cache(request):
             return [], 0
         hashes = self._hashes(request, request.num_tokens - 1)
         blocks = []
@@ -91,14 +120,21 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_stats.record(request.num_tokens, len(blocks) * self.block_size)
         return blocks, len(blocks) * self.block_size
+
+    def record_prefix_query(self, request: KVRequest, num_hit_tokens: int) -> None:
+        """Count one prefix-cache query of request.num_tokens tokens, num_hit_tokens of them hits. The
+        scheduler calls it once per request, when its first admission has its blocks; lookups retried while
+        the request waits, and re-admissions after preemption, would otherwise inflate the queries and skew
+        the hit rate exactly when the server is under pressure (vLLM fixed the same bug)."""
+        if self._reads_prefix_cache(request):
+            self.prefix_stats.record(request.num_tokens, num_hit_tokens)
 
     def _blocks_for(self, num_tokens: int) -> int:
         """Blocks a request of num_tokens tokens holds: just enough, or its whole reservation."""
         return cdiv(max(num_tokens, self.reserve_tokens), self.block_size)
 
-    def can_fit(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
+    def can_fit(self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
         held = self.req_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         needed = self._blocks_for(num_tokens) - len(held) - len(new_computed_blocks)
@@ -106,7 +142,7 @@ class KVCacheManager:
         return max(needed, 0) + revived <= self.pool.num_free_blocks
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
     ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after any prefix-hit blocks).
         Returns False, changing nothing, when the pool cannot supply them."""
@@ -127,7 +163,7 @@ class KVCacheManager:
         self._publish(request, num_tokens)
         return True
 
-    def _publish(self, request: Request, num_tokens: int) -> None:
+    def _publish(self, request: KVRequest, num_tokens: int) -> None:
         """Hash the request's blocks that are full once `num_tokens` tokens are computed.
 
         This happens at allocation, before the step computes them, as in vLLM: a request scheduled later
@@ -148,13 +184,13 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i], self._key(request, hashes, i))
         self.req_num_published[rid] = num_full
 
-    def block_ids(self, request: Request) -> list[int]:
+    def block_ids(self, request: KVRequest) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
 
-    def num_blocks_held(self, request: Request) -> int:
+    def num_blocks_held(self, request: KVRequest) -> int:
         return len(self.req_blocks.get(request.request_id, ()))
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVRequest) -> None:
         """Return the request's blocks, last block first so that a sequence's tail is evicted before its
         shareable head. Freeing an unknown or already freed request does nothing."""
         blocks = self.req_blocks.pop(request.request_id, None)
@@ -162,7 +198,7 @@ class KVCacheManager:
         if blocks:
             self.pool.free(reversed(blocks))
 
-    def forget(self, request: Request) -> None:
+    def forget(self, request: KVRequest) -> None:
         """Drop per-request bookkeeping once a request is gone for good."""
         self.free(request)
         self.req_hashes.pop(request.request_id, None)

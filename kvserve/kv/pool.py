@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvserve.capacity import NULL_BLOCK_ID, usable_blocks
 from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
 from kvserve.kv.hashing import BlockKey
 
@@ -11,15 +12,21 @@ from kvserve.kv.hashing import BlockKey
 class BlockPool:
     """Owns every block. Free blocks are reused from the head of the free queue; when a block that still
     carries a hash is reused, its hash is dropped (eviction), so the least recently freed cached block goes
-    first."""
+    first.
+
+    Block NULL_BLOCK_ID is the null block: never in the free queue, never allocated, never referenced, so the
+    padding of block tables points at a block no request's K/V lives in. Requests share the other
+    `num_usable_blocks` = num_blocks - 1, and free + referenced == num_usable_blocks at all times."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        if usable_blocks(num_blocks) < 1:
+            raise ValueError(f"a block pool needs at least two blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
+        self.num_usable_blocks = usable_blocks(num_blocks)
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.free_queue = FreeBlockQueue([b for b in self.blocks if b is not self.null_block])
         self.cached: dict[bytes, KVCacheBlock] = {}
 
     @property
@@ -28,8 +35,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of usable blocks referenced by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def allocate(self, count: int) -> list[KVCacheBlock]:
         if count > self.num_free_blocks:
@@ -88,12 +95,18 @@ class BlockPool:
         self.cached.clear()
 
     def check_invariants(self) -> None:
-        """Every block is either free or referenced, never both; hashes map to exactly one block."""
+        """Every usable block is either free or referenced, never both; the null block is neither; hashes map to
+        exactly one block."""
         free_ids = [b.block_id for b in self.free_queue]
         if len(free_ids) != len(set(free_ids)) or len(free_ids) != self.num_free_blocks:
             raise AssertionError("free queue is corrupt")
+        null = self.null_block
+        if null.ref_cnt or null.in_free_queue or null.block_hash is not None:
+            raise AssertionError(f"the null block was handed out: {null}")
         free_set = set(free_ids)
         for block in self.blocks:
+            if block is null:
+                continue
             if (block.block_id in free_set) == (block.ref_cnt > 0):
                 raise AssertionError(f"{block} is {'both free and referenced' if block.ref_cnt else 'lost'}")
             if block.block_hash is not None and self.cached.get(block.block_hash) is not block:

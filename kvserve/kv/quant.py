@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.dtypes import TORCH_DTYPES
+from kvserve.vocab import KV_DTYPES, canonical_kv_dtype
+
 # Floor for a scale, so an all-zero vector quantizes to zeros instead of 0/0.
 _MIN_SCALE = 1e-30
 
@@ -34,24 +37,17 @@ class KVQuantFormat:
     def is_float(self) -> bool:
         return self.storage.is_floating_point
 
-    def error_bound(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Largest round-trip error allowed for each element of x given its (broadcastable) scale: half a step
-        of the format's grid at that magnitude (relative for fp8 normals, absolute below them and for int8)."""
-        if not self.is_float:
-            return scale / 2
-        info = torch.finfo(self.storage)
-        mantissa_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[self.storage]
-        smallest_subnormal = info.smallest_normal * 2.0**-mantissa_bits
-        return torch.maximum(x.abs() * 2.0 ** -(mantissa_bits + 1), scale * smallest_subnormal / 2)
+
+def _format(name: str) -> KVQuantFormat:
+    """The format stored as the registry's dtype for `name`: fp8 saturates at its largest finite value, int8 at
+    127 (not -128, so that the grid is symmetric)."""
+    storage = TORCH_DTYPES[name]
+    return KVQuantFormat(name, storage, torch.finfo(storage).max if storage.is_floating_point else 127.0)
 
 
+# The 8-bit names of the registry (kvserve/vocab.py), aliases excluded: fp8_e4m3, fp8_e5m2, int8.
 KV_QUANT_FORMATS: dict[str, KVQuantFormat] = {
-    f.name: f
-    for f in (
-        KVQuantFormat("fp8_e4m3", torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max),
-        KVQuantFormat("fp8_e5m2", torch.float8_e5m2, torch.finfo(torch.float8_e5m2).max),
-        KVQuantFormat("int8", torch.int8, 127.0),
-    )
+    name: _format(name) for name, dtype in KV_DTYPES.items() if dtype.is_8bit and canonical_kv_dtype(name) == name
 }
 _BY_STORAGE = {f.storage: f for f in KV_QUANT_FORMATS.values()}
 
@@ -100,10 +96,11 @@ def store(
     with `scales` ([num_blocks, block_size, kv_heads] float32), quantize per token and head first, using
     `static_scale` (a checkpoint's calibrated per-tensor scale) for every token when it is given."""
     rows = cache.view(-1, *cache.shape[2:])
-    fmt = _format_with_scales(cache, scales)
-    if fmt is None:
+    quantized = _quantized(cache, scales)
+    if quantized is None:
         rows.index_copy_(0, slots, x.to(cache.dtype))
         return
+    fmt, scales = quantized
     if static_scale is None:
         scale = compute_scales(x, fmt)  # [T, kv_heads, 1]
     else:
@@ -117,14 +114,19 @@ def load(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, 
     """Rows at `slots` (any index shape) of a paged cache, as [*slots.shape, kv_heads, head_dim] in `dtype`;
     only these rows are dequantized, never the whole cache."""
     rows = cache.view(-1, *cache.shape[2:])[slots]
-    if _format_with_scales(cache, scales) is None:
+    quantized = _quantized(cache, scales)
+    if quantized is None:
         return rows.to(dtype)
+    _, scales = quantized
     return dequantize(rows, scales.view(-1, scales.shape[-1])[slots].unsqueeze(-1), dtype)
 
 
-def _format_with_scales(cache: torch.Tensor, scales: torch.Tensor | None) -> KVQuantFormat | None:
-    """The cache's 8-bit format (None if plain), insisting that an 8-bit cache comes with its scales."""
+def _quantized(cache: torch.Tensor, scales: torch.Tensor | None) -> tuple[KVQuantFormat, torch.Tensor] | None:
+    """The cache's 8-bit format and its scales (None for a plain cache), insisting that an 8-bit cache comes with
+    its scales and a plain one without."""
     fmt = quant_format(cache.dtype)
-    if (fmt is None) != (scales is None):
+    if fmt is None and scales is None:
+        return None
+    if fmt is None or scales is None:
         raise ValueError(f"a {cache.dtype} KV cache {'needs' if fmt else 'takes no'} scales")
-    return fmt
+    return fmt, scales

@@ -241,11 +241,6 @@ class ModelConfig:
             torch_dtype=None,
         )
 
-    @property
-    def max_sliding_window(self) -> int | None:
-        windows = [w for w in self.sliding_windows if w is not None]
-        return max(windows) if windows else None
-
 
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
     if not path.is_file():

@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.registry import get_attention_backend
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels
+from kvserve.kv.cache import LayerKVCache
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding, get_attention_backend
+from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from kvserve.model.quantization import Q8Linear, TiedEmbedding
 
 
@@ -42,7 +44,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
@@ -116,7 +118,7 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

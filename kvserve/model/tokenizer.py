@@ -287,6 +287,7 @@ def _load_gguf(path: Path, cache_root: Path, name: str) -> Tokenizer:
     # entries with numpy: 18 s against 3.5 s, for the same tokenizer. Unknown architectures take that path.
     hints = {"tokenizer_type": arch} if TOKENIZER_MAPPING_NAMES.get(arch) else {}
     t0 = time.perf_counter()
+    logger.info("building the tokenizer from the GGUF vocabulary of %s (once; a few seconds)", path.name)
     try:
         try:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True, **hints)

@@ -9,23 +9,25 @@ on shutdown, after uvicorn's graceful period has let running requests finish).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.metrics import ServerMetrics
+from kvserve.server.auth import APIKeyMiddleware, check_api_key
 from kvserve.server.body_limit import BodyLimitMiddleware
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext, ServerSettings
 from kvserve.server.errors import APIError, bad_request, install_error_handlers
+from kvserve.server.json_limits import JSONLimits
+from kvserve.server.logprobs import TokenTexts
+from kvserve.server.prepare import PromptPreparer
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,9 +38,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-
-if TYPE_CHECKING:
-    from kvserve.kv.cache import KVCacheSpec
+from kvserve.server.transport import TransportLimits
 
 __all__ = ["ServerSettings", "build_app"]
 
@@ -50,54 +50,49 @@ def _log_failure(future: asyncio.Future) -> None:
         logger.warning("could not prepare the chat-template renderer: %s", future.exception())
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
-    core = engine.engine
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings, transport: TransportLimits | None = None) -> FastAPI:
+    """The app serving `engine`; `transport` sets the body read timeout (the same limits go to ServerConfig)."""
+    transport = transport or TransportLimits()
+    if settings.api_key is not None:
+        check_api_key(settings.api_key)  # here, not when Starlette first builds the middleware stack
+    facts = engine.facts
     metrics = ServerMetrics(engine.stats, {
-        "block_size": core.config.block_size,
-        "num_blocks": engine.stats().num_blocks,
-        "kv_cache_dtype": _kv_dtype_label(core.kv_spec),
-        "enable_prefix_caching": core.config.enable_prefix_caching,
-        "max_model_len": core.max_model_len,
+        "block_size": facts.block_size,
+        "num_blocks": facts.num_blocks,
+        "kv_cache_dtype": facts.kv_cache_dtype,
+        "enable_prefix_caching": facts.enable_prefix_caching,
+        "max_model_len": facts.max_model_len,
     })
-    ctx = ServerContext(engine, settings, metrics)
+    # The only reads of the engine itself, once, here: its immutable facts and its tokenizer, which the
+    # preparation thread (prompts) and the loop (short logprob windows) use read-only from now on.
+    tokenizer = engine.engine.tokenizer
+    preparer = PromptPreparer(tokenizer, facts)
+    ctx = ServerContext(engine, settings, metrics, facts, preparer, TokenTexts(tokenizer))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         # In the background once serving: a chat request that comes first simply waits for the import.
-        warm = asyncio.get_running_loop().run_in_executor(None, core.tokenizer.prepare_chat_template)
+        warm = asyncio.ensure_future(preparer.run(preparer.warm))
         warm.add_done_callback(_log_failure)
         try:
             yield
         finally:
+            preparer.close()
             await engine.shutdown_async()
 
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    # The last added runs first: the key is checked before a byte of the body is read, then the body's size,
+    # arrival time and JSON shape before FastAPI parses it.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
+                       read_timeout_s=transport.timeout_body_read,
+                       json_limits=JSONLimits.for_context(facts.max_model_len))
+    if settings.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
     app.include_router(_open_routes(ctx))
-    app.include_router(_api_routes(ctx), dependencies=[Depends(_api_key_check(settings.api_key))])
+    app.include_router(_api_routes(ctx))
     return app
-
-
-def _kv_dtype_label(spec: KVCacheSpec) -> str:
-    """The --kv-cache-dtype name of the cache's storage (fp8/int8 specs name their format)."""
-    name = getattr(spec, "dtype_name", None)  # KVCacheSpec.dtype_name, where quantized caches exist
-    return str(name) if name else str(spec.dtype).removeprefix("torch.")
-
-
-def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that requires `Authorization: Bearer <api_key>` (constant-time compare)."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Invalid or missing API key: send it as `Authorization: Bearer <key>`.",
-                           code="invalid_api_key")
-
-    return check
 
 
 def _open_routes(ctx: ServerContext) -> APIRouter:
@@ -147,29 +142,22 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         ctx.resolve_model(body.model)
-        tok = ctx.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
+        prep = ctx.preparer
         if body.messages is not None:
-            text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                           add_generation_prompt=body.add_generation_prompt)
-            ctx.check_prompt_chars(text, param="messages")
-            ids = tok.encode(text)
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            ids = await prep.run(prep.tokenize_messages, messages, body.add_generation_prompt)
         else:
-            ctx.check_prompt_chars(body.prompt or "")
-            ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        strs = [tok.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+            ids = await prep.run(prep.encode, body.prompt or "", body.add_special_tokens)
+        strs = await prep.run(prep.token_strs, ids) if body.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
                                              token_strs=strs).model_dump())
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         ctx.resolve_model(body.model)
-        vocab = ctx.core.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is out of the vocabulary (0..{vocab - 1})", param="tokens")
-        text = ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        text = await ctx.preparer.run(ctx.preparer.detokenize, body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     return router

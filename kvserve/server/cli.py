@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from kvserve.cli import add_engine_args, engine_config_from_args
+from kvserve.engine_args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -43,43 +43,66 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None, metavar="NAME",
                    help="model name(s) accepted in requests; the first is reported (default: the model's name)")
     s.add_argument("--api-key", default=None,
-                   help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
-                        f"(default: ${_API_KEY_ENVS[0]} or ${_API_KEY_ENVS[1]}; none: open)")
+                   help=f"require `Authorization: Bearer KEY` on every route but /health, /version and /metrics "
+                        f"(/v1/*, /tokenize, /detokenize, /docs, /redoc, /openapi.json), checked before the "
+                        f"body is read (default: ${_API_KEY_ENVS[0]} or ${_API_KEY_ENVS[1]}; none: open; an "
+                        f"empty key is an error)")
     s.add_argument("--max-num-queued-reqs", type=int, default=1000,
-                   help="requests allowed to wait for admission; beyond it new requests get 503")
+                   help="sequences (prompts x n) allowed to wait for admission; a request that would go beyond "
+                        "it gets 503 (400 if it alone is larger)")
+    s.add_argument("--max-prompts-per-request", type=int, default=256,  # = context.DEFAULT_MAX_PROMPTS_PER_REQUEST
+                   help="prompts one completions request may list; more get 400")
     s.add_argument("--chat-history-policy", choices=["reject", "truncate"], default="reject",
                    help="a chat longer than max-model-len: reject with 400, or drop the oldest turns after "
                         "the system prompt (reported in the X-Kvserve-Truncated-Turns header)")
-    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20,  # body_limit's default; not imported: --help stays fast
+    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20,  # body_limit's (not imported: fast --help)
                    help="request bodies larger than this get 413 (bounds what one client makes the server hold)")
+    # The defaults below are transport.TransportLimits' (not imported: it imports uvicorn, and --help stays fast).
+    s.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+                   help="close a keep-alive connection idle this long between requests")
+    s.add_argument("--timeout-header-read", type=float, default=30.0, metavar="SECONDS",
+                   help="close a connection that has not sent a request's complete headers this long after "
+                        "connecting or after its previous response (slow clients, slowloris)")
+    s.add_argument("--timeout-body-read", type=float, default=60.0, metavar="SECONDS",
+                   help="a request body not complete this long after its headers gets 408 and the connection "
+                        "is closed")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a `chat_template` field in chat requests (rendered sandboxed, but it runs "
                         "client code on the server); by default such requests get 400")
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, how long running requests may finish before they are aborted")
+                   help="on SIGTERM/SIGINT, how long running requests may finish; then each is aborted with a "
+                        "503 (a stream: an error frame and [DONE])")
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
 
 def resolve_api_key(flag: str | None) -> str | None:
-    if flag:
-        return flag
-    for name in _API_KEY_ENVS:
-        if os.environ.get(name):
-            return os.environ[name]
-    return None
+    """The key from --api-key, else $KVSERVE_API_KEY, else $VLLM_API_KEY (the first one given); None when
+    none is. A given but empty key is a ValueError (exit 2): it would silently serve without one."""
+    given = [("--api-key", flag)] if flag is not None else []
+    given += [(f"${name}", os.environ[name]) for name in _API_KEY_ENVS if name in os.environ]
+    if not given:
+        return None
+    source, key = given[0]
+    if not key.strip():
+        raise ValueError(f"{source} is empty, which would serve without authentication: give a non-empty key, "
+                         f"or unset it to serve openly")
+    return key.strip()
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.app import build_app
     from kvserve.server.context import ServerSettings
+    from kvserve.server.transport import ServerConfig, TransportLimits
     from kvserve.server.uvicorn_server import GracefulServer
 
+    api_key = resolve_api_key(args.api_key)  # before the model loads: a refused key fails at once
+    transport = TransportLimits(timeout_keep_alive=args.timeout_keep_alive,
+                                timeout_header_read=args.timeout_header_read,
+                                timeout_body_read=args.timeout_body_read)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -92,17 +115,19 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_config(config)
     settings = ServerSettings(
         served_model_names=names or (str(engine.config.served_model_name),),
-        api_key=resolve_api_key(args.api_key),
+        api_key=api_key,
         chat_history_policy=args.chat_history_policy,
         model_root=args.model or str(engine.config.served_model_name),
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        max_prompts_per_request=args.max_prompts_per_request,
     )
-    app = build_app(AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs), settings)
+    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs)
+    app = build_app(async_engine, settings, transport)
     print(f"kvserve: serving {settings.served_model_names[0]} on http://{args.host}:{args.port} "
           f"(max-model-len {engine.max_model_len}; {engine.cache_plan.describe()})", file=sys.stderr, flush=True)
-    server = GracefulServer(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=args.shutdown_grace_seconds))
+    server = GracefulServer(ServerConfig(
+        app, transport, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_grace_seconds), on_grace_expired=async_engine.stop)
     server.run()
     return 0 if server.started else 1

@@ -8,25 +8,28 @@ reach clients in the same shape and with the same status, whether it happens bef
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from kvserve.engine.async_engine import (
     EngineDeadError,
     EngineFaultError,
     QueueFullError,
+    ServerShuttingDownError,
 )
 from kvserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-          503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          500: "server_error", 503: "service_unavailable_error"}
 
 # Fields named first in SamplingParams' ValueError messages ("temperature must be ..."), for `param`.
 _PARAM_NAMES = frozenset({
@@ -50,12 +53,20 @@ class APIError(Exception):
                          param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+async def send_error(send: Send, error: APIError, close: bool) -> None:
+    """Answer with `error` from ASGI middleware, before any route runs; `close` ends the connection after
+    it (when the request's body is left unread, or arrives too slowly to wait for)."""
+    response = error.response(headers={"Connection": "close"} if close else None)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 def from_exception(exc: BaseException) -> APIError:
@@ -67,6 +78,8 @@ def from_exception(exc: BaseException) -> APIError:
         return bad_request(str(exc), param=first if first in _PARAM_NAMES else None)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), code="queue_full")
+    if isinstance(exc, ServerShuttingDownError):
+        return APIError(503, str(exc), code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
     if isinstance(exc, EngineFaultError):
@@ -78,6 +91,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
+    if errors[0].get("type") == "json_invalid":
+        return _json_error_message(errors[0], exc.body), None
     parts, param = [], None
     for err in errors[:3]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -85,6 +100,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             param = ".".join(loc)
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
     return "; ".join(parts), param
+
+
+def _json_error_message(error: dict[str, Any], document: Any) -> str:
+    """Where the JSON is invalid, in line and column (FastAPI reports the character offset as the error's
+    location, which is no field a client could name as `param`)."""
+    reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+    loc = error.get("loc", ())
+    offset = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if offset is None or not isinstance(document, str):
+        return f"The request body is not valid JSON: {reason}."
+    line = document.count("\n", 0, offset) + 1
+    column = offset - (document.rfind("\n", 0, offset) + 1) + 1
+    return f"The request body is not valid JSON: {reason} at line {line}, column {column} (character {offset})."
 
 
 def install_error_handlers(app: FastAPI) -> None:

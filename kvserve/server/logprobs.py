@@ -27,6 +27,16 @@ def _finite(logprob: float) -> float:
 LogprobEntry = dict[int, Logprob]
 
 
+def context_tail(prompt: Sequence[int], generated: Sequence[int], position: int) -> list[int]:
+    """The ids just before generated token `position` (reaching back into the prompt), as many as a
+    token's text needs: a stream's piece is measured against these, never against the whole sequence."""
+    tail = list(generated[max(0, position - _CONTEXT_TOKENS):position])
+    missing = _CONTEXT_TOKENS - len(tail)
+    if missing > 0:
+        tail = list(prompt[max(0, len(prompt) - missing):]) + tail
+    return tail
+
+
 class TokenTexts:
     """The text each token adds after the tokens before it."""
 

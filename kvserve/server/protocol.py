@@ -8,21 +8,69 @@ fields (clients send many) so that the server can log and ignore them, as vLLM d
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
-class OpenAIRequest(BaseModel):
-    """Base of request bodies: unknown fields are kept aside in `model_extra`, not rejected."""
+def _not_utf8(value: Any) -> str | None:
+    """Where in `value` (keys included, nested lists and dicts walked; "" for `value` itself) the first string
+    is that cannot be encoded as UTF-8 (a lone surrogate, which JSON's \\ud800 escape can carry), or None.
+    Nested request models are not walked: they check their own fields."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                stack.append((key, where))
+                stack.append((sub, f"{where}.{key}" if where else str(key)))
+        elif isinstance(item, (list, tuple)) and not set(map(type, item)) <= _SCALARS:  # token ids: one C pass
+            stack.extend((sub, f"{where}.{i}" if where else str(i)) for i, sub in enumerate(item))
+    return None
 
-    model_config = ConfigDict(extra="allow")
+
+def _require_utf8(value: Any) -> Any:
+    """`value`, if all its text is valid UTF-8; ValueError (a 400 naming the field) otherwise."""
+    where = _not_utf8(value)
+    if where is not None:
+        at = f" (at {where})" if where else ""
+        raise ValueError(f"text must be valid UTF-8, but this field contains a lone surrogate{at}: an unpaired "
+                         "\\ud800-\\udfff escape")
+    return value
+
+
+class StrictRequestModel(BaseModel):
+    """Strict types, as OpenAI's API: an integer field takes only a JSON integer (not "5", not true), a
+    number field a JSON number, a boolean field true or false; and every string, anywhere in the body, must
+    be encodable as UTF-8 (a lone surrogate would fail later, in the tokenizer or the KV cache's hashing, as
+    a 500 or on the engine thread). Unknown fields are kept aside in `model_extra`, not rejected, but their
+    text is checked too (their names are logged)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    __pydantic_extra__: dict[str, Annotated[Any, AfterValidator(_require_utf8)]]
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _utf8_field(cls, value: Any) -> Any:
+        return _require_utf8(value)
+
+
+class OpenAIRequest(StrictRequestModel):
+    """Base of request bodies."""
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictRequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -54,6 +102,14 @@ class SamplingFields(OpenAIRequest):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
 
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        """An empty salt would silently share the unsalted prefix cache (vLLM refuses it too)."""
+        if value == "":
+            raise ValueError("cache_salt must not be empty: leave the field out for no salt")
+        return value
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -63,10 +119,16 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    def num_prompts(self) -> int:
+        """How many prompts: a string or a token-id list is one; a list of strings or of token-id lists, its
+        length (counted before tokenizing, so that a request with too many is refused cheaply)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return 1
+        return len(prompt)
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
+class ChatMessage(StrictRequestModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

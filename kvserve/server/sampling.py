@@ -88,6 +88,14 @@ def reject_unsupported(request: SamplingFields, fields: Mapping[str, Any], max_n
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
 
 
+def check_num_prompts(num_prompts: int, limit: int) -> None:
+    """400 for more prompts in one request than --max-prompts-per-request: a prompt list (with n samples
+    each) must not let one client fill the queue that every client shares."""
+    if num_prompts > limit:
+        raise bad_request(f"this request has {num_prompts} prompts, more than this server accepts in one request "
+                          f"(--max-prompts-per-request {limit}); split it into several requests", param="prompt")
+
+
 def require(condition: bool, message: str, param: str | None = None) -> None:
     if not condition:
         raise APIError(400, message, param=param)

@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from kvserve.engine.async_engine import ServerShuttingDownError
+from kvserve.sampling_params import RequestOutputKind
 from kvserve.server.errors import from_exception
+from kvserve.server.tracker import DeltaTracker
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import RequestStream
@@ -46,13 +49,14 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 async def sse_with_errors(frames: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pass frames through; an error after the stream has started becomes an error frame, then [DONE]."""
+    """Pass frames through; an error after the stream has started becomes an error frame, then [DONE]
+    (also when the server aborts the stream at the end of its shutdown grace period)."""
     try:
         async for frame in frames:
             yield frame
     except Exception as exc:  # noqa: BLE001 -- the status line is gone; the error must travel in-band
         error = from_exception(exc)
-        if error.status >= 500:
+        if error.status >= 500 and not isinstance(exc, ServerShuttingDownError):
             logger.error("stream failed: %s", exc)
         yield sse(error.body())
         yield SSE_DONE
@@ -65,21 +69,16 @@ def submit(
     params: SamplingParams,
     cache_salt: str | None,
 ) -> list[RequestStream]:
-    """Queue one engine request per prompt; if one is refused, the ones already queued are aborted."""
-    streams: list[RequestStream] = []
-    try:
-        for i, ids in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(ctx.engine.add_request(rid, ids, params, cache_salt=cache_salt))
-    except BaseException:
-        for stream in streams:
-            stream.abort()
-        raise
-    return streams
+    """Queue one engine request per prompt, all or none: the whole HTTP request (prompts x n sequences)
+    fits in the queue or is refused (503 when full, 400 when it could never fit). The server asks for
+    DELTA outputs: each carries only what is new, and a DeltaTracker puts them together."""
+    params = params.clone(output_kind=RequestOutputKind.DELTA)
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    return ctx.engine.add_requests(list(zip(ids, prompts)), params, cache_salt)
 
 
 async def merged(ctx: ServerContext, streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they come, with metrics; ends when all have finished.
+    """(prompt index, DELTA output) from all streams as they come, with metrics; ends when all have finished.
     Leaving early aborts every stream that is still running."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -111,13 +110,14 @@ async def merged(ctx: ServerContext, streams: Sequence[RequestStream]) -> AsyncI
             stream.abort()
 
 
-async def final_outputs(ctx: ServerContext, streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """The finished output of every stream, in prompt order."""
-    finals: dict[int, RequestOutput] = {}
+async def collect(
+    ctx: ServerContext, streams: Sequence[RequestStream], prompts: Sequence[list[int]]
+) -> list[DeltaTracker]:
+    """Every stream's outputs put together, one tracker per prompt (in prompt order), once all have finished."""
+    trackers = [DeltaTracker(ids) for ids in prompts]
     async for index, output in merged(ctx, streams):
-        if output.finished:
-            finals[index] = output
-    return [finals[i] for i in range(len(streams))]
+        trackers[index].add(output)
+    return trackers
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

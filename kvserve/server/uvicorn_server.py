@@ -1,22 +1,54 @@
-"""uvicorn.Server that exits normally after a graceful stop.
+"""uvicorn.Server that ends unfinished requests cleanly when its grace period runs out, and exits normally.
 
-Why: uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so the process would end by the
-signal (status 143, or a KeyboardInterrupt traceback). A server that was asked to stop and stopped cleanly
-(running requests finished or, after the grace period, aborted) should exit 0.
+Why the hook at the end of the grace period: uvicorn itself only cancels the tasks that are still running
+(a stream is cut mid-body, with no error frame and no [DONE], and a CancelledError traceback in the log),
+and only then runs the app's lifespan shutdown. So at `timeout_graceful_shutdown` this server calls
+`on_grace_expired` (the async engine's `stop`, which aborts every remaining request with a "server is
+shutting down" error that streams send as an error frame and [DONE], and other requests as a 503), and
+gives those responses `drain_s` more seconds to go out before uvicorn's own cut.
+
+Why the signal handling: uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so the process
+would end by the signal (status 143, or a KeyboardInterrupt traceback). A server that was asked to stop and
+stopped cleanly (running requests finished or, after the grace period, aborted) should exit 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
+DRAIN_S = 5  # after the grace period: time for the error frames and 503s to reach their clients
+
 
 class GracefulServer(uvicorn.Server):
-    """SIGTERM/SIGINT start uvicorn's graceful shutdown (a second SIGINT forces it) and are then consumed."""
+    """SIGTERM/SIGINT start uvicorn's graceful shutdown (a second SIGINT forces it) and are then consumed.
+    With `on_grace_expired`, `config.timeout_graceful_shutdown` is the grace period after which it is
+    called, and uvicorn cancels what is still running `drain_s` seconds later."""
+
+    def __init__(self, config: uvicorn.Config, on_grace_expired: Callable[[], None] | None = None,
+                 drain_s: int = DRAIN_S) -> None:
+        super().__init__(config)
+        self._on_grace_expired = on_grace_expired
+        self._grace_s = config.timeout_graceful_shutdown
+        if on_grace_expired is not None and self._grace_s is not None:
+            config.timeout_graceful_shutdown = self._grace_s + drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's graceful shutdown, with `on_grace_expired` armed for the end of the grace period."""
+        timer = None
+        if self._on_grace_expired is not None and self._grace_s is not None:
+            timer = asyncio.get_running_loop().call_later(self._grace_s, self._on_grace_expired)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

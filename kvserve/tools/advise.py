@@ -10,16 +10,13 @@ import argparse
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvserve.capacity import (
-    KVDtype,
-    max_concurrent_requests,
-    num_blocks_for_budget,
-    resolve_kv_dtype,
-)
+from kvserve.capacity import max_concurrent_requests, num_blocks_for_budget, resolve_kv_dtype
 from kvserve.tools.estimate import catalog_text
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
-from kvserve.tools.report import add_json_arg, emit, gib, table
+from kvserve.tools.report import add_json_arg, emit, table
 from kvserve.tools.setup import Setup, add_sizing_args, resolve_setup
+from kvserve.units import format_gib
+from kvserve.vocab import KVDtype
 
 MAX_NUM_SEQS_CAP = 256  # kvserve serve's (and vLLM's) default --max-num-seqs
 EIGHT_BIT_KV = "fp8"
@@ -187,8 +184,8 @@ def render_advice(doc: dict[str, Any]) -> str:
     rows = [[n] + [by[n, d]["max_concurrent_requests"] for d in dtypes] for n in lengths]
     typical = ", ".join(f"{d}: {by[r['max_model_len'], d]['concurrent_requests_at_typical_len']}" for d in dtypes)
     lines = [
-        (f"Model: {doc['model']['name']}; {doc['dtype']} weights ({gib(doc['weights']['bytes'] or 0)}) on "
-         f"{doc['device']}; KV budget {gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}"),
+        (f"Model: {doc['model']['name']}; {doc['dtype']} weights ({format_gib(doc['weights']['bytes'] or 0)}) on "
+         f"{doc['device']}; KV budget {format_gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}"),
         (f"Scenario {s['name']}: {s['description']}; typical {s['typical_len']} tokens, longest {s['needed_len']}, "
          f"{s['expected_concurrency']} at once"),
         "",

@@ -23,8 +23,9 @@ from kvserve.tools.report import add_json_arg, emit, int_list, table
 SCHEMA = (
     "{source, scrapes, cache_config: {label: value}, models: [id] | null, summary: {kv_cache_usage_perc_max, "
     "num_requests_running_max, num_requests_waiting_max, num_preemptions_total, prefix_cache_hit_rate, requests, "
-    "ttft_mean_s, itl_mean_s}, windows: [{requests, ttft_mean, prompt_len_mean, itl_mean, e2e_mean, preemptions, "
-    "prefix_queries, prefix_hits, kv_usage, running}], probe: {ttft_by_prompt_len: [{prompt_tokens, ttft_s}], "
+    "ttft_mean_s, queue_time_mean_s, itl_mean_s}, windows: [{requests, ttft_mean, prompt_len_mean, itl_mean, "
+    "e2e_mean, preemptions, prefix_queries, prefix_hits, kv_usage, running, waiting, queue_mean, prefill_mean}], "
+    "probe: {ttft_by_prompt_len: [{prompt_tokens, ttft_s}], "
     "latency_by_concurrency: [{concurrency, latency_s, s_per_output_token}]} | null, healthy, "
     "findings: [{code, summary, evidence, fix}], notes: [str]}"
 )
@@ -37,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     src.add_argument("--metrics-file", action="append", default=None, metavar="FILE",
                      help="a saved /metrics scrape instead of a server (repeat, oldest first, for trends)")
-    p.add_argument("--scrapes", type=int, default=3, help="how many times to read /metrics (trends need >= 3)")
+    p.add_argument("--scrapes", type=int, default=5,
+                   help=f"how many times to read /metrics (trends need >= {Thresholds().min_trend_windows + 1})")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes")
     p.add_argument("--probe", action="store_true",
                    help="also send a few requests: growing prompt length, then growing concurrency")
@@ -155,14 +157,16 @@ def report(ev: Evidence, findings: list[Finding], source: str, models: list[str]
         "prefix_cache_hit_rate": sum(w.prefix_hits for w in ev.windows) / queries if queries else None,
         "requests": sum(w.requests for w in ev.windows),
         "ttft_mean_s": None if last_busy is None else last_busy.ttft_mean,
+        "queue_time_mean_s": ev.overall().queue_mean,
         "itl_mean_s": None if last_busy is None else last_busy.itl_mean,
     }
     notes = []
     if not busy:
         notes.append("no requests completed their first token during the scrapes: latency checks had nothing to "
                      "measure (send traffic, scrape over a longer --interval, or use --probe)")
-    if len(ev.snapshots) < 3:
-        notes.append("trends across turns need at least 3 scrapes")
+    trend_scrapes = Thresholds().min_trend_windows + 1
+    if len(ev.snapshots) < trend_scrapes:
+        notes.append(f"trends across turns need at least {trend_scrapes} scrapes with traffic between them")
     probe = None if ev.probe is None else {
         "ttft_by_prompt_len": [{"prompt_tokens": n, "ttft_s": t} for n, t in ev.probe.ttft_by_prompt_len],
         "latency_by_concurrency": [{"concurrency": c, "latency_s": t, "s_per_output_token": s}

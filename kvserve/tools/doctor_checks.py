@@ -10,11 +10,14 @@ from itertools import pairwise
 from typing import Any
 
 from kvserve.tools.metrics_snapshot import Snapshot, Window, windows
+from kvserve.vocab import is_8bit_kv_dtype
 
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    growth_factor: float = 1.5  # prompt length and TTFT both grow at least this much across the scrapes
+    growth_factor: float = 1.5  # prompt length and prefill time both grow at least this much across the scrapes
+    min_trend_windows: int = 4  # windows of strictly rising prompt length that make a trend (not chance)
+    queue_wait_s: float = 1.0  # mean wait for admission (s) that counts as queueing
     near_limit: float = 0.5  # mean prompt length as a share of max-model-len that means "history grows unbounded"
     kv_full: float = 0.9  # kv_cache_usage_perc at or above this is "near full"
     slow_decode_s: float = 0.05  # mean inter-token latency (s) that counts as slow decode
@@ -68,6 +71,12 @@ class Evidence:
         values = [v for v in (s.get(name) for s in self.snapshots) if v is not None]
         return max(values) if values else None
 
+    def overall(self) -> Window:
+        """One window over all the scrapes (since the server started, with one scrape)."""
+        if len(self.snapshots) == 1:
+            return self.windows[0]
+        return Window.between(self.snapshots[0], self.snapshots[-1])
+
     def preemptions(self) -> float:
         """Preemptions during the scrapes (or since start, with one scrape)."""
         return sum(w.preemptions for w in self.windows)
@@ -77,17 +86,11 @@ Check = Callable[[Evidence, Thresholds], Finding | None]
 
 
 def check_growing_prompts(ev: Evidence, th: Thresholds) -> Finding | None:
+    trend = _prompt_trend(ev, th)
+    if trend is not None:
+        return trend
     busy = [w for w in ev.busy_windows() if w.prompt_len_mean and w.ttft_mean]
     max_len = ev.last.config_int("max_model_len")
-    if len(busy) >= 2:
-        prompts = [w.prompt_len_mean for w in busy]
-        ttfts = [w.ttft_mean for w in busy]
-        rising = all(b >= a for a, b in pairwise(prompts))
-        if rising and prompts[-1] >= th.growth_factor * prompts[0] and ttfts[-1] >= th.growth_factor * ttfts[0]:
-            return _growth_finding({"prompt_len_mean_by_window": [round(p, 1) for p in prompts],
-                                    "ttft_mean_s_by_window": [round(t, 4) for t in ttfts]},
-                                   f"mean prompt length grew {prompts[-1] / prompts[0]:.1f}x across the scrapes and "
-                                   f"time to first token grew {ttfts[-1] / ttfts[0]:.1f}x with it")
     if busy and max_len:
         mean = busy[-1].prompt_len_mean
         assert mean is not None
@@ -97,6 +100,31 @@ def check_growing_prompts(ev: Evidence, th: Thresholds) -> Finding | None:
                                    f"prompts average {mean:.0f} tokens, {100 * mean / max_len:.0f}% of max-model-len "
                                    f"{max_len}")
     return None
+
+
+def _prompt_trend(ev: Evidence, th: Thresholds) -> Finding | None:
+    """Prompts that grow window after window, with the time from admission to the first token growing too.
+
+    Why so strict: random-length traffic makes two windows differ by 2x by chance, and a queue raises TTFT
+    whatever the prompts are; only a sustained rise, with the prefill part of TTFT (queue time taken out)
+    rising with it, says that conversations keep growing."""
+    busy = [w for w in ev.busy_windows() if w.prompt_len_mean and w.compute_mean]
+    if len(busy) < th.min_trend_windows:
+        return None
+    prompts = [w.prompt_len_mean or 0.0 for w in busy]
+    computes = [w.compute_mean or 0.0 for w in busy]
+    if not all(b > a for a, b in pairwise(prompts)):
+        return None
+    if prompts[-1] < th.growth_factor * prompts[0] or computes[-1] < th.growth_factor * computes[0]:
+        return None
+    evidence: dict[str, Any] = {"prompt_len_mean_by_window": [round(p, 1) for p in prompts],
+                                "ttft_mean_s_by_window": [round(w.ttft_mean or 0.0, 4) for w in busy],
+                                "prefill_mean_s_by_window": [round(c, 4) for c in computes]}
+    if all(w.queue_mean is not None for w in busy):
+        evidence["queue_time_mean_s_by_window"] = [round(w.queue_mean or 0.0, 4) for w in busy]
+    return _growth_finding(evidence, f"mean prompt length grew {prompts[-1] / prompts[0]:.1f}x over {len(busy)} "
+                                     f"windows in a row and the time from admission to the first token grew "
+                                     f"{computes[-1] / computes[0]:.1f}x with it")
 
 
 def _growth_finding(evidence: dict[str, Any], what: str) -> Finding:
@@ -128,9 +156,58 @@ def check_kv_pressure(ev: Evidence, th: Thresholds) -> Finding | None:
                    "(--kv-cache-dtype fp8) for about twice the tokens; `kvserve advise` sizes these.")
 
 
+def check_queueing(ev: Evidence, th: Thresholds) -> Finding | None:
+    """Requests wait seconds for admission: a server in that state is never healthy, whatever the cause."""
+    usage = ev.max_of("kv_cache_usage_perc")
+    if usage is not None and usage >= th.kv_full and ev.preemptions() > 0:
+        return None  # kv_cache_pressure names this queue's cause and its fix
+    wait = _queue_wait(ev)
+    if wait is None or wait[0] < th.queue_wait_s:
+        return None
+    seconds, source = wait
+    peak = max(ev.snapshots, key=lambda snap: snap.running or 0.0)
+    running = peak.running or 0.0
+    evidence: dict[str, Any] = {"queue_time_mean_s": round(seconds, 4), "queue_time_source": source,
+                                "num_requests_waiting_max": ev.max_of("num_requests_waiting"),
+                                "num_requests_running_max": running,
+                                "kv_cache_usage_perc_max": None if usage is None else round(usage, 4)}
+    if usage is not None and usage >= th.kv_full:
+        evidence["limited_by"] = "kv_cache"
+        return Finding("requests_queued",
+                       f"Requests wait {seconds:.1f} s on average to be admitted because the KV cache is full "
+                       f"({100 * usage:.0f}% used).", evidence,
+                       "Raise the KV budget (--kv-cache-memory-bytes / --gpu-memory-utilization), use an 8-bit KV "
+                       "dtype (--kv-cache-dtype fp8) for about twice the tokens, or add replicas; `kvserve advise` "
+                       "sizes these.")
+    evidence["limited_by"] = "max_num_seqs"
+    room = ""
+    if peak.kv_usage:
+        fits = int(round(running * th.kv_full / peak.kv_usage, 6))  # round first: 2 x 0.9 / 0.004 is 450, not 449
+        evidence["requests_that_fit_estimate"] = fits
+        room = (f"; at the peak, {running:.0f} running requests used {100 * peak.kv_usage:.1f}% of it (about "
+                f"{fits} such requests would fit)")
+    used = "" if usage is None else f" ({100 * usage:.1f}% used at most)"
+    return Finding("requests_queued",
+                   f"Requests wait {seconds:.1f} s on average to be admitted while the KV cache has room{used}: "
+                   f"the running batch, not memory, is the limit{room}.", evidence,
+                   "Raise --max-num-seqs (the cap on running requests) so more requests share each step, or add "
+                   "replicas; with long prompts, also check --max-num-batched-tokens.")
+
+
+def _queue_wait(ev: Evidence) -> tuple[float, str] | None:
+    """Mean wait for admission over the scrapes, and where it was read."""
+    overall = ev.overall()
+    if overall.queue_mean is not None:
+        return overall.queue_mean, "request_queue_time_seconds"
+    waiting = ev.max_of("num_requests_waiting")
+    if overall.ttft_mean is not None and waiting:  # a server without the queue histogram: TTFT bounds the wait
+        return overall.ttft_mean, "time_to_first_token_seconds (no queue-time histogram)"
+    return None
+
+
 def check_bandwidth_bound(ev: Evidence, th: Thresholds) -> Finding | None:
     dtype = ev.last.cache_config.get("kv_cache_dtype", "")
-    if dtype.startswith(("fp8", "int8")):
+    if is_8bit_kv_dtype(dtype):
         return None
     busy = [w for w in ev.busy_windows() if w.itl_mean is not None]
     itl = busy[-1].itl_mean if busy else None
@@ -174,7 +251,8 @@ def check_prefix_hits(ev: Evidence, th: Thresholds) -> Finding | None:
                    "the end of the prompt so the shared prefix is byte-identical.")
 
 
-CHECKS: tuple[Check, ...] = (check_growing_prompts, check_kv_pressure, check_bandwidth_bound, check_prefix_hits)
+CHECKS: tuple[Check, ...] = (check_growing_prompts, check_kv_pressure, check_queueing, check_bandwidth_bound,
+                             check_prefix_hits)
 
 
 def diagnose(ev: Evidence, th: Thresholds | None = None) -> list[Finding]:

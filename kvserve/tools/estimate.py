@@ -10,7 +10,6 @@ import argparse
 from typing import Any
 
 from kvserve.capacity import (
-    KVDtype,
     blocks_per_request,
     compare_contiguous,
     max_concurrent_requests,
@@ -20,8 +19,10 @@ from kvserve.capacity import (
 )
 from kvserve.capacity_catalog import CATALOG
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
-from kvserve.tools.report import add_json_arg, emit, gib, human_bytes, int_list, table
+from kvserve.tools.report import add_json_arg, emit, int_list, table
 from kvserve.tools.setup import Setup, add_sizing_args, resolve_setup
+from kvserve.units import GiB, format_bytes, format_gib
+from kvserve.vocab import KVDtype
 
 SCHEMA = (
     "{model: {name, kind (catalog|hf-config|gguf), source, attention (MHA|GQA|MQA|MLA), num_layers, "
@@ -30,7 +31,8 @@ SCHEMA = (
     "num_parameters_note, file_bytes}, device, dtype, block_size, weights: {bytes, formula}, "
     "budget: {kv_bytes, source (kv-cache-memory-bytes|memory|cpu-default), formula} | null, "
     "kv: [{kv_cache_dtype, bytes_per_token, formula, terms: {kv_factor, num_layers, num_kv_heads, head_dim, "
-    "element_bytes, scale_bytes}, bytes_per_block, plan: {num_blocks, num_tokens, bytes, max_model_len} | null, "
+    "element_bytes, scale_bytes}, bytes_per_block, plan: {num_blocks (the null block included), num_usable_blocks "
+    "(num_blocks - 1), num_tokens (usable blocks x block_size), bytes, max_model_len} | null, "
     "seq_lens: [{seq_len, within_context, blocks_per_request, bytes_per_request (allocated today: every layer "
     "keeps every token), window_capped_bytes_per_request (if sliding layers kept only their window's blocks), "
     "batches: [{batch, bytes, window_capped_bytes}], max_concurrent_requests, "
@@ -117,7 +119,7 @@ def _dtype_section(facts: ModelFacts, setup: Setup, kv_dtype: KVDtype, seq_lens:
             "batches": [{"batch": b, "bytes": b * allocated, "window_capped_bytes": b * capped} for b in batches],
             "max_concurrent_requests": None if plan is None else max_concurrent_requests(plan.num_blocks, seq_len, bs),
             "max_concurrent_requests_window_capped":
-                None if plan is None else plan.num_blocks * bytes_per_block // capped,
+                None if plan is None else plan.num_usable_blocks * bytes_per_block // capped,
         })
     return {
         "kv_cache_dtype": kv_dtype.name, "bytes_per_token": shape.bytes_per_token(kv_dtype),
@@ -126,7 +128,8 @@ def _dtype_section(facts: ModelFacts, setup: Setup, kv_dtype: KVDtype, seq_lens:
                   "head_dim": shape.head_dim, "element_bytes": kv_dtype.element_bytes,
                   "scale_bytes": kv_dtype.scale_bytes},
         "bytes_per_block": bytes_per_block,
-        "plan": None if plan is None else {"num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
+        "plan": None if plan is None else {"num_blocks": plan.num_blocks, "num_usable_blocks": plan.num_usable_blocks,
+                                           "num_tokens": plan.num_tokens,
                                            "bytes": plan.num_blocks * bytes_per_block,
                                            "max_model_len": plan.max_model_len},
         "seq_lens": rows,
@@ -166,15 +169,17 @@ def render_estimate(doc: dict[str, Any]) -> str:
         lines.append(f"  sliding window {', '.join(map(str, windows))} on {n_local} of {m['num_layers']} layers")
     weights = doc["weights"]
     lines.append(f"Weights ({doc['dtype']} on {doc['device']}): "
-                 + (f"{gib(weights['bytes'])} = {weights['formula']}" if weights["bytes"] else weights["formula"]))
+                 + (f"{format_gib(weights['bytes'])} = {weights['formula']}" if weights["bytes"]
+                    else weights["formula"]))
     if doc["budget"]:
-        lines.append(f"KV budget: {gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}")
+        lines.append(f"KV budget: {format_gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}")
     for kv in doc["kv"]:
-        lines += ["", f"KV per token ({kv['kv_cache_dtype']}): {kv['formula']} ({human_bytes(kv['bytes_per_token'])})",
+        lines += ["", f"KV per token ({kv['kv_cache_dtype']}): {kv['formula']} ({format_bytes(kv['bytes_per_token'])})",
                   f"  one block of {doc['block_size']} tokens = {kv['bytes_per_block']} bytes"]
         if kv["plan"]:
             p = kv["plan"]
-            lines.append(f"  budget holds {p['num_blocks']} blocks = {p['num_tokens']} tokens ({gib(p['bytes'])}); "
+            lines.append(f"  budget holds {p['num_blocks']} blocks ({p['num_usable_blocks']} usable + 1 null) = "
+                         f"{p['num_tokens']} tokens ({format_gib(p['bytes'])}); "
                          f"max-model-len {p['max_model_len']}")
         lines += ["", _seq_len_table(kv, windowed=bool(windows))]
         if kv["max_model_len_at_concurrency"]:
@@ -200,11 +205,11 @@ def _seq_len_table(kv: dict[str, Any], windowed: bool) -> str:
     out = []
     for r in rows:
         row = [f"{r['seq_len']}{'' if r['within_context'] else ' (> context)'}"]
-        row += [f"{b['bytes'] / (1 << 30):.3f}" for b in r["batches"]]
+        row += [f"{b['bytes'] / GiB:.3f}" for b in r["batches"]]
         if r["max_concurrent_requests"] is not None:
             row.append(r["max_concurrent_requests"])
         if windowed:
-            row += [f"{b['window_capped_bytes'] / (1 << 30):.3f}" for b in r["batches"]]
+            row += [f"{b['window_capped_bytes'] / GiB:.3f}" for b in r["batches"]]
             if r["max_concurrent_requests_window_capped"] is not None:
                 row.append(r["max_concurrent_requests_window_capped"])
         out.append(row)
@@ -212,10 +217,10 @@ def _seq_len_table(kv: dict[str, Any], windowed: bool) -> str:
 
 
 def _contiguous_text(c: dict[str, Any]) -> str:
-    rows = [(name, gib(c[name]["allocated_bytes"]), gib(c[name]["used_bytes"]), f"{c[name]['waste_perc']:.1f}%",
-             c[name]["requests_that_fit"]) for name in ("contiguous", "paged")]
+    rows = [(name, format_gib(c[name]["allocated_bytes"]), format_gib(c[name]["used_bytes"]),
+             f"{c[name]['waste_perc']:.1f}%", c[name]["requests_that_fit"]) for name in ("contiguous", "paged")]
     head = (f"{c['requests']} requests of {c['avg_len']} tokens on average, max-len {c['max_len']}, "
-            f"{c['kv_cache_dtype']} KV, budget {gib(c['budget_bytes'])}:")
+            f"{c['kv_cache_dtype']} KV, budget {format_gib(c['budget_bytes'])}:")
     return head + "\n" + table(["layout", "allocated", "used", "waste", "requests that fit"], rows)
 
 
@@ -233,10 +238,10 @@ def plot_estimate(facts: ModelFacts, setup: Setup, kv_dtypes: list[KVDtype], pat
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kv_dtype in kv_dtypes:
         per_block = shape.bytes_per_token(kv_dtype) * bs
-        ax.plot(lengths, [blocks_per_request(n, bs) * per_block / (1 << 30) for n in lengths],
+        ax.plot(lengths, [blocks_per_request(n, bs) * per_block / GiB for n in lengths],
                 marker="o", label=f"{kv_dtype.name}")
         if shape.has_sliding_window:
-            ax.plot(lengths, [shape.window_capped_bytes(n, kv_dtype, bs) / (1 << 30) for n in lengths],
+            ax.plot(lengths, [shape.window_capped_bytes(n, kv_dtype, bs) / GiB for n in lengths],
                     linestyle="--", label=f"{kv_dtype.name}, window-capped")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -14,6 +14,8 @@ TTFT = f"{P}time_to_first_token_seconds"
 ITL = (f"{P}inter_token_latency_seconds", f"{P}time_per_output_token_seconds")  # new name, vLLM's older name
 E2E = f"{P}e2e_request_latency_seconds"
 PROMPT_LEN = f"{P}request_prompt_tokens"
+QUEUE = f"{P}request_queue_time_seconds"  # arrival to first scheduling
+PREFILL = f"{P}request_prefill_time_seconds"  # first scheduling to first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,9 @@ class Window:
     prefix_hits: float
     kv_usage: float | None  # the gauge at the end of the window
     running: float | None
+    waiting: float | None  # the gauge at the end of the window
+    queue_mean: float | None  # mean wait for admission (request_queue_time_seconds)
+    prefill_mean: float | None  # mean first scheduling -> first token (request_prefill_time_seconds)
 
     @classmethod
     def between(cls, a: Snapshot, b: Snapshot) -> Window:
@@ -96,7 +101,21 @@ class Window:
             prompt_mean = delta(f"{P}prompt_tokens_total") / requests
         return cls(requests, mean((TTFT,)), prompt_mean, mean(ITL), mean((E2E,)),
                    delta(f"{P}num_preemptions_total"), delta(f"{P}prefix_cache_queries_total"),
-                   delta(f"{P}prefix_cache_hits_total"), b.kv_usage, b.running)
+                   delta(f"{P}prefix_cache_hits_total"), b.kv_usage, b.running, b.get("num_requests_waiting"),
+                   mean((QUEUE,)), mean((PREFILL,)))
+
+    @property
+    def compute_mean(self) -> float | None:
+        """Mean time from admission to the first token: the part of TTFT that prompt length drives.
+
+        Why: TTFT = queue time + prefill time, and a queue (too few sequence slots, a full KV cache) raises TTFT
+        whatever the prompts are. The prefill histogram when the server has it, else TTFT less queue time,
+        else TTFT itself (a server without either histogram)."""
+        if self.prefill_mean is not None:
+            return self.prefill_mean
+        if self.ttft_mean is not None and self.queue_mean is not None:
+            return max(self.ttft_mean - self.queue_mean, 0.0)
+        return self.ttft_mean
 
 
 def windows(snapshots: list[Snapshot]) -> list[Window]:

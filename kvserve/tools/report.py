@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.config import parse_size
+from kvserve.units import parse_size
 
 
 def add_json_arg(parser: argparse.ArgumentParser, schema: str) -> None:
@@ -45,17 +45,6 @@ def size_arg(value: str) -> int:
         return parse_size(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
-
-
-def gib(n: float) -> str:
-    return f"{n / (1 << 30):,.2f} GiB"
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{int(n):,} B"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

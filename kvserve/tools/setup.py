@@ -6,10 +6,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.capacity import KV_DTYPES, Budget, budget_from_memory, resolve_compute_dtype
+from kvserve.capacity import Budget, budget_from_memory, resolve_compute_dtype
 from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from kvserve.tools.model_facts import ModelFacts
 from kvserve.tools.report import size_arg
+from kvserve.vocab import COMPUTE_DTYPES, KV_DTYPES
 
 
 def add_sizing_args(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def add_sizing_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="where the model would run: decides what --dtype auto means (default: cuda when "
                              "--memory is given, else cpu)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default="auto", choices=["auto", *COMPUTE_DTYPES],
                         help="weights/compute dtype as `kvserve serve` takes it: auto = float32 on CPU, the "
                              "checkpoint's dtype (bfloat16 when unknown) on CUDA")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

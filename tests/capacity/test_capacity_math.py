@@ -96,19 +96,24 @@ def test_block_rounding_and_plan() -> None:
     plan = plan_kv_cache(bytes_per_block=589824, block_size=16, model_context_len=32768, budget_bytes=4 << 30)
     assert plan.num_blocks == (4 << 30) // 589824 == 7281
     assert plan.max_model_len == 32768
-    assert max_concurrent_requests(7281, 1000, 16) == 7281 // 63
+    assert plan.num_usable_blocks == 7280 and plan.num_tokens == 7280 * 16  # block 0 is the null block
+    assert max_concurrent_requests(7281, 1000, 16) == 7280 // 63
     assert max_model_len_for_concurrency(7281, 16, 8, 32768) == 910 * 16
     small = plan_kv_cache(bytes_per_block=1000, block_size=16, model_context_len=32768, budget_bytes=10_999)
-    assert (small.num_blocks, small.max_model_len) == (10, 160)  # capped by the pool
+    assert (small.num_blocks, small.max_model_len) == (10, 144)  # capped by the pool's 9 usable blocks
 
 
 def test_plan_errors_match_the_engine() -> None:
-    with pytest.raises(ValueError, match="smaller than one block"):
+    with pytest.raises(ValueError, match="holds 0 blocks"):
         plan_kv_cache(1000, 16, 4096, budget_bytes=999)
+    with pytest.raises(ValueError, match="holds 1 blocks .* at least 2 .*null block"):
+        plan_kv_cache(1000, 16, 4096, budget_bytes=1999)
+    with pytest.raises(ValueError, match="override is 1; .*null block"):
+        plan_kv_cache(1000, 16, 4096, num_blocks_override=1)
     with pytest.raises(ValueError, match="larger than the model's context length"):
         plan_kv_cache(1000, 16, 4096, budget_bytes=10**9, max_model_len=8192)
-    with pytest.raises(ValueError, match="largest max-model-len that fits is 160"):
-        plan_kv_cache(1000, 16, 4096, budget_bytes=10_999, max_model_len=161)
+    with pytest.raises(ValueError, match="largest max-model-len that fits is 144"):
+        plan_kv_cache(1000, 16, 4096, budget_bytes=10_999, max_model_len=145)
     assert plan_kv_cache(1000, 16, 4096, num_blocks_override=3).num_blocks == 3
 
 

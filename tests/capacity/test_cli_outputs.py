@@ -37,8 +37,9 @@ def test_memory_formula_subtracts_the_weights(capsys) -> None:
     row = kv["seq_lens"][0]
     assert row["seq_len"] == 8192 and row["bytes_per_request"] == 8192 * 131072
     assert row["batches"][1] == {"batch": 8, "bytes": 8 * 8192 * 131072, "window_capped_bytes": 8 * 8192 * 131072}
-    assert row["max_concurrent_requests"] == blocks // 512
-    assert kv["max_model_len_at_concurrency"][1] == {"concurrency": 8, "max_model_len": blocks // 8 * 16}
+    assert kv["plan"]["num_usable_blocks"] == blocks - 1  # block 0 is the null block
+    assert row["max_concurrent_requests"] == (blocks - 1) // 512
+    assert kv["max_model_len_at_concurrency"][1] == {"concurrency": 8, "max_model_len": (blocks - 1) // 8 * 16}
 
 
 def test_several_kv_dtypes_and_window_capping(capsys) -> None:
@@ -47,7 +48,7 @@ def test_several_kv_dtypes_and_window_capping(capsys) -> None:
     f32, i8 = doc["kv"]
     assert f32["bytes_per_token"] == 36864 and i8["bytes_per_token"] == 2 * 18 * (256 + 4)
     assert f32["seq_lens"][0]["window_capped_bytes_per_request"] == 217_055_232
-    assert f32["seq_lens"][0]["max_concurrent_requests"] == 7281 // 2048
+    assert f32["seq_lens"][0]["max_concurrent_requests"] == 7280 // 2048  # 7281 blocks, one the null block
 
 
 def test_compare_contiguous(capsys) -> None:
@@ -83,7 +84,7 @@ def test_advise_keeps_16bit_kv_when_it_is_enough(capsys) -> None:
     assert (r["max_model_len"], r["kv_cache_dtype"], r["max_num_seqs"]) == (8192, "bfloat16", 228)
     assert doc["warnings"] == []
     row = next(c for c in doc["candidates"] if c["max_model_len"] == 8192 and c["kv_cache_dtype"] == "bfloat16")
-    assert row["max_concurrent_requests"] == 29205 // 512
+    assert row["max_concurrent_requests"] == 29204 // 512  # 29205 blocks, one the null block
 
 
 def test_advise_switches_to_8bit_kv_and_warns(capsys) -> None:

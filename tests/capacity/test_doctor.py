@@ -27,8 +27,9 @@ def histogram(name: str, count: float, total: float) -> str:
 
 def exposition(usage: float = 0.2, running: float = 8, waiting: float = 0, preemptions: float = 0,
                queries: float = 20000, hits: float = 10000, requests: float = 100, ttft_sum: float = 5.0,
-               prompt_tokens: float = 50000, itl_count: float = 3000, itl_sum: float = 30.0, **cache: str) -> str:
-    """A kvserve /metrics page with these (cumulative) values."""
+               prompt_tokens: float = 50000, itl_count: float = 3000, itl_sum: float = 30.0,
+               queue_sum: float | None = None, prefill_sum: float | None = None, **cache: str) -> str:
+    """A kvserve /metrics page with these (cumulative) values; the queue and prefill histograms only if given."""
     labels = ",".join(f'{k}="{v}"' for k, v in {**CACHE, **cache}.items())
     gauges = {"kv_cache_usage_perc": usage, "num_requests_running": running, "num_requests_waiting": waiting}
     counters = {"num_preemptions": preemptions, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
@@ -37,6 +38,10 @@ def exposition(usage: float = 0.2, running: float = 8, waiting: float = 0, preem
     text += "".join(f"# TYPE kvserve:{k} counter\nkvserve:{k}_total {v}\n" for k, v in counters.items())
     text += histogram("kvserve:time_to_first_token_seconds", requests, ttft_sum)
     text += histogram("kvserve:inter_token_latency_seconds", itl_count, itl_sum)
+    if queue_sum is not None:
+        text += histogram("kvserve:request_queue_time_seconds", requests, queue_sum)
+    if prefill_sum is not None:
+        text += histogram("kvserve:request_prefill_time_seconds", requests, prefill_sum)
     return text + f"# TYPE kvserve:cache_config_info gauge\nkvserve:cache_config_info{{{labels}}} 1.0\n"
 
 
@@ -48,21 +53,25 @@ def test_healthy_server_has_no_findings() -> None:
     assert codes(exposition()) == []
 
 
+def growing_pages(ttft_steps: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)) -> list[str]:
+    """Five scrapes, four windows of 10 requests whose mean prompt rises 500 -> 700 -> 1000 -> 1500 tokens."""
+    requests, prompts, ttft = [100.0], [50000.0], [5.0]
+    for prompt_sum, ttft_sum in zip((5000, 7000, 10000, 15000), ttft_steps, strict=True):
+        requests.append(requests[-1] + 10)
+        prompts.append(prompts[-1] + prompt_sum)
+        ttft.append(ttft[-1] + ttft_sum)
+    return [exposition(requests=r, prompt_tokens=p, ttft_sum=t)
+            for r, p, t in zip(requests, prompts, ttft, strict=True)]
+
+
 def test_growing_prompts_across_scrapes() -> None:
-    # windows: 10 requests averaging 500 prompt tokens at 0.1 s TTFT, then 10 averaging 1500 at 0.3 s
-    pages = [exposition(requests=100, ttft_sum=5.0, prompt_tokens=50000),
-             exposition(requests=110, ttft_sum=6.0, prompt_tokens=55000),
-             exposition(requests=120, ttft_sum=9.0, prompt_tokens=70000)]
-    findings = diagnose(Evidence([Snapshot.parse(p) for p in pages]))
+    findings = diagnose(Evidence([Snapshot.parse(p) for p in growing_pages()]))
     assert [f.code for f in findings] == ["growing_prompts"]
-    assert findings[0].evidence["prompt_len_mean_by_window"] == [500.0, 1500.0]
-    assert findings[0].evidence["ttft_mean_s_by_window"] == [0.1, 0.3]
+    assert findings[0].evidence["prompt_len_mean_by_window"] == [500.0, 700.0, 1000.0, 1500.0]
+    assert findings[0].evidence["ttft_mean_s_by_window"] == [0.1, 0.15, 0.2, 0.3]
     assert "--chat-history-policy truncate" in findings[0].fix
     # the same growth in prompts without TTFT growing with it is not a finding
-    flat = [exposition(requests=100, ttft_sum=5.0, prompt_tokens=50000),
-            exposition(requests=110, ttft_sum=6.0, prompt_tokens=55000),
-            exposition(requests=120, ttft_sum=7.0, prompt_tokens=70000)]
-    assert codes(*flat) == []
+    assert codes(*growing_pages((1.0, 1.0, 1.0, 1.2))) == []
 
 
 def test_prompts_near_max_model_len() -> None:

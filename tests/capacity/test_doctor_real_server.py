@@ -55,4 +55,7 @@ def test_doctor_reads_the_real_server_and_probes_it(server_url: str, capsys) -> 
     assert [r["concurrency"] for r in doc["probe"]["latency_by_concurrency"]] == [1, 3]
     assert doc["summary"]["requests"] >= 2 + 1 + 3  # the probe's requests show up in the server's TTFT count
     assert doc["summary"]["kv_cache_usage_perc_max"] == 0.0  # idle again after the probe
+    # TTFT split into its two causes, as the server measured them: queue time and prefill time
+    assert doc["summary"]["queue_time_mean_s"] is not None and doc["summary"]["queue_time_mean_s"] >= 0
+    assert doc["windows"][0]["prefill_mean"] is not None and doc["windows"][0]["prefill_mean"] > 0
     assert code == (1 if doc["findings"] else 0)

@@ -51,6 +51,9 @@ def test_estimate_matches_the_engine_on_tiny_checkpoints(capsys, tiny_dirs, vari
     assert kv["bytes_per_token"] == engine.kv_spec.bytes_per_token
     assert kv["bytes_per_block"] == engine.cache_plan.bytes_per_block
     assert kv["plan"]["num_blocks"] == engine.cache_plan.num_blocks == engine.pool.num_blocks
+    # One block is the null block: the estimate and the engine agree on what requests can use, too.
+    assert kv["plan"]["num_usable_blocks"] == engine.pool.num_usable_blocks == engine.pool.num_blocks - 1
+    assert kv["plan"]["num_tokens"] == engine.pool.num_usable_blocks * flags["block_size"]
     assert kv["plan"]["max_model_len"] == engine.cache_plan.max_model_len
 
 
@@ -76,4 +79,5 @@ def test_estimate_matches_the_engine_plan_on_the_default_gguf(capsys) -> None:
     kv = estimate_json(capsys, "--kv-cache-memory-bytes", str(budget))["kv"][0]
     assert kv["bytes_per_token"] == 36864
     assert kv["plan"]["num_blocks"] == plan.num_blocks == budget // (36864 * 16)
-    assert kv["plan"]["max_model_len"] == plan.max_model_len == 1820 * 16  # the pool, not the 32768 context
+    # The pool (1820 blocks, one of them the null block), not the 32768 context.
+    assert kv["plan"]["max_model_len"] == plan.max_model_len == 1819 * 16

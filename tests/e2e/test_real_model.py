@@ -111,7 +111,7 @@ def test_output_independent_of_batching_chunking_and_preemption(loaded, referenc
     if not kw:
         assert eng.stats().prefix_cache_hits_tokens > 0
     eng.check_invariants()
-    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    assert eng.pool.num_free_blocks == eng.pool.num_usable_blocks
 
 
 def test_cli_generate_prints_a_continuation(capsys):

@@ -73,7 +73,7 @@ def test_greedy_generation_matches_hf(checkpoints, variant):
         assert len(c.token_ids) == 16 and c.finish_reason == "length"
         assert_logprobs_close(ref, ref_top, c.token_ids, tops_of(c), name=variant)
     llm.engine.check_invariants()
-    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ def test_batched_output_equals_alone(checkpoints, engine_kw):
     if "num_gpu_blocks_override" in engine_kw:
         assert engine.scheduler.num_preemptions > 0
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
 
 
 def test_prefix_cache_hit_gives_same_output_and_counts_cached_tokens(checkpoints):
@@ -186,14 +186,14 @@ def test_abort_frees_blocks_and_bad_requests_are_rejected(checkpoints):
     engine.add_request("b", prompts(1, seed=1)[0], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.pool.num_free_blocks < engine.pool.num_blocks
+    assert engine.pool.num_free_blocks < engine.pool.num_usable_blocks
     aborted = engine.abort_request("a")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert engine.abort_request("a") is None and engine.abort_request("never") is None
     engine.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
     with pytest.raises(ValueError, match="70 tokens.*64"):
         engine.add_request("long", [2] * 70, SamplingParams())
     with pytest.raises(ValueError, match="empty"):
@@ -207,7 +207,8 @@ def test_abort_frees_blocks_and_bad_requests_are_rejected(checkpoints):
 
 def test_max_model_len_that_does_not_fit_fails_at_start(checkpoints):
     path, _ = checkpoints["llama_gqa"]
-    with pytest.raises(ValueError, match="largest max-model-len that fits is 40"):
+    # 10 blocks less the null block: 9 x 4 tokens
+    with pytest.raises(ValueError, match="9 usable blocks .* largest max-model-len that fits is 36"):
         make_engine(path, num_gpu_blocks_override=10, max_model_len=100)
 
 
@@ -237,7 +238,7 @@ def test_prefix_caching_on_and_off_give_the_same_output(checkpoints, preempt):
         if preempt:
             assert engine.scheduler.num_preemptions > 0
         engine.check_invariants()
-        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
     for on, off in zip(results[True], results[False]):
         a, b = off.outputs[0], on.outputs[0]
         assert_logprobs_close(a.token_ids, tops_of(a), b.token_ids, tops_of(b), name=f"preempt={preempt}")

@@ -197,10 +197,7 @@ def test_bfloat16_runs_close_to_float32(tiny_checkpoint) -> None:  # type: ignor
     model = load_model(source, torch.bfloat16, torch.device("cpu")).model
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.float32
     ids = _prompt(9)
-    driver = PagedDriver(model, [ids])
-    for layer_cache in driver.kv:
-        for t in layer_cache:
-            t.data = t.data.to(torch.bfloat16)
+    driver = PagedDriver(model, [ids], kv_dtype=torch.bfloat16)
     got = torch.cat([driver.step({0: 30})[0]] + [driver.step({0: 1})[0] for _ in range(10)])
     ref = hf_logits(hf, ids)
     assert got.dtype == torch.float32

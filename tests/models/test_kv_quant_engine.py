@@ -69,7 +69,7 @@ def test_greedy_close_to_float32_kv(checkpoints, float32_outputs, variant, kv_dt
         assert len(got.token_ids) == 16
         assert_logprobs_close(ref.token_ids, tops_of(ref), got.token_ids, tops_of(got), name=f"{variant} {kv_dtype}")
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ def test_quantized_output_independent_of_batching(checkpoints, kv_dtype, engine_
     if "num_gpu_blocks_override" in engine_kw:
         assert engine.scheduler.num_preemptions > 0
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
 
 
 def test_prefix_hit_equals_miss_with_int8(checkpoints):

@@ -7,6 +7,7 @@ import random
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kv.cache import LayerKVCache
 from kvserve.model.decoder import DecoderModel
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=256,
@@ -64,7 +65,8 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 class PagedDriver:
     """Runs a DecoderModel step by step over a shuffled paged cache, like the engine's runner would."""
 
-    def __init__(self, model: DecoderModel, seqs: list[list[int]], block_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, model: DecoderModel, seqs: list[list[int]], block_size: int = 4, seed: int = 0,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         c = model.config
         self.model, self.seqs, self.block_size = model, seqs, block_size
         need = [-(-len(s) // block_size) for s in seqs]
@@ -75,7 +77,9 @@ class PagedDriver:
             self.tables.append(ids[at : at + n])
             at += n
         shape = (len(ids) + 1, block_size, c.num_kv_heads, c.head_dim)
-        self.kv = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(c.num_layers)]
+        nan = float("nan")
+        self.kv = [LayerKVCache(torch.full(shape, nan, dtype=kv_dtype), torch.full(shape, nan, dtype=kv_dtype))
+                   for _ in range(c.num_layers)]
         self.done = [0] * len(seqs)
 
     def step(self, plan: dict[int, int]) -> dict[int, torch.Tensor]:

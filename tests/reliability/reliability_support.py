@@ -42,12 +42,12 @@ def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> dic
 
 def leaked_blocks(server: RunningServer) -> int:
     """Blocks not back in the free queue once every request is gone (0 when nothing leaked); raises if the
-    pool invariant (free + referenced == all, ref counts == holders) is broken."""
+    pool invariant (free + referenced == usable blocks, ref counts == holders) is broken."""
 
     def check(engine: Any) -> int:
         engine.check_invariants()
         assert not engine.has_unfinished_requests(), "the engine still holds requests"
-        return engine.pool.num_blocks - engine.pool.num_free_blocks
+        return engine.pool.num_usable_blocks - engine.pool.num_free_blocks
 
     return int(server.engine.call(check).result(timeout=10))
 

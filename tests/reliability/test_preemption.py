@@ -40,8 +40,8 @@ def greedy_outputs(server) -> list[list[str]]:
 def test_greedy_outputs_survive_forced_preemption(make_server):
     roomy = make_server(num_gpu_blocks_override=512, max_model_len=128)
     expected = greedy_outputs(roomy)
-    # 32 blocks of 4 tokens: one request of max-model-len fits, a dozen concurrent ones do not
-    tight = make_server(num_gpu_blocks_override=32, max_model_len=128)
+    # 32 usable blocks of 4 tokens (+ the null block): one request of max-model-len fits, a dozen do not
+    tight = make_server(num_gpu_blocks_override=33, max_model_len=128)
     got = greedy_outputs(tight)
     with tight.client() as c:
         preemptions = metric_values(c)["kvserve:num_preemptions_total"]

@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny_models import build_tiny_hf_model
@@ -28,6 +27,7 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import build_app
 from kvserve.server.context import ServerSettings
+from kvserve.server.transport import ServerConfig, TransportLimits
 from kvserve.server.uvicorn_server import GracefulServer
 
 API_KEY = "sk-test-key"
@@ -72,17 +72,19 @@ class HookedEngine:
 
 
 class RunningServer:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread."""
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread, on kvserve's transport."""
 
-    def __init__(self, app: Any, engine: AsyncLLMEngine, grace_s: float = 5.0) -> None:
+    def __init__(self, app: Any, engine: AsyncLLMEngine, grace_s: float = 5.0,
+                 transport: TransportLimits | None = None) -> None:
         self.engine = engine
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_s)
-        self.server = GracefulServer(config)
+        config = ServerConfig(app, transport or TransportLimits(), log_level="warning",
+                              timeout_graceful_shutdown=grace_s)
+        self.server = GracefulServer(config, on_grace_expired=engine.stop)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def start(self) -> RunningServer:

@@ -13,11 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.cpu import cpu_attention
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.reference import reference_attention, write_kv
+from kvserve.attention.reference import reference_attention
 from kvserve.kernels.native import cpu_supports_native
 from kvserve.kernels.ops import TorchKernels, load_kernels
+from kvserve.kv.cache import LayerKVCache
 
 ATOL = RTOL = 1e-5
 
@@ -76,17 +78,18 @@ def test_cpu_matches_reference(case: str, heads: tuple[int, int], window: int | 
                                kernels) -> None:  # type: ignore[no-untyped-def]
     q, kc, vc, meta = _scenario(CASES[case], block_size, *heads, seed=zlib.crc32(repr((case, heads, window)).encode()))
     scale = 0.3
-    ref = reference_attention(q, kc, vc, meta, scale, window)
-    fast = cpu_attention(q, kc, vc, meta, scale, window, kernels=kernels)
+    cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(scale, window)
+    ref = reference_attention(q, cache, meta, layer)
+    fast = cpu_attention(q, cache, meta, layer, kernels=kernels)
     torch.testing.assert_close(fast, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_native_paged_attention_takes_long_contexts_and_wide_heads(kernels) -> None:  # type: ignore[no-untyped-def]
     """head_dim 256 (Gemma 3) and a context of many blocks, decode only."""
     q, kc, vc, meta = _scenario([(300, 1), (77, 1)], 16, 4, 1, seed=7, head_dim=256)
-    ref = reference_attention(q, kc, vc, meta, 0.0625, None)
-    torch.testing.assert_close(cpu_attention(q, kc, vc, meta, 0.0625, None, kernels=kernels), ref,
-                               atol=ATOL, rtol=RTOL)
+    cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(0.0625, None)
+    ref = reference_attention(q, cache, meta, layer)
+    torch.testing.assert_close(cpu_attention(q, cache, meta, layer, kernels=kernels), ref, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize(("seq_len", "window", "threads"), [(300, None, 2), (1, None, 2), (2, None, 3), (3, 2, 2),
@@ -96,11 +99,12 @@ def test_decode_of_one_sequence_split_over_threads(seq_len: int, window: int | N
     """Batch 1 on one KV head: the native kernel splits the context over threads and merges the parts' softmax
     sums (some parts empty when the context is shorter than the thread count)."""
     q, kc, vc, meta = _scenario([(seq_len, 1)], 16, 4, 1, seed=seq_len, head_dim=256)
-    ref = reference_attention(q, kc, vc, meta, 0.0625, window)
+    cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(0.0625, window)
+    ref = reference_attention(q, cache, meta, layer)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_attention(q, kc, vc, meta, 0.0625, window, kernels=kernels)
+        got = cpu_attention(q, cache, meta, layer, kernels=kernels)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
@@ -132,9 +136,9 @@ def test_prefill_matches_reference(case: str, kernels, monkeypatch) -> None:  # 
         monkeypatch.setattr(type(kernels), "paged_prefill_attention",
                             lambda self, q, *a, **kw: calls.append(q.shape[0]) or native_prefill(self, q, *a, **kw))
     scale = head_dim**-0.5
-    ref = reference_attention(q, kc, vc, meta, scale, window)
-    torch.testing.assert_close(cpu_attention(q, kc, vc, meta, scale, window, kernels=kernels), ref,
-                               atol=ATOL, rtol=RTOL)
+    cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(scale, window)
+    ref = reference_attention(q, cache, meta, layer)
+    torch.testing.assert_close(cpu_attention(q, cache, meta, layer, kernels=kernels), ref, atol=ATOL, rtol=RTOL)
     if kernels.name == "native":
         assert calls == [n for n in meta.query_lens_cpu if n > 1]
 
@@ -146,24 +150,25 @@ def test_reference_matches_dense_causal_sdpa() -> None:
     k = kc.view(-1, 2, 16)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
     v = vc.view(-1, 2, 16)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
     dense = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=0.25).transpose(0, 1)
-    torch.testing.assert_close(reference_attention(q, kc, vc, meta, 0.25, None), dense, atol=ATOL, rtol=RTOL)
+    got = reference_attention(q, LayerKVCache(kc, vc), meta, AttentionLayerSpec(0.25, None))
+    torch.testing.assert_close(got, dense, atol=ATOL, rtol=RTOL)
 
 
 def test_sliding_window_one_sees_only_itself() -> None:
     q, kc, vc, meta = _scenario([(9, 3), (5, 1)], 4, 2, 1, seed=4)
-    out = cpu_attention(q, kc, vc, meta, 1.0, 1)
+    out = cpu_attention(q, LayerKVCache(kc, vc), meta, AttentionLayerSpec(1.0, 1))
     v_flat = vc.view(-1, 1, 16)
     expected = v_flat[meta.slot_mapping].expand(-1, 2, -1)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_write_kv_places_tokens_at_slots() -> None:
+def test_cache_write_places_tokens_at_slots() -> None:
     kc = torch.zeros(6, 4, 2, 8)
     vc = torch.zeros(6, 4, 2, 8)
     meta = AttentionMetadata.build([[3, 1]], [6], [3], 4, torch.device("cpu"))  # positions 3, 4, 5
     k = torch.randn(3, 2, 8)
     v = torch.randn(3, 2, 8)
-    write_kv(kc, vc, k, v, meta.slot_mapping)
+    LayerKVCache(kc, vc).write(k, v, meta.slot_mapping)
     torch.testing.assert_close(kc[3, 3], k[0])
     torch.testing.assert_close(kc[1, 0], k[1])
     torch.testing.assert_close(vc[1, 1], v[2])

@@ -2,10 +2,10 @@
 
 import pytest
 
+from kvserve.capacity import NULL_BLOCK_ID
 from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
 from kvserve.kv.hashing import BlockHasher, BlockKey
 from kvserve.kv.pool import BlockPool
-
 
 KEY = BlockKey(None, (1, 2, 3, 4), b"")
 OTHER = BlockKey(None, (1, 2, 3, 5), b"")
@@ -34,12 +34,12 @@ def test_free_queue_order_and_removal():
 
 
 def test_pool_allocate_free_and_reuse_order():
-    pool = BlockPool(4)
+    pool = BlockPool(5)  # block 0 is the null block: 4 usable
     a = pool.allocate(2)
-    assert [b.block_id for b in a] == [0, 1] and pool.num_free_blocks == 2
+    assert [b.block_id for b in a] == [1, 2] and pool.num_free_blocks == 2
     pool.cache_block(a[0], b"h0", KEY)
     pool.free(a)  # a[0] hashed -> tail, a[1] unhashed -> head
-    assert ids(pool.free_queue) == [1, 2, 3, 0]
+    assert ids(pool.free_queue) == [2, 3, 4, 1]
     with pytest.raises(ValueError):
         pool.free([a[1]])  # double free is refused, not silently corrupting
     with pytest.raises(ValueError):
@@ -48,7 +48,7 @@ def test_pool_allocate_free_and_reuse_order():
 
 
 def test_cached_block_revived_then_evicted_on_reuse():
-    pool = BlockPool(2)
+    pool = BlockPool(3)
     (block,) = pool.allocate(1)
     pool.cache_block(block, b"h", KEY)
     pool.free([block])
@@ -65,11 +65,40 @@ def test_cached_block_revived_then_evicted_on_reuse():
 def test_chained_hashes_depend_on_parent_and_salt(algo):
     hasher = BlockHasher(algo)
     tokens = list(range(10))
-    hashes = hasher.extend(tokens, 4, [])
+    def token_slice(start: int, end: int) -> list[int]:
+        return tokens[start:end]
+
+    hashes = hasher.extend(token_slice, len(tokens), 4, [])
     assert len(hashes) == 2  # the partial third block is not hashed
     assert hashes[1] == hasher.hash_block(hashes[0], tokens[4:8])
     assert hasher.hash_block(None, tokens[4:8]) != hashes[1]
-    assert hasher.extend(tokens, 4, [], extra_keys=b"salt")[0] != hashes[0]
-    assert hasher.extend(tokens, 4, [], limit=7) == hashes[:1]
+    assert hasher.extend(token_slice, len(tokens), 4, [], extra_keys=b"salt")[0] != hashes[0]
+    assert hasher.extend(token_slice, 7, 4, []) == hashes[:1]
+    assert hasher.extend(token_slice, len(tokens), 4, hashes[:1]) == hashes  # only the missing blocks
     with pytest.raises(ValueError, match="md5"):
         BlockHasher("md5")
+
+
+def test_the_null_block_is_never_handed_out():
+    """Block 0 pads block tables, so it must never hold a request's K/V: not allocatable, not freeable, not
+    revivable, and outside the free + referenced count."""
+    pool = BlockPool(4)
+    assert pool.null_block.block_id == NULL_BLOCK_ID == 0
+    assert pool.num_usable_blocks == pool.num_free_blocks == 3 and pool.usage == 0.0
+    blocks = pool.allocate(3)
+    assert pool.null_block not in blocks and pool.usage == 1.0
+    with pytest.raises(ValueError):
+        pool.allocate(1)  # only the null block is left, and it is not for use
+    with pytest.raises(ValueError):
+        pool.free([pool.null_block])
+    with pytest.raises(ValueError):
+        pool.touch([pool.null_block])
+    pool.check_invariants()
+    pool.free(blocks)
+    assert pool.num_free_blocks == pool.num_usable_blocks and NULL_BLOCK_ID not in ids(pool.free_queue)
+    pool.check_invariants()
+
+
+def test_a_pool_needs_a_usable_block_beside_the_null_block():
+    with pytest.raises(ValueError, match="null block"):
+        BlockPool(1)

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import reference_attention
 from kvserve.kernels.native import build_native_library, cpu_supports_native
 from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8, quantize_q8
+from kvserve.kv.cache import LayerKVCache
 
 NATIVE_OK, WHY = cpu_supports_native()
 needs_native = pytest.mark.skipif(not NATIVE_OK, reason=WHY)
@@ -194,7 +196,8 @@ def test_native_paged_prefill_attention_matches_reference(native: NativeKernels,
                                                           window: int | None) -> None:
     q, kc, vc, meta = _paged_prompt(seq_len, q_len, block_size, heads, kv_heads, dim, seed=seq_len + q_len)
     got = native.paged_prefill_attention(q, kc, vc, meta.block_tables[0], seq_len, window, 0.125)
-    torch.testing.assert_close(got, reference_attention(q, kc, vc, meta, 0.125, window), atol=1e-5, rtol=1e-5)
+    ref = reference_attention(q, LayerKVCache(kc, vc), meta, AttentionLayerSpec(0.125, window))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 @needs_native

@@ -10,16 +10,29 @@ import zlib
 import pytest
 import torch
 
+from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.cpu import cpu_attention
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.reference import reference_attention, write_kv
-from kvserve.capacity import KV_DTYPES, KVShape, num_blocks_for_budget
+from kvserve.attention.reference import reference_attention
+from kvserve.capacity import KVShape, num_blocks_for_budget
 from kvserve.config import EngineConfig
 from kvserve.kv.cache import KVCacheSpec, LayerKVCache, allocate_kv_cache, resolve_kv_cache_dtype
-from kvserve.kv.quant import KV_QUANT_FORMATS, compute_scales, dequantize, fake_quantize, quantize
+from kvserve.kv.quant import KV_QUANT_FORMATS, KVQuantFormat, compute_scales, dequantize, fake_quantize, quantize
+from kvserve.vocab import KV_DTYPES
 
 FORMATS = sorted(KV_QUANT_FORMATS)
 CPU = torch.device("cpu")
+
+
+def error_bound(fmt: KVQuantFormat, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Largest round-trip error allowed for each element of x given its (broadcastable) scale: half a step
+    of the format's grid at that magnitude (relative for fp8 normals, absolute below them and for int8)."""
+    if not fmt.is_float:
+        return scale / 2
+    info = torch.finfo(fmt.storage)
+    mantissa_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[fmt.storage]
+    smallest_subnormal = info.smallest_normal * 2.0**-mantissa_bits
+    return torch.maximum(x.abs() * 2.0 ** -(mantissa_bits + 1), scale * smallest_subnormal / 2)
 
 
 def _data(kind: str, seed: int) -> torch.Tensor:
@@ -42,7 +55,7 @@ def test_round_trip_within_format_bound(name: str, kind: str) -> None:
     x = _data(kind, zlib.crc32(f"{name}{kind}".encode()))
     scale = compute_scales(x, fmt)
     y = dequantize(quantize(x, scale, fmt), scale, torch.float32)
-    bound = fmt.error_bound(x, scale)
+    bound = error_bound(fmt, x, scale)
     assert torch.isfinite(y).all()
     assert ((y - x).abs() <= bound * (1 + 1e-5) + 1e-30).all(), (y - x).abs().max()
     # The vector's largest magnitude is represented (almost) exactly: that is what the scale is for.
@@ -87,7 +100,7 @@ def test_block_written_in_pieces_equals_written_whole(name: str) -> None:
                            want.view(torch.uint8) if want.dtype == storage else want), attr
     rk, rv = whole.read(slots, torch.float32)
     fmt = KV_QUANT_FORMATS[name]
-    assert ((rk - k).abs() <= fmt.error_bound(k, compute_scales(k, fmt)) * (1 + 1e-5)).all()
+    assert ((rk - k).abs() <= error_bound(fmt, k, compute_scales(k, fmt)) * (1 + 1e-5)).all()
     assert rv.shape == v.shape
 
 
@@ -96,11 +109,11 @@ def test_unquantized_cache_rejects_scales_and_quantized_needs_them() -> None:
     with pytest.raises(ValueError):
         LayerKVCache(plain.key, plain.value, q.key_scale, q.value_scale).read(torch.tensor([0]), torch.float32)
     with pytest.raises(ValueError):
-        write_kv(q.key, q.value, torch.ones(1, 2, 16), torch.ones(1, 2, 16), torch.tensor([0]))
+        LayerKVCache(q.key, q.value).write(torch.ones(1, 2, 16), torch.ones(1, 2, 16), torch.tensor([0]))
 
 
 def _scenario(seqs: list[tuple[int, int]], block_size: int, heads: tuple[int, int], storage: torch.dtype, seed: int):
-    """A paged cache written through write_kv (so quantized exactly as the engine does) plus queries."""
+    """A paged cache written through LayerKVCache.write (so quantized exactly as the engine does) plus queries."""
     num_heads, num_kv_heads = heads
     torch.manual_seed(seed)
     need = [-(-s // block_size) for s, _ in seqs]
@@ -133,8 +146,8 @@ CASES = {"decode": [(1, 1), (9, 1), (23, 1)], "mixed": [(20, 20), (9, 1), (30, 7
 def test_cpu_backend_matches_reference_on_quantized_cache(name, case, heads, window) -> None:
     q, c, meta = _scenario(CASES[case], 4, heads, KV_QUANT_FORMATS[name].storage,
                            zlib.crc32(repr((name, case, heads, window)).encode()))
-    ref = reference_attention(q, c.key, c.value, meta, 0.2, window, c.key_scale, c.value_scale)
-    fast = cpu_attention(q, c.key, c.value, meta, 0.2, window, c.key_scale, c.value_scale)
+    ref = reference_attention(q, c, meta, AttentionLayerSpec(0.2, window))
+    fast = cpu_attention(q, c, meta, AttentionLayerSpec(0.2, window))
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -144,16 +157,16 @@ def test_quantized_attention_stays_close_to_float32(name: str, tol: float) -> No
     seed = zlib.crc32(name.encode())
     q, c8, meta = _scenario(CASES["mixed"], 4, (4, 1), KV_QUANT_FORMATS[name].storage, seed)
     _, c32, _ = _scenario(CASES["mixed"], 4, (4, 1), torch.float32, seed)
-    out8 = cpu_attention(q, c8.key, c8.value, meta, 0.2, None, c8.key_scale, c8.value_scale)
-    out32 = cpu_attention(q, c32.key, c32.value, meta, 0.2, None)
+    out8 = cpu_attention(q, c8, meta, AttentionLayerSpec(0.2, None))
+    out32 = cpu_attention(q, c32, meta, AttentionLayerSpec(0.2, None))
     rel = (out8 - out32).norm() / out32.norm()
     assert rel < tol, rel
 
 
 def test_bf16_compute_reads_quantized_cache() -> None:
     q, c, meta = _scenario(CASES["mixed"], 4, (4, 2), torch.float8_e4m3fn, 1)
-    out = cpu_attention(q.bfloat16(), c.key, c.value, meta, 0.2, None, c.key_scale, c.value_scale)
-    ref = reference_attention(q, c.key, c.value, meta, 0.2, None, c.key_scale, c.value_scale)
+    out = cpu_attention(q.bfloat16(), c, meta, AttentionLayerSpec(0.2, None))
+    ref = reference_attention(q, c, meta, AttentionLayerSpec(0.2, None))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 

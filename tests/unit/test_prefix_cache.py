@@ -28,12 +28,13 @@ def run_prefill(kv: KVCacheManager, r: Request) -> int:
     """Admit a request the way the scheduler does and mark its prompt computed; returns cached tokens."""
     hit_blocks, num_hit = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - num_hit, hit_blocks)
+    kv.record_prefix_query(r, num_hit)
     r.num_computed_tokens = r.num_tokens
     return num_hit
 
 
 def make(num_blocks: int = 128, algo: str = "sha256") -> tuple[BlockPool, KVCacheManager]:
-    pool = BlockPool(num_blocks)
+    pool = BlockPool(num_blocks + 1)  # num_blocks usable, plus the null block
     return pool, KVCacheManager(pool, BS, algo)
 
 
@@ -55,7 +56,7 @@ def test_two_requests_share_the_full_blocks_of_a_500_token_prefix():
     assert all(x.ref_cnt == 1 for x in blocks_b[:31])  # only a's references dropped
     kv.forget(b)
     pool.check_invariants()
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool.num_free_blocks == pool.num_usable_blocks
 
 
 def test_a_hit_never_covers_the_last_prompt_token():

@@ -23,7 +23,7 @@ class Params:
 
 
 def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False):
-    pool = BlockPool(num_blocks, enable_caching=caching)
+    pool = BlockPool(num_blocks + 1, enable_caching=caching)  # num_blocks usable, plus the null block
     kv = KVCacheManager(pool, block_size, reserve_tokens=max_len if reserve else 0)
     return Scheduler(kv, max_seqs, budget, max_len), pool, kv
 
@@ -54,7 +54,7 @@ def check(sched: Scheduler, pool: BlockPool, kv: KVCacheManager) -> None:
         for b in blocks:
             counts[b.block_id] = counts.get(b.block_id, 0) + 1
     assert all(b.ref_cnt == counts.get(b.block_id, 0) for b in pool.blocks)
-    assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_blocks
+    assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_usable_blocks
     for r in sched.running:
         assert kv.num_blocks_held(r) * kv.block_size >= r.num_computed_tokens
 
@@ -88,7 +88,7 @@ def test_preemption_frees_newest_and_it_resumes():
     assert {r.request_id for r in finished} == {"a", "b"}
     assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
     assert len(a.output_token_ids) == len(b.output_token_ids) == 8
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool.num_free_blocks == pool.num_usable_blocks
 
 
 def test_prefix_hit_shares_full_blocks_but_not_the_last_token():
@@ -125,7 +125,7 @@ def test_abort_and_double_finish_keep_pool_whole():
     sched.finish(a, RequestStatus.FINISHED_ABORTED)
     kv.free(req("unknown", 3))
     check(sched, pool, kv)
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool.num_free_blocks == pool.num_usable_blocks
 
 
 def test_reserving_max_model_len_takes_every_block_at_admission_and_returns_them():
@@ -149,7 +149,7 @@ def test_reserving_max_model_len_takes_every_block_at_admission_and_returns_them
         if not sched.num_unfinished:
             break
     assert sorted(r.request_id for r in finished) == [f"r{i}" for i in range(5)]
-    assert sched.num_preemptions == 0 and pool.num_free_blocks == pool.num_blocks and not kv.req_blocks
+    assert sched.num_preemptions == 0 and pool.num_free_blocks == pool.num_usable_blocks and not kv.req_blocks
 
 
 def test_reservation_counts_prefix_hit_blocks():
@@ -214,5 +214,5 @@ def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, cac
             live.remove(r)
         check(sched, pool, kv)
     assert not live and not sched.num_unfinished
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool.num_free_blocks == pool.num_usable_blocks
     assert not kv.req_blocks

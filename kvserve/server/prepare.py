@@ -1,0 +1,175 @@
+"""Prompt preparation (tokenizing, chat templating, the truncate policy's search) on one thread of its own.
+
+Why not on the event loop: tokenizing costs about a microsecond per character and a chat template is a
+program, so one long prompt held there would stall every open stream and every probe for as long. Why one
+dedicated thread rather than the default executor: the tokenizer then has exactly two users (this thread
+for prompts, the engine thread for detokenizing), never an arbitrary pool of threads, and preparations run
+one at a time in arrival order, so a burst of huge prompts queues here instead of taking every core.
+
+Everything here is synchronous and runs on that thread; the handlers `await` it through `run`. Errors keep
+their meaning: ValueError and APIError raised here become the same 400s as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvserve.engine.facts import EngineFacts, validate_request
+from kvserve.server.errors import bad_request
+from kvserve.server.sampling import check_fits, fits
+
+if TYPE_CHECKING:
+    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_HEAD_ROLES = ("system", "developer")
+
+
+def max_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
+    """Text longer than this cannot fit in max_model_len tokens: no token covers more characters than
+    the longest vocabulary entry (x2 for normalizers that compose characters). Checked before tokenizing,
+    so a multi-megabyte prompt costs a length check, not seconds of the preparation thread."""
+    longest = max((len(t) for t in tokenizer.vocab()), default=1)
+    return max_model_len * max(longest, 1) * 2
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prepared prompt: its token ids and the text echo shows."""
+
+    text: str
+    token_ids: list[int]
+
+
+def split_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
+    """(leading system messages, turns): a turn starts at each user message and runs to the next one."""
+    head_len = 0
+    while head_len < len(messages) and messages[head_len].get("role") in _HEAD_ROLES:
+        head_len += 1
+    turns: list[list[dict[str, Any]]] = []
+    for m in messages[head_len:]:
+        if not turns or (m.get("role") == "user" and turns[-1] and any(x.get("role") == "user" for x in turns[-1])):
+            turns.append([m])
+        else:
+            turns[-1].append(m)
+    return messages[:head_len], turns
+
+
+class PromptPreparer:
+    """Owns the preparation thread and the tokenizer's use for prompts; one per app."""
+
+    def __init__(self, tokenizer: Tokenizer, facts: EngineFacts) -> None:
+        self.facts = facts
+        self._tokenizer = tokenizer
+        self.max_prompt_chars = max_prompt_chars(tokenizer, facts.max_model_len)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-prepare")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the preparation thread; the event loop stays free meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Stop the thread; preparations not yet started are dropped (their requests are gone anyway)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- on the preparation thread --------------------------------------------------------------
+
+    def warm(self) -> None:
+        """Import the chat-template renderer now, so that the first chat request does not pay for it."""
+        self._tokenizer.prepare_chat_template()
+
+    def check_chars(self, text: str, param: str = "prompt") -> None:
+        """400 for text that cannot fit in max-model-len tokens, before spending seconds tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt has {len(text)} characters, more than max-model-len ({self.facts.max_model_len} "
+                f"tokens) can hold with this tokenizer (at most {self.max_prompt_chars} characters); shorten it.",
+                param=param)
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_chars(text, param)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def completion_prompts(
+        self, items: Sequence[str | list[int]], params: SamplingParams, max_tokens: int | None,
+        skip_special_tokens: bool,
+    ) -> list[Prompt]:
+        """Token ids and echo text of each prompt, each checked as the engine will check it, and against
+        the tokens asked for (`max_tokens` as the client gave it)."""
+        prompts = []
+        for item in items:
+            ids = self.encode(item) if isinstance(item, str) else list(item)
+            validate_request(self.facts, ids, params)  # empty, out-of-vocabulary ids (before decoding them)
+            check_fits(len(ids), max_tokens, self.facts.max_model_len)
+            text = item if isinstance(item, str) else self._tokenizer.decode(ids, skip_special_tokens)
+            prompts.append(Prompt(text, ids))
+        return prompts
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], render: ChatRender, params: SamplingParams, max_tokens: int | None,
+        truncate: bool,
+    ) -> tuple[list[int], int]:
+        """The chat's prompt ids, checked, and how many old turns were dropped to make it fit (truncate)."""
+        ids, dropped = self._render_fitting(messages, render, max_tokens, truncate)
+        validate_request(self.facts, ids, params)
+        check_fits(len(ids), max_tokens, self.facts.max_model_len)
+        return ids, dropped
+
+    def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=render.add_generation_prompt,
+                                                   chat_template=render.chat_template)
+        return self.encode(text, param="messages")
+
+    def _render_fitting(
+        self, messages: list[dict[str, Any]], render: ChatRender, max_tokens: int | None, truncate: bool
+    ) -> tuple[list[int], int]:
+        ids = self._render(messages, render)
+        limit = self.facts.max_model_len
+        if not truncate or fits(len(ids), max_tokens, limit):
+            return ids, 0
+        head, turns = split_turns(messages)
+        best: tuple[list[int], int] | None = None
+        lo, hi = 1, len(turns) - 1  # turns to drop; the last turn always stays
+        while lo <= hi:  # fewer dropped turns never make the prompt shorter, so the first fit is a boundary
+            mid = (lo + hi) // 2
+            candidate = self._render(head + [m for turn in turns[mid:] for m in turn], render)
+            if fits(len(candidate), max_tokens, limit):
+                best, hi = (candidate, mid), mid - 1
+            else:
+                lo = mid + 1
+        return best if best is not None else (ids, 0)
+
+    def tokenize_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, param="messages")
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return [self._tokenizer.id_to_token(i) or "" for i in ids]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        check_token_ids(self.facts, ids)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRender:
+    """How a chat request asks for its messages to be rendered."""
+
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+
+def check_token_ids(facts: EngineFacts, ids: Sequence[int]) -> None:
+    """400 (param `tokens`) for ids outside the vocabulary: decoding them would fail in the tokenizer."""
+    bad = next((t for t in ids if not 0 <= t < facts.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of the vocabulary (0..{facts.vocab_size - 1})", param="tokens")
+
