@@ -93,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "plot", None):
+            from kvserve.bench.plot import check_plot_target
+
+            check_plot_target(args.plot)
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +29,23 @@ class Panel:
     series: Sequence[Series]
     log_x: bool = False
     log_y: bool = False
+
+
+def check_plot_target(path: str) -> None:
+    """Fail before a benchmark runs, not after: a missing plotting library or an unwritable PNG path would
+    otherwise lose minutes of measurement (and the table and JSON printed with the plot)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"--plot {path}: matplotlib cannot be imported ({e}); install it or drop --plot") from e
+    target = Path(path).expanduser()
+    if not path.lower().endswith(".png"):
+        raise ValueError(f"--plot {path}: the plot is a PNG file, so its name must end in .png")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {path}: the folder {folder} is not writable")
 
 
 def _figure(num_panels: int) -> Figure:
