@@ -35,7 +35,7 @@ def _entry(repo: str, config: dict[str, Any], params: float, *aliases: str) -> C
     return CatalogEntry(name, config, int(params), f"{HF}/{repo}/blob/main/config.json", (repo.lower(), *aliases))
 
 
-_GEMMA3_WINDOWED = dict(sliding_window_pattern=6, rope_theta=1_000_000.0)
+_GEMMA3_WINDOWED: dict[str, Any] = {"sliding_window_pattern": 6, "rope_theta": 1_000_000.0}
 
 CATALOG: tuple[CatalogEntry, ...] = (
     _entry("meta-llama/Meta-Llama-3-8B", _cfg("llama", 32, 4096, 32, 8, 14336, 128256, 8192), 8.03e9, "llama-3-8b"),

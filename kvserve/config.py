@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.units import GiB, parse_size
-from kvserve.vocab import ATTENTION_BACKENDS, COMPUTE_DTYPES, HASH_ALGOS, KV_DTYPES, QUANTIZATION_METHODS
+from kvserve.vocab import (
+    ATTENTION_BACKENDS,
+    COMPUTE_DTYPES,
+    HASH_ALGOS,
+    KV_DTYPES,
+    QUANTIZATION_METHODS,
+    STRUCTURED_OUTPUTS_BACKENDS,
+)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
 
@@ -19,8 +26,8 @@ def _one_of(value: str, name: str, choices: tuple[str, ...]) -> tuple[bool, str,
 class EngineConfig:
     model: str | None = None  # None: the default model (Gemma 3 270M GGUF)
     dtype: str = "auto"
-    # Weights: "none" (the checkpoint's, in --dtype), "q8_0" (8-bit, a scale per 32), or "auto": q8_0 for a GGUF
-    # checkpoint on CPU, else none (capacity.resolve_quantization).
+    # Weights: "none" (the checkpoint's, in --dtype), "q8_0" (8-bit, a scale per 32), "gguf" (a GGUF file's own
+    # blocks as stored), or "auto": q8_0 for a GGUF checkpoint on CPU, else none (capacity.resolve_quantization).
     quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length, capped by what the cache holds
@@ -42,6 +49,8 @@ class EngineConfig:
     max_logprobs: int = 20
     served_model_name: str | None = None
     chat_template: str | None = None
+    # Grammar library for structured output (vLLM's flag): auto, xgrammar or guidance (llguidance).
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory_bytes, str):
@@ -62,6 +71,7 @@ class EngineConfig:
             _one_of(self.prefix_caching_hash_algo, "prefix_caching_hash_algo", HASH_ALGOS),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", ">= 1"),
             (self.max_logprobs >= 0, "max_logprobs", ">= 0"),
+            _one_of(self.structured_outputs_backend, "structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
         ]
         for ok, name, expected in checks:
             if not ok:

@@ -10,7 +10,14 @@ import argparse
 
 from kvserve.config import EngineConfig
 from kvserve.units import parse_size
-from kvserve.vocab import ATTENTION_BACKENDS, COMPUTE_DTYPES, HASH_ALGOS, KV_DTYPES, QUANTIZATION_METHODS
+from kvserve.vocab import (
+    ATTENTION_BACKENDS,
+    COMPUTE_DTYPES,
+    HASH_ALGOS,
+    KV_DTYPES,
+    QUANTIZATION_METHODS,
+    STRUCTURED_OUTPUTS_BACKENDS,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default="auto", choices=["auto", *QUANTIZATION_METHODS],
                    help="weights: none (the checkpoint's, in --dtype: the exact reference), q8_0 (int8 with a "
                         "float32 scale per 32 weights, llama.cpp's Q8_0 layout: 3.6x fewer bytes than float32, about "
-                        "3x faster decode on CPU), or auto (default): q8_0 for a GGUF file on CPU, else none")
+                        "3x faster decode on CPU), gguf (a GGUF file's own Q4_K/Q5_0/Q6_K/Q8_0... blocks as stored: "
+                        "exact to the file, CPU), or auto (default): q8_0 for a GGUF file on CPU, else none")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
     g.add_argument("--seed", type=int, default=0)
@@ -53,6 +61,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--max-logprobs", type=int, default=20)
+    o = parser.add_argument_group("structured output")
+    o.add_argument("--structured-outputs-backend", default="auto", choices=STRUCTURED_OUTPUTS_BACKENDS,
+                   help="grammar library for response_format / structured_outputs / forced tool calls: xgrammar "
+                        "(fast masks), guidance (llguidance: wider JSON-schema coverage, whitespace_pattern), or "
+                        "auto (default): xgrammar, falling back to llguidance for a request xgrammar refuses")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -68,4 +81,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, cpu_threads=args.cpu_threads,
         attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
         chat_template=args.chat_template, served_model_name=getattr(args, "served_model_name", None),
+        structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
     )

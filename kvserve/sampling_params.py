@@ -12,7 +12,12 @@ import enum
 import math
 import numbers
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.structured.params import StructuredOutputsParams
 
 # Below this temperature a request is greedy (dividing by ~0 would only produce inf/nan).
 GREEDY_TEMPERATURE = 1e-5
@@ -42,6 +47,22 @@ def _as_float32(field: str, value: object) -> float:
     if not math.isfinite(cast):
         raise _bad(field, value, "a finite number (in float32 range, |x| < 3.4e38)")
     return cast
+
+
+def _structured_outputs(value: object) -> StructuredOutputsParams | None:
+    """The constraint as StructuredOutputsParams; a dict in vLLM's shape ({"json": schema}) is taken too.
+
+    Imported here, not at the top: kvserve.structured pulls in torch, and a request without a constraint
+    (or a tool that only reads these parameters) should not pay for it."""
+    if value is None:
+        return None
+    from kvserve.structured.params import StructuredOutputsParams
+
+    if isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, Mapping):
+        return StructuredOutputsParams.from_dict(value)
+    raise _bad("structured_outputs", value, "a StructuredOutputsParams, a dict of its fields, or None")
 
 
 class RequestOutputKind(enum.Enum):
@@ -77,6 +98,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A grammar the output must follow (JSON schema, regex, choice, grammar, json_object): vLLM's field.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -86,6 +109,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -138,7 +162,7 @@ class SamplingParams:
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop must hold strings of at most {MAX_STOP_STRING_CHARS} characters, "
                                  f"got one of {len(s)}")
-        for t in self.stop_token_ids:
+        for t in self.stop_token_ids or []:  # a list since __post_init__, as `stop` above
             if not is_int(t) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
 
@@ -148,7 +172,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > max_logprobs:
                 raise ValueError(f"{name} must be <= max_logprobs={max_logprobs}, got {value}")
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be < vocab_size={vocab_size}, got {bad}")
 
@@ -168,9 +192,9 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def clone(self, **changes: object) -> SamplingParams:
+    def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with `changes` applied (lists are copied, never shared)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **changes)
 
     def child(self, index: int) -> SamplingParams:
         """Parameters of sample `index` of an `n > 1` request: n=1 and, as in vLLM, seed + index

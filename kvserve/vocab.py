@@ -40,12 +40,16 @@ KV_DTYPES: dict[str, KVDtype] = {
 # Names that stand for another (vLLM's meaning of plain "fp8").
 KV_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 # `--quantization` (weights): "none" keeps the checkpoint's weights in the compute dtype; "q8_0" is an int8 plus
-# a float32 scale shared by 32 weights (kvserve/model/quantization.py).
-QUANTIZATION_METHODS: tuple[str, ...] = ("none", "q8_0")
+# a float32 scale shared by 32 weights (kvserve/model/quantization.py); "gguf" runs a GGUF file's quantized
+# blocks as stored (kvserve/model/gguf_layers.py).
+QUANTIZATION_METHODS: tuple[str, ...] = ("none", "q8_0", "gguf")
 # `--prefix-caching-hash-algo`: sha256 is collision-resistant; xxhash (xxh3-128) is faster (kv/hashing.py).
 HASH_ALGOS: tuple[str, ...] = ("sha256", "xxhash")
 # `--attention-backend`: "cpu" is the fast path, "reference" the plain torch truth (kvserve/attention/).
 ATTENTION_BACKENDS: tuple[str, ...] = ("cpu", "reference")
+# `--structured-outputs-backend` (vLLM's names): auto = xgrammar, falling back to llguidance per request
+# (kvserve/structured/backend.py; why xgrammar first: docs/STRUCTURED_OUTPUT.md).
+STRUCTURED_OUTPUTS_BACKENDS: tuple[str, ...] = ("auto", "xgrammar", "guidance")
 
 
 def canonical_kv_dtype(name: str) -> str:

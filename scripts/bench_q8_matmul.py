@@ -38,7 +38,8 @@ def main() -> None:
                 start = time.perf_counter()
                 kernels.q8_matmul(x, q, s, out)
                 best = min(best, time.perf_counter() - start)
-            print(f"{name:8} {n:>7} x {k:<5} rows {m:>4}: {1e3 * best:8.3f} ms  {2 * m * n * k / best / 1e9:6.1f} GFLOP/s")
+            gflops = 2 * m * n * k / best / 1e9
+            print(f"{name:8} {n:>7} x {k:<5} rows {m:>4}: {1e3 * best:8.3f} ms  {gflops:6.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ _LONG_PARTS = [
     "Every evening the keeper climbed its one hundred and twelve steps to light the great lamp.",
     "Fishermen far out at sea watched for the beam, and when it swept across the water they knew the way home.",
     "In winter the storms came from the west, heavy with rain, and the waves struck the rocks like drums.",
-    "The keeper wrote in a small book each night: the weather, the ships that passed, the birds that rested on the rail.",
+    "The keeper wrote in a small book each night: the weather, the ships that passed, "
+    "the birds that rested on the rail.",
     "Over forty years the book grew into a shelf of books, and the shelf into a wall of them.",
     "Children from the village sometimes walked up the path to ask him about the sea and its moods.",
     "He told them that the sea was patient, that it remembered everything, and that it forgave nothing.",
@@ -133,7 +134,8 @@ def main() -> None:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager",
         local_files_only=True,
     ).eval()
-    print(f"loaded in {time.perf_counter() - t0:.0f} s: {type(model).__name__}, attn={model.config._attn_implementation}")
+    print(f"loaded in {time.perf_counter() - t0:.0f} s: {type(model).__name__}, "
+          f"attn={model.config._attn_implementation}")
     cfg = model.config.get_text_config()
     layer_types = list(getattr(cfg, "layer_types", []) or [])
     print(f"sliding_window={cfg.sliding_window} layer_types={layer_types}")

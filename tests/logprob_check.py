@@ -19,7 +19,8 @@ def assert_logprobs_close(
         if a != b:
             assert a in test_top[i] and b in ref_top[i], (
                 f"{name}: outputs diverge at token {i} ({a} vs {b}) and neither is a near-tie: "
-                f"ref top {list(ref_top[i])}, test top {list(test_top[i])}\nref  {list(ref_tokens)}\ntest {list(test_tokens)}"
+                f"ref top {list(ref_top[i])}, test top {list(test_top[i])}\n"
+                f"ref  {list(ref_tokens)}\ntest {list(test_tokens)}"
             )
             return i
     assert len(ref_tokens) == len(test_tokens), f"{name}: lengths differ: {len(ref_tokens)} vs {len(test_tokens)}"

@@ -15,6 +15,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.prefix",
     "kvserve.bench.quantization",
     "kvserve.bench.memory",
+    "kvserve.bench.structured",
     "kvserve.bench.suite",
 )
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvserve.bench.systems import KVServeSystem, System, build_engine
+
+if TYPE_CHECKING:
+    from kvserve.bench.peers.hf import HFPeer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -19,7 +22,7 @@ def load_kvserve(args: argparse.Namespace) -> KVServeSystem:
     return system
 
 
-def load_hf_peer(args: argparse.Namespace, kvserve: KVServeSystem) -> System:
+def load_hf_peer(args: argparse.Namespace, kvserve: KVServeSystem) -> HFPeer:
     """HF transformers on the very file kvserve loaded, in kvserve's compute dtype."""
     from kvserve.bench.peers.hf import HFPeer
     from kvserve.model.source import resolve_model

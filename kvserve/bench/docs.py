@@ -77,6 +77,7 @@ def render_section(doc: Mapping[str, Any], json_path: str, command: str | None =
                  f"({machine['torch_threads']} torch threads), torch {machine['torch']} (`{json_path}`).")
     parts += [markdown_table(t) for t in doc.get("tables", [])]
     if doc.get("ratios"):
-        parts.append("Ratios (same run): " + ", ".join(f"`{k}` = **{format_cell(v)}**" for k, v in doc["ratios"].items()))
+        ratios = ", ".join(f"`{k}` = **{format_cell(v)}**" for k, v in doc["ratios"].items())
+        parts.append(f"Ratios (same run): {ratios}")
     parts += [f"Note: {n}" for n in doc.get("notes", [])]
     return "\n\n".join(parts)

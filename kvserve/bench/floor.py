@@ -72,6 +72,8 @@ def model_cost(model: torch.nn.Module, config: ModelConfig, kv_bytes_per_token: 
     tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
     embed_names = {"embed_tokens.weight", "embed_tokens.qweight", "embed_tokens.scales"}
     embed_bytes = embed_params = 0
+    packed = {id(buffer): count for module in model.modules()
+              for buffer, count in getattr(module, "packed_weight_counts", list)()}  # GGUF blocks: weights != numel
     for name, tensor in tensors:
         if id(tensor) in seen:
             continue
@@ -79,10 +81,11 @@ def model_cost(model: torch.nn.Module, config: ModelConfig, kv_bytes_per_token: 
         size = tensor.numel() * tensor.element_size()
         weight = tensor.dim() >= 2 and not name.endswith("scales")  # a matrix of weights, not its scales
         total_bytes += size
-        matmul_params += tensor.numel() if weight else 0
+        weights = packed.get(id(tensor), tensor.numel() if weight else 0)
+        matmul_params += weights
         if name in embed_names:
             embed_bytes += size
-            embed_params += tensor.numel() if weight else 0
+            embed_params += weights
     if not config.tie_word_embeddings:
         # An untied input embedding is only looked up (one row per token), never read whole or multiplied.
         total_bytes -= embed_bytes

@@ -86,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
     names = [BASELINE] + [d for d in args.kv_dtypes.split(",") if d and d != BASELINE]
     base_config = engine_config_from_args(args)
     engine = LLMEngine.from_config(replace(base_config, kv_cache_dtype=BASELINE))
-    body = engine.tokenizer.encode(args.text.read_text(encoding="utf-8"), add_special_tokens=False)
-    ppl_ids = [engine.model_config.bos_token_id, *body[: args.ppl_tokens]]
+    ppl_ids = perplexity_ids(engine, args.text.read_text(encoding="utf-8"), args.ppl_tokens)
     granularity = granularity_errors(engine, ppl_ids, args.granularity_block)
     prompts = list(PROMPTS[: args.greedy_prompts])
     decode_prompts = random_prompts(engine, args.decode_batch, args.decode_context, args.seed)
@@ -155,13 +154,23 @@ def random_prompts(engine: LLMEngine, n: int, length: int, seed: int) -> list[li
     return [random_token_ids(rng, length, engine.model_config.vocab_size, exclude) for _ in range(n)]
 
 
+def perplexity_ids(engine: LLMEngine, text: str, num_tokens: int) -> list[int]:
+    """What `perplexity` scores: the model's BOS (when it has one), then the first `num_tokens` tokens of `text`."""
+    body = engine.tokenizer.encode(text, add_special_tokens=False)
+    bos = engine.model_config.bos_token_id
+    return ([] if bos is None else [bos]) + body[:num_tokens]
+
+
 def perplexity(engine: LLMEngine, ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of ids[1:], each token scored given all before it."""
     from kvserve.engine.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
     out = LLM(engine=engine).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    nll = [-entry[tok].logprob for tok, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+    scored = [entry for entry in (out.prompt_logprobs or [])[1:] if entry is not None]  # position 0 has none
+    if len(scored) != len(ids) - 1:
+        raise RuntimeError(f"expected prompt logprobs at {len(ids) - 1} positions, got {len(scored)}")
+    nll = [-entry[tok].logprob for tok, entry in zip(ids[1:], scored)]
     return math.exp(sum(nll) / len(nll))
 
 

@@ -32,8 +32,8 @@ results: {
   "batch": [{"system", "batch_size", "prompt_len", "output_len", "ms_per_step", "ms_per_step_runs",
              "ms_per_token", "tokens_per_s", "floor_ms_per_step"}],
   "ceilings": {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "bandwidth_gbps_used"},
-  "model_cost": {"weight_bytes_per_step", "matmul_params", "lm_head_params", "kv_bytes_per_token", "num_layers", "num_heads",
-                 "head_dim", "sliding_windows"}}
+  "model_cost": {"weight_bytes_per_step", "matmul_params", "lm_head_params", "kv_bytes_per_token", "num_layers",
+                 "num_heads", "head_dim", "sliding_windows"}}
 ratios: {"prefill_speed@prompt<L>:kvserve/<peer>", "decode_speed@prompt<L>:kvserve/<peer>",
          "decode_speed@batch<B>:kvserve/<peer>", "floor/kvserve decode@batch<B>"} (> 1: kvserve is faster;
          the floor ratio is the share of the floor's speed that kvserve reaches)
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                        args.batch_output_len, args.repeats, args.seed)
     kvserve = load_kvserve(args)
     engine = kvserve.engine
-    systems = [kvserve]
+    systems: list[System] = [kvserve]
     if "hf" in args.peer:
         systems.append(load_hf_peer(args, kvserve))
     report = Report("latency", machine_info(), config_of(args))
@@ -181,10 +181,11 @@ def llama_cpp_rows(args: argparse.Namespace, plan: LatencyPlan, report: Report) 
                         f"{result.decode_tokens} at empty context for decode; batch 1 only")
     tg = result.decode_tokens_per_s
     decode_ms = 1e3 / tg if tg else None
-    single = [{"system": "llama.cpp", "prompt_len": n, "output_len": plan.output_len,
-               "ttft_ms": 1e3 * n / result.prompt_tokens_per_s[n] if n in result.prompt_tokens_per_s else None,
-               "ttft_ms_runs": [], "decode_ms_per_token": decode_ms, "decode_ms_per_token_runs": [],
-               "decode_tokens_per_s": tg} for n in plan.prompt_lens]
+    pp = result.prompt_tokens_per_s
+    single: list[dict] = [{"system": "llama.cpp", "prompt_len": n, "output_len": plan.output_len,
+                           "ttft_ms": 1e3 * n / pp[n] if n in pp else None,
+                           "ttft_ms_runs": [], "decode_ms_per_token": decode_ms, "decode_ms_per_token_runs": [],
+                           "decode_tokens_per_s": tg} for n in plan.prompt_lens]
     batch = [{"system": "llama.cpp", "batch_size": 1, "prompt_len": 0, "output_len": result.decode_tokens,
               "ms_per_step": decode_ms, "ms_per_step_runs": [], "ms_per_token": decode_ms, "tokens_per_s": tg}]
     return single, batch

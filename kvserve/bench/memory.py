@@ -49,15 +49,21 @@ reserved: max-model-len). max_running: requests holding KV at once, as vLLM's nu
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = new_command(sub, "memory", "requests that fit at one KV budget: paged cache vs reserving max-model-len",
                     __doc__, SCHEMA)
-    w = p.add_argument_group("workload (here --kv-cache-memory-bytes defaults to 1GiB and --max-model-len to 8192: the budget and the clip)")
-    w.add_argument("--mean-len", type=float, default=500.0, help="mean request length, prompt + output, in tokens (default 500)")
-    w.add_argument("--len-sigma", type=float, default=1.0, help="sigma of the lognormal lengths: the tail's weight (default 1)")
-    w.add_argument("--output-share", type=float, default=0.25, help="share of each request's length that is output (default 0.25)")
-    w.add_argument("--samples", type=int, default=10_000, help="lengths drawn for the analytic figures (default 10000)")
+    w = p.add_argument_group("workload (here --kv-cache-memory-bytes defaults to 1GiB and --max-model-len to 8192: "
+                             "the budget and the clip)")
+    w.add_argument("--mean-len", type=float, default=500.0,
+                   help="mean request length, prompt + output, in tokens (default 500)")
+    w.add_argument("--len-sigma", type=float, default=1.0,
+                   help="sigma of the lognormal lengths: the tail's weight (default 1)")
+    w.add_argument("--output-share", type=float, default=0.25,
+                   help="share of each request's length that is output (default 0.25)")
+    w.add_argument("--samples", type=int, default=10_000,
+                   help="lengths drawn for the analytic figures (default 10000)")
     w.add_argument("--scale", type=int, default=16,
                    help="the measured run divides the budget, max-model-len and mean length by this "
                         "(default 16; 1: full size)")
-    w.add_argument("--num-requests", type=int, default=32, help="requests in the measured run, all submitted at once (default 32)")
+    w.add_argument("--num-requests", type=int, default=32,
+                   help="requests in the measured run, all submitted at once (default 32)")
     add_repeats_arg(p, default=3)
     add_output_args(p, "running requests and KV usage over the (last) measured run, paged vs reserved")
     add_engine_args(p)
@@ -151,8 +157,8 @@ def workloads(args: argparse.Namespace) -> tuple[Workload, Workload]:
     full = Workload(args.kv_cache_memory_bytes, args.max_model_len,
                     LengthDistribution(args.mean_len, args.max_model_len, args.len_sigma), args.output_share)
     mean = min(max(args.mean_len / args.scale, 1.0), max_len)
-    small = Workload(args.kv_cache_memory_bytes // args.scale, max_len, LengthDistribution(mean, max_len, args.len_sigma),
-                     args.output_share)
+    small = Workload(args.kv_cache_memory_bytes // args.scale, max_len,
+                     LengthDistribution(mean, max_len, args.len_sigma), args.output_share)
     return full, small
 
 

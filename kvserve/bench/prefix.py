@@ -10,8 +10,12 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvserve.bench.options import add_engine_args, add_output_args, new_command
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
 
 SCHEMA = """\
 results: {"shared_prompt": {"requests", "system_tokens", "question_tokens",
@@ -45,7 +49,7 @@ class _Timed:
     cached_tokens: int
 
 
-def _run_one(engine, prompt: list[int], output_len: int, rid: str) -> _Timed:  # type: ignore[no-untyped-def]
+def _run_one(engine: LLMEngine, prompt: list[int], output_len: int, rid: str) -> _Timed:
     """One request alone through the engine, timing its first token."""
     from kvserve.sampling_params import SamplingParams
 
@@ -84,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     system = bos + random_token_ids(rng, args.system_tokens, vocab, exclude)
     questions = [random_token_ids(rng, args.question_tokens, vocab, exclude) for _ in range(args.requests)]
     ttfts: dict[str, list[float]] = {"on": [], "off": []}
-    before = {k: (e.stats().prefix_cache_queries_tokens, e.stats().prefix_cache_hits_tokens) for k, e in engines.items()}
+    before = {k: (e.stats().prefix_cache_queries_tokens, e.stats().prefix_cache_hits_tokens)
+              for k, e in engines.items()}
     for i, question in enumerate(questions):
         for name, engine in engines.items():
             ttfts[name].append(_run_one(engine, system + question, args.output_len, f"shared-{name}-{i}").ttft_ms)
@@ -110,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                ["turn", "prompt tokens", "TTFT ms on", "TTFT ms off", "off / on", "cached tokens (on)"])
     for turn in range(1, args.turns + 1):
         user = random_token_ids(rng, args.turn_user_tokens, vocab, exclude)
-        row = {"turn": turn}
+        row: dict[str, float] = {"turn": turn}
         for name, engine in engines.items():
             prompt = conversations[name] + user
             timed = _run_one(engine, prompt, args.output_len, f"chat-{name}-{turn}")

@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.bench.kv_dtype import agreement, greedy_outputs, perplexity, random_prompts
+    from kvserve.bench.kv_dtype import agreement, greedy_outputs, perplexity, perplexity_ids, random_prompts
     from kvserve.bench.machine import machine_info
     from kvserve.bench.report import Report, Table, config_of, emit
     from kvserve.bench.stats import ratio
@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
         rows[name] = {"quantization": name, "weight_bytes": weight_bytes(engines[name].runner.model),
                       "start_s": time.perf_counter() - start}
     first = engines[BASELINE]
-    body = first.tokenizer.encode(args.text.read_text(encoding="utf-8"), add_special_tokens=False)
-    ppl_ids = [first.model_config.bos_token_id, *body[: args.ppl_tokens]]
+    ppl_ids = perplexity_ids(first, args.text.read_text(encoding="utf-8"), args.ppl_tokens)
     prompts = list(PROMPTS[: args.greedy_prompts])
     greedy = {name: greedy_outputs(engine, prompts, args.greedy_tokens) for name, engine in engines.items()}
     for name, engine in engines.items():

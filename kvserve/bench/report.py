@@ -108,7 +108,9 @@ def emit(report: Report, json_target: str | None, stdout: TextIO | None = None) 
             f.write(text + "\n")
 
 
-def config_of(args: Any, skip: Sequence[str] = ("func", "json", "plot", "log_level", "command", "bench_command")) -> dict:
+def config_of(
+    args: Any, skip: Sequence[str] = ("func", "json", "plot", "log_level", "command", "bench_command")
+) -> dict:
     """The flags a report was produced with, JSON-safe, so that a figure carries its exact command."""
     out = {}
     for key, value in sorted(vars(args).items()):

@@ -129,8 +129,10 @@ def ratios(levels: list[dict]) -> dict[str, float | None]:
     from kvserve.bench.stats import ratio
 
     by = {(r["server"], r["max_concurrency"]): r for r in levels}
-    return {f"output_tokens_per_s@c{c}:target/peer": ratio(r["output_tokens_per_s"], by[("peer", c)]["output_tokens_per_s"])
-            for (server, c), r in by.items() if server == "target" and ("peer", c) in by}
+    return {
+        f"output_tokens_per_s@c{c}:target/peer": ratio(r["output_tokens_per_s"], by[("peer", c)]["output_tokens_per_s"])
+        for (server, c), r in by.items() if server == "target" and ("peer", c) in by
+    }
 
 
 def table(levels: list[dict], args: argparse.Namespace) -> Table:

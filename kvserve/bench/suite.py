@@ -53,6 +53,8 @@ QUICK: tuple[QuickCommand, ...] = (
     QuickCommand("quantization", ("--ppl-tokens", "500", "--greedy-prompts", "2", "--greedy-tokens", "16",
                                   "--prefill-len", "256", "--decode-batches", "1,8", "--decode-tokens", "8",
                                   "--repeats", "1", "--kv-cache-memory-bytes", "1GiB"), plot=False),
+    QuickCommand("structured", ("--batch-sizes", "1,8", "--prompt-len", "32", "--output-len", "16", "--repeats", "1",
+                                "--compile-schemas", "3", "--ttft-repeats", "3", "--kv-cache-memory-bytes", "1GiB")),
     QuickCommand("serve", ("--num-prompts", "8", "--max-tokens", "16", "--max-concurrency", "1,8"), engine=False),
 )
 NAMES = tuple(q.name for q in QUICK)

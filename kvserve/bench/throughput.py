@@ -4,6 +4,7 @@ method of vLLM's and nano-vllm's throughput benchmarks, scaled to a CPU), agains
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
 from kvserve.bench.options import (
     add_engine_args,
@@ -12,6 +13,9 @@ from kvserve.bench.options import (
     new_command,
 )
 from kvserve.bench.workload import TokenRange, TokenRequest
+
+if TYPE_CHECKING:
+    from kvserve.bench.systems import System
 
 SCHEMA = """\
 results: {
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         return random_token_requests(args.num_requests, args.input_len, args.output_len,
                                      engine.model_config.vocab_size, args.seed + round_index, exclude)
 
-    systems = [kvserve]
+    systems: list[System] = [kvserve]
     probes = []
     if "hf" in args.peer:
         peer = load_hf_peer(args, kvserve)
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     runs: dict[str, list[ThroughputRun]] = alternate(systems, args.repeats, lambda s, r: s.run_requests(workload(r)))
 
     report = Report("throughput", machine_info(), config_of(args))
-    rows = []
+    rows: list[dict[str, Any]] = []
     table = Table(f"Offline throughput: {args.num_requests} requests, input {args.input_len}, output "
                   f"{args.output_len} tokens (medians of {args.repeats} run(s))",
                   ["system", "batch", "elapsed s", "output tok/s", "total tok/s", "req/s"])

@@ -4,9 +4,12 @@ Why a thread and not the event loop: a step is a blocking forward pass (tens of 
 would freeze every HTTP connection if it ran on the loop. So the engine thread owns the engine outright:
 callers never touch it, they post commands (add, abort, call) to an inbox that the thread drains between
 steps, and they receive outputs on a per-request asyncio queue fed through `loop.call_soon_threadsafe`.
-The thread sleeps on a condition variable when there is nothing to do (no busy-wait). If a step raises,
-every in-flight request fails with `EngineFaultError`, the engine is marked dead, and new requests are
-refused with `EngineDeadError`, so nothing ever hangs on a dead engine.
+The thread sleeps on a condition variable when there is nothing to do (no busy-wait). A fault in one request
+(its forward pass, sampling, detokenizing) fails that request alone: `LLMEngine.step` isolates it and returns
+an error output, which ends that request's stream with `EngineFaultError` while the others go on. Only a fault
+outside any request (`step` itself raising, e.g. in the scheduler) kills the loop: then every in-flight
+request fails with `EngineFaultError`, the engine is marked dead, and new requests are refused with
+`EngineDeadError`, so nothing ever hangs on a dead engine.
 """
 
 from __future__ import annotations
@@ -246,8 +249,10 @@ class AsyncLLMEngine:
 
     @property
     def num_queued_seqs(self) -> int:
-        """Sequences counted against max_queued_requests now: waiting in the engine or not yet handed to it."""
-        with self._cond:
+        """Sequences counted against max_queued_requests now: waiting in the engine or not yet handed to it.
+        Public: the queue depth that admission control sees, for a caller's own load shedding or metrics
+        (EngineStats.num_waiting leaves out what the engine thread has not taken from its inbox yet)."""
+        with self._cond:  # re-entrant (a Condition's default lock is an RLock): _reserve reads it locked
             return self._num_pending_seqs + self._stats.num_waiting
 
     def _reserve(self, num_seqs: int) -> None:
@@ -257,7 +262,7 @@ class AsyncLLMEngine:
                 f"this request asks for {num_seqs} sequences (prompts x n), more than the server queues at once "
                 f"(--max-num-queued-reqs {self.max_queued_requests}); send fewer prompts or a smaller n"
             )
-        queued = self._num_pending_seqs + self._stats.num_waiting
+        queued = self.num_queued_seqs
         if queued + num_seqs > self.max_queued_requests:
             raise QueueFullError(
                 f"the server is at capacity: {queued} sequences are already waiting and this request adds "

@@ -73,11 +73,6 @@ class IncrementalDetokenizer:
         self._finished = False
 
     @property
-    def output_text(self) -> str:
-        """The decoded text so far, including what is still held back from the stream."""
-        return self._text
-
-    @property
     def token_ids(self) -> list[int]:
         return self._ids
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,13 +24,21 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
+    from kvserve.model.decoder import DecoderModel
     from kvserve.model.tokenizer import Tokenizer
+    from kvserve.structured.backend import CompiledGrammar
+    from kvserve.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for a grammar still compiling (instead of returning at once and being
+# called again in a busy loop that would take the GIL from the compile thread).
+_GRAMMAR_WAIT_S = 0.02
 
 
 def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheSpec, device: torch.device) -> CachePlan:
@@ -89,7 +97,7 @@ class EngineStats:
     num_blocks: int
     num_free_blocks: int
     block_size: int
-    kv_cache_usage: float  # referenced blocks / all blocks (cached-but-free blocks count as free)
+    kv_cache_usage: float  # referenced blocks / usable blocks (not the null block; cached-but-free count as free)
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
     prefix_cache_hit_rate: float  # over the last 1,000 lookups
@@ -124,6 +132,9 @@ class _Sequence:
     sent_chars: int = 0
     sent_tokens: int = 0
     sent_finish: bool = False
+    # Its own grammar state (n > 1: one each), made when it first samples; it follows output_token_ids, which
+    # preemption keeps (recompute), so it is never rolled back here.
+    matcher: GrammarMatcher | None = None
 
 
 @dataclass(slots=True)
@@ -138,6 +149,7 @@ class _Group:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set when one of its sequences failed (finish_reason "error")
     sent_prompt_logprobs: bool = False  # DELTA outputs carry the prompt's logprobs once, in the first
+    grammar: Future[CompiledGrammar] | None = None  # its constraint compiling (or compiled), shared by its sequences
 
     @property
     def finished(self) -> bool:
@@ -152,7 +164,7 @@ class LLMEngine:
         self,
         config: EngineConfig,
         model_config: "ModelConfig",
-        model: torch.nn.Module,
+        model: "DecoderModel",
         tokenizer: "Tokenizer",
         device: torch.device | None = None,
         compute_dtype: torch.dtype = torch.float32,
@@ -183,8 +195,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, self.device)
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        # Structured output: built now, its grammar backend only on the first constrained request.
+        self.grammar = GrammarCompiler(tokenizer, getattr(model, "num_logits", model_config.vocab_size),
+                                       self.eos_token_ids, backend=config.structured_outputs_backend)
         self.groups: dict[str, _Group] = {}
         self.sequences: dict[str, _Sequence] = {}  # by the engine-internal request id of each sequence
+        self._constrained: set[str] = set()  # ids of live sequences with a grammar (none: the sampler masks nothing)
         self._num_sequences_added = 0  # numbers the internal ids, so that they never collide
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -205,6 +221,7 @@ class LLMEngine:
             eos_token_ids=tuple(self.eos_token_ids),
             generation_defaults=self.model_config.generation_defaults,
             served_model_name=self.config.served_model_name,
+            grammar=self.grammar,
         )
 
     def _use_static_kv_scales(self, kv_caches: list, scales: list[tuple[float, float]] | None) -> None:
@@ -245,13 +262,15 @@ class LLMEngine:
             config.served_model_name = source.name
         return cls(config, loaded.config, loaded.model, tokenizer, device=device, compute_dtype=dtype)
 
-    def sibling(self, **changes: object) -> "LLMEngine":
+    def sibling(self, **changes: Any) -> "LLMEngine":
         """A new engine (own KV cache, scheduler and requests) sharing this one's loaded model and tokenizer,
         with `changes` applied to the config: for comparing settings without loading the model twice."""
         fixed = {"model", "dtype", "quantization", "device", "attention_backend"} & changes.keys()
         if fixed:
-            raise ValueError(f"a sibling engine shares the loaded model, so it cannot change {', '.join(sorted(fixed))}")
-        config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
+            raise ValueError(
+                f"a sibling engine shares the loaded model, so it cannot change {', '.join(sorted(fixed))}"
+            )
+        config = dataclasses.replace(self.config, **changes)
         return LLMEngine(config, self.model_config, self.runner.model, self.tokenizer, self.device, self.compute_dtype)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -293,10 +312,14 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self._check_unique(group)
+        if params.structured_outputs is not None:  # compiled off this thread; the scheduler admits it when done
+            group.grammar = self.grammar.compile_async(params.structured_outputs)
         self.groups[request_id] = group
         for seq in group.sequences:  # registered only once all were built: a failure leaves no trace
             self.sequences[seq.request.request_id] = seq
-            self.scheduler.add(seq.request)
+            if group.grammar is not None:
+                self._constrained.add(seq.request.request_id)
+            self.scheduler.add(seq.request, group.grammar)
 
     def _new_sequence_id(self, request_id: str, index: int) -> str:
         """The engine-internal id of sample `index` of `request_id`, the key of the scheduler's and the KV
@@ -322,6 +345,7 @@ class LLMEngine:
                 self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
                 seq.text += seq.detokenizer.finish().delta_text
             self.sequences.pop(seq.request.request_id, None)
+            self._constrained.discard(seq.request.request_id)
         return self._make_output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -357,12 +381,13 @@ class LLMEngine:
         """Schedule, run one forward pass, sample, and return the requests that advanced or finished. A fault in
         the forward pass, the sampler or one request's post-processing fails one request, never the step's
         caller (see _on_step_failed); only a fault outside any request (the scheduler's) raises."""
-        out = self.scheduler.schedule()
+        out = self._schedule()
+        failed = self._grammar_failures(out)
         if out.is_empty:
-            return []
+            return failed
         try:
             result = self.runner.execute(out)
-            sampled = self.sampler(result.logits, result.sample_requests) if result.sample_requests else []
+            sampled = self._sample(result.logits, result.sample_requests) if result.sample_requests else []
         except Exception as exc:  # noqa: BLE001 -- pinned on one request, not the engine (see _on_step_failed)
             return self._on_step_failed(out, exc)
         except BaseException:
@@ -393,7 +418,73 @@ class LLMEngine:
         for group in touched.values():
             if group.finished:
                 self._drop(group)
+        return failed + outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step; when nothing can run only because grammars are still compiling, wait a moment
+        for one (the caller would otherwise call again at once, in a busy loop)."""
+        out = self.scheduler.schedule()
+        if out.is_empty and not out.grammar_failed and self.scheduler.pending_grammars:
+            wait(self.scheduler.pending_grammar_futures(), timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+            out = self.scheduler.schedule()
+        return out
+
+    def _grammar_failures(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Outputs of the requests whose grammar failed to compile (the scheduler has finished them)."""
+        outputs = []
+        for request, error in out.grammar_failed:
+            seq = self.sequences.get(request.request_id)
+            if seq is None:  # a sibling of a sequence reported before it in this list
+                continue
+            group = self.groups[seq.group_id]
+            group.error = f"the request's grammar failed to compile: {error}"
+            logger.info("request %r: %s", group.request_id, group.error)
+            for sibling in group.sequences:
+                if not sibling.request.is_finished:
+                    self.scheduler.finish(sibling.request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._make_output(group))
+            self._drop(group)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """The sampler, given the rows' grammar matchers only when some live sequence has a grammar."""
+        if not self._constrained:
+            return self.sampler(logits, requests)
+        return self.sampler(logits, requests, self._matchers(requests))
+
+    def _matchers(self, requests: list[Request]) -> list[GrammarMatcher | None]:
+        """The grammar matcher of each sampled row (None: unconstrained). A sequence gets its matcher when it first
+        samples: its grammar is compiled by then (the scheduler admitted it). One whose matcher cannot be made
+        fails alone (its row is then sampled unconstrained and dropped)."""
+        matchers: list[GrammarMatcher | None] = []
+        for request in requests:
+            seq = self.sequences[request.request_id]
+            if seq.matcher is None and request.request_id in self._constrained and not request.is_finished:
+                try:
+                    seq.matcher = self._new_matcher(seq)
+                except Exception as exc:  # noqa: BLE001 -- this request's own fault: it fails alone
+                    self._fail(seq, exc)
+            matchers.append(seq.matcher)
+        return matchers
+
+    def _new_matcher(self, seq: _Sequence) -> GrammarMatcher:
+        """A matcher in the state of `seq`'s output so far (empty, unless it had tokens before it got one)."""
+        grammar = self.groups[seq.group_id].grammar
+        if grammar is None or not grammar.done():
+            raise RuntimeError("a constrained sequence was scheduled before its grammar compiled")
+        matcher = self.grammar.matcher(grammar.result())
+        for tid in seq.request.output_token_ids:
+            self._advance_grammar(matcher, tid)
+        return matcher
+
+    def _advance_grammar(self, matcher: GrammarMatcher, token_id: int) -> None:
+        """Feed one sampled token to the sequence's grammar. The mask allowed it, so a refusal (or a matcher that
+        hit its own limit) is a fault of this request: raised, it fails the request alone."""
+        if not matcher.accept_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id}, which its mask allowed")
+        error = matcher.error()
+        if error is not None:
+            raise RuntimeError(f"the grammar matcher failed: {error}")
 
     def _on_step_failed(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """One request's fault must not end everyone's requests, nor the engine. The step's requests go back to
@@ -431,26 +522,35 @@ class LLMEngine:
         request = seq.request
         params = request.sampling_params
         tid = token.token_id
+        if seq.matcher is not None:
+            self._advance_grammar(seq.matcher, tid)  # first: a refused token is not recorded
         request.output_token_ids.append(tid)
         self.num_generation_tokens_total += 1
         if request.first_token_time is None:
             request.first_token_time = now
-        if seq.logprobs is not None and token.top_logprobs is not None:
+        if (seq.logprobs is not None and token.top_logprobs is not None and token.logprob is not None
+                and token.rank is not None):  # all three are set together, when logprobs were asked
             seq.logprobs.append(logprob_entry(tid, token.logprob, token.rank, token.top_logprobs, self._token_text))
-            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + (token.logprob or 0.0)
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + token.logprob
         num_out = len(request.output_token_ids)
-        status, reason = None, None
-        if num_out >= params.min_tokens and not (params.ignore_eos and tid in self.eos_token_ids):
+        status: RequestStatus | None = None
+        reason: int | str | None = None
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            # The grammar is complete (it took a stop token): "stop", whatever min_tokens or ignore_eos say, as
+            # the mask would allow nothing but stop tokens from here on. The stop token stays out of the text.
+            status = RequestStatus.FINISHED_STOPPED
+        elif num_out >= params.min_tokens and not (params.ignore_eos and tid in self.eos_token_ids):
             if tid in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-            elif tid in params.stop_token_ids:
+            elif tid in (params.stop_token_ids or ()):  # a list since SamplingParams.__post_init__
                 status, reason = RequestStatus.FINISHED_STOPPED, tid
         if status is None or params.include_stop_str_in_output:
             result = seq.detokenizer.append(tid)  # the stop token itself stays out of the text
             seq.text += result.delta_text
             if status is None and result.stopped_on is not None:
                 status, reason = RequestStatus.FINISHED_STOPPED, result.stopped_on
-        if status is None and (num_out >= params.max_tokens or request.num_tokens >= self.max_model_len):
+        if status is None and ((params.max_tokens is not None and num_out >= params.max_tokens)
+                               or request.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             request.stop_reason = reason
@@ -550,6 +650,7 @@ class LLMEngine:
         self.groups.pop(group.request_id, None)
         for seq in group.sequences:
             self.sequences.pop(seq.request.request_id, None)
+            self._constrained.discard(seq.request.request_id)
 
     def check_invariants(self) -> None:
         """The pool is whole: every block free or referenced, and references match requests' holdings."""

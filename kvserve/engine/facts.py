@@ -11,12 +11,13 @@ with both calling `validate_request`, those rules live here only.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.compiler import GrammarCompiler
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class EngineFacts:
     eos_token_ids: tuple[int, ...]
     generation_defaults: Mapping[str, Any]  # the checkpoint's generation_config (read-only view)
     served_model_name: str | None = None
+    # Not a fact but a thread-safe service handle: the server compiles a request's grammar with it in its
+    # prompt-preparation thread (a bad schema is a 400 before the response starts; the engine then hits the cache).
+    grammar: GrammarCompiler | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # A read-only view of a private copy: nobody can change the defaults behind a handler's back.

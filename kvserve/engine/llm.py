@@ -1,4 +1,4 @@
-"""LLM: the offline API, shaped like vLLM's `LLM(model=...).generate(prompts, params)`."""
+"""LLM: the offline API, shaped like vLLM's `LLM(model=...).generate(prompts, params)` and `.chat(messages)`."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
-                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts: pass one, or one per prompt"
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts: "
+                    "pass one, or one per prompt"
                 )
+        for params in params_list:
+            self._check_grammar(params)
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
@@ -58,6 +61,34 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI-style messages) or to a list of them, rendered by
+        the model's chat template (or `chat_template`), as vLLM's LLM.chat. `tools` (OpenAI function tools) are
+        passed to the template, which renders them if it knows how; to force a call, constrain the output with
+        `SamplingParams(structured_outputs=...)` (kvserve.structured.tool_schemas builds the schema)."""
+        conversations = _normalize_conversations(messages)
+        tokenizer = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            _render_chat(tokenizer, conversation, add_generation_prompt, chat_template, tools)
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's constraint before queueing anything, so that a bad schema, regex or grammar is a
+        ValueError naming the field here (as in vLLM), not an error output later; the engine then hits the cache."""
+        if params.structured_outputs is not None:
+            self.engine.grammar.compile(params.structured_outputs)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
@@ -67,6 +98,30 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[rid] for rid in ids]
+
+
+def _normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """One conversation (a list of message dicts) or a list of them, as vLLM's LLM.chat takes."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
+    if all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    if all(isinstance(c, Sequence) and not isinstance(c, str) and all(isinstance(m, dict) for m in c)
+           for c in messages):
+        return [list(c) for c in messages]
+    raise ValueError("messages must be a list of message dicts, or a list of such lists")
+
+
+def _render_chat(
+    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None,
+    tools: list[dict[str, Any]] | None,
+) -> str:
+    """The prompt text of one conversation; tools go to the template only when given (a template that never
+    heard of tools renders as before)."""
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template}
+    if tools is not None:
+        kwargs["tools"] = tools
+    return tokenizer.apply_chat_template(conversation, **kwargs)
 
 
 def _normalize_prompts(prompts: Any) -> list[Prompt]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.cache import LayerKVCache
 from kvserve.kv.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from kvserve.model.decoder import DecoderModel
 
 
 @dataclass(slots=True)
@@ -27,7 +31,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: DecoderModel,
         kv_caches: list[LayerKVCache],
         kv_manager: KVCacheManager,
         block_size: int,

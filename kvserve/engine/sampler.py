@@ -1,8 +1,16 @@
 """Turns one row of logits per request into the next token, with vLLM's sampling semantics.
 
-Order (as vLLM): penalties -> min_tokens blocking -> temperature -> top-k -> top-p -> min-p -> sample.
-Greedy rows take the argmax of the penalized logits. Reported logprobs are the raw model logprobs
-(log_softmax of the logits as given), as vLLM's default "raw_logprobs".
+Order (as vLLM): penalties -> min_tokens blocking -> grammar mask -> temperature -> top-k -> top-p -> min-p
+-> sample. Greedy rows take the argmax of the penalized (and masked) logits. Reported logprobs are the raw model
+logprobs (log_softmax of the logits as given, before any mask), as vLLM's default "raw_logprobs".
+
+Structured output: a row whose request carries a grammar matcher gets its allowed tokens from one packed bitmask
+per step (filled by the matchers, kvserve/structured/matcher.py) and every other token set to -inf. Only
+constrained rows are touched: a batch without them allocates nothing, and an unconstrained row's logits, and so
+its token, are the same with or without constrained neighbours. Two interactions are settled here: min_tokens
+does not block the stop tokens of a row whose grammar allows nothing else (the grammar is complete; blocking
+would leave no candidate), and a row with no finite candidate falls back to the best token its grammar allows,
+never to one it forbids.
 
 Everything is a batched tensor op with per-row parameters; Python loops run over requests, never
 over the vocabulary. For a large vocabulary the costly parts are avoided:
@@ -33,10 +41,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.outputs import Logprob
+from kvserve.structured.matcher import apply_token_bitmask_, fill_step_bitmask
 
 if TYPE_CHECKING:
     from kvserve.engine.request import Request
     from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.matcher import GrammarMatcher
 
 _NEG_INF = float("-inf")
 # Width of the first topk window used to find top-p cut-offs.
@@ -66,16 +76,29 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
-        """`logits` is [S, V] float32, row i belonging to `requests[i]`. It is not modified."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        matchers: Sequence[GrammarMatcher | None] | None = None,
+    ) -> list[SampledToken]:
+        """`logits` is [S, V] float32, row i belonging to `requests[i]`; `matchers[i]`, if given and not None, is
+        row i's grammar. Unconstrained rows of `logits` are not modified; constrained rows may be masked in place
+        (the runner's buffer, consumed here: a copy of a whole batch would cost more than the masks)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {list(logits.shape)}")
+        if matchers is not None and len(matchers) != len(requests):
+            raise ValueError(f"{len(matchers)} matchers for {len(requests)} rows")
         params = [r.sampling_params for r in requests]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(_rows(logits, want_lp), dim=-1) if want_lp else None
 
+        grammar = fill_step_bitmask(matchers, logits.shape[1]) if matchers is not None else None
         raw = logits
-        logits = self._penalized(logits, requests)
+        logits = self._penalized(logits, requests, grammar)
+        if grammar is not None:
+            with torch.inference_mode():  # the runner's logits buffer is an inference tensor
+                apply_token_bitmask_(logits, *grammar)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         rand = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -85,6 +108,8 @@ class Sampler:
             token_ids[rand] = self._sample(
                 _rows(logits, rand), _rows(raw, rand), [params[i] for i in rand], [requests[i].generator for i in rand]
             )
+        if grammar is not None:
+            _keep_to_grammar_(token_ids, raw, *grammar)
         ids = token_ids.tolist()
         _check_in_vocab(ids, logits.shape[1])
         out = [SampledToken(t, None, None, None) for t in ids]
@@ -94,17 +119,24 @@ class Sampler:
 
     # -- logits processing ----------------------------------------------------------------------
 
-    def _penalized(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """Penalties and min_tokens blocking, on a copy (only made when some row needs it)."""
+    def _penalized(
+        self, logits: torch.Tensor, requests: Sequence[Request], grammar: tuple[torch.Tensor, list[int]] | None = None
+    ) -> torch.Tensor:
+        """Penalties and min_tokens blocking, on a copy (only made when some row needs it). A constrained row
+        (in `grammar`'s rows) whose grammar allows only tokens min_tokens would block keeps them: its output is
+        complete, and the grammar wins."""
         pen = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
         block_rows: list[int] = []
         block_cols: list[int] = []
+        constrained = set(grammar[1]) if grammar is not None else set()
         for i, r in enumerate(requests):
             p = r.sampling_params
             if len(r.output_token_ids) < p.min_tokens:
                 blocked = set(p.stop_token_ids or ())
                 if not p.ignore_eos:  # with ignore_eos, eos does not stop, so it needs no blocking
                     blocked.update(self.eos_token_ids)
+                if grammar is not None and i in constrained and not _allows_other_than(grammar[0][i], blocked):
+                    continue
                 block_rows += [i] * len(blocked)
                 block_cols += sorted(blocked)
         if pen:
@@ -161,6 +193,38 @@ class Sampler:
             if g is not None:
                 u[i] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).item()
         return u
+
+
+def _allows_other_than(bitmask_row: torch.Tensor, token_ids: set[int]) -> bool:
+    """Whether a packed bitmask row allows some token outside `token_ids`."""
+    words: dict[int, int] = {}
+    for token_id in token_ids:
+        word, bit = divmod(token_id, 32)
+        if word < bitmask_row.numel():
+            words[word] = words.get(word, 0) | (1 << bit)
+    for word, bits in words.items():
+        if (int(bitmask_row[word]) & 0xFFFFFFFF) & ~bits:
+            return True
+    rest = bitmask_row.clone()
+    rest[list(words)] = 0
+    return bool(rest.any())
+
+
+def _keep_to_grammar_(token_ids: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: a constrained row's token that its grammar forbids (only possible when the row kept no finite
+    candidate and fell back to the raw logits) becomes the allowed token with the best raw logit (NaN and -inf
+    counting as the lowest finite value, so an allowed token always wins over a forbidden one)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    chosen = token_ids[rows].cpu()
+    words = bitmask[index, chosen >> 5]
+    allowed = ((words >> (chosen & 31).to(words.dtype)) & 1).bool()
+    if bool(allowed.all()):
+        return
+    for j in (~allowed).nonzero().flatten().tolist():
+        r = rows[j]
+        row = torch.nan_to_num(raw[r].float(), nan=-3.0e38, posinf=3.0e38, neginf=-3.0e38).unsqueeze(0)
+        apply_token_bitmask_(row, bitmask[r : r + 1], [0])
+        token_ids[r] = int(row.argmax())
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

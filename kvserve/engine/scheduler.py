@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
@@ -26,6 +28,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Waiting requests whose grammar failed to compile: finished (error) by the scheduler, reported by the engine.
+    grammar_failed: list[tuple[Request, BaseException]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,13 +65,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.suspects: set[str] = set()  # request ids of a failed step's requests, each to be run alone
+        # Grammars still compiling, by request id: such a request waits (others pass it) until its future is done.
+        self.pending_grammars: dict[str, Future[Any]] = {}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, grammar: Future[Any] | None = None) -> None:
+        """Queue `request`; with `grammar` (its constraint compiling), it is admitted only once that is done."""
+        if grammar is not None and (not grammar.done() or grammar.exception() is not None):
+            self.pending_grammars[request.request_id] = grammar  # a failed one is reported at the next schedule
         self.waiting.append(request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
         if self.suspects:
@@ -95,8 +100,13 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            request = self.waiting[0]
+        i = 0  # the first waiting request not passed over (its grammar still compiling)
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[i]
+            if self.pending_grammars and not self._grammar_ready(request, out):
+                if not request.is_finished:  # still compiling: the requests behind it go first
+                    i += 1
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit
             if not self.enable_chunked_prefill and remaining > budget:
@@ -105,7 +115,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             request.num_computed_tokens = num_hit
-            self.waiting.popleft()
+            del self.waiting[i]
             if request.status is RequestStatus.WAITING:  # first admission: not a retry, not after preemption
                 request.num_cached_tokens = num_hit
                 self.kv.record_prefix_query(request, num_hit)
@@ -116,6 +126,26 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
         return out
+
+    def _grammar_ready(self, request: Request, out: SchedulerOutput) -> bool:
+        """Whether `request` may be admitted as far as its grammar goes: it has none or its compile is done. One
+        whose compile failed is finished here (leaving the queue, so it never blocks it) and reported in `out`."""
+        grammar = self.pending_grammars.get(request.request_id)
+        if grammar is None:
+            return True
+        if not grammar.done():
+            return False
+        del self.pending_grammars[request.request_id]
+        error = grammar.exception()
+        if error is None:
+            return True
+        self.finish(request, RequestStatus.FINISHED_ERROR)
+        out.grammar_failed.append((request, error))
+        return False
+
+    def pending_grammar_futures(self) -> list[Future[Any]]:
+        """The compiles that waiting requests wait for (the engine waits on them when nothing else can run)."""
+        return list(self.pending_grammars.values())
 
     def _next_suspect(self) -> Request | None:
         """The suspect to run now: the one already running (its prefill takes several steps), else the first
@@ -185,6 +215,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self.suspects.discard(request.request_id)
+        self.pending_grammars.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

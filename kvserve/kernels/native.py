@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the build's hash
-COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Every exported function and its C signature; all return void.
 SIGNATURES: dict[str, list] = {
     "kvserve_q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P],
+    "kvserve_gguf_matmul": [_P, _I64, _I64, _P, ctypes.c_int32, _I64, _P, _I64],
+    "kvserve_gguf_dequantize": [_P, ctypes.c_int32, _I64, _I64, _P],
     "kvserve_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64],
     "kvserve_gated_act": [_P, _I64, _I64, ctypes.c_int32, _P],
     "kvserve_paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
@@ -33,7 +35,7 @@ SIGNATURES: dict[str, list] = {
 
 
 def cpu_supports_native() -> tuple[bool, str]:
-    """AVX2 and FMA on x86-64 Linux: what the library is built for. (ok, why not)."""
+    """AVX2, FMA and F16C on x86-64 Linux: what the library is built for. (ok, why not)."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not Path("/proc/cpuinfo").is_file():
         return False, f"the native kernels are for x86-64 Linux, this is {platform.system()} {platform.machine()}"
     flags: set[str] = set()
@@ -41,7 +43,7 @@ def cpu_supports_native() -> tuple[bool, str]:
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
-    missing = {"avx2", "fma"} - flags
+    missing = {"avx2", "fma", "f16c"} - flags
     if missing:
         return False, f"the CPU lacks {', '.join(sorted(missing))}"
     return True, ""

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_length
 from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
 
@@ -46,6 +47,17 @@ class Kernels(Protocol):
                   ) -> torch.Tensor:
         """x [M, K] @ dequant(q [N, K] int8, scales [N, K/32] float32)^T -> [M, N] float32; into `out` ([M, N]
         float32 contiguous) when given, and then `out` is returned."""
+        ...
+
+    def gguf_matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """x [M, K] @ W^T with W [N, K] held as GGUF blocks of ggml type `qtype` (uint8 [N, row_bytes], see
+        kernels/gguf_blocks.py) -> [M, N] float32; into `out` ([M, N] float32 whose rows may be a column slice of
+        a wider buffer) when given, and then `out` is returned."""
+        ...
+
+    def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        """uint8 [N, row_bytes] GGUF blocks of `qtype` -> float32 [N, K] (an embedding's looked-up rows)."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
@@ -107,6 +119,19 @@ class TorchKernels:
             out[:, start:end] = x @ dequantize_q8(q[start:end], scales[start:end]).T
         return out
 
+    def gguf_matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        x = x.float()
+        if out is None:
+            out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32, device=x.device)
+        for start in range(0, blocks.shape[0], self.slab_rows):
+            end = min(start + self.slab_rows, blocks.shape[0])
+            out[:, start:end] = x @ dequantize_blocks(blocks[start:end], qtype).to(x.device).T
+        return out
+
+    def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        return dequantize_blocks(blocks, qtype).to(blocks.device)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
         y = F.rms_norm(x.float(), weight.shape, weight, eps)
@@ -166,6 +191,36 @@ class NativeKernels:
         if m:
             self.library.kvserve_q8_matmul(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr())
         return y
+
+    def gguf_matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        if qtype not in NATIVE_GGUF_TYPES or x.device.type != "cpu" or blocks.device.type != "cpu":
+            return self.fallback.gguf_matmul(x, blocks, qtype, out)
+        x = x.float().contiguous()
+        m, k = x.shape
+        n = blocks.shape[0]
+        if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_length(qtype, blocks.shape[1]) != k:
+            raise ValueError(f"gguf matmul shapes do not fit: x {tuple(x.shape)}, {NATIVE_GGUF_TYPES[qtype].name} "
+                             f"blocks {blocks.dtype} {tuple(blocks.shape)}")
+        if out is not None and (out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1
+                                or (m > 1 and out.stride(0) < n)):
+            raise ValueError(f"gguf matmul output must be float32 [{m}, {n}] with unit column stride, got "
+                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+        y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+        if m and n:
+            self.library.kvserve_gguf_matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(),
+                                             y.stride(0))
+        return y
+
+    def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        if qtype not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":
+            return self.fallback.gguf_dequantize(blocks, qtype)
+        blocks = blocks.contiguous()
+        rows, k = blocks.shape[0], row_length(qtype, blocks.shape[1])
+        out = torch.empty(rows, k, dtype=torch.float32)
+        if rows and k:
+            self.library.kvserve_gguf_dequantize(blocks.data_ptr(), qtype, rows, k, out.data_ptr())
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -243,7 +298,7 @@ class NativeKernels:
                              f"{table.numel()} blocks of {block_size}, {heads} heads over {kv_heads} KV heads")
         q = q.float().contiguous()
         direct = out is not None and out.is_contiguous() and out.dtype == torch.float32
-        dst = out if direct else torch.empty(q_len, heads, dim, dtype=torch.float32)
+        dst = out if out is not None and direct else torch.empty(q_len, heads, dim, dtype=torch.float32)
         self.library.kvserve_paged_prefill_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), q_len, seq_len, heads,
             kv_heads, dim, block_size, window or 0, scale, dst.data_ptr())

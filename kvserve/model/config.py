@@ -99,8 +99,9 @@ class ModelConfig:
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         """Read config.json (+ generation_config.json when present) of an HF checkpoint directory."""
         path = Path(path)
-        cfg = _read_json(path / "config.json", required=True)
-        gen = _read_json(path / "generation_config.json", required=False) or {}
+        cfg = _read_json(path / "config.json")
+        gen_path = path / "generation_config.json"
+        gen = _read_json(gen_path) if gen_path.is_file() else {}
         try:
             return cls.from_hf_dict(cfg, gen)
         except (KeyError, TypeError) as e:
@@ -113,7 +114,7 @@ class ModelConfig:
             raise ValueError("multimodal Gemma3ForConditionalGeneration checkpoints are not supported; "
                              "use a text-only (gemma3_text) checkpoint")
         model_type = cfg.get("model_type")
-        family = _HF_FAMILIES.get(model_type)
+        family = _HF_FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(_HF_FAMILIES)})")
         if cfg.get("mlp_bias"):
@@ -242,11 +243,9 @@ class ModelConfig:
         )
 
 
-def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        if required:
-            raise ValueError(f"{path}: file is missing")
-        return None
+        raise ValueError(f"{path}: file is missing")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

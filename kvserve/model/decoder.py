@@ -16,6 +16,7 @@ from kvserve.attention.registry import get_attention_backend
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.config import ModelConfig
+from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from kvserve.model.quantization import Q8Linear, TiedEmbedding
 
@@ -107,7 +108,8 @@ class DecoderModel(nn.Module):
         """Every module with its own kernels (norms, quantized layers) uses these."""
         for module in self.modules():
             if hasattr(module, "kernels"):
-                module.kernels = kernels
+                # torch types every unknown nn.Module attribute as Tensor | Module; this one holds Kernels
+                module.kernels = kernels  # type: ignore[assignment]
 
     def _keep_norms_float32(self) -> None:
         for module in self.modules():
@@ -125,7 +127,8 @@ class DecoderModel(nn.Module):
         multiplier = self.config.embedding_multiplier
         if multiplier is not None:
             h = h * torch.tensor(multiplier, dtype=h.dtype)
-        tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]
+        # nn.ModuleList yields untyped nn.Module items (torch's stubs): these are RotaryEmbedding
+        tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # type: ignore[operator]
         for layer, rope_i, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
             cos, sin = tables[rope_i]
             h = layer(h, cos, sin, kv_cache, meta)
@@ -146,7 +149,7 @@ class DecoderModel(nn.Module):
             out = None  # the buffer is float32 [N, vocab]; half-precision heads compute in their own dtype
         if self.lm_head is None:
             logits = self.embed_tokens.attend(hidden, out=out)  # tied: the embedding
-        elif isinstance(self.lm_head, Q8Linear):
+        elif isinstance(self.lm_head, (Q8Linear, GGUFLinear)):
             logits = self.lm_head(hidden, out=out)
         else:
             logits = torch.matmul(hidden, self.lm_head.weight.T, out=out)
@@ -186,7 +189,7 @@ class DecoderModel(nn.Module):
                 continue  # tied: some checkpoints store the shared matrix twice
             if name == "rope_freqs.weight":  # llama.cpp's llama3 rope: per-frequency divisors
                 for rope in self.ropes:
-                    rope.inv_freq.div_(tensor.to(rope.inv_freq))
+                    rope.inv_freq.div_(tensor.to(rope.inv_freq))  # type: ignore[operator, arg-type]  # ModuleList items
                 continue
             target, offset, rows = name, 0, None
             if name.startswith("layers."):

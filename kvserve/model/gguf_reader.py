@@ -150,6 +150,12 @@ class GGUFFile:
         out = dequantize(raw.reshape(rows, -1), qtype)
         return np.ascontiguousarray(out.reshape(info.shape), dtype=np.float32)
 
+    def tensor_blocks(self, name: str) -> np.ndarray:
+        """A copy of one tensor's bytes as stored, uint8 [rows, bytes per row] (a quantized tensor's blocks)."""
+        info = self.tensors[name]
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, -1).copy()
+
     def close(self) -> None:
         self._mm.close()
 

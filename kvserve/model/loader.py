@@ -14,16 +14,18 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.dtypes import torch_dtype
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES
 from kvserve.kernels.ops import Kernels, load_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.gguf_layers import use_gguf_blocks
 from kvserve.model.gguf_reader import GGUFFile
 from kvserve.model.quantization import quantize_model
 from kvserve.model.source import ModelFormat, ModelSource
@@ -76,10 +78,16 @@ def load_model(
     `cache_dir` holds dequantized GGUF tensors, quantized weights and the compiled kernels. `config`, when the
     caller has already read it (load_model_config), saves parsing the checkpoint's metadata again."""
     start = time.perf_counter()
+    if quantization == "gguf" and source.format != ModelFormat.GGUF:
+        raise ValueError(f"--quantization gguf runs a GGUF file's own quantized blocks; {source.name} is a "
+                         f"{source.format.value} checkpoint (use none or q8_0)")
     kernels = load_kernels((cache_dir or default_cache_dir()).expanduser() / "kernels")
     config = config or load_model_config(source)
     model = DecoderModel(config, dtype, device, attention_backend, kernels)
     quantized_file: Path | None = None
+    if quantization == "gguf":
+        _load_gguf_blocks(model, source, config, kernels, device)
+        return _loaded(config, model, source, dtype, device, quantization, start)
     if source.format == ModelFormat.GGUF:
         cache_file = _gguf_cache_file(source, cache_dir)
         if quantization != "none":
@@ -103,6 +111,30 @@ def load_model(
         if quantized_file is not None:
             _save_atomically(model.state_dict(), quantized_file, {"quantization": quantization})
     return _loaded(config, model, source, dtype, device, quantization, start)
+
+
+def _load_gguf_blocks(model: DecoderModel, source: ModelSource, config: ModelConfig, kernels: Kernels,
+                      device: torch.device) -> None:
+    """`--quantization gguf`: the file's quantized tensors as their own blocks, read straight from the file
+    (the file is its own cache: a start copies its bytes, with no float32 pass); the rest (norms, biases, and
+    any tensor whose type has no native kernel here) dequantized to float32, with a log line."""
+    from gguf.constants import GGMLQuantizationType
+
+    native = kernels.name == "native" and device.type == "cpu"
+    with GGUFFile(source.path) as f:
+        names = {gguf_canonical_name(g, config): g for g in f.tensors}
+        blocks = {name: (f.tensors[g].ggml_type, _canonical_rows(name, torch.from_numpy(f.tensor_blocks(g)), config))
+                  for name, g in names.items()
+                  if native and f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2}
+        used = use_gguf_blocks(model, blocks, kernels)
+        rest = [name for name in names if name not in used]
+        dequantized = sorted({GGMLQuantizationType(f.tensors[names[n]].ggml_type).name for n in rest}
+                             - {"F32"})
+        if dequantized:
+            log.info("--quantization gguf: %s tensors dequantized to float32 (no native kernel for them with the "
+                     "%s kernels on %s)", ", ".join(dequantized), kernels.name, device.type)
+        model.load_weights((name, _gguf_tensor(f, names[name], name, config)) for name in rest)
+    log.info("--quantization gguf: %d weight tensors run as the file's blocks (%s kernels)", len(used), kernels.name)
 
 
 def _load_gguf_weights(model: DecoderModel, source: ModelSource, config: ModelConfig, cache_file: Path) -> None:
@@ -197,7 +229,9 @@ def _static_kv_scales(found: dict[str, float], num_layers: int, path: Path) -> l
     return [(by_layer[i, "k"], by_layer[i, "v"]) for i in range(num_layers)]
 
 
-def _safetensors_tensors(files: list[Path], rename) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+def _safetensors_tensors(
+    files: list[Path], rename: Callable[[str], str | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name, tensor) from each file, one tensor in memory at a time."""
     from safetensors import SafetensorError, safe_open
 
@@ -241,6 +275,7 @@ def gguf_canonical_name(name: str, config: ModelConfig) -> str:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
         _, idx, kind, suffix = parts
+        hf: str | None
         if kind == "ffn_norm":  # the pre-MLP norm: HF calls it differently in the two layouts
             hf = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
         else:
@@ -261,12 +296,21 @@ def gguf_canonical_tensors(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[s
     """Dequantized float32 tensors under canonical names; llama-arch Q/K rows un-permuted."""
     for gguf_name in f.tensors:
         name = gguf_canonical_name(gguf_name, config)
-        tensor = torch.from_numpy(f.tensor_float32(gguf_name))
-        if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute_llama_rows(tensor, config.num_heads)
-        elif config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = _unpermute_llama_rows(tensor, config.num_kv_heads)
-        yield name, tensor
+        yield name, _gguf_tensor(f, gguf_name, name, config)
+
+
+def _gguf_tensor(f: GGUFFile, gguf_name: str, name: str, config: ModelConfig) -> torch.Tensor:
+    """One tensor dequantized to float32 under its canonical name's row order."""
+    return _canonical_rows(name, torch.from_numpy(f.tensor_float32(gguf_name)), config)
+
+
+def _canonical_rows(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """llama-arch Q/K rows un-permuted (whole rows move, so this also holds for a quantized tensor's blocks)."""
+    if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute_llama_rows(tensor, config.num_heads)
+    if config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute_llama_rows(tensor, config.num_kv_heads)
+    return tensor
 
 
 def _gguf_cache_file(source: ModelSource, cache_dir: Path | None) -> Path:

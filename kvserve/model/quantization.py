@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 class Q8Linear(nn.Module):
     """A linear layer whose weight is q8_0; computes in float32 and returns the input's dtype."""
 
+    qweight: torch.Tensor  # [out_features, in_features] int8, a buffer
+    scales: torch.Tensor  # [out_features, in_features / 32] float32, a buffer
+
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -65,6 +68,9 @@ class TiedEmbedding(nn.Embedding):
 
 class Q8Embedding(nn.Module):
     """A q8_0 embedding: lookups widen only the rows asked for; `attend` is the tied LM head's matmul."""
+
+    qweight: torch.Tensor  # [num_embeddings, embedding_dim] int8, a buffer
+    scales: torch.Tensor  # [num_embeddings, embedding_dim / 32] float32, a buffer
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()

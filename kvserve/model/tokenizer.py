@@ -15,12 +15,19 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserve.model.chat_template import builtin_chat_template, resolve_chat_template
+from kvserve.model.chat_template import (
+    JSONToolStyle,
+    ToolPromptStyle,
+    builtin_chat_template,
+    resolve_chat_template,
+    tool_fallback_messages,
+    tool_support,
+)
 from kvserve.model.source import ModelFormat, ModelSource
 
 if TYPE_CHECKING:
@@ -110,8 +117,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; with add_special_tokens, BOS once if the model wants it, even if `text` wrote it."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
+        bos = self.bos_token_id  # never None when add_bos holds
+        if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -124,9 +132,16 @@ class Tokenizer:
             from transformers.utils.chat_template_utils import render_jinja_template  # noqa: F401
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_style: ToolPromptStyle | None = None,
     ) -> str:
-        """Render messages to prompt text; ValueError (a 400 for the server) on anything malformed."""
+        """Render messages (and `tools`, OpenAI's list) to prompt text; ValueError (a 400 for the server) on anything
+        malformed. Tools, tool results and assistant tool calls that the template does not render are written as
+        text in `tool_style` (chat_template.tool_fallback_messages; default: the JSON style)."""
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ValueError(
@@ -135,14 +150,22 @@ class Tokenizer:
         normalized = [_normalize_message(m, i) for i, m in enumerate(messages)]
         if not normalized:
             raise ValueError("messages: at least one message is required")
+        template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = None
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in normalized):
+            style = tool_style if tool_style is not None else JSONToolStyle()
+            normalized, rendered_tools = tool_fallback_messages(normalized, tools, tool_support(template), style)
+            template_tools = list(rendered_tools) if rendered_tools is not None else None
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
 
         # As transformers' apply_chat_template does: None-valued keys dropped, the named special tokens visible.
         conversation = [{k: v for k, v in m.items() if v is not None} for m in normalized]
+        template_vars: dict[str, Any] = dict(self.special_tokens)  # template variables, not the named parameters
         try:
-            rendered, _ = render_jinja_template(conversations=[conversation], chat_template=template,
-                                                add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            # transformers annotates render_jinja_template "-> str", but it returns (rendered, generation indices)
+            rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
+                conversations=[conversation], chat_template=template, tools=template_tools,
+                add_generation_prompt=add_generation_prompt, **template_vars)
         except TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
         out = rendered[0]

@@ -27,7 +27,7 @@ from kvserve.server.context import ServerContext, ServerSettings
 from kvserve.server.errors import APIError, bad_request, install_error_handlers
 from kvserve.server.json_limits import JSONLimits
 from kvserve.server.logprobs import TokenTexts
-from kvserve.server.prepare import PromptPreparer
+from kvserve.server.prepare import ChatRender, PromptPreparer
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -147,7 +147,8 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
         prep = ctx.preparer
         if body.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            ids = await prep.run(prep.tokenize_messages, messages, body.add_generation_prompt)
+            render = ChatRender(body.add_generation_prompt, tools=body.tools, tool_style=ctx.settings.tool_style)
+            ids = await prep.run(prep.tokenize_messages, messages, render)
         else:
             ids = await prep.run(prep.encode, body.prompt or "", body.add_special_tokens)
         strs = await prep.run(prep.token_strs, ids) if body.return_token_strs else None

@@ -4,6 +4,10 @@ Why the history policy: a chat client resends the whole conversation every turn,
 they no longer fit. By default that is a 400 (the client decides what to drop); with
 `--chat-history-policy truncate` the server drops the oldest turns after the system prompt until the
 conversation fits, and reports how many in the `X-Kvserve-Truncated-Turns` header.
+
+Tools and output constraints: kvserve.server.tools (what tools and tool_choice render, force and read back) and
+kvserve.server.constraints (response_format, structured_outputs, guided_*); both are compiled on the preparation
+thread before the request is queued, so a bad schema is a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
 from kvserve.server.logprobs import LogprobEntry, chat_logprobs, context_tail
@@ -45,20 +50,16 @@ from kvserve.server.streaming import (
     submit,
     unless_disconnected,
 )
-from kvserve.server.tracker import DeltaTracker
+from kvserve.server.tools import StreamedCalls, ToolPlan, compile_tools, finish_reason, parse_reply, plan_tools
+from kvserve.server.tracker import ChoiceDelta, DeltaTracker
 
 TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
 
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(request.model)
-    reject_unsupported(request, {"tools": request.tools, "functions": request.functions,
-                                 "function_call": request.function_call}, max_n=ctx.facts.max_num_seqs)
-    if request.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported by this server", param="tool_choice")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported by this server",
-                          param="response_format")
+    reject_unsupported(request, {"functions": request.functions, "function_call": request.function_call},
+                       max_n=ctx.facts.max_num_seqs)
     if not request.messages:
         raise bad_request("messages must not be empty", param="messages")
     if request.chat_template is not None and not ctx.settings.trust_request_chat_template:
@@ -70,29 +71,56 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     if max_tokens == 0:
         raise bad_request("max_tokens must be at least 1", param="max_tokens")
+    tools = plan_tools(request, ctx.settings)
+    constraint = _constraint(request, tools.constraint)
     params = build_sampling_params(request, ctx.facts.generation_defaults, max_tokens=max_tokens,
-                                   logprobs=(request.top_logprobs or 0) if request.logprobs else None)
+                                   logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+                                   structured_outputs=constraint.params if constraint else None)
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
-    render = ChatRender(request.add_generation_prompt, request.chat_template)
+    render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
     truncate = ctx.settings.chat_history_policy == "truncate"
+    await ctx.preparer.run(_compile, ctx, tools, constraint)
     ids, dropped = await ctx.preparer.run(ctx.preparer.chat_prompt, messages, render, params, max_tokens, truncate)
     headers = {TRUNCATED_TURNS_HEADER: str(dropped)} if dropped else None
     chat_id, created = ctx.new_id("chatcmpl"), int(time.time())
     streams = submit(ctx, chat_id, [ids], params, request.cache_salt)
     if request.stream:
-        frames = _stream(ctx, request, chat_id, created, model, ids, merged(ctx, streams))
+        frames = _stream(ctx, request, tools, chat_id, created, model, ids, merged(ctx, streams))
         return StreamingResponse(sse_with_errors(frames), media_type="text/event-stream", headers=headers)
     try:
         (tracker,) = await unless_disconnected(raw, collect(ctx, streams, [ids]))
     except ClientDisconnected:
         return Response(status_code=499)
     output = tracker.result()
-    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                          logprobs=_logprobs(ctx, request, ids, c.token_ids, 0, c.token_ids, c.logprobs),
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in output.outputs]
+    choices = [_choice(ctx, request, tools, ids, c) for c in output.outputs]
     body = ChatCompletionResponse(id=chat_id, created=created, model=model, choices=choices,
                                   usage=_usage(tracker))
     return JSONResponse(body.model_dump(), headers=headers)
+
+
+def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Constraint | None:
+    """The output constraint: a forced tool call's, else the request's own (response_format, structured_outputs,
+    guided_*; checked even when a forced call overrides it, as vLLM lets the call win)."""
+    requested = request_constraint(request)
+    return forced or requested
+
+
+def _compile(ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None) -> None:
+    """On the preparation thread: the tools' schemas and the constraint, so that a bad one is a 400 now."""
+    compile_tools(ctx.facts.grammar, tools)
+    if constraint is not None and constraint is not tools.constraint:
+        compile_constraint(ctx.facts.grammar, constraint)
+
+
+def _choice(
+    ctx: ServerContext, request: ChatCompletionRequest, tools: ToolPlan, prompt: list[int], c: CompletionOutput
+) -> ChatChoice:
+    """One whole choice: its text as content, or read by the tool plan into content and calls."""
+    reply = parse_reply(tools, c.text)
+    message = ChatResponseMessage(content=reply.content, tool_calls=reply.tool_calls or None)
+    return ChatChoice(index=c.index, message=message,
+                      logprobs=_logprobs(ctx, request, prompt, c.token_ids, 0, c.token_ids, c.logprobs),
+                      finish_reason=finish_reason(c.finish_reason, bool(reply.tool_calls)), stop_reason=c.stop_reason)
 
 
 def _logprobs(
@@ -119,20 +147,22 @@ def _usage(tracker: DeltaTracker) -> UsageInfo:
 async def _stream(
     ctx: ServerContext,
     request: ChatCompletionRequest,
+    tools: ToolPlan,
     chat_id: str,
     created: int,
     model: str,
     prompt: list[int],
     outputs: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
-    """Role chunks once the prompt is prefilled (the first output), then content deltas, the finish
-    reason, the usage chunk if asked for, and [DONE]."""
+    """Role chunks once the prompt is prefilled (the first output), then content deltas (or tool-call pieces),
+    the finish reason, the usage chunk if asked for, and [DONE]."""
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         body = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=choices, usage=usage)
         return sse(body.model_dump(exclude=None if usage else {"usage"}))
 
     tracker = DeltaTracker(prompt)
+    calls: dict[int, StreamedCalls] = {}  # per choice, when the reply is read for tool calls
     async for _, output in outputs:
         deltas = tracker.add(output)
         for d in deltas:
@@ -141,7 +171,12 @@ async def _stream(
         for d in deltas:
             logprobs = _logprobs(ctx, request, prompt, tracker.generated(d.index), d.first_token, d.token_ids,
                                  d.logprobs)
-            if d.finish_reason is not None:
+            if tools.extractor is not None:
+                if d.index not in calls:
+                    calls[d.index] = StreamedCalls(tools)
+                for frame in _tool_chunks(calls[d.index], d, logprobs):
+                    yield chunk([frame])
+            elif d.finish_reason is not None:
                 delta = DeltaMessage(content=d.text) if d.text else DeltaMessage()
                 yield chunk([ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs,
                                               finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
@@ -150,3 +185,21 @@ async def _stream(
     if tracker.finished and request.stream_options is not None and request.stream_options.include_usage:
         yield chunk([], _usage(tracker))
     yield SSE_DONE
+
+
+def _tool_chunks(
+    streamed: StreamedCalls, d: ChoiceDelta, logprobs: ChatChoiceLogprobs | None
+) -> list[ChatStreamChoice]:
+    """A piece of a reply read for tool calls: its content and call pieces in one chunk, then (at the end) the finish
+    reason in a chunk of its own, "tool_calls" when it called any."""
+    finished = d.finish_reason is not None
+    content, pieces = streamed.add(d.text, finished)
+    frames = []
+    if content or pieces or (logprobs is not None and logprobs.content):
+        delta = DeltaMessage(content=content or None, tool_calls=pieces or None)
+        frames.append(ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs))
+    if finished:
+        frames.append(ChatStreamChoice(index=d.index, delta=DeltaMessage(),
+                                       finish_reason=finish_reason(d.finish_reason, streamed.has_calls),
+                                       stop_reason=d.stop_reason))
+    return frames

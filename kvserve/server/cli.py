@@ -72,6 +72,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long running requests may finish; then each is aborted with a "
                         "503 (a stream: an error frame and [DONE])")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide whether to call tools (tool_choice \"auto\", the default when a "
+                        "request has tools; a 400 without this flag), reading its calls with --tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls, as vLLM names them: hermes (Hermes / Qwen "
+                        "<tool_call> JSON), pythonic (Gemma 3's and Llama 3.2's Python call list; alias gemma3); "
+                        "also the format in which tools are described to a chat template that lacks tool support")
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -95,11 +102,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.app import build_app
-    from kvserve.server.context import ServerSettings
+    from kvserve.server.context import ServerSettings, check_tool_flags
     from kvserve.server.transport import ServerConfig, TransportLimits
     from kvserve.server.uvicorn_server import GracefulServer
 
     api_key = resolve_api_key(args.api_key)  # before the model loads: a refused key fails at once
+    check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # so do bad tool flags
     transport = TransportLimits(timeout_keep_alive=args.timeout_keep_alive,
                                 timeout_header_read=args.timeout_header_read,
                                 timeout_body_read=args.timeout_body_read)
@@ -121,6 +129,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         max_prompts_per_request=args.max_prompts_per_request,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs)
     app = build_app(async_engine, settings, transport)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
 from kvserve.server.logprobs import LogprobEntry, completion_logprobs, context_tail
@@ -76,13 +77,15 @@ def _prompt_items(request: CompletionRequest) -> list[str | list[int]]:
     return items
 
 
-def _params(ctx: ServerContext, request: CompletionRequest, max_tokens: int) -> SamplingParams:
+def _params(ctx: ServerContext, request: CompletionRequest, max_tokens: int,
+            constraint: Constraint | None) -> SamplingParams:
     prompt_only = max_tokens == 0
     return build_sampling_params(
         request, ctx.facts.generation_defaults,
         max_tokens=1 if prompt_only else request.max_tokens,
         logprobs=None if prompt_only else request.logprobs,
         prompt_logprobs=request.logprobs if request.echo else None,
+        structured_outputs=constraint.params if constraint is not None else None,
     )
 
 
@@ -95,7 +98,10 @@ async def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
         raise bad_request("best_of other than n is not supported", param="best_of")
     items = _prompt_items(request)
     max_tokens = request.max_tokens if request.max_tokens is not None else ctx.max_model_len
-    params = _params(ctx, request, max_tokens)
+    constraint = request_constraint(request)
+    params = _params(ctx, request, max_tokens, constraint)
+    if constraint is not None:
+        await ctx.preparer.run(compile_constraint, ctx.facts.grammar, constraint)
     prompts = await ctx.preparer.run(ctx.preparer.completion_prompts, items, params, request.max_tokens,
                                      request.skip_special_tokens)
     return _Plan(ctx.new_id("cmpl"), model, request, prompts, params, max_tokens)

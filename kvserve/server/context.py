@@ -12,16 +12,26 @@ from typing import TYPE_CHECKING
 
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.server.errors import APIError
+from kvserve.structured.tool_parsers import DEFAULT_STYLE, TOOL_PARSER_NAMES, ToolParserSpec, tool_parser
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.facts import EngineFacts
     from kvserve.metrics import ServerMetrics
+    from kvserve.model.chat_template import ToolPromptStyle
     from kvserve.server.logprobs import TokenTexts
     from kvserve.server.prepare import PromptPreparer
 
 CHAT_HISTORY_POLICIES = ("reject", "truncate")
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+
+
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """ValueError for --enable-auto-tool-choice without a parser (as vLLM), or a parser that does not exist."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice requires --tool-call-parser ({', '.join(TOOL_PARSER_NAMES)})")
+    if tool_call_parser is not None:
+        tool_parser(tool_call_parser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +46,11 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
     trust_request_chat_template: bool = False  # a request's own `chat_template` is refused unless set
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completions prompt list beyond it: 400
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is a 400 without it (vLLM)
+    tool_call_parser: str | None = None  # reads "auto" replies' calls; its style writes tools for template-less chats
 
     def __post_init__(self) -> None:
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         if not self.served_model_names:
             raise ValueError("at least one served model name is required")
         if self.max_prompts_per_request < 1:
@@ -47,6 +60,16 @@ class ServerSettings:
         if self.chat_history_policy not in CHAT_HISTORY_POLICIES:
             raise ValueError(f"--chat-history-policy must be one of {', '.join(CHAT_HISTORY_POLICIES)}, "
                              f"got {self.chat_history_policy!r}")
+
+    @property
+    def tool_parser(self) -> ToolParserSpec | None:
+        return tool_parser(self.tool_call_parser) if self.tool_call_parser is not None else None
+
+    @property
+    def tool_style(self) -> ToolPromptStyle:
+        """How tools are written into prompts whose chat template lacks them: the parser's format, else JSON."""
+        parser = self.tool_parser
+        return parser.style if parser is not None else DEFAULT_STYLE
 
 
 @dataclass(slots=True)

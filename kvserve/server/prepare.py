@@ -24,6 +24,7 @@ from kvserve.server.errors import bad_request
 from kvserve.server.sampling import check_fits, fits
 
 if TYPE_CHECKING:
+    from kvserve.model.chat_template import ToolPromptStyle
     from kvserve.model.tokenizer import Tokenizer
     from kvserve.sampling_params import SamplingParams
 
@@ -125,7 +126,8 @@ class PromptPreparer:
 
     def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:
         text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=render.add_generation_prompt,
-                                                   chat_template=render.chat_template)
+                                                   chat_template=render.chat_template, tools=render.tools,
+                                                   tool_style=render.tool_style)
         return self.encode(text, param="messages")
 
     def _render_fitting(
@@ -147,9 +149,8 @@ class PromptPreparer:
                 lo = mid + 1
         return best if best is not None else (ids, 0)
 
-    def tokenize_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, param="messages")
+    def tokenize_messages(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:
+        return self._render(messages, render)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         return [self._tokenizer.id_to_token(i) or "" for i in ids]
@@ -161,10 +162,13 @@ class PromptPreparer:
 
 @dataclass(frozen=True, slots=True)
 class ChatRender:
-    """How a chat request asks for its messages to be rendered."""
+    """How a chat request asks for its messages to be rendered: with its tools, written in `tool_style` where the
+    template does not render them (kvserve.model.chat_template.tool_fallback_messages)."""
 
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_style: ToolPromptStyle | None = None
 
 
 def check_token_ids(facts: EngineFacts, ids: Sequence[int]) -> None:

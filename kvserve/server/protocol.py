@@ -8,11 +8,24 @@ fields (clients send many) so that the server can log and ignore them, as vLLM d
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 _SCALARS = frozenset({int, float, bool, type(None)})
+
+_T = TypeVar("_T")
+# A request's list stops validating at its first bad item (pydantic's fail_fast, which applies to a list, not to a
+# union holding lists: hence per list): an invalid 8 MiB body of a million items costs one error, not a million.
+FastList = Annotated[list[_T], Field(fail_fast=True)]
 
 
 def _not_utf8(value: Any) -> str | None:
@@ -89,8 +102,8 @@ class SamplingFields(OpenAIRequest):
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | FastList[str] | None = None
+    stop_token_ids: FastList[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -101,6 +114,15 @@ class SamplingFields(OpenAIRequest):
     cache_salt: str | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # Output constraints (kvserve.server.constraints): OpenAI's response_format, vLLM's structured_outputs (a
+    # StructuredOutputsParams as a dict: one constraint and/or its options) and vLLM's older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: FastList[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -112,7 +134,7 @@ class SamplingFields(OpenAIRequest):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | FastList[str] | FastList[int] | FastList[FastList[int]]
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
@@ -130,22 +152,24 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(StrictRequestModel):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | FastList[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: FastList[dict[str, Any]] | None = None  # an assistant's calls, sent back on the next turn
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: FastList[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    functions: list[dict[str, Any]] | None = None
+    tools: FastList[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+    functions: FastList[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -203,9 +227,53 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprob] | None = None
 
 
+def _without_none(keys: tuple[str, ...], data: dict[str, Any]) -> dict[str, Any]:
+    """`data` less those of `keys` whose value is None (fields that OpenAI leaves out rather than sending null)."""
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(("name", "arguments"), handler(self))
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed call: `index` always; `id`, `type` and `function.name` in the call's first piece
+    only (left out after: the openai SDK's stream accumulator would overwrite `type` with a null)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(("id", "type"), handler(self))
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out when the reply calls nothing
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(("tool_calls",), handler(self))
 
 
 class ChatChoice(BaseModel):
@@ -228,6 +296,11 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(("tool_calls",), handler(self))
 
 
 class ChatStreamChoice(BaseModel):
@@ -267,10 +340,11 @@ class TokenizeRequest(OpenAIRequest):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: FastList[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: FastList[dict[str, Any]] | None = None  # rendered with `messages`, as in a chat request
 
 
 class TokenizeResponse(BaseModel):
@@ -282,7 +356,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: FastList[int]
 
 
 class DetokenizeResponse(BaseModel):

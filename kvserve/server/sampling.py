@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from kvserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +31,10 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """SamplingParams for a request; ValueError (a 400) for values out of range."""
+    """SamplingParams for a request; ValueError (a 400) for values out of range. `structured_outputs`: the
+    request's constraint, checked already (kvserve.server.constraints)."""
     defaults: dict[str, Any] = {}
     for name in _GENERATION_DEFAULTS:
         value = getattr(request, name)
@@ -52,6 +57,7 @@ def build_sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
+        structured_outputs=structured_outputs,
         **defaults,
     )
 

@@ -64,6 +64,7 @@ class TimedH11Protocol(H11Protocol):
         self._limits = limits
         self._read_timer: asyncio.TimerHandle | None = None
 
+    # Typed as uvicorn types it (asyncio.Transport); asyncio's stub has BaseTransport, hence uvicorn's own ignore too
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_read_timer(self._limits.timeout_header_read)

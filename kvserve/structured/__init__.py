@@ -12,6 +12,7 @@ from kvserve.structured.backend import (
     GrammarVocab,
     make_backend,
 )
+from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.matcher import (
     GrammarMatcher,
     allocate_token_bitmask,
@@ -26,6 +27,7 @@ __all__ = [
     "ConstraintKind",
     "GrammarBackend",
     "GrammarCompileError",
+    "GrammarCompiler",
     "GrammarMatcher",
     "GrammarVocab",
     "StructuredOutputsParams",

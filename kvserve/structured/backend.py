@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.structured.matcher import GrammarMatcher, GuidanceMatcher, XgrammarMatcher
 from kvserve.structured.params import ConstraintKind, StructuredOutputsParams
+from kvserve.vocab import STRUCTURED_OUTPUTS_BACKENDS
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as RawTokenizer
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "xgrammar", "guidance")
+BACKEND_NAMES = STRUCTURED_OUTPUTS_BACKENDS  # declared once, in kvserve/vocab.py
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept
 DEFAULT_CACHE_BYTES = 256 << 20  # and their bytes, where the backend tells them (xgrammar)
 _MAX_REASON_CHARS = 600
@@ -124,6 +125,10 @@ class GrammarBackend(Protocol):
         """The compiled grammar, from the cache when an equal constraint was compiled before."""
         ...
 
+    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
+        """The compiled grammar if it is cached already, else None (never compiles: cheap on any thread)."""
+        ...
+
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher (initial state) for one request or sequence."""
         ...
@@ -157,6 +162,15 @@ class GrammarCache:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def get(self, key: str) -> CompiledGrammar | None:
+        """The cached grammar under `key` (marked recently used), or None: never compiles."""
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            self._entries.move_to_end(key)
+            return hit[0]
 
     def get_or_compile(self, key: str, compile_fn: Callable[[], CompiledGrammar]) -> CompiledGrammar:
         with self._lock:
@@ -221,6 +235,9 @@ class XgrammarBackend:
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         return self._cache.get_or_compile(params.key, lambda: self._compile(params))
+
+    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
+        return self._cache.get(params.key)
 
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         _check_owner(self.name, grammar)
@@ -305,6 +322,9 @@ class GuidanceBackend:
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         return self._cache.get_or_compile(params.key, lambda: self._compile(params))
+
+    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
+        return self._cache.get(params.key)
 
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         _check_owner(self.name, grammar)
@@ -417,6 +437,14 @@ class AutoBackend:
             logger.info("structured output: xgrammar refused a %s constraint (%s); using llguidance",
                         params.kind.value, first.reason)
             return compiled
+
+    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
+        found = self.primary.lookup(params)
+        if found is None:
+            with self._fallback_lock:
+                fallback = self._fallback
+            found = fallback.lookup(params) if fallback is not None else None
+        return found
 
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         if grammar.backend == self.primary.name:

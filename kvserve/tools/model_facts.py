@@ -54,7 +54,7 @@ def resolve_model_facts(model: str | None) -> ModelFacts:
     if path is not None and path.is_file() and path.suffix == ".json":
         return _from_hf_config(_read_json(path), path.parent, str(path), path.parent.name or path.stem)
     is_local = model is None or model in (DEFAULT_MODEL_NAME, "default") or (path is not None and path.exists())
-    if not is_local:
+    if model is not None and not is_local:  # is_local holds when model is None
         entry = find_entry(model)
         if entry is None:
             names = ", ".join(e.name for e in CATALOG)

@@ -1,4 +1,5 @@
-"""Output helpers shared by the capacity commands (and `kvserve generate`): the `--json [PATH]` convention, sizes, plain tables."""
+"""Output helpers shared by the capacity commands (and `kvserve generate`): the `--json [PATH]` convention, sizes,
+plain tables."""
 
 from __future__ import annotations
 

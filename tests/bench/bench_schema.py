@@ -20,8 +20,8 @@ LATENCY_SINGLE = {"system", "prompt_len", "output_len", "ttft_ms", "ttft_ms_runs
 LATENCY_BATCH = {"system", "batch_size", "prompt_len", "output_len", "ms_per_step", "ms_per_step_runs",
                  "ms_per_token", "tokens_per_s", "floor_ms_per_step"}
 CEILINGS = {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "bandwidth_gbps_used"}
-MODEL_COST = {"weight_bytes_per_step", "matmul_params", "lm_head_params", "kv_bytes_per_token", "num_layers", "num_heads", "head_dim",
-              "sliding_windows"}
+MODEL_COST = {"weight_bytes_per_step", "matmul_params", "lm_head_params", "kv_bytes_per_token", "num_layers",
+              "num_heads", "head_dim", "sliding_windows"}
 
 KV_CACHE_RESULTS = {"points", "decode_tokens"}
 KV_CACHE_POINT = {"context_len", "cached_ms_per_token", "cached_ms_runs", "recompute_ms_per_token",

@@ -70,7 +70,8 @@ def test_latency_with_hf_and_a_llama_bench_stand_in(tiny_model_dir, tmp_path, ca
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     doc, _ = run(["latency", "--prompt-lens", "8,40", "--output-len", "3", "--batch-sizes", "1,3",
                   "--batch-prompt-len", "6", "--batch-output-len", "3", "--repeats", "1", "--peer", "hf",
-                  "--peer", "llama-cpp", "--llama-bench", str(fake), "--llama-cpp-model", str(fake)], tiny_model_dir, tmp_path, capsys)
+                  "--peer", "llama-cpp", "--llama-bench", str(fake), "--llama-cpp-model", str(fake)],
+                 tiny_model_dir, tmp_path, capsys)
     results = doc["results"]
     assert set(results) == LATENCY_RESULTS
     assert set(results["ceilings"]) == CEILINGS and set(results["model_cost"]) == MODEL_COST

@@ -146,7 +146,8 @@ def test_stop_conditions(checkpoints):
     path, _ = checkpoints["llama_gqa"]
     llm = LLM(engine=make_engine(path))
     p = prompts(1, seed=8)[0]
-    free = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
     stop_tok = free.token_ids[4]
     first = free.token_ids.index(stop_tok)
     by_id = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]),

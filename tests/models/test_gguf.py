@@ -120,7 +120,9 @@ GGUF_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant_name", sorted(GGUF_VARIANTS))
-def test_gguf_matches_hf_and_cache_is_reused(variant_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_matches_hf_and_cache_is_reused(
+    variant_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     variant, overrides = GGUF_VARIANTS[variant_name]
     arch = variant_name.split("_")[0]
     hf = build_tiny_hf_model(variant, **overrides)

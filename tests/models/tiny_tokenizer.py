@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3, matching the tiny configs' pad 0 / eos 1... bos 2
 

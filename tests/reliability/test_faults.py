@@ -1,5 +1,6 @@
-"""Engine faults under load: a step that raises ends every in-flight request (500, or an error frame then
-[DONE] for streams), /health turns 503 and new requests are refused; every wait here is bounded."""
+"""Engine faults under load: a step that raises outside any request ends every in-flight request (500, or an
+error frame then [DONE] for streams), /health turns 503 and new requests are refused; every wait here is
+bounded. (A fault inside one request fails that request alone: tests/server/test_engine_fault_isolation.py.)"""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 from reliability_support import (
     assert_openai_error,
     assert_serving,
@@ -17,7 +18,6 @@ from reliability_support import (
 from server_support import RunningServer
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings
 
 MAX_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "25"))
 

@@ -91,7 +91,8 @@ def test_chat_errors(http, server):
     assert_error(http.post("/v1/chat/completions", json={"messages": user, "tools": [{"type": "function"}]}),
                  400, param="tools")
     assert_error(http.post("/v1/chat/completions", json={"messages": user,
-                                                         "response_format": {"type": "json_object"}}), 400)
+                                                         "response_format": {"type": "xml"}}), 400,
+                 param="response_format.type")
     assert_error(http.post("/v1/chat/completions", json={"messages": user, "top_logprobs": 2}), 400)
     assert_error(http.post("/v1/chat/completions",
                            json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "image_url")

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
 from structured_support import TINY_LOGITS_WIDTH  # noqa: E402
 from tiny_tokenizer import write_char_tokenizer  # noqa: E402
+from tool_server_support import tools_client, tools_model_dir, tools_server  # noqa: E402, F401 (fixtures)
 
 from kvserve.model.tokenizer import Tokenizer  # noqa: E402
 from kvserve.structured import GrammarBackend, GrammarVocab, make_backend  # noqa: E402

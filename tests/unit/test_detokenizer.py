@@ -113,7 +113,7 @@ def test_stream_of_real_text_equals_decode(name, text):
     tok = TOKENIZERS[name]
     ids = tok.encode(text, add_special_tokens=False)
     deltas, _, detok = _stream(tok, ids)
-    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) == detok.output_text
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
@@ -164,7 +164,7 @@ def test_stop_string_across_token_boundaries(include):
     deltas, stopped, detok = _stream(tok, ids, stop=["STOP"], include_stop_str_in_output=include)
     expected = "say STOP" if include else "say "
     assert stopped == "STOP"
-    assert "".join(deltas) == detok.output_text == expected
+    assert "".join(deltas) == expected
 
 
 def test_partial_stop_string_is_held_back_then_released():
@@ -181,7 +181,7 @@ def test_partial_stop_string_is_held_back_then_released():
         streamed += detok.append(t).delta_text
     assert streamed == "a STOx"
     streamed += detok.finish().delta_text  # ended for another reason: nothing is held any more
-    assert streamed == "a STOxST" == detok.output_text
+    assert streamed == "a STOxST"
 
 
 def test_earliest_stop_string_wins_within_one_token():

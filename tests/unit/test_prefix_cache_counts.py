@@ -46,7 +46,7 @@ def step(sched: Scheduler) -> None:
 
 def run_to_end(sched: Scheduler, on_step=lambda: None) -> None:
     for _ in range(500):
-        if not sched.num_unfinished:
+        if not sched.waiting and not sched.running:
             return
         step(sched)
         on_step()

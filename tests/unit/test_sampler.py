@@ -94,7 +94,8 @@ def _chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     [
         (dict(temperature=1.0), lambda x: torch.softmax(x, -1)),
         (dict(temperature=2.0), lambda x: torch.softmax(x / 2, -1)),
-        (dict(temperature=0.5, top_k=3), lambda x: torch.softmax(torch.where(x >= x.topk(3).values[-1], x / 0.5, -math.inf), -1)),
+        (dict(temperature=0.5, top_k=3),
+         lambda x: torch.softmax(torch.where(x >= x.topk(3).values[-1], x / 0.5, -math.inf), -1)),
     ],
 )
 def test_temperature_sampling_distribution(params, transform):

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, GenerationMixin, LogitsProcessor, LogitsProcessorList
 
 from kvserve.bench.systems import ThroughputRun, Timeline
 from kvserve.bench.workload import TokenRequest
@@ -34,7 +34,7 @@ class BatchProbe:
 class HFPeer:
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, batch_size: int = 16) -> None:
+    def __init__(self, model: GenerationMixin, pad_token_id: int, batch_size: int = 16) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size  # for run_requests; see choose_batch_size

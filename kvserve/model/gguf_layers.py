@@ -1,0 +1,124 @@
+"""`--quantization gguf`: a GGUF file's quantized tensors run as the file stores them (Q4_K, Q5_0, Q6_K, Q8_0,
+...; kvserve/kernels/gguf_blocks.py lists the native types), so the output equals a float32 model on the weights
+HF transformers dequantizes from the same file (up to summation order), and a decode step reads the file's bytes.
+
+A fused projection (QKV, gate/up) keeps one block tensor per source tensor, since a file may store Q, K and V in
+different types; each part writes its own columns of the output. A layer any of whose parts has a type without a
+native kernel (Q3_K, IQ4_XS, F16, ...) stays a float32 nn.Linear, filled from the dequantized tensors (logged)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, row_length
+from kvserve.kernels.ops import Kernels
+
+
+class GGUFLinear(nn.Module):
+    """A linear layer whose weight is one or more runs of GGUF blocks stacked along the output axis."""
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], bias: torch.Tensor | None, kernels: Kernels) -> None:
+        super().__init__()
+        self.qtypes = tuple(qtype for qtype, _ in parts)
+        self.part_rows = tuple(blocks.shape[0] for _, blocks in parts)
+        lengths = {row_length(qtype, blocks.shape[1]) for qtype, blocks in parts}
+        if len(lengths) != 1:
+            raise ValueError(f"the parts of a fused GGUF layer have different input sizes: {sorted(lengths)}")
+        self.in_features, self.out_features = lengths.pop(), sum(self.part_rows)
+        for i, (_, blocks) in enumerate(parts):
+            self.register_buffer(f"blocks{i}", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.kernels = kernels
+
+    def packed_weight_counts(self) -> list[tuple[torch.Tensor, int]]:
+        """(buffer, weights it holds): a buffer of packed blocks has far fewer elements than weights, so FLOP
+        counts (bench/floor.py) ask the layer rather than the buffer's numel()."""
+        return [(getattr(self, f"blocks{i}"), rows * self.in_features) for i, rows in enumerate(self.part_rows)]
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: an [N, out_features] float32 buffer to write into (N = x's rows)."""
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).float()
+        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=x.device) if out is None else out
+        start = 0
+        for i, (qtype, rows) in enumerate(zip(self.qtypes, self.part_rows)):
+            dst = y if len(self.qtypes) == 1 else y[:, start:start + rows]
+            self.kernels.gguf_matmul(flat, getattr(self, f"blocks{i}"), qtype, out=dst)
+            start += rows
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        types = "+".join(NATIVE_GGUF_TYPES[t].name for t in self.qtypes)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}, kernels={self.kernels.name}"
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding held as GGUF blocks: lookups dequantize only the rows asked for; `attend` is the tied LM
+    head's matmul on the same blocks (Q8_0 in the default file: 1.06 bytes a weight)."""
+
+    qweight: torch.Tensor  # [num_embeddings, bytes per row] uint8 GGUF blocks, a buffer
+
+    def __init__(self, qtype: int, blocks: torch.Tensor, dtype: torch.dtype, kernels: Kernels) -> None:
+        super().__init__()
+        self.qtype = qtype
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], row_length(qtype, blocks.shape[1])
+        self.register_buffer("qweight", blocks)  # the name bench/floor.py counts as the embedding
+        self.dtype = dtype
+        self.kernels = kernels
+
+    def packed_weight_counts(self) -> list[tuple[torch.Tensor, int]]:
+        """See GGUFLinear.packed_weight_counts."""
+        return [(self.qweight, self.num_embeddings * self.embedding_dim)]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.kernels.gguf_dequantize(self.qweight[ids.reshape(-1)], self.qtype)
+        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+    def attend(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.gguf_matmul(hidden.reshape(-1, self.embedding_dim), self.qweight, self.qtype, out)
+
+    def extra_repr(self) -> str:
+        name = NATIVE_GGUF_TYPES[self.qtype].name
+        return f"{self.num_embeddings}, {self.embedding_dim}, {name}, kernels={self.kernels.name}"
+
+
+# A fused module's sub-name -> the checkpoint sub-names of its parts, in row order (DecoderModel.load_weights).
+FUSED_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _source_names(module_name: str) -> list[str]:
+    """The canonical weight names a module of the model is made of."""
+    for fused, parts in FUSED_PARTS.items():
+        if module_name.endswith(fused):
+            prefix = module_name.removesuffix(fused)
+            return [f"{prefix}{part}.weight" for part in parts]
+    return [f"{module_name}.weight"]
+
+
+def use_gguf_blocks(model: nn.Module, blocks: Mapping[str, tuple[int, torch.Tensor]], kernels: Kernels) -> set[str]:
+    """Replace each linear layer and embedding of `model` whose weights all have native blocks (canonical name ->
+    (ggml type, uint8 [rows, row_bytes])) by a GGUF layer; returns the canonical names consumed. Biases are left
+    for `load_weights` (a GGUFLinear keeps a `bias` parameter where the nn.Linear had one)."""
+    used: set[str] = set()
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            sources = _source_names(full)
+            if not isinstance(child, (nn.Linear, nn.Embedding)) or not all(s in blocks for s in sources):
+                continue
+            if isinstance(child, nn.Embedding):
+                qtype, data = blocks[sources[0]]
+                setattr(parent, name, GGUFEmbedding(qtype, data, child.weight.dtype, kernels))
+            else:
+                bias = None if child.bias is None else torch.empty_like(child.bias, dtype=torch.float32)
+                setattr(parent, name, GGUFLinear([blocks[s] for s in sources], bias, kernels))
+            used.update(sources)
+    return used

@@ -1,0 +1,177 @@
+"""`tools` and `tool_choice` of a chat request: what they put into the prompt, what they force, and how the reply
+is read back into `message.tool_calls`, streamed or not.
+
+As vLLM does:
+- "none": the tools are rendered into the prompt (by the chat template, or its documented fallback), the reply is
+  plain text;
+- "auto" (the default when tools are given): the model decides; the server's `--tool-call-parser` reads its calls
+  out of the text, and without `--enable-auto-tool-choice` the request is a 400;
+- "required" or a named function: the output is forced by a grammar (kvserve.structured.tool_schemas) into one or
+  more calls whose arguments validate against the function's `parameters` (one call at most with
+  parallel_tool_calls false). Forced output is compact JSON (disable_any_whitespace, unless the request's
+  structured_outputs options say otherwise): the arguments are one line, and a small model cannot wander off
+  into whitespace. A forced tool call takes precedence over response_format, as in vLLM.
+Every tool's `parameters` schema is compiled on the preparation thread (cached), whatever tool_choice says, so an
+invalid one is a 400 naming `tools[i].function.parameters`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from kvserve.server.constraints import Constraint, compile_failed, make_params, request_options
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from kvserve.structured.backend import GrammarCompileError
+from kvserve.structured.tool_calls import CallPiece, ParsedDelta, ToolCallExtractor, extract_all
+from kvserve.structured.tool_parsers import NamedFunctionExtractor, RequiredExtractor
+from kvserve.structured.tool_schemas import (
+    FunctionTool,
+    check_tool_schemas,
+    forced_function,
+    named_choice,
+    parse_tools,
+    tool_choice_schema,
+)
+
+if TYPE_CHECKING:
+    from kvserve.server.context import ServerSettings
+    from kvserve.server.protocol import ChatCompletionRequest
+    from kvserve.structured.compiler import GrammarCompiler
+
+_FORCED_OPTIONS = {"disable_any_whitespace": True}
+AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                    "on the server")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """A chat request's tools, checked: what to render, what to force, and how to read calls out of the reply."""
+
+    tools: list[dict[str, Any]] | None  # for the prompt (None: no tools)
+    functions: list[FunctionTool] = field(default_factory=list)
+    choice: str = "none"  # none, auto, required, named
+    constraint: Constraint | None = None  # required / named: the forcing grammar
+    extractor: Callable[[], ToolCallExtractor] | None = None  # one per choice; None: the reply is plain text
+    parallel: bool = True
+
+
+def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
+    """The request's tools and tool_choice, checked (cheap: on the event loop); 400 naming the field otherwise."""
+    parallel = request.parallel_tool_calls is not False
+    try:
+        functions = parse_tools(request.tools)
+        choice = _choice(request.tool_choice, bool(functions))
+        forced = forced_function(functions, request.tool_choice) if choice == "named" else None
+        schema = tool_choice_schema(request.tools, request.tool_choice, parallel) \
+            if choice in ("named", "required") else None
+    except ValueError as e:
+        raise bad_request(str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from e
+    tools = list(request.tools) if request.tools else None
+    if choice == "none":
+        return ToolPlan(tools, functions)
+    if choice == "auto":
+        parser = settings.tool_parser
+        if not settings.enable_auto_tool_choice or parser is None:
+            raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
+        return ToolPlan(tools, functions, choice, None, parser.extractor, parallel)
+    constraint = Constraint(make_params("tools", {"json": schema, **_FORCED_OPTIONS, **request_options(request)}),
+                            "tools")
+    extractor: Callable[[], ToolCallExtractor] = (
+        partial(NamedFunctionExtractor, forced.name) if forced is not None else RequiredExtractor)
+    return ToolPlan(tools, functions, choice, constraint, extractor, parallel)
+
+
+def _choice(tool_choice: object, has_tools: bool) -> str:
+    """none / auto / required / named; OpenAI's default is auto with tools, none without."""
+    if tool_choice is None:
+        return "auto" if has_tools else "none"
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice == "required" and not has_tools:
+            raise ValueError("tool_choice 'required' needs at least one tool in tools")
+        return "none" if tool_choice == "auto" and not has_tools else str(tool_choice)
+    named_choice(tool_choice)  # its shape: ValueError naming tool_choice
+    if not has_tools:
+        raise ValueError("tool_choice names a function, but the request has no tools")
+    return "named"
+
+
+def compile_tools(grammar: GrammarCompiler | None, plan: ToolPlan) -> None:
+    """On the preparation thread: every tool's parameters schema (a refused one is a 400 naming its field), then the
+    forcing grammar (cached: the engine's compile is a hit)."""
+    if not plan.functions:
+        return
+    if grammar is None:
+        raise APIError(400, "tools need structured output, which is not available on this server", param="tools")
+    try:
+        check_tool_schemas(grammar.backend, plan.functions)
+        if plan.constraint is not None:
+            grammar.compile(plan.constraint.params)
+    except GrammarCompileError as e:
+        raise compile_failed(e if e.field.startswith("tools[") else e.renamed("tools")) from None
+
+
+# -- reading calls out of a reply ------------------------------------------------------------------------------
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedReply:
+    """One whole choice's reply: content (None when empty) and calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
+    """A non-streamed choice through the plan's extractor (the same machine a stream runs)."""
+    if plan.extractor is None:
+        return ParsedReply(text, [])
+    result = extract_all(plan.extractor(), text)
+    calls = result.calls if plan.parallel else result.calls[:1]
+    return ParsedReply(result.content, [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name,
+                                                                                        arguments=c.arguments))
+                                        for c in calls])
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """"tool_calls" when a reply that ended by itself called tools (a call cut by max_tokens stays "length")."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+class StreamedCalls:
+    """One streamed choice's calls: its extractor, and the id each call got in its first piece."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        assert plan.extractor is not None
+        self._extractor = plan.extractor()
+        self._parallel = plan.parallel
+        self._ids: list[str] = []
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self._ids)
+
+    def add(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """(new content, new call pieces) for the next piece of text; `finished`: it is the last."""
+        delta = self._extractor.feed(text)
+        if finished:
+            delta.extend(self._extractor.finish())
+        return delta.content, self._pieces(delta)
+
+    def _pieces(self, delta: ParsedDelta) -> list[DeltaToolCall]:
+        return [self._piece(p) for p in delta.calls if self._parallel or p.index == 0]
+
+    def _piece(self, piece: CallPiece) -> DeltaToolCall:
+        if piece.name is None:
+            return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
+        self._ids.append(new_call_id())
+        return DeltaToolCall(index=piece.index, id=self._ids[-1], type="function",
+                             function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))

@@ -1,0 +1,442 @@
+"""Tool calls out of generated text, as it streams: the `auto` parsers (vLLM's names) and the forced formats.
+
+Each extractor reads the text one character at a time as it arrives and reports content, call starts and argument
+pieces (tool_calls.py: why, and the pieces they share), so that a stream put together equals the whole reply.
+
+Formats:
+- `hermes` (vLLM's name): Hermes and Qwen models, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, text
+  outside the blocks being content;
+- `pythonic` (vLLM's name; `gemma3` is kvserve's alias for it): Gemma 3's documented function-calling style and
+  Llama 3.2's, a Python list of calls with keyword arguments, `[get_weather(city="Paris"), now()]`, whose literal
+  values become JSON; output that does not start as such a list is content;
+- the forced formats of tool_choice `required` (vLLM's JSON array of `{"name", "parameters"}`) and of a named
+  function (the output is the arguments object).
+
+Each parser comes with its prompt style (tool_prompts.py): how a chat template without tool support gets tools,
+calls and results written into the prompt in the same format.
+
+`arguments` is the JSON text the model wrote for them (leading and trailing whitespace dropped); pythonic arguments
+are built as JSON one keyword at a time. A call cut short (max_tokens) keeps what was generated, with
+finish_reason "length" telling the client so.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from kvserve.model.chat_template import JSONToolStyle, ToolPromptStyle
+from kvserve.structured.tool_calls import (
+    CallNumbering,
+    CallObjectScanner,
+    ContentText,
+    Marker,
+    ParsedDelta,
+    StrippedText,
+    ToolCallExtractor,
+    drop_char,
+    report_call_object,
+)
+from kvserve.structured.tool_prompts import HERMES_END, HERMES_START, HermesStyle, PythonicStyle
+
+# -- hermes -----------------------------------------------------------------------------------------------------
+
+
+class HermesExtractor:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text outside them is content. A block
+    whose JSON names no function (malformed) is content, markers included."""
+
+    argument_keys = ("arguments", "parameters")
+
+    def __init__(self) -> None:
+        self._content = ContentText()
+        self._calls = CallNumbering()
+        self._start = Marker(HERMES_START)
+        self._end = Marker(HERMES_END)
+        self._state = "outside"  # outside, call, after_call, skip
+        self._object: CallObjectScanner | None = None
+        self._raw: list[str] = []  # the block's text while its call has not started (content if it never does)
+        self._started = False
+
+    def feed(self, text: str) -> ParsedDelta:
+        for c in text:
+            self._char(c)
+        return self._take()
+
+    def finish(self) -> ParsedDelta:
+        if self._state == "call" and not self._started:
+            self._give_back_block()
+        elif self._state == "outside":
+            self._start.flush(self._content.char)
+        self._calls.close()
+        return self._take()
+
+    def _take(self) -> ParsedDelta:
+        return ParsedDelta(self._content.take(), self._calls.take())
+
+    def _char(self, c: str) -> None:
+        if self._state == "outside":
+            if self._start.char(c, self._content.char):
+                self._content.drop_held()
+                self._open_block()
+        elif self._state == "call":
+            self._call_char(c)
+        elif self._state == "skip":  # a call that broke off: the rest of its block is dropped
+            if self._end.char(c, drop_char):
+                self._state = "outside"
+        else:  # after_call: whitespace, then </tool_call>; anything else is content again
+            self._after_call_char(c)
+
+    def _open_block(self) -> None:
+        self._state = "call"
+        self._object = CallObjectScanner(self.argument_keys)
+        self._raw = [HERMES_START]
+        self._started = False
+
+    def _call_char(self, c: str) -> None:
+        obj = self._object
+        assert obj is not None
+        self._raw.append(c)
+        obj.char(c)
+        if obj.invalid and not self._started:
+            self._give_back_block()
+            return
+        self._report()
+        if obj.done or obj.invalid:
+            self._calls.close()
+            self._state = "after_call" if obj.done else "skip"
+
+    def _report(self) -> None:
+        assert self._object is not None
+        self._started = report_call_object(self._object, self._calls, self._started)
+
+    def _after_call_char(self, c: str) -> None:
+        if self._end.pending == "" and c.isspace():
+            return
+        leftover: list[str] = []
+        if self._end.char(c, leftover.append):
+            self._state = "outside"
+            return
+        if leftover:  # not the end marker (a missing one): back to content from here
+            self._state = "outside"
+            self._end.pending = ""
+            for x in leftover:
+                self._char(x)
+
+    def _give_back_block(self) -> None:
+        """The block names no call: its text (the marker included) is content."""
+        self._state = "outside"
+        self._object = None
+        raw, self._raw = self._raw, []
+        self._content.text("".join(raw))
+
+
+# -- pythonic ---------------------------------------------------------------------------------------------------
+
+
+def _is_name_char(c: str) -> bool:
+    return c.isalnum() or c in "_.-"
+
+
+class _PythonLiteral:
+    """The extent of one Python literal argument: it ends at a `,` or `)` outside brackets and strings."""
+
+    def __init__(self) -> None:
+        self.chars: list[str] = []
+        self.depth = 0
+        self.quote = ""
+        self.escape = False
+
+    def char(self, c: str) -> bool:
+        """Take `c`; False when `c` ends the literal (not consumed)."""
+        if self.quote:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == self.quote:
+                self.quote = ""
+        elif c in "'\"":
+            self.quote = c
+        elif c in "([{":
+            self.depth += 1
+        elif c in ")]}":
+            if self.depth == 0:
+                return False
+            self.depth -= 1
+        elif c == "," and self.depth == 0:
+            return False
+        self.chars.append(c)
+        return True
+
+    def json(self) -> str | None:
+        """The literal as JSON text, None if it is not a literal JSON can hold."""
+        try:
+            value = ast.literal_eval("".join(self.chars).strip())
+            return json.dumps(_jsonable(value), ensure_ascii=False)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples as lists, sets refused, dict keys kept only if they are strings (as JSON requires)."""
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("dict keys must be strings")
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset, bytes, complex)):
+        raise TypeError(f"{type(value).__name__} has no JSON form")
+    return value
+
+
+class PythonicExtractor:
+    """`[f(a=1, b="x"), g()]`: the whole output one Python list of calls with keyword arguments (as vLLM's pythonic
+    parser); anything else is content. The arguments are built as JSON, one keyword at a time:
+    `{"a": 1`, then `, "b": "x"`, then `}`. A call that breaks off (a positional argument, a value that is no
+    literal, max_tokens) keeps the arguments it had, closed."""
+
+    def __init__(self) -> None:
+        self._content = ContentText()
+        self._calls = CallNumbering()
+        self._state = "lead"  # lead, name, open_paren, key, equals, value, after_value, between, tail, content, dead
+        self._prefix: list[str] = []  # held until the output is known to be a call list
+        self._name: list[str] = []
+        self._key: list[str] = []
+        self._value: _PythonLiteral | None = None
+        self._num_args = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        for c in text:
+            self._char(c)
+        return self._take()
+
+    def finish(self) -> ParsedDelta:
+        if self._state in ("lead", "name", "open_paren") and self._calls.count == 0:
+            self._content.text("".join(self._prefix))
+        elif self._calls.open is not None:
+            self._close_call()
+        return self._take()
+
+    def _take(self) -> ParsedDelta:
+        return ParsedDelta(self._content.take(), self._calls.take())
+
+    def _char(self, c: str) -> None:
+        state = self._state
+        if state == "content":
+            self._content.char(c)
+        elif state == "tail":
+            if not c.isspace():
+                self._state = "content"
+                self._content.char(c)
+        elif state == "dead":
+            return
+        elif state in ("lead", "name", "open_paren") and self._calls.count == 0:
+            self._prefix.append(c)
+            self._head_char(c)
+        else:
+            self._body_char(c)
+
+    def _head_char(self, c: str) -> None:
+        """Before the first call has started: `[`, a name, `(` commit to calls; anything else makes it content."""
+        if self._state == "lead":
+            if c.isspace():
+                return
+            if c == "[":
+                self._state = "name"
+                return
+        elif self._name_char(c):
+            return
+        self._state = "content"
+        prefix, self._prefix = "".join(self._prefix), []
+        self._content.text(prefix)
+
+    def _name_char(self, c: str) -> bool:
+        """The name of a call and its `(`: False if `c` cannot continue them."""
+        if self._state == "name":
+            if _is_name_char(c) and (self._name or c.isalpha() or c == "_"):
+                self._name.append(c)
+                return True
+            if c.isspace() and not self._name:
+                return True
+            if not self._name:
+                return False
+            self._state = "open_paren"
+        if self._state == "open_paren":
+            if c.isspace():
+                return True
+            if c == "(":
+                self._calls.start("".join(self._name))
+                self._name, self._num_args, self._prefix = [], 0, []
+                self._state = "key"
+                return True
+        return False
+
+    def _body_char(self, c: str) -> None:
+        state = self._state
+        if state in ("name", "open_paren"):
+            if not self._name_char(c):
+                self._state = "dead"
+        elif state == "key":
+            self._key_char(c)
+        elif state == "equals":
+            if c == "=":
+                self._state, self._value = "value", _PythonLiteral()
+            elif not c.isspace():
+                self._break_off()
+        elif state == "value":
+            self._value_char(c)
+        elif state == "between":  # after a call's `)`: `,` and the next call, or `]`
+            if c == ",":
+                self._state = "name"
+            elif c == "]":
+                self._state = "tail"
+            elif not c.isspace():
+                self._state = "dead"
+
+    def _key_char(self, c: str) -> None:
+        if _is_name_char(c) and c not in ".-":
+            self._key.append(c)
+        elif c == ")" and not self._key:
+            self._close_call()
+            self._state = "between"
+        elif c.isspace():
+            if self._key:
+                self._state = "equals"
+        elif c == "=" and self._key:
+            self._state, self._value = "value", _PythonLiteral()
+        else:
+            self._break_off()
+
+    def _value_char(self, c: str) -> None:
+        value = self._value
+        assert value is not None
+        if value.char(c):
+            return
+        literal = value.json()
+        if literal is None:
+            self._break_off()
+            return
+        sep = "{" if self._num_args == 0 else ", "
+        self._calls.arguments(f"{sep}{json.dumps(''.join(self._key), ensure_ascii=False)}: {literal}")
+        self._num_args += 1
+        self._key, self._value = [], None
+        if c == ",":
+            self._state = "key"
+        else:  # `)`
+            self._close_call()
+            self._state = "between"
+
+    def _close_call(self) -> None:
+        self._calls.arguments("}" if self._num_args else "{}")
+        self._calls.close()
+
+    def _break_off(self) -> None:
+        """Not the format after all: the open call keeps what it has, the rest of the output is dropped."""
+        if self._calls.open is not None:
+            self._close_call()
+        self._state = "dead"
+
+
+# -- the forced formats -----------------------------------------------------------------------------------------
+
+
+class NamedFunctionExtractor:
+    """tool_choice naming a function: the whole output is that function's arguments."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._calls = CallNumbering()
+        self._text = StrippedText()
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self._calls.count == 0:
+            self._calls.start(self._name)
+        self._calls.arguments(self._text.feed(text))
+        return ParsedDelta("", self._calls.take())
+
+    def finish(self) -> ParsedDelta:
+        return self.feed("")
+
+
+class RequiredExtractor:
+    """tool_choice "required": a JSON array of {"name": ..., "parameters": {...}} (vLLM's forced shape)."""
+
+    argument_keys = ("parameters", "arguments")
+
+    def __init__(self) -> None:
+        self._calls = CallNumbering()
+        self._state = "start"  # start, item, call, between, done
+        self._object: CallObjectScanner | None = None
+        self._started = False
+
+    def feed(self, text: str) -> ParsedDelta:
+        for c in text:
+            self._char(c)
+        self._report()
+        return ParsedDelta("", self._calls.take())
+
+    def finish(self) -> ParsedDelta:
+        self._calls.close()
+        return ParsedDelta("", self._calls.take())
+
+    def _char(self, c: str) -> None:
+        state = self._state
+        if state == "call":
+            assert self._object is not None
+            self._object.char(c)
+            if self._object.done or self._object.invalid:
+                self._report()
+                self._calls.close()
+                self._state = "between" if self._object.done else "done"
+            return
+        if c.isspace() or state == "done":
+            return
+        if state == "start":
+            self._state = "item" if c == "[" else "done"
+        elif state == "item" and c == "{":
+            self._object, self._started, self._state = CallObjectScanner(self.argument_keys), False, "call"
+            self._object.char(c)
+        elif state == "between":
+            self._state = "item" if c == "," else "done"
+        else:
+            self._state = "done"
+
+    def _report(self) -> None:
+        if self._state == "call" and self._object is not None:
+            self._started = report_call_object(self._object, self._calls, self._started)
+
+
+# -- the parsers by name --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ToolParserSpec:
+    """One `--tool-call-parser`: how to read its calls and how to ask for them."""
+
+    name: str
+    extractor: Callable[[], ToolCallExtractor]
+    style: ToolPromptStyle
+
+
+TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType({
+    "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle()),
+    "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle()),
+})
+# kvserve's own name for the parser that reads Gemma 3's style (not a vLLM name)
+TOOL_PARSER_ALIASES: Mapping[str, str] = MappingProxyType({"gemma3": "pythonic"})
+TOOL_PARSER_NAMES = (*TOOL_PARSERS, *TOOL_PARSER_ALIASES)
+DEFAULT_STYLE: ToolPromptStyle = JSONToolStyle()
+
+
+def tool_parser(name: str) -> ToolParserSpec:
+    """The parser `--tool-call-parser NAME` selects; ValueError naming the known ones."""
+    spec = TOOL_PARSERS.get(TOOL_PARSER_ALIASES.get(name, name))
+    if spec is None:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSER_NAMES)}, got {name!r}")
+    return spec

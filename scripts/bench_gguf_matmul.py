@@ -1,0 +1,61 @@
+"""Per-shape timings of the GGUF block matmul (`--quantization gguf`) against the q8_0 matmul on the default
+model's own tensors (blk.0's projections and the tied LM head, in the file's types), at several batch sizes:
+minimum of repeated calls into a reused output, the two kernels alternating call by call so that both see the
+same machine. Not run by CI.
+
+Usage: python scripts/bench_gguf_matmul.py [--rows 1,8,32,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES
+from kvserve.kernels.ops import NativeKernels, load_kernels
+from kvserve.kernels.q8 import quantize_q8
+from kvserve.model.gguf_reader import GGUFFile
+from kvserve.model.source import resolve_model
+from kvserve.model.tokenizer import default_cache_dir
+
+TENSORS = {"LM head": "token_embd.weight", "q": "blk.0.attn_q.weight", "v": "blk.0.attn_v.weight",
+           "gate": "blk.0.ffn_gate.weight", "o_proj": "blk.0.attn_output.weight", "down Q6_K": "blk.0.ffn_down.weight",
+           "down 2": "blk.1.ffn_down.weight"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,32,512")
+    args = parser.parse_args()
+    kernels = load_kernels(default_cache_dir() / "kernels")
+    if not isinstance(kernels, NativeKernels):
+        raise SystemExit("the native kernels did not build here")
+    with GGUFFile(resolve_model(None).path) as f:
+        for label, name in TENSORS.items():
+            qtype = f.tensors[name].ggml_type
+            blocks = torch.from_numpy(f.tensor_blocks(name))
+            q, s = quantize_q8(torch.from_numpy(f.tensor_float32(name)))
+            n, k = q.shape
+            for m in map(int, args.rows.split(",")):
+                if n > 100_000 and m > 64:
+                    continue  # the LM head runs on sampled rows only
+                x, out = torch.randn(m, k), torch.empty(m, n)
+                times = {"gguf": float("inf"), "q8_0": float("inf")}
+                for _ in range(3 if n > 100_000 else 15):
+                    start = time.perf_counter()
+                    kernels.gguf_matmul(x, blocks, qtype, out)
+                    middle = time.perf_counter()
+                    kernels.q8_matmul(x, q, s, out)
+                    end = time.perf_counter()
+                    times["gguf"] = min(times["gguf"], middle - start)
+                    times["q8_0"] = min(times["q8_0"], end - middle)
+                name = NATIVE_GGUF_TYPES[qtype].name
+                print(f"{label:9} {name} {n:>6} x {k:<4} rows {m:>3}: gguf "
+                      f"{1e3 * times['gguf']:7.3f} ms  q8_0 {1e3 * times['q8_0']:7.3f} ms  "
+                      f"ratio {times['q8_0'] / times['gguf']:.2f}  ({2e-9 * m * n * k / times['gguf']:5.1f} GFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()

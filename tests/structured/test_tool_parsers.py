@@ -1,0 +1,195 @@
+"""Tool-call extraction from text fixtures: vLLM's hermes and pythonic formats and the forced formats, whole and
+streamed (any cut of the text gives the same calls, and the pieces put together equal the whole), and the prompt
+styles and template fallback that ask a model for calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.model.chat_template import (
+    GEMMA_CHAT_TEMPLATE,
+    JSONToolStyle,
+    TemplateToolSupport,
+    tool_fallback_messages,
+    tool_support,
+)
+from kvserve.structured.tool_calls import ToolCall, ToolCallAccumulator, extract_all
+from kvserve.structured.tool_parsers import (
+    HermesExtractor,
+    NamedFunctionExtractor,
+    PythonicExtractor,
+    RequiredExtractor,
+    tool_parser,
+)
+
+HERMES_TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+                    '</tool_call>\n<tool_call>\n{"arguments": {}, "name": "now"}\n</tool_call>')
+
+# (extractor factory, text, expected content, expected calls)
+CASES = [
+    (HermesExtractor, "Just text, no call.", "Just text, no call.", []),
+    (HermesExtractor, HERMES_TWO_CALLS, None,
+     [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolCall("now", "{}")]),
+    (HermesExtractor, 'Let me check.\n\n<tool_call>{"name": "f", "arguments": {"q": "a}b\\"c"}}</tool_call>',
+     "Let me check.", [ToolCall("f", '{"q": "a}b\\"c"}')]),
+    (HermesExtractor, '<tool_call>{"name": "f"}</tool_call>', None, [ToolCall("f", "{}")]),
+    (HermesExtractor, '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', None,
+     [ToolCall("f", '{"x": 1}')]),
+    (HermesExtractor, '<tool_call>{"name": "f", "arguments": 5, "extra": null}</tool_call> ok', "ok",
+     [ToolCall("f", "5")]),
+    (HermesExtractor, "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    (HermesExtractor, 'a <tool_c b <toolbox> <tool_call', "a <tool_c b <toolbox> <tool_call", []),
+    (HermesExtractor, '<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [ToolCall("f", '{"a": 1}')]),
+    (HermesExtractor, '<tool_call>{"name": "f", "arguments": {"a": [1, {"b"', None, [ToolCall("f", '{"a": [1, {"b"')]),
+    (HermesExtractor, '<tool_call>{"name": "f", "arguments": {}, oops}</tool_call>after', "after",
+     [ToolCall("f", "{}")]),
+    (PythonicExtractor, '[get_weather(city="Paris", days=[1, 2], metric=True), now()]', None,
+     [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2], "metric": true}'), ToolCall("now", "{}")]),
+    (PythonicExtractor, " [f(a='x,)', b={'k': None}, c=(1, 2))]\n", None,
+     [ToolCall("f", '{"a": "x,)", "b": {"k": null}, "c": [1, 2]}')]),
+    (PythonicExtractor, "The answer is 4.", "The answer is 4.", []),
+    (PythonicExtractor, "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    (PythonicExtractor, "[ref] see above", "[ref] see above", []),
+    (PythonicExtractor, "[f(x=1)] Done.", "Done.", [ToolCall("f", '{"x": 1}')]),
+    (PythonicExtractor, "[f(x=1, y=unknown_name)]", None, [ToolCall("f", '{"x": 1}')]),
+    (PythonicExtractor, '[f(x=1, y="cut', None, [ToolCall("f", '{"x": 1}')]),
+    (PythonicExtractor, "[f", "[f", []),
+    (RequiredExtractor, '[{"name": "f", "parameters": {"a": "]}"}}, {"name": "g", "parameters": {}}]', None,
+     [ToolCall("f", '{"a": "]}"}'), ToolCall("g", "{}")]),
+    (RequiredExtractor, '[{"name": "f", "parameters": {"a": 1', None, [ToolCall("f", '{"a": 1')]),
+    (lambda: NamedFunctionExtractor("f"), '  {"a": "x y "} \n', None, [ToolCall("f", '{"a": "x y "}')]),
+    (lambda: NamedFunctionExtractor("f"), "", None, [ToolCall("f", "")]),
+]
+
+
+@pytest.mark.parametrize("make,text,content,calls", CASES)
+def test_whole_text(make, text, content, calls):
+    result = extract_all(make(), text)
+    assert result.content == content
+    assert result.calls == calls
+
+
+def _streamed(make, text: str, cuts: list[int]) -> tuple[ToolCallAccumulator, list]:
+    """Feed `text` cut at `cuts`; return the accumulated result and every piece (checked as a client would)."""
+    extractor, acc, pieces = make(), ToolCallAccumulator(), []
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    for start, end in zip(bounds, bounds[1:]):
+        delta = extractor.feed(text[start:end])
+        acc.add(delta)
+        pieces.extend(delta.calls)
+    delta = extractor.finish()
+    acc.add(delta)
+    pieces.extend(delta.calls)
+    return acc, pieces
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(CASES), data=st.data())
+def test_any_cut_gives_the_whole(case, data):
+    """However the text streams, the pieces put together equal the whole, the name comes first and only once."""
+    make, text, _, _ = case
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    acc, pieces = _streamed(make, text, cuts)
+    assert acc.result() == extract_all(make(), text)
+    seen: set[int] = set()
+    for piece in pieces:
+        assert (piece.name is not None) == (piece.index not in seen), "the name is in the first piece only"
+        seen.add(piece.index)
+
+
+def test_arguments_stream_in_pieces():
+    """A long arguments object arrives in several pieces as its text comes, not at the end."""
+    text = '<tool_call>{"name": "f", "arguments": {"text": "' + "word " * 20 + '"}}</tool_call>'
+    _, pieces = _streamed(HermesExtractor, text, list(range(0, len(text), 7)))
+    assert pieces[0].name == "f"
+    assert len([p for p in pieces if p.arguments]) > 5
+
+
+def test_pythonic_arguments_stream_per_keyword():
+    text = '[f(a=1, b="two", c=[3])]'
+    _, pieces = _streamed(PythonicExtractor, text, list(range(len(text))))
+    assert [p.arguments for p in pieces] == ['', '{"a": 1', ', "b": "two"', ', "c": [3]}']  # the last with its }
+
+
+def test_plain_text_streams_without_waiting():
+    """Content that cannot be markup is released as it comes (only a possible `<tool_call>` prefix is held)."""
+    extractor = HermesExtractor()
+    assert extractor.feed("Hello wor").content == "Hello wor"
+    assert extractor.feed("ld <tool").content == "ld"
+    assert extractor.feed("s> done").content == " <tools> done"
+
+
+def test_parser_names_follow_vllm():
+    assert tool_parser("hermes").name == "hermes"
+    assert tool_parser("pythonic").name == "pythonic"
+    assert tool_parser("gemma3").name == "pythonic"
+    with pytest.raises(ValueError, match="hermes"):
+        tool_parser("mistral")
+
+
+# -- asking for calls: styles and the template fallback ---------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    {"role": "user", "content": "Thanks. And Rome?"},
+]
+
+
+@pytest.mark.parametrize("name", ["hermes", "pythonic"])
+def test_a_style_writes_calls_its_parser_reads(name):
+    """The calls written into a past turn are read back as the same calls by the same format's parser."""
+    spec = tool_parser(name)
+    text = spec.style.render_calls([("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})])
+    result = extract_all(spec.extractor(), text)
+    assert [(c.name, json.loads(c.arguments)) for c in result.calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})]
+
+
+def test_json_style_writes_the_required_format():
+    text = JSONToolStyle().render_calls([("f", {"a": 1})])
+    assert extract_all(RequiredExtractor(), text).calls == [ToolCall("f", '{"a": 1}')]
+
+
+def test_gemma_template_gets_the_fallback():
+    """Gemma's template renders no tools and requires alternating turns: tools go to the system text, calls into
+    the assistant's content, the tool result into a user turn merged with the next user message."""
+    support = tool_support(GEMMA_CHAT_TEMPLATE)
+    assert support == TemplateToolSupport(tools=False, tool_role=False, tool_calls=False)
+    messages, tools = tool_fallback_messages(CONVERSATION, TOOLS, support, tool_parser("pythonic").style)
+    assert tools is None
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("Be brief.\n\nYou have access to functions.")
+    assert '"name": "get_weather"' in messages[0]["content"]
+    assert messages[2]["content"] == '[get_weather(city="Paris")]'
+    assert messages[3]["content"] == "```tool_output\n18C\n```\n\nThanks. And Rome?"
+
+
+def test_a_template_with_tools_gets_them_natively():
+    template = ("{% for t in tools %}{{ t.function.name }}{% endfor %}{% for m in messages %}{% if m.role == 'tool' %}"
+                "{% endif %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{% endfor %}")
+    support = tool_support(template)
+    assert support == TemplateToolSupport(tools=True, tool_role=True, tool_calls=True)
+    messages, tools = tool_fallback_messages(CONVERSATION, TOOLS, support, JSONToolStyle())
+    assert tools == TOOLS
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # an object, as vLLM passes it
+    assert messages[3] == CONVERSATION[3]
+
+
+def test_tool_messages_render_through_the_gemma_template(tiny_tokenizer):
+    """Rendering never fails on tool turns with a template that lacks them (here Gemma's, which would raise on the
+    tool role's broken alternation)."""
+    text = tiny_tokenizer.apply_chat_template(CONVERSATION, chat_template=GEMMA_CHAT_TEMPLATE, tools=TOOLS,
+                                              tool_style=tool_parser("pythonic").style)
+    assert text.count("<start_of_turn>user") == 2 and text.count("<start_of_turn>model") == 2
+    assert "[get_weather(city=\"Paris\")]" in text and "```tool_output\n18C\n```" in text
