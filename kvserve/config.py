@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from kvserve.units import GiB, parse_size
 from kvserve.vocab import (
     ATTENTION_BACKENDS,
@@ -51,8 +53,12 @@ class EngineConfig:
     chat_template: str | None = None
     # Grammar library for structured output (vLLM's flag): auto, xgrammar or guidance (llguidance).
     structured_outputs_backend: str = "auto"
+    # Speculative decoding (vLLM's --speculative-config): a JSON string or dict, made a SpeculativeConfig here;
+    # None (the default): off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if isinstance(self.kv_cache_memory_bytes, str):
             self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
         checks = [

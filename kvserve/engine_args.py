@@ -66,6 +66,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="grammar library for response_format / structured_outputs / forced tool calls: xgrammar "
                         "(fast masks), guidance (llguidance: wider JSON-schema coverage, whitespace_pattern), or "
                         "auto (default): xgrammar, falling back to llguidance for a request xgrammar refuses")
+    d = parser.add_argument_group("speculative decoding")
+    d.add_argument("--speculative-config", default=None,
+                   help='JSON, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; also disable_by_batch_size, '
+                        "min_acceptance_rate, acceptance_window (docs/SPECULATIVE.md). Off by default. Greedy "
+                        "requests without penalties, logprobs or a grammar draft; others decode as usual")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -82,4 +88,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
         chat_template=args.chat_template, served_model_name=getattr(args, "served_model_name", None),
         structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
+        speculative_config=getattr(args, "speculative_config", None),
     )

@@ -57,6 +57,9 @@ class EngineStatsCollector:
             ("num_preemptions", "Preemptions (requests evicted to free KV blocks).", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
+            ("spec_decode_num_drafts", "Speculative drafts verified.", s.spec_decode_num_drafts),
+            ("spec_decode_num_draft_tokens", "Drafted tokens verified.", s.spec_decode_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", s.spec_decode_num_accepted_tokens),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

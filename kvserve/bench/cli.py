@@ -16,6 +16,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.quantization",
     "kvserve.bench.memory",
     "kvserve.bench.structured",
+    "kvserve.bench.spec",
     "kvserve.bench.suite",
 )
 

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.engine.kv_publisher import KVPublisher
 from kvserve.outputs import RequestOutput, merge_deltas
 from kvserve.sampling_params import RequestOutputKind
 
@@ -164,6 +165,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self.kv = KVPublisher(engine, self._notify)  # the KV inspector's snapshots and events, published here
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -309,6 +311,10 @@ class AsyncLLMEngine:
         if self._thread is None:
             raise EngineDeadError("the engine is not running (it has not been started)")
 
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def _post(self, command: _Command) -> None:
         self._inbox.append(command)
         self._cond.notify()
@@ -325,11 +331,13 @@ class AsyncLLMEngine:
                     self._apply(command)
                 self._stats = self.engine.stats()
                 self._settle(commands)
+                self.kv.tick(bool(commands))
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self._stats = self.engine.stats()
                     for output in outputs:
                         self._deliver(output)
+                    self.kv.tick(True)
             self._abort_all()
         except BaseException as exc:
             logger.exception("the engine loop failed; failing %d in-flight requests", len(self._streams))
@@ -339,7 +347,9 @@ class AsyncLLMEngine:
         """Take the inbox, sleeping while idle; None when it is time to stop."""
         with self._cond:
             while not self._inbox and not self._stopping and not self.engine.has_unfinished_requests():
-                self._cond.wait()
+                if self.kv.due():  # a watched snapshot is pending: publish it before sleeping on
+                    break
+                self._cond.wait(self.kv.wait_timeout())
             if self._stopping:
                 commands, self._inbox = self._inbox, []
                 self._num_pending_seqs = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -15,15 +16,20 @@ from kvserve.capacity import CachePlan, plan_kv_cache, resolve_quantization
 from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.facts import EngineFacts, validate_request
+from kvserve.engine.inspector import EngineEventRecorder, build_snapshot
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.kv.cache import KVCacheSpec, allocate_kv_cache, resolve_kv_cache_dtype
+from kvserve.kv.events import KVEventBuffer
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.spec_decode.config import parse_speculative_config
+from kvserve.spec_decode.gate import SpecDecoder
+from kvserve.spec_decode.verify import verify_by_sampling, verify_greedy
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
@@ -104,6 +110,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded; recomputes included)
     generation_tokens_total: int
+    # Speculative decoding (vLLM's names): drafts verified, tokens drafted in them, drafted tokens accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +190,10 @@ class LLMEngine:
         )
         self.cache_plan = plan_cache(config, model_config, self.kv_spec, self.device)
         self.max_model_len = self.cache_plan.max_model_len
-        self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv_events = KVEventBuffer()  # bounded: drained between steps by the async engine (the inspector)
+        self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching,
+                              events=self.kv_events)
+        self.event_recorder = EngineEventRecorder(self.kv_events, self._user_request_id)
         reserve = self.max_model_len if config.reserve_max_model_len else 0
         self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo, reserve)
         self.scheduler = Scheduler(
@@ -195,6 +208,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, self.device)
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        spec_config = parse_speculative_config(config.speculative_config)  # already parsed: typed for mypy
+        self.spec = None if spec_config is None else SpecDecoder(spec_config)
         # Structured output: built now, its grammar backend only on the first constrained request.
         self.grammar = GrammarCompiler(tokenizer, getattr(model, "num_logits", model_config.vocab_size),
                                        self.eos_token_ids, backend=config.structured_outputs_backend)
@@ -340,6 +355,8 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        self.event_recorder.record_abort(request_id, sum(self.kv_manager.num_blocks_held(s.request)
+                                                         for s in group.sequences))
         for seq in group.sequences:
             if not seq.request.is_finished:
                 self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
@@ -373,6 +390,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.num_prompt_tokens_total,
             generation_tokens_total=self.num_generation_tokens_total,
+            **self._spec_stats(),
         )
 
     # ---- the step -------------------------------------------------------------------------------
@@ -381,6 +399,9 @@ class LLMEngine:
         """Schedule, run one forward pass, sample, and return the requests that advanced or finished. A fault in
         the forward pass, the sampler or one request's post-processing fails one request, never the step's
         caller (see _on_step_failed); only a fault outside any request (the scheduler's) raises."""
+        if self.spec is not None:
+            running = self.scheduler.running
+            self.spec.propose(running, self._constrained, self.max_model_len, len(running))
         out = self._schedule()
         failed = self._grammar_failures(out)
         if out.is_empty:
@@ -388,6 +409,7 @@ class LLMEngine:
         try:
             result = self.runner.execute(out)
             sampled = self._sample(result.logits, result.sample_requests) if result.sample_requests else []
+            verified = self._verify_drafts(out, result.spec_logits) if result.spec_logits else {}
         except Exception as exc:  # noqa: BLE001 -- pinned on one request, not the engine (see _on_step_failed)
             return self._on_step_failed(out, exc)
         except BaseException:
@@ -405,6 +427,8 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 -- this request's own fault: it fails alone
                 touched[seq.group_id] = self._fail(seq, exc)
         now = time.monotonic()
+        for rid, (tokens, num_drafted) in verified.items():
+            self._apply_verified(self.sequences[rid], tokens, num_drafted, now, touched)
         for request, token in zip(result.sample_requests, sampled):
             seq = self.sequences[request.request_id]
             touched[seq.group_id] = self.groups[seq.group_id]
@@ -420,14 +444,82 @@ class LLMEngine:
                 self._drop(group)
         return failed + outputs
 
+    def _spec_stats(self) -> dict[str, int]:
+        """The speculative-decoding totals for EngineStats (zeros when it is off)."""
+        if self.spec is None:
+            return {}
+        totals = self.spec.stats
+        return {"spec_decode_num_drafts": totals.num_drafts, "spec_decode_num_draft_tokens": totals.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": totals.num_accepted_tokens}
+
+    def _verify_drafts(self, out: SchedulerOutput, spec_logits: dict[str, torch.Tensor]
+                       ) -> dict[str, tuple[list[int], int]]:
+        """The tokens each drafted request gains: the sampler's own choice at each verified position (a drafting
+        request's row depends on nothing position-dependent, so it is what a one-token step would have chosen;
+        see spec_decode/gate.py), the drafts accepted up to the first mismatch and the sampler's token there
+        (speculative sampling for a point-mass draft, spec_decode/verify.py). Greedy rows in one call; sampled
+        rows one at a time, so a seeded request draws once per token it gains. Per request: (the tokens, how
+        many were drafted)."""
+        assert self.spec is not None
+        verified: dict[str, tuple[list[int], int]] = {}
+        for s in out.scheduled:
+            request = s.request
+            logits = spec_logits.get(request.request_id)
+            if logits is None:
+                continue
+            if request.sampling_params.is_greedy:
+                targets = [t.token_id for t in self.sampler(logits, [request] * logits.shape[0])]
+                tokens = verify_greedy(s.draft_token_ids, targets)
+            else:
+                tokens = verify_by_sampling(s.draft_token_ids, functools.partial(self._sample_row, logits, request))
+            verified[request.request_id] = (tokens, len(s.draft_token_ids))
+        return verified
+
+    def _sample_row(self, logits: torch.Tensor, request: Request, row: int) -> int:
+        """The sampler's token for one verified position of a drafted request (one draw from its generator)."""
+        return self.sampler(logits[row:row + 1], [request])[0].token_id
+
+    def _apply_verified(self, seq: _Sequence, tokens: list[int], num_drafted: int, now: float,
+                        touched: dict[str, _Group]) -> None:
+        """Count the verified draft (metrics, adaptive gate), append its tokens one by one (stop strings, EOS and
+        max_tokens end it where a one-token step would have), count the accepted drafts' K/V as computed, and roll
+        back the rest."""
+        request = seq.request
+        touched[seq.group_id] = self.groups[seq.group_id]
+        if request.is_finished:  # its request failed earlier in this step
+            return
+        assert self.spec is not None
+        self.spec.record(request, num_drafted, len(tokens) - 1)
+        try:
+            for tid in tokens:
+                self._append_token(seq, SampledToken(tid, None, None, None), now)
+                if request.is_finished:
+                    return
+        except Exception as exc:  # noqa: BLE001 -- e.g. the detokenizer or a stop check: it fails alone
+            self._fail(seq, exc)
+            return
+        request.num_computed_tokens += len(tokens) - 1  # the accepted drafts; the last token is computed next
+        self.kv_manager.rollback(request)
+
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step; when nothing can run only because grammars are still compiling, wait a moment
         for one (the caller would otherwise call again at once, in a busy loop)."""
+        before = self.event_recorder.before_schedule(self.scheduler, self.kv_manager)
         out = self.scheduler.schedule()
         if out.is_empty and not out.grammar_failed and self.scheduler.pending_grammars:
             wait(self.scheduler.pending_grammar_futures(), timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             out = self.scheduler.schedule()
+        self.event_recorder.after_schedule(out, before, self.scheduler, self.kv_manager)
         return out
+
+    def _user_request_id(self, sequence_id: str) -> str:
+        seq = self.sequences.get(sequence_id)
+        return seq.group_id if seq is not None else sequence_id
+
+    def kv_snapshot(self, include_tokens: bool = True) -> dict[str, Any]:
+        """The KV inspector's view of the pool, requests and prefix cache: fresh plain values sharing nothing with
+        the engine (call it on the engine thread; see engine/inspector.py for the schema)."""
+        return build_snapshot(self, include_tokens)
 
     def _grammar_failures(self, out: SchedulerOutput) -> list[RequestOutput]:
         """Outputs of the requests whose grammar failed to compile (the scheduler has finished them)."""

@@ -48,6 +48,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: this step's drafted tokens (never part of num_tokens or the prefix-cache hashes),
+    # and the request's drafted / accepted totals behind the adaptive gate (kvserve/spec_decode/gate.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_num_drafted: int = 0
+    spec_num_accepted: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:

@@ -23,6 +23,9 @@ class RunnerOutput:
     logits: torch.Tensor  # [len(sample_requests), vocab] float32
     # Per request asking for prompt logprobs: (first position judged, logits of the chunk's positions).
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # Per request with drafted tokens: the logits of every verified position ([1 + drafts, vocab] float32), its
+    # rows not in `logits` (speculative decoding verifies them, see LLMEngine._verify_drafts).
+    spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -59,10 +62,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}
+        spec_rows: dict[str, tuple[int, int]] = {}
         for s in out.scheduled:
             request, start, end = s.request, s.start, s.start + s.num_tokens
             row0 = len(input_ids)
-            input_ids.extend(request.token_slice(start, end))
+            input_ids.extend(request.token_slice(start, end - len(s.draft_token_ids)))
+            input_ids.extend(s.draft_token_ids)
             positions.extend(range(start, end))
             block_tables.append(self.kv.block_ids(request))
             seq_lens.append(end)
@@ -70,7 +75,9 @@ class ModelRunner:
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 last = min(end, request.num_prompt_tokens - 1)  # positions start..last-1 judge tokens start+1..last
                 prompt_rows[request.request_id] = (start, row0, row0 + last - start)
-            if s.completes_sequence:
+            if s.draft_token_ids:
+                spec_rows[request.request_id] = (row0, len(input_ids))
+            elif s.completes_sequence:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(request)
         meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, self.block_size, self.device)
@@ -82,4 +89,5 @@ class ModelRunner:
         prompt_logits = {
             rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
         }
-        return RunnerOutput(sample_requests, logits, prompt_logits)
+        spec_logits = {rid: self.model.compute_logits(hidden[a:b]).float() for rid, (a, b) in spec_rows.items()}
+        return RunnerOutput(sample_requests, logits, prompt_logits, spec_logits)

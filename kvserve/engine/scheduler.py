@@ -15,13 +15,16 @@ from kvserve.kv.manager import KVCacheManager
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # new tokens computed this step: a prefill chunk, or 1 for a decode
+    num_tokens: int  # new tokens computed this step: a prefill chunk, or 1 for a decode (+ drafted tokens)
     start: int  # the request's num_computed_tokens before this step (its first new position)
+    # Speculative decoding: tokens drafted after the request's last token, verified in this step (counted in
+    # num_tokens, not in the request's tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_sequence(self) -> bool:
         """True when this step computes the last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -88,7 +91,11 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break
-            while not self.kv.allocate_slots(request, num_new):
+            drafts = self._drafts_that_fit(request, num_new, budget)
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(drafts)):
+                if drafts:  # no room to verify drafts: a plain decode, preempting nobody for a guess
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -96,8 +103,8 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
-            budget -= num_new
+            out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens, drafts))
+            budget -= num_new + len(drafts)
             i += 1
 
         i = 0  # the first waiting request not passed over (its grammar still compiling)
@@ -126,6 +133,14 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
         return out
+
+    @staticmethod
+    def _drafts_that_fit(request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafted tokens to verify this step: only for a decode (one token to compute), cut to the
+        step's token budget."""
+        if not request.spec_token_ids or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return []
+        return request.spec_token_ids[:budget - 1]
 
     def _grammar_ready(self, request: Request, out: SchedulerOutput) -> bool:
         """Whether `request` may be admitted as far as its grammar goes: it has none or its compile is done. One
@@ -205,8 +220,8 @@ class Scheduler:
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance progress after the forward pass."""
-        for s in out.scheduled:
-            s.request.num_computed_tokens = s.start + s.num_tokens
+        for s in out.scheduled:  # drafted tokens count once verified (the engine adds the accepted ones)
+            s.request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
             if s.completes_sequence:  # a suspect cleared: it got through a whole step of its own
                 self.suspects.discard(s.request.request_id)
 

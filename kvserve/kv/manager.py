@@ -134,20 +134,25 @@ class KVCacheManager:
         """Blocks a request of num_tokens tokens holds: just enough, or its whole reservation."""
         return cdiv(max(num_tokens, self.reserve_tokens), self.block_size)
 
-    def can_fit(self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
+    def can_fit(self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock],
+                num_lookahead_tokens: int = 0) -> bool:
         held = self.req_blocks.get(request.request_id, [])
-        num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        num_tokens = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+                      + num_lookahead_tokens)
         needed = self._blocks_for(num_tokens) - len(held) - len(new_computed_blocks)
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return max(needed, 0) + revived <= self.pool.num_free_blocks
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after any prefix-hit blocks).
+        """Give the request blocks for `num_new_tokens` more tokens (after any prefix-hit blocks), plus slots for
+        `num_lookahead_tokens` drafted tokens (speculative decoding, vLLM's name). Draft slots are never published
+        to the prefix cache: a drafted token may be rejected, and its K/V with it (see `rollback`).
         Returns False, changing nothing, when the pool cannot supply them."""
         new_computed_blocks = new_computed_blocks or []
-        if not self.can_fit(request, num_new_tokens, new_computed_blocks):
+        if not self.can_fit(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens):
             return False
         held = self.req_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
@@ -157,11 +162,25 @@ class KVCacheManager:
         self.pool.touch(new_computed_blocks)
         held.extend(new_computed_blocks)
         num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-        needed = self._blocks_for(num_tokens) - len(held)
+        needed = self._blocks_for(num_tokens + num_lookahead_tokens) - len(held)
         if needed > 0:
             held.extend(self.pool.allocate(needed))
         self._publish(request, num_tokens)
         return True
+
+    def rollback(self, request: KVRequest) -> None:
+        """After verification: return the blocks past the request's tokens (those held only rejected drafts'
+        K/V) to the pool. The slots of rejected drafts inside a kept block are simply overwritten when real
+        tokens reach them; such a block was never published (`allocate_slots` publishes real tokens only), and
+        is published only in the step that computes its last real token."""
+        held = self.req_blocks.get(request.request_id)
+        if not held:
+            return
+        keep = self._blocks_for(request.num_tokens)
+        if len(held) > keep:
+            tail = held[keep:]
+            del held[keep:]
+            self.pool.free(reversed(tail))
 
     def _publish(self, request: KVRequest, num_tokens: int) -> None:
         """Hash the request's blocks that are full once `num_tokens` tokens are computed.

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from kvserve.capacity import NULL_BLOCK_ID, usable_blocks
 from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
+from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBuffer
 from kvserve.kv.hashing import BlockKey
 
 
@@ -18,7 +19,7 @@ class BlockPool:
     padding of block tables points at a block no request's K/V lives in. Requests share the other
     `num_usable_blocks` = num_blocks - 1, and free + referenced == num_usable_blocks at all times."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventBuffer | None = None) -> None:
         if usable_blocks(num_blocks) < 1:
             raise ValueError(f"a block pool needs at least two blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -28,6 +29,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue([b for b in self.blocks if b is not self.null_block])
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # Prefix hits per cached hash since it was stored (for the inspector's prefix tree); dropped on eviction.
+        self.hit_counts: dict[bytes, int] = {}
+        self.events = events  # None: no one reads KV events, so none are made
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,6 +64,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            if block.block_hash is not None:
+                self.hit_counts[block.block_hash] = self.hit_counts.get(block.block_hash, 0) + 1
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block. Blocks that reach zero return to the free queue: hashed
@@ -82,17 +88,26 @@ class BlockPool:
             return  # an identical block (or a colliding one) is already cached; this one stays private
         block.block_hash, block.key = block_hash, key
         self.cached[block_hash] = block
+        if self.events is not None:
+            parent = key.parent.hex() if key.parent is not None else None
+            self.events.append(BlockStored(block.block_id, block_hash.hex(), parent, key.token_ids, len(key.token_ids)))
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self.hit_counts.pop(block.block_hash, None)
+                if self.events is not None:
+                    self.events.append(BlockRemoved(block.block_id, block.block_hash.hex()))
             block.block_hash = block.key = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
             block.block_hash = block.key = None
         self.cached.clear()
+        self.hit_counts.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         """Every usable block is either free or referenced, never both; the null block is neither; hashes map to

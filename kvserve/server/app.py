@@ -26,6 +26,7 @@ from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext, ServerSettings
 from kvserve.server.errors import APIError, bad_request, install_error_handlers
 from kvserve.server.json_limits import JSONLimits
+from kvserve.server.kv_inspector import kv_data_routes, ui_routes
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.prepare import ChatRender, PromptPreparer
 from kvserve.server.protocol import (
@@ -92,6 +93,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, transport: Trans
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
     app.include_router(_open_routes(ctx))
     app.include_router(_api_routes(ctx))
+    engine.kv.include_tokens = not settings.ui_redact_text
+    app.state.shutting_down = asyncio.Event()  # set by GracefulServer: the KV inspector's streams end
+    app.include_router(kv_data_routes(ctx, app.state.shutting_down))
+    if not settings.disable_ui:
+        app.include_router(ui_routes(ctx))
     return app
 
 

@@ -17,6 +17,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.server.errors import APIError, send_error
 
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})  # probes and scrapers carry no key
+# The KV inspector page and its static assets load without the key (the page asks for it); its data needs it.
+UI_PATHS = frozenset({"/", "/ui"})
+UI_ASSET_PREFIX = "/ui/assets/"
 
 
 def check_api_key(api_key: str) -> str:
@@ -46,7 +49,7 @@ class APIKeyMiddleware:
         self._max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or _is_open(scope["path"]) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         await send_error(send, unauthorized(), close=not self._drainable(scope))
@@ -60,6 +63,10 @@ class APIKeyMiddleware:
             return False
         length = _header(scope, b"content-length") or b"0"
         return length.isdigit() and int(length) <= self._max_body_bytes
+
+
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path in UI_PATHS or path.startswith(UI_ASSET_PREFIX)
 
 
 def _header(scope: Scope, name: bytes) -> bytes:

@@ -79,6 +79,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="how the model writes tool calls, as vLLM names them: hermes (Hermes / Qwen "
                         "<tool_call> JSON), pythonic (Gemma 3's and Llama 3.2's Python call list; alias gemma3); "
                         "also the format in which tools are described to a chat template that lacks tool support")
+    s.add_argument("--disable-ui", action="store_true",
+                   help="do not serve the KV inspector page at / and /ui (its data routes /v1/kv/* stay)")
+    s.add_argument("--ui-redact-text", action="store_true",
+                   help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text")
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -131,6 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_prompts_per_request=args.max_prompts_per_request,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        disable_ui=args.disable_ui,
+        ui_redact_text=args.ui_redact_text,
     )
     async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs)
     app = build_app(async_engine, settings, transport)

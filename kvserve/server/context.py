@@ -48,6 +48,8 @@ class ServerSettings:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completions prompt list beyond it: 400
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is a 400 without it (vLLM)
     tool_call_parser: str | None = None  # reads "auto" replies' calls; its style writes tools for template-less chats
+    disable_ui: bool = False  # --disable-ui: no KV inspector page (its data routes stay, behind the key)
+    ui_redact_text: bool = False  # --ui-redact-text: the KV inspector's data carries no token ids
 
     def __post_init__(self) -> None:
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)

@@ -26,6 +26,14 @@ import uvicorn
 DRAIN_S = 5  # after the grace period: time for the error frames and 503s to reach their clients
 
 
+def _announce_shutdown(app: object) -> None:
+    """Set the app's `state.shutting_down` event, if it has one: endless streams (the KV inspector's) end at once
+    instead of holding the graceful shutdown for its whole grace period."""
+    event = getattr(getattr(app, "state", None), "shutting_down", None)
+    if isinstance(event, asyncio.Event):
+        event.set()
+
+
 class GracefulServer(uvicorn.Server):
     """SIGTERM/SIGINT start uvicorn's graceful shutdown (a second SIGINT forces it) and are then consumed.
     With `on_grace_expired`, `config.timeout_graceful_shutdown` is the grace period after which it is
@@ -41,6 +49,7 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's graceful shutdown, with `on_grace_expired` armed for the end of the grace period."""
+        _announce_shutdown(self.config.app)
         timer = None
         if self._on_grace_expired is not None and self._grace_s is not None:
             timer = asyncio.get_running_loop().call_later(self._grace_s, self._on_grace_expired)

@@ -1,0 +1,245 @@
+"""The KV inspector's view of the engine: an immutable snapshot of the block pool, the requests' block tables and the
+prefix cache, and the engine events (preemptions, aborts, refused admissions) recorded around each schedule.
+
+Why here and built on the engine thread: the pool's linked lists and the requests' block lists change every step, so
+a reader on another thread (the server's loop) must never walk them. The engine builds a fresh structure of plain
+values (str, int, float, lists, dicts) that shares nothing with its own objects, and the async engine publishes it
+between steps. The cost is O(num_blocks + tokens of block tables) per call, paid only while someone is watching.
+
+Schema (version 1; the JSON of GET /v1/kv/snapshot, documented in docs/UI.md):
+- pool: num_blocks, num_usable_blocks, num_free_blocks, block_size, null_block_id, enable_prefix_caching
+- block_states: one character per block id: "n" null, "f" free (no hash), "c" cached and evictable (free, hashed),
+  "u" used by one request, "s" shared by several. Blocks in state "f" and "n" appear nowhere else.
+- blocks: one entry per block in states c / u / s: id, state, ref_cnt, hash (first 16 hex digits or null),
+  evict_rank (c only: 0 = the next cached block to be reused), holders (request ids), token_ids (null when redacted)
+- requests: request_id, seq_id, status (running / waiting / preempted), block_ids, num_prompt_tokens,
+  num_output_tokens, num_computed_tokens, prefix_hit_tokens, age_s, num_preemptions
+- prefix_cache: nodes, one per cached block: hash, parent (hash prefix or null), block_id, hits, ref_cnt, evict_rank
+- gauges: the EngineStats fields; capacity: the cache plan (kvserve estimate's figures for this server)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvserve.capacity import NULL_BLOCK_ID
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.events import Aborted, AdmissionRefused, KVEventBuffer, Preempted
+from kvserve.units import cdiv
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+    from kvserve.kv.block import KVCacheBlock
+    from kvserve.kv.manager import KVCacheManager
+
+SNAPSHOT_VERSION = 1
+HASH_PREFIX_HEX = 16
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """One published view of the KV cache. `data` is JSON-ready and owned by no one else: never mutate it."""
+
+    seq: int  # increases with every snapshot of an engine
+    taken_at: float  # time.time()
+    data: dict[str, Any]
+
+
+@dataclass(slots=True)
+class EngineEventRecorder:
+    """Turns what one schedule did into engine events. Holds only what it needs between steps: which requests
+    were already reported as refused (one event per refusal stretch, not one per step)."""
+
+    events: KVEventBuffer
+    # The user's request id of an engine sequence id (events name what the user sent, not "3:id#0").
+    name: Callable[[str], str] = str
+    refused: set[str] = field(default_factory=set)
+
+    def before_schedule(self, scheduler: Scheduler, kv: KVCacheManager) -> dict[str, tuple[int, int]]:
+        """The running requests' computed tokens and blocks, to tell what a preemption in this schedule lost."""
+        return {r.request_id: (r.num_computed_tokens, kv.num_blocks_held(r)) for r in scheduler.running}
+
+    def after_schedule(self, out: SchedulerOutput, before: dict[str, tuple[int, int]], scheduler: Scheduler,
+                       kv: KVCacheManager) -> None:
+        for request in out.preempted:
+            tokens, blocks = before.get(request.request_id, (0, 0))
+            self.events.append(Preempted(self.name(request.request_id), tokens, blocks))
+        self._check_refused(out, scheduler, kv)
+
+    def _check_refused(self, out: SchedulerOutput, scheduler: Scheduler, kv: KVCacheManager) -> None:
+        """The first waiting request stayed waiting though the batch had room (sequences and tokens), nothing was
+        preempted, and the pool cannot hold its next chunk (after its prefix hits): refused for lack of blocks.
+        Checked only in that case, so a step that admits everything pays one comparison."""
+        if not scheduler.waiting:
+            self.refused.clear()
+            return
+        head = scheduler.waiting[0]
+        budget = scheduler.max_num_batched_tokens - out.num_tokens
+        room = (len(scheduler.running) < scheduler.max_num_seqs and budget > 0 and not out.preempted
+                and not scheduler.suspects and head.request_id not in scheduler.pending_grammars)
+        if not room or head.request_id in self.refused:
+            return
+        hit_blocks, num_hit = kv.get_computed_blocks(head)
+        num_new = min(head.num_tokens - num_hit, budget)
+        if kv.can_fit(head, num_new, hit_blocks):
+            return  # waiting for another reason (e.g. a whole prompt over the budget without chunked prefill)
+        self.refused = {r for r in self.refused if any(w.request_id == r for w in scheduler.waiting)}
+        self.refused.add(head.request_id)
+        needed = cdiv(num_hit + num_new, kv.block_size) - len(hit_blocks)
+        self.events.append(AdmissionRefused(self.name(head.request_id), needed, kv.pool.num_free_blocks))
+
+    def record_abort(self, request_id: str, blocks_freed: int) -> None:
+        self.events.append(Aborted(request_id, blocks_freed))
+
+
+def _short(block_hash: bytes | None) -> str | None:
+    return block_hash.hex()[:HASH_PREFIX_HEX] if block_hash is not None else None
+
+
+def _evict_ranks(engine: LLMEngine) -> dict[int, int]:
+    """Cached free blocks by block id -> their rank in reuse order (0: reused, so evicted, next)."""
+    ranks: dict[int, int] = {}
+    for block in engine.pool.free_queue:
+        if block.block_hash is not None:
+            ranks[block.block_id] = len(ranks)
+    return ranks
+
+
+def _holders(engine: LLMEngine) -> dict[int, list[str]]:
+    """Block id -> the user request ids holding it (a request with n > 1 appears once per sequence)."""
+    holders: dict[int, list[str]] = {}
+    for seq_id, blocks in engine.kv_manager.req_blocks.items():
+        seq = engine.sequences.get(seq_id)
+        name = seq.group_id if seq is not None else seq_id
+        for block in blocks:
+            holders.setdefault(block.block_id, []).append(name)
+    return holders
+
+
+def _state(block: KVCacheBlock) -> str:
+    if block.block_id == NULL_BLOCK_ID:
+        return "n"
+    if block.ref_cnt > 1:
+        return "s"
+    if block.ref_cnt == 1:
+        return "u"
+    return "c" if block.block_hash is not None else "f"
+
+
+def _blocks(engine: LLMEngine, include_tokens: bool) -> tuple[str, list[dict[str, Any]]]:
+    ranks = _evict_ranks(engine)
+    holders = _holders(engine)
+    states: list[str] = []
+    detail: list[dict[str, Any]] = []
+    for block in engine.pool.blocks:
+        state = _state(block)
+        states.append(state)
+        if state in ("f", "n"):
+            continue
+        key = block.key
+        detail.append({
+            "id": block.block_id, "state": state, "ref_cnt": block.ref_cnt, "hash": _short(block.block_hash),
+            "evict_rank": ranks.get(block.block_id), "holders": holders.get(block.block_id, []),
+            "token_ids": list(key.token_ids) if include_tokens and key is not None else None,
+        })
+    return "".join(states), detail
+
+
+def _request(engine: LLMEngine, request: Request, now: float) -> dict[str, Any]:
+    seq = engine.sequences.get(request.request_id)
+    return {
+        "request_id": seq.group_id if seq is not None else request.request_id,
+        "seq_id": request.request_id,
+        "status": request.status.value,
+        "block_ids": engine.kv_manager.block_ids(request),
+        "num_prompt_tokens": request.num_prompt_tokens,
+        "num_output_tokens": len(request.output_token_ids),
+        "num_computed_tokens": request.num_computed_tokens,
+        "prefix_hit_tokens": request.num_cached_tokens,
+        "age_s": round(now - request.arrival_time, 3),
+        "num_preemptions": request.num_preemptions,
+    }
+
+
+def _requests(engine: LLMEngine) -> list[dict[str, Any]]:
+    now = time.monotonic()
+    queued = [*engine.scheduler.running, *engine.scheduler.waiting]
+    return [_request(engine, r, now) for r in queued if r.status is not RequestStatus.FINISHED_ABORTED]
+
+
+def _prefix_cache(engine: LLMEngine, ranks: dict[int, int]) -> list[dict[str, Any]]:
+    """The cached blocks as tree nodes linked by parent hash (a node whose parent is gone was evicted first)."""
+    pool = engine.pool
+    nodes = []
+    for block_hash, block in pool.cached.items():
+        parent = block.key.parent if block.key is not None else None
+        nodes.append({"hash": _short(block_hash), "parent": _short(parent), "block_id": block.block_id,
+                      "hits": pool.hit_counts.get(block_hash, 0), "ref_cnt": block.ref_cnt,
+                      "evict_rank": ranks.get(block.block_id)})
+    return nodes
+
+
+def _capacity(engine: LLMEngine) -> dict[str, Any]:
+    plan = engine.cache_plan
+    return {
+        "num_blocks": plan.num_blocks, "num_usable_blocks": plan.num_usable_blocks, "block_size": plan.block_size,
+        "bytes_per_block": plan.bytes_per_block, "bytes_per_token": plan.bytes_per_block // plan.block_size,
+        "num_tokens": plan.num_tokens, "max_model_len": plan.max_model_len,
+        "max_concurrency": round(plan.max_concurrency, 3), "kv_cache_dtype": engine.kv_spec.dtype_name,
+        "total_bytes": plan.num_blocks * plan.bytes_per_block,
+    }
+
+
+def build_snapshot(engine: LLMEngine, include_tokens: bool = True) -> dict[str, Any]:
+    """The whole view, built from the engine's live state on the engine thread (see the module docstring)."""
+    pool = engine.pool
+    states, blocks = _blocks(engine, include_tokens)
+    ranks = {b["id"]: b["evict_rank"] for b in blocks if b["evict_rank"] is not None}
+    return {
+        "version": SNAPSHOT_VERSION,
+        "pool": {"num_blocks": pool.num_blocks, "num_usable_blocks": pool.num_usable_blocks,
+                 "num_free_blocks": pool.num_free_blocks, "block_size": engine.config.block_size,
+                 "null_block_id": NULL_BLOCK_ID, "enable_prefix_caching": pool.enable_caching},
+        "block_states": states,
+        "blocks": blocks,
+        "requests": _requests(engine),
+        "prefix_cache": _prefix_cache(engine, ranks),
+        "gauges": dataclasses.asdict(engine.stats()),
+        "capacity": _capacity(engine),
+        "redacted": not include_tokens,
+        "events_dropped": engine.kv_events.dropped,
+    }
+
+
+def block_detail(engine: LLMEngine, block_id: int, include_text: bool = True) -> dict[str, Any]:
+    """One block in full, for the page's click: its snapshot entry plus, per holder, the token range it holds and
+    the text of its tokens (from the cached key or the holder's tokens). Raises ValueError for an unknown id."""
+    if not 0 <= block_id < engine.pool.num_blocks:
+        raise ValueError(f"block id {block_id} is out of range: the pool has {engine.pool.num_blocks} blocks")
+    block = engine.pool.blocks[block_id]
+    bs = engine.config.block_size
+    spans = []
+    token_ids: list[int] | None = list(block.key.token_ids) if block.key is not None else None
+    for seq_id, blocks in engine.kv_manager.req_blocks.items():
+        if block not in blocks:
+            continue
+        index = blocks.index(block)
+        seq = engine.sequences.get(seq_id)
+        request = seq.request if seq is not None else None
+        start, end = index * bs, (index + 1) * bs
+        if request is not None:
+            end = min(end, request.num_tokens)
+            if token_ids is None:
+                token_ids = request.token_slice(start, end)
+        spans.append({"request_id": seq.group_id if seq is not None else seq_id, "start": start, "end": end})
+    detail: dict[str, Any] = {"id": block_id, "state": _state(block), "ref_cnt": block.ref_cnt,
+                              "hash": _short(block.block_hash), "held": spans, "redacted": not include_text}
+    detail["token_ids"] = token_ids if include_text else None
+    text = engine.tokenizer.decode(token_ids, skip_special_tokens=False) if include_text and token_ids else None
+    detail["text"] = text
+    return detail

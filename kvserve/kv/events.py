@@ -1,0 +1,111 @@
+"""KV events: what entered and left the prefix cache, and what the engine did to requests' blocks.
+
+Why a bounded buffer: the pool and the engine append on the engine thread and a reader (the KV inspector page,
+later a router's index or a ZMQ publisher) drains between steps; a reader that falls behind loses the oldest events
+(counted in `dropped`), it never makes the engine thread wait or grow without bound. Event names and fields follow
+vLLM's KV events (BlockStored, BlockRemoved, AllBlocksCleared) so that the same stream can feed vLLM-style readers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DEFAULT_EVENT_CAPACITY = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block entered the prefix cache under its chained hash."""
+
+    block_id: int
+    block_hash: str  # hex
+    parent_block_hash: str | None  # hex; None for a sequence's first block
+    token_ids: tuple[int, ...]
+    block_size: int
+    kind: str = "block_stored"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A cached block lost its hash: it was reused for other tokens (evicted)."""
+
+    block_id: int
+    block_hash: str
+    kind: str = "block_removed"
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was dropped (reset_prefix_cache)."""
+
+    kind: str = "all_blocks_cleared"
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """A running request lost its blocks and will recompute `tokens_lost` tokens."""
+
+    request_id: str
+    tokens_lost: int
+    blocks_freed: int
+    kind: str = "preempted"
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """A request was aborted (client gone or cancelled); its blocks were freed."""
+
+    request_id: str
+    blocks_freed: int
+    kind: str = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRefused:
+    """The first waiting request could not be admitted although the batch had room: the pool lacked blocks."""
+
+    request_id: str
+    blocks_needed: int
+    blocks_free: int
+    kind: str = "admission_refused"
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | Preempted | Aborted | AdmissionRefused
+
+
+@dataclass(slots=True)
+class KVEventBuffer:
+    """A bounded FIFO of (sequence number, wall time, event). Appends are O(1); when full the oldest is dropped."""
+
+    capacity: int = DEFAULT_EVENT_CAPACITY
+    next_seq: int = 0
+    dropped: int = 0
+    _items: deque[tuple[int, float, KVEvent]] = field(default_factory=deque)
+
+    def append(self, event: KVEvent) -> None:
+        if len(self._items) >= self.capacity:
+            self._items.popleft()
+            self.dropped += 1
+        self._items.append((self.next_seq, time.time(), event))
+        self.next_seq += 1
+
+    def drain(self) -> list[tuple[int, float, KVEvent]]:
+        """Everything buffered, oldest first, leaving the buffer empty (the engine thread's call)."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def event_to_json(seq: int, at: float, event: KVEvent) -> dict[str, Any]:
+    """One event as a JSON-ready dict: its fields plus `seq` (gap-free unless events were dropped) and `time`."""
+    data = asdict(event)
+    if "token_ids" in data:
+        data["token_ids"] = list(data["token_ids"])
+    data["seq"], data["time"] = seq, at
+    return data

@@ -1,0 +1,98 @@
+"""Which requests draft this step, the drafts themselves, and the acceptance counters behind the metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from kvserve.sampling_params import SamplingParams
+
+
+class DraftRequest(Protocol):
+    """What drafting reads and writes of a request (the engine's Request satisfies it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    spec_token_ids: list[int]
+    spec_num_drafted: int
+    spec_num_accepted: int
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Totals since start, under vLLM's metric names (kvserve:spec_decode_num_*_total)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+def drafts_exactly(params: SamplingParams) -> bool:
+    """Whether verification reproduces this request's tokens exactly (spec_decode/verify.py): its sampler row must
+    not depend on the position's own history, and it must not report per-token logprobs. So requests with
+    penalties (they see the tokens before each position) or logprobs do not draft; nor do requests whose
+    min_tokens still blocks stop tokens (checked per request, `SpecDecoder.wants_draft`) or that have a grammar
+    (the engine's set of constrained requests). Greedy and sampled (temperature, top-k/p, min-p, seed) do."""
+    return not params.has_penalties and params.logprobs is None
+
+
+class SpecDecoder:
+    """The engine's speculative-decoding part: proposes drafts before a step and counts what verification
+    accepted after it. Holds only the config and the totals; per-request acceptance lives on the request."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecDecodeStats()
+
+    def propose(self, running: Iterable[DraftRequest], constrained: Collection[str], max_model_len: int,
+                num_running: int) -> None:
+        """Set every running request's `spec_token_ids` for the coming step (empty: no drafting)."""
+        enabled = num_running <= self.config.disable_by_batch_size
+        for request in running:
+            request.spec_token_ids = (self._draft(request, max_model_len)
+                                      if enabled and self.wants_draft(request, constrained) else [])
+
+    def wants_draft(self, request: DraftRequest, constrained: Collection[str]) -> bool:
+        """Decoding (one token to compute), exact to verify, no grammar, and its acceptance not too low."""
+        params = request.sampling_params
+        if request.num_computed_tokens + 1 != request.num_tokens or request.request_id in constrained:
+            return False
+        if not drafts_exactly(params) or len(request.output_token_ids) < params.min_tokens:
+            return False
+        cfg = self.config
+        return (request.spec_num_drafted < cfg.acceptance_window
+                or request.spec_num_accepted >= cfg.min_acceptance_rate * request.spec_num_drafted)
+
+    def _draft(self, request: DraftRequest, max_model_len: int) -> list[int]:
+        """Drafts capped so that the verified tokens stay within max_tokens and max-model-len."""
+        params = request.sampling_params
+        k = min(self.config.num_speculative_tokens, max_model_len - request.num_tokens)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
+        if k <= 0:
+            return []
+        tokens = request.prompt_token_ids + request.output_token_ids
+        return propose_ngram(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def record(self, request: DraftRequest, num_drafted: int, num_accepted: int) -> None:
+        """Count one verified draft of `request`."""
+        request.spec_num_drafted += num_drafted
+        request.spec_num_accepted += num_accepted
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_drafted
+        self.stats.num_accepted_tokens += num_accepted

@@ -1,0 +1,35 @@
+"""Verification of drafted tokens against the target model: greedy, and speculative sampling.
+
+With an n-gram draft the draft distribution is a point mass on the drafted token t, so the speculative-sampling
+rule (Leviathan et al. 2023, Chen et al. 2023) reads: accept t with probability p(t); on rejection, sample from p
+with t removed and renormalized. Sampling x ~ p as usual and accepting t iff x == t is that rule exactly: P(accept)
+= p(t), and a rejected x is distributed as p restricted to tokens other than t. So verification samples each
+position as a one-token step would (the sampler, with the request's own generator), in order, and stops at the
+first position whose token differs from the draft. A seeded request then draws one number per token it gains,
+exactly as without drafting: its output is the same token for token whether or not drafting ran, whatever else
+is in the batch (the adaptive gate may switch drafting on and off between steps)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def verify_by_sampling(draft: Sequence[int], sample_at: Callable[[int], int]) -> list[int]:
+    """The tokens a drafted request gains: `sample_at(i)` is the target's token after position i of the verified
+    chunk (0: after the request's last real token), asked in order and only while the drafts before it were
+    accepted. Accepted drafts, then the first token that differs from the draft (or the bonus after the last)."""
+    gained: list[int] = []
+    for i in range(len(draft) + 1):
+        token = sample_at(i)
+        gained.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    return gained
+
+
+def verify_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
+    """verify_by_sampling with every position's (greedy) token known up front: `target[i]` is the argmax after
+    position i, len(draft) + 1 of them, computed in one batched call."""
+    if len(target) != len(draft) + 1:
+        raise ValueError(f"{len(target)} target tokens for {len(draft)} drafts; expected {len(draft) + 1}")
+    return verify_by_sampling(draft, target.__getitem__)

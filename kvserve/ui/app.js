@@ -1,0 +1,369 @@
+// kvserve KV cache inspector: reads /v1/kv/stream (fetch streaming, so the API key goes in a header) and draws the
+// block map, requests, prefix tree, events, gauges and capacity plan. Plain JS, no build step, no external assets.
+"use strict";
+(function () {
+  const KEY_STORE = "kvserve.apiKey";
+  const MAX_EVENTS = 300;
+  const MAX_TREE_NODES = 400;
+  const MAX_TABLE_CELLS = 64;
+  const COLORS = { f: "#2a313a", u: "#3b82f6", s: "#f59e0b", c: "#10b981", n: "#000000" };
+  const PRIORITY = { s: 4, u: 3, c: 2, f: 1, n: 0 };  // an aggregated cell shows its "busiest" state
+  const $ = (id) => document.getElementById(id);
+  const state = { snapshot: null, blocks: new Map(), selected: null, pinned: null, layout: null,
+                  events: [], tokensPerS: 0, reply: null, pinnedText: "" };
+  window.kvInspector = state;  // for tests and for the curious, in the console
+
+  // ---- the API key ----
+  const requiresKey = document.body.dataset.requiresKey === "true";
+  function apiKey() { return sessionStorage.getItem(KEY_STORE) || ""; }
+  function headers(extra) {
+    const h = Object.assign({}, extra || {});
+    if (apiKey()) h["Authorization"] = "Bearer " + apiKey();
+    return h;
+  }
+  function askForKey() {
+    return new Promise((resolve) => {
+      const dialog = $("key-dialog");
+      $("key-form").onsubmit = () => {
+        sessionStorage.setItem(KEY_STORE, $("key-input").value.trim());
+        resolve();
+      };
+      if (!dialog.open) dialog.showModal();
+    });
+  }
+  function setStatus(text, cls) { const el = $("status"); el.textContent = text; el.className = "status " + (cls || ""); }
+
+  // ---- the stream ----
+  async function connect() {
+    for (;;) {
+      if (requiresKey && !apiKey()) await askForKey();
+      try {
+        const resp = await fetch("v1/kv/stream", { headers: headers(), cache: "no-store" });
+        if (resp.status === 401) { sessionStorage.removeItem(KEY_STORE); setStatus("API key refused", "err"); continue; }
+        if (!resp.ok || !resp.body) throw new Error("HTTP " + resp.status);
+        setStatus("live", "ok");
+        await readSSE(resp.body, onMessage);
+        setStatus("stream ended; reconnecting…", "err");
+      } catch (err) {
+        setStatus("disconnected (" + err.message + "); retrying…", "err");
+      }
+      await new Promise((r) => setTimeout(r, 1000));
+    }
+  }
+  async function readSSE(body, handle) {
+    const reader = body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const chunk = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        let event = "message", data = "";
+        for (const line of chunk.split("\n")) {
+          if (line.startsWith("event:")) event = line.slice(6).trim();
+          else if (line.startsWith("data:")) data += line.slice(5).trim();
+        }
+        if (data) handle(event, data);
+      }
+    }
+  }
+  function onMessage(event, data) {
+    const payload = JSON.parse(data);
+    if (event === "snapshot") onSnapshot(payload);
+    else if (event === "kv") onEvent(payload);
+  }
+
+  // ---- snapshot ----
+  function onSnapshot(snap) {
+    const prev = state.snapshot;
+    if (prev) {
+      const dt = snap.time - prev.time;
+      const dtok = snap.gauges.generation_tokens_total - prev.gauges.generation_tokens_total;
+      if (dt > 0) state.tokensPerS = dtok / dt;
+    }
+    state.snapshot = snap;
+    state.blocks = new Map(snap.blocks.map((b) => [b.id, b]));
+    renderGauges(snap);
+    renderMap();
+    renderRequests(snap);
+    renderPrefix(snap);
+    if (state.pinned !== null) showDetail(state.pinned);
+  }
+
+  function gauge(label, value) {
+    const d = document.createElement("div");
+    d.className = "gauge";
+    d.innerHTML = "<b></b><span></span>";
+    d.firstChild.textContent = value;
+    d.lastChild.textContent = label;
+    return d;
+  }
+  function renderGauges(snap) {
+    const g = snap.gauges, c = snap.capacity;
+    $("gauges").replaceChildren(
+      gauge("KV usage", (100 * g.kv_cache_usage).toFixed(1) + "%"),
+      gauge("prefix hit rate", (100 * g.prefix_cache_hit_rate).toFixed(1) + "%"),
+      gauge("running", g.num_running), gauge("waiting", g.num_waiting),
+      gauge("tokens/s", state.tokensPerS.toFixed(1)), gauge("preemptions", g.num_preemptions),
+      gauge("free blocks", snap.pool.num_free_blocks + " / " + snap.pool.num_usable_blocks));
+    $("capacity").replaceChildren(
+      gauge("KV dtype", c.kv_cache_dtype), gauge("bytes / token", c.bytes_per_token),
+      gauge("blocks (incl. null)", c.num_blocks), gauge("block size", c.block_size), gauge("tokens", c.num_tokens),
+      gauge("max-model-len", c.max_model_len), gauge("max concurrency at max-model-len", c.max_concurrency + "x"),
+      gauge("KV memory", c.total_bytes >= 1048576 ? (c.total_bytes / 1048576).toFixed(1) + " MiB"
+                                                  : (c.total_bytes / 1024).toFixed(1) + " KiB"));
+  }
+
+  // ---- block map ----
+  function layoutFor(n, width) {
+    let cell = 14, per = 1;
+    let cols = Math.max(1, Math.floor(width / cell));
+    while (Math.ceil(n / per / cols) * cell > 360) {  // too tall: smaller cells, then several blocks per cell
+      if (cell > 5) { cell -= 1; cols = Math.max(1, Math.floor(width / cell)); } else { per *= 2; }
+    }
+    return { cell, per, cols, rows: Math.ceil(n / per / cols) };
+  }
+  function renderMap() {
+    const snap = state.snapshot;
+    if (!snap) return;
+    const canvas = $("map");
+    const states = snap.block_states;
+    const width = canvas.clientWidth || 960;
+    const L = layoutFor(states.length, width);
+    state.layout = L;
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = width * dpr;
+    canvas.height = L.rows * L.cell * dpr;
+    canvas.style.height = L.rows * L.cell + "px";
+    const ctx = canvas.getContext("2d");
+    ctx.scale(dpr, dpr);
+    const highlight = new Set(state.selected ? state.selected.block_ids : []);
+    const counts = { f: 0, u: 0, s: 0, c: 0, n: 0 };
+    let maxRef = 0;
+    for (let i = 0; i < states.length; i++) counts[states[i]]++;
+    for (const b of snap.blocks) if (b.ref_cnt > maxRef) maxRef = b.ref_cnt;
+    ctx.font = Math.max(7, L.cell - 5) + "px sans-serif";
+    ctx.textAlign = "center"; ctx.textBaseline = "middle";
+    const ncells = Math.ceil(states.length / L.per);
+    for (let cellIndex = 0; cellIndex < ncells; cellIndex++) {
+      let best = "n", hl = false;
+      const start = cellIndex * L.per, end = Math.min(states.length, start + L.per);
+      for (let i = start; i < end; i++) {
+        if (PRIORITY[states[i]] > PRIORITY[best]) best = states[i];
+        if (highlight.has(i)) hl = true;
+      }
+      const x = (cellIndex % L.cols) * L.cell, y = Math.floor(cellIndex / L.cols) * L.cell;
+      ctx.fillStyle = COLORS[best];
+      ctx.fillRect(x, y, L.cell - 1, L.cell - 1);
+      if (hl) { ctx.strokeStyle = "#f43f5e"; ctx.lineWidth = 2; ctx.strokeRect(x + 1, y + 1, L.cell - 3, L.cell - 3); }
+      if (L.per === 1 && best === "s" && L.cell >= 11) {
+        ctx.fillStyle = "#000";
+        ctx.fillText(String(state.blocks.get(start).ref_cnt), x + L.cell / 2, y + L.cell / 2);
+      }
+    }
+    $("map-legend").textContent = states.length + " blocks" + (L.per > 1 ? " (" + L.per + " per cell)" : "") +
+      " · used " + counts.u + " · shared " + counts.s + (counts.s ? " (max ref " + maxRef + ")" : "") +
+      " · cached " + counts.c + " · free " + counts.f;
+  }
+  function blockAt(ev) {
+    const L = state.layout, snap = state.snapshot;
+    if (!L || !snap) return null;
+    const rect = $("map").getBoundingClientRect();
+    const col = Math.floor((ev.clientX - rect.left) / L.cell), row = Math.floor((ev.clientY - rect.top) / L.cell);
+    if (col < 0 || col >= L.cols || row < 0) return null;
+    const start = (row * L.cols + col) * L.per;
+    return start < snap.block_states.length ? start : null;
+  }
+  function describeBlock(id) {
+    const snap = state.snapshot, bs = snap.pool.block_size;
+    const st = snap.block_states[id];
+    const names = { f: "free", u: "used", s: "shared", c: "cached (evictable)", n: "null block (never allocated)" };
+    const b = state.blocks.get(id);
+    const lines = ["block " + id + ": " + names[st]];
+    if (b) {
+      lines.push("ref_cnt " + b.ref_cnt + (b.hash ? " · hash " + b.hash : "") +
+                 (b.evict_rank !== null ? " · evicted after " + b.evict_rank + " other cached block(s)" : ""));
+      if (b.holders.length) {
+        const spans = b.holders.map((h) => {
+          const r = snap.requests.find((q) => q.request_id === h && q.block_ids.includes(id));
+          const i = r ? r.block_ids.indexOf(id) : -1;
+          return h + (i >= 0 ? " [tokens " + i * bs + "–" + ((i + 1) * bs - 1) + "]" : "");
+        });
+        lines.push("held by " + spans.join(", "));
+      }
+      if (snap.redacted) lines.push("token text hidden (--ui-redact-text)");
+      else if (state.pinned === id) lines.push(state.pinnedText || "click: loading its tokens…");
+      else lines.push("click for its tokens and text");
+    }
+    return lines.join("\n");
+  }
+  function showDetail(start) {
+    const L = state.layout;
+    if (start === null || !L) return;
+    if (L.per === 1) { $("block-detail").textContent = describeBlock(start); return; }
+    const states = state.snapshot.block_states, end = Math.min(states.length, start + L.per);
+    const counts = {};
+    for (let i = start; i < end; i++) counts[states[i]] = (counts[states[i]] || 0) + 1;
+    $("block-detail").textContent = "blocks " + start + "–" + (end - 1) + ": " + JSON.stringify(counts);
+  }
+  $("map").addEventListener("mousemove", (ev) => { if (state.pinned === null) showDetail(blockAt(ev)); });
+  $("map").addEventListener("click", async (ev) => {
+    const id = blockAt(ev);
+    state.pinned = state.pinned === id ? null : id;
+    state.pinnedText = "";
+    showDetail(id);
+    if (state.pinned === null || state.layout.per !== 1 || state.snapshot.redacted) return;
+    try {
+      const resp = await fetch("v1/kv/blocks/" + id, { headers: headers() });
+      const d = await resp.json();
+      if (state.pinned !== id) return;
+      const spans = d.held.map((h) => h.request_id + " tokens " + h.start + "–" + (h.end - 1)).join(", ");
+      state.pinnedText = (spans ? spans + "\n" : "") + "token ids " + JSON.stringify(d.token_ids) +
+        "\ntext " + JSON.stringify(d.text);
+      showDetail(id);
+    } catch (err) { state.pinnedText = "could not load the block: " + err.message; }
+  });
+  window.addEventListener("resize", renderMap);
+
+  // ---- requests ----
+  function renderRequests(snap) {
+    const table = document.createElement("table");
+    table.innerHTML = "<tr><th>request</th><th>status</th><th>prompt / out</th><th>hit</th><th>age</th>" +
+                      "<th>preempt</th><th>block table</th></tr>";
+    for (const r of snap.requests) {
+      const tr = document.createElement("tr");
+      tr.className = "req" + (state.selected && state.selected.seq_id === r.seq_id ? " selected" : "");
+      tr.dataset.requestId = r.request_id;
+      const cells = [r.request_id, r.status, r.num_prompt_tokens + " / " + r.num_output_tokens, r.prefix_hit_tokens,
+                     r.age_s.toFixed(1) + "s", r.num_preemptions];
+      for (const text of cells) { const td = document.createElement("td"); td.textContent = text; tr.appendChild(td); }
+      const td = document.createElement("td");
+      const strip = document.createElement("div");
+      strip.className = "btable";
+      for (const id of r.block_ids.slice(0, MAX_TABLE_CELLS)) {
+        const i = document.createElement("i");
+        i.textContent = id;
+        i.style.background = COLORS[snap.block_states[id]];
+        strip.appendChild(i);
+      }
+      if (r.block_ids.length > MAX_TABLE_CELLS) strip.appendChild(document.createTextNode("+" + (r.block_ids.length - MAX_TABLE_CELLS)));
+      td.appendChild(strip);
+      tr.appendChild(td);
+      tr.onclick = () => {
+        state.selected = state.selected && state.selected.seq_id === r.seq_id ? null : r;
+        renderRequests(state.snapshot);
+        renderMap();
+      };
+      table.appendChild(tr);
+    }
+    if (state.selected) state.selected = snap.requests.find((q) => q.seq_id === state.selected.seq_id) || null;
+    $("requests").replaceChildren(snap.requests.length ? table : document.createTextNode("No requests."));
+  }
+
+  // ---- prefix tree ----
+  function renderPrefix(snap) {
+    const nodes = snap.prefix_cache.slice(0, MAX_TREE_NODES);
+    const byHash = new Map(nodes.map((n) => [n.hash, Object.assign({ children: [] }, n)]));
+    const roots = [];
+    for (const n of byHash.values()) {
+      const parent = n.parent && byHash.get(n.parent);
+      if (parent) parent.children.push(n); else roots.push(n);
+    }
+    const build = (list) => {
+      const ul = document.createElement("ul");
+      for (const n of list) {
+        const li = document.createElement("li");
+        li.textContent = "#" + n.block_id + " " + n.hash.slice(0, 8) + " · hits " + n.hits + " · ref " + n.ref_cnt +
+          (n.evict_rank !== null ? " · evict #" + n.evict_rank : "");
+        if (n.children.length) li.appendChild(build(n.children));
+        ul.appendChild(li);
+      }
+      return ul;
+    };
+    const root = document.createElement("div");
+    root.className = "tree";
+    root.appendChild(document.createTextNode(snap.prefix_cache.length + " cached blocks" +
+      (snap.prefix_cache.length > MAX_TREE_NODES ? " (first " + MAX_TREE_NODES + " shown)" : "")));
+    root.appendChild(build(roots));
+    $("prefix").replaceChildren(root);
+  }
+
+  // ---- events ----
+  function describeEvent(e) {
+    switch (e.kind) {
+      case "block_stored": return "stored block " + e.block_id + " " + e.block_hash.slice(0, 8) +
+        (e.parent_block_hash ? " ← " + e.parent_block_hash.slice(0, 8) : " (first block)");
+      case "block_removed": return "evicted block " + e.block_id + " " + e.block_hash.slice(0, 8);
+      case "all_blocks_cleared": return "prefix cache cleared";
+      case "preempted": return "PREEMPTED " + e.request_id + ": " + e.tokens_lost + " tokens lost, " +
+        e.blocks_freed + " blocks freed";
+      case "aborted": return "ABORTED " + e.request_id + ": " + e.blocks_freed + " blocks freed";
+      case "admission_refused": return "admission refused " + e.request_id + ": needs " + e.blocks_needed +
+        " blocks, " + e.blocks_free + " free";
+      default: return e.kind;
+    }
+  }
+  function onEvent(e) {
+    state.events.push(e);
+    if (state.events.length > MAX_EVENTS) state.events.shift();
+    const li = document.createElement("li");
+    li.className = e.kind;
+    li.textContent = new Date(e.time * 1000).toLocaleTimeString() + " " + describeEvent(e);
+    const list = $("events");
+    list.prepend(li);
+    while (list.children.length > MAX_EVENTS) list.lastChild.remove();
+  }
+
+  // ---- playground ----
+  async function send(ev) {
+    ev.preventDefault();
+    const f = ev.target.elements;
+    const body = {
+      messages: [{ role: "system", content: f.system.value }, { role: "user", content: f.user.value }],
+      max_tokens: Number(f.max_tokens.value), temperature: Number(f.temperature.value), stream: f.stream.checked,
+    };
+    const controller = new AbortController();
+    state.reply = controller;
+    $("abort").disabled = false;
+    const out = $("reply");
+    out.textContent = "";
+    try {
+      const resp = await fetch("v1/chat/completions", { method: "POST", signal: controller.signal,
+        headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(body) });
+      if (!resp.ok) { out.textContent = "HTTP " + resp.status + ": " + await resp.text(); return; }
+      if (!body.stream) { out.textContent = (await resp.json()).choices[0].message.content; return; }
+      await readStreamedChat(resp.body, out);
+    } catch (err) {
+      out.textContent += err.name === "AbortError" ? "\n[aborted]" : "\n[" + err.message + "]";
+    } finally {
+      if (state.reply === controller) { state.reply = null; $("abort").disabled = true; }
+    }
+  }
+  async function readStreamedChat(body, out) {
+    const reader = body.getReader(), decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, cut).trim();
+        buffer = buffer.slice(cut + 1);
+        if (!line.startsWith("data:") || line === "data: [DONE]") continue;
+        const delta = JSON.parse(line.slice(5)).choices[0].delta;
+        if (delta && delta.content) out.textContent += delta.content;
+      }
+    }
+  }
+  $("engine-only").addEventListener("change", (ev) => $("events").classList.toggle("engine-only", ev.target.checked));
+  $("playground").addEventListener("submit", send);
+  $("abort").addEventListener("click", () => { if (state.reply) state.reply.abort(); });
+
+  state.show = onSnapshot;  // draws a given snapshot (tests feed large synthetic pools through it)
+  connect();
+})();

@@ -1,0 +1,138 @@
+"""The KV inspector's HTTP routes on a real server: the page and assets load without the key, the data routes need
+it, the snapshot reflects the engine, the SSE stream delivers snapshots and events, and the flags switch things off."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from server_support import API_KEY, RunningServer, ServerFactory, wait_until
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _sse_messages(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    event, data = "message", ""
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+        elif not line and data:
+            yield event, json.loads(data)
+            event, data = "message", ""
+
+
+def test_page_is_open_and_data_needs_the_key(make_server: ServerFactory) -> None:
+    server = make_server(api_key=API_KEY)
+    with server.client() as client:
+        for path in ("/", "/ui"):
+            page = client.get(path)
+            assert page.status_code == 200 and 'src="ui/assets/app.js"' in page.text  # relative asset URLs
+            assert 'data-requires-key="true"' in page.text
+        assert client.get("/ui/assets/app.js").status_code == 200
+        assert client.get("/ui/assets/app.css").headers["content-type"].startswith("text/css")
+        assert client.get("/ui/assets/nope.js").status_code == 404
+        assert client.get("/v1/kv/snapshot").status_code == 401
+        assert client.get("/v1/kv/stream").status_code == 401
+        assert client.get("/v1/kv/snapshot", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        snap = client.get("/v1/kv/snapshot", headers=AUTH)
+        assert snap.status_code == 200
+        body = snap.json()
+        assert body["version"] == 1 and len(body["block_states"]) == body["pool"]["num_blocks"]
+        assert body["events"] == []
+        assert client.get("/v1/kv/blocks/1").status_code == 401
+        assert client.get("/v1/kv/blocks/1", headers=AUTH).json()["state"] == "f"
+        missing = client.get("/v1/kv/blocks/100000", headers=AUTH)
+        assert missing.status_code == 404 and "out of range" in missing.json()["error"]["message"]
+
+
+def test_snapshot_shows_a_running_requests_blocks(make_server: ServerFactory) -> None:
+    server = make_server(before_step=lambda: time.sleep(0.05))  # slow steps: the request is seen running
+    with server.client() as client:
+        done: dict[str, Any] = {}
+
+        def send() -> None:
+            done["r"] = client.post("/v1/completions", json={"prompt": "abcdefghijklm", "max_tokens": 20,
+                                                              "ignore_eos": True})
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        try:
+            snaps: list[dict[str, Any]] = []
+
+            def running() -> bool:
+                snaps.append(client.get("/v1/kv/snapshot").json())  # each taken between steps
+                return bool(snaps[-1]["requests"]) and snaps[-1]["requests"][0]["status"] == "running"
+
+            wait_until(running)
+            snap = snaps[-1]
+        finally:
+            thread.join(30)
+        assert done["r"].status_code == 200
+        (request,) = snap["requests"]
+        assert request["num_prompt_tokens"] >= 13 and request["block_ids"]
+        for block_id in request["block_ids"]:
+            assert snap["block_states"][block_id] in "us"
+        after = client.get("/v1/kv/snapshot").json()
+        assert after["requests"] == [] and set(after["block_states"][1:]) <= {"f", "c"}
+        assert any(e["kind"] == "block_stored" for e in after["events"])
+
+
+def test_stream_delivers_snapshots_and_events(make_server: ServerFactory) -> None:
+    server = make_server()
+    assert server.engine.kv.published.snapshot is None  # nobody watched: nothing was built
+    with server.client() as client, client.stream("GET", "/v1/kv/stream") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        messages = _sse_messages(stream)
+        kind, first = next(messages)
+        assert kind == "snapshot" and first["requests"] == []
+        with server.client() as other:
+            assert other.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 3}
+                              ).status_code == 200
+        seen: set[str] = set()
+        for kind, payload in messages:
+            seen.add(kind if kind == "snapshot" else payload["kind"])
+            if kind == "snapshot" and payload["seq"] > first["seq"] and "block_stored" in seen \
+                    and payload["gauges"]["generation_tokens_total"] >= 3:
+                break
+        assert "block_stored" in seen
+    wait_until(lambda: server.engine.kv.num_watchers == 0)  # the closed stream stopped watching
+
+
+def test_disable_ui_and_redact_text(make_server: ServerFactory, tiny_model_dir: Any) -> None:
+    from server_support import MODEL, make_engine
+
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.server.app import build_app
+    from kvserve.server.context import ServerSettings
+
+    engine = AsyncLLMEngine(make_engine(tiny_model_dir))
+    settings = ServerSettings(served_model_names=(MODEL,), disable_ui=True, ui_redact_text=True)
+    server = RunningServer(build_app(engine, settings), engine).start()
+    try:
+        with server.client() as client:
+            assert client.get("/").status_code == 404 and client.get("/ui").status_code == 404
+            assert client.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 2}
+                               ).status_code == 200
+            snap = client.get("/v1/kv/snapshot").json()
+            assert snap["redacted"] and snap["blocks"]
+            assert all(b["token_ids"] is None for b in snap["blocks"])
+            assert all(e.get("token_ids") is None for e in snap["events"])
+            detail = client.get(f"/v1/kv/blocks/{snap['blocks'][0]['id']}").json()
+            assert detail["text"] is None and detail["token_ids"] is None
+    finally:
+        server.stop()
+
+
+def test_serve_flags_parse() -> None:
+    from kvserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--disable-ui", "--ui-redact-text"])
+    assert args.disable_ui and args.ui_redact_text
+    defaults = build_parser().parse_args(["serve"])
+    assert not defaults.disable_ui and not defaults.ui_redact_text
