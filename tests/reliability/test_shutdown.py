@@ -6,26 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
-from server_support import CHAT_TEMPLATE, wait_until
+from server_support import serve_process
 
 STREAMS = 12
 MAX_TOKENS = 120
 GRACE_S = 60
 DEADLINE_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _stream(client: httpx.AsyncClient, i: int, started: asyncio.Event, count: list[int]) -> list[str]:
@@ -44,26 +34,9 @@ async def _stream(client: httpx.AsyncClient, i: int, started: asyncio.Event, cou
 
 
 def test_sigterm_under_load_finishes_running_requests_and_exits_0(tiny_model_dir: Path, tmp_path: Path):
-    port = _free_port()
-    template = tmp_path / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", str(tiny_model_dir), "--port", str(port),
-           "--block-size", "4", "--num-gpu-blocks-override", "256", "--chat-template", str(template),
-           "--served-model-name", "tiny", "--uvicorn-log-level", "warning", "--cpu-threads", "1",
-           "--max-num-seqs", "4", "--shutdown-grace-seconds", str(GRACE_S)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[2])
-    base = f"http://127.0.0.1:{port}"
+    proc, base = serve_process(tiny_model_dir, tmp_path, "--uvicorn-log-level", "warning", "--max-num-seqs", "4",
+                               "--shutdown-grace-seconds", str(GRACE_S))
     try:
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                return httpx.get(f"{base}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, timeout=60, interval=0.1)
-
         async def load() -> list[list[str]]:
             started, count = asyncio.Event(), [0]
             limits = httpx.Limits(max_connections=STREAMS + 2)

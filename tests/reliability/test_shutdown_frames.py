@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from server_support import CHAT_TEMPLATE, wait_until
+from server_support import serve_process, wait_until
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 DEADLINE_S = 60.0
@@ -81,36 +77,13 @@ def test_grace_period_end_sends_error_frames_and_503s(make_server):
     assert core.pool.num_free_blocks == core.pool.num_usable_blocks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_with_streams_longer_than_the_grace_period(tiny_model_dir: Path, tmp_path: Path):
     """A real `kvserve serve` with --shutdown-grace-seconds 0 and one sequence at a time: SIGTERM while a
     stream is running and others wait. Every stream ends with [DONE] (the running ones with the error frame),
     the process exits 0, and its log has no traceback."""
-    port = _free_port()
-    template = tmp_path / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", str(tiny_model_dir), "--port", str(port),
-           "--block-size", "4", "--num-gpu-blocks-override", "256", "--chat-template", str(template),
-           "--served-model-name", "tiny", "--uvicorn-log-level", "info", "--cpu-threads", "1",
-           "--max-num-seqs", "1", "--shutdown-grace-seconds", "0"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[2])
-    base = f"http://127.0.0.1:{port}"
+    proc, base = serve_process(tiny_model_dir, tmp_path, "--uvicorn-log-level", "info", "--max-num-seqs", "1",
+                               "--shutdown-grace-seconds", "0")
     try:
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                return httpx.get(f"{base}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, timeout=60, interval=0.1)
-
         async def one(client: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[str]:
             body = {"prompt": f"stream {i}", "stream": True, "max_tokens": 240, "ignore_eos": True}
             lines: list[str] = []

@@ -7,7 +7,9 @@ inject faults, gate steps, check the block pool) through the app factory, withou
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -169,3 +171,36 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def serve_process(model_dir: Path, tmp_path: Path, *args: str,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """A real `kvserve serve` process on the tiny model (free port, the tiny chat template, one CPU thread, a
+    256-block pool; `args` add or override flags), started and healthy. Returns (process, base URL); the caller
+    stops it. For tests of what only a whole process shows: signals, exit codes, the log."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    template = tmp_path / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", str(model_dir), "--port", str(port),
+           "--block-size", "4", "--num-gpu-blocks-override", "256", "--chat-template", str(template),
+           "--served-model-name", "tiny", "--cpu-threads", "1", *args]
+    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[2])
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, timeout=60, interval=0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, base

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server_support import CHAT_TEMPLATE, metric_values, wait_until
+from server_support import metric_values, serve_process, wait_until
 
 
 def slow_steps(seconds: float):
@@ -177,34 +173,10 @@ def test_shutdown_aborts_requests_after_the_grace_period(make_server):
     assert not core.has_unfinished_requests() and core.pool.num_free_blocks == core.pool.num_usable_blocks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_kvserve_serve_exits_0_on_sigterm_after_finishing_requests(tiny_model_dir: Path, tmp_path: Path):
-    port = _free_port()
-    template = tmp_path / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", str(tiny_model_dir), "--port", str(port),
-           "--block-size", "4", "--num-gpu-blocks-override", "256", "--chat-template", str(template),
-           "--served-model-name", "tiny", "--uvicorn-log-level", "warning", "--shutdown-grace-seconds", "20",
-           "--cpu-threads", "1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_API_KEY": "env-key"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    proc, base = serve_process(tiny_model_dir, tmp_path, "--uvicorn-log-level", "warning",
+                               "--shutdown-grace-seconds", "20", env={"KVSERVE_API_KEY": "env-key"})
     try:
-        base = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                return httpx.get(f"{base}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, timeout=60, interval=0.1)
         headers = {"Authorization": "Bearer env-key"}  # the key came from $KVSERVE_API_KEY
         assert httpx.get(f"{base}/v1/models", timeout=5).status_code == 401
         assert httpx.get(f"{base}/v1/models", headers=headers, timeout=5).json()["data"][0]["id"] == "tiny"
