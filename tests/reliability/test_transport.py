@@ -114,6 +114,27 @@ def test_keyless_oversized_or_chunked_body_gets_401_and_the_connection_closes(gu
             assert closed_by_server(sock)
 
 
+def test_refused_body_gets_its_413_and_a_lingering_close_not_a_reset(guarded_server):
+    """A 413 sent before the body is read ends the connection with a lingering close: the server shuts down
+    its sending side after the response and discards what the client still sends, so the client reads the
+    whole 413 and none of its sends meets a reset. (Closing at once, with body bytes unread, resets the
+    connection, and a reset can destroy the response in flight: httpx saw "peer closed connection without
+    sending complete message body" on 1 request in 6 on a loaded machine.)"""
+    chunk = b"x" * (1 << 20)
+    auth = f"Authorization: Bearer {API_KEY}\r\n"
+    with connect(guarded_server) as sock:
+        sock.sendall(post_head("/v1/completions", EIGHT_MIB + len(chunk), auth) + chunk)
+        status, headers, payload = read_response(sock)
+        assert status == 413 and headers.get("connection") == "close", payload
+        assert json.loads(payload)["error"]["code"] == "request_too_large"
+        time.sleep(0.2)  # room for a reset to arrive, if the server reset the connection
+        for _ in range(8):
+            sock.sendall(chunk)  # the rest of the body: read and discarded, never refused with a reset
+        assert sock.recv(65536) == b""  # the server's FIN after its response
+    with guarded_server.client() as c:
+        assert c.get("/health").status_code == 200
+
+
 def test_concurrent_keyless_bodies_leave_the_server_serving(guarded_server, auth):
     """The issue's attack, four keyless 8 MiB bodies of nested empty lists at once: each gets 401 and the
     server goes on answering."""
