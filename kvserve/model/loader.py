@@ -75,13 +75,16 @@ def load_model(
     config: ModelConfig | None = None,
 ) -> LoadedModel:
     """Build the model for `source`, fill its weights, then quantize them as `quantization` says;
-    `cache_dir` holds dequantized GGUF tensors, quantized weights and the compiled kernels. `config`, when the
-    caller has already read it (load_model_config), saves parsing the checkpoint's metadata again."""
+    `cache_dir` holds dequantized GGUF tensors and quantized weights. The compiled kernels always live in the
+    kvserve cache (default_cache_dir() / "kernels"): they depend on the machine, the compiler and the sources,
+    not on the model, so one build (named by a digest of all three) serves every model and every cache_dir.
+    `config`, when the caller has already read it (load_model_config), saves parsing the checkpoint's metadata
+    again."""
     start = time.perf_counter()
     if quantization == "gguf" and source.format != ModelFormat.GGUF:
         raise ValueError(f"--quantization gguf runs a GGUF file's own quantized blocks; {source.name} is a "
                          f"{source.format.value} checkpoint (use none or q8_0)")
-    kernels = load_kernels((cache_dir or default_cache_dir()).expanduser() / "kernels")
+    kernels = load_kernels(default_cache_dir().expanduser() / "kernels")
     config = config or load_model_config(source)
     model = DecoderModel(config, dtype, device, attention_backend, kernels)
     quantized_file: Path | None = None

@@ -20,6 +20,7 @@ from kvserve.attention.reference import reference_attention
 from kvserve.kernels.native import cpu_supports_native
 from kvserve.kernels.ops import TorchKernels, load_kernels
 from kvserve.kv.cache import LayerKVCache
+from kvserve.model.tokenizer import default_cache_dir
 
 ATOL = RTOL = 1e-5
 
@@ -60,14 +61,14 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=["torch", "native"])
-def kernels(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+def kernels(request):  # type: ignore[no-untyped-def]
     """The CPU backend with plain torch, and with the compiled paged attention where it builds."""
     if request.param == "torch":
         return TorchKernels()
     ok, why = cpu_supports_native()
     if not ok:
         pytest.skip(why)
-    return load_kernels(tmp_path_factory.mktemp("kernels"))
+    return load_kernels(default_cache_dir() / "kernels")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -16,6 +16,7 @@ import torch
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_bytes
 from kvserve.kernels.native import cpu_supports_native
 from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
+from kvserve.model.tokenizer import default_cache_dir
 
 NATIVE_OK, WHY = cpu_supports_native()
 TYPES = sorted(NATIVE_GGUF_TYPES)
@@ -49,10 +50,10 @@ def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory) -> NativeKernels:
+def native() -> NativeKernels:
     if not NATIVE_OK:
         pytest.skip(WHY)
-    kernels = load_kernels(tmp_path_factory.mktemp("kernels"))
+    kernels = load_kernels(default_cache_dir() / "kernels")
     assert isinstance(kernels, NativeKernels), "this machine has a compiler and AVX2: the native kernels must build"
     return kernels
 

@@ -17,16 +17,17 @@ from kvserve.kernels.native import build_native_library, cpu_supports_native
 from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8, quantize_q8
 from kvserve.kv.cache import LayerKVCache
+from kvserve.model.tokenizer import default_cache_dir
 
 NATIVE_OK, WHY = cpu_supports_native()
 needs_native = pytest.mark.skipif(not NATIVE_OK, reason=WHY)
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory) -> NativeKernels:
+def native() -> NativeKernels:
     if not NATIVE_OK:
         pytest.skip(WHY)
-    kernel = load_kernels(tmp_path_factory.mktemp("kernels"))
+    kernel = load_kernels(default_cache_dir() / "kernels")
     assert isinstance(kernel, NativeKernels), "this machine has a compiler and AVX2: the native kernel must build"
     return kernel
 
