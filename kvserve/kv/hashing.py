@@ -27,6 +27,14 @@ class BlockKey:
     extra_keys: bytes
 
 
+def salt_key(cache_salt: str | None) -> bytes:
+    """The extra key a request's `cache_salt` adds to every block hash: its UTF-8 bytes (b"" without a salt).
+    surrogatepass: a lone surrogate must never raise on the engine thread (the server rejects one up front); its
+    bytes cannot equal any valid string's, so salts still never collide. One function, so that whoever predicts
+    an engine's hashes (a KV-aware router) computes exactly the engine's."""
+    return cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+
+
 def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
     if algo == "sha256":
         return lambda data: hashlib.sha256(data).digest()

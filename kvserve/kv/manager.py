@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.kv.block import KVCacheBlock
-from kvserve.kv.hashing import BlockHasher, BlockKey
+from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
 from kvserve.kv.pool import BlockPool
 from kvserve.units import cdiv
 
@@ -88,9 +88,7 @@ class KVCacheManager:
         return self.pool.enable_caching
 
     def _extra_keys(self, request: KVRequest) -> bytes:
-        """The salt's UTF-8 bytes. surrogatepass: a lone surrogate must never raise on the engine thread (the
-        server rejects one up front); its bytes cannot equal any valid string's, so salts still never collide."""
-        return request.cache_salt.encode("utf-8", "surrogatepass") if request.cache_salt else b""
+        return salt_key(request.cache_salt)
 
     def _hashes(self, request: KVRequest, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks among the first num_tokens tokens; only blocks not hashed before cost work,
