@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.kv.events_config import KVEventsConfig, parse_kv_events_config
 from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from kvserve.units import GiB, parse_size
 from kvserve.vocab import (
@@ -56,9 +57,16 @@ class EngineConfig:
     # Speculative decoding (vLLM's --speculative-config): a JSON string or dict, made a SpeculativeConfig here;
     # None (the default): off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # KV events on ZMQ in vLLM's schema (vLLM's --kv-events-config): a JSON string or dict, made a KVEventsConfig
+    # here; None (the default): off (docs/KV_EVENTS.md).
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    # This engine's index among --data-parallel-size replicas (set by the cluster launcher, as vLLM's): its KV
+    # events go to the configured endpoint offset by it, so replicas on one host never share an address.
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         if isinstance(self.kv_cache_memory_bytes, str):
             self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
         checks = [
@@ -77,6 +85,7 @@ class EngineConfig:
             _one_of(self.prefix_caching_hash_algo, "prefix_caching_hash_algo", HASH_ALGOS),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", ">= 1"),
             (self.max_logprobs >= 0, "max_logprobs", ">= 0"),
+            (self.data_parallel_rank >= 0, "data_parallel_rank", ">= 0"),
             _one_of(self.structured_outputs_backend, "structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
         ]
         for ok, name, expected in checks:

@@ -54,6 +54,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="share KV blocks of common prompt prefixes")
     c.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS,
                    help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens")
+    c.add_argument("--kv-events-config", default=None,
+                   help='JSON, vLLM\'s keys: publish BlockStored / BlockRemoved / AllBlocksCleared on ZMQ PUB in '
+                        'vLLM\'s msgpack schema, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; also buffer_steps, hwm, '
+                        "max_queue_size, topic, event_encoding (docs/KV_EVENTS.md). Off by default")
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
@@ -89,4 +94,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chat_template=args.chat_template, served_model_name=getattr(args, "served_model_name", None),
         structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
         speculative_config=getattr(args, "speculative_config", None),
+        kv_events_config=getattr(args, "kv_events_config", None),
     )

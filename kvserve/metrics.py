@@ -63,6 +63,13 @@ class EngineStatsCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculation on: one sample per draft position, as vLLM
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Drafts whose token at this draft position (0-based) was accepted.",
+                                          labels=["position"])
+            for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([str(pos)], value)
+            yield per_pos
 
 
 class ServerMetrics:

@@ -73,6 +73,13 @@ class PrefixIndex:
         for block_hash in self.blocks_of.pop(replica, set()):
             self._remove(replica, block_hash)
 
+    def replace(self, replica: str, block_hashes: Iterable[str]) -> None:
+        """Set what `replica` holds to exactly `block_hashes` (a resync after lost events)."""
+        self.forget(replica)
+        for block_hash in block_hashes:
+            self.holders.setdefault(block_hash, set()).add(replica)
+            self.blocks_of.setdefault(replica, set()).add(block_hash)
+
     def matched_blocks(self, block_hashes: Sequence[str], replica: str) -> int:
         """How many of the leading `block_hashes` `replica` holds, stopping at the first it lacks: only a
         leading run is a prefix hit."""

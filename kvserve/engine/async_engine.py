@@ -27,8 +27,11 @@ from kvserve.outputs import RequestOutput, merge_deltas
 from kvserve.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from kvserve.engine.engine import EngineStats, LLMEngine
     from kvserve.engine.facts import EngineFacts
+    from kvserve.model.tokenizer import Tokenizer
     from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -216,6 +219,15 @@ class AsyncLLMEngine:
         """The engine's fixed limits and settings: immutable, so safe to read from the event loop."""
         return self.engine.facts
 
+    def metric_collectors(self) -> list[Collector]:
+        """None beyond the EngineStats series (see EngineClient)."""
+        return []
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer, for read-only use outside the engine thread (prompt preparation)."""
+        return self.engine.tokenizer
+
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(
@@ -339,6 +351,7 @@ class AsyncLLMEngine:
                         self._deliver(output)
                     self.kv.tick(True)
             self._abort_all()
+            self.engine.close()
         except BaseException as exc:
             logger.exception("the engine loop failed; failing %d in-flight requests", len(self._streams))
             self._fail(exc)

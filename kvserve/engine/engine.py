@@ -23,8 +23,10 @@ from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.kv.cache import KVCacheSpec, allocate_kv_cache, resolve_kv_cache_dtype
 from kvserve.kv.events import KVEventBuffer
+from kvserve.kv.events_config import parse_kv_events_config, start_kv_event_publisher
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
+from kvserve.kv.vllm_events import medium_for_device
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.spec_decode.config import parse_speculative_config
@@ -114,6 +116,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +197,10 @@ class LLMEngine:
         self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching,
                               events=self.kv_events)
         self.event_recorder = EngineEventRecorder(self.kv_events, self._user_request_id)
+        # vLLM's --kv-events-config: None (the default) imports no zmq; see kv/events_config.py.
+        self.kv_event_publisher = start_kv_event_publisher(
+            parse_kv_events_config(config.kv_events_config), self.kv_events, config.block_size,
+            medium_for_device(self.device.type), config.enable_prefix_caching, config.data_parallel_rank)
         reserve = self.max_model_len if config.reserve_max_model_len else 0
         self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo, reserve)
         self.scheduler = Scheduler(
@@ -285,8 +292,14 @@ class LLMEngine:
             raise ValueError(
                 f"a sibling engine shares the loaded model, so it cannot change {', '.join(sorted(fixed))}"
             )
+        changes.setdefault("kv_events_config", None)  # one publisher per address: the sibling publishes none
         config = dataclasses.replace(self.config, **changes)
         return LLMEngine(config, self.model_config, self.runner.model, self.tokenizer, self.device, self.compute_dtype)
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -444,13 +457,14 @@ class LLMEngine:
                 self._drop(group)
         return failed + outputs
 
-    def _spec_stats(self) -> dict[str, int]:
+    def _spec_stats(self) -> dict[str, Any]:
         """The speculative-decoding totals for EngineStats (zeros when it is off)."""
         if self.spec is None:
             return {}
         totals = self.spec.stats
         return {"spec_decode_num_drafts": totals.num_drafts, "spec_decode_num_draft_tokens": totals.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": totals.num_accepted_tokens}
+                "spec_decode_num_accepted_tokens": totals.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": tuple(totals.num_accepted_tokens_per_pos)}
 
     def _verify_drafts(self, out: SchedulerOutput, spec_logits: dict[str, torch.Tensor]
                        ) -> dict[str, tuple[list[int], int]]:

@@ -79,6 +79,10 @@ class KVPublisher:
             with self._lock:
                 self._watchers -= 1
 
+    async def latest(self) -> KVPublication:
+        """The latest publication (here at once; the KVSource protocol's proxy of a replica's publisher asks it)."""
+        return self.published
+
     # ---- the engine thread ----
 
     def tick(self, changed: bool) -> None:

@@ -24,7 +24,8 @@ class RunnerOutput:
     # Per request asking for prompt logprobs: (first position judged, logits of the chunk's positions).
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # Per request with drafted tokens: the logits of every verified position ([1 + drafts, vocab] float32), its
-    # rows not in `logits` (speculative decoding verifies them, see LLMEngine._verify_drafts).
+    # rows not in `logits` (speculative decoding verifies them, see LLMEngine._verify_drafts). Views into the
+    # same step buffer as `logits`: consumed before the next step.
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -84,10 +85,17 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows), out=self._logits_buffer(len(rows))).float()
+        # Sampled rows and every drafted request's verified rows go through the LM head in one call: the head
+        # (the largest matrix of a small model) is then read once per step, not once per drafted request
+        # (each row's logits are the same either way: the kernels compute rows independently).
+        rows = torch.tensor(sample_rows + [r for a, b in spec_rows.values() for r in range(a, b)],
+                            dtype=torch.int64, device=self.device)
+        all_logits = self.model.compute_logits(hidden.index_select(0, rows),
+                                               out=self._logits_buffer(len(rows))).float()
+        logits = all_logits[:len(sample_rows)]
+        spans = [b - a for a, b in spec_rows.values()]
+        spec_logits = dict(zip(spec_rows, all_logits[len(sample_rows):].split(spans), strict=True))
         prompt_logits = {
             rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
         }
-        spec_logits = {rid: self.model.compute_logits(hidden[a:b]).float() for rid, (a, b) in spec_rows.items()}
         return RunnerOutput(sample_requests, logits, prompt_logits, spec_logits)

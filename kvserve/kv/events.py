@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -78,14 +79,20 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | Preempted | Aborted | 
 
 @dataclass(slots=True)
 class KVEventBuffer:
-    """A bounded FIFO of (sequence number, wall time, event). Appends are O(1); when full the oldest is dropped."""
+    """A bounded FIFO of (sequence number, wall time, event). Appends are O(1); when full the oldest is dropped.
+
+    `listeners` see every event as it is appended, on the engine thread, whoever drains the buffer (the ZMQ
+    publisher of kv/event_publisher.py is one): each must return at once, never wait."""
 
     capacity: int = DEFAULT_EVENT_CAPACITY
     next_seq: int = 0
     dropped: int = 0
+    listeners: list[Callable[[KVEvent], None]] = field(default_factory=list)
     _items: deque[tuple[int, float, KVEvent]] = field(default_factory=deque)
 
     def append(self, event: KVEvent) -> None:
+        for listener in self.listeners:
+            listener(event)
         if len(self._items) >= self.capacity:
             self._items.popleft()
             self.dropped += 1

@@ -17,7 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve import __version__
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.client import EngineClient
 from kvserve.metrics import ServerMetrics
 from kvserve.server.auth import APIKeyMiddleware, check_api_key
 from kvserve.server.body_limit import BodyLimitMiddleware
@@ -26,7 +26,7 @@ from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext, ServerSettings
 from kvserve.server.errors import APIError, bad_request, install_error_handlers
 from kvserve.server.json_limits import JSONLimits
-from kvserve.server.kv_inspector import kv_data_routes, ui_routes
+from kvserve.server.kv_inspector import inspected_engines, kv_data_routes, ui_routes
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.prepare import ChatRender, PromptPreparer
 from kvserve.server.protocol import (
@@ -51,7 +51,7 @@ def _log_failure(future: asyncio.Future) -> None:
         logger.warning("could not prepare the chat-template renderer: %s", future.exception())
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings, transport: TransportLimits | None = None) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings, transport: TransportLimits | None = None) -> FastAPI:
     """The app serving `engine`; `transport` sets the body read timeout (the same limits go to ServerConfig)."""
     transport = transport or TransportLimits()
     if settings.api_key is not None:
@@ -64,9 +64,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, transport: Trans
         "enable_prefix_caching": facts.enable_prefix_caching,
         "max_model_len": facts.max_model_len,
     })
+    for collector in engine.metric_collectors():
+        metrics.registry.register(collector)
     # The only reads of the engine itself, once, here: its immutable facts and its tokenizer, which the
     # preparation thread (prompts) and the loop (short logprob windows) use read-only from now on.
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     preparer = PromptPreparer(tokenizer, facts)
     ctx = ServerContext(engine, settings, metrics, facts, preparer, TokenTexts(tokenizer))
 
@@ -93,11 +95,15 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, transport: Trans
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
     app.include_router(_open_routes(ctx))
     app.include_router(_api_routes(ctx))
-    engine.kv.include_tokens = not settings.ui_redact_text
     app.state.shutting_down = asyncio.Event()  # set by GracefulServer: the KV inspector's streams end
-    app.include_router(kv_data_routes(ctx, app.state.shutting_down))
-    if not settings.disable_ui:
-        app.include_router(ui_routes(ctx))
+    inspected = inspected_engines(engine, include_tokens=not settings.ui_redact_text)  # one, or each replica
+    if inspected:
+        app.include_router(kv_data_routes(ctx, inspected, app.state.shutting_down))
+        if not settings.disable_ui:
+            app.include_router(ui_routes(ctx))
+    else:
+        logger.info("the KV inspector (/, /ui, /v1/kv/*) is not served: %s shows no engine's KV cache",
+                    type(engine).__name__)
     return app
 
 

@@ -10,8 +10,13 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kvserve.engine_args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from kvserve.cluster.engine import ClusterEngine
+    from kvserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--ui-redact-text", action="store_true",
                    help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text")
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
+    d = p.add_argument_group("scale-out (needs `pip install -e '.[cluster]'`, see docs/SCALE_OUT.md)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="serve N engine replicas on Ray behind this one endpoint (1: one process, no Ray)")
+    d.add_argument("--data-parallel-backend", choices=["ray"], default="ray",
+                   help="what runs the replicas (vLLM's flag; Ray is the one kvserve has)")
+    d.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (as `ray start --address`); default: $RAY_ADDRESS, else a local "
+                        "Ray instance started for this server")
+    d.add_argument("--router", choices=["prefix_aware", "least_loaded", "round_robin"], default="prefix_aware",
+                   help="how requests are spread over the replicas: prefix_aware sends a request to the replica "
+                        "whose prefix cache holds most of its prompt, unless that replica is much busier")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -102,8 +118,22 @@ def resolve_api_key(flag: str | None) -> str | None:
     return key.strip()
 
 
+def launch_cluster(config: "EngineConfig", args: argparse.Namespace) -> "ClusterEngine":
+    """--data-parallel-size N > 1: N replicas on Ray; a clear error when Ray is not installed."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("--data-parallel-size > 1 runs replicas on Ray, which is not installed: "
+                         "pip install -e '.[cluster]'") from None
+    from kvserve.cluster.engine import ClusterEngine
+
+    return ClusterEngine.launch(config, args.data_parallel_size, router_policy=args.router,
+                                ray_address=args.ray_address, max_queued_requests=args.max_num_queued_reqs)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.client import EngineClient
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.app import build_app
     from kvserve.server.context import ServerSettings, check_tool_flags
@@ -121,15 +151,26 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.max_num_queued_reqs < 0:
         raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     config = engine_config_from_args(args)
     names = tuple(args.served_model_names or ())
     config.served_model_name = names[0] if names else None
-    engine = LLMEngine.from_config(config)
+    async_engine: EngineClient
+    if args.data_parallel_size > 1:
+        async_engine = launch_cluster(config, args)
+        served_name = str(async_engine.facts.served_model_name)
+        description = f"{args.data_parallel_size} replicas on Ray, router {args.router}"
+    else:
+        engine = LLMEngine.from_config(config)
+        async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs)
+        served_name = str(engine.config.served_model_name)
+        description = engine.cache_plan.describe()
     settings = ServerSettings(
-        served_model_names=names or (str(engine.config.served_model_name),),
+        served_model_names=names or (served_name,),
         api_key=api_key,
         chat_history_policy=args.chat_history_policy,
-        model_root=args.model or str(engine.config.served_model_name),
+        model_root=args.model or served_name,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         max_prompts_per_request=args.max_prompts_per_request,
@@ -138,10 +179,9 @@ def run_serve(args: argparse.Namespace) -> int:
         disable_ui=args.disable_ui,
         ui_redact_text=args.ui_redact_text,
     )
-    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs)
     app = build_app(async_engine, settings, transport)
     print(f"kvserve: serving {settings.served_model_names[0]} on http://{args.host}:{args.port} "
-          f"(max-model-len {engine.max_model_len}; {engine.cache_plan.describe()})", file=sys.stderr, flush=True)
+          f"(max-model-len {async_engine.facts.max_model_len}; {description})", file=sys.stderr, flush=True)
     server = GracefulServer(ServerConfig(
         app, transport, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_grace_seconds), on_grace_expired=async_engine.stop)

@@ -15,7 +15,7 @@ from kvserve.server.errors import APIError
 from kvserve.structured.tool_parsers import DEFAULT_STYLE, TOOL_PARSER_NAMES, ToolParserSpec, tool_parser
 
 if TYPE_CHECKING:
-    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.client import EngineClient
     from kvserve.engine.facts import EngineFacts
     from kvserve.metrics import ServerMetrics
     from kvserve.model.chat_template import ToolPromptStyle
@@ -80,7 +80,7 @@ class ServerContext:
     immutable facts, and the preparation thread. Handlers read limits from `facts` only: the engine itself
     belongs to its thread."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
     facts: EngineFacts

@@ -4,19 +4,22 @@
   docs/UI.md), plus the recent KV events under "events".
 - GET /v1/kv/blocks/{id}: one block in full: holders with token ranges, token ids and text (none with
   --ui-redact-text); the page asks for it on a click, so that streamed snapshots carry no token ids.
-- GET /v1/kv/stream: Server-Sent Events: `event: snapshot` (the whole snapshot without token ids, at most 10 per
-  second and at most ~2% of the engine thread's time, coalesced, and only while a stream is open) and `event: kv`
-  (one KV or engine event each). The page reads it with fetch streaming,
+- GET /v1/kv/stream: Server-Sent Events: one `event: snapshot` (the whole snapshot without token ids, plus the recent
+  events) when it opens, then `event: delta` frames (what changed, plus the new events; server/kv_stream.py), at
+  most 10 per second and at most ~2% of the engine thread's time, coalesced, and only while a stream is open; a
+  client that falls behind gets a fresh snapshot. The page reads it with fetch streaming,
   so the API key travels in the Authorization header, never in the URL (EventSource cannot send headers).
-Both are read-only and, with --api-key, need the key (the API-key middleware guards every path but the page's).
+- GET /v1/kv/replicas: the engines it can show, `[{name, up}]`: "replica-0" for one process, "replica-0" ..
+  "replica-{N-1}" with --data-parallel-size N. The three routes above show one of them, `?replica=NAME` (default:
+  the first that is up; an unknown name is a 404), and say which in the X-Kvserve-Replica header.
+All are read-only and, with --api-key, need the key (the API-key middleware guards every path but the page's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
@@ -24,87 +27,80 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.engine.inspector import KVSnapshot, block_detail
+from kvserve.engine.client import EngineClient
+from kvserve.engine.inspected import InspectedEngine, InspectedReplicas
+from kvserve.engine.inspector import block_detail
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError
+from kvserve.server.kv_stream import LARGE_POOL, KVStreamHub, off_loop
 
-STREAM_POLL_S = 0.1  # how often a stream looks for a newer publication (the engine publishes at most this often)
-KEEPALIVE_S = 15.0  # an SSE comment after this long without data keeps proxies from closing the stream
 UI_ASSETS = {"app.js": "text/javascript", "app.css": "text/css"}
+REPLICA_HEADER = "X-Kvserve-Replica"  # on every data response: the replica it shows
+# One process is the first and only replica, named as the first of N: `?replica=replica-0` works for any N.
+SINGLE_REPLICA = "replica-0"
 
 
-def _sse(event: str, data: Any) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+def inspected_engines(engine: EngineClient, include_tokens: bool) -> dict[str, InspectedEngine]:
+    """The engines the inspector can show, by name, first the default: one process's engine as SINGLE_REPLICA, or
+    each replica of a replica set (`--data-parallel-size N`); none for any other engine client."""
+    if isinstance(engine, AsyncLLMEngine):
+        engine.kv.include_tokens = include_tokens
+        return {SINGLE_REPLICA: engine}
+    if isinstance(engine, InspectedReplicas):
+        return engine.kv_views(include_tokens)
+    return {}
 
 
-@dataclass(slots=True)
-class _EncodedSnapshot:
-    """The SSE frame of the latest snapshot, encoded once for all open streams (a large pool's JSON is megabytes)."""
-
-    seq: int = 0
-    frame: str = ""
-
-    def frame_of(self, snapshot: KVSnapshot) -> str:
-        if snapshot.seq != self.seq:
-            self.frame = _sse("snapshot", {"seq": snapshot.seq, "time": snapshot.taken_at, **snapshot.data})
-            self.seq = snapshot.seq
-        return self.frame
-
-
-async def _stream(engine: AsyncLLMEngine, closing: asyncio.Event, encoded: _EncodedSnapshot) -> AsyncIterator[str]:
-    """Publications as SSE, each snapshot once and each event once, while the client reads and until the server
-    shuts down (`closing`) or the engine stops."""
-    last_snapshot, last_event, idle = 0, -1, 0.0
-    with engine.kv.watch():
-        yield ": kvserve kv stream\n\n"
-        while not closing.is_set() and engine.is_running:
-            published = engine.kv.published
-            sent = False
-            for event in published.events:
-                if event["seq"] > last_event:
-                    last_event = event["seq"]
-                    sent = True
-                    yield _sse("kv", event)
-            snapshot = published.snapshot
-            if snapshot is not None and snapshot.seq > last_snapshot:
-                last_snapshot = snapshot.seq
-                sent = True
-                yield encoded.frame_of(snapshot)
-            idle = 0.0 if sent else idle + STREAM_POLL_S
-            if idle >= KEEPALIVE_S:
-                idle = 0.0
-                yield ": keepalive\n\n"
-            await asyncio.sleep(STREAM_POLL_S)
-
-
-def kv_data_routes(ctx: ServerContext, closing: asyncio.Event) -> APIRouter:
-    """The read-only data routes (behind the API key when one is set)."""
+def kv_data_routes(ctx: ServerContext, engines: Mapping[str, InspectedEngine], closing: asyncio.Event) -> APIRouter:
+    """The read-only data routes (behind the API key when one is set) of `engines`, each of which is one engine whose
+    pool they show, chosen by `?replica=NAME` (default: the first that is up)."""
     router = APIRouter()
     include_tokens = not ctx.settings.ui_redact_text
-    encoded = _EncodedSnapshot()  # shared by this app's streams, all on its event loop
+    hubs = {name: KVStreamHub(engine, closing) for name, engine in engines.items()}  # shared by that engine's streams
+
+    def chosen(replica: str | None) -> tuple[str, InspectedEngine]:
+        if replica is None:
+            replica = next((name for name, engine in engines.items() if engine.is_running), next(iter(engines)))
+        elif replica not in engines:
+            raise APIError(404, f"no replica {replica!r} (GET /v1/kv/replicas lists them)", param="replica",
+                           code="not_found")
+        engine = engines[replica]
+        engine.check_alive()
+        return replica, engine
+
+    @router.get("/v1/kv/replicas")
+    async def replicas() -> JSONResponse:
+        return JSONResponse([{"name": name, "up": engine.is_running} for name, engine in engines.items()])
 
     @router.get("/v1/kv/snapshot")
-    async def snapshot() -> JSONResponse:
-        ctx.engine.check_alive()
-        data = await asyncio.wrap_future(ctx.engine.call(lambda e: e.kv_snapshot(include_tokens)))
-        return JSONResponse({**data, "events": list(ctx.engine.kv.published.events)})
+    async def snapshot(replica: str | None = None) -> Response:
+        name, engine = chosen(replica)
+        data = await asyncio.wrap_future(engine.call(lambda e: e.kv_snapshot(include_tokens)))
+        body = {**data, "replica": name, "events": list((await engine.kv.latest()).events)}
+        large = len(data["block_states"]) >= LARGE_POOL  # with token ids: megabytes of JSON for a large pool
+        return Response(await off_loop(large, _json_bytes, body), media_type="application/json",
+                        headers={REPLICA_HEADER: name})
 
     @router.get("/v1/kv/blocks/{block_id}")
-    async def block(block_id: int) -> JSONResponse:
-        ctx.engine.check_alive()
-        future = ctx.engine.call(lambda e: block_detail(e, block_id, include_tokens))
+    async def block(block_id: int, replica: str | None = None) -> JSONResponse:
+        name, engine = chosen(replica)
+        future = engine.call(lambda e: block_detail(e, block_id, include_tokens))
         try:
-            return JSONResponse(await asyncio.wrap_future(future))
+            return JSONResponse(await asyncio.wrap_future(future), headers={REPLICA_HEADER: name})
         except ValueError as e:
             raise APIError(404, str(e), param="block_id", code="not_found") from None
 
     @router.get("/v1/kv/stream")
-    async def stream() -> StreamingResponse:
-        ctx.engine.check_alive()
-        return StreamingResponse(_stream(ctx.engine, closing, encoded), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def stream(replica: str | None = None) -> StreamingResponse:
+        name, _ = chosen(replica)
+        return StreamingResponse(hubs[name].stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", REPLICA_HEADER: name})
 
     return router
+
+
+def _json_bytes(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 def _asset(name: str) -> str:

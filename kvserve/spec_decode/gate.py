@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.spec_decode.config import SpeculativeConfig
@@ -40,6 +40,9 @@ class SpecDecodeStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # [i]: drafts whose token at draft position i was accepted (so it never rises along i); vLLM's
+    # spec_decode_num_accepted_tokens_per_pos. Where acceptance falls off says how many tokens are worth drafting.
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 def drafts_exactly(params: SamplingParams) -> bool:
@@ -57,7 +60,7 @@ class SpecDecoder:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.stats = SpecDecodeStats()
+        self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
     def propose(self, running: Iterable[DraftRequest], constrained: Collection[str], max_model_len: int,
                 num_running: int) -> None:
@@ -96,3 +99,6 @@ class SpecDecoder:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_drafted
         self.stats.num_accepted_tokens += num_accepted
+        per_pos = self.stats.num_accepted_tokens_per_pos
+        for pos in range(num_accepted):  # accepted drafts are a prefix of the draft: positions 0..num_accepted-1
+            per_pos[pos] += 1

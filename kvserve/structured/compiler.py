@@ -65,6 +65,11 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     @property
+    def vocab_size(self) -> int:
+        """The width of the logits rows its masks cover (the model's, which may exceed the tokenizer's)."""
+        return self._vocab_size
+
+    @property
     def is_built(self) -> bool:
         """Whether the backend exists yet (built by the first compile)."""
         return self._backend is not None

@@ -26,6 +26,11 @@ class Thresholds:
     low_hit_rate: float = 0.1
     min_prefix_queries: float = 1000  # prompt tokens looked up before a hit rate means anything
     concurrency_slowdown: float = 2.0  # probe: latency at the highest concurrency over latency alone
+    # Speculative decoding: accepted / drafted tokens below this leave little or none of the gain. A verifying step
+    # costs 1.34x a plain one at batch 1 and 1.77x at batch 2 on a CPU (docs/SPECULATIVE.md), so with k = 4 drafts
+    # the break-even is 9% / 19% accepted; 30% leaves room for drafting's own overhead and the step-time noise.
+    low_spec_acceptance: float = 0.3
+    min_spec_draft_tokens: float = 200  # drafted tokens before an acceptance rate means anything
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,8 +256,40 @@ def check_prefix_hits(ev: Evidence, th: Thresholds) -> Finding | None:
                    "the end of the prompt so the shared prefix is byte-identical.")
 
 
+def check_spec_acceptance(ev: Evidence, th: Thresholds) -> Finding | None:
+    """Speculation is on (tokens were drafted) but few drafted tokens are accepted: verification costs more than
+    it saves. Over the scrapes (or since start, with one scrape)."""
+    first = ev.snapshots[0] if len(ev.snapshots) > 1 else None
+
+    def delta(name: str) -> float:
+        return (ev.last.get(name) or 0.0) - ((first.get(name) or 0.0) if first is not None else 0.0)
+
+    drafted = delta("spec_decode_num_draft_tokens_total")
+    accepted = delta("spec_decode_num_accepted_tokens_total")
+    drafts = delta("spec_decode_num_drafts_total")
+    if drafted < th.min_spec_draft_tokens or accepted / drafted >= th.low_spec_acceptance:
+        return None
+    rate = accepted / drafted
+    evidence: dict[str, Any] = {"draft_tokens": drafted, "accepted_tokens": accepted, "drafts": drafts,
+                                "acceptance_rate": round(rate, 4)}
+    name = "spec_decode_num_accepted_tokens_per_pos_total"
+    per_pos = ev.last.by_int_label(name, "position")
+    if per_pos and drafts > 0:  # share of drafts accepted at each draft position (vLLM's per-position rate)
+        before = first.by_int_label(name, "position") if first is not None else {}
+        evidence["acceptance_by_position"] = [round((per_pos[i] - before.get(i, 0.0)) / drafts, 4)
+                                              for i in sorted(per_pos)]
+    return Finding("low_spec_acceptance",
+                   f"Speculative decoding accepts only {100 * rate:.1f}% of drafted tokens ({accepted:.0f} of "
+                   f"{drafted:.0f}, threshold {100 * th.low_spec_acceptance:.0f}%): verifying drafts costs more than "
+                   "it saves.", evidence,
+                   "Lower num_speculative_tokens in --speculative-config (acceptance_by_position shows where drafts "
+                   "stop being kept), raise prompt_lookup_min so only longer n-gram matches draft, or turn "
+                   "speculation off (drop --speculative-config) for open-ended traffic, which rarely repeats its "
+                   "prompt.")
+
+
 CHECKS: tuple[Check, ...] = (check_growing_prompts, check_kv_pressure, check_queueing, check_bandwidth_bound,
-                             check_prefix_hits)
+                             check_prefix_hits, check_spec_acceptance)
 
 
 def diagnose(ev: Evidence, th: Thresholds | None = None) -> list[Finding]:

@@ -25,12 +25,15 @@ class Snapshot:
     values: dict[str, float]
     cache_config: dict[str, str] = field(default_factory=dict)
     time: float = 0.0  # when it was taken (seconds, any origin); 0 for files
+    # (sample name, label, label value) -> value summed over the other labels: e.g. acceptance per draft position
+    by_label: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, text: str, time: float = 0.0) -> Snapshot:
         from prometheus_client.parser import text_string_to_metric_families
 
         values: dict[str, float] = {}
+        by_label: dict[tuple[str, str, str], float] = {}
         config: dict[str, str] = {}
         try:
             for family in text_string_to_metric_families(text):
@@ -39,14 +42,26 @@ class Snapshot:
                         config = dict(sample.labels)
                     elif "le" not in sample.labels and "quantile" not in sample.labels:
                         values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                        for label, label_value in sample.labels.items():
+                            key = (sample.name, label, label_value)
+                            by_label[key] = by_label.get(key, 0.0) + sample.value
         except ValueError as e:
             raise ValueError(f"not a Prometheus text exposition: {e}") from e
         if not any(name.startswith(P) for name in values) and not config:
             raise ValueError("no kvserve: metrics in this exposition (is it a kvserve server's /metrics?)")
-        return cls(values, config, time)
+        return cls(values, config, time, by_label)
 
     def get(self, name: str) -> float | None:
         return self.values.get(name if name.startswith(P) else P + name)
+
+    def by_int_label(self, name: str, label: str) -> dict[int, float]:
+        """Label value (an integer, e.g. a position) -> the sample's value, for one sample name."""
+        name = name if name.startswith(P) else P + name
+        out = {}
+        for (sample, key, value), v in self.by_label.items():
+            if sample == name and key == label and value.lstrip("-").isdigit():
+                out[int(value)] = v
+        return out
 
     @property
     def kv_usage(self) -> float | None:

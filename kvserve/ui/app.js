@@ -10,7 +10,9 @@
   const PRIORITY = { s: 4, u: 3, c: 2, f: 1, n: 0 };  // an aggregated cell shows its "busiest" state
   const $ = (id) => document.getElementById(id);
   const state = { snapshot: null, blocks: new Map(), selected: null, pinned: null, layout: null,
-                  events: [], tokensPerS: 0, reply: null, pinnedText: "" };
+                  events: [], tokensPerS: 0, reply: null, pinnedText: "", stream: null,
+                  replica: null, replicas: [], switching: false,  // the replica shown (null: the server's default)
+                  frames: { snapshot: 0, delta: 0 } };  // frames received, by kind
   window.kvInspector = state;  // for tests and for the curious, in the console
 
   // ---- the API key ----
@@ -33,21 +35,59 @@
   }
   function setStatus(text, cls) { const el = $("status"); el.textContent = text; el.className = "status " + (cls || ""); }
 
+  // ---- replicas (--data-parallel-size N: the page shows one at a time) ----
+  function replicaQuery() { return state.replica ? "?replica=" + encodeURIComponent(state.replica) : ""; }
+  async function loadReplicas() {
+    try {
+      const resp = await fetch("v1/kv/replicas", { headers: headers(), cache: "no-store" });
+      if (resp.ok) showReplicas(await resp.json());
+    } catch (err) { /* the stream's own request reports what is wrong */ }
+  }
+  function showReplicas(list) {
+    state.replicas = list;
+    $("replica").replaceChildren(...list.map((r) => {
+      const option = document.createElement("option");
+      option.value = r.name;
+      option.textContent = r.name + (r.up ? "" : " (down)");
+      return option;
+    }));
+    if (state.replica) $("replica").value = state.replica;
+    $("replica-picker").hidden = list.length < 2;
+  }
+  function switchReplica(name) {  // a full snapshot of the other replica first, then its deltas
+    state.replica = name;
+    state.switching = true;
+    state.snapshot = null; state.blocks = new Map(); state.selected = null; state.pinned = null;
+    state.tokensPerS = 0; state.events = [];
+    $("events").replaceChildren();
+    $("block-detail").textContent = "Hover or click a block.";
+    setStatus("switching to " + name + "…");
+    if (state.stream) state.stream.abort();
+  }
+  $("replica").addEventListener("change", (ev) => switchReplica(ev.target.value));
+
   // ---- the stream ----
   async function connect() {
     for (;;) {
       if (requiresKey && !apiKey()) await askForKey();
       try {
-        const resp = await fetch("v1/kv/stream", { headers: headers(), cache: "no-store" });
+        await loadReplicas();
+        state.switching = false;
+        state.stream = new AbortController();
+        const resp = await fetch("v1/kv/stream" + replicaQuery(), { headers: headers(), cache: "no-store",
+                                                                    signal: state.stream.signal });
         if (resp.status === 401) { sessionStorage.removeItem(KEY_STORE); setStatus("API key refused", "err"); continue; }
+        if (resp.status === 404 && state.replica) { state.replica = null; continue; }  // gone: the default one
         if (!resp.ok || !resp.body) throw new Error("HTTP " + resp.status);
-        setStatus("live", "ok");
+        state.replica = resp.headers.get("X-Kvserve-Replica") || state.replica;
+        if (state.replica) $("replica").value = state.replica;
+        setStatus(state.replicas.length > 1 ? "live · showing " + state.replica : "live", "ok");
         await readSSE(resp.body, onMessage);
-        setStatus("stream ended; reconnecting…", "err");
+        if (!state.switching) setStatus("stream ended; reconnecting…", "err");
       } catch (err) {
-        setStatus("disconnected (" + err.message + "); retrying…", "err");
+        if (!state.switching) setStatus("disconnected (" + err.message + "); retrying…", "err");
       }
-      await new Promise((r) => setTimeout(r, 1000));
+      if (!state.switching) await new Promise((r) => setTimeout(r, 1000));
     }
   }
   async function readSSE(body, handle) {
@@ -73,12 +113,77 @@
   }
   function onMessage(event, data) {
     const payload = JSON.parse(data);
+    if (event in state.frames) state.frames[event]++;
     if (event === "snapshot") onSnapshot(payload);
-    else if (event === "kv") onEvent(payload);
+    else if (event === "delta") onDelta(payload);
   }
 
-  // ---- snapshot ----
+  // ---- snapshot and deltas (format: docs/UI.md; kvserve/engine/inspector_delta.py is the reference) ----
+  function applyOrder(old, delta) {
+    if (!delta) return old.slice();
+    const gone = new Set(delta.removed);
+    return old.filter((x) => !gone.has(x)).concat(delta.appended);
+  }
+  const evictOrders = new WeakMap();  // a blocks array -> its eviction order (each delta needs the previous one's)
+  function evictOrder(blocks) {
+    let order = evictOrders.get(blocks);
+    if (!order) {
+      order = blocks.filter((b) => b.evict_rank !== null).sort((a, b) => a.evict_rank - b.evict_rank).map((b) => b.id);
+      evictOrders.set(blocks, order);
+    }
+    return order;
+  }
+  function applyKeyed(old, changed, order, key) {
+    const entries = new Map(old.map((e) => [e[key], e]));
+    for (const e of changed || []) entries.set(e[key], e);
+    return applyOrder(old.map((e) => e[key]), order).map((k) => entries.get(k));
+  }
+  const NOT_STATE = new Set(["seq", "base", "time", "events", "block_states", "blocks", "requests", "prefix_cache",
+                             "blocks_removed", "evict_order", "request_order", "prefix_order"]);
+  // The snapshot `delta` leads to from `snap` (a new object; `snap` is not modified): what the server's
+  // apply_delta does, so that the page's state after any run of deltas is the latest snapshot.
+  function applyDelta(snap, delta) {
+    const out = Object.assign({}, snap);
+    for (const k of Object.keys(delta)) if (!NOT_STATE.has(k)) out[k] = delta[k];
+    if (delta.block_states) {
+      const states = snap.block_states.split("");
+      for (const [id, st] of delta.block_states) states[id] = st;
+      out.block_states = states.join("");
+    }
+    const blocks = new Map(snap.blocks.map((b) => [b.id, b]));
+    for (const id of delta.blocks_removed || []) blocks.delete(id);
+    for (const b of delta.blocks || []) blocks.set(b.id, b);
+    const order = applyOrder(evictOrder(snap.blocks), delta.evict_order);
+    const ranks = new Map(order.map((id, rank) => [id, rank]));
+    const ranked = (e, id) => {
+      const rank = ranks.has(id) ? ranks.get(id) : null;
+      return e.evict_rank === rank ? e : Object.assign({}, e, { evict_rank: rank });
+    };
+    out.blocks = [...blocks.keys()].sort((a, b) => a - b).map((id) => ranked(blocks.get(id), id));
+    evictOrders.set(out.blocks, order);
+    out.requests = applyKeyed(snap.requests, delta.requests, delta.request_order, "seq_id");
+    out.prefix_cache = applyKeyed(snap.prefix_cache, delta.prefix_cache, delta.prefix_order, "block_id")
+      .map((n) => ranked(n, n.block_id));
+    out.seq = delta.seq;
+    out.time = delta.time;
+    return out;
+  }
+  function onDelta(delta) {
+    if (!state.snapshot || delta.base !== state.snapshot.seq) {  // a gap: start again from a full snapshot
+      state.stream && state.stream.abort();
+      return;
+    }
+    show(applyDelta(state.snapshot, delta));
+    for (const e of delta.events || []) onEvent(e);
+  }
   function onSnapshot(snap) {
+    state.events = [];
+    $("events").replaceChildren();
+    for (const e of snap.events || []) onEvent(e);
+    delete snap.events;  // the log keeps them; the state is the snapshot proper
+    show(snap);
+  }
+  function show(snap) {
     const prev = state.snapshot;
     if (prev) {
       const dt = snap.time - prev.time;
@@ -218,7 +323,7 @@
     showDetail(id);
     if (state.pinned === null || state.layout.per !== 1 || state.snapshot.redacted) return;
     try {
-      const resp = await fetch("v1/kv/blocks/" + id, { headers: headers() });
+      const resp = await fetch("v1/kv/blocks/" + id + replicaQuery(), { headers: headers() });
       const d = await resp.json();
       if (state.pinned !== id) return;
       const spans = d.held.map((h) => h.request_id + " tokens " + h.start + "–" + (h.end - 1)).join(", ");
@@ -364,6 +469,7 @@
   $("playground").addEventListener("submit", send);
   $("abort").addEventListener("click", () => { if (state.reply) state.reply.abort(); });
 
-  state.show = onSnapshot;  // draws a given snapshot (tests feed large synthetic pools through it)
+  state.show = show;  // draws a given snapshot (tests feed large synthetic pools through it)
+  state.applyDelta = applyDelta;  // pure: tests check it against the server's apply_delta
   connect();
 })();

@@ -25,7 +25,11 @@ MAX_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "25"))
 @pytest.fixture(scope="module")
 def api_schema(guarded_server: RunningServer) -> Iterator[object]:
     app = guarded_server.server.config.app
-    yield schemathesis.openapi.from_dict(app.openapi())
+    spec = app.openapi()
+    # An event stream never ends, so a fuzzed call could only wait for its timeout (25 examples x 60 s); its one
+    # parameter's errors are tested in test_kv_inspector_routes.py and test_cluster.py.
+    del spec["paths"]["/v1/kv/stream"]
+    yield schemathesis.openapi.from_dict(spec)
     # after every operation's examples: nothing left running, nothing leaked, still serving
     wait_drained(guarded_server)
     assert leaked_blocks(guarded_server) == 0

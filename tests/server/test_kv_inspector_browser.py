@@ -4,6 +4,7 @@ downloads browsers. Screenshots go to $KVSERVE_TEST_ARTIFACTS (default: the test
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -12,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kv_workload import random_snapshots
 from server_support import API_KEY, MODEL, RunningServer, make_engine
 
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.inspector_delta import diff_snapshots
 from kvserve.server.app import build_app
 from kvserve.server.context import ServerSettings
 
@@ -127,6 +130,27 @@ def test_a_100k_block_pool_stays_on_one_screen(page: Any, tiny_model_dir: Path) 
         server.stop()
 
 
+def test_the_pages_delta_code_matches_the_servers(page: Any, tiny_model_dir: Path) -> None:
+    """app.js's applyDelta, fed the deltas of a random workload, ends at the last snapshot, as apply_delta does."""
+    snaps = json.loads(json.dumps(random_snapshots(tiny_model_dir, seed=3)))
+    deltas = [{"seq": i + 1, "base": i, "time": float(i), **diff_snapshots(a, b), "events": []}
+              for i, (a, b) in enumerate(zip(snaps, snaps[1:], strict=False))]
+    assert any("evict_order" in d for d in deltas) and any("request_order" in d for d in deltas)
+    server = _serve(tiny_model_dir)
+    try:
+        _live(page, server.base_url + "/")
+        states = page.evaluate("""([first, deltas]) => {
+            const out = [];
+            let snap = first;
+            for (const d of deltas) { snap = window.kvInspector.applyDelta(snap, d); out.push(snap); }
+            return out;
+        }""", [snaps[0], deltas])
+        for state, snap in zip(states, snaps[1:], strict=True):
+            assert {k: v for k, v in state.items() if k not in ("seq", "time")} == snap
+    finally:
+        server.stop()
+
+
 def test_playground_requests_share_the_system_prompts_blocks(page: Any, tiny_model_dir: Path,
                                                              artifacts: Path) -> None:
     server = _serve(tiny_model_dir, delay_s=0.1)
@@ -151,6 +175,8 @@ def test_playground_requests_share_the_system_prompts_blocks(page: Any, tiny_mod
         assert f"block {shared}: shared" in page.inner_text("#block-detail")
         page.click("tr.req")  # highlights its blocks
         page.screenshot(path=str(artifacts / "kv-inspector-shared.png"), full_page=True)
+        frames = page.evaluate("() => window.kvInspector.frames")
+        assert frames["snapshot"] == 1 and frames["delta"] >= 3  # one full snapshot, then only deltas
         assert errors == []
     finally:
         server.stop()

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 from server_support import API_KEY, RunningServer, ServerFactory, wait_until
 
+from kvserve.engine.inspector_delta import apply_delta
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -83,25 +85,44 @@ def test_snapshot_shows_a_running_requests_blocks(make_server: ServerFactory) ->
         assert any(e["kind"] == "block_stored" for e in after["events"])
 
 
-def test_stream_delivers_snapshots_and_events(make_server: ServerFactory) -> None:
+def test_stream_sends_a_snapshot_then_deltas(make_server: ServerFactory) -> None:
     server = make_server()
     assert server.engine.kv.published.snapshot is None  # nobody watched: nothing was built
     with server.client() as client, client.stream("GET", "/v1/kv/stream") as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
         messages = _sse_messages(stream)
         kind, first = next(messages)
-        assert kind == "snapshot" and first["requests"] == []
+        assert kind == "snapshot" and first["requests"] == [] and first["events"] == []
         with server.client() as other:
             assert other.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 3}
                               ).status_code == 200
-        seen: set[str] = set()
+        state, seq, events = first, first["seq"], []
         for kind, payload in messages:
-            seen.add(kind if kind == "snapshot" else payload["kind"])
-            if kind == "snapshot" and payload["seq"] > first["seq"] and "block_stored" in seen \
-                    and payload["gauges"]["generation_tokens_total"] >= 3:
+            assert kind == "delta" and payload["base"] == seq  # no gap, no second snapshot
+            seq = payload["seq"]
+            state = apply_delta(state, payload)
+            events += payload["events"]
+            if state["gauges"]["generation_tokens_total"] >= 3 and not state["requests"] \
+                    and any(e["kind"] == "block_stored" for e in events):
                 break
-        assert "block_stored" in seen
+        stored = {e["block_id"] for e in events if e["kind"] == "block_stored"}
+        assert stored and all(state["block_states"][i] == "c" for i in stored)  # cached once the request ended
+        fresh = client.get("/v1/kv/snapshot").json()  # what the deltas built is the engine's state
+        assert state["block_states"] == fresh["block_states"]
+        assert [{**b, "token_ids": None} for b in fresh["blocks"]] == state["blocks"]
+        assert fresh["prefix_cache"] == state["prefix_cache"]
     wait_until(lambda: server.engine.kv.num_watchers == 0)  # the closed stream stopped watching
+
+
+def test_streams_share_one_watch(make_server: ServerFactory) -> None:
+    server = make_server()
+    with server.client() as a, server.client() as b, a.stream("GET", "/v1/kv/stream") as sa:
+        first = next(_sse_messages(sa))
+        with b.stream("GET", "/v1/kv/stream") as sb:
+            second = next(_sse_messages(sb))
+        assert first[0] == second[0] == "snapshot"
+        assert server.engine.kv.num_watchers == 1  # one watch for all streams (the hub's)
+    wait_until(lambda: server.engine.kv.num_watchers == 0)
 
 
 def test_disable_ui_and_redact_text(make_server: ServerFactory, tiny_model_dir: Any) -> None:

@@ -120,6 +120,18 @@ def test_acceptance_metrics_are_exported(checkpoint):
     assert families["kvserve:spec_decode_num_drafts"] == stats.spec_decode_num_drafts > 0
     assert families["kvserve:spec_decode_num_draft_tokens"] == stats.spec_decode_num_draft_tokens
     assert families["kvserve:spec_decode_num_accepted_tokens"] == stats.spec_decode_num_accepted_tokens
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert len(per_pos) == SPEC["num_speculative_tokens"]
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a draft keeps position i only if it kept i - 1
+    assert per_pos[0] <= stats.spec_decode_num_drafts
+    family = next(m for m in EngineStatsCollector(engine.stats).collect()
+                  if m.name == "kvserve:spec_decode_num_accepted_tokens_per_pos")
+    assert [(s.labels, s.value) for s in family.samples] == [({"position": str(i)}, v) for i, v in enumerate(per_pos)]
+    plain = make_engine(checkpoint, None)
+    assert plain.stats().spec_decode_num_accepted_tokens_per_pos == ()
+    assert "kvserve:spec_decode_num_accepted_tokens_per_pos" not in {
+        m.name for m in EngineStatsCollector(plain.stats).collect()}  # speculation off: no per-position family
 
 
 def test_batch_size_gate_turns_drafting_off(checkpoint):

@@ -38,3 +38,6 @@ def test_streamed_and_plain_completions_match_and_counters_are_exported(make_ser
     assert values["kvserve:spec_decode_num_drafts_total"] > 0
     assert 0 < values["kvserve:spec_decode_num_accepted_tokens_total"] <= values[
         "kvserve:spec_decode_num_draft_tokens_total"]
+    per_pos = [values[f"kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"]
+               for i in range(SPEC["num_speculative_tokens"])]
+    assert sum(per_pos) == values["kvserve:spec_decode_num_accepted_tokens_total"]

@@ -89,6 +89,17 @@ def test_gate_stops_low_acceptance_and_large_batches():
     assert (spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) == (1, 8, 3)
 
 
+def test_acceptance_is_counted_per_draft_position():
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4))
+    request = _decoding(SamplingParams(temperature=0, max_tokens=50), [3])
+    assert spec.stats.num_accepted_tokens_per_pos == [0, 0, 0, 0]
+    for drafted, accepted in [(4, 4), (4, 1), (2, 2), (4, 0), (3, 2)]:
+        spec.record(request, drafted, accepted)
+    # position i counts the drafts that kept at least i + 1 tokens
+    assert spec.stats.num_accepted_tokens_per_pos == [4, 3, 1, 1]
+    assert sum(spec.stats.num_accepted_tokens_per_pos) == spec.stats.num_accepted_tokens == 9
+
+
 def test_drafts_are_capped_by_max_tokens_and_max_model_len():
     spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     request = _decoding(SamplingParams(temperature=0, max_tokens=5), [3, 1, 2])

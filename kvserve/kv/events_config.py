@@ -1,0 +1,112 @@
+"""KVEventsConfig: vLLM's `--kv-events-config` JSON, validated, and the publisher it starts.
+
+Off by default. This module never imports zmq: only an enabled "zmq" publisher loads kv/event_publisher.py, so a
+server without the flag pays nothing (not even the import). The wire format is in docs/KV_EVENTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.kv.event_publisher import ZmqKVEventPublisher
+    from kvserve.kv.events import KVEventBuffer
+
+logger = logging.getLogger(__name__)
+
+PUBLISHERS = ("null", "zmq")
+# How each event inside a batch is encoded: "map" (named fields: vLLM after 0.23, since vllm-project/vllm#42892) or
+# "array" (positional, what vLLM <= 0.23 sent and older subscribers decode). The batch itself is an array in both.
+EVENT_ENCODINGS = ("map", "array")
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's keys and defaults, plus `event_encoding` (kvserve's: which vLLM generation of the event layout).
+
+    publisher None means what vLLM means: "zmq" when enable_kv_cache_events is true, else "null". endpoint binds
+    when it has a wildcard (`*`, `::`) or is ipc:// / inproc://, and connects otherwise (vLLM's rule);
+    replay_endpoint (a ROUTER socket, always bound) answers requests for missed batches from the last
+    `buffer_steps` batches. hwm is the PUB socket's high-water mark; max_queue_size bounds the events waiting for
+    the publisher thread (beyond it they are dropped and counted, the engine thread never waits)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    event_encoding: str = "map"
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        types: list[tuple[str, type | tuple[type, ...]]] = [
+            ("enable_kv_cache_events", bool), ("publisher", str), ("endpoint", str),
+            ("replay_endpoint", (str, type(None))), ("buffer_steps", int), ("hwm", int), ("max_queue_size", int),
+            ("topic", str), ("event_encoding", str),
+        ]
+        for name, kind in types:
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+                raise ValueError(f"kv_events_config {name} has the wrong type: {value!r}")
+        checks = [
+            (self.publisher in PUBLISHERS, "publisher", f"one of {', '.join(PUBLISHERS)}"),
+            (self.endpoint.startswith(ENDPOINT_SCHEMES), "endpoint", f"a ZMQ address ({', '.join(ENDPOINT_SCHEMES)})"),
+            (self.replay_endpoint is None or self.replay_endpoint.startswith(ENDPOINT_SCHEMES), "replay_endpoint",
+             f"null or a ZMQ address ({', '.join(ENDPOINT_SCHEMES)})"),
+            (self.buffer_steps >= 1, "buffer_steps", ">= 1"),
+            (self.hwm >= 0, "hwm", ">= 0 (0: no limit)"),
+            (self.max_queue_size >= 1, "max_queue_size", ">= 1"),
+            (self.event_encoding in EVENT_ENCODINGS, "event_encoding", f"one of {', '.join(EVENT_ENCODINGS)}"),
+        ]
+        for ok, name, expected in checks:
+            if not ok:
+                raise ValueError(f"kv_events_config {name} must be {expected}, got {getattr(self, name)!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Events leave the process: vLLM publishes only when events are enabled and the publisher is not null."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def parse_kv_events_config(value: str | dict[str, Any] | KVEventsConfig | None) -> KVEventsConfig | None:
+    """The flag's JSON text, a dict (the offline API) or a config; None (the default) means off."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
+    known = [f.name for f in fields(KVEventsConfig)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"unknown kv_events_config keys {unknown}; known: {known}")
+    return KVEventsConfig(**value)
+
+
+def start_kv_event_publisher(config: KVEventsConfig | None, events: KVEventBuffer, block_size: int,
+                             medium: str, prefix_caching: bool,
+                             data_parallel_rank: int = 0) -> ZmqKVEventPublisher | None:
+    """Start publishing `events` when the config enables it (binding its sockets now, so a taken port fails the
+    engine's start with a clear error); None otherwise, without importing zmq."""
+    if config is None or not config.enabled:
+        return None
+    if not prefix_caching:
+        logger.warning("--kv-events-config is set but prefix caching is off: no block will ever be stored, so the "
+                       "stream stays empty")
+    from kvserve.kv.event_publisher import ZmqKVEventPublisher
+
+    publisher = ZmqKVEventPublisher(config, block_size=block_size, medium=medium,
+                                    data_parallel_rank=data_parallel_rank)
+    events.listeners.append(publisher.record)
+    return publisher
