@@ -17,6 +17,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.memory",
     "kvserve.bench.structured",
     "kvserve.bench.spec",
+    "kvserve.bench.router",
     "kvserve.bench.suite",
 )
 

@@ -78,17 +78,33 @@ def line_plot(path: str, panels: Sequence[Panel], title: str | None = None) -> N
     _save(fig, path, title)
 
 
+@dataclass(frozen=True, slots=True)
+class BarPanel:
+    title: str
+    ylabel: str
+    series: Sequence[Series]  # each series' y values in group order (its x is unused)
+    fmt: str = "%.1f"  # the label printed on each bar
+
+
 def bar_plot(path: str, title: str, ylabel: str, groups: Sequence[str], series: Sequence[Series]) -> None:
     """Grouped bars: one group per label in `groups`, one bar per series (its y values in group order)."""
-    fig = _figure(1)
-    ax = fig.add_subplot()
-    width = 0.8 / max(len(series), 1)
-    for i, s in enumerate(series):
-        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        bars = ax.bar(xs, [0.0 if y is None else y for y in s.y], width=width, label=s.label)
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    ax.set_xticks(range(len(groups)), list(groups))
-    _decorate(ax, "", "", ylabel)
+    bar_panels(path, groups, [BarPanel("", ylabel, series)], title)
+
+
+def bar_panels(path: str, groups: Sequence[str], panels: Sequence[BarPanel], title: str | None = None) -> None:
+    """Side-by-side grouped bar charts over the same groups (figures in different units, one panel each)."""
+    fig = _figure(len(panels))
+    for p, panel in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), p + 1)
+        width = 0.8 / max(len(panel.series), 1)
+        for i, s in enumerate(panel.series):
+            xs = [g + (i - (len(panel.series) - 1) / 2) * width for g in range(len(groups))]
+            bars = ax.bar(xs, [0.0 if y is None else y for y in s.y], width=width, label=s.label)
+            ax.bar_label(bars, fmt=panel.fmt, fontsize=8)
+        ax.set_xticks(range(len(groups)), list(groups))
+        if len(groups) > 3:
+            ax.tick_params(axis="x", labelsize=7)
+        _decorate(ax, panel.title, "", panel.ylabel)
     _save(fig, path, title)
 
 

@@ -8,7 +8,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -39,6 +39,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
     error: str | None = None
+    prompt_tokens: int | None = None  # from the server's usage report, when it sends one
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt tokens served from cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,17 +69,19 @@ async def discover_model(client: httpx.AsyncClient, endpoint: Endpoint) -> str |
         return None
 
 
-async def stream_completion(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str, max_tokens: int,
-                            ignore_eos: bool) -> RequestResult:
-    """POST a streaming completion; a chunk with text marks token arrival (TTFT, then inter-token gaps).
-    The token count is the server's usage report when it sends one, else the number of text chunks."""
+async def stream_completion(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str | list[int],
+                            max_tokens: int, ignore_eos: bool) -> RequestResult:
+    """POST a streaming completion (a text prompt, or token ids so that prompts share exact token prefixes);
+    a chunk with text marks token arrival (TTFT, then inter-token gaps). The token count is the server's usage
+    report when it sends one, else the number of text chunks; the report's prompt and cached token counts
+    are kept as they come."""
     body: dict = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
                   "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
     if endpoint.model is not None:
         body["model"] = endpoint.model
     start = time.perf_counter()
     arrivals: list[float] = []
-    usage_tokens: int | None = None
+    usage: dict = {}
     done = False
 
     def failed(reason: str) -> RequestResult:
@@ -100,29 +104,32 @@ async def stream_completion(client: httpx.AsyncClient, endpoint: Endpoint, promp
                     return failed(f"error event: {str(event['error'])[:200]}")
                 if any(choice.get("text") for choice in event.get("choices") or []):
                     arrivals.append(time.perf_counter())
-                usage = event.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    usage_tokens = int(usage["completion_tokens"])
+                usage = event.get("usage") or usage
     except (httpx.HTTPError, ValueError) as e:
         return failed(f"{type(e).__name__}: {e}")
     if not done:
         return failed("the stream closed before data: [DONE]")
     end = time.perf_counter()
+    completion_tokens = usage.get("completion_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return RequestResult(
         ok=True,
-        output_tokens=usage_tokens if usage_tokens is not None else len(arrivals),
+        output_tokens=int(completion_tokens) if completion_tokens is not None else len(arrivals),
         ttft_s=arrivals[0] - start if arrivals else None,
         itl_s=[b - a for a, b in itertools.pairwise(arrivals)],
         e2e_s=end - start,
+        prompt_tokens=int(usage["prompt_tokens"]) if usage.get("prompt_tokens") is not None else None,
+        cached_tokens=int(cached) if cached is not None else None,
     )
 
 
-async def run_load(endpoint: Endpoint, prompts: Sequence[str], max_tokens: int, ignore_eos: bool,
+async def run_load(endpoint: Endpoint, prompts: Sequence[str | list[int]], max_tokens: int, ignore_eos: bool,
                    max_concurrency: int | None, request_rate: float, seed: int, timeout_s: float,
-                   warmup: int = 0) -> LoadRun:
+                   warmup: int = 0, on_result: Callable[[RequestResult], None] | None = None) -> LoadRun:
     """Send every prompt, arrivals Poisson at `request_rate` (inf: all at once), at most `max_concurrency`
     in flight; the first `warmup` prompts go first, one by one and unmeasured, so that connection set-up
-    and the server's first-request costs stay outside the figures."""
+    and the server's first-request costs stay outside the figures. `on_result` sees each measured request
+    as it ends (a progress bar)."""
     limit = max_concurrency or max(len(prompts) - warmup, 1)
     gate = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
@@ -132,9 +139,12 @@ async def run_load(endpoint: Endpoint, prompts: Sequence[str], max_tokens: int, 
         for prompt in prompts[:warmup]:
             await stream_completion(client, endpoint, prompt, min(max_tokens, 4), ignore_eos)
 
-        async def one(prompt: str) -> RequestResult:
+        async def one(prompt: str | list[int]) -> RequestResult:
             async with gate:
-                return await stream_completion(client, endpoint, prompt, max_tokens, ignore_eos)
+                result = await stream_completion(client, endpoint, prompt, max_tokens, ignore_eos)
+            if on_result is not None:
+                on_result(result)
+            return result
 
         rng = random.Random(seed)
         start = time.perf_counter()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -123,3 +123,38 @@ def random_word_prompts(num_prompts: int, words: TokenRange, seed: int) -> list[
     """Prompts of a random number of words each, as the serving benchmark sends them."""
     rng = random.Random(seed)
     return [" ".join(rng.choices(_WORDS, k=rng.randint(words.low, words.high))) for _ in range(num_prompts)]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRequest:
+    """One request of the multi-tenant workload: its tenant's system prompt followed by its own question."""
+
+    tenant: int
+    prompt_token_ids: list[int]
+
+
+def word_token_ids(rng: random.Random, num_tokens: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """Exactly `num_tokens` ids of random English words (encoded, then cut), so that lengths are exact in the
+    server's own tokens whatever the tokenizer's words-per-token."""
+    words = rng.choices(_WORDS, k=num_tokens)
+    ids = encode(" " + " ".join(words))
+    while len(ids) < num_tokens:
+        words += rng.choices(_WORDS, k=num_tokens)
+        ids = encode(" " + " ".join(words))
+    return ids[:num_tokens]
+
+
+def tenant_requests(num_tenants: int, prefix_tokens: int, num_requests: int, question_tokens: TokenRange,
+                    encode: Callable[[str], list[int]], bos: Sequence[int], seed: int,
+                    requests_per_tenant: int = 0) -> list[TenantRequest]:
+    """Shared-prefix traffic: `num_tenants` system prompts of `prefix_tokens` tokens (`bos` included), and
+    requests that each pick a tenant at random and append a distinct short question. With
+    `requests_per_tenant` > 0, that many requests per tenant (tenants in turn) come first: a warm-up that
+    gives every tenant the same start under every routing policy."""
+    rng = random.Random(seed)
+    prefixes = [[*bos, *word_token_ids(rng, prefix_tokens - len(bos), encode)] for _ in range(num_tenants)]
+    tenants = [t for _ in range(requests_per_tenant) for t in range(num_tenants)]
+    tenants += [rng.randrange(num_tenants) for _ in range(num_requests)]
+    return [TenantRequest(t, prefixes[t] + word_token_ids(rng, rng.randint(question_tokens.low,
+                                                                               question_tokens.high), encode))
+            for t in tenants]
