@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.1  # <= 10 snapshots per second
 # At most this fraction of the engine thread's time goes to snapshots: a large pool (a snapshot is O(num_blocks),
-# about 13 ms at 7,000 blocks on one CPU core) is published less often rather than slowing decoding down.
-DEFAULT_MAX_OVERHEAD = 0.02
+# about 13 ms at 7,000 blocks on one CPU core) is published less often rather than slowing decoding down. 1%, not
+# 2%: what a snapshot costs the engine thread is paid again by the server's diff and encoding of it, and with 2% the
+# open page cost 6% of decode throughput at batch 32 on the 2-core CPU (1%: 2.5-3%, docs/UI.md "Cost").
+DEFAULT_MAX_OVERHEAD = 0.01
 DEFAULT_HISTORY = 500
 
 
