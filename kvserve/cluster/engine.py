@@ -102,8 +102,7 @@ class ClusterEngine:
 
     @classmethod
     def launch(cls, config: EngineConfig, num_replicas: int, router_policy: str = "prefix_aware",
-               ray_address: str | None = None, max_queued_requests: int = 1000,
-               ray_init_kwargs: dict[str, Any] | None = None) -> ClusterEngine:
+               ray_address: str | None = None, max_queued_requests: int = 1000) -> ClusterEngine:
         """Start `num_replicas` engines on Ray (a local instance, or the cluster at `ray_address` /
         $RAY_ADDRESS), wait until each has loaded the model, and load the tokenizer here for the server."""
         import ray
@@ -116,7 +115,7 @@ class ClusterEngine:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             address = ray_address or os.environ.get("RAY_ADDRESS")
-            ray.init(address=address, include_dashboard=False, log_to_driver=True, **(ray_init_kwargs or {}))
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
         threads = config.cpu_threads or 1
         cpus = ray.cluster_resources().get("CPU", 0)
         if cpus < num_replicas * threads:
@@ -185,10 +184,6 @@ class ClusterEngine:
                 ray.kill(handle, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
-
-    def shutdown(self) -> None:
-        """Blocking shutdown, outside any event loop (tests, the offline API)."""
-        asyncio.run(self.shutdown_async())
 
     @property
     def is_running(self) -> bool:

@@ -6,10 +6,11 @@ server without the flag pays nothing (not even the import). The wire format is i
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvserve.json_flags import config_from_json_flag
 
 if TYPE_CHECKING:
     from kvserve.kv.event_publisher import ZmqKVEventPublisher
@@ -78,20 +79,7 @@ class KVEventsConfig:
 
 def parse_kv_events_config(value: str | dict[str, Any] | KVEventsConfig | None) -> KVEventsConfig | None:
     """The flag's JSON text, a dict (the offline API) or a config; None (the default) means off."""
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
-    known = [f.name for f in fields(KVEventsConfig)]
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise ValueError(f"unknown kv_events_config keys {unknown}; known: {known}")
-    return KVEventsConfig(**value)
+    return config_from_json_flag(value, KVEventsConfig, "kv_events_config")
 
 
 def start_kv_event_publisher(config: KVEventsConfig | None, events: KVEventBuffer, block_size: int,

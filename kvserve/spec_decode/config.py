@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from kvserve.json_flags import config_from_json_flag
 
 # Methods vLLM has that kvserve does not (a second model or extra heads): named so the error can say so.
 _UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
@@ -48,20 +49,6 @@ class SpeculativeConfig:
 
 
 def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
-    """The flag's JSON text, a dict (the offline API) or a config; None (the default) means off."""
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {type(value).__name__}")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-    if "method" not in value:
-        raise ValueError("speculative_config needs a \"method\" (kvserve supports \"ngram\")")
-    return SpeculativeConfig(**value)
+    """The flag's JSON text, a dict (the offline API) or a config; None (the default) means off. A "method" is
+    required (kvserve supports "ngram")."""
+    return config_from_json_flag(value, SpeculativeConfig, "speculative_config", required=("method",))

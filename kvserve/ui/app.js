@@ -449,21 +449,11 @@
     }
   }
   async function readStreamedChat(body, out) {
-    const reader = body.getReader(), decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) return;
-      buffer += decoder.decode(value, { stream: true });
-      let cut;
-      while ((cut = buffer.indexOf("\n")) >= 0) {
-        const line = buffer.slice(0, cut).trim();
-        buffer = buffer.slice(cut + 1);
-        if (!line.startsWith("data:") || line === "data: [DONE]") continue;
-        const delta = JSON.parse(line.slice(5)).choices[0].delta;
-        if (delta && delta.content) out.textContent += delta.content;
-      }
-    }
+    await readSSE(body, (event, data) => {
+      if (data === "[DONE]") return;
+      const delta = JSON.parse(data).choices[0].delta;
+      if (delta && delta.content) out.textContent += delta.content;
+    });
   }
   $("engine-only").addEventListener("change", (ev) => $("events").classList.toggle("engine-only", ev.target.checked));
   $("playground").addEventListener("submit", send);

@@ -7,6 +7,7 @@ inject faults, gate steps, check the block pool) through the app factory, withou
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -204,3 +205,16 @@ def serve_process(model_dir: Path, tmp_path: Path, *args: str,
         proc.wait()
         raise
     return proc, base
+
+
+def sse_messages(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, parsed JSON data) of each Server-Sent Event of a streamed response, as they arrive."""
+    event, data = "message", ""
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+        elif not line and data:
+            yield event, json.loads(data)
+            event, data = "message", ""

@@ -21,7 +21,15 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from server_support import CHAT_TEMPLATE, MODEL, RunningServer, make_engine, serve_process
+from server_support import (
+    CHAT_TEMPLATE,
+    MODEL,
+    RunningServer,
+    make_engine,
+    serve_process,
+    sse_messages,
+    wait_until,
+)
 
 from kvserve.cluster.engine import ClusterEngine
 from kvserve.config import EngineConfig
@@ -63,9 +71,11 @@ def _complete(server: RunningServer, prompt: list[int], max_tokens: int = 6, **e
     return r.json()
 
 
-def _wait_reports(engine: ClusterEngine) -> None:
-    """Let the poller bring in the replicas' latest KV events (it polls every 50 ms)."""
-    time.sleep(0.5)
+def _wait_indexed(engine: ClusterEngine, prompt: list[int], salt: str | None = None) -> None:
+    """Until the router's index (fed by the replicas' reports every 50 ms) holds every full block of `prompt`."""
+    hashes = engine.router.hasher.block_hashes(prompt, salt)
+    wait_until(lambda: any(engine.router.index.matched_blocks(hashes, name) == len(hashes)
+                           for name in engine.replicas), timeout=30)
 
 
 def _on_replica(engine: ClusterEngine, name: str, fn: Any) -> Any:
@@ -95,19 +105,16 @@ def test_shared_prefix_goes_to_the_replica_that_caches_it(cluster) -> None:
     system = list(range(100, 100 + 6 * BS))  # six full blocks
     first = _complete(server, system + [1, 2], max_tokens=2)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    _wait_reports(engine)
-    holders = [name for name in engine.replicas if engine.router.index.num_blocks(name)]
+    _wait_indexed(engine, system + [1, 2])
     hits_before = engine.decisions.get(("prefix_aware", "prefix_hit"), 0)
     for i in range(4):
         r = _complete(server, system + [3 + i, 4], max_tokens=2)
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BS  # served where the prefix is
-        _wait_reports(engine)
     assert engine.decisions[("prefix_aware", "prefix_hit")] - hits_before == 4
-    assert len(holders) >= 1
     # A different salt shares nothing, in the router's index as in the engines.
     salted = _complete(server, system + [1, 2], max_tokens=2, cache_salt="tenant-a")
     assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    _wait_reports(engine)
+    _wait_indexed(engine, system + [1, 2], "tenant-a")
     other = _complete(server, system + [1, 9], max_tokens=2, cache_salt="tenant-b")
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
@@ -124,18 +131,6 @@ def test_health_metrics_and_models(cluster) -> None:
         assert f'kvserve:replica_up{{replica="{name}"}} 1.0' in metrics
         assert f'kvserve:replica_generation_tokens_total{{replica="{name}"}}' in metrics
     assert 'kvserve:router_decisions_total{policy="prefix_aware",reason=' in metrics
-
-
-def _sse(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
-    event, data = "message", ""
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data += line[5:].strip()
-        elif not line and data:
-            yield event, json.loads(data)
-            event, data = "message", ""
 
 
 def _kv_state(snapshot: dict[str, Any]) -> dict[str, Any]:
@@ -186,7 +181,7 @@ def test_kv_stream_of_replica_1_starts_with_its_snapshot(cluster) -> None:
     handle = engine.replicas["replica-1"].handle
     with server.client() as c, c.stream("GET", "/v1/kv/stream", params={"replica": "replica-1"}) as stream:
         assert stream.status_code == 200 and stream.headers["x-kvserve-replica"] == "replica-1"
-        messages = _sse(stream)
+        messages = sse_messages(stream)
         kind, first = next(messages)
         assert kind == "snapshot" and _kv_state(first) == _real_kv(engine, "replica-1")
         assert len(ray.get(handle.__ray_call__.remote(lambda actor: actor.kv.watchers), timeout=30)) == 1

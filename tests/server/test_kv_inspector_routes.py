@@ -3,30 +3,15 @@ it, the snapshot reflects the engine, the SSE stream delivers snapshots and even
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import httpx
-from server_support import API_KEY, RunningServer, ServerFactory, wait_until
+from server_support import API_KEY, RunningServer, ServerFactory, sse_messages, wait_until
 
 from kvserve.engine.inspector_delta import apply_delta
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _sse_messages(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
-    event, data = "message", ""
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data += line[5:].strip()
-        elif not line and data:
-            yield event, json.loads(data)
-            event, data = "message", ""
 
 
 def test_page_is_open_and_data_needs_the_key(make_server: ServerFactory) -> None:
@@ -90,7 +75,7 @@ def test_stream_sends_a_snapshot_then_deltas(make_server: ServerFactory) -> None
     assert server.engine.kv.published.snapshot is None  # nobody watched: nothing was built
     with server.client() as client, client.stream("GET", "/v1/kv/stream") as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
-        messages = _sse_messages(stream)
+        messages = sse_messages(stream)
         kind, first = next(messages)
         assert kind == "snapshot" and first["requests"] == [] and first["events"] == []
         with server.client() as other:
@@ -117,9 +102,9 @@ def test_stream_sends_a_snapshot_then_deltas(make_server: ServerFactory) -> None
 def test_streams_share_one_watch(make_server: ServerFactory) -> None:
     server = make_server()
     with server.client() as a, server.client() as b, a.stream("GET", "/v1/kv/stream") as sa:
-        first = next(_sse_messages(sa))
+        first = next(sse_messages(sa))
         with b.stream("GET", "/v1/kv/stream") as sb:
-            second = next(_sse_messages(sb))
+            second = next(sse_messages(sb))
         assert first[0] == second[0] == "snapshot"
         assert server.engine.kv.num_watchers == 1  # one watch for all streams (the hub's)
     wait_until(lambda: server.engine.kv.num_watchers == 0)
