@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "LLMEngine"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "LLMEngine"]
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -13,12 +14,14 @@ if TYPE_CHECKING:
     from kvserve.engine.llm import LLM
     from kvserve.outputs import CompletionOutput, RequestOutput
     from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.params import StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "kvserve.engine.llm",
     "LLMEngine": "kvserve.engine.engine",
     "EngineConfig": "kvserve.config",
     "SamplingParams": "kvserve.sampling_params",
+    "StructuredOutputsParams": "kvserve.structured.params",
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
 }

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvserve.structured.params import StructuredOutputsParams
+    from kvserve.structured.params import StructuredOutputsParams as StructuredOutputsParams
 
 # Below this temperature a request is greedy (dividing by ~0 would only produce inf/nan).
 GREEDY_TEMPERATURE = 1e-5
@@ -63,6 +63,17 @@ def _structured_outputs(value: object) -> StructuredOutputsParams | None:
     if isinstance(value, Mapping):
         return StructuredOutputsParams.from_dict(value)
     raise _bad("structured_outputs", value, "a StructuredOutputsParams, a dict of its fields, or None")
+
+
+def __getattr__(name: str) -> Any:
+    """`from kvserve.sampling_params import StructuredOutputsParams`, as vLLM users write it
+    (`vllm.sampling_params`), resolved lazily: the class lives in kvserve.structured.params, and importing the
+    kvserve.structured package at the top would pull torch into every torch-free reader of this module."""
+    if name == "StructuredOutputsParams":
+        from kvserve.structured.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RequestOutputKind(enum.Enum):

@@ -225,7 +225,7 @@ class AsyncLLMEngine:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """The engine's tokenizer, for read-only use outside the engine thread (prompt preparation)."""
+        """The engine's tokenizer, used by the engine thread; others snapshot it before start() and build copies."""
         return self.engine.tokenizer
 
     # ---- requests -------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ class EngineClient(Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """Read-only use by the server's preparation thread and the loop."""
+        """Read once by the server, before start(), for a snapshot to build its own copies from (one per thread that
+        uses one); the server never encodes or decodes with this object."""
 
     @property
     def is_running(self) -> bool: ...

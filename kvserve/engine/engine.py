@@ -759,7 +759,11 @@ class LLMEngine:
             self._constrained.discard(seq.request.request_id)
 
     def check_invariants(self) -> None:
-        """The pool is whole: every block free or referenced, and references match requests' holdings."""
+        """The pool is whole: every block free or referenced, and references match requests' holdings.
+
+        A public debug API, kept in the package on purpose (the tests call it after every step, and a user chasing
+        a leak can too): raises AssertionError naming the first broken block. O(blocks); call it between steps on
+        the thread that steps the engine (behind a server: `async_engine.call(LLMEngine.check_invariants)`)."""
         self.pool.check_invariants()
         counts: dict[int, int] = {}
         for blocks in self.kv_manager.req_blocks.values():

@@ -66,11 +66,11 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
     })
     for collector in engine.metric_collectors():
         metrics.registry.register(collector)
-    # The only reads of the engine itself, once, here: its immutable facts and its tokenizer, which the
-    # preparation thread (prompts) and the loop (short logprob windows) use read-only from now on.
-    tokenizer = engine.tokenizer
-    preparer = PromptPreparer(tokenizer, facts)
-    ctx = ServerContext(engine, settings, metrics, facts, preparer, TokenTexts(tokenizer))
+    # The only reads of the engine itself, once, here: its immutable facts and a snapshot of its tokenizer, taken
+    # before the engine thread starts. The server's own copies are built from it on the preparation thread: one
+    # for that thread (prompts), one for the loop (short logprob windows); the engine's is never shared.
+    preparer = PromptPreparer(engine.tokenizer.snapshot(), facts)
+    ctx = ServerContext(engine, settings, metrics, facts, preparer, TokenTexts(preparer.loop_tokenizer))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

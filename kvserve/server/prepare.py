@@ -2,9 +2,10 @@
 
 Why not on the event loop: tokenizing costs about a microsecond per character and a chat template is a
 program, so one long prompt held there would stall every open stream and every probe for as long. Why one
-dedicated thread rather than the default executor: the tokenizer then has exactly two users (this thread
-for prompts, the engine thread for detokenizing), never an arbitrary pool of threads, and preparations run
-one at a time in arrival order, so a burst of huge prompts queues here instead of taking every core.
+dedicated thread rather than the default executor: the thread owns a tokenizer of its own, built here from the
+engine's (TokenizerSnapshot), so no tokenizer object is used by two threads (the engine thread detokenizes with
+the engine's, the event loop decodes logprob windows with a third, TokenTexts'), and preparations run one at a
+time in arrival order, so a burst of huge prompts queues here instead of taking every core.
 
 Everything here is synchronous and runs on that thread; the handlers `await` it through `run`. Errors keep
 their meaning: ValueError and APIError raised here become the same 400s as before.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,7 +26,7 @@ from kvserve.server.sampling import check_fits, fits
 
 if TYPE_CHECKING:
     from kvserve.model.chat_template import ToolPromptStyle
-    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.model.tokenizer import Tokenizer, TokenizerSnapshot
     from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,14 +65,40 @@ def split_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
     return messages[:head_len], turns
 
 
-class PromptPreparer:
-    """Owns the preparation thread and the tokenizer's use for prompts; one per app."""
+@dataclass(frozen=True, slots=True)
+class _ThreadTokenizer:
+    """The preparation thread's own tokenizer and the prompt length it bounds."""
 
-    def __init__(self, tokenizer: Tokenizer, facts: EngineFacts) -> None:
+    tokenizer: Tokenizer
+    max_prompt_chars: int
+
+    @classmethod
+    def build(cls, snapshot: TokenizerSnapshot, max_model_len: int) -> _ThreadTokenizer:
+        tokenizer = snapshot.build()
+        return cls(tokenizer, max_prompt_chars(tokenizer, max_model_len))
+
+
+class PromptPreparer:
+    """Owns the preparation thread and the server's tokenizers, built from the engine's snapshot; one per app."""
+
+    def __init__(self, snapshot: TokenizerSnapshot, facts: EngineFacts) -> None:
         self.facts = facts
-        self._tokenizer = tokenizer
-        self.max_prompt_chars = max_prompt_chars(tokenizer, facts.max_model_len)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-prepare")
+        # The thread's first two jobs (about a second each for a 262k vocabulary, off the start-up path): its own
+        # tokenizer, and the event loop's (TokenTexts). One worker runs jobs in order, so every preparation, queued
+        # behind them, finds both built.
+        self._own: Future[_ThreadTokenizer] = self._executor.submit(
+            _ThreadTokenizer.build, snapshot, facts.max_model_len)
+        self.loop_tokenizer: Future[Tokenizer] = self._executor.submit(snapshot.build)
+
+    @property
+    def _tokenizer(self) -> Tokenizer:
+        """The preparation thread's tokenizer (read on that thread only, where it is always built already)."""
+        return self._own.result().tokenizer
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self._own.result().max_prompt_chars
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the preparation thread; the event loop stays free meanwhile."""

@@ -45,7 +45,9 @@ class GrammarCompiler:
     tokenizer, vocab_size (the model's logits width) and stop_token_ids (the engine's EOS ids: the tokens a
     complete grammar allows) fix what the backend reads; backend is `--structured-outputs-backend`.
     Thread-safe: the backend is built once under a lock, its compile cache is thread-safe, and matchers are
-    per sequence (used by the engine thread only)."""
+    per sequence (used by the engine thread only). The tokenizer is read once, when the backend is built: its
+    vocabulary and JSON, through the Rust tokenizer's read-only calls, on the thread of the first compile. A
+    private copy would cost about a second at every start (or hold a second 262k vocabulary) for that one read."""
 
     def __init__(
         self,

@@ -59,6 +59,36 @@ def test_paired_surrogates_are_fine(guarded_server, auth):
         assert r.status_code == 200, r.text
 
 
+# (id, path, raw JSON body, the field). Raw: Python's json writes inf as Infinity but never 1e39 for a float, and
+# a client need not be Python. Each once killed the engine for everyone (NaN logits, then an id past the vocabulary):
+# 1e39 is finite in float64 and infinite in float32, where the sampler computes.
+NON_FINITE: list[tuple[str, str, str, str]] = [
+    ("temperature Infinity", CMPL, '{"prompt": "x", "temperature": Infinity, "min_tokens": 1, "max_tokens": 2}',
+     "temperature"),
+    ("temperature 1e39", CMPL, '{"prompt": "x", "temperature": 1e39, "min_tokens": 1, "max_tokens": 2}',
+     "temperature"),
+    ("temperature NaN", CMPL, '{"prompt": "x", "temperature": NaN, "max_tokens": 2}', "temperature"),
+    ("top_p -Infinity", CMPL, '{"prompt": "x", "top_p": -Infinity, "max_tokens": 2}', "top_p"),
+    ("presence_penalty 1e39", CMPL, '{"prompt": "x", "presence_penalty": 1e39, "max_tokens": 2}',
+     "presence_penalty"),
+    ("chat temperature 1e39", CHAT,
+     '{"messages": [{"role": "user", "content": "x"}], "temperature": 1e39, "min_tokens": 1, "max_tokens": 2}',
+     "temperature"),
+    ("chat temperature Infinity", CHAT,
+     '{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity, "max_tokens": 1}', "temperature"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", [c[1:] for c in NON_FINITE], ids=[c[0] for c in NON_FINITE])
+def test_non_finite_numbers_are_a_400_and_the_engine_lives(guarded_server, auth, path, body, field):
+    with guarded_server.client(headers=auth) as c:
+        error = assert_openai_error(c.post(path, content=body.encode(), headers=JSON), 400)
+        assert error["param"] == field, error
+        assert field in error["message"], error
+        assert c.get("/health").status_code == 200
+    assert_serving(guarded_server, auth)
+
+
 # (id, path, body, the field) -- OpenAI's API types: integers are JSON integers, booleans true/false.
 LOOSE_TYPES: list[tuple[str, str, dict[str, Any], str]] = [
     ("max_tokens string", CMPL, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
@@ -112,6 +142,8 @@ def test_empty_cache_salt_is_a_400(guarded_server, auth):
 def test_hostile_input_leaves_the_pool_whole(guarded_server, auth):
     with guarded_server.client(headers=auth) as c:
         for _, path, body, _ in SURROGATES:
+            c.post(path, content=body.encode(), headers=JSON)
+        for _, path, body, _ in NON_FINITE:
             c.post(path, content=body.encode(), headers=JSON)
         for _, path, body, _ in LOOSE_TYPES:
             c.post(path, json=body)

@@ -54,6 +54,21 @@ class GatedTokenizer:
         self._gate(len(text))
         return self._inner.encode(text, *args, **kwargs)
 
+    def snapshot(self) -> Any:
+        """The server builds its own tokenizers from the engine's snapshot: gate those copies alike."""
+        return _GatedSnapshot(self._inner.snapshot(), self)
+
+
+class _GatedSnapshot:
+    def __init__(self, inner: Any, gated: GatedTokenizer) -> None:
+        self._inner, self._gated = inner, gated
+
+    def build(self) -> GatedTokenizer:
+        copy = GatedTokenizer(self._inner.build(), self._gated._min_chars)
+        copy.entered, copy.release, copy.encode_threads = self._gated.entered, self._gated.release, \
+            self._gated.encode_threads
+        return copy
+
 
 @pytest.fixture
 def gated_server(tiny_model_dir):
@@ -137,3 +152,78 @@ def test_server_and_engine_refuse_a_prompt_with_the_same_rule(http, tiny_model_d
     response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
     assert response.status_code == 400
     assert response.json()["error"]["message"].rstrip(".") == str(refused.value).rstrip(".")
+
+
+class ThreadLog:
+    """A tokenizer stand-in that records which threads call it; its snapshot builds recording copies, each with a
+    log of its own, so a test can tell every tokenizer object the server made apart from the engine's."""
+
+    def __init__(self, inner: Any, copies: list[ThreadLog]) -> None:
+        self._inner, self._copies = inner, copies
+        self.threads: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if not callable(value):
+            return value
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.threads.add(threading.current_thread().name)
+            return value(*args, **kwargs)
+        return recorded
+
+    def snapshot(self) -> Any:
+        inner, copies = self._inner.snapshot(), self._copies
+
+        class Snapshot:
+            def build(self) -> ThreadLog:
+                copies.append(ThreadLog(inner.build(), copies))
+                return copies[-1]
+        return Snapshot()
+
+
+def test_no_tokenizer_object_is_used_by_two_threads(tiny_model_dir):
+    """The server snapshots the engine's tokenizer and builds its own copies: one used by the preparation thread
+    (prompts, /tokenize, /detokenize), one by the event loop (logprob texts); the engine's is used by the engine
+    thread alone. Before, the engine's own object served all three threads."""
+    engine = make_engine(tiny_model_dir)
+    copies: list[ThreadLog] = []
+    engine_tokenizer = ThreadLog(engine.tokenizer, copies)
+    engine.tokenizer = engine_tokenizer  # type: ignore[assignment]
+    async_engine = AsyncLLMEngine(engine)
+    running = RunningServer(build_app(async_engine, ServerSettings((MODEL,))), async_engine).start()
+    try:
+        with running.client() as http:
+            for body in ({"prompt": "abc", "max_tokens": 3, "logprobs": 2, "echo": True},
+                         {"prompt": "abc", "max_tokens": 3, "logprobs": 2, "stream": True}):
+                assert http.post("/v1/completions", json=body).status_code == 200
+            assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "max_tokens": 3, "logprobs": True}).status_code == 200
+            assert http.post("/detokenize", json={"tokens": [5, 6]}).status_code == 200
+    finally:
+        running.stop()
+    assert len(copies) == 2 and all(c._inner is not engine_tokenizer._inner for c in copies)
+    assert copies[0]._inner is not copies[1]._inner
+    used = [c.threads for c in (engine_tokenizer, *copies)]
+    assert all(len(threads) == 1 for threads in used), used
+    assert engine_tokenizer.threads == {"kvserve-engine"}
+    assert next(iter(copies[0].threads)).startswith("kvserve-prepare")
+    assert not any(t.startswith(("kvserve-prepare", "kvserve-engine")) for t in copies[1].threads)
+
+
+def test_a_tokenizer_copy_is_independent_and_identical(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    original = engine.tokenizer
+    copy = original.copy()
+    assert copy is not original and copy.backend is not original.backend
+    text = "Hello, <bos>world! \u00e9\u4e16 12 3"
+    for special in (True, False):
+        assert copy.encode(text, add_special_tokens=special) == original.encode(text, add_special_tokens=special)
+    ids = original.encode(text)
+    for skip in (True, False):
+        assert copy.decode(ids, skip_special_tokens=skip) == original.decode(ids, skip_special_tokens=skip)
+    assert (copy.special_ids, copy.bos_token_id, copy.eos_token_id, copy.add_bos, copy.chat_template, copy.name) == (
+        original.special_ids, original.bos_token_id, original.eos_token_id, original.add_bos, original.chat_template,
+        original.name)
+    messages = [{"role": "user", "content": "hi"}]
+    assert copy.apply_chat_template(messages) == original.apply_chat_template(messages)

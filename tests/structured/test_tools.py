@@ -72,6 +72,19 @@ def test_named_forces_that_function(tools_client):
     _assert_valid_calls([call])
 
 
+def test_required_may_return_several_calls_by_default(tools_client):
+    """parallel_tool_calls defaults to true (OpenAI's default): the grammar lets a required reply hold several calls,
+    each valid against its own function's schema, and the streamed reply equals the whole one."""
+    kw = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=1.0,
+              seed=6)
+    r = tools_client.chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) > 1 and r.choices[0].finish_reason == "tool_calls"
+    _assert_valid_calls(calls)
+    content, s_calls, finish, _ = _streamed(tools_client, **kw)
+    assert (content or None, s_calls, finish) == _whole(r)
+
+
 def test_parallel_tool_calls_false_gives_one_call(tools_client):
     for seed in (4, 5, 6):
         r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
@@ -128,16 +141,19 @@ def test_auto_reads_hermes_calls_and_content(tools_client):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_is_the_default_and_plain_text_stays_text(tools_client):
+@pytest.mark.parametrize("tool_choice", [None, "none"])
+def test_auto_is_the_default_and_plain_text_stays_text(tools_client, tool_choice):
     """Tools without tool_choice mean auto (OpenAI's default); a reply without calls is content, finish "stop" or
-    "length", no tool_calls."""
-    for stream in (False, True):
-        kw = dict(model=MODEL, messages=USER, tools=TOOLS, max_tokens=20, temperature=0)
-        if stream:
-            content, calls, finish, _ = _streamed(tools_client, **kw)
-        else:
-            content, calls, finish = _whole(tools_client.chat.completions.create(**kw))
+    "length", no tool_calls. tool_choice none answers in text too, streamed (no tool_calls delta at all) and not."""
+    kw = dict(model=MODEL, messages=USER, tools=TOOLS, max_tokens=20, temperature=0)
+    if tool_choice is not None:
+        kw["tool_choice"] = tool_choice
+    whole = _whole(tools_client.chat.completions.create(**kw))
+    *streamed, chunks = _streamed(tools_client, **kw)
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    for content, calls, finish in (whole, streamed):
         assert content and calls == [] and finish in ("stop", "length")
+    assert tuple(streamed) == whole
 
 
 def test_none_renders_the_tools_and_answers_in_text(tools_client, tools_server):

@@ -93,3 +93,32 @@ def test_child_for_n_expansion():
     p = SamplingParams(n=3, seed=10)
     assert [(c.n, c.seed) for c in (p.child(i) for i in range(3))] == [(1, 10), (1, 11), (1, 12)]
     assert SamplingParams(n=2).child(1).seed is None
+
+
+def test_structured_outputs_params_imports_where_vllm_users_look():
+    """vLLM users write `from vllm.sampling_params import StructuredOutputsParams`: the same import works from
+    kvserve.sampling_params and from kvserve, lazily (importing either module loads neither torch nor a grammar
+    library), and the class it gives is the one SamplingParams takes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import kvserve, kvserve.sampling_params\n"
+        "heavy = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'xgrammar', 'llguidance'})\n"
+        "print(heavy())\n"
+        "from kvserve.sampling_params import StructuredOutputsParams, SamplingParams\n"
+        "from kvserve import StructuredOutputsParams as Top\n"
+        "from kvserve.structured.params import StructuredOutputsParams as Home\n"
+        "assert StructuredOutputsParams is Top is Home\n"
+        "p = SamplingParams(structured_outputs=StructuredOutputsParams(json={'type': 'object'}))\n"
+        "assert isinstance(p.structured_outputs, Home)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'xgrammar', 'llguidance'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"]
+    with pytest.raises(AttributeError, match="Nope"):
+        import kvserve.sampling_params as module
+
+        module.Nope  # noqa: B018

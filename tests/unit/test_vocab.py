@@ -24,6 +24,7 @@ from kvserve.vocab import (
     KV_DTYPE_ALIASES,
     KV_DTYPES,
     QUANTIZATION_METHODS,
+    STRUCTURED_OUTPUTS_BACKENDS,
     canonical_kv_dtype,
     check_choice,
     is_8bit_kv_dtype,
@@ -97,6 +98,26 @@ def test_the_engine_flags_take_their_choices_from_the_registries() -> None:
     assert tuple(choices["prefix_caching_hash_algo"]) == HASH_ALGOS
     assert tuple(choices["dtype"]) == ("auto", *COMPUTE_DTYPES)
     assert tuple(choices["quantization"]) == ("auto", *QUANTIZATION_METHODS)
+
+
+def test_the_structured_outputs_backend_flag_reaches_the_engine_config() -> None:
+    """`--structured-outputs-backend` offers exactly the backends the registry builds, and the choice lands in the
+    EngineConfig (not silently replaced by the default)."""
+    import argparse
+
+    from kvserve.engine_args import add_engine_args, engine_config_from_args
+    from kvserve.structured.backend import BACKEND_NAMES
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    (action,) = [a for a in parser._actions if a.dest == "structured_outputs_backend"]
+    assert tuple(action.choices) == BACKEND_NAMES == STRUCTURED_OUTPUTS_BACKENDS
+    assert action.default == "auto"
+    for name in BACKEND_NAMES:
+        config = engine_config_from_args(parser.parse_args(["--structured-outputs-backend", name]))
+        assert config.structured_outputs_backend == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--structured-outputs-backend", "outlines"])
 
 
 def test_the_name_registries_do_not_import_torch() -> None:
