@@ -101,8 +101,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--prefix-tokens", type=int, default=1000, help="tokens of each tenant's system prompt")
     w.add_argument("--question-tokens", type=TokenRange.parse, default=TokenRange(16, 32), metavar="LOW-HIGH",
                    help="tokens of each request's own question")
-    w.add_argument("--num-requests", type=int, default=48, help="measured requests per configuration")
-    w.add_argument("--request-rate", type=float, default=0.6, help="Poisson arrivals per second")
+    w.add_argument("--num-requests", type=int, default=144, help="measured requests per configuration")
+    w.add_argument("--request-rate", type=float, default=0.8, help="Poisson arrivals per second")
     w.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (ignore_eos)")
     w.add_argument("--warmup-per-tenant", type=int, default=1,
                    help="unmeasured requests per tenant, sent one by one in turn before the measurement")

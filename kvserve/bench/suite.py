@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import json
 import logging
 import os
@@ -21,6 +22,9 @@ from kvserve.bench import cli as bench_cli
 log = logging.getLogger(__name__)
 
 
+ENGINE_FLAGS = ("--model", "--device", "--dtype", "--cpu-threads")
+
+
 @dataclass(frozen=True, slots=True)
 class QuickCommand:
     """A bench command and the flags of its quick version (smaller counts and lengths, one repeat)."""
@@ -28,7 +32,7 @@ class QuickCommand:
     name: str
     args: tuple[str, ...]
     plot: bool = True  # draws a --plot
-    engine: bool = True  # takes the engine flags (--model, --cpu-threads, ...)
+    engine_flags: tuple[str, ...] = ENGINE_FLAGS  # which of bench all's engine flags the command takes
 
     @property
     def stem(self) -> str:
@@ -55,7 +59,11 @@ QUICK: tuple[QuickCommand, ...] = (
                                   "--repeats", "1", "--kv-cache-memory-bytes", "1GiB"), plot=False),
     QuickCommand("structured", ("--batch-sizes", "1,8", "--prompt-len", "32", "--output-len", "16", "--repeats", "1",
                                 "--compile-schemas", "3", "--ttft-repeats", "3", "--kv-cache-memory-bytes", "1GiB")),
-    QuickCommand("serve", ("--num-prompts", "8", "--max-tokens", "16", "--max-concurrency", "1,8"), engine=False),
+    QuickCommand("serve", ("--num-prompts", "8", "--max-tokens", "16", "--max-concurrency", "1,8"), engine_flags=()),
+    # Starts Ray and four `kvserve serve` processes (about 3 minutes); its full version is documented in
+    # BENCHMARKS.md. The replicas run on the model and threads given, not on a device or dtype of bench all's.
+    QuickCommand("router", ("--num-tenants", "4", "--prefix-tokens", "256", "--num-requests", "24",
+                            "--request-rate", "1.5", "--max-tokens", "8"), engine_flags=("--model", "--cpu-threads")),
 )
 NAMES = tuple(q.name for q in QUICK)
 MANIFEST = "all.json"
@@ -154,17 +162,17 @@ def extra_flags(specs: list[str]) -> dict[str, list[str]]:
 def plan(args: argparse.Namespace) -> list[Step]:
     """The steps of this invocation, in the suite's order, each argv checked by the command's own parser."""
     extra = extra_flags(args.args)
-    chosen = (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-              ("--cpu-threads", args.cpu_threads))
-    engine = [f for flag, value in chosen if value is not None for f in (flag, str(value))]
-    engine += extra.get("engine", [])
+    chosen = dict(zip(ENGINE_FLAGS, (args.model, args.device, args.dtype, args.cpu_threads), strict=True))
     steps = []
     for quick in QUICK:
         if quick.name not in args.only:
             continue
         json_path = args.out_dir / f"{quick.stem}.json"
         plot_path = args.out_dir / f"{quick.stem}.png" if quick.plot else None
-        argv = [quick.name, *quick.args, *peer_flags(quick.name, args), *(engine if quick.engine else []),
+        engine = [f for flag in quick.engine_flags if chosen[flag] is not None for f in (flag, str(chosen[flag]))]
+        if quick.engine_flags == ENGINE_FLAGS:  # --args engine=... goes to the in-process engine commands only
+            engine += extra.get("engine", [])
+        argv = [quick.name, *quick.args, *peer_flags(quick.name, args), *engine,
                 *extra.get(quick.name, []), "--json", str(json_path)]
         if plot_path is not None:
             argv += ["--plot", str(plot_path)]
@@ -174,6 +182,8 @@ def plan(args: argparse.Namespace) -> list[Step]:
                 skipped = "no --url given (start `kvserve serve` and pass --url to measure serving)"
             else:
                 argv[1:1] = ["--url", args.url] + (["--peer-url", args.peer_url] if args.peer_url else [])
+        elif quick.name == "router" and importlib.util.find_spec("ray") is None:
+            skipped = "Ray is not installed (pip install -e '.[cluster]')"
         steps.append(Step(quick, argv, json_path, plot_path, skipped))
         if skipped is None:
             parse(argv)  # a typo in --args fails now, not twenty minutes in

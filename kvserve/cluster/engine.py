@@ -125,9 +125,12 @@ class ClusterEngine:
                              f"the Ray cluster has {cpus:g}: lower --data-parallel-size or --cpu-threads, or add "
                              f"machines (docs/SCALE_OUT.md)")
         # Every thread pool of a replica honours --cpu-threads: torch's and the native kernels' OpenMP read it
-        # from the environment at start, and Ray reserves that many CPUs for the replica.
+        # from the environment at start, and Ray reserves that many CPUs for the replica. SPREAD: replicas go to
+        # different machines where the cluster has several (Ray's default packs the head node first), so that
+        # they do not share one machine's memory bandwidth while others idle.
         actor: Any = ray.remote(EngineReplica).options(
             num_cpus=threads, max_restarts=-1, max_task_retries=0, max_concurrency=10_000,
+            scheduling_strategy="SPREAD",
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE":
                                       os.environ.get("HF_HUB_OFFLINE", "0")}})
         handles: list[Any] = [actor.remote(dataclasses.replace(config, cpu_threads=threads, data_parallel_rank=rank),

@@ -96,3 +96,24 @@ def test_bench_all_runs_the_chosen_commands_and_regenerates_the_docs(tiny_model_
     assert main([*argv, "--docs-only"]) == 0
     assert docs.read_text().split("<!-- bench:memory:end -->")[1] == text.split("<!-- bench:memory:end -->")[1]
     assert "| context |" in docs.read_text()
+
+
+def test_the_router_step_takes_only_the_flags_it_has_and_is_skipped_without_ray(monkeypatch, tmp_path):
+    """`bench router` starts `kvserve serve` processes: it takes --model and --cpu-threads, not bench all's --device,
+    --dtype or `--args engine=...` (engine flags of the in-process commands), and without Ray it is skipped."""
+    from kvserve.bench import suite
+
+    argv = ["all", "--only", "router,kv-cache", "--model", "m.gguf", "--device", "cpu", "--dtype", "float32",
+            "--cpu-threads", "1", "--args", "engine=--block-size 4", "--out-dir", str(tmp_path)]
+    steps = {s.quick.name: s for s in suite.plan(suite.parse(argv))}
+    router = steps["router"].argv
+    assert router[router.index("--model") + 1] == "m.gguf" and router[router.index("--cpu-threads") + 1] == "1"
+    assert "--device" not in router and "--dtype" not in router and "--block-size" not in router
+    assert "--device" in steps["kv-cache"].argv and "--block-size" in steps["kv-cache"].argv
+    assert steps["router"].skipped is None  # Ray is installed with the [test] extra
+
+    real_find_spec = suite.importlib.util.find_spec
+    monkeypatch.setattr(suite.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else
+                        real_find_spec(name, *a))
+    skipped = {s.quick.name: s for s in suite.plan(suite.parse(argv))}["router"]
+    assert skipped.skipped is not None and "[cluster]" in skipped.skipped

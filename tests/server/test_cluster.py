@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import ray
+import zmq
+from kv_events_reader import KVEventBatch, replay, replay_from
 from server_support import (
     CHAT_TEMPLATE,
     MODEL,
@@ -34,7 +37,9 @@ from server_support import (
 from kvserve.cluster.engine import ClusterEngine
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.engine import LLMEngine
 from kvserve.engine.inspector_delta import apply_delta
+from kvserve.kv.vllm_events import external_block_hash
 from kvserve.server.app import build_app
 from kvserve.server.context import ServerSettings
 
@@ -46,16 +51,25 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], list(range(60, 90)), [
 SETTINGS = ServerSettings(served_model_names=(MODEL,))
 
 
-def _config(model_dir: Path) -> EngineConfig:
+def _config(model_dir: Path, **changes: Any) -> EngineConfig:
     return EngineConfig(model=str(model_dir), num_gpu_blocks_override=256, block_size=BS,
-                        chat_template=CHAT_TEMPLATE, cpu_threads=1)
+                        chat_template=CHAT_TEMPLATE, cpu_threads=1, **changes)
+
+
+def _kv_events_config(folder: Path) -> dict[str, Any]:
+    """vLLM's --kv-events-config; replica r publishes at the rank-offset addresses (`..._dp<r>`)."""
+    return {"enable_kv_cache_events": True, "endpoint": f"ipc://{folder}/kv.pub",
+            "replay_endpoint": f"ipc://{folder}/kv.replay", "topic": "kv"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[tuple[RunningServer, ClusterEngine]]:
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[RunningServer, ClusterEngine]]:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        engine = ClusterEngine.launch(_config(tiny_model_dir), 2, router_policy="prefix_aware")
+        events = _kv_events_config(tmp_path_factory.mktemp("kv-events"))
+        engine = ClusterEngine.launch(_config(tiny_model_dir, kv_events_config=events), 2,
+                                      router_policy="prefix_aware")
         server = RunningServer(build_app(engine, SETTINGS), engine).start()  # type: ignore[arg-type]
         yield server, engine
         server.stop()
@@ -236,6 +250,41 @@ def test_kv_inspector_page_switches_replicas(cluster, tmp_path: Path) -> None:
             assert errors == []
         finally:
             browser.close()
+
+
+def test_each_replica_publishes_kv_events_that_rebuild_its_cache(cluster) -> None:
+    """--kv-events-config with two replicas: replica r publishes vLLM's event batches (tagged with its
+    data-parallel rank) at its own offset address, and an external router that replays each stream holds
+    exactly that replica's prefix cache."""
+    server, engine = cluster
+    for i in range(4):  # no replica holds these: the router alternates between the two (ties: round robin)
+        _complete(server, [150 + 20 * i + j for j in range(3 * BS + 1)], max_tokens=2)
+    ctx = zmq.Context()
+    try:
+        for rank, name in enumerate(engine.replicas):
+            # Functions sent to a replica are defined here: Ray pickles them by value (a module-level one would be
+            # looked up in a test module the replica cannot import).
+            def cache_contents(e: LLMEngine) -> list[tuple[str, str | None, tuple[int, ...]]]:
+                """The replica's prefix cache as (hash, parent hash, tokens): what its stream must rebuild."""
+                return [(h.hex(), None if b.key is None or b.key.parent is None else b.key.parent.hex(),
+                         b.key.token_ids if b.key is not None else ()) for h, b in e.pool.cached.items()]
+
+            def publisher_state(e: LLMEngine) -> tuple[int, int, str | None]:
+                publisher = e.kv_event_publisher
+                assert publisher is not None and publisher.flush()
+                return publisher.published, publisher.dropped, publisher.replay_endpoint
+            published, dropped, endpoint = _on_replica(engine, name, publisher_state)
+            assert dropped == 0 and endpoint is not None
+            assert endpoint.endswith(f"/kv.replay_dp{rank}" if rank else "/kv.replay")
+            replayed = replay_from(ctx, endpoint, 0)
+            assert [seq for seq, _ in replayed] == list(range(published))
+            batches = [msgspec.msgpack.Decoder(KVEventBatch).decode(p) for _, p in replayed]
+            assert batches and all(b.data_parallel_rank == rank for b in batches)
+            want = {external_block_hash(h): (None if parent is None else external_block_hash(parent), tokens)
+                    for h, parent, tokens in _on_replica(engine, name, cache_contents)}
+            assert want and replay(batches) == want
+    finally:
+        ctx.term()
 
 
 def test_client_that_leaves_aborts_its_request_on_the_replica(cluster) -> None:

@@ -14,12 +14,21 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from kv_events_reader import (
+    KVEventBatch,
+    LegacyBatch,
+    VAllBlocksCleared,
+    VBlockRemoved,
+    VBlockStored,
+    replay,
+    replay_from,
+)
 from server_support import make_engine
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine_args import add_engine_args, engine_config_from_args
-from kvserve.kv.event_publisher import END_OF_REPLAY, ZmqKVEventPublisher, offset_endpoint
+from kvserve.kv.event_publisher import ZmqKVEventPublisher, offset_endpoint
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv.events_config import KVEventsConfig, parse_kv_events_config
 from kvserve.kv.vllm_events import event_batch, external_block_hash
@@ -27,93 +36,6 @@ from kvserve.sampling_params import SamplingParams
 
 BS = 4  # make_engine's block size
 TOPIC = "kv"
-
-
-# -- the reader's side: vLLM's structs as a subscriber declares them (vLLM 0.26: tagged-map events) ------------
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class VBlockStored(KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class VBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class VAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
-
-
-# vLLM <= 0.23: every event a positional array, tag first.
-class LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class LegacyStored(LegacyEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class LegacyRemoved(LegacyEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class LegacyCleared(LegacyEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class LegacyBatch(EventBatch):
-    events: list[LegacyStored | LegacyRemoved | LegacyCleared]
-
-
-def replay(batches: list[KVEventBatch]) -> dict[int, tuple[int | None, tuple[int, ...]]]:
-    """What a router's index holds after the stream: hash -> (parent hash, the block's tokens)."""
-    index: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-    for batch in batches:
-        for event in batch.events:
-            if isinstance(event, VBlockStored):
-                parent = event.parent_block_hash
-                size = event.block_size
-                for i, block_hash in enumerate(event.block_hashes):
-                    index[block_hash] = (parent, tuple(event.token_ids[i * size:(i + 1) * size]))
-                    parent = block_hash
-            elif isinstance(event, VBlockRemoved):
-                for block_hash in event.block_hashes:
-                    del index[block_hash]  # KeyError: a removal of a block never stored
-            else:
-                index.clear()
-    return index
 
 
 def engine_cache(engine: LLMEngine) -> dict[int, tuple[int | None, tuple[int, ...]]]:
@@ -133,22 +55,6 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 3) 
         engine.add_request(rid, prompt, _greedy(max_tokens))
     while engine.has_unfinished_requests():
         engine.step()
-
-
-def _replay_from(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        got = []
-        while True:
-            assert dealer.poll(10_000), "the replay socket did not answer"
-            _, seq, payload = dealer.recv_multipart()
-            if seq == END_OF_REPLAY:
-                return got
-            got.append((int.from_bytes(seq, "big"), payload))
-    finally:
-        dealer.close(linger=0)
 
 
 # -- the engine's stream --------------------------------------------------------------------------------------
@@ -173,7 +79,7 @@ def test_stream_replays_to_the_engine_cache(tiny_model_dir: Path, tmp_path: Path
         assert publisher is not None and publisher.flush() and publisher.dropped == 0
 
         # Replay from 0 returns every batch, numbered without gaps.
-        replayed = _replay_from(ctx, replay_ep, 0)
+        replayed = replay_from(ctx, replay_ep, 0)
         assert [seq for seq, _ in replayed] == list(range(publisher.published))
         decoder = msgspec.msgpack.Decoder(KVEventBatch)
         batches = [decoder.decode(payload) for _, payload in replayed]
@@ -200,7 +106,7 @@ def test_stream_replays_to_the_engine_cache(tiny_model_dir: Path, tmp_path: Path
         assert all(live[seq] == dict(replayed)[seq] for seq in live)
         # Replay from the middle returns only the batches from there on.
         middle = publisher.published // 2
-        assert [seq for seq, _ in _replay_from(ctx, replay_ep, middle)] == list(range(middle, publisher.published))
+        assert [seq for seq, _ in replay_from(ctx, replay_ep, middle)] == list(range(middle, publisher.published))
     finally:
         sub.close(linger=0)
         ctx.term()
