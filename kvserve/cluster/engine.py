@@ -117,23 +117,32 @@ class ClusterEngine:
             address = ray_address or os.environ.get("RAY_ADDRESS")
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
         threads = config.cpu_threads or 1
-        cpus = ray.cluster_resources().get("CPU", 0)
-        if cpus < num_replicas * threads:
+        # --device cuda: one GPU per replica, chosen by Ray (it sets the replica's CUDA_VISIBLE_DEVICES, so the
+        # replica's own device is always cuda:0 of what it sees).
+        gpus = 1 if config.device.startswith("cuda") else 0
+        resources = ray.cluster_resources()
+        cpus, cluster_gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+        shortfall = (f"{num_replicas} replicas of {threads} CPU thread(s) need {num_replicas * threads} CPUs; the Ray "
+                     f"cluster has {cpus:g}: lower --data-parallel-size or --cpu-threads, or add machines"
+                     if cpus < num_replicas * threads else
+                     f"{num_replicas} replicas on --device {config.device} need {num_replicas} GPUs (one each); the "
+                     f"Ray cluster has {cluster_gpus:g}: lower --data-parallel-size, or add machines"
+                     if cluster_gpus < num_replicas * gpus else None)
+        if shortfall is not None:
             if owns_ray:
                 ray.shutdown()
-            raise ValueError(f"{num_replicas} replicas of {threads} CPU thread(s) need {num_replicas * threads} CPUs; "
-                             f"the Ray cluster has {cpus:g}: lower --data-parallel-size or --cpu-threads, or add "
-                             f"machines (docs/SCALE_OUT.md)")
+            raise ValueError(f"{shortfall} (docs/SCALE_OUT.md)")
         # Every thread pool of a replica honours --cpu-threads: torch's and the native kernels' OpenMP read it
         # from the environment at start, and Ray reserves that many CPUs for the replica. SPREAD: replicas go to
         # different machines where the cluster has several (Ray's default packs the head node first), so that
         # they do not share one machine's memory bandwidth while others idle.
         actor: Any = ray.remote(EngineReplica).options(
-            num_cpus=threads, max_restarts=-1, max_task_retries=0, max_concurrency=10_000,
+            num_cpus=threads, num_gpus=gpus, max_restarts=-1, max_task_retries=0, max_concurrency=10_000,
             scheduling_strategy="SPREAD",
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE":
                                       os.environ.get("HF_HUB_OFFLINE", "0")}})
-        handles: list[Any] = [actor.remote(dataclasses.replace(config, cpu_threads=threads, data_parallel_rank=rank),
+        replica_config = dataclasses.replace(config, cpu_threads=threads, device="cuda" if gpus else config.device)
+        handles: list[Any] = [actor.remote(dataclasses.replace(replica_config, data_parallel_rank=rank),
                                            max_queued_requests) for rank in range(num_replicas)]
         try:
             facts_list = ray.get([h.facts.remote() for h in handles], timeout=START_TIMEOUT_S)

@@ -377,3 +377,9 @@ def test_more_cpus_than_the_cluster_has_is_a_clear_error(cluster, tiny_model_dir
     """Instead of replicas that wait forever for CPUs (the module's Ray instance has 4)."""
     with pytest.raises(ValueError, match="need 6 CPUs; the Ray cluster has 4"):
         ClusterEngine.launch(dataclasses.replace(_config(tiny_model_dir), cpu_threads=3), 2)
+
+
+def test_gpu_replicas_on_a_cluster_without_gpus_is_a_clear_error(cluster, tiny_model_dir: Path) -> None:
+    """--device cuda asks Ray for one GPU per replica; this Ray instance has none."""
+    with pytest.raises(ValueError, match=r"need 2 GPUs \(one each\); the Ray cluster has 0"):
+        ClusterEngine.launch(dataclasses.replace(_config(tiny_model_dir), device="cuda"), 2)
