@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -467,33 +466,38 @@ class LLMEngine:
                 "spec_decode_num_accepted_tokens_per_pos": tuple(totals.num_accepted_tokens_per_pos)}
 
     def _verify_drafts(self, out: SchedulerOutput, spec_logits: dict[str, torch.Tensor]
-                       ) -> dict[str, tuple[list[int], int]]:
+                       ) -> dict[str, tuple[list[SampledToken], int]]:
         """The tokens each drafted request gains: the sampler's own choice at each verified position (a drafting
         request's row depends on nothing position-dependent, so it is what a one-token step would have chosen;
         see spec_decode/gate.py), the drafts accepted up to the first mismatch and the sampler's token there
         (speculative sampling for a point-mass draft, spec_decode/verify.py). Greedy rows in one call; sampled
-        rows one at a time, so a seeded request draws once per token it gains. Per request: (the tokens, how
-        many were drafted)."""
+        rows one at a time, so a seeded request draws once per token it gains. Each token comes with the logprobs
+        its row gives, when the request asked for them (raw logprobs of that position, as a one-token step would
+        report). Per request: (the tokens, how many were drafted)."""
         assert self.spec is not None
-        verified: dict[str, tuple[list[int], int]] = {}
+        verified: dict[str, tuple[list[SampledToken], int]] = {}
         for s in out.scheduled:
             request = s.request
             logits = spec_logits.get(request.request_id)
             if logits is None:
                 continue
             if request.sampling_params.is_greedy:
-                targets = [t.token_id for t in self.sampler(logits, [request] * logits.shape[0])]
-                tokens = verify_greedy(s.draft_token_ids, targets)
+                rows = self.sampler(logits, [request] * logits.shape[0])
+                gained = rows[:len(verify_greedy(s.draft_token_ids, [t.token_id for t in rows]))]
             else:
-                tokens = verify_by_sampling(s.draft_token_ids, functools.partial(self._sample_row, logits, request))
-            verified[request.request_id] = (tokens, len(s.draft_token_ids))
+                gained = []
+
+                def sample_at(row: int, logits: torch.Tensor = logits, request: Request = request,
+                              gained: list[SampledToken] = gained) -> int:
+                    token = self.sampler(logits[row:row + 1], [request])[0]  # one draw from its generator
+                    gained.append(token)
+                    return token.token_id
+
+                verify_by_sampling(s.draft_token_ids, sample_at)
+            verified[request.request_id] = (gained, len(s.draft_token_ids))
         return verified
 
-    def _sample_row(self, logits: torch.Tensor, request: Request, row: int) -> int:
-        """The sampler's token for one verified position of a drafted request (one draw from its generator)."""
-        return self.sampler(logits[row:row + 1], [request])[0].token_id
-
-    def _apply_verified(self, seq: _Sequence, tokens: list[int], num_drafted: int, now: float,
+    def _apply_verified(self, seq: _Sequence, tokens: list[SampledToken], num_drafted: int, now: float,
                         touched: dict[str, _Group]) -> None:
         """Count the verified draft (metrics, adaptive gate), append its tokens one by one (stop strings, EOS and
         max_tokens end it where a one-token step would have), count the accepted drafts' K/V as computed, and roll
@@ -505,8 +509,8 @@ class LLMEngine:
         assert self.spec is not None
         self.spec.record(request, num_drafted, len(tokens) - 1)
         try:
-            for tid in tokens:
-                self._append_token(seq, SampledToken(tid, None, None, None), now)
+            for token in tokens:
+                self._append_token(seq, token, now)
                 if request.is_finished:
                     return
         except Exception as exc:  # noqa: BLE001 -- e.g. the detokenizer or a stop check: it fails alone

@@ -47,11 +47,12 @@ class SpecDecodeStats:
 
 def drafts_exactly(params: SamplingParams) -> bool:
     """Whether verification reproduces this request's tokens exactly (spec_decode/verify.py): its sampler row must
-    not depend on the position's own history, and it must not report per-token logprobs. So requests with
-    penalties (they see the tokens before each position) or logprobs do not draft; nor do requests whose
-    min_tokens still blocks stop tokens (checked per request, `SpecDecoder.wants_draft`) or that have a grammar
-    (the engine's set of constrained requests). Greedy and sampled (temperature, top-k/p, min-p, seed) do."""
-    return not params.has_penalties and params.logprobs is None
+    not depend on the position's own history. So requests with penalties (they see the tokens before each
+    position) do not draft; nor do requests whose min_tokens still blocks stop tokens (checked per request,
+    `SpecDecoder.wants_draft`) or that have a grammar (the engine's set of constrained requests). Greedy and
+    sampled (temperature, top-k/p, min-p, seed) do, with or without logprobs (each verified row reports the raw
+    logprobs of its own position, as a one-token step would)."""
+    return not params.has_penalties
 
 
 class SpecDecoder:

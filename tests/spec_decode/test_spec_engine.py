@@ -74,7 +74,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams
 def test_greedy_output_identical_with_and_without_speculation(checkpoint, engine_kw):
     prompts = repetitive_prompts(10, seed=1)
     prompts[4] = prompts[2][:12] + prompts[4]  # shared prefixes: prefix-cache hits
-    # Neighbours that never draft: sampled (seeded), with penalties, with logprobs.
+    # Other kinds of neighbour: sampled (seeded), with penalties (never drafts), with logprobs.
     params = [GREEDY] * len(prompts)
     params[1] = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
     params[3] = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=24, ignore_eos=True)
@@ -193,3 +193,36 @@ def test_constrained_requests_do_not_draft_and_keep_their_output(checkpoint):
     on = run(engine, prompts, params)
     assert on == off
     assert drafted and not any(rid.endswith(("1#0", "3#0")) for rid in drafted)
+
+
+def test_requests_with_logprobs_draft_and_report_each_positions_logprobs(checkpoint):
+    """A drafting request that asks for logprobs gets, for every token (accepted drafts and the token after them),
+    the same logprobs, rank and top-n as without drafts: each verified row's raw logprobs. Tolerance 1e-5: a
+    verification chunk's logits come from a several-row forward pass, a one-token step's from a single row."""
+    prompts = repetitive_prompts(6, seed=1)
+    params = [SamplingParams(temperature=0, logprobs=3, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.05, seed=9, logprobs=1, max_tokens=24, ignore_eos=True)] * 3
+
+    def generate(engine: LLMEngine) -> list:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+        return [done[str(i)] for i in range(len(prompts))]
+
+    off = generate(make_engine(checkpoint, None))
+    engine = make_engine(checkpoint, SPEC)
+    on = generate(engine)
+    assert engine.stats().spec_decode_num_accepted_tokens > 0  # drafts were accepted, so rows were verified
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None and len(a.logprobs) == len(a.token_ids)
+        for pos_a, pos_b in zip(a.logprobs, b.logprobs):
+            assert pos_a.keys() == pos_b.keys()
+            for tid in pos_a:
+                assert pos_a[tid].rank == pos_b[tid].rank
+                assert pos_a[tid].logprob == pytest.approx(pos_b[tid].logprob, abs=1e-5)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)

@@ -69,8 +69,8 @@ def test_gate_drafts_only_requests_it_verifies_exactly():
     assert spec.wants_draft(_decoding(greedy, [3]), ())
     assert not spec.wants_draft(_decoding(greedy, [3]), ("r",))  # a grammar
     assert spec.wants_draft(_decoding(SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=50), [3]), ())
-    for params in (SamplingParams(temperature=0, logprobs=2),
-                   SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, min_tokens=5)):
+    assert spec.wants_draft(_decoding(SamplingParams(temperature=0, logprobs=2, max_tokens=50), [3]), ())
+    for params in (SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, min_tokens=5)):
         assert not spec.wants_draft(_decoding(params, [3]), ())
     prefilling = _decoding(greedy, [3])
     prefilling.num_computed_tokens = 2
