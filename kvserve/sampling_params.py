@@ -14,9 +14,11 @@ import numbers
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from kvserve.structured.params import StructuredOutputsParams as StructuredOutputsParams
 
 # Below this temperature a request is greedy (dividing by ~0 would only produce inf/nan).
@@ -212,3 +214,18 @@ class SamplingParams:
         so that the samples differ yet stay reproducible."""
         seed = None if self.seed is None else self.seed + index
         return self.clone(n=1, seed=seed)
+
+
+class SamplerRow(Protocol):
+    """What the sampler reads of the request behind one logits row: its parameters, the tokens so far (penalties
+    and min_tokens read them) and its generator. The engine's Request is one; a verified draft position's view of
+    a request is another (spec_decode/verify.py DraftedRow: the tokens as they would be at that position)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...

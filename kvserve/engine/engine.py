@@ -27,10 +27,10 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 from kvserve.kv.vllm_events import medium_for_device
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput, logprob_entry
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplerRow, SamplingParams
 from kvserve.spec_decode.config import parse_speculative_config
 from kvserve.spec_decode.gate import SpecDecoder
-from kvserve.spec_decode.verify import verify_by_sampling, verify_greedy
+from kvserve.spec_decode.verify import drafted_rows, verify_by_sampling, verify_greedy
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
@@ -467,13 +467,13 @@ class LLMEngine:
 
     def _verify_drafts(self, out: SchedulerOutput, spec_logits: dict[str, torch.Tensor]
                        ) -> dict[str, tuple[list[SampledToken], int]]:
-        """The tokens each drafted request gains: the sampler's own choice at each verified position (a drafting
-        request's row depends on nothing position-dependent, so it is what a one-token step would have chosen;
-        see spec_decode/gate.py), the drafts accepted up to the first mismatch and the sampler's token there
-        (speculative sampling for a point-mass draft, spec_decode/verify.py). Greedy rows in one call; sampled
-        rows one at a time, so a seeded request draws once per token it gains. Each token comes with the logprobs
-        its row gives, when the request asked for them (raw logprobs of that position, as a one-token step would
-        report). Per request: (the tokens, how many were drafted)."""
+        """The tokens each drafted request gains: the sampler's own choice at each verified position, the drafts
+        accepted up to the first mismatch and the sampler's token there (speculative sampling for a point-mass
+        draft, spec_decode/verify.py). Each position's row sees the drafts before it as output tokens (penalties,
+        min_tokens: verify.DraftedRow), so it is what a one-token step there would have chosen. Greedy rows in one
+        call; sampled rows one at a time, so a seeded request draws once per token it gains. Each token comes with
+        its row's logprobs when the request asked for them (raw logprobs of that position, as a one-token step
+        would report). Per request: (the tokens, how many were drafted)."""
         assert self.spec is not None
         verified: dict[str, tuple[list[SampledToken], int]] = {}
         for s in out.scheduled:
@@ -481,15 +481,16 @@ class LLMEngine:
             logits = spec_logits.get(request.request_id)
             if logits is None:
                 continue
+            rows = drafted_rows(request, s.draft_token_ids)  # each position sees the drafts before it
             if request.sampling_params.is_greedy:
-                rows = self.sampler(logits, [request] * logits.shape[0])
-                gained = rows[:len(verify_greedy(s.draft_token_ids, [t.token_id for t in rows]))]
+                targets = self.sampler(logits, rows)
+                gained = targets[:len(verify_greedy(s.draft_token_ids, [t.token_id for t in targets]))]
             else:
                 gained = []
 
-                def sample_at(row: int, logits: torch.Tensor = logits, request: Request = request,
+                def sample_at(i: int, logits: torch.Tensor = logits, rows: list[SamplerRow] = rows,
                               gained: list[SampledToken] = gained) -> int:
-                    token = self.sampler(logits[row:row + 1], [request])[0]  # one draw from its generator
+                    token = self.sampler(logits[i:i + 1], rows[i:i + 1])[0]  # one draw from its generator
                     gained.append(token)
                     return token.token_id
 

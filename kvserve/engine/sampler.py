@@ -44,8 +44,7 @@ from kvserve.outputs import Logprob
 from kvserve.structured.matcher import apply_token_bitmask_, fill_step_bitmask
 
 if TYPE_CHECKING:
-    from kvserve.engine.request import Request
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sampling_params import SamplerRow, SamplingParams
     from kvserve.structured.matcher import GrammarMatcher
 
 _NEG_INF = float("-inf")
@@ -79,7 +78,7 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        requests: Sequence[Request],
+        requests: Sequence[SamplerRow],
         matchers: Sequence[GrammarMatcher | None] | None = None,
     ) -> list[SampledToken]:
         """`logits` is [S, V] float32, row i belonging to `requests[i]`; `matchers[i]`, if given and not None, is
@@ -120,7 +119,8 @@ class Sampler:
     # -- logits processing ----------------------------------------------------------------------
 
     def _penalized(
-        self, logits: torch.Tensor, requests: Sequence[Request], grammar: tuple[torch.Tensor, list[int]] | None = None
+        self, logits: torch.Tensor, requests: Sequence[SamplerRow],
+        grammar: tuple[torch.Tensor, list[int]] | None = None,
     ) -> torch.Tensor:
         """Penalties and min_tokens blocking, on a copy (only made when some row needs it). A constrained row
         (in `grammar`'s rows) whose grammar allows only tokens min_tokens would block keeps them: its output is
@@ -268,7 +268,7 @@ def _check_in_vocab(ids: list[int], vocab: int) -> None:
         raise RuntimeError(f"the sampler produced token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplerRow]) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens; presence/frequency over output tokens.
 
     Touches only the tokens each row has seen: (row, token) pairs become flat keys

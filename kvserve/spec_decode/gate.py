@@ -45,16 +45,6 @@ class SpecDecodeStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
-def drafts_exactly(params: SamplingParams) -> bool:
-    """Whether verification reproduces this request's tokens exactly (spec_decode/verify.py): its sampler row must
-    not depend on the position's own history. So requests with penalties (they see the tokens before each
-    position) do not draft; nor do requests whose min_tokens still blocks stop tokens (checked per request,
-    `SpecDecoder.wants_draft`) or that have a grammar (the engine's set of constrained requests). Greedy and
-    sampled (temperature, top-k/p, min-p, seed) do, with or without logprobs (each verified row reports the raw
-    logprobs of its own position, as a one-token step would)."""
-    return not params.has_penalties
-
-
 class SpecDecoder:
     """The engine's speculative-decoding part: proposes drafts before a step and counts what verification
     accepted after it. Holds only the config and the totals; per-request acceptance lives on the request."""
@@ -72,11 +62,11 @@ class SpecDecoder:
                                       if enabled and self.wants_draft(request, constrained) else [])
 
     def wants_draft(self, request: DraftRequest, constrained: Collection[str]) -> bool:
-        """Decoding (one token to compute), exact to verify, no grammar, and its acceptance not too low."""
-        params = request.sampling_params
+        """Decoding (one token to compute), no grammar, and its acceptance not too low. Every sampling option
+        verifies exactly: each verified position's sampler row sees the drafts before it (verify.DraftedRow), so
+        penalties and min_tokens judge it as a one-token step would. A grammar's mask is per position and its
+        request decodes one token per step."""
         if request.num_computed_tokens + 1 != request.num_tokens or request.request_id in constrained:
-            return False
-        if not drafts_exactly(params) or len(request.output_token_ids) < params.min_tokens:
             return False
         cfg = self.config
         return (request.spec_num_drafted < cfg.acceptance_window

@@ -12,6 +12,13 @@ is in the batch (the adaptive gate may switch drafting on and off between steps)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.sampling_params import SamplerRow, SamplingParams
 
 
 def verify_by_sampling(draft: Sequence[int], sample_at: Callable[[int], int]) -> list[int]:
@@ -33,3 +40,27 @@ def verify_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
     if len(target) != len(draft) + 1:
         raise ValueError(f"{len(target)} target tokens for {len(draft)} drafts; expected {len(draft) + 1}")
     return verify_by_sampling(draft, target.__getitem__)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftedRow:
+    """The sampler's view of a drafted request at verified position i: its output as it will be if the drafts
+    before i are accepted (`output + draft[:i]`). Penalties (repetition over prompt + output, presence and
+    frequency over output) and min_tokens blocking read those tokens, so each row is judged exactly as a one-token
+    step at that point would judge it; a row is used only while the drafts before it are accepted."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+def drafted_rows(request: SamplerRow, draft: Sequence[int]) -> list[SamplerRow]:
+    """One sampler row per verified position of `request` (len(draft) + 1). A request whose sampling reads no
+    history (no penalties, min_tokens met whatever the drafts) is its own row at every position."""
+    params = request.sampling_params
+    if not params.has_penalties and len(request.output_token_ids) >= params.min_tokens:
+        return [request] * (len(draft) + 1)
+    out = request.output_token_ids
+    return [DraftedRow(params, request.prompt_token_ids, out + list(draft[:i]), request.generator)
+            for i in range(len(draft) + 1)]

@@ -74,7 +74,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams
 def test_greedy_output_identical_with_and_without_speculation(checkpoint, engine_kw):
     prompts = repetitive_prompts(10, seed=1)
     prompts[4] = prompts[2][:12] + prompts[4]  # shared prefixes: prefix-cache hits
-    # Other kinds of neighbour: sampled (seeded), with penalties (never drafts), with logprobs.
+    # Other kinds of neighbour: sampled (seeded), with penalties, with logprobs.
     params = [GREEDY] * len(prompts)
     params[1] = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
     params[3] = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=24, ignore_eos=True)
@@ -226,3 +226,41 @@ def test_requests_with_logprobs_draft_and_report_each_positions_logprobs(checkpo
                 assert pos_a[tid].rank == pos_b[tid].rank
                 assert pos_a[tid].logprob == pytest.approx(pos_b[tid].logprob, abs=1e-5)
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("engine_kw", [{}, dict(num_gpu_blocks_override=24, max_model_len=64)],
+                         ids=["default", "preempt"])
+def test_penalties_and_min_tokens_verify_exactly(checkpoint, engine_kw):
+    """Each verified position's sampler row sees the drafts before it as output (verify.DraftedRow), so repetition,
+    presence and frequency penalties and min_tokens blocking judge it as a one-token step would. An oracle drafter
+    proposes the tokens the run without drafts produced: exact verification accepts them all and reproduces the
+    output; a row that judged with the wrong history would pick another token there, and the output would differ.
+    (A tiny random model does not loop under penalties, so n-gram drafts alone would hardly be accepted.)"""
+    prompts = repetitive_prompts(8, seed=1)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, max_tokens=24,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.5, seed=4, frequency_penalty=1.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, stop_token_ids=[5, 9], min_tokens=10, max_tokens=24)] * 2
+    off = run(make_engine(checkpoint, None, **engine_kw), prompts, params)
+    engine = make_engine(checkpoint, SPEC, **engine_kw)
+    k = SPEC["num_speculative_tokens"]
+
+    def oracle(request, max_model_len):  # the reference's next k tokens
+        done = len(request.output_token_ids)
+        room = request.sampling_params.max_tokens - done - 1
+        return off[int(engine._user_request_id(request.request_id))][done:done + min(k, room)]
+
+    engine.spec._draft = oracle
+    accepted: dict[int, int] = {}
+    real_record = engine.spec.record
+
+    def record(request, num_drafted, num_accepted):
+        real_record(request, num_drafted, num_accepted)
+        kind = int(engine._user_request_id(request.request_id)) % 4
+        accepted[kind] = accepted.get(kind, 0) + num_accepted
+        assert num_accepted == num_drafted  # the oracle is always right, if verification is exact
+
+    engine.spec.record = record
+    assert run(engine, prompts, params) == off
+    assert all(accepted.get(kind, 0) >= 10 for kind in range(4)), accepted  # every kind verified many positions

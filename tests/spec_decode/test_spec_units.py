@@ -69,9 +69,10 @@ def test_gate_drafts_only_requests_it_verifies_exactly():
     assert spec.wants_draft(_decoding(greedy, [3]), ())
     assert not spec.wants_draft(_decoding(greedy, [3]), ("r",))  # a grammar
     assert spec.wants_draft(_decoding(SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=50), [3]), ())
-    assert spec.wants_draft(_decoding(SamplingParams(temperature=0, logprobs=2, max_tokens=50), [3]), ())
-    for params in (SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, min_tokens=5)):
-        assert not spec.wants_draft(_decoding(params, [3]), ())
+    for params in (SamplingParams(temperature=0, logprobs=2, max_tokens=50),
+                   SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=50),
+                   SamplingParams(temperature=0, min_tokens=5, max_tokens=50)):
+        assert spec.wants_draft(_decoding(params, [3]), ())  # verify.DraftedRow makes each exact
     prefilling = _decoding(greedy, [3])
     prefilling.num_computed_tokens = 2
     assert not spec.wants_draft(prefilling, ())
@@ -123,3 +124,18 @@ def test_spec_decode_imports_downward_only():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not [n for n in names if n.startswith(forbidden)], (path.name, names)
+
+
+def test_drafted_rows_see_the_drafts_before_their_position():
+    from kvserve.spec_decode.verify import DraftedRow, drafted_rows
+
+    plain = _decoding(SamplingParams(temperature=0, max_tokens=50), [3])
+    assert drafted_rows(plain, [7, 8]) == [plain] * 3  # nothing reads history: the request itself
+    penalized = _decoding(SamplingParams(temperature=0, frequency_penalty=0.5, max_tokens=50), [3])
+    rows = drafted_rows(penalized, [7, 8])
+    assert all(isinstance(r, DraftedRow) for r in rows)
+    assert [r.output_token_ids for r in rows] == [[3], [3, 7], [3, 7, 8]]
+    assert all(r.prompt_token_ids == penalized.prompt_token_ids for r in rows)
+    assert penalized.output_token_ids == [3]  # the request itself is untouched
+    blocked = _decoding(SamplingParams(temperature=0, min_tokens=3, max_tokens=50), [3])
+    assert [len(r.output_token_ids) for r in drafted_rows(blocked, [7, 8])] == [1, 2, 3]
