@@ -32,6 +32,7 @@ from kvserve.spec_decode.config import parse_speculative_config
 from kvserve.spec_decode.gate import SpecDecoder
 from kvserve.spec_decode.verify import drafted_rows, verify_by_sampling, verify_greedy
 from kvserve.structured.compiler import GrammarCompiler
+from kvserve.structured.matcher import draft_masks
 from kvserve.units import MiB
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from kvserve.model.decoder import DecoderModel
     from kvserve.model.tokenizer import Tokenizer
     from kvserve.structured.backend import CompiledGrammar
-    from kvserve.structured.matcher import GrammarMatcher
+    from kvserve.structured.matcher import GrammarMatcher, RowMask
 
 logger = logging.getLogger(__name__)
 
@@ -413,7 +414,8 @@ class LLMEngine:
         caller (see _on_step_failed); only a fault outside any request (the scheduler's) raises."""
         if self.spec is not None:
             running = self.scheduler.running
-            self.spec.propose(running, self._constrained, self.max_model_len, len(running))
+            grammars = {rid: self.sequences[rid].matcher for rid in self._constrained}
+            self.spec.propose(running, grammars, self.max_model_len, len(running))
         out = self._schedule()
         failed = self._grammar_failures(out)
         if out.is_empty:
@@ -470,7 +472,8 @@ class LLMEngine:
         """The tokens each drafted request gains: the sampler's own choice at each verified position, the drafts
         accepted up to the first mismatch and the sampler's token there (speculative sampling for a point-mass
         draft, spec_decode/verify.py). Each position's row sees the drafts before it as output tokens (penalties,
-        min_tokens: verify.DraftedRow), so it is what a one-token step there would have chosen. Greedy rows in one
+        min_tokens: verify.DraftedRow) and is masked by its grammar's state after them (matcher.draft_masks), so
+        it is what a one-token step there would have chosen. Greedy rows in one
         call; sampled rows one at a time, so a seeded request draws once per token it gains. Each token comes with
         its row's logprobs when the request asked for them (raw logprobs of that position, as a one-token step
         would report). Per request: (the tokens, how many were drafted)."""
@@ -482,15 +485,18 @@ class LLMEngine:
             if logits is None:
                 continue
             rows = drafted_rows(request, s.draft_token_ids)  # each position sees the drafts before it
+            matcher = self.sequences[request.request_id].matcher  # and is masked by the grammar's state there
+            masks = None if matcher is None else draft_masks(matcher, s.draft_token_ids, logits.shape[1])
             if request.sampling_params.is_greedy:
-                targets = self.sampler(logits, rows)
+                targets = self.sampler(logits, rows, masks)
                 gained = targets[:len(verify_greedy(s.draft_token_ids, [t.token_id for t in targets]))]
             else:
                 gained = []
 
                 def sample_at(i: int, logits: torch.Tensor = logits, rows: list[SamplerRow] = rows,
-                              gained: list[SampledToken] = gained) -> int:
-                    token = self.sampler(logits[i:i + 1], rows[i:i + 1])[0]  # one draw from its generator
+                              masks: list[RowMask] | None = masks, gained: list[SampledToken] = gained) -> int:
+                    token = self.sampler(logits[i:i + 1], rows[i:i + 1],  # one draw from its generator
+                                         None if masks is None else masks[i:i + 1])[0]
                     gained.append(token)
                     return token.token_id
 

@@ -45,7 +45,7 @@ from kvserve.structured.matcher import apply_token_bitmask_, fill_step_bitmask
 
 if TYPE_CHECKING:
     from kvserve.sampling_params import SamplerRow, SamplingParams
-    from kvserve.structured.matcher import GrammarMatcher
+    from kvserve.structured.matcher import MaskSource
 
 _NEG_INF = float("-inf")
 # Width of the first topk window used to find top-p cut-offs.
@@ -79,7 +79,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         requests: Sequence[SamplerRow],
-        matchers: Sequence[GrammarMatcher | None] | None = None,
+        matchers: Sequence[MaskSource | None] | None = None,
     ) -> list[SampledToken]:
         """`logits` is [S, V] float32, row i belonging to `requests[i]`; `matchers[i]`, if given and not None, is
         row i's grammar. Unconstrained rows of `logits` are not modified; constrained rows may be masked in place

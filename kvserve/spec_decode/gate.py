@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.ngram import propose_ngram
+from kvserve.structured.matcher import validate_tokens
 
 if TYPE_CHECKING:
     from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.matcher import GrammarMatcher
 
 
 class DraftRequest(Protocol):
@@ -53,20 +55,28 @@ class SpecDecoder:
         self.config = config
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
-    def propose(self, running: Iterable[DraftRequest], constrained: Collection[str], max_model_len: int,
-                num_running: int) -> None:
-        """Set every running request's `spec_token_ids` for the coming step (empty: no drafting)."""
+    def propose(self, running: Iterable[DraftRequest], grammars: Mapping[str, GrammarMatcher | None],
+                max_model_len: int, num_running: int) -> None:
+        """Set every running request's `spec_token_ids` for the coming step (empty: no drafting). `grammars`:
+        the constrained requests' matchers, by request id (None: not made yet, so no draft)."""
         enabled = num_running <= self.config.disable_by_batch_size
         for request in running:
-            request.spec_token_ids = (self._draft(request, max_model_len)
-                                      if enabled and self.wants_draft(request, constrained) else [])
+            draft: list[int] = []
+            if enabled and self.wants_draft(request, grammars):
+                draft = self._draft(request, max_model_len)
+                matcher = grammars.get(request.request_id)
+                if draft and matcher is not None:  # only what the grammar allows: verification masks by it
+                    draft = draft[:validate_tokens(matcher, draft)]
+            request.spec_token_ids = draft
 
-    def wants_draft(self, request: DraftRequest, constrained: Collection[str]) -> bool:
-        """Decoding (one token to compute), no grammar, and its acceptance not too low. Every sampling option
-        verifies exactly: each verified position's sampler row sees the drafts before it (verify.DraftedRow), so
-        penalties and min_tokens judge it as a one-token step would. A grammar's mask is per position and its
-        request decodes one token per step."""
-        if request.num_computed_tokens + 1 != request.num_tokens or request.request_id in constrained:
+    def wants_draft(self, request: DraftRequest, grammars: Mapping[str, GrammarMatcher | None]) -> bool:
+        """Decoding (one token to compute), a grammar's matcher ready if it has a grammar, and its acceptance not
+        too low. Every sampling option verifies exactly: each verified position's sampler row sees the drafts
+        before it (verify.DraftedRow: penalties, min_tokens) and, with a grammar, is masked by the grammar's state
+        after them (structured.matcher.draft_masks), as a one-token step there would be."""
+        if request.num_computed_tokens + 1 != request.num_tokens:
+            return False
+        if request.request_id in grammars and grammars[request.request_id] is None:
             return False
         cfg = self.config
         return (request.spec_num_drafted < cfg.acceptance_window

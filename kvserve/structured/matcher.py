@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -28,12 +29,16 @@ if TYPE_CHECKING:
 BITMASK_DTYPE = torch.int32
 
 
-class GrammarMatcher(Protocol):
-    """What the engine needs from one request's matcher, whichever backend compiled its grammar."""
+class MaskSource(Protocol):
+    """What the sampler needs of a constrained row: its allowed next tokens."""
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (a CPU int32 tensor of ceil(vocab / 32) words)."""
         ...
+
+
+class GrammarMatcher(MaskSource, Protocol):
+    """What the engine needs from one request's matcher, whichever backend compiled its grammar."""
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (and no change) if the grammar does not allow it."""
@@ -63,17 +68,49 @@ class GrammarMatcher(Protocol):
 
 
 def validate_tokens(matcher: GrammarMatcher, token_ids: Sequence[int]) -> int:
-    """How many of `token_ids`, from the first, the grammar accepts; the matcher ends as it started.
+    """How many of `token_ids`, from the first, the grammar accepts without completing (a token that would
+    complete it ends the count before it); the matcher ends as it started.
 
-    For speculative decoding: the verifier keeps that many draft tokens."""
+    For speculative decoding: the drafter keeps that many draft tokens, so that every verified position has a
+    live grammar state to mask with (draft_masks)."""
     accepted = 0
     for token_id in token_ids:
         if not matcher.accept_token(token_id):
             break
         accepted += 1
+        if matcher.is_terminated():
+            accepted -= 1
+            matcher.rollback(1)
+            break
     if accepted:
         matcher.rollback(accepted)
     return accepted
+
+
+@dataclass(frozen=True, slots=True)
+class RowMask:
+    """One grammar state's mask, computed ahead: a verified draft position's row (draft_masks)."""
+
+    words: torch.Tensor  # [ceil(vocab / 32)] int32
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self.words)
+
+
+def draft_masks(matcher: GrammarMatcher, draft: Sequence[int], vocab_size: int) -> list[RowMask]:
+    """The mask of each verified position of a drafted request (len(draft) + 1): position i's is the grammar's
+    state after the drafts before it, which is what a one-token step there would mask with (a row is used only
+    while the drafts before it are accepted). The drafts must be grammar-valid (validate_tokens); the matcher ends
+    as it started: tokens are accepted for real only as verification appends them."""
+    bitmask = allocate_token_bitmask(len(draft) + 1, vocab_size)
+    for i in range(len(draft) + 1):
+        matcher.fill_bitmask(bitmask, i)
+        if i < len(draft) and not matcher.accept_token(draft[i]):
+            matcher.rollback(i)
+            raise ValueError(f"draft token {draft[i]} at position {i} is not allowed by the grammar")
+    if draft:
+        matcher.rollback(len(draft))
+    return [RowMask(bitmask[i]) for i in range(len(draft) + 1)]
 
 
 class XgrammarMatcher:
@@ -228,7 +265,7 @@ def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def fill_step_bitmask(
-    matchers: Sequence[GrammarMatcher | None], vocab_size: int
+    matchers: Sequence[MaskSource | None], vocab_size: int
 ) -> tuple[torch.Tensor, list[int]] | None:
     """One step's bitmask for a batch whose row i belongs to matchers[i] (None: unconstrained).
 

@@ -173,26 +173,50 @@ def test_offline_api_takes_speculative_config_and_n_samples_draft(checkpoint):
     llm.engine.check_invariants()
 
 
-def test_constrained_requests_do_not_draft_and_keep_their_output(checkpoint):
-    """A grammar's request decodes one token per step (its mask is per position) beside drafting neighbours."""
+def _oracle_drafts(engine: LLMEngine, reference: list[list[int]]) -> dict[int, int]:
+    """Make `engine` draft, for every decoding request, the next tokens of `reference` (the run without drafts),
+    through its real propose (so a grammar still trims them); returns accepted drafts by request index, filled as
+    the engine runs, after checking that every (trimmed) draft is accepted in full, as exact verification must."""
+    k = SPEC["num_speculative_tokens"]
+    accepted: dict[int, int] = {}
+
+    def oracle(request, max_model_len):
+        done = len(request.output_token_ids)
+        room = request.sampling_params.max_tokens - done - 1
+        return reference[int(engine._user_request_id(request.request_id))][done:done + min(k, room)]
+
+    real_record = engine.spec.record
+
+    def record(request, num_drafted, num_accepted):
+        real_record(request, num_drafted, num_accepted)
+        index = int(engine._user_request_id(request.request_id))
+        accepted[index] = accepted.get(index, 0) + num_accepted
+        assert num_accepted == num_drafted  # the oracle is always right, if verification is exact
+
+    engine.spec._draft = oracle
+    engine.spec.record = record
+    return accepted
+
+
+@pytest.mark.parametrize("pattern", ["[a-f]{12}", "(ab|cd|ef){6}"])
+def test_constrained_requests_draft_and_keep_their_output(checkpoint, pattern):
+    """A grammar's request drafts only what its grammar allows (trimmed before the grammar would complete), and
+    each verified position is masked by the grammar's state after the drafts before it. n-gram drafts: the same
+    output; oracle drafts (the run without drafts): every one accepted, which fails if a row is masked with the
+    wrong state."""
     from kvserve.structured import StructuredOutputsParams
 
     prompts = repetitive_prompts(4, seed=1)
-    regex = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-f]{12}"))
-    params = [GREEDY, regex, GREEDY, regex]
+    regex = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=pattern))
+    sampled = SamplingParams(temperature=0.5, seed=3, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex=pattern))
+    params = [GREEDY, regex, sampled, regex]
     off = run(make_engine(checkpoint, None), prompts, params)
+    assert run(make_engine(checkpoint, SPEC), prompts, params) == off
     engine = make_engine(checkpoint, SPEC)
-    drafted: set[str] = set()
-    real_propose = engine.spec.propose
-
-    def spy(running, *args):
-        real_propose(running, *args)
-        drafted.update(r.request_id for r in running if r.spec_token_ids)
-
-    engine.spec.propose = spy
-    on = run(engine, prompts, params)
-    assert on == off
-    assert drafted and not any(rid.endswith(("1#0", "3#0")) for rid in drafted)
+    accepted = _oracle_drafts(engine, off)
+    assert run(engine, prompts, params) == off
+    assert all(accepted.get(i, 0) >= 4 for i in (1, 2, 3)), accepted  # the constrained ones verified drafts
 
 
 def test_requests_with_logprobs_draft_and_report_each_positions_logprobs(checkpoint):
@@ -244,23 +268,7 @@ def test_penalties_and_min_tokens_verify_exactly(checkpoint, engine_kw):
               SamplingParams(temperature=0, stop_token_ids=[5, 9], min_tokens=10, max_tokens=24)] * 2
     off = run(make_engine(checkpoint, None, **engine_kw), prompts, params)
     engine = make_engine(checkpoint, SPEC, **engine_kw)
-    k = SPEC["num_speculative_tokens"]
-
-    def oracle(request, max_model_len):  # the reference's next k tokens
-        done = len(request.output_token_ids)
-        room = request.sampling_params.max_tokens - done - 1
-        return off[int(engine._user_request_id(request.request_id))][done:done + min(k, room)]
-
-    engine.spec._draft = oracle
-    accepted: dict[int, int] = {}
-    real_record = engine.spec.record
-
-    def record(request, num_drafted, num_accepted):
-        real_record(request, num_drafted, num_accepted)
-        kind = int(engine._user_request_id(request.request_id)) % 4
-        accepted[kind] = accepted.get(kind, 0) + num_accepted
-        assert num_accepted == num_drafted  # the oracle is always right, if verification is exact
-
-    engine.spec.record = record
+    by_request = _oracle_drafts(engine, off)
     assert run(engine, prompts, params) == off
-    assert all(accepted.get(kind, 0) >= 10 for kind in range(4)), accepted  # every kind verified many positions
+    by_kind = [by_request.get(i, 0) + by_request.get(i + 4, 0) for i in range(4)]
+    assert all(n >= 10 for n in by_kind), by_kind  # every kind verified many positions

@@ -66,27 +66,27 @@ def _decoding(params: SamplingParams, out: list[int]) -> Request:
 def test_gate_drafts_only_requests_it_verifies_exactly():
     spec = SpecDecoder(SpeculativeConfig())
     greedy = SamplingParams(temperature=0, max_tokens=50)
-    assert spec.wants_draft(_decoding(greedy, [3]), ())
-    assert not spec.wants_draft(_decoding(greedy, [3]), ("r",))  # a grammar
-    assert spec.wants_draft(_decoding(SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=50), [3]), ())
+    assert spec.wants_draft(_decoding(greedy, [3]), {})
+    assert not spec.wants_draft(_decoding(greedy, [3]), {"r": None})  # a grammar whose matcher is not made yet
+    assert spec.wants_draft(_decoding(SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=50), [3]), {})
     for params in (SamplingParams(temperature=0, logprobs=2, max_tokens=50),
                    SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=50),
                    SamplingParams(temperature=0, min_tokens=5, max_tokens=50)):
-        assert spec.wants_draft(_decoding(params, [3]), ())  # verify.DraftedRow makes each exact
+        assert spec.wants_draft(_decoding(params, [3]), {})  # verify.DraftedRow makes each exact
     prefilling = _decoding(greedy, [3])
     prefilling.num_computed_tokens = 2
-    assert not spec.wants_draft(prefilling, ())
+    assert not spec.wants_draft(prefilling, {})
 
 
 def test_gate_stops_low_acceptance_and_large_batches():
     spec = SpecDecoder(SpeculativeConfig(disable_by_batch_size=2, acceptance_window=8, min_acceptance_rate=0.5))
     request = _decoding(SamplingParams(temperature=0, max_tokens=50), [3, 1, 2])
-    spec.propose([request], (), 256, num_running=1)
+    spec.propose([request], {}, 256, num_running=1)
     assert request.spec_token_ids == [3, 1, 2]
-    spec.propose([request], (), 256, num_running=3)
+    spec.propose([request], {}, 256, num_running=3)
     assert request.spec_token_ids == []
     spec.record(request, 8, 3)
-    assert not spec.wants_draft(request, ())
+    assert not spec.wants_draft(request, {})
     assert (spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) == (1, 8, 3)
 
 
@@ -104,10 +104,10 @@ def test_acceptance_is_counted_per_draft_position():
 def test_drafts_are_capped_by_max_tokens_and_max_model_len():
     spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     request = _decoding(SamplingParams(temperature=0, max_tokens=5), [3, 1, 2])
-    spec.propose([request], (), 256, num_running=1)
+    spec.propose([request], {}, 256, num_running=1)
     assert len(request.spec_token_ids) == 1  # 3 out, max 5: one draft + the bonus
     request = _decoding(SamplingParams(temperature=0, max_tokens=50), [3, 1, 2])
-    spec.propose([request], (), request.num_tokens + 2, num_running=1)
+    spec.propose([request], {}, request.num_tokens + 2, num_running=1)
     assert len(request.spec_token_ids) == 2
 
 

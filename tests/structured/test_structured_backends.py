@@ -9,6 +9,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from structured_support import TINY_LOGITS_WIDTH, allowed_ids, walk
 
 from kvserve.structured import GrammarBackend, GrammarCompileError, StructuredOutputsParams, make_backend
@@ -183,6 +184,42 @@ def test_validate_tokens_counts_the_accepted_prefix(tiny_backends: dict, tiny_to
     matcher = backend.matcher(backend.compile(StructuredOutputsParams(regex="abc")))
     ids = [tiny_tokenizer.token_to_id(ch) for ch in "abx"]
     assert validate_tokens(matcher, ids) == 2 and matcher.num_accepted == 0
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_validate_tokens_stops_before_a_token_that_completes_the_grammar(tiny_backends: dict, tiny_tokenizer,
+                                                                         name: str) -> None:
+    """Speculative drafts end before the grammar would complete: every verified position needs a live state."""
+    backend = tiny_backends[name]
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(regex="abc")))
+    eos = tiny_tokenizer.eos_token_id
+    ids = [tiny_tokenizer.token_to_id(ch) for ch in "abc"] + [eos]
+    assert validate_tokens(matcher, ids) == 3 and matcher.num_accepted == 0 and not matcher.is_terminated()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_draft_masks_are_each_positions_state(tiny_backends: dict, tiny_tokenizer, name: str) -> None:
+    """Position i's mask is the grammar's after the drafts before it; the matcher ends as it started."""
+    from kvserve.structured.matcher import allocate_token_bitmask, draft_masks
+
+    backend = tiny_backends[name]
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(regex="(ab|cd)+e")))
+    draft = [tiny_tokenizer.token_to_id(ch) for ch in "abc"]
+    masks = draft_masks(matcher, draft, TINY_LOGITS_WIDTH)
+    assert len(masks) == 4 and matcher.num_accepted == 0
+    for i, mask in enumerate(masks):
+        fresh = backend.matcher(backend.compile(StructuredOutputsParams(regex="(ab|cd)+e")))
+        for token in draft[:i]:
+            assert fresh.accept_token(token)
+        want = allocate_token_bitmask(1, TINY_LOGITS_WIDTH)
+        fresh.fill_bitmask(want, 0)
+        got = allocate_token_bitmask(1, TINY_LOGITS_WIDTH)
+        mask.fill_bitmask(got, 0)
+        assert torch.equal(got, want), i
+    assert not torch.equal(masks[1].words, masks[2].words)  # after "a" only "b"; after "ab": a, c or e
+    with pytest.raises(ValueError, match="not allowed by the grammar"):
+        draft_masks(matcher, [tiny_tokenizer.token_to_id("x")], TINY_LOGITS_WIDTH)
+    assert matcher.num_accepted == 0
 
 
 BAD = [
