@@ -74,9 +74,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("speculative decoding")
     d.add_argument("--speculative-config", default=None,
                    help='JSON, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; also disable_by_batch_size, '
-                        "min_acceptance_rate, acceptance_window (docs/SPECULATIVE.md). Off by default. Greedy "
-                        "requests without penalties, logprobs or a grammar draft; others decode as usual")
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix"}\' (suffix '
+                        "trees over the request and recent outputs; suffix_decoding_max_tree_depth, "
+                        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+                        "suffix_decoding_min_token_prob); also disable_by_batch_size, min_acceptance_rate, "
+                        "acceptance_window (docs/SPECULATIVE.md). Off by default. Lossless: every request drafts, "
+                        "whatever its sampling options, logprobs or grammar")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

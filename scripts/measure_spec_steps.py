@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvserve.bench.spec import workload_prompts
+from kvserve.bench.spec import render_prompt, workload_prompts
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
@@ -69,7 +69,8 @@ def main() -> None:
     drafting = base.sibling(speculative_config=SPEC, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        prompts = [base.tokenizer.encode(text) for text in workload_prompts("code-edit", batch)]
+        prompts = [render_prompt(base.tokenizer, p, base.max_model_len - args.output_len)
+                   for p in workload_prompts("code-edit", batch)]
         plain_means: list[float] = []
         verify_means: list[float] = []
         same = True

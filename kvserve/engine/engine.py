@@ -374,8 +374,7 @@ class LLMEngine:
             if not seq.request.is_finished:
                 self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
                 seq.text += seq.detokenizer.finish().delta_text
-            self.sequences.pop(seq.request.request_id, None)
-            self._constrained.discard(seq.request.request_id)
+            self._forget(seq)
         return self._make_output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -766,8 +765,14 @@ class LLMEngine:
     def _drop(self, group: _Group) -> None:
         self.groups.pop(group.request_id, None)
         for seq in group.sequences:
-            self.sequences.pop(seq.request.request_id, None)
-            self._constrained.discard(seq.request.request_id)
+            self._forget(seq)
+
+    def _forget(self, seq: _Sequence) -> None:
+        """Let go of a finished sequence, once (and the drafter of its per-request state)."""
+        known = self.sequences.pop(seq.request.request_id, None) is not None
+        self._constrained.discard(seq.request.request_id)
+        if known and self.spec is not None:
+            self.spec.on_finished(seq.request)
 
     def check_invariants(self) -> None:
         """The pool is whole: every block free or referenced, and references match requests' holdings.

@@ -1,4 +1,4 @@
-"""Speculative decoding: the n-gram (prompt lookup) drafter, greedy verification and the adaptive gate.
+"""Speculative decoding: the drafters (n-gram prompt lookup, suffix tries), verification and the adaptive gate.
 
 Imports downward only (sampling_params, nothing of engine/): the engine hands its requests in through the
 `DraftRequest` protocol and applies what `verify_greedy` accepts."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.ngram import propose_ngram
+from kvserve.spec_decode.drafter import make_drafter
 from kvserve.structured.matcher import validate_tokens
 
 if TYPE_CHECKING:
@@ -49,10 +49,12 @@ class SpecDecodeStats:
 
 class SpecDecoder:
     """The engine's speculative-decoding part: proposes drafts before a step and counts what verification
-    accepted after it. Holds only the config and the totals; per-request acceptance lives on the request."""
+    accepted after it. Holds the config, the totals and the drafter (config.method's; the suffix drafter keeps
+    per-request tries, released by `on_finished`); per-request acceptance lives on the request."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.drafter = make_drafter(config)
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
     def propose(self, running: Iterable[DraftRequest], grammars: Mapping[str, GrammarMatcher | None],
@@ -90,8 +92,11 @@ class SpecDecoder:
             k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
         if k <= 0:
             return []
-        tokens = request.prompt_token_ids + request.output_token_ids
-        return propose_ngram(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return self.drafter.propose(request, k)
+
+    def on_finished(self, request: DraftRequest) -> None:
+        """`request` finished or was aborted (call once, when the engine forgets it): the drafter lets go of it."""
+        self.drafter.on_finished(request)
 
     def record(self, request: DraftRequest, num_drafted: int, num_accepted: int) -> None:
         """Count one verified draft of `request`."""
