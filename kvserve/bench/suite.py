@@ -59,6 +59,8 @@ QUICK: tuple[QuickCommand, ...] = (
                                   "--repeats", "1", "--kv-cache-memory-bytes", "1GiB"), plot=False),
     QuickCommand("structured", ("--batch-sizes", "1,8", "--prompt-len", "32", "--output-len", "16", "--repeats", "1",
                                 "--compile-schemas", "3", "--ttft-repeats", "3", "--kv-cache-memory-bytes", "1GiB")),
+    QuickCommand("spec", ("--workloads", "code-edit,story", "--batch-sizes", "1,8", "--output-len", "16", "--repeats",
+                          "1", "--kv-cache-memory-bytes", "1GiB")),
     QuickCommand("serve", ("--num-prompts", "8", "--max-tokens", "16", "--max-concurrency", "1,8"), engine_flags=()),
     # Starts Ray and four `kvserve serve` processes (about 3 minutes); its full version is documented in
     # BENCHMARKS.md. The replicas run on the model and threads given, not on a device or dtype of bench all's.
