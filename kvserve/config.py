@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,9 @@ from kvserve.vocab import (
 )
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
+# Weight quantizations that exist only as kvserve's CPU kernels (int8 / GGUF blocks read by AVX2 code): all but none.
+CPU_ONLY_QUANTIZATIONS: tuple[str, ...] = tuple(m for m in QUANTIZATION_METHODS if m != "none")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def _one_of(value: str, name: str, choices: tuple[str, ...]) -> tuple[bool, str, str]:
@@ -48,7 +52,11 @@ class EngineConfig:
     reserve_max_model_len: bool = False
     seed: int = 0
     cpu_threads: int | None = None  # None: all cores
-    attention_backend: str = "cpu"  # "cpu" (fast) or "reference"
+    # "cpu" (fast on CPU), "reference" (plain torch), "triton" (CUDA) or None: resolve_attention_backend's choice
+    attention_backend: str | None = None
+    # Decode batch sizes captured as CUDA graphs (vLLM's --cuda-graph-sizes); None: engine/cuda_graphs.py's default.
+    cuda_graph_sizes: list[int] | None = None
+    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs (graphs are never used on CPU)
     max_logprobs: int = 20
     served_model_name: str | None = None
     chat_template: str | None = None
@@ -81,7 +89,9 @@ class EngineConfig:
             _one_of(self.dtype, "dtype", ("auto", *COMPUTE_DTYPES)),
             _one_of(self.quantization, "quantization", ("auto", *QUANTIZATION_METHODS)),
             _one_of(self.kv_cache_dtype, "kv_cache_dtype", ("auto", *KV_DTYPES)),
-            _one_of(self.attention_backend, "attention_backend", ATTENTION_BACKENDS),
+            _one_of(self.attention_backend or "auto", "attention_backend", ("auto", *ATTENTION_BACKENDS)),
+            (_DEVICE.fullmatch(self.device) is not None, "device", "cpu or cuda[:N]"),
+            (all(n >= 1 for n in self.cuda_graph_sizes or ()), "cuda_graph_sizes", "sizes >= 1"),
             _one_of(self.prefix_caching_hash_algo, "prefix_caching_hash_algo", HASH_ALGOS),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", ">= 1"),
             (self.max_logprobs >= 0, "max_logprobs", ">= 0"),
@@ -91,9 +101,28 @@ class EngineConfig:
         for ok, name, expected in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {expected}, got {getattr(self, name)!r}")
+        if self.device_type == "cuda" and self.quantization in CPU_ONLY_QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization} runs kvserve's CPU kernels and cannot run on "
+                             f"--device {self.device}; use --quantization none (what auto means on CUDA): a GGUF "
+                             "file is then dequantized once to --dtype")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             if self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(
                     f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
                     f"({self.max_model_len}) with chunked prefill off: long prompts could never be scheduled"
                 )
+
+    @property
+    def device_type(self) -> str:
+        """"cpu" or "cuda" (torch.device(self.device).type, without importing torch)."""
+        return self.device.partition(":")[0]
+
+
+def resolve_attention_backend(name: str | None, device_type: str) -> str:
+    """`--attention-backend` unset: "cpu" on CPU; on CUDA "triton" where it is registered, else "reference"
+    (plain torch: correct on any device, not fast). An explicit choice is kept."""
+    if name is not None and name != "auto":
+        return name
+    if device_type == "cpu":
+        return "cpu"
+    return "triton" if "triton" in ATTENTION_BACKENDS else "reference"

@@ -37,8 +37,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: all cores)")
-    g.add_argument("--attention-backend", default="cpu", choices=ATTENTION_BACKENDS,
-                   help="cpu: the fast path; reference: plain torch, the truth tests compare against")
+    g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                   help="cpu: the fast CPU path; reference: plain torch, the truth tests compare against; triton: "
+                        "paged Triton kernels (CUDA); default: cpu on CPU, triton on CUDA")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every step eagerly: no CUDA graphs for decode steps (never used on CPU)")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (a batch runs padded to the next one); default: "
+                        "1 2 4 and multiples of 8 up to --max-num-seqs, at most 512 (docs/CUDA.md)")
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     c.add_argument("--kv-cache-dtype", default="auto",
@@ -48,7 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
                    help="KV cache budget, e.g. 4GiB or 512MiB (default on CPU: 4GiB)")
     c.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="on CUDA, the share of free GPU memory for the KV cache when no byte budget is given")
+                   help="on CUDA, the share of the device's total memory this engine may use (weights, activations and "
+                        "KV cache; vLLM's meaning): the KV cache gets what the weights and a profiled peak step "
+                        "leave (docs/CUDA.md); ignored with --kv-cache-memory-bytes or --num-gpu-blocks-override")
     c.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV blocks of common prompt prefixes")
@@ -94,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, cpu_threads=args.cpu_threads,
         attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
+        enforce_eager=getattr(args, "enforce_eager", False), cuda_graph_sizes=getattr(args, "cuda_graph_sizes", None),
         chat_template=args.chat_template, served_model_name=getattr(args, "served_model_name", None),
         structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
         speculative_config=getattr(args, "speculative_config", None),

@@ -45,8 +45,9 @@ KV_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 QUANTIZATION_METHODS: tuple[str, ...] = ("none", "q8_0", "gguf")
 # `--prefix-caching-hash-algo`: sha256 is collision-resistant; xxhash (xxh3-128) is faster (kv/hashing.py).
 HASH_ALGOS: tuple[str, ...] = ("sha256", "xxhash")
-# `--attention-backend`: "cpu" is the fast path, "reference" the plain torch truth (kvserve/attention/).
-ATTENTION_BACKENDS: tuple[str, ...] = ("cpu", "reference")
+# `--attention-backend`: "cpu" is the fast CPU path, "reference" the plain torch truth, "triton" the paged
+# Triton kernels for CUDA (kvserve/attention/).
+ATTENTION_BACKENDS: tuple[str, ...] = ("cpu", "reference", "triton")
 # `--structured-outputs-backend` (vLLM's names): auto = xgrammar, falling back to llguidance per request
 # (kvserve/structured/backend.py; why xgrammar first: docs/STRUCTURED_OUTPUT.md).
 STRUCTURED_OUTPUTS_BACKENDS: tuple[str, ...] = ("auto", "xgrammar", "guidance")

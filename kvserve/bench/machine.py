@@ -74,7 +74,7 @@ class Ceilings:
 
     copy_bandwidth_gbps: float  # STREAM convention: (bytes read + bytes written) / time
     read_bandwidth_gbps: float  # a sum over a large tensor: bytes read / time
-    matmul_gflops: float  # fp32 square matmul
+    matmul_gflops: float  # square matmul, in measure_ceilings' matmul_dtype (float32 by default)
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -121,12 +121,12 @@ def _bandwidths(buffer_mib: int, repeats: int, device: torch.device) -> tuple[fl
     return 2 * nbytes / _best_seconds(copy, repeats) / 1e9, nbytes / _best_seconds(read, repeats) / 1e9
 
 
-def _matmul_gflops(n: int, repeats: int, device: torch.device) -> float:
+def _matmul_gflops(n: int, repeats: int, device: torch.device, dtype: torch.dtype | None = None) -> float:
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
 
     def matmul() -> None:
         torch.mm(a, b)
@@ -135,10 +135,15 @@ def _matmul_gflops(n: int, repeats: int, device: torch.device) -> float:
     return 2 * n**3 / _best_seconds(matmul, repeats) / 1e9
 
 
-def measure_ceilings(buffer_mib: int = 256, matmul_n: int = 2048, repeats: int = 5, device: str = "cpu") -> Ceilings:
+def measure_ceilings(buffer_mib: int = 256, matmul_n: int = 2048, repeats: int = 5, device: str = "cpu",
+                     matmul_dtype: str = "float32") -> Ceilings:
+    """`matmul_dtype`: the compute dtype of the figures these ceilings floor (a GPU's bfloat16 matmul rate is
+    an order of magnitude above its float32 one)."""
     import torch
+
+    from kvserve.dtypes import torch_dtype
 
     dev = torch.device(device)
     copy_gbps, read_gbps = _bandwidths(buffer_mib, repeats, dev)
     return Ceilings(copy_bandwidth_gbps=copy_gbps, read_bandwidth_gbps=read_gbps,
-                    matmul_gflops=_matmul_gflops(matmul_n, repeats, dev))
+                    matmul_gflops=_matmul_gflops(matmul_n, repeats, dev, torch_dtype(matmul_dtype)))

@@ -5,17 +5,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvserve.capacity import CachePlan, plan_kv_cache, resolve_quantization
-from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, resolve_attention_backend
+from kvserve.engine.cuda_graphs import build_decode_graphs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.facts import EngineFacts, validate_request
 from kvserve.engine.inspector import EngineEventRecorder, build_snapshot
+from kvserve.engine.memory_profile import CudaMemory, gpu_kv_budget, profile_gpu_memory
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
@@ -49,14 +53,19 @@ logger = logging.getLogger(__name__)
 _GRAMMAR_WAIT_S = 0.02
 
 
-def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheSpec, device: torch.device) -> CachePlan:
-    """Size the pool from the KV budget and check that one request of max-model-len fits."""
+def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheSpec, device: torch.device,
+               device_budget: Callable[[], int] | None = None) -> CachePlan:
+    """Size the pool from the KV budget and check that one request of max-model-len fits. On CUDA without
+    --kv-cache-memory-bytes or --num-gpu-blocks-override, `device_budget()` (the profiled budget,
+    engine/memory_profile.py) is the budget."""
     budget = config.kv_cache_memory_bytes
     if config.num_gpu_blocks_override is None:
         if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * config.gpu_memory_utilization)
+            if device.type != "cpu":
+                if device_budget is None:
+                    raise ValueError(f"on {device} the KV budget comes from a profile of the model: pass "
+                                     "--kv-cache-memory-bytes or --num-gpu-blocks-override to plan without one")
+                budget = device_budget()
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         if device.type == "cpu":
@@ -191,7 +200,8 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec(
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, kv_dtype
         )
-        self.cache_plan = plan_cache(config, model_config, self.kv_spec, self.device)
+        self.cache_plan = plan_cache(config, model_config, self.kv_spec, self.device,
+                                     partial(self._profiled_kv_budget, model))
         self.max_model_len = self.cache_plan.max_model_len
         self.kv_events = KVEventBuffer()  # bounded: drained between steps by the async engine (the inspector)
         self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching,
@@ -212,7 +222,8 @@ class LLMEngine:
         )
         kv_caches = allocate_kv_cache(self.kv_spec, self.cache_plan.num_blocks, self.device)
         self._use_static_kv_scales(kv_caches, getattr(model, "static_kv_scales", None))
-        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, self.device)
+        graphs = build_decode_graphs(config, model, kv_caches, self.max_model_len, self.device)
+        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, self.device, graphs)
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         spec_config = parse_speculative_config(config.speculative_config)  # already parsed: typed for mypy
@@ -228,6 +239,15 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self.facts = self._facts()
         logger.info(self.cache_plan.describe())
+
+    def _profiled_kv_budget(self, model: "DecoderModel") -> int:
+        """vLLM's GPU sizing: --gpu-memory-utilization of the device's memory less the weights, the peak of one
+        profiled step and non-torch memory (engine/memory_profile.py); logged like the CPU plan."""
+        facts = profile_gpu_memory(model, self.kv_spec, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   self.device, CudaMemory(self.device))
+        plan = gpu_kv_budget(facts, self.config.gpu_memory_utilization, self.kv_spec.bytes_per_block)
+        logger.info(plan.describe())
+        return plan.kv_bytes
 
     def _facts(self) -> EngineFacts:
         """The engine's fixed facts, published once for code that must not touch the engine (handlers)."""
@@ -276,6 +296,7 @@ class LLMEngine:
             tokenizer_future = pool.submit(load_tokenizer, source, chat_template=config.chat_template)
             model_config = load_model_config(source)
             dtype = resolve_dtype(config.dtype, device, model_config)
+            config.attention_backend = resolve_attention_backend(config.attention_backend, device.type)
             config.quantization = resolve_quantization(config.quantization, device.type, source.format.value)
             loaded = load_model(source, dtype, device, attention_backend=config.attention_backend,
                                 quantization=config.quantization, config=model_config)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.engine.cuda_graphs import DecodeGraphs, pad_decode_inputs
+from kvserve.engine.host_transfer import HostToDevice
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.cache import LayerKVCache
@@ -31,7 +34,11 @@ class RunnerOutput:
 
 class ModelRunner:
     """Builds input ids, positions and attention metadata for the flat batch, runs the model, and computes
-    logits only for the rows that are sampled (plus prompt rows when prompt logprobs are asked)."""
+    logits only for the rows that are sampled (plus prompt rows when prompt logprobs are asked).
+
+    The step's index tensors are built on the host and sent in one copy (engine/host_transfer.py: pinned and
+    non_blocking on CUDA, the tensors themselves on CPU). A decode-only step that fits a captured size runs as a
+    CUDA graph (`graphs`, engine/cuda_graphs.py), padded to that size; the rest run eagerly."""
 
     def __init__(
         self,
@@ -40,12 +47,15 @@ class ModelRunner:
         kv_manager: KVCacheManager,
         block_size: int,
         device: torch.device,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.kv = kv_manager
         self.block_size = block_size
         self.device = device
+        self.graphs = graphs
+        self.transfer = HostToDevice(device)
         self._logits: torch.Tensor | None = None  # reused by every step's sampled rows (see compute_logits)
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
@@ -81,17 +91,13 @@ class ModelRunner:
             elif s.completes_sequence:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(request)
-        meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
         # Sampled rows and every drafted request's verified rows go through the LM head in one call: the head
         # (the largest matrix of a small model) is then read once per step, not once per drafted request
         # (each row's logits are the same either way: the kernels compute rows independently).
-        rows = torch.tensor(sample_rows + [r for a, b in spec_rows.values() for r in range(a, b)],
-                            dtype=torch.int64, device=self.device)
+        head_rows = sample_rows + [r for a, b in spec_rows.values() for r in range(a, b)]
+        hidden, rows = self._forward(input_ids, positions, block_tables, seq_lens, query_lens, head_rows)
         all_logits = self.model.compute_logits(hidden.index_select(0, rows),
-                                               out=self._logits_buffer(len(rows))).float()
+                                               out=self._logits_buffer(len(head_rows))).float()
         logits = all_logits[:len(sample_rows)]
         spans = [b - a for a, b in spec_rows.values()]
         spec_logits = dict(zip(spec_rows, all_logits[len(sample_rows):].split(spans), strict=True))
@@ -99,3 +105,34 @@ class ModelRunner:
             rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
         }
         return RunnerOutput(sample_requests, logits, prompt_logits, spec_logits)
+
+    def _forward(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+                 seq_lens: list[int], query_lens: list[int], head_rows: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's hidden states of the step's rows, and `head_rows` as a device index tensor: the metadata is
+        built on the host, sent with the ids in one copy, and run as a graph when one fits, else eagerly."""
+        host = torch.device("cpu")
+        meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, self.block_size, host)
+        as_tensor = partial(torch.tensor, dtype=torch.int64)
+        ids, pos, rows = as_tensor(input_ids), as_tensor(positions), as_tensor(head_rows)
+        size = self._graph_size(meta)
+        if self.graphs is not None and size is not None:
+            padded = pad_decode_inputs(size, self.block_size, ids, pos, meta.slot_mapping, meta.block_tables,
+                                       meta.seq_lens)
+            *inputs, rows = self.transfer.move([*padded, rows])
+            return self.graphs.replay(size, *inputs)[:len(input_ids)], rows
+        if not self.transfer.staged:  # the CPU: built where they are used, no copy at all
+            return self.model(ids, pos, self.kv_caches, meta), rows
+        ids, pos, slots, tables, lens, starts, rows = self.transfer.move(
+            [ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, rows])
+        meta = replace(meta, slot_mapping=slots, block_tables=tables, seq_lens=lens, query_start_loc=starts)
+        return self.model(ids, pos, self.kv_caches, meta), rows
+
+    def _graph_size(self, meta: AttentionMetadata) -> int | None:
+        """The captured size a decode-only step runs at, or None: eager (a prefill or mixed step, a batch larger
+        than every graph, or a table wider than the graphs' buffers)."""
+        if self.graphs is None or not meta.is_decode_only:
+            return None
+        if meta.block_tables.shape[1] > self.graphs.buffers.block_tables.shape[1]:
+            return None
+        return self.graphs.size_for(len(meta.seq_lens_cpu))

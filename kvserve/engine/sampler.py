@@ -23,6 +23,11 @@ over the vocabulary. For a large vocabulary the costly parts are avoided:
     same tokens whatever else is in the batch and wherever its row is; unseeded rows share one
     batch-level draw from the sampler's generator.
 
+On a GPU the greedy and plain sampling paths never wait for the device until the end of the step, when the ids and
+every logprob tensor come back together (one host sync, engine/host_transfer.fetch_to_host): fix-ups for NaN and
+-inf rows are computed for every row instead of being looked for, and small per-row tensors go through pinned
+memory (docs/CUDA.md lists what still syncs: top-k/top-p, penalties, grammars).
+
 Never an id outside the vocabulary, whatever the parameters or the model do to the logits: NaN (a
 penalty or temperature that overflows, a broken model) would make every comparison false and the
 inverse-CDF search return the vocabulary size, which the next step's embedding lookup cannot take.
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.engine.host_transfer import fetch_to_host, host_to_device, to_device
 from kvserve.outputs import Logprob
 from kvserve.structured.matcher import apply_token_bitmask_, fill_step_bitmask
 
@@ -98,22 +104,27 @@ class Sampler:
         if grammar is not None:
             with torch.inference_mode():  # the runner's logits buffer is an inference tensor
                 apply_token_bitmask_(logits, *grammar)
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         rand = [i for i, p in enumerate(params) if not p.is_greedy]
+        parts = []
         if greedy:
-            token_ids[greedy] = _greedy(_rows(logits, greedy), _rows(raw, greedy))
+            parts.append((greedy, _greedy(_rows(logits, greedy), _rows(raw, greedy))))
         if rand:
-            token_ids[rand] = self._sample(
-                _rows(logits, rand), _rows(raw, rand), [params[i] for i in rand], [requests[i].generator for i in rand]
-            )
+            parts.append((rand, self._sample(_rows(logits, rand), _rows(raw, rand), [params[i] for i in rand],
+                                             [requests[i].generator for i in rand])))
+        token_ids = _merge_rows(parts, len(requests), logits.device)
         if grammar is not None:
             _keep_to_grammar_(token_ids, raw, *grammar)
-        ids = token_ids.tolist()
+        num_top = [params[i].logprobs or 0 for i in want_lp]
+        lp = _logprob_tensors(token_ids, want_lp, raw_logprobs, num_top) if raw_logprobs is not None else None
+        # The step's one host sync: the ids and every logprob tensor come back together.
+        ids_host, *lp_host = fetch_to_host([token_ids, *(lp or ())])
+        assert ids_host is not None
+        ids = ids_host.tolist()
         _check_in_vocab(ids, logits.shape[1])
         out = [SampledToken(t, None, None, None) for t in ids]
-        if raw_logprobs is not None:
-            _fill_logprobs(out, want_lp, raw_logprobs, [params[i].logprobs or 0 for i in want_lp])
+        if lp is not None:
+            _fill_logprobs(out, want_lp, lp_host, num_top)
         return out
 
     # -- logits processing ----------------------------------------------------------------------
@@ -157,11 +168,14 @@ class Sampler:
         """Works in probability space on `exp((x - max) / T)` (max = 1, unnormalized): top-k/top-p
         and min-p become one threshold per row, and no softmax division is needed."""
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        # On a GPU nothing here waits for the device: the non-finite fix-ups run on every row instead of being
+        # looked for (a host sync); on the CPU, where looking is cheaper than fixing, they run only when needed.
+        sync_free = _sync_free(device)
+        temps = to_device([p.temperature for p in params], torch.float32, device).unsqueeze(1)
         probs = logits / temps  # a new tensor, so everything below may work in place
         peak = probs.amax(dim=-1, keepdim=True)  # NaN if the row has a NaN, +inf if it has a +inf
         hopeless = None
-        if not bool(torch.isfinite(peak).all()):
+        if sync_free or not bool(torch.isfinite(peak).all()):
             _sanitize_(probs)
             peak = probs.amax(dim=-1, keepdim=True)
             hopeless = torch.isneginf(peak.squeeze(1))  # no finite candidate left in the row
@@ -170,18 +184,20 @@ class Sampler:
         threshold = top_k_top_p_threshold(probs, params)
         # min-p after top-k/top-p, as in vLLM; they never remove the most likely token (prob 1 here),
         # so p >= min_p * p_max is simply p >= min_p.
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = to_device([p.min_p for p in params], torch.float32, device)
         threshold = torch.maximum(threshold, min_p)
         if any(p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             probs.masked_fill_(probs < threshold.unsqueeze(1), 0.0)
         cdf = probs.cumsum_(dim=-1)
         total = cdf[:, -1:].contiguous()
-        u = self._uniforms(generators).to(device=device, dtype=cdf.dtype)
+        u = host_to_device(self._uniforms(generators), device).to(cdf.dtype)
         picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
         # u * total may round up to total: fall back to the last token with non-zero probability.
         last = torch.searchsorted(cdf, total, right=False)
         ids = torch.minimum(picked, last).squeeze(1)
-        if hopeless is not None and bool(hopeless.any()):
+        if hopeless is not None and sync_free:
+            ids = torch.where(hopeless, _raw_argmax(raw), ids)
+        elif hopeless is not None and bool(hopeless.any()):
             ids[hopeless] = _raw_argmax(raw[hopeless])
         return ids
 
@@ -193,6 +209,12 @@ class Sampler:
             if g is not None:
                 u[i] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).item()
         return u
+
+
+def _sync_free(device: torch.device) -> bool:
+    """Whether the sampler avoids asking the device about the data (each question is a host sync): on a GPU.
+    On the CPU a question costs nothing, and the fix-ups it lets the sampler skip cost passes over the logits."""
+    return device.type != "cpu"
 
 
 def _allows_other_than(bitmask_row: torch.Tensor, token_ids: set[int]) -> bool:
@@ -228,8 +250,21 @@ def _keep_to_grammar_(token_ids: torch.Tensor, raw: torch.Tensor, bitmask: torch
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """`t[rows]`, without a copy when `rows` is every row in order."""
-    return t if len(rows) == t.shape[0] and rows == list(range(len(rows))) else t[rows]
+    """`t[rows]`, without a copy when `rows` is every row in order (and with the index sent without a sync)."""
+    if len(rows) == t.shape[0] and rows == list(range(len(rows))):
+        return t
+    return t.index_select(0, to_device(rows, torch.int64, t.device))
+
+
+def _merge_rows(parts: list[tuple[list[int], torch.Tensor]], num_rows: int, device: torch.device) -> torch.Tensor:
+    """One [num_rows] id tensor from the parts' rows (greedy and sampled); a part holding every row is returned
+    as it is."""
+    if len(parts) == 1 and len(parts[0][0]) == num_rows:
+        return parts[0][1]
+    token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+    for rows, ids in parts:
+        token_ids.index_copy_(0, to_device(rows, torch.int64, device), ids)
+    return token_ids
 
 
 def _sanitize_(logits: torch.Tensor) -> torch.Tensor:
@@ -246,7 +281,10 @@ def _raw_argmax(raw: torch.Tensor) -> torch.Tensor:
 
 def _greedy(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     """Argmax per row. torch's argmax prefers NaN, and a row of -inf gives index 0 whatever it means, so
-    rows whose chosen value is NaN or -inf are redone on sanitized copies (or the raw fallback)."""
+    rows whose chosen value is NaN or -inf are redone on sanitized copies (or the raw fallback). On a GPU,
+    `_greedy_sync_free` does the same without asking the device which rows are bad."""
+    if _sync_free(logits.device):
+        return _greedy_sync_free(logits, raw)
     ids = logits.argmax(dim=-1)
     chosen = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
     bad = (torch.isnan(chosen) | torch.isneginf(chosen)).nonzero().flatten()
@@ -258,6 +296,19 @@ def _greedy(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
             redo[hopeless] = _raw_argmax(raw[bad][hopeless])
         ids[bad] = redo
     return ids
+
+
+def _greedy_sync_free(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """`_greedy` without a host sync: the sanitized argmax and the raw fallback are computed for every row and
+    chosen per row with torch.where (two more passes over the logits, cheap on a GPU; the same ids)."""
+    ids = logits.argmax(dim=-1)
+    chosen = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+    bad = torch.isnan(chosen) | torch.isneginf(chosen)
+    fixed = _sanitize_(logits.clone())
+    redo = fixed.argmax(dim=-1)
+    hopeless = torch.isneginf(fixed.gather(1, redo.unsqueeze(1)).squeeze(1))
+    redo = torch.where(hopeless, _raw_argmax(raw), redo)
+    return torch.where(bad, redo, ids)
 
 
 def _check_in_vocab(ids: list[int], vocab: int) -> None:
@@ -372,25 +423,30 @@ def _bucket_cut(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
 
 
-def _fill_logprobs(
-    out: list[SampledToken], rows: list[int], logprobs: torch.Tensor, num_top: list[int]
-) -> None:
-    """Raw logprob and rank of each sampled token, and the top-n of its row."""
-    device = logprobs.device
-    sampled = torch.tensor([out[i].token_id for i in rows], device=device).unsqueeze(1)
+def _logprob_tensors(token_ids: torch.Tensor, rows: list[int], logprobs: torch.Tensor, num_top: list[int]
+                     ) -> list[torch.Tensor | None]:
+    """On the logits' device, for the rows asking for logprobs: the sampled tokens' raw logprobs, their ranks, and
+    the top-n values and ids (None without any top-n), for `_fill_logprobs` once they are on the host."""
+    sampled = _rows(token_ids.unsqueeze(1), rows)
     sampled_lp = logprobs.gather(1, sampled)
-    ranks = torch.count_nonzero(logprobs > sampled_lp, dim=-1).add_(1).tolist()
-    sampled_lp_list = sampled_lp.squeeze(1).tolist()
+    ranks = torch.count_nonzero(logprobs > sampled_lp, dim=-1).add_(1)
     max_top = max(num_top)
     top_vals, top_ids = torch.topk(logprobs, max_top, dim=-1) if max_top else (None, None)
-    top_v = top_vals.tolist() if top_vals is not None else None
-    top_i = top_ids.tolist() if top_ids is not None else None
+    return [sampled_lp.squeeze(1), ranks, top_vals, top_ids]
+
+
+def _fill_logprobs(out: list[SampledToken], rows: list[int], host: list[torch.Tensor | None], num_top: list[int]
+                   ) -> None:
+    """Raw logprob and rank of each sampled token, and the top-n of its row, from `_logprob_tensors`' tensors
+    brought to the host."""
+    sampled_lp, ranks, top_vals, top_ids = (None if t is None else t.tolist() for t in host)
+    assert sampled_lp is not None and ranks is not None
     for j, i in enumerate(rows):
         tok = out[i]
-        tok.logprob, tok.rank = sampled_lp_list[j], ranks[j]
+        tok.logprob, tok.rank = sampled_lp[j], ranks[j]
         top: dict[int, float] = {}
-        if top_i is not None and top_v is not None:
-            top = dict(zip(top_i[j][: num_top[j]], top_v[j][: num_top[j]]))
+        if top_ids is not None and top_vals is not None:
+            top = dict(zip(top_ids[j][: num_top[j]], top_vals[j][: num_top[j]]))
         top.setdefault(tok.token_id, tok.logprob)
         tok.top_logprobs = top
 

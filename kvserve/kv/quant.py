@@ -113,10 +113,11 @@ def store(
 def load(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows at `slots` (any index shape) of a paged cache, as [*slots.shape, kv_heads, head_dim] in `dtype`;
     only these rows are dequantized, never the whole cache."""
-    rows = cache.view(-1, *cache.shape[2:])[slots]
     quantized = _quantized(cache, scales)
     if quantized is None:
-        return rows.to(dtype)
+        return cache.view(-1, *cache.shape[2:])[slots].to(dtype)
+    # Indexed as bytes, like `store` writes: indexing kernels for float8 are not on every device and torch version.
+    rows = cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots].view(cache.dtype)
     _, scales = quantized
     return dequantize(rows, scales.view(-1, scales.shape[-1])[slots].unsqueeze(-1), dtype)
 

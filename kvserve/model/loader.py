@@ -22,7 +22,7 @@ import torch
 
 from kvserve.dtypes import torch_dtype
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES
-from kvserve.kernels.ops import Kernels, load_kernels
+from kvserve.kernels.ops import TORCH_KERNELS, Kernels, load_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.gguf_layers import use_gguf_blocks
@@ -84,7 +84,8 @@ def load_model(
     if quantization == "gguf" and source.format != ModelFormat.GGUF:
         raise ValueError(f"--quantization gguf runs a GGUF file's own quantized blocks; {source.name} is a "
                          f"{source.format.value} checkpoint (use none or q8_0)")
-    kernels = load_kernels(default_cache_dir().expanduser() / "kernels")
+    # The compiled kernels are CPU code: on a GPU nothing would call them, so nothing is compiled there.
+    kernels = load_kernels(default_cache_dir().expanduser() / "kernels") if device.type == "cpu" else TORCH_KERNELS
     config = config or load_model_config(source)
     model = DecoderModel(config, dtype, device, attention_backend, kernels)
     quantized_file: Path | None = None

@@ -24,6 +24,9 @@ OPTIONAL_IMPORTS = {
     # --data-parallel-size N > 1 and `kvserve bench router`: server/cli.py and bench/router.py catch ImportError
     # and say `pip install -e '.[cluster]'`; cluster/engine.py is reached only after that check.
     "ray": ("ray", "cluster"),
+    # --attention-backend triton (the CUDA default): attention/triton.py imports attention/triton_kernels.py, the
+    # one module that imports triton, at the first call, and says `pip install -e '.[cuda]'` if it is missing.
+    "triton": ("triton", "cuda"),
 }
 
 
