@@ -1,13 +1,18 @@
 """Where one decode step goes: the step's wall time, the model's forward, the LM head (compute_logits) and the
-time inside the q8_0 matmul kernel, averaged over decode steps of BATCH requests at a 64-token context.
+time inside q8_0 matmul calls made from Python (the LM head; on the torch layer path the body's too: the native
+layer path calls the kernel from C++), averaged over decode steps of BATCH requests at a 64-token context.
 The breakdown quoted in docs/PERFORMANCE_NOTES.md. Not run by CI.
 
-Usage: python scripts/profile_decode_step.py [BATCH] [--quantization none|q8_0]
+`--layers native,torch` alternates the native layer path (one call per decoder layer) and the torch modules in
+rounds in one process, so that a noisy machine's drift hits both alike; the minimum over rounds is printed last.
+
+Usage: python scripts/profile_decode_step.py [BATCH] [--quantization none|q8_0|gguf] [--layers native,torch]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from kvserve.config import EngineConfig
@@ -21,9 +26,13 @@ def main() -> None:
     parser.add_argument("batch", type=int, nargs="?", default=1)
     parser.add_argument("--quantization", default="q8_0")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--layers", default="native", help="comma-separated: native, torch (alternated)")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
+    modes = args.layers.split(",")
     engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=1 << 30, quantization=args.quantization))
-    params = SamplingParams(max_tokens=args.steps + 10, ignore_eos=True, temperature=0)
+    total = (args.steps + 1) * len(modes) * args.rounds  # each round's steps and its untimed first one
+    params = SamplingParams(max_tokens=total + 10, ignore_eos=True, temperature=0)
     for i in range(args.batch):
         engine.add_request(str(i), list(range(100 + i, 164 + i)), params)
     for _ in range(3):  # the prefill and a warm-up decode
@@ -41,16 +50,32 @@ def main() -> None:
         return wrapper
 
     model = engine.runner.model
+    kernels = model.kernels
     NativeKernels.q8_matmul = timed("kernel", NativeKernels.q8_matmul)  # type: ignore[method-assign]
     model.forward = timed("forward", model.forward)  # type: ignore[method-assign]
     model.compute_logits = timed("logits", model.compute_logits)  # type: ignore[method-assign]
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
+    best: dict[str, float] = {}
     n = args.steps
-    print(f"batch {args.batch}, {args.quantization}: step {1e3 * (time.perf_counter() - start) / n:.1f} ms; "
-          f"forward {1e3 * spent['forward'] / n:.1f} ms, LM head {1e3 * spent['logits'] / n:.1f} ms, "
-          f"q8_0 kernel (body and LM head) {1e3 * spent['kernel'] / n:.1f} ms")
+    for _ in range(args.rounds):
+        for mode in modes:
+            if mode == "torch":
+                model.use_torch_layers()
+            else:
+                model.use_kernels(kernels)  # chooses again: the native layers where the model allows them
+            engine.step()  # one untimed step in this mode
+            spent.update(kernel=0.0, forward=0.0, logits=0.0)
+            start = time.perf_counter()
+            for _ in range(n):
+                engine.step()
+            step_ms = 1e3 * (time.perf_counter() - start) / n
+            best[mode] = min(best.get(mode, step_ms), step_ms)
+            path = "native layers" if model.native_layers is not None else "torch layers"
+            print(f"batch {args.batch}, {args.quantization}, {path}: step {step_ms:.1f} ms; "
+                  f"forward {1e3 * spent['forward'] / n:.1f} ms, LM head {1e3 * spent['logits'] / n:.1f} ms, "
+                  f"q8_0 kernel called from Python {1e3 * spent['kernel'] / n:.1f} ms", flush=True)
+    print(f"min step over {args.rounds} round(s): "
+          + ", ".join(f"{mode} {ms:.1f} ms" for mode, ms in best.items())
+          + f" (load average {os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {

@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "widened_matmul.h"
 
 namespace {

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_length
+from kvserve.kernels.layer_abi import LayerDesc, LinearDesc, StepDesc
 from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
 
@@ -34,7 +35,7 @@ GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
 }
 # The activations kvserve_gated_act computes (its `act` code); exact-erf GELU stays with torch.
-_NATIVE_ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu_tanh": 0, "gelu_new": 0, "silu": 1, "swish": 1}
+NATIVE_ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu_tanh": 0, "gelu_new": 0, "silu": 1, "swish": 1}
 
 
 class Kernels(Protocol):
@@ -258,7 +259,7 @@ class NativeKernels:
         return out
 
     def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
-        code = _NATIVE_ACTIVATIONS.get(act)
+        code = NATIVE_ACTIVATIONS.get(act)
         if code is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu":
             return self.fallback.gated_act(gate_up, act)
         gate_up = gate_up.contiguous()
@@ -303,6 +304,29 @@ class NativeKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), q_len, seq_len, heads,
             kv_heads, dim, block_size, window or 0, scale, dst.data_ptr())
         return dst if out is None or direct else out.copy_(dst)
+
+    def decoder_layer(self, layer: LayerDesc, step: StepDesc, h: torch.Tensor, cos: torch.Tensor,
+                      signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """A whole decoder layer (decoder_layer.cpp) on the residual stream h [T, hidden] float32, in place.
+        Only for the native layer path (model/native_layer.py), which has checked every layout and dtype the
+        call relies on, once per model or once per step: this is the hot path, so it checks nothing."""
+        self.library.kvserve_decoder_layer(ctypes.addressof(layer), ctypes.addressof(step), h.data_ptr(),
+                                           cos.data_ptr(), signed_sin.data_ptr(), k_cache.data_ptr(),
+                                           v_cache.data_ptr())
+
+    def decoder_layer_abi_matches(self) -> bool:
+        """Whether the library's struct sizes are those of kernels/layer_abi.py's ctypes mirror."""
+        sizes = (ctypes.c_int64 * 3)()
+        self.library.kvserve_decoder_layer_abi(ctypes.addressof(sizes))
+        return list(sizes) == [ctypes.sizeof(LinearDesc), ctypes.sizeof(LayerDesc), ctypes.sizeof(StepDesc)]
+
+    def decoder_layer_scratch(self, layer: LayerDesc, tokens: int, decode_count: int) -> int:
+        """Floats of scratch memory `decoder_layer` needs for a step of `tokens` rows (`decode_count`: the
+        decode rows of a mixed step, 0 when all rows are decodes)."""
+        floats = ctypes.c_int64()
+        self.library.kvserve_decoder_layer_scratch(ctypes.addressof(layer), tokens, decode_count,
+                                                   ctypes.addressof(floats))
+        return floats.value
 
 
 TORCH_KERNELS = TorchKernels()  # stateless: the default of every module until the loader hands out its kernels

@@ -11,6 +11,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #include <algorithm>

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "widened_matmul.h"
 
 namespace {

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 extern "C" void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t groups, int64_t dim,

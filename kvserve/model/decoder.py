@@ -6,6 +6,7 @@ Parameter names follow HF's (without the leading "model."), except the fused `qk
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +19,10 @@ from kvserve.kv.cache import LayerKVCache
 from kvserve.model.config import ModelConfig
 from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from kvserve.model.native_layer import NativeLayerStack, NativeLayerUnsupported
 from kvserve.model.quantization import Q8Linear, TiedEmbedding
+
+log = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -72,6 +76,11 @@ class DecoderModel(nn.Module):
         self.dtype = dtype
         # Per layer (k_scale, v_scale): static fp8 KV scales shipped by the checkpoint, if it has them.
         self.static_kv_scales: list[tuple[float, float]] | None = None
+        self.attention_backend = attention_backend
+        # How the layers run: one native call each (NativeLayerStack) or the torch modules (None). Chosen once,
+        # by choose_layer_path, after the loader has swapped in the quantized layers; use_kernels resets it.
+        self.native_layers: NativeLayerStack | None = None
+        self.layer_path_chosen = False
         backend = get_attention_backend(attention_backend)
         c = config
         # Parameters are created on the meta device and materialized uninitialized: the loader fills them.
@@ -105,11 +114,33 @@ class DecoderModel(nn.Module):
         self.use_kernels(kernels)
 
     def use_kernels(self, kernels: Kernels) -> None:
-        """Every module with its own kernels (norms, quantized layers) uses these."""
+        """Every module with its own kernels (norms, quantized layers) uses these; the layer path (native or
+        torch modules) is chosen again on the next forward."""
         for module in self.modules():
             if hasattr(module, "kernels"):
                 # torch types every unknown nn.Module attribute as Tensor | Module; this one holds Kernels
                 module.kernels = kernels  # type: ignore[assignment]
+        self.kernels = kernels
+        self.native_layers, self.layer_path_chosen = None, False
+
+    def choose_layer_path(self) -> NativeLayerStack | None:
+        """The native layer path when decoder_layer.cpp covers this model's weights, dtype and backend, else
+        None (the torch modules); decided on the first call (the first forward, when the loader has not asked
+        earlier) and logged. The weights must be in place: the stack points into them."""
+        if not self.layer_path_chosen:
+            self.layer_path_chosen = True
+            try:
+                self.native_layers = NativeLayerStack.build(self.layers, self.kernels, self.dtype,
+                                                            self.attention_backend)
+                log.info("decoder layers: one native call per layer (kernels/decoder_layer.cpp)")
+            except NativeLayerUnsupported as e:
+                log.info("decoder layers: the torch modules (%s)", e)
+        return self.native_layers
+
+    def use_torch_layers(self) -> None:
+        """Run the torch modules from now on, whatever choose_layer_path would pick: the reference, for tests
+        and A/B measurements (use_kernels makes the choice again)."""
+        self.native_layers, self.layer_path_chosen = None, True
 
     def _keep_norms_float32(self) -> None:
         for module in self.modules():
@@ -129,6 +160,9 @@ class DecoderModel(nn.Module):
             h = h * torch.tensor(multiplier, dtype=h.dtype)
         # nn.ModuleList yields untyped nn.Module items (torch's stubs): these are RotaryEmbedding
         tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # type: ignore[operator]
+        native = self.choose_layer_path()
+        if native is not None and native.takes(kv_caches, h.shape[0]):
+            return self.norm(native.run(h, tables, self.rope_index, kv_caches, meta))
         for layer, rope_i, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
             cos, sin = tables[rope_i]
             h = layer(h, cos, sin, kv_cache, meta)

@@ -160,6 +160,7 @@ def _load_gguf_weights(model: DecoderModel, source: ModelSource, config: ModelCo
 def _loaded(config: ModelConfig, model: DecoderModel, source: ModelSource, dtype: torch.dtype, device: torch.device,
             quantization: str, start: float) -> LoadedModel:
     model.eval()
+    model.choose_layer_path()  # the weights are in place: native decoder layers or the torch modules, logged now
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s, %s, quantization %s, %s) in %.2f s", source.name, config.family, dtype, quantization,
              device, seconds)

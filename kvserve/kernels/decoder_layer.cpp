@@ -1,0 +1,207 @@
+// A whole decoder layer (llama / qwen2 / qwen3 / gemma3) in one call, float32 activations:
+//   input norm -> fused QKV projection (+ bias) -> per-head q/k RMSNorm + NEOX rope -> K/V written into the
+//   paged cache at slot_mapping -> paged attention (decode kernel where every row of the step is a decode, the
+//   prefill kernel per sequence otherwise) -> output projection -> residual (gemma3: normed first) ->
+//   MLP norm -> gate/up projection -> act(gate) * up -> down projection -> residual.
+//
+// Why: a decode step of the torch path is ~300 small ops and Python module calls (~10-20 us each on this CPU,
+// about 5 ms a step at batch 1), each moving almost nothing; here a layer is one ctypes call that runs the same
+// kernels back to back (kernels.h: the functions are called directly, not duplicated). The weights may be
+// q8_0 (Q8Linear), GGUF blocks (GGUFLinear, one run of blocks per fused part) or float32 (nn.Linear); the
+// caller (kvserve/model/native_layer.py) describes them and the step in the structs below, whose layout its
+// ctypes.Structure classes mirror field for field. Scratch memory comes from the caller (sized by
+// kvserve_decoder_layer_scratch), so a layer allocates nothing beyond what the attention kernels do.
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "widened_matmul.h"
+
+extern "C" {
+
+// y [m, out_features] = x [m, in_features] W^T (+ bias). Parts are stacked along the output axis (a fused QKV
+// or gate/up whose sources were stored in different GGUF types); q8_0 and float32 have one part.
+struct KvserveLinear {
+    const void* weight[3];  // per part: float32 [rows, k], int8 [rows, k] (q8_0) or uint8 GGUF blocks
+    const float* scales;    // q8_0: [out_features, in_features / 32]; else null
+    const float* bias;      // [out_features] or null
+    int64_t rows[3];        // output rows of each part
+    int64_t qtype[3];       // GGUF: ggml type of each part
+    int64_t in_features, out_features;
+    int64_t kind;           // 0 float32, 1 q8_0, 2 GGUF blocks
+    int64_t parts;
+};
+
+struct KvserveLayer {
+    KvserveLinear qkv, o, gate_up, down;
+    const float* input_norm;             // [hidden] each
+    const float* post_attention_norm;    // llama/qwen: before the MLP; gemma3: on the attention output
+    const float* pre_feedforward_norm;   // gemma3 only (sandwich), else null
+    const float* post_feedforward_norm;  // gemma3 only
+    const float* q_norm;                 // [head_dim] per-head norms (qwen3, gemma3), or both null
+    const float* k_norm;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t window;    // sliding window, 0: none
+    int64_t act;       // kvserve_gated_act's code: 0 tanh-GELU, 1 SiLU
+    int64_t sandwich;  // gemma3's norms around attention and MLP outputs
+    double eps, scale;
+};
+
+// One step's flat batch (AttentionMetadata): `tokens` rows of `seqs` sequences; sequence i owns rows
+// query_start_loc[i] .. query_start_loc[i + 1] - 1, the last positions of a context of seq_lens[i] tokens.
+struct KvserveStep {
+    float* scratch;                  // kvserve_decoder_layer_scratch(layer, tokens, decode_count) floats
+    const int64_t* slot_mapping;     // [tokens]
+    const int64_t* block_tables;     // [seqs, table_width]
+    const int64_t* seq_lens;         // [seqs]
+    const int64_t* query_start_loc;  // [seqs + 1]
+    // Mixed steps only (all_decode == 0): the sequences with one query row, for the decode kernel.
+    const int64_t* decode_rows;      // [decode_count] their row in the batch
+    const int64_t* decode_tables;    // [decode_count, table_width]
+    const int64_t* decode_lens;      // [decode_count]
+    int64_t tokens, seqs, table_width, block_size, all_decode, decode_count;
+};
+
+}
+
+namespace {
+
+enum : int64_t { kFloat32 = 0, kQ8_0 = 1, kGGUF = 2 };
+
+struct Buffers {
+    float *xn, *qkv, *qk, *q, *attn, *proj, *gate_up, *act, *qd, *od;
+};
+
+// Lays the buffers out in `base` (when given) and returns the floats they take; each starts on 64 bytes.
+int64_t carve(const KvserveLayer& l, int64_t t, int64_t decodes, float* base, Buffers* b) {
+    const int64_t q_size = l.heads * l.head_dim, qkv_size = (l.heads + 2 * l.kv_heads) * l.head_dim;
+    const int64_t sizes[10] = {t * l.hidden, t * qkv_size, t * (l.heads + l.kv_heads) * l.head_dim, t * q_size,
+                               t * q_size, t * l.hidden, t * 2 * l.intermediate, t * l.intermediate,
+                               decodes * q_size, decodes * q_size};
+    float** slots[10] = {&b->xn, &b->qkv, &b->qk, &b->q, &b->attn, &b->proj, &b->gate_up, &b->act, &b->qd, &b->od};
+    int64_t at = 0;
+    for (int i = 0; i < 10; ++i) {
+        if (base != nullptr) *slots[i] = base + at;
+        at += (sizes[i] + 15) / 16 * 16;
+    }
+    return at;
+}
+
+void f32_matmul(const float* x, int64_t m, int64_t k, const float* w, int64_t n, float* y, int64_t ldy) {
+    kvserve::widened_matmul(x, m, k, n, 8, y, ldy, [&](int64_t n0, int rows, int64_t k0, int64_t kc, float* buf) {
+        for (int r = 0; r < rows; ++r) memcpy(buf + r * kc, w + (n0 + r) * k + k0, kc * sizeof(float));
+    });
+}
+
+void linear(const KvserveLinear& lin, const float* x, int64_t m, float* y) {
+    const int64_t k = lin.in_features, n = lin.out_features;
+    if (lin.kind == kQ8_0) {
+        kvserve_q8_matmul(x, m, k, static_cast<const int8_t*>(lin.weight[0]), lin.scales, n, y);
+    } else {
+        int64_t start = 0;
+        for (int64_t p = 0; p < lin.parts; ++p) {
+            if (lin.kind == kFloat32)
+                f32_matmul(x, m, k, static_cast<const float*>(lin.weight[p]), lin.rows[p], y + start, n);
+            else
+                kvserve_gguf_matmul(x, m, k, static_cast<const uint8_t*>(lin.weight[p]),
+                                    static_cast<int32_t>(lin.qtype[p]), lin.rows[p], y + start, n);
+            start += lin.rows[p];
+        }
+    }
+    if (lin.bias != nullptr)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t i = 0; i < n; ++i) y[r * n + i] += lin.bias[i];
+}
+
+inline void add_into(float* h, const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) h[i] += x[i];
+}
+
+// Attention of every query row in b.q ([tokens, heads, dim]) into b.attn, as kvserve/attention/cpu.py does it.
+void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, const float* k_cache,
+               const float* v_cache) {
+    const int64_t q_size = l.heads * l.head_dim;
+    const float scale = static_cast<float>(l.scale);
+    if (s.all_decode) {
+        kvserve_paged_decode_attention(b.q, k_cache, v_cache, s.block_tables, s.table_width, s.seq_lens, s.seqs,
+                                       l.heads, l.kv_heads, l.head_dim, s.block_size, l.window, scale, b.attn);
+        return;
+    }
+    if (s.decode_count > 0) {
+        for (int64_t i = 0; i < s.decode_count; ++i)
+            memcpy(b.qd + i * q_size, b.q + s.decode_rows[i] * q_size, q_size * sizeof(float));
+        kvserve_paged_decode_attention(b.qd, k_cache, v_cache, s.decode_tables, s.table_width, s.decode_lens,
+                                       s.decode_count, l.heads, l.kv_heads, l.head_dim, s.block_size, l.window,
+                                       scale, b.od);
+        for (int64_t i = 0; i < s.decode_count; ++i)
+            memcpy(b.attn + s.decode_rows[i] * q_size, b.od + i * q_size, q_size * sizeof(float));
+    }
+    for (int64_t i = 0; i < s.seqs; ++i) {
+        const int64_t start = s.query_start_loc[i], q_len = s.query_start_loc[i + 1] - start;
+        if (q_len <= 1) continue;
+        kvserve_paged_prefill_attention(b.q + start * q_size, k_cache, v_cache, s.block_tables + i * s.table_width,
+                                        q_len, s.seq_lens[i], l.heads, l.kv_heads, l.head_dim, s.block_size,
+                                        l.window, scale, b.attn + start * q_size);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// sizeof of KvserveLinear, KvserveLayer and KvserveStep, so that the ctypes mirror can be checked against them.
+void kvserve_decoder_layer_abi(int64_t* sizes) {
+    sizes[0] = sizeof(KvserveLinear);
+    sizes[1] = sizeof(KvserveLayer);
+    sizes[2] = sizeof(KvserveStep);
+}
+
+// The scratch floats kvserve_decoder_layer needs for `tokens` rows, `decode_count` of them decodes of a
+// mixed step (0 when every row is a decode).
+void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, int64_t decode_count,
+                                   int64_t* floats) {
+    Buffers unused;
+    *floats = carve(*layer, tokens, decode_count, nullptr, &unused);
+}
+
+// h: [tokens, hidden] float32, the residual stream, updated in place. cos / signed_sin: [tokens, head_dim] of
+// this layer's rope (RotaryEmbedding.cos_sin). k_cache / v_cache: [blocks, block_size, kv_heads, head_dim]
+// float32 contiguous.
+void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
+                           const float* signed_sin, float* k_cache, float* v_cache) {
+    const KvserveLayer& l = *layer;
+    const KvserveStep& s = *step;
+    const int64_t t = s.tokens, dim = l.head_dim, hidden = l.hidden;
+    const int64_t q_size = l.heads * dim, kv_size = l.kv_heads * dim, qk_size = q_size + kv_size;
+    const int64_t qkv_size = qk_size + kv_size;
+    const float eps = static_cast<float>(l.eps);
+    Buffers b;
+    carve(l, t, s.all_decode ? 0 : s.decode_count, s.scratch, &b);
+
+    kvserve_rms_norm(h, t, hidden, 1, hidden, l.input_norm, eps, b.xn, hidden);
+    linear(l.qkv, b.xn, t, b.qkv);
+    const bool qk_norm = l.q_norm != nullptr && l.k_norm != nullptr;
+    kvserve_qk_norm_rope(b.qkv, t, qkv_size, l.heads + l.kv_heads, l.heads, dim, qk_norm ? l.q_norm : nullptr,
+                         qk_norm ? l.k_norm : nullptr, qk_norm ? eps : 0.0f, cos, signed_sin, b.qk);
+    for (int64_t r = 0; r < t; ++r) {  // Q to its own rows; K (roped) and V into the cache
+        const float* qk = b.qk + r * qk_size;
+        const int64_t slot = s.slot_mapping[r];
+        memcpy(b.q + r * q_size, qk, q_size * sizeof(float));
+        memcpy(k_cache + slot * kv_size, qk + q_size, kv_size * sizeof(float));
+        memcpy(v_cache + slot * kv_size, b.qkv + r * qkv_size + qk_size, kv_size * sizeof(float));
+    }
+    attention(l, s, b, k_cache, v_cache);
+    linear(l.o, b.attn, t, b.proj);
+    if (l.sandwich) kvserve_rms_norm(b.proj, t, hidden, 1, hidden, l.post_attention_norm, eps, b.proj, hidden);
+    add_into(h, b.proj, t * hidden);
+
+    kvserve_rms_norm(h, t, hidden, 1, hidden, l.sandwich ? l.pre_feedforward_norm : l.post_attention_norm, eps,
+                     b.xn, hidden);
+    linear(l.gate_up, b.xn, t, b.gate_up);
+    kvserve_gated_act(b.gate_up, t, l.intermediate, static_cast<int32_t>(l.act), b.act);
+    linear(l.down, b.act, t, b.proj);
+    if (l.sandwich) kvserve_rms_norm(b.proj, t, hidden, 1, hidden, l.post_feedforward_norm, eps, b.proj, hidden);
+    add_into(h, b.proj, t * hidden);
+}
+
+}

@@ -1,0 +1,140 @@
+"""The native layer path (kernels/decoder_layer.cpp: one call per decoder layer) against the torch modules, the
+reference, on tiny random checkpoints: teacher-forced logits of ragged steps (prefill chunks over a cached
+prefix, decodes, several query rows per sequence as in speculative verification, mixed in one step) agree to
+float32 summation order (atol = rtol = 1e-4; both paths run the same kernels, so the differences are the float32
+matmul's and the order of residual additions), with float32, q8_0 and GGUF-block weights; greedy tokens through
+the engine are identical; what the C++ does not cover falls back to the torch path."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf import GGUF_VARIANTS, write_gguf
+from tiny_models import TINY_VARIANTS, PagedDriver, build_tiny_hf_model
+from tiny_tokenizer import write_char_tokenizer
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.kernels.native import cpu_supports_native
+from kvserve.kernels.ops import TorchKernels
+from kvserve.kv.cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from kvserve.model.decoder import DecoderModel
+from kvserve.model.loader import load_model
+from kvserve.model.native_layer import FLOAT32_MAX_ROWS
+from kvserve.model.source import ModelFormat, ModelSource
+from kvserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_supports_native()[0], reason=cpu_supports_native()[1])
+
+ATOL = RTOL = 1e-4
+# Ragged steps over four sequences (index -> new tokens): whole prompts, chunks after a cached prefix, decodes,
+# multi-token verification rows, and steps where all rows are decodes (the decode kernel's direct path).
+PLAN = [{0: 9, 1: 5}, {1: 6, 2: 11, 0: 1}, {0: 1, 1: 1, 2: 1}, {3: 7, 0: 3, 1: 1}, {0: 1, 1: 1, 2: 1, 3: 1},
+        {2: 4, 3: 1}, {3: 2, 0: 1}]
+
+
+def _sequences(n: int = 4, length: int = 24) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [[1, *torch.randint(3, 256, (length - 1,), generator=g).tolist()] for _ in range(n)]
+
+
+def _load(path: Path, quantization: str, fmt: ModelFormat = ModelFormat.HF) -> DecoderModel:
+    source = ModelSource(fmt, path, path.stem)
+    return load_model(source, torch.float32, torch.device("cpu"), cache_dir=path.parent / "cache",
+                      quantization=quantization).model
+
+
+def _teacher_forced(model: DecoderModel, seqs: list[list[int]], kv_dtype: torch.dtype = torch.float32
+                    ) -> list[dict[int, torch.Tensor]]:
+    driver = PagedDriver(model, seqs, block_size=4)
+    if kv_dtype != torch.float32:  # an 8-bit cache (with its scales), of the driver's shape
+        c = model.config
+        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
+        driver.kv = allocate_kv_cache(spec, driver.kv[0].key.shape[0], torch.device("cpu"))
+    return [driver.step(plan) for plan in PLAN]
+
+
+def _float32_caches(model: DecoderModel) -> list[LayerKVCache]:
+    return PagedDriver(model, _sequences()).kv
+
+
+def _assert_paths_agree(native: DecoderModel, reference: DecoderModel) -> None:
+    reference.use_torch_layers()
+    seqs = _sequences()
+    got, want = _teacher_forced(native, seqs), _teacher_forced(reference, seqs)
+    assert native.native_layers is not None, "the native layer path was not chosen"
+    for step, (g, w) in enumerate(zip(got, want)):
+        for i in w:
+            where = f"step {step} seq {i}"
+            torch.testing.assert_close(g[i], w[i], atol=ATOL, rtol=RTOL, msg=lambda m, where=where: f"{where}: {m}")
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8_0"])
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_native_layers_equal_torch_layers(variant: str, quantization: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    path, _ = tiny_checkpoint(variant)
+    _assert_paths_agree(_load(path, quantization), _load(path, quantization))
+
+
+@pytest.mark.parametrize("variant_name", sorted(GGUF_VARIANTS))
+def test_native_layers_on_gguf_blocks(variant_name: str, tmp_path: Path) -> None:
+    variant, overrides = GGUF_VARIANTS[variant_name]
+    arch = variant_name.split("_")[0]
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(build_tiny_hf_model(variant, **overrides), path, arch)
+    _assert_paths_agree(_load(path, "gguf", ModelFormat.GGUF), _load(path, "gguf", ModelFormat.GGUF))
+
+
+def test_torch_path_where_the_native_layer_does_not_reach(tiny_checkpoint, caplog) -> None:  # type: ignore[no-untyped-def]
+    path, _ = tiny_checkpoint("gemma3_mqa_sliding")
+    with caplog.at_level(logging.INFO):  # the loader chooses the layer path and logs it
+        model = _load(path, "q8_0")
+    seqs = _sequences()
+    want = _teacher_forced(model, seqs)
+    assert model.native_layers is not None and model.native_layers.max_rows is None
+    assert any("one native call per layer" in r.message for r in caplog.records)
+    # float32 weights: steps of more rows than FLOAT32_MAX_ROWS run the torch modules (MKL is faster there)
+    float32 = _load(path, "none").choose_layer_path()
+    assert float32 is not None and float32.max_rows == FLOAT32_MAX_ROWS
+    assert float32.takes(_float32_caches(model), FLOAT32_MAX_ROWS)
+    assert not float32.takes(_float32_caches(model), FLOAT32_MAX_ROWS + 1)
+    # An 8-bit KV cache: that step runs the torch modules (which dequantize), the choice stays native.
+    _teacher_forced(model, seqs, kv_dtype=torch.int8)
+    assert model.native_layers is not None and model.native_layers.warned_cache
+    # The torch kernels: no native layer at all, and the same logits.
+    model.use_kernels(TorchKernels())
+    got = _teacher_forced(model, seqs)
+    assert model.native_layers is None and model.layer_path_chosen
+    for g, w in zip(got, want):
+        for i in w:
+            torch.testing.assert_close(g[i], w[i], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("variant", ["llama_mqa_bias_llama3rope", "gemma3_mqa_sliding"])
+def test_engine_greedy_tokens_equal_torch_layers(variant: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Chunked prefill (8 tokens a step) with decodes of other requests in the same steps, through the engine."""
+    path, _ = tiny_checkpoint(variant)
+    write_char_tokenizer(path)
+    prompts = _sequences(5, 21)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for native in (True, False):
+        engine = LLMEngine.from_config(EngineConfig(model=str(path), quantization="q8_0", block_size=4,
+                                                    num_gpu_blocks_override=128, max_num_batched_tokens=8,
+                                                    max_num_seqs=4))
+        model = engine.runner.model
+        if not native:
+            model.use_torch_layers()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        assert (model.native_layers is not None) == native
+        outputs.append(done)
+    assert outputs[0] == outputs[1]
