@@ -18,11 +18,13 @@ if TYPE_CHECKING:
 
 
 def resolve_quantization(quantization: str, device_type: str, checkpoint_format: str) -> str:
-    """`--quantization auto`: a GGUF checkpoint (its weights already 4-8 bit) runs as q8_0 on CPU, where decode
-    time is the bytes of weights read, as llama.cpp runs it quantized; everything else keeps its weights."""
+    """`--quantization auto`: a GGUF checkpoint (its weights already 4-8 bit) runs as its own blocks (gguf) on CPU,
+    as llama.cpp runs it: exact to the file (HF transformers computes on the same dequantized weights), the file's
+    bytes per step, and since attempt 32 in docs/PERFORMANCE_NOTES.md faster at decode than re-quantizing it to
+    q8_0; everything else keeps its weights."""
     if check_choice("--quantization", quantization, ("auto", *QUANTIZATION_METHODS)) != "auto":
         return quantization
-    return "q8_0" if checkpoint_format == "gguf" and device_type == "cpu" else "none"
+    return "gguf" if checkpoint_format == "gguf" and device_type == "cpu" else "none"
 
 
 def resolve_compute_dtype(dtype: str, device_type: str, checkpoint_dtype: str | None) -> str:

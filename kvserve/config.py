@@ -34,7 +34,7 @@ class EngineConfig:
     model: str | None = None  # None: the default model (Gemma 3 270M GGUF)
     dtype: str = "auto"
     # Weights: "none" (the checkpoint's, in --dtype), "q8_0" (8-bit, a scale per 32), "gguf" (a GGUF file's own
-    # blocks as stored), or "auto": q8_0 for a GGUF checkpoint on CPU, else none (capacity.resolve_quantization).
+    # blocks as stored), or "auto": gguf for a GGUF checkpoint on CPU, else none (capacity.resolve_quantization).
     quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length, capped by what the cache holds

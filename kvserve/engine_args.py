@@ -32,7 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weights: none (the checkpoint's, in --dtype: the exact reference), q8_0 (int8 with a "
                         "float32 scale per 32 weights, llama.cpp's Q8_0 layout: 3.6x fewer bytes than float32, about "
                         "3x faster decode on CPU), gguf (a GGUF file's own Q4_K/Q5_0/Q6_K/Q8_0... blocks as stored: "
-                        "exact to the file, CPU), or auto (default): q8_0 for a GGUF file on CPU, else none")
+                        "exact to the file, CPU, the fastest decode), or auto (default): gguf for a GGUF file on "
+                        "CPU, else none")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
     g.add_argument("--seed", type=int, default=0)

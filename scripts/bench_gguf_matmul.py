@@ -3,7 +3,10 @@ model's own tensors (blk.0's projections and the tied LM head, in the file's typ
 minimum of repeated calls into a reused output, the two kernels alternating call by call so that both see the
 same machine. Not run by CI.
 
-Usage: python scripts/bench_gguf_matmul.py [--rows 1,8,32,512]
+`--cold` times each call over the same projection of all 18 layers (one timing per type the file uses for it), so
+that, as in a decode step, the weights come from memory rather than from a cache that the previous call warmed.
+
+Usage: python scripts/bench_gguf_matmul.py [--rows 1,8,32,512] [--cold]
 """
 
 from __future__ import annotations
@@ -23,21 +26,37 @@ from kvserve.model.tokenizer import default_cache_dir
 TENSORS = {"LM head": "token_embd.weight", "q": "blk.0.attn_q.weight", "v": "blk.0.attn_v.weight",
            "gate": "blk.0.ffn_gate.weight", "o_proj": "blk.0.attn_output.weight", "down Q6_K": "blk.0.ffn_down.weight",
            "down 2": "blk.1.ffn_down.weight"}
+# --cold: each projection over every layer, grouped by the type the file stores it in
+COLD = {"LM head": "token_embd.weight", "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
+        "gate": "ffn_gate.weight", "up": "ffn_up.weight", "o_proj": "attn_output.weight", "down": "ffn_down.weight"}
+
+
+def weight_sets(f: GGUFFile, cold: bool) -> list[tuple[str, int, list[str]]]:
+    """(label, ggml type, tensor names) to time together, one call each per timing."""
+    if not cold:
+        return [(label, f.tensors[name].ggml_type, [name]) for label, name in TENSORS.items()]
+    sets = []
+    for label, suffix in COLD.items():
+        names = [name for name in f.tensors if name == suffix or name.endswith(f".{suffix}")]
+        for qtype in sorted({f.tensors[name].ggml_type for name in names}):
+            chosen = [name for name in names if f.tensors[name].ggml_type == qtype]
+            sets.append((f"{label} x{len(chosen)}" if len(chosen) > 1 else label, qtype, chosen))
+    return sets
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32,512")
+    parser.add_argument("--cold", action="store_true", help="every layer's copy of each projection per timing")
     args = parser.parse_args()
     kernels = load_kernels(default_cache_dir() / "kernels")
     if not isinstance(kernels, NativeKernels):
         raise SystemExit("the native kernels did not build here")
     with GGUFFile(resolve_model(None).path) as f:
-        for label, name in TENSORS.items():
-            qtype = f.tensors[name].ggml_type
-            blocks = torch.from_numpy(f.tensor_blocks(name))
-            q, s = quantize_q8(torch.from_numpy(f.tensor_float32(name)))
-            n, k = q.shape
+        for label, qtype, names in weight_sets(f, args.cold):
+            blocks = [torch.from_numpy(f.tensor_blocks(name)) for name in names]
+            q8 = [quantize_q8(torch.from_numpy(f.tensor_float32(name))) for name in names]
+            n, k = q8[0][0].shape
             for m in map(int, args.rows.split(",")):
                 if n > 100_000 and m > 64:
                     continue  # the LM head runs on sampled rows only
@@ -45,16 +64,19 @@ def main() -> None:
                 times = {"gguf": float("inf"), "q8_0": float("inf")}
                 for _ in range(3 if n > 100_000 else 15):
                     start = time.perf_counter()
-                    kernels.gguf_matmul(x, blocks, qtype, out)
+                    for b in blocks:
+                        kernels.gguf_matmul(x, b, qtype, out)
                     middle = time.perf_counter()
-                    kernels.q8_matmul(x, q, s, out)
+                    for q, s in q8:
+                        kernels.q8_matmul(x, q, s, out)
                     end = time.perf_counter()
                     times["gguf"] = min(times["gguf"], middle - start)
                     times["q8_0"] = min(times["q8_0"], end - middle)
                 name = NATIVE_GGUF_TYPES[qtype].name
+                flops = 2e-9 * m * n * k * len(names)
                 print(f"{label:9} {name} {n:>6} x {k:<4} rows {m:>3}: gguf "
                       f"{1e3 * times['gguf']:7.3f} ms  q8_0 {1e3 * times['q8_0']:7.3f} ms  "
-                      f"ratio {times['q8_0'] / times['gguf']:.2f}  ({2e-9 * m * n * k / times['gguf']:5.1f} GFLOP/s)")
+                      f"ratio {times['q8_0'] / times['gguf']:.2f}  ({flops / times['gguf']:5.1f} GFLOP/s)")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@
 // Why: `--quantization gguf` runs the file's own bits, so the result is a float32 matmul on the weights
 // HF transformers dequantizes from the same file (up to summation order) and a decode step reads the file's
 // bytes (4.5-8.5 bits a weight) instead of a re-quantized copy. Each block is decoded to small integers with
-// byte-wide AVX2 operations. At 1-3 activation rows (decode) they are converted to float32 in registers and
-// dotted with the activations, scales applied per run of 16-32 (gemv below); at more rows they are widened to
-// float32 with their scales (the same float32 products, in the same order, as gguf-py's dequantize: bit-exact
-// weights) into the L1 buffer of the shared blocked driver (widened_matmul.h) and reused across the rows.
+// byte-wide AVX2 operations. At 1-4 activation rows (decode) they are converted to float32 in registers and
+// dotted with the activations, four weight rows at a time, scales applied per run of 16-32 (gemv below); at
+// more rows they are widened to float32 with their scales (the same float32 products, in the same order, as
+// gguf-py's dequantize: bit-exact weights) into the L1 buffer of the shared blocked driver (widened_matmul.h)
+// and reused across the rows. Both prefetch the rows they read next in software (prefetch_block).
 // Block layouts (ggml-common.h; gguf-py's quants.py): sizes in bytes per block of 32 or 256 weights.
 //   Q4_0 (18 / 32):   f16 d, 16 B nibbles (low: weights 0-15, high: 16-31);              w = d (q - 8)
 //   Q5_0 (22 / 32):   f16 d, u32 fifth bits, 16 B nibbles as Q4_0;                       w = d (q - 16)
@@ -21,6 +22,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <vector>
 
 #include "kernels.h"
 #include "widened_matmul.h"
@@ -63,11 +66,12 @@ inline void store32(int8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_ca
 
 // Each format's `visit(block, tmp, run)` decodes one block into runs of 32 small integers and calls
 // run(offset, q, s_lo, s_hi, min) for each: weight offset + i is s * q[i] (- min, for formats with kMin), with
-// s = s_lo for i < 16 and s_hi after (Q6_K has a scale per 16). q points into the block (Q8_0) or at tmp[32].
+// s = s_lo for i < 16 and s_hi after (kSplitScale: Q6_K has a scale per 16; elsewhere s_lo == s_hi). q points
+// into the block (Q8_0) or at tmp[32].
 
 struct Q4_0 {
     static constexpr int64_t kBlock = 32, kBytes = 18;
-    static constexpr bool kMin = false;
+    static constexpr bool kMin = false, kSplitScale = false;
     template <typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         store32(tmp, _mm256_sub_epi8(nibbles32(load16(b + 2)), _mm256_set1_epi8(8)));
@@ -78,7 +82,7 @@ struct Q4_0 {
 
 struct Q5_0 {
     static constexpr int64_t kBlock = 32, kBytes = 22;
-    static constexpr bool kMin = false;
+    static constexpr bool kMin = false, kSplitScale = false;
     template <typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         uint32_t bits;
@@ -92,7 +96,7 @@ struct Q5_0 {
 
 struct Q8_0 {
     static constexpr int64_t kBlock = 32, kBytes = 34;
-    static constexpr bool kMin = false;
+    static constexpr bool kMin = false, kSplitScale = false;
     template <typename Run>
     static void visit(const uint8_t* b, int8_t*, const Run& run) {
         const float d = f16(b);
@@ -114,7 +118,7 @@ inline void k_scales(const uint8_t* b, float* scale, float* min) {
 
 struct Q4_K {
     static constexpr int64_t kBlock = 256, kBytes = 144;
-    static constexpr bool kMin = true;
+    static constexpr bool kMin = true, kSplitScale = false;
     template <typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         float scale[8], min[8];
@@ -130,7 +134,7 @@ struct Q4_K {
 
 struct Q5_K {
     static constexpr int64_t kBlock = 256, kBytes = 176;
-    static constexpr bool kMin = true;
+    static constexpr bool kMin = true, kSplitScale = false;
     template <typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         float scale[8], min[8];
@@ -149,7 +153,7 @@ struct Q5_K {
 
 struct Q6_K {
     static constexpr int64_t kBlock = 256, kBytes = 210;
-    static constexpr bool kMin = false;
+    static constexpr bool kMin = false, kSplitScale = true;
     template <typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         const float d = f16(b + 208);
@@ -192,49 +196,114 @@ inline void decode(const uint8_t* b, float* dst) {
     });
 }
 
+// Prefetch one block's bytes (every cache line it touches) into L1: the matmuls below stream weights that are
+// far too large for the caches, and the hardware prefetchers alone keep too few lines in flight while each
+// block costs tens of instructions to decode (the LM head at one activation row ran at ~4 GB/s per core).
+template <typename F>
+inline void prefetch_block(const uint8_t* p) {
+    for (int64_t o = 0; o < F::kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+
 // Columns [k0, k0 + kc) (whole blocks) of rows [n0, n0 + rows) of w to float32 in buf[rows][kc].
 template <typename F>
-inline void widen_blocks(const uint8_t* w, int64_t k, int64_t n0, int rows, int64_t k0, int64_t kc, float* buf) {
+inline void widen_blocks(const uint8_t* w, int64_t k, int64_t n, int64_t n0, int rows, int64_t k0, int64_t kc,
+                         float* buf) {
     const int64_t row_bytes = k / F::kBlock * F::kBytes;
+    // The same columns of the next block of rows are prefetched (see prefetch_block).
+    const bool prefetch = n0 + 2 * kvserve::kWidenRows <= n;
     for (int r = 0; r < rows; ++r) {
         const uint8_t* src = w + (n0 + r) * row_bytes + k0 / F::kBlock * F::kBytes;
-        for (int64_t b = 0; b < kc / F::kBlock; ++b) decode<F>(src + b * F::kBytes, buf + r * kc + b * F::kBlock);
+        for (int64_t b = 0; b < kc / F::kBlock; ++b) {
+            if (prefetch) prefetch_block<F>(src + kvserve::kWidenRows * row_bytes + b * F::kBytes);
+            decode<F>(src + b * F::kBytes, buf + r * kc + b * F::kBlock);
+        }
     }
 }
 
-// C <= 3 activation rows (decode): each weight is used C times only, so widening it to float32 in memory costs
-// more than it saves. Each run of 32 integers is converted in registers and dotted with x; its scale is applied
-// to the partial sum (s * sum(q x) instead of sum((s q) x): the same terms, rounded in another order), and a
-// K-quant's min as min * sum(x).
-template <typename F, int C>
-void gemv(const float* x, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
-    const int64_t row_bytes = k / F::kBlock * F::kBytes;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-        alignas(32) int8_t tmp[32];
-        __m256 lo[C], hi[C], mins[C];
-        for (int c = 0; c < C; ++c) lo[c] = hi[c] = mins[c] = _mm256_setzero_ps();
-        const uint8_t* row = w + r * row_bytes;
-        for (int64_t b = 0; b < k / F::kBlock; ++b) {
-            F::visit(row + b * F::kBytes, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi,
-                                                   float min) {
+// Each weight row's dot products with C activation rows in registers. Weight rows are taken R at a time
+// (interleaved block by block: R * C independent accumulator chains, so that no chain of FMAs through one
+// register bounds the speed) while the next R rows are prefetched. Each run of 32 integers is converted in
+// registers and dotted with x; its scale is applied to the partial sum (s * sum(q x) instead of sum((s q) x):
+// the same terms, rounded in another order), and a K-quant's min as min * sum(x) over the run, with the runs'
+// sums of x computed once per call (xsum).
+template <typename F, int R, int C>
+inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, bool prefetch,
+                      const float* xsum, float* y, int64_t ldy) {
+    alignas(32) int8_t tmp[32];
+    __m256 acc[R][C];
+    float mins[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            acc[r][c] = _mm256_setzero_ps();
+            mins[r][c] = 0.0f;
+        }
+    const int64_t runs = k / 32;
+    for (int64_t b = 0; b < k / F::kBlock; ++b) {
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
+            if (prefetch) prefetch_block<F>(block + R * row_bytes);
+            F::visit(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
                 const __m256 q0 = cvt8(q), q1 = cvt8(q + 8), q2 = cvt8(q + 16), q3 = cvt8(q + 24);
-                const __m256 sl = _mm256_set1_ps(s_lo), sh = _mm256_set1_ps(s_hi);
+                const int64_t at = b * F::kBlock + offset;
                 for (int c = 0; c < C; ++c) {
-                    const float* xr = x + c * k + b * F::kBlock + offset;
-                    const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8);
-                    const __m256 x2 = _mm256_loadu_ps(xr + 16), x3 = _mm256_loadu_ps(xr + 24);
-                    lo[c] = _mm256_fmadd_ps(_mm256_fmadd_ps(q1, x1, _mm256_mul_ps(q0, x0)), sl, lo[c]);
-                    hi[c] = _mm256_fmadd_ps(_mm256_fmadd_ps(q3, x3, _mm256_mul_ps(q2, x2)), sh, hi[c]);
-                    if constexpr (F::kMin) {
-                        const __m256 xs = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
-                        mins[c] = _mm256_fnmadd_ps(xs, _mm256_set1_ps(min), mins[c]);
+                    const float* xr = x + c * k + at;
+                    if constexpr (F::kSplitScale) {
+                        const __m256 lo = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8),
+                                                          _mm256_mul_ps(q0, _mm256_loadu_ps(xr)));
+                        const __m256 hi = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24),
+                                                          _mm256_mul_ps(q2, _mm256_loadu_ps(xr + 16)));
+                        acc[r][c] = _mm256_fmadd_ps(lo, _mm256_set1_ps(s_lo),
+                                                    _mm256_fmadd_ps(hi, _mm256_set1_ps(s_hi), acc[r][c]));
+                    } else {
+                        __m256 p = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+                        p = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), p);
+                        p = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), p);
+                        p = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), p);
+                        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(s_lo), acc[r][c]);
                     }
+                    if constexpr (F::kMin) mins[r][c] += min * xsum[c * runs + at / 32];
                 }
             });
         }
-        for (int c = 0; c < C; ++c) y[c * ldy + r] = hsum(_mm256_add_ps(_mm256_add_ps(lo[c], hi[c]), mins[c]));
     }
+    for (int c = 0; c < C; ++c) {
+        float* out = y + c * ldy;
+        if constexpr (R == 4) {
+            // four adjacent outputs reduced together, as widened_matmul.h's micro-kernel does
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][c], acc[1][c]),
+                                            _mm256_hadd_ps(acc[2][c], acc[3][c]));
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            if constexpr (F::kMin) s = _mm_sub_ps(s, _mm_setr_ps(mins[0][c], mins[1][c], mins[2][c], mins[3][c]));
+            _mm_storeu_ps(out, s);
+        } else {
+            for (int r = 0; r < R; ++r) out[r] = hsum(acc[r][c]) - mins[r][c];
+        }
+    }
+}
+
+// C <= 4 activation rows (decode): each weight is used C times only, so widening it to float32 in memory costs
+// more than it saves. Four weight rows at a time (measured against two at C = 3 and 4: four is faster even where
+// the accumulators spill); the last n % 4 rows one at a time.
+template <typename F, int C>
+void gemv(const float* x, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+    constexpr int R = 4;
+    const int64_t row_bytes = k / F::kBlock * F::kBytes, runs = k / 32, groups = n / R;
+    std::vector<float> xsum(F::kMin ? C * runs : 0);
+    if constexpr (F::kMin) {
+        for (int c = 0; c < C; ++c)
+            for (int64_t j = 0; j < runs; ++j) {
+                const float* xr = x + c * k + 32 * j;
+                const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + 8));
+                const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(xr + 16), _mm256_loadu_ps(xr + 24));
+                xsum[c * runs + j] = hsum(_mm256_add_ps(lo, hi));
+            }
+    }
+    const float* xs = xsum.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g)
+        gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, row_bytes, g + 1 < groups, xs, y + g * R, ldy);
+    for (int64_t r = groups * R; r < n; ++r)
+        gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, false, xs, y + r, ldy);
 }
 
 template <typename F>
@@ -243,11 +312,12 @@ void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, f
         case 1: gemv<F, 1>(x, k, w, n, y, ldy); return;
         case 2: gemv<F, 2>(x, k, w, n, y, ldy); return;
         case 3: gemv<F, 3>(x, k, w, n, y, ldy); return;
+        case 4: gemv<F, 4>(x, k, w, n, y, ldy); return;
         default: break;
     }
     kvserve::widened_matmul(x, m, k, n, F::kBlock, y, ldy, [&](int64_t n0, int rows, int64_t k0, int64_t kc,
                                                                 float* buf) {
-        widen_blocks<F>(w, k, n0, rows, k0, kc, buf);
+        widen_blocks<F>(w, k, n, n0, rows, k0, kc, buf);
     });
 }
 

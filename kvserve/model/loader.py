@@ -89,9 +89,15 @@ def load_model(
     config = config or load_model_config(source)
     model = DecoderModel(config, dtype, device, attention_backend, kernels)
     quantized_file: Path | None = None
-    if quantization == "gguf":
+    if quantization == "gguf" and kernels.name == "native" and device.type == "cpu":
         _load_gguf_blocks(model, source, config, kernels, device)
         return _loaded(config, model, source, dtype, device, quantization, start)
+    if quantization == "gguf":
+        # No native kernels (no compiler, no AVX2, not the CPU): the blocks would all be dequantized at every start;
+        # the float32 weights of the same blocks, cached once, are the same numbers.
+        log.info("--quantization gguf without kvserve's native kernels: the file's weights run dequantized to "
+                 "float32 (cached once), the same values as its blocks")
+        quantization = "none"
     if source.format == ModelFormat.GGUF:
         cache_file = _gguf_cache_file(source, cache_dir)
         if quantization != "none":

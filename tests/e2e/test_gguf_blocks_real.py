@@ -1,7 +1,8 @@
-"""--quantization gguf on the default model (Gemma 3 270M Q4_K_M): every quantized weight runs as the file's own
-blocks, so greedy output equals the stored HF transformers reference (which computes on the file's dequantized
-weights) on every prompt, except at a near-tie: a first difference is allowed only where the float32 reference's
-top-2 logprob margin is under 0.005. First-token logprobs agree to 2e-3 (as --quantization none does)."""
+"""--quantization gguf (what auto means for a GGUF file on CPU) on the default model (Gemma 3 270M Q4_K_M): every
+quantized weight runs as the file's own blocks, so greedy output equals the stored HF transformers reference
+(which computes on the file's dequantized weights) on every prompt, except at a near-tie: a first difference is
+allowed only where the float32 reference's top-2 logprob margin is under 0.005. First-token logprobs agree to
+2e-3 (as --quantization none does)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ NEAR_TIE = 0.005
 
 def test_gguf_blocks_greedy_equals_hf_reference() -> None:
     reference = json.loads(REFERENCE.read_text())["prompts"]
-    llm = LLM(quantization="gguf", kv_cache_memory_bytes=256 << 20)
+    llm = LLM(kv_cache_memory_bytes=256 << 20)  # --quantization auto: the file's blocks, the default path
+    assert llm.engine.config.quantization == "gguf"
     model = llm.engine.runner.model
     assert isinstance(model.embed_tokens, GGUFEmbedding)
     assert all(isinstance(layer.mlp.down_proj, GGUFLinear) and isinstance(layer.self_attn.qkv_proj, GGUFLinear)

@@ -90,10 +90,10 @@ def test_q8_linear_keeps_bias_and_dtype() -> None:
     assert q8(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
-def test_auto_is_q8_0_for_gguf_on_cpu_only() -> None:
+def test_auto_is_gguf_blocks_for_gguf_on_cpu_only() -> None:
     from kvserve.capacity import resolve_quantization
 
-    assert resolve_quantization("auto", "cpu", "gguf") == "q8_0"
+    assert resolve_quantization("auto", "cpu", "gguf") == "gguf"
     assert resolve_quantization("auto", "cpu", "hf") == "none"
     assert resolve_quantization("auto", "cuda", "gguf") == "none"
     assert resolve_quantization("none", "cpu", "gguf") == "none"

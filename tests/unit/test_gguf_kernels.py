@@ -1,7 +1,8 @@
 """The GGUF block matmul (kernels/gguf_matmul.cpp) and its torch fallback against the reference: gguf-py's
 dequantization (what HF transformers loads GGUF weights with) and a float32 matmul, on random blocks of each
-native type, at odd shapes: M = 1, 3, 17 (the micro-kernel's 3-row tiles and their tails), N not a multiple of
-the 4-row weight block, K of one block, of several, and over the driver's 1024-weight k-chunk.
+native type, at odd shapes: M = 1, 3, 17 (the micro-kernel's 3-row tiles and their tails) and every M from 1 to
+8 (the in-register decode path and the blocked one), N not a multiple of the 4-row weight block, K of one block,
+of several, and over the driver's 1024-weight k-chunk.
 
 Tolerance: the result may differ from the reference only by summation order, so by a few float32 ulps of the
 accumulated magnitude: |y - ref| <= 1e-5 * sqrt(K) * (rms of |x| |w| products' scale), stated below as
@@ -72,6 +73,20 @@ def test_native_matmul_matches_dequantized_float_matmul(native, qtype: int) -> N
         got = native.gguf_matmul(x, blocks, qtype)
         torch.testing.assert_close(got.double(), reference(x, blocks, qtype), rtol=0, atol=1e-4 * k ** 0.5,
                                    msg=lambda s, m=m, n=n, k=k: f"M={m} N={n} K={k}: {s}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[NATIVE_GGUF_TYPES[t].name for t in TYPES])
+def test_native_matmul_at_every_decode_row_count(native, qtype: int) -> None:
+    """M = 1..8 covers the in-register path at each of its activation-row counts (1-4) and the blocked one just
+    past it; N = 11 and 13 leave a tail after the 4-row weight groups, N = 3 has no full group at all, and N = 23
+    has more than two groups (each prefetching the next)."""
+    block = NATIVE_GGUF_TYPES[qtype].block
+    for n, k in ((11, 3 * block), (3, block), (23, 2 * block), (13, 5 * block)):
+        blocks = random_blocks(qtype, n, k, seed=qtype + n)
+        for m in range(1, 9):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            torch.testing.assert_close(native.gguf_matmul(x, blocks, qtype).double(), reference(x, blocks, qtype),
+                                       rtol=0, atol=1e-4 * k ** 0.5, msg=lambda s, m=m, n=n: f"M={m} N={n}: {s}")
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[NATIVE_GGUF_TYPES[t].name for t in TYPES])
