@@ -7,7 +7,11 @@
 # Result: PREFIX/bin/llama-bench and PREFIX/bin/llama-server, e.g.
 #   kvserve bench latency --peer llama-cpp --llama-bench ~/.cache/kvserve/llama.cpp/bin/llama-bench
 #   ~/.cache/kvserve/llama.cpp/bin/llama-server -m <gguf> -t 2 -np 32 -c 16384 --port 8081
-# Environment: LLAMA_CPP_PYTHON_VERSION (pin the sdist, e.g. 0.3.36), JOBS (parallel build jobs, default: nproc).
+# Environment: LLAMA_CPP_PYTHON_VERSION (pin the sdist, e.g. 0.3.36), JOBS (parallel build jobs, default: nproc),
+# LLAMA_CPP_CMAKE_ARGS (more CMake flags, after the defaults). On an Intel host whose AMX the hypervisor does not
+# hand over (llama-bench then dies with SIGSEGV in ggml_backend_amx_mul_mat), build for its AVX-512 without AMX:
+#   LLAMA_CPP_CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+#   -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'
 set -euo pipefail
 
 PREFIX="${1:-$HOME/.cache/kvserve/llama.cpp}"
@@ -43,7 +47,8 @@ cmake -S "$src" -B "$WORK/build" \
     -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=ON \
-    -DBUILD_SHARED_LIBS=OFF
+    -DBUILD_SHARED_LIBS=OFF \
+    ${LLAMA_CPP_CMAKE_ARGS:-}
 cmake --build "$WORK/build" --config Release -j "$JOBS" --target llama-bench llama-server
 
 mkdir -p "$PREFIX/bin"
