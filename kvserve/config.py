@@ -119,10 +119,7 @@ class EngineConfig:
 
 
 def resolve_attention_backend(name: str | None, device_type: str) -> str:
-    """`--attention-backend` unset: "cpu" on CPU; on CUDA "triton" where it is registered, else "reference"
-    (plain torch: correct on any device, not fast). An explicit choice is kept."""
+    """`--attention-backend` unset: "cpu" on CPU, "triton" on CUDA. An explicit choice is kept."""
     if name is not None and name != "auto":
         return name
-    if device_type == "cpu":
-        return "cpu"
-    return "triton" if "triton" in ATTENTION_BACKENDS else "reference"
+    return "cpu" if device_type == "cpu" else "triton"

@@ -77,6 +77,21 @@ def _load_kv_tile(cache_ptr, scale_ptr, table_ptr, pos, valid, offs_d, d_mask, k
 
 
 @triton.jit
+def _online_softmax_step(s, v, m, lsum, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of the online softmax, shared by the decode and prefill kernels: scores s (log2 units, -inf
+    where masked) and the tile's values v fold into the running max m, sum lsum and weighted values acc;
+    returns the new (m, lsum, acc). A row that has seen no key yet (max -inf) is shifted by 0, so exp2 gives 0,
+    not NaN."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m - shift)
+    p = tl.exp2(s - shift[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr,
                    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                    scale_log2, window,
@@ -119,14 +134,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr
                           stride_h, sc_stride_b, sc_stride_s, sc_stride_h, BLOCK_SIZE, IS_QUANT, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(v_ptr, vs_ptr, table_ptr, pos, valid, offs_d, d_mask, kv_head, stride_b, stride_s,
                           stride_h, sc_stride_b, sc_stride_s, sc_stride_h, BLOCK_SIZE, IS_QUANT, DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m = m_new
+        m, lsum, acc = _online_softmax_step(s, v, m, lsum, acc, DOT_DTYPE, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
@@ -213,16 +223,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_pt
         if HAS_WINDOW:
             seen = seen & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A row may see no key of this tile yet (m_new = -inf): shift by 0 so exp2 gives 0, not NaN.
-        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m - shift)
-        p = tl.exp2(s - shift[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(v_ptr, vs_ptr, table_ptr, pos, valid, offs_d, d_mask, kv_head, stride_b, stride_s,
                           stride_h, sc_stride_b, sc_stride_s, sc_stride_h, BLOCK_SIZE, IS_QUANT, DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m = m_new
+        m, lsum, acc = _online_softmax_step(s, v, m, lsum, acc, DOT_DTYPE, PRECISION)
 
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     o_rows = (row_start + qi) * stride_ot + (kv_head * GROUP + g) * stride_oh

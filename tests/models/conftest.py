@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import build_tiny_hf_model
+from tiny_tokenizer import write_char_tokenizer
 
 
 @pytest.fixture
@@ -22,3 +23,15 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module
         return path, model
 
     return make
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny llama (GQA) and gemma3 (MQA, sliding window) checkpoints with a character tokenizer, once per module."""
+    out = {}
+    for variant in ("llama_gqa", "gemma3_mqa_sliding"):
+        path = tmp_path_factory.mktemp(variant)
+        build_tiny_hf_model(variant).save_pretrained(path)
+        write_char_tokenizer(path)
+        out[variant] = path
+    return out

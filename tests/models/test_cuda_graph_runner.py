@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_hf_model
-from tiny_tokenizer import write_char_tokenizer
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention.backend import AttentionLayerSpec
@@ -49,17 +47,6 @@ def tensor_only_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionM
     scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * layer.scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     return torch.einsum("bhs,bshd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    out = {}
-    for variant in ("llama_gqa", "gemma3_mqa_sliding"):
-        path = tmp_path_factory.mktemp(variant)
-        build_tiny_hf_model(variant).save_pretrained(path)
-        write_char_tokenizer(path)
-        out[variant] = path
-    return out
 
 
 def make_engine(path: Path, backend=tensor_only_attention, **kw) -> LLMEngine:

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_hf_model
-from tiny_tokenizer import write_char_tokenizer
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
@@ -23,17 +21,6 @@ from logprob_check import assert_logprobs_close  # noqa: E402
 TOP = 5
 QUANT = ["fp8_e4m3", "fp8_e5m2", "int8"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=TOP)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    out = {}
-    for variant in ("llama_gqa", "gemma3_mqa_sliding"):
-        path = tmp_path_factory.mktemp(variant)
-        build_tiny_hf_model(variant).save_pretrained(path)
-        write_char_tokenizer(path)
-        out[variant] = path
-    return out
 
 
 def make_engine(path: Path, **kw) -> LLMEngine:
