@@ -188,11 +188,20 @@ template <typename F>
 inline void decode(const uint8_t* b, float* dst) {
     alignas(32) int8_t tmp[32];
     F::visit(b, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
+#if defined(__AVX512F__)
+        for (int i = 0; i < 2; ++i) {  // 16 at a time: half the instructions of the AVX2 loop, the same products
+            const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(reinterpret_cast<const uint8_t*>(q) + 16 * i)));
+            __m512 w = _mm512_mul_ps(qf, _mm512_set1_ps(i == 0 ? s_lo : s_hi));
+            if constexpr (F::kMin) w = _mm512_sub_ps(w, _mm512_set1_ps(min));
+            _mm512_storeu_ps(dst + offset + 16 * i, w);
+        }
+#else
         for (int i = 0; i < 4; ++i) {
             __m256 w = _mm256_mul_ps(cvt8(q + 8 * i), _mm256_set1_ps(i < 2 ? s_lo : s_hi));
             if constexpr (F::kMin) w = _mm256_sub_ps(w, _mm256_set1_ps(min));
             _mm256_storeu_ps(dst + offset + 8 * i, w);
         }
+#endif
     });
 }
 

@@ -341,14 +341,17 @@ def _rows_layout(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
-def load_kernels(cache_dir: Path, native: bool = True) -> Kernels:
-    """The native kernels when this machine can build and run them, else the torch ones (with a warning)."""
+def load_kernels(cache_dir: Path, native: bool = True, isa: str | None = None) -> Kernels:
+    """The native kernels when this machine can build and run them, else the torch ones (with a warning).
+
+    isa: build for this key of kvserve.kernels.native.ISA_REQUIREMENTS instead of the best the CPU has (tests
+    and A/B measurements)."""
     if not native:
         return TorchKernels()
     ok, why = cpu_supports_native()
     if ok:
         try:
-            return NativeKernels(load_native_library(build_native_library(cache_dir)))
+            return NativeKernels(load_native_library(build_native_library(cache_dir, isa)))
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             why = str(e)
     log.warning("using the slower torch kernels: %s", why)

@@ -26,12 +26,20 @@ inline void widen_rows(const int8_t* w, const float* scales, int64_t k, int64_t 
         const float* sc = scales + ((n0 + r) * k + k0) / kGroup;
         float* dst = buf + r * kc;
         for (int64_t g = 0; g < groups; ++g) {
+#if defined(__AVX512F__)
+            const __m512 s = _mm512_set1_ps(sc[g]);
+            for (int j = 0; j < kGroup; j += 16) {
+                const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + g * kGroup + j));
+                _mm512_storeu_ps(dst + g * kGroup + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
+            }
+#else
             const __m256 s = _mm256_set1_ps(sc[g]);
             for (int j = 0; j < kGroup; j += 8) {
                 __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + g * kGroup + j));
                 __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
                 _mm256_storeu_ps(dst + g * kGroup + j, _mm256_mul_ps(f, s));
             }
+#endif
         }
     }
 }

@@ -21,22 +21,10 @@ namespace kvserve {
 constexpr int kWidenRows = 4;
 constexpr int64_t kMaxChunk = 1024;
 
-// x points at column k0 of row 0 (rows k apart); buf holds R widened rows of kc columns. The first k-chunk
-// stores into y, later ones add to it.
+// The R x C dot products in acc (8 lanes each) reduced and stored at y[m0 + c, n0 + r]; the first k-chunk
+// stores, later ones add.
 template <int R, int C, bool ADD>
-inline void widened_micro(const float* buf, const float* x, int64_t k, int64_t kc, int64_t m0, int64_t n0,
-                          int64_t ldy, float* y) {
-    __m256 acc[R][C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < kc; i += 8) {
-        __m256 wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(buf + r * kc + i);
-        for (int c = 0; c < C; ++c) {
-            const __m256 xv = _mm256_loadu_ps(x + (m0 + c) * k + i);
-            for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
-        }
-    }
+inline void store_dots(__m256 (&acc)[R][C], int64_t m0, int64_t n0, int64_t ldy, float* y) {
     if constexpr (R == 4) {
         // The four weight rows are four adjacent outputs: reduce their accumulators together into one vector
         // (three horizontal adds and a half-add) and store it once, instead of four scalar reductions.
@@ -57,14 +45,71 @@ inline void widened_micro(const float* buf, const float* x, int64_t k, int64_t k
     }
 }
 
-// Activation rows [m_lo, m_hi) against the widened rows in buf.
+#if defined(__AVX512F__)
+// AVX-512 (the library is built with it where the CPU has it: kvserve/kernels/native.py): 16 lanes and 32
+// registers: twice the FLOPs per instruction of AVX2, and 4 x 4 accumulators (measured on the LM head at 8 and 32
+// rows against 4 x 6, which leaves 2-row tails at those batch sizes, and 8 weight rows x 3: both slower; so is a
+// k-chunk small enough that 32 activation rows stay in L1). kc is a multiple of 16: every format's block is a
+// multiple of 32 weights.
+constexpr int kMicroCols = 4;
+
+template <int R, int C, bool ADD>
+inline void widened_micro(const float* buf, const float* x, int64_t k, int64_t kc, int64_t m0, int64_t n0,
+                          int64_t ldy, float* y) {
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kc; i += 16) {
+        __m512 wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(buf + r * kc + i);
+        for (int c = 0; c < C; ++c) {
+            const __m512 xv = _mm512_loadu_ps(x + (m0 + c) * k + i);
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+        }
+    }
+    __m256 half[R][C];  // lanes i and i + 8 added: the AVX2 reduction takes it from there
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+            half[r][c] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][c]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1)));
+    store_dots<R, C, ADD>(half, m0, n0, ldy, y);
+}
+#else
+constexpr int kMicroCols = 3;  // 4 x 3 accumulators, 4 weight vectors and one activation vector: 17 registers
+
+// x points at column k0 of row 0 (rows k apart); buf holds R widened rows of kc columns.
+template <int R, int C, bool ADD>
+inline void widened_micro(const float* buf, const float* x, int64_t k, int64_t kc, int64_t m0, int64_t n0,
+                          int64_t ldy, float* y) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kc; i += 8) {
+        __m256 wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(buf + r * kc + i);
+        for (int c = 0; c < C; ++c) {
+            const __m256 xv = _mm256_loadu_ps(x + (m0 + c) * k + i);
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
+        }
+    }
+    store_dots<R, C, ADD>(acc, m0, n0, ldy, y);
+}
+#endif
+
+// Activation rows [m_lo, m_hi) against the widened rows in buf, kMicroCols at a time.
 template <int R, bool ADD>
 inline void widened_rows_(const float* buf, const float* x, int64_t m_lo, int64_t m_hi, int64_t k, int64_t kc,
                           int64_t n0, int64_t ldy, float* y) {
     int64_t m0 = m_lo;
-    for (; m0 + 3 <= m_hi; m0 += 3) widened_micro<R, 3, ADD>(buf, x, k, kc, m0, n0, ldy, y);
-    if (m_hi - m0 == 2) widened_micro<R, 2, ADD>(buf, x, k, kc, m0, n0, ldy, y);
-    else if (m_hi - m0 == 1) widened_micro<R, 1, ADD>(buf, x, k, kc, m0, n0, ldy, y);
+    static_assert(kMicroCols <= 4, "the tails below are of up to 3 rows");
+    for (; m0 + kMicroCols <= m_hi; m0 += kMicroCols)
+        widened_micro<R, kMicroCols, ADD>(buf, x, k, kc, m0, n0, ldy, y);
+    switch (m_hi - m0) {  // the remainder, fewer than kMicroCols rows
+        case 3: if constexpr (kMicroCols > 3) widened_micro<R, 3, ADD>(buf, x, k, kc, m0, n0, ldy, y); break;
+        case 2: widened_micro<R, 2, ADD>(buf, x, k, kc, m0, n0, ldy, y); break;
+        case 1: widened_micro<R, 1, ADD>(buf, x, k, kc, m0, n0, ldy, y); break;
+        default: break;
+    }
 }
 
 template <int R>
@@ -88,7 +133,8 @@ void widened_matmul(const float* x, int64_t m, int64_t k, int64_t n, int64_t gro
     // Activation rows are taken in tiles that stay in a core's L2 (~256 KB), so that at prefill sizes each
     // weight block is not multiplied against activations streamed from L3; re-widening a block per tile
     // costs K conversions against 2 x K x tile FLOPs.
-    const int64_t tile = m <= 3 ? m : std::max<int64_t>(3, (256 * 1024 / (4 * k)) / 3 * 3);
+    const int64_t tile =
+        m <= kMicroCols ? m : std::max<int64_t>(kMicroCols, (256 * 1024 / (4 * k)) / kMicroCols * kMicroCols);
 #pragma omp parallel
     {
         // A chunk of whole blocks may pass kMaxChunk by less than a block (K-quants: 256).

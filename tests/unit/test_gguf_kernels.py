@@ -1,8 +1,9 @@
 """The GGUF block matmul (kernels/gguf_matmul.cpp) and its torch fallback against the reference: gguf-py's
 dequantization (what HF transformers loads GGUF weights with) and a float32 matmul, on random blocks of each
-native type, at odd shapes: M = 1, 3, 17 (the micro-kernel's 3-row tiles and their tails) and every M from 1 to
-8 (the in-register decode path and the blocked one), N not a multiple of the 4-row weight block, K of one block,
-of several, and over the driver's 1024-weight k-chunk.
+native type, at odd shapes: M = 1, 3, 17 (the micro-kernel's 3- or 4-row tiles and their tails) and every M from 1
+to 12 (the in-register decode path, and the blocked one with each tail of both tile widths), N not a multiple of the
+4-row weight block, K of one block, of several, and over the driver's 1024-weight k-chunk. Each test runs on every
+build this CPU can run (AVX2; AVX-512 where it has it: kvserve/kernels/native.py).
 
 Tolerance: the result may differ from the reference only by summation order, so by a few float32 ulps of the
 accumulated magnitude: |y - ref| <= 1e-5 * sqrt(K) * (rms of |x| |w| products' scale), stated below as
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_bytes
-from kvserve.kernels.native import cpu_supports_native
+from kvserve.kernels.native import cpu_supports_native, supported_isas
 from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
 from kvserve.model.tokenizer import default_cache_dir
 
@@ -50,11 +51,11 @@ def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor
     return x.double() @ dequantize_blocks(blocks, qtype).double().T
 
 
-@pytest.fixture(scope="module")
-def native() -> NativeKernels:
+@pytest.fixture(scope="module", params=supported_isas() or ["none"])
+def native(request) -> NativeKernels:
     if not NATIVE_OK:
         pytest.skip(WHY)
-    kernels = load_kernels(default_cache_dir() / "kernels")
+    kernels = load_kernels(default_cache_dir() / "kernels", isa=request.param)
     assert isinstance(kernels, NativeKernels), "this machine has a compiler and AVX2: the native kernels must build"
     return kernels
 
@@ -77,13 +78,14 @@ def test_native_matmul_matches_dequantized_float_matmul(native, qtype: int) -> N
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[NATIVE_GGUF_TYPES[t].name for t in TYPES])
 def test_native_matmul_at_every_decode_row_count(native, qtype: int) -> None:
-    """M = 1..8 covers the in-register path at each of its activation-row counts (1-4) and the blocked one just
-    past it; N = 11 and 13 leave a tail after the 4-row weight groups, N = 3 has no full group at all, and N = 23
-    has more than two groups (each prefetching the next)."""
+    """M = 1..12 covers the in-register path at each of its activation-row counts (1-4) and the blocked one past
+    it with every tail of its 3-row (AVX2) or 4-row (AVX-512) tiles; N = 11 and 13 leave a tail after the 4-row
+    weight groups, N = 3 has no full group at all, and N = 23 has more than two groups (each prefetching the
+    next)."""
     block = NATIVE_GGUF_TYPES[qtype].block
     for n, k in ((11, 3 * block), (3, block), (23, 2 * block), (13, 5 * block)):
         blocks = random_blocks(qtype, n, k, seed=qtype + n)
-        for m in range(1, 9):
+        for m in range(1, 13):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             torch.testing.assert_close(native.gguf_matmul(x, blocks, qtype).double(), reference(x, blocks, qtype),
                                        rtol=0, atol=1e-4 * k ** 0.5, msg=lambda s, m=m, n=n: f"M={m} N={n}: {s}")

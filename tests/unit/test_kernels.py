@@ -13,7 +13,7 @@ import torch
 from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import reference_attention
-from kvserve.kernels.native import build_native_library, cpu_supports_native
+from kvserve.kernels.native import build_native_library, cpu_supports_native, supported_isas
 from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8, quantize_q8
 from kvserve.kv.cache import LayerKVCache
@@ -23,11 +23,12 @@ NATIVE_OK, WHY = cpu_supports_native()
 needs_native = pytest.mark.skipif(not NATIVE_OK, reason=WHY)
 
 
-@pytest.fixture(scope="module")
-def native() -> NativeKernels:
+@pytest.fixture(scope="module", params=supported_isas() or ["none"])
+def native(request) -> NativeKernels:
+    """The kernels built for each instruction set this CPU has (AVX2, and AVX-512 where it has it)."""
     if not NATIVE_OK:
         pytest.skip(WHY)
-    kernel = load_kernels(default_cache_dir() / "kernels")
+    kernel = load_kernels(default_cache_dir() / "kernels", isa=request.param)
     assert isinstance(kernel, NativeKernels), "this machine has a compiler and AVX2: the native kernel must build"
     return kernel
 
@@ -114,6 +115,27 @@ def test_build_hash_covers_the_shared_header(tmp_path: Path, monkeypatch) -> Non
     edited.write_text("// edited\n")
     monkeypatch.setattr(native, "HEADERS", (edited,))
     assert build_native_library(tmp_path) != first
+
+
+def test_each_instruction_set_is_its_own_build(tmp_path: Path, monkeypatch) -> None:
+    """An AVX-512 build and an AVX2 build of the same sources are different files with different flags, and the
+    default is the best set the CPU has (a library built on one machine is never loaded for another's set)."""
+    from kvserve.kernels import native
+
+    calls: list[list[str]] = []
+    monkeypatch.setenv("CXX", "/bin/true")
+    monkeypatch.setattr(native.os, "replace", lambda src, dst: Path(dst).write_bytes(b""))
+    real_run = native.subprocess.run
+    monkeypatch.setattr(native.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    avx2, avx512 = build_native_library(tmp_path, "avx2"), build_native_library(tmp_path, "avx512")
+    assert avx2 != avx512
+    assert "-mavx512f" in calls[1] and "-mavx512f" not in calls[0]
+    monkeypatch.setattr(native, "_cpu_flags", lambda: set(native.ISA_REQUIREMENTS["avx2"][0]))
+    if native.cpu_supports_native()[0]:
+        assert native.supported_isas() == ["avx2"] and build_native_library(tmp_path) == avx2
+    monkeypatch.setattr(native, "_cpu_flags", lambda: set(native.ISA_REQUIREMENTS["avx512"][0]))
+    if native.cpu_supports_native()[0]:
+        assert native.supported_isas() == ["avx512", "avx2"] and build_native_library(tmp_path) == avx512
 
 
 def test_falls_back_to_torch_when_the_build_fails(tmp_path: Path, monkeypatch, caplog) -> None:
