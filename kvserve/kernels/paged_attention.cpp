@@ -15,24 +15,92 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
-
-inline float dot(const float* a, const float* b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float r = kvserve::hsum(acc);
-    for (; i < n; ++i) r += a[i] * b[i];
-    return r;
-}
 
 inline void axpy(float w, const float* x, float* y, int64_t n) {  // y += w * x
     const __m256 wv = _mm256_set1_ps(w);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; ++i) y[i] += w * x[i];
+}
+
+// scores[g * n] = scale * (q_g . k) for G query heads (q rows dim apart) sharing one key: k is read once.
+template <int G>
+inline void group_dots(const float* q, const float* k, int64_t dim, float scale, float* scores, int64_t n) {
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 kv = _mm256_loadu_ps(k + i);
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+        float r = kvserve::hsum(acc[g]);
+        for (int64_t j = i; j < dim; ++j) r += q[g * dim + j] * k[j];
+        scores[g * n] = r * scale;
+    }
+}
+
+// out[g] (dim floats each, `stride` apart) = sum over the n keys of w[g * n + p] * V row p, for G query heads.
+// Columns are taken 16 at a time with all G x 16 sums in registers across the keys, instead of adding each V
+// row into memory once per head: the V rows of a sequence stay in L2 between the column passes.
+template <int G>
+inline void group_weighted_sum(const float* const* v_rows, int64_t n, const float* w, int64_t dim, float* out,
+                               int64_t stride) {
+    int64_t c = 0;
+    for (; c + 16 <= dim; c += 16) {
+        __m256 acc[G][2];
+        for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < n; ++p) {
+            const __m256 v0 = _mm256_loadu_ps(v_rows[p] + c), v1 = _mm256_loadu_ps(v_rows[p] + c + 8);
+            for (int g = 0; g < G; ++g) {
+                const __m256 wv = _mm256_broadcast_ss(w + g * n + p);
+                acc[g][0] = _mm256_fmadd_ps(wv, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(wv, v1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            _mm256_storeu_ps(out + g * stride + c, acc[g][0]);
+            _mm256_storeu_ps(out + g * stride + c + 8, acc[g][1]);
+        }
+    }
+    for (; c < dim; ++c)  // a head size that is not a multiple of 16
+        for (int g = 0; g < G; ++g) {
+            float sum = 0.0f;
+            for (int64_t p = 0; p < n; ++p) sum += w[g * n + p] * v_rows[p][c];
+            out[g * stride + c] = sum;
+        }
+}
+
+// exp(s[i] - m) in place over n scores; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = kvserve::exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+        _mm256_storeu_ps(s + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = kvserve::hsum(sum);
+    for (; i < n; ++i) total += (s[i] = expf(s[i] - m));
+    return total;
+}
+
+// Up to four query heads at a time (the group of a KV head may be larger: MQA with many heads).
+template <typename Call>
+inline void by_heads(int64_t group, const Call& call) {
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        switch (std::min<int64_t>(4, group - g0)) {
+            case 4: call(g0, std::integral_constant<int, 4>{}); break;
+            case 3: call(g0, std::integral_constant<int, 3>{}); break;
+            case 2: call(g0, std::integral_constant<int, 2>{}); break;
+            default: call(g0, std::integral_constant<int, 1>{}); break;
+        }
+    }
 }
 
 }  // namespace
@@ -60,6 +128,7 @@ void kvserve_paged_decode_attention(const float* q, const float* k_cache, const 
 #pragma omp parallel
     {
         std::vector<float> scores;
+        std::vector<const float*> rows;  // each key's V row
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < pairs * splits; ++item) {
             const int64_t pair = item / splits, part = item % splits;
@@ -72,29 +141,31 @@ void kvserve_paged_decode_attention(const float* q, const float* k_cache, const 
             const int64_t* table = block_tables + b * table_width;
             float* acc = partial.data() + item * group * stride;
             scores.assign(static_cast<size_t>(group * n), 0.0f);
+            rows.resize(static_cast<size_t>(n));
+            const float* q_pair = q + (b * heads + h * group) * dim;
             for (int64_t p = 0; p < n; ++p) {
                 const int64_t pos = first + p;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
                 const float* k = k_cache + (slot * kv_heads + h) * dim;
-                for (int64_t g = 0; g < group; ++g)
-                    scores[g * n + p] = dot(q + (b * heads + h * group + g) * dim, k, dim) * scale;
+                rows[p] = v_cache + (slot * kv_heads + h) * dim;
+                by_heads(group, [&](int64_t g0, auto heads_here) {
+                    group_dots<decltype(heads_here)::value>(q_pair + g0 * dim, k, dim, scale,
+                                                             scores.data() + g0 * n + p, n);
+                });
             }
             for (int64_t g = 0; g < group; ++g) {
                 float* s = scores.data() + g * n;
                 float* a = acc + g * stride;
                 const float m = n ? *std::max_element(s, s + n) : -INFINITY;
-                float sum = 0.0f;
-                for (int64_t p = 0; p < n; ++p) sum += (s[p] = expf(s[p] - m));
                 a[0] = m;
-                a[1] = sum;
-                std::fill(a + 2, a + stride, 0.0f);
+                a[1] = n ? exp_shifted(s, n, m) : 0.0f;
+                if (n == 0) std::fill(a + 2, a + stride, 0.0f);
             }
-            for (int64_t p = 0; p < n; ++p) {
-                const int64_t pos = first + p;
-                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                const float* v = v_cache + (slot * kv_heads + h) * dim;
-                for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + p], v, acc + g * stride + 2, dim);
-            }
+            if (n > 0)
+                by_heads(group, [&](int64_t g0, auto heads_here) {
+                    group_weighted_sum<decltype(heads_here)::value>(rows.data(), n, scores.data() + g0 * n, dim,
+                                                                    acc + g0 * stride + 2, stride);
+                });
         }
         // Merge the parts of each (pair, query head): rescale each part's sums to the overall max.
 #pragma omp for schedule(static)

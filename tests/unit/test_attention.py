@@ -93,6 +93,18 @@ def test_native_paged_attention_takes_long_contexts_and_wide_heads(kernels) -> N
     torch.testing.assert_close(cpu_attention(q, cache, meta, layer, kernels=kernels), ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 1, 24), (3, 1, 12), (8, 2, 40), (9, 1, 16)])
+def test_decode_of_wide_groups_and_odd_head_sizes(heads: int, kv_heads: int, head_dim: int,
+                                                  kernels) -> None:  # type: ignore[no-untyped-def]
+    """The native decode kernel takes the query heads of a KV head four at a time and V's columns sixteen at a
+    time: groups of 3, 4 + 2, 4 + 4 + 1 and head sizes with a tail after the sixteens (or no sixteen at all)."""
+    q, kc, vc, meta = _scenario([(45, 1), (3, 1), (17, 1)], 4, heads, kv_heads, seed=heads * 100 + head_dim,
+                                head_dim=head_dim)
+    cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(head_dim**-0.5, None)
+    ref = reference_attention(q, cache, meta, layer)
+    torch.testing.assert_close(cpu_attention(q, cache, meta, layer, kernels=kernels), ref, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize(("seq_len", "window", "threads"), [(300, None, 2), (1, None, 2), (2, None, 3), (3, 2, 2),
                                                             (700, 512, 2), (41, None, 4), (41, None, 1)])
 def test_decode_of_one_sequence_split_over_threads(seq_len: int, window: int | None, threads: int,
