@@ -14,6 +14,7 @@ from kvserve.vocab import (
     COMPUTE_DTYPES,
     HASH_ALGOS,
     KV_DTYPES,
+    LM_HEAD_QUANTIZATIONS,
     QUANTIZATION_METHODS,
     STRUCTURED_OUTPUTS_BACKENDS,
 )
@@ -36,6 +37,8 @@ class EngineConfig:
     # Weights: "none" (the checkpoint's, in --dtype), "q8_0" (8-bit, a scale per 32), "gguf" (a GGUF file's own
     # blocks as stored), or "auto": gguf for a GGUF checkpoint on CPU, else none (capacity.resolve_quantization).
     quantization: str = "auto"
+    # The LM head's own weights (kvserve/model/lm_head.py): None (as the rest) or "q4_0" (opt-in, lossy; needs gguf)
+    lm_head_quantization: str | None = None
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length, capped by what the cache holds
     max_num_seqs: int = 256
@@ -88,6 +91,7 @@ class EngineConfig:
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "> 0"),
             _one_of(self.dtype, "dtype", ("auto", *COMPUTE_DTYPES)),
             _one_of(self.quantization, "quantization", ("auto", *QUANTIZATION_METHODS)),
+            _one_of(self.lm_head_quantization or "none", "lm_head_quantization", ("none", *LM_HEAD_QUANTIZATIONS)),
             _one_of(self.kv_cache_dtype, "kv_cache_dtype", ("auto", *KV_DTYPES)),
             _one_of(self.attention_backend or "auto", "attention_backend", ("auto", *ATTENTION_BACKENDS)),
             (_DEVICE.fullmatch(self.device) is not None, "device", "cpu or cuda[:N]"),

@@ -15,6 +15,7 @@ from kvserve.vocab import (
     COMPUTE_DTYPES,
     HASH_ALGOS,
     KV_DTYPES,
+    LM_HEAD_QUANTIZATIONS,
     QUANTIZATION_METHODS,
     STRUCTURED_OUTPUTS_BACKENDS,
 )
@@ -34,6 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "3x faster decode on CPU), gguf (a GGUF file's own Q4_K/Q5_0/Q6_K/Q8_0... blocks as stored: "
                         "exact to the file, CPU, the fastest decode), or auto (default): gguf for a GGUF file on "
                         "CPU, else none")
+    g.add_argument("--lm-head-quantization", default=None, choices=list(LM_HEAD_QUANTIZATIONS),
+                   help="opt-in, lossy: the LM head re-quantized to 4-bit Q4_0 blocks at load (the input embedding "
+                        "keeps the file's): fewer bytes a decode step (Gemma 3 270M: 178 -> 94 MB of its 247), at "
+                        "a perplexity cost docs/BENCHMARKS.md reports; needs --quantization gguf (auto on a GGUF "
+                        "file on CPU)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
     g.add_argument("--seed", type=int, default=0)
@@ -94,7 +100,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the flags that add_engine_args registered (validated by EngineConfig)."""
     return EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        model=args.model, dtype=args.dtype, quantization=args.quantization,
+        lm_head_quantization=getattr(args, "lm_head_quantization", None), device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,

@@ -43,6 +43,8 @@ KV_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 # a float32 scale shared by 32 weights (kvserve/model/quantization.py); "gguf" runs a GGUF file's quantized
 # blocks as stored (kvserve/model/gguf_layers.py).
 QUANTIZATION_METHODS: tuple[str, ...] = ("none", "q8_0", "gguf")
+# --lm-head-quantization: the LM head re-quantized to these GGUF block types (kvserve/model/lm_head.py)
+LM_HEAD_QUANTIZATIONS: tuple[str, ...] = ("q4_0",)
 # `--prefix-caching-hash-algo`: sha256 is collision-resistant; xxhash (xxh3-128) is faster (kv/hashing.py).
 HASH_ALGOS: tuple[str, ...] = ("sha256", "xxhash")
 # `--attention-backend`: "cpu" is the fast CPU path, "reference" the plain torch truth, "triton" the paged

@@ -86,8 +86,9 @@ def model_cost(model: torch.nn.Module, config: ModelConfig, kv_bytes_per_token: 
         if name in embed_names:
             embed_bytes += size
             embed_params += weights
-    if not config.tie_word_embeddings:
-        # An untied input embedding is only looked up (one row per token), never read whole or multiplied.
+    if not config.tie_word_embeddings or "embed_tokens.head_qweight" in dict(tensors):
+        # An untied input embedding is only looked up (one row per token), never read whole or multiplied; so is
+        # a tied one whose LM head has its own blocks (--lm-head-quantization), counted as the other weights.
         total_bytes -= embed_bytes
         matmul_params -= embed_params
     return ModelCost(

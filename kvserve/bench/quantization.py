@@ -35,7 +35,9 @@ Times are medians over --repeats runs, the methods alternating within each repea
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = new_command(sub, "quantization", "accuracy, memory and speed of each --quantization (weights)",
                     __doc__.splitlines()[0], SCHEMA)
-    p.add_argument("--methods", default="none,q8_0", help="comma-separated --quantization values (none runs first)")
+    p.add_argument("--methods", default="none,q8_0",
+                   help="comma-separated --quantization values (none runs first); METHOD+lm-head-TYPE adds "
+                        "--lm-head-quantization TYPE, e.g. gguf+lm-head-q4_0")
     add_accuracy_args(p, greedy_tokens=32)
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill figure")
     p.add_argument("--decode-batches", type=int_list, default=[1, 32], help="batch sizes of the decode figures")
@@ -62,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
     engines: dict[str, LLMEngine] = {}
     rows: dict[str, dict] = {}
     for name in names:
-        LLMEngine.from_config(replace(base_config, quantization=name))  # first start fills the caches, untimed
+        quantization, _, head = name.partition("+lm-head-")
+        config = replace(base_config, quantization=quantization, lm_head_quantization=head or None)
+        LLMEngine.from_config(replace(config))  # first start fills the caches, untimed
         start = time.perf_counter()
-        engines[name] = LLMEngine.from_config(replace(base_config, quantization=name))
+        engines[name] = LLMEngine.from_config(replace(config))
         rows[name] = {"quantization": name, "weight_bytes": weight_bytes(engines[name].runner.model),
                       "start_s": time.perf_counter() - start}
     first = engines[BASELINE]

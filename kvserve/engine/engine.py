@@ -299,7 +299,8 @@ class LLMEngine:
             config.attention_backend = resolve_attention_backend(config.attention_backend, device.type)
             config.quantization = resolve_quantization(config.quantization, device.type, source.format.value)
             loaded = load_model(source, dtype, device, attention_backend=config.attention_backend,
-                                quantization=config.quantization, config=model_config)
+                                quantization=config.quantization, config=model_config,
+                                lm_head_quantization=config.lm_head_quantization)
             tokenizer = tokenizer_future.result()
         if config.served_model_name is None:
             config.served_model_name = source.name

@@ -38,6 +38,16 @@ class GGUFLinear(nn.Module):
         counts (bench/floor.py) ask the layer rather than the buffer's numel()."""
         return [(getattr(self, f"blocks{i}"), rows * self.in_features) for i, rows in enumerate(self.part_rows)]
 
+    def part_blocks(self, i: int) -> torch.Tensor:
+        return getattr(self, f"blocks{i}")
+
+    def replace_blocks(self, qtype: int, blocks: torch.Tensor) -> None:
+        """A one-part layer's weights as other blocks of the same rows (--lm-head-quantization)."""
+        if len(self.qtypes) != 1 or blocks.shape[0] != self.out_features:
+            raise ValueError("replace_blocks takes the rows of a one-part layer")
+        self.qtypes = (qtype,)
+        self.register_buffer("blocks0", blocks)
+
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: an [N, out_features] float32 buffer to write into (N = x's rows)."""
         lead = x.shape[:-1]
@@ -63,28 +73,42 @@ class GGUFEmbedding(nn.Module):
 
     qweight: torch.Tensor  # [num_embeddings, bytes per row] uint8 GGUF blocks, a buffer
 
+    head_qweight: torch.Tensor | None  # the LM head's own blocks (--lm-head-quantization), else None: qweight
+
     def __init__(self, qtype: int, blocks: torch.Tensor, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
         self.qtype = qtype
         self.num_embeddings, self.embedding_dim = blocks.shape[0], row_length(qtype, blocks.shape[1])
         self.register_buffer("qweight", blocks)  # the name bench/floor.py counts as the embedding
+        self.head_qtype = qtype
+        self.register_buffer("head_qweight", None)  # bench/floor.py counts it as the LM head, when set
         self.dtype = dtype
         self.kernels = kernels
 
+    def set_head_blocks(self, qtype: int, blocks: torch.Tensor) -> None:
+        """`attend` (the tied LM head) reads these blocks of the same rows; lookups keep the file's."""
+        if blocks.shape[0] != self.num_embeddings or row_length(qtype, blocks.shape[1]) != self.embedding_dim:
+            raise ValueError("the head's blocks must hold the embedding's rows")
+        self.head_qtype = qtype
+        self.head_qweight = blocks
+
     def packed_weight_counts(self) -> list[tuple[torch.Tensor, int]]:
         """See GGUFLinear.packed_weight_counts."""
-        return [(self.qweight, self.num_embeddings * self.embedding_dim)]
+        weights = self.num_embeddings * self.embedding_dim
+        return [(self.qweight, weights)] + ([] if self.head_qweight is None else [(self.head_qweight, weights)])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.kernels.gguf_dequantize(self.qweight[ids.reshape(-1)], self.qtype)
         return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def attend(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.gguf_matmul(hidden.reshape(-1, self.embedding_dim), self.qweight, self.qtype, out)
+        blocks = self.qweight if self.head_qweight is None else self.head_qweight
+        return self.kernels.gguf_matmul(hidden.reshape(-1, self.embedding_dim), blocks, self.head_qtype, out)
 
     def extra_repr(self) -> str:
         name = NATIVE_GGUF_TYPES[self.qtype].name
-        return f"{self.num_embeddings}, {self.embedding_dim}, {name}, kernels={self.kernels.name}"
+        head = "" if self.head_qweight is None else f", LM head {NATIVE_GGUF_TYPES[self.head_qtype].name}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {name}{head}, kernels={self.kernels.name}"
 
 
 # A fused module's sub-name -> the checkpoint sub-names of its parts, in row order (DecoderModel.load_weights).

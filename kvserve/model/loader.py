@@ -27,6 +27,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.gguf_layers import use_gguf_blocks
 from kvserve.model.gguf_reader import GGUFFile
+from kvserve.model.lm_head import quantize_lm_head
 from kvserve.model.quantization import quantize_model
 from kvserve.model.source import ModelFormat, ModelSource
 from kvserve.model.tokenizer import default_cache_dir
@@ -73,13 +74,14 @@ def load_model(
     cache_dir: Path | None = None,
     quantization: str = "none",
     config: ModelConfig | None = None,
+    lm_head_quantization: str | None = None,
 ) -> LoadedModel:
     """Build the model for `source`, fill its weights, then quantize them as `quantization` says;
     `cache_dir` holds dequantized GGUF tensors and quantized weights. The compiled kernels always live in the
     kvserve cache (default_cache_dir() / "kernels"): they depend on the machine, the compiler and the sources,
     not on the model, so one build (named by a digest of all three) serves every model and every cache_dir.
     `config`, when the caller has already read it (load_model_config), saves parsing the checkpoint's metadata
-    again."""
+    again. `lm_head_quantization` (kvserve/model/lm_head.py) needs the GGUF blocks path."""
     start = time.perf_counter()
     if quantization == "gguf" and source.format != ModelFormat.GGUF:
         raise ValueError(f"--quantization gguf runs a GGUF file's own quantized blocks; {source.name} is a "
@@ -91,7 +93,13 @@ def load_model(
     quantized_file: Path | None = None
     if quantization == "gguf" and kernels.name == "native" and device.type == "cpu":
         _load_gguf_blocks(model, source, config, kernels, device)
+        if lm_head_quantization is not None:
+            quantize_lm_head(model, lm_head_quantization, kernels)
         return _loaded(config, model, source, dtype, device, quantization, start)
+    if lm_head_quantization is not None:
+        raise ValueError(f"--lm-head-quantization {lm_head_quantization} re-quantizes an LM head held as the GGUF "
+                         f"file's blocks: it needs --quantization gguf with kvserve's native CPU kernels (here: "
+                         f"--quantization {quantization}, {kernels.name} kernels on {device.type})")
     if quantization == "gguf":
         # No native kernels (no compiler, no AVX2, not the CPU): the blocks would all be dequantized at every start;
         # the float32 weights of the same blocks, cached once, are the same numbers.
