@@ -1,13 +1,14 @@
 """`--lm-head-quantization q4_0`: the LM head as 4-bit blocks (opt-in, lossy).
 
-Why: at batch 1 a decode step is bound by the bytes it reads, and the tied LM head of a small-vocabulary-heavy
-model is most of them: Gemma 3 270M's 262,144 x 640 head is 178 MB of the file's Q8_0 against 69 MB for all
-18 decoder layers. Q4_0 (18 bytes per 32 weights, what llama.cpp calls pure 4-bit) is 94 MB. The input
-embedding keeps the file's blocks (a lookup reads one row per token), so only the logits change; `kvserve bench
-quantization --methods gguf,gguf+lm-head-q4_0` reports what that costs in perplexity and greedy agreement, and
-what it buys in speed (docs/BENCHMARKS.md). The blocks are made at load time from the file's dequantized rows
-with gguf-py's own quantizer (the reference Q4_0), about 2 s for Gemma's head, and run on the same native GGUF
-block kernels as every other layer.
+Why: at batch 1 a decode step reads every weight once, and a large vocabulary's LM head is most of them: Gemma 3
+270M's tied 262,144 x 640 head is 178 MB of the file's Q8_0 against 69 MB for all 18 decoder layers. Q4_0 (18
+bytes per 32 weights) is 94 MB. The input embedding keeps the file's blocks (a lookup reads one row per token), so
+only the logits change. The blocks are made at load time from the file's dequantized rows with gguf-py's own
+quantizer (the reference Q4_0), about 2 s for Gemma's head, and run on the same native GGUF block kernels as
+every other layer. `kvserve bench quantization --methods gguf,gguf+lm-head-q4_0` reports what it costs and buys:
+on this project's 2-core Intel host it did not pay (a slower batch-1 step: decoding nibbles there is bound by
+instructions, not bytes; +8.9% perplexity; docs/PERFORMANCE_NOTES.md attempt 36), so it stays opt-in, for
+machines with less memory bandwidth per core.
 """
 
 from __future__ import annotations

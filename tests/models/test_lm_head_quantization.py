@@ -19,19 +19,23 @@ from kvserve.bench.floor import model_cost
 from kvserve.config import EngineConfig
 from kvserve.kernels.native import cpu_supports_native
 from kvserve.model import loader
-from kvserve.model.gguf_layers import GGUFEmbedding
+from kvserve.model.gguf_layers import GGUFEmbedding, GGUFLinear
 from kvserve.model.source import ModelFormat, ModelSource
 
 needs_native = pytest.mark.skipif(not cpu_supports_native()[0], reason=cpu_supports_native()[1])
 
 
+def _tiny(arch: str, directory: Path) -> tuple[torch.nn.Module, ModelSource]:
+    variant, overrides = GGUF_VARIANTS[arch]
+    hf = build_tiny_hf_model(variant, **overrides)
+    path = directory / f"tiny-{arch}.gguf"
+    write_gguf(hf, path, arch)  # the HF model now holds the file's Q8_0 weights
+    return hf, ModelSource(ModelFormat.GGUF, path, path.stem)
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory) -> tuple[torch.nn.Module, ModelSource]:
-    variant, overrides = GGUF_VARIANTS["gemma3"]
-    hf = build_tiny_hf_model(variant, **overrides)
-    path = tmp_path_factory.mktemp("lm_head") / "tiny-gemma3.gguf"
-    write_gguf(hf, path, "gemma3")  # the HF model now holds the file's Q8_0 weights
-    return hf, ModelSource(ModelFormat.GGUF, path, path.stem)
+    return _tiny("gemma3", tmp_path_factory.mktemp("lm_head"))
 
 
 def _load(source: ModelSource, tmp_path: Path, **kwargs):
@@ -39,12 +43,16 @@ def _load(source: ModelSource, tmp_path: Path, **kwargs):
 
 
 @needs_native
-def test_q4_0_head_matches_hf_with_the_same_head(tiny_gemma, tmp_path: Path) -> None:
-    hf, source = tiny_gemma
-    loaded = _load(source, tmp_path, quantization="gguf", lm_head_quantization="q4_0")
-    embed = loaded.model.embed_tokens
-    assert isinstance(embed, GGUFEmbedding) and embed.head_qweight is not None and "Q4_0" in repr(embed)
-    weight = hf.get_input_embeddings().weight.detach().float().numpy()
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])  # a tied head (the embedding's blocks) and an untied one
+def test_q4_0_head_matches_hf_with_the_same_head(arch: str, tmp_path: Path) -> None:
+    hf, source = _tiny(arch, tmp_path)
+    loaded = _load(source, tmp_path / "cache", quantization="gguf", lm_head_quantization="q4_0")
+    if arch == "gemma3":
+        embed = loaded.model.embed_tokens
+        assert isinstance(embed, GGUFEmbedding) and embed.head_qweight is not None and "Q4_0" in repr(embed)
+    else:
+        assert isinstance(loaded.model.lm_head, GGUFLinear) and loaded.model.lm_head.qtypes == (2,)  # Q4_0
+    weight = hf.lm_head.weight.detach().float().numpy()  # gemma: the tied embedding
     q4 = dequantize(quantize(weight, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
     assert not np.array_equal(q4, weight)  # the head really changed, so the comparison below can fail
     hf.lm_head.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(q4)))  # unties it from the input
