@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_length
 from kvserve.kernels.layer_abi import LayerDesc, LinearDesc, StepDesc
-from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library
+from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library, supported_isas
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
 
 log = logging.getLogger(__name__)
@@ -345,14 +345,17 @@ def load_kernels(cache_dir: Path, native: bool = True, isa: str | None = None) -
     """The native kernels when this machine can build and run them, else the torch ones (with a warning).
 
     isa: build for this key of kvserve.kernels.native.ISA_REQUIREMENTS instead of the best the CPU has (tests
-    and A/B measurements)."""
+    and A/B measurements). Without it, a set whose build fails (a compiler too old for AVX-512) gives way to the
+    next one the CPU has, with a warning."""
     if not native:
         return TorchKernels()
     ok, why = cpu_supports_native()
     if ok:
-        try:
-            return NativeKernels(load_native_library(build_native_library(cache_dir, isa)))
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            why = str(e)
+        for candidate in [isa] if isa else supported_isas():
+            try:
+                return NativeKernels(load_native_library(build_native_library(cache_dir, candidate)))
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                why = str(e)
+                log.warning("the %s build of kvserve's CPU kernels failed: %s", candidate, why)
     log.warning("using the slower torch kernels: %s", why)
     return TorchKernels()

@@ -138,6 +138,26 @@ def test_each_instruction_set_is_its_own_build(tmp_path: Path, monkeypatch) -> N
         assert native.supported_isas() == ["avx512", "avx2"] and build_native_library(tmp_path) == avx512
 
 
+@needs_native
+def test_a_failed_avx512_build_gives_way_to_avx2(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A CPU with AVX-512 but a compiler that cannot build it still gets the native (AVX2) kernels."""
+    from kvserve.kernels import native
+
+    avx2_library = build_native_library(default_cache_dir() / "kernels", "avx2")
+    compiler = tmp_path / "cxx"  # refuses -mavx512f; otherwise "builds" by copying the real AVX2 library
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -mavx512f ] && exit 1; done\n'
+                        'while [ "$#" -gt 0 ]; do [ "$1" = -o ] && exec cp "$KVSERVE_TEST_LIBRARY" "$2"; shift; done\n'
+                        'exit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("KVSERVE_TEST_LIBRARY", str(avx2_library))
+    monkeypatch.setattr(native, "_cpu_flags", lambda: set(native.ISA_REQUIREMENTS["avx512"][0]))
+    with caplog.at_level(logging.WARNING):
+        kernels = load_kernels(tmp_path / "cache")
+    assert isinstance(kernels, NativeKernels)
+    assert "avx512 build of kvserve's CPU kernels failed" in caplog.text and "slower torch" not in caplog.text
+
+
 def test_falls_back_to_torch_when_the_build_fails(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("CXX", "/bin/false")
     with caplog.at_level(logging.WARNING):
