@@ -174,6 +174,7 @@ class NativeKernels:
     library: ctypes.CDLL
     fallback: TorchKernels = TorchKernels()
     name: str = "native"
+    isa: str = "avx2"  # the instruction set the library was built for (kvserve.kernels.native.ISA_REQUIREMENTS)
 
     def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
                   ) -> torch.Tensor:
@@ -353,7 +354,9 @@ def load_kernels(cache_dir: Path, native: bool = True, isa: str | None = None) -
     if ok:
         for candidate in [isa] if isa else supported_isas():
             try:
-                return NativeKernels(load_native_library(build_native_library(cache_dir, candidate)))
+                kernels = NativeKernels(load_native_library(build_native_library(cache_dir, candidate)), isa=candidate)
+                log.info("kvserve's CPU kernels: the %s build", candidate)
+                return kernels
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 why = str(e)
                 log.warning("the %s build of kvserve's CPU kernels failed: %s", candidate, why)
