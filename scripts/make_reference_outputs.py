@@ -10,7 +10,11 @@ but no KV-cache code of HF's stands between the model and the reference.
 One prompt is longer than 600 tokens, so prompt and generation cross the 512-token sliding window; the
 script checks that the window changes the logits (a full-attention run must differ) and records that.
 
-Usage: python scripts/make_reference_outputs.py [--gguf PATH] [--out PATH] [--new-tokens 32]
+`--prompts FILE` (a JSON list of strings) records other prompts instead, into another `--out`: a reference for
+prompts the tests do not contain, which tests/e2e/test_gguf_blocks_real.py checks when KVSERVE_GREEDY_REFERENCE
+names it (#16: the default path must equal HF there too).
+
+Usage: python scripts/make_reference_outputs.py [--gguf PATH] [--out PATH] [--new-tokens 32] [--prompts FILE]
 Takes a few minutes and ~3 GB of memory on CPU.
 """
 
@@ -118,7 +122,10 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None, help="default: the packaged Gemma 3 270M GGUF")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=Path, default=None, help="a JSON list of prompt strings (default: the fixture's)")
     args = ap.parse_args()
+    if args.prompts is not None and args.out.resolve() == DEFAULT_OUT.resolve():
+        raise SystemExit("--prompts writes another reference: give it its own --out")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
@@ -143,7 +150,9 @@ def main() -> None:
         raise SystemExit("HF's config lost the sliding window; the reference would be wrong")
 
     records = []
-    for p in prompts(hf_tok):
+    chosen = prompts(hf_tok) if args.prompts is None else [
+        {"name": f"prompt_{i}", "text": text} for i, text in enumerate(json.loads(args.prompts.read_text()))]
+    for p in chosen:
         ids = encode(hf_tok, p["text"])
         t1 = time.perf_counter()
         gen = greedy(model, ids, args.new_tokens)
