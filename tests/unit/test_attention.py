@@ -17,7 +17,7 @@ from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.cpu import cpu_attention
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import reference_attention
-from kvserve.kernels.native import cpu_supports_native
+from kvserve.kernels.native import cpu_supports_native, supported_isas
 from kvserve.kernels.ops import TorchKernels, load_kernels
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.tokenizer import default_cache_dir
@@ -60,15 +60,15 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=["torch", "native"])
+@pytest.fixture(scope="module", params=["torch", *(supported_isas() or ["native"])])
 def kernels(request):  # type: ignore[no-untyped-def]
-    """The CPU backend with plain torch, and with the compiled paged attention where it builds."""
+    """The CPU backend with plain torch, and with the compiled paged attention of each build this CPU runs."""
     if request.param == "torch":
         return TorchKernels()
     ok, why = cpu_supports_native()
     if not ok:
         pytest.skip(why)
-    return load_kernels(default_cache_dir() / "kernels")
+    return load_kernels(default_cache_dir() / "kernels", isa=request.param)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -136,6 +136,9 @@ PREFILL_CASES = {
     "mha_tiny_window": ([(77, 77)], 16, 4, 4, 64, 7),
     "short_chunk_long_context": ([(600, 17), (33, 33)], 16, 2, 1, 64, None),
     "head_dim_12": ([(40, 40), (25, 9)], 4, 4, 2, 12, None),
+    # the AVX-512 output step's column tails: 32 + 8 and 16 + 8
+    "head_dim_40": ([(50, 50), (30, 11)], 4, 4, 2, 40, None),
+    "head_dim_24": ([(37, 37)], 4, 4, 1, 24, 9),
 }
 
 
