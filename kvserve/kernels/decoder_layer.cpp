@@ -11,8 +11,12 @@
 // caller (kvserve/model/native_layer.py) describes them and the step in the structs below, whose layout its
 // ctypes.Structure classes mirror field for field. Scratch memory comes from the caller (sized by
 // kvserve_decoder_layer_scratch), so a layer allocates nothing beyond what the attention kernels do.
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "kernels.h"
 #include "widened_matmul.h"
@@ -117,20 +121,57 @@ inline void add_into(float* h, const float* x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) h[i] += x[i];
 }
 
+// One token's K or V head vector (dim floats) into an int8 cache row and its scale, as kvserve/kv/quant.py's
+// compute_scales + quantize do it, to the bit: scale = amax / 127 (at least 1e-30, and one ulp lower where
+// 127 x scale would pass amax), q = x / scale clamped to [-127, 127], rounded half to even.
+void quantize_int8_row(const float* x, int64_t dim, int8_t* q, float* scale_out) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+    float scale = std::max(amax / 127.0f, 1e-30f);
+    if (scale * 127.0f > amax) scale = std::nextafter(scale, 0.0f);
+    for (int64_t i = 0; i < dim; ++i)
+        q[i] = static_cast<int8_t>(std::nearbyint(std::clamp(x[i] / scale, -127.0f, 127.0f)));
+    *scale_out = scale;
+}
+
+}  // namespace
+
+extern "C" {
+
+// rows x dim float32 -> int8 rows and a scale per row, by quantize_int8_row (for its tests).
+void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales) {
+    for (int64_t r = 0; r < rows; ++r) quantize_int8_row(x + r * dim, dim, q + r * dim, scales + r);
+}
+
+}
+
+namespace {
+
 // Attention of every query row in b.q ([tokens, heads, dim]) into b.attn, as kvserve/attention/cpu.py does it.
-void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, const float* k_cache,
-               const float* v_cache) {
+// An int8 cache (k_scales non-null) is read in place by the decode kernel; the caller (native_layer.py) sends
+// such a cache only steps whose rows are all decodes.
+void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, const void* k_cache,
+               const void* v_cache, const float* k_scales, const float* v_scales) {
     const int64_t q_size = l.heads * l.head_dim;
     const float scale = static_cast<float>(l.scale);
+    if (k_scales != nullptr) {
+        kvserve_paged_decode_attention_i8(b.q, static_cast<const int8_t*>(k_cache),
+                                          static_cast<const int8_t*>(v_cache), k_scales, v_scales, s.block_tables,
+                                          s.table_width, s.seq_lens, s.seqs, l.heads, l.kv_heads, l.head_dim,
+                                          s.block_size, l.window, scale, b.attn);
+        return;
+    }
+    const float* kf = static_cast<const float*>(k_cache);
+    const float* vf = static_cast<const float*>(v_cache);
     if (s.all_decode) {
-        kvserve_paged_decode_attention(b.q, k_cache, v_cache, s.block_tables, s.table_width, s.seq_lens, s.seqs,
+        kvserve_paged_decode_attention(b.q, kf, vf, s.block_tables, s.table_width, s.seq_lens, s.seqs,
                                        l.heads, l.kv_heads, l.head_dim, s.block_size, l.window, scale, b.attn);
         return;
     }
     if (s.decode_count > 0) {
         for (int64_t i = 0; i < s.decode_count; ++i)
             memcpy(b.qd + i * q_size, b.q + s.decode_rows[i] * q_size, q_size * sizeof(float));
-        kvserve_paged_decode_attention(b.qd, k_cache, v_cache, s.decode_tables, s.table_width, s.decode_lens,
+        kvserve_paged_decode_attention(b.qd, kf, vf, s.decode_tables, s.table_width, s.decode_lens,
                                        s.decode_count, l.heads, l.kv_heads, l.head_dim, s.block_size, l.window,
                                        scale, b.od);
         for (int64_t i = 0; i < s.decode_count; ++i)
@@ -139,7 +180,7 @@ void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, co
     for (int64_t i = 0; i < s.seqs; ++i) {
         const int64_t start = s.query_start_loc[i], q_len = s.query_start_loc[i + 1] - start;
         if (q_len <= 1) continue;
-        kvserve_paged_prefill_attention(b.q + start * q_size, k_cache, v_cache, s.block_tables + i * s.table_width,
+        kvserve_paged_prefill_attention(b.q + start * q_size, kf, vf, s.block_tables + i * s.table_width,
                                         q_len, s.seq_lens[i], l.heads, l.kv_heads, l.head_dim, s.block_size,
                                         l.window, scale, b.attn + start * q_size);
     }
@@ -166,9 +207,10 @@ void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, in
 
 // h: [tokens, hidden] float32, the residual stream, updated in place. cos / signed_sin: [tokens, head_dim] of
 // this layer's rope (RotaryEmbedding.cos_sin). k_cache / v_cache: [blocks, block_size, kv_heads, head_dim]
-// float32 contiguous.
+// float32 contiguous, or int8 with k_scales / v_scales [blocks, block_size, kv_heads] float32 (else null).
 void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
-                           const float* signed_sin, float* k_cache, float* v_cache) {
+                           const float* signed_sin, void* k_cache, void* v_cache, float* k_scales,
+                           float* v_scales) {
     const KvserveLayer& l = *layer;
     const KvserveStep& s = *step;
     const int64_t t = s.tokens, dim = l.head_dim, hidden = l.hidden;
@@ -185,12 +227,21 @@ void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, f
                          qk_norm ? l.k_norm : nullptr, qk_norm ? eps : 0.0f, cos, signed_sin, b.qk);
     for (int64_t r = 0; r < t; ++r) {  // Q to its own rows; K (roped) and V into the cache
         const float* qk = b.qk + r * qk_size;
+        const float* v = b.qkv + r * qkv_size + qk_size;
         const int64_t slot = s.slot_mapping[r];
         memcpy(b.q + r * q_size, qk, q_size * sizeof(float));
-        memcpy(k_cache + slot * kv_size, qk + q_size, kv_size * sizeof(float));
-        memcpy(v_cache + slot * kv_size, b.qkv + r * qkv_size + qk_size, kv_size * sizeof(float));
+        if (k_scales == nullptr) {
+            memcpy(static_cast<float*>(k_cache) + slot * kv_size, qk + q_size, kv_size * sizeof(float));
+            memcpy(static_cast<float*>(v_cache) + slot * kv_size, v, kv_size * sizeof(float));
+            continue;
+        }
+        for (int64_t h = 0; h < l.kv_heads; ++h) {  // int8: per token and KV head
+            const int64_t row = slot * l.kv_heads + h;
+            quantize_int8_row(qk + q_size + h * dim, dim, static_cast<int8_t*>(k_cache) + row * dim, k_scales + row);
+            quantize_int8_row(v + h * dim, dim, static_cast<int8_t*>(v_cache) + row * dim, v_scales + row);
+        }
     }
-    attention(l, s, b, k_cache, v_cache);
+    attention(l, s, b, k_cache, v_cache, k_scales, v_scales);
     linear(l.o, b.attn, t, b.proj);
     if (l.sandwich) kvserve_rms_norm(b.proj, t, hidden, 1, hidden, l.post_attention_norm, eps, b.proj, hidden);
     add_into(h, b.proj, t * hidden);

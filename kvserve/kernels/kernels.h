@@ -21,6 +21,11 @@ void kvserve_paged_decode_attention(const float* q, const float* k_cache, const 
                                     const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
                                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                                     int64_t block_size, int64_t window, float scale, float* out);
+void kvserve_paged_decode_attention_i8(const float* q, const int8_t* k_cache, const int8_t* v_cache,
+                                       const float* k_scales, const float* v_scales, const int64_t* block_tables,
+                                       int64_t table_width, const int64_t* seq_lens, int64_t batch, int64_t heads,
+                                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,
+                                       float scale, float* out);
 void kvserve_paged_prefill_attention(const float* q, const float* k_cache, const float* v_cache,
                                      const int64_t* block_table, int64_t q_len, int64_t seq_len, int64_t heads,
                                      int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,

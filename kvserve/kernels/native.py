@@ -37,12 +37,15 @@ SIGNATURES: dict[str, list] = {
     "kvserve_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64],
     "kvserve_gated_act": [_P, _I64, _I64, ctypes.c_int32, _P],
     "kvserve_paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
+    "kvserve_paged_decode_attention_i8": [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                                          _F32, _P],
     "kvserve_paged_prefill_attention": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
     "kvserve_qk_norm_rope": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F32, _P, _P, _P],
     # (layer, step) are the addresses of kernels/layer_abi.py's LayerDesc and StepDesc
-    "kvserve_decoder_layer": [_P, _P, _P, _P, _P, _P, _P],
+    "kvserve_decoder_layer": [_P, _P, _P, _P, _P, _P, _P, _P, _P],
     "kvserve_decoder_layer_scratch": [_P, _I64, _I64, _P],
     "kvserve_decoder_layer_abi": [_P],
+    "kvserve_quantize_int8_rows": [_P, _I64, _I64, _P, _P],
 }
 
 

@@ -307,13 +307,41 @@ class NativeKernels:
         return dst if out is None or direct else out.copy_(dst)
 
     def decoder_layer(self, layer: LayerDesc, step: StepDesc, h: torch.Tensor, cos: torch.Tensor,
-                      signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                      signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
         """A whole decoder layer (decoder_layer.cpp) on the residual stream h [T, hidden] float32, in place.
         Only for the native layer path (model/native_layer.py), which has checked every layout and dtype the
-        call relies on, once per model or once per step: this is the hot path, so it checks nothing."""
+        call relies on, once per model or once per step: this is the hot path, so it checks nothing. An int8
+        cache comes with its scales (kvserve/kv/quant.py's layout)."""
         self.library.kvserve_decoder_layer(ctypes.addressof(layer), ctypes.addressof(step), h.data_ptr(),
                                            cos.data_ptr(), signed_sin.data_ptr(), k_cache.data_ptr(),
-                                           v_cache.data_ptr())
+                                           v_cache.data_ptr(), None if k_scales is None else k_scales.data_ptr(),
+                                           None if v_scales is None else v_scales.data_ptr())
+
+    def quantize_int8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, dim] float32 -> (int8 [rows, dim], float32 scales [rows]): the native layer's KV write."""
+        x = x.float().contiguous()
+        q = torch.empty(x.shape, dtype=torch.int8)
+        scales = torch.empty(x.shape[0], dtype=torch.float32)
+        self.library.kvserve_quantize_int8_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scales.data_ptr())
+        return q, scales
+
+    def paged_decode_attention_i8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  k_scales: torch.Tensor, v_scales: torch.Tensor, block_tables: torch.Tensor,
+                                  seq_lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+        """paged_decode_attention on an int8 cache read in place (scales [blocks, block_size, kv_heads])."""
+        batch, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        q = q.float().contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty(batch, heads, dim, dtype=torch.float32)
+        if batch:
+            self.library.kvserve_paged_decode_attention_i8(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.contiguous().data_ptr(),
+                v_scales.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, heads,
+                kv_heads, dim, block_size, window or 0, scale, out.data_ptr())
+        return out
 
     def decoder_layer_abi_matches(self) -> bool:
         """Whether the library's struct sizes are those of kernels/layer_abi.py's ctypes mirror."""

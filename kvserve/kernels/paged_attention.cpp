@@ -27,19 +27,26 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {  // y += w * x
     for (; i < n; ++i) y[i] += w * x[i];
 }
 
+// 8 cache elements at p as float32: a float32 cache as it is, an int8 one as its integers (the scale of the row
+// is applied by the caller, once per dot product or per weight).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // scores[g * n] = scale * (q_g . k) for G query heads (q rows dim apart) sharing one key: k is read once.
-template <int G>
-inline void group_dots(const float* q, const float* k, int64_t dim, float scale, float* scores, int64_t n) {
+template <int G, typename T>
+inline void group_dots(const float* q, const T* k, int64_t dim, float scale, float* scores, int64_t n) {
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8) {
-        const __m256 kv = _mm256_loadu_ps(k + i);
+        const __m256 kv = load8(k + i);
         for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), kv, acc[g]);
     }
     for (int g = 0; g < G; ++g) {
         float r = kvserve::hsum(acc[g]);
-        for (int64_t j = i; j < dim; ++j) r += q[g * dim + j] * k[j];
+        for (int64_t j = i; j < dim; ++j) r += q[g * dim + j] * static_cast<float>(k[j]);
         scores[g * n] = r * scale;
     }
 }
@@ -47,15 +54,15 @@ inline void group_dots(const float* q, const float* k, int64_t dim, float scale,
 // out[g] (dim floats each, `stride` apart) = sum over the n keys of w[g * n + p] * V row p, for G query heads.
 // Columns are taken 16 at a time with all G x 16 sums in registers across the keys, instead of adding each V
 // row into memory once per head: the V rows of a sequence stay in L2 between the column passes.
-template <int G>
-inline void group_weighted_sum(const float* const* v_rows, int64_t n, const float* w, int64_t dim, float* out,
+template <int G, typename T>
+inline void group_weighted_sum(const T* const* v_rows, int64_t n, const float* w, int64_t dim, float* out,
                                int64_t stride) {
     int64_t c = 0;
     for (; c + 16 <= dim; c += 16) {
         __m256 acc[G][2];
         for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
         for (int64_t p = 0; p < n; ++p) {
-            const __m256 v0 = _mm256_loadu_ps(v_rows[p] + c), v1 = _mm256_loadu_ps(v_rows[p] + c + 8);
+            const __m256 v0 = load8(v_rows[p] + c), v1 = load8(v_rows[p] + c + 8);
             for (int g = 0; g < G; ++g) {
                 const __m256 wv = _mm256_broadcast_ss(w + g * n + p);
                 acc[g][0] = _mm256_fmadd_ps(wv, v0, acc[g][0]);
@@ -70,7 +77,7 @@ inline void group_weighted_sum(const float* const* v_rows, int64_t n, const floa
     for (; c < dim; ++c)  // a head size that is not a multiple of 16
         for (int g = 0; g < G; ++g) {
             float sum = 0.0f;
-            for (int64_t p = 0; p < n; ++p) sum += w[g * n + p] * v_rows[p][c];
+            for (int64_t p = 0; p < n; ++p) sum += w[g * n + p] * static_cast<float>(v_rows[p][c]);
             out[g * stride + c] = sum;
         }
 }
@@ -103,17 +110,15 @@ inline void by_heads(int64_t group, const Call& call) {
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-// q, out: [batch, heads, dim] contiguous. k_cache, v_cache: [blocks, block_size, kv_heads, dim] contiguous.
-// block_tables: [batch, table_width] int64. seq_lens: [batch] int64 (the query is the last position).
-// window <= 0: no sliding window; else keys at positions > seq_len - 1 - window only.
-void kvserve_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
-                                    const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
-                                    int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                                    int64_t block_size, int64_t window, float scale, float* out) {
+// The kernel for a cache of T (float32, or int8 with a float32 scale per token and KV head in k_scales /
+// v_scales, [blocks, block_size, kv_heads]: read in place, each row's scale applied to its dot product or to
+// its softmax weight).
+template <typename T>
+void decode_attention(const float* q, const T* k_cache, const T* v_cache, const float* k_scales,
+                      const float* v_scales, const int64_t* block_tables, int64_t table_width,
+                      const int64_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t block_size, int64_t window, float scale, float* out) {
+    constexpr bool kScaled = !std::is_same_v<T, float>;
     const int64_t group = heads / kv_heads;
     // With fewer (sequence, KV head) pairs than threads (one sequence of a one-KV-head model: Gemma 3 270M at
     // batch 1), each pair's context is split into parts on different threads, whose partial softmax sums are
@@ -128,7 +133,8 @@ void kvserve_paged_decode_attention(const float* q, const float* k_cache, const 
 #pragma omp parallel
     {
         std::vector<float> scores;
-        std::vector<const float*> rows;  // each key's V row
+        std::vector<const T*> rows;  // each key's V row
+        std::vector<float> v_scale;  // each key's V scale (scaled caches)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < pairs * splits; ++item) {
             const int64_t pair = item / splits, part = item % splits;
@@ -142,14 +148,17 @@ void kvserve_paged_decode_attention(const float* q, const float* k_cache, const 
             float* acc = partial.data() + item * group * stride;
             scores.assign(static_cast<size_t>(group * n), 0.0f);
             rows.resize(static_cast<size_t>(n));
+            if (kScaled) v_scale.resize(static_cast<size_t>(n));
             const float* q_pair = q + (b * heads + h * group) * dim;
             for (int64_t p = 0; p < n; ++p) {
                 const int64_t pos = first + p;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                const float* k = k_cache + (slot * kv_heads + h) * dim;
+                const T* k = k_cache + (slot * kv_heads + h) * dim;
                 rows[p] = v_cache + (slot * kv_heads + h) * dim;
+                const float key_scale = kScaled ? scale * k_scales[slot * kv_heads + h] : scale;
+                if (kScaled) v_scale[p] = v_scales[slot * kv_heads + h];
                 by_heads(group, [&](int64_t g0, auto heads_here) {
-                    group_dots<decltype(heads_here)::value>(q_pair + g0 * dim, k, dim, scale,
+                    group_dots<decltype(heads_here)::value>(q_pair + g0 * dim, k, dim, key_scale,
                                                              scores.data() + g0 * n + p, n);
                 });
             }
@@ -160,6 +169,8 @@ void kvserve_paged_decode_attention(const float* q, const float* k_cache, const 
                 a[0] = m;
                 a[1] = n ? exp_shifted(s, n, m) : 0.0f;
                 if (n == 0) std::fill(a + 2, a + stride, 0.0f);
+                if (kScaled)  // the V rows' scales ride on the weights (after their sum, which must not see them)
+                    for (int64_t p = 0; p < n; ++p) s[p] *= v_scale[p];
             }
             if (n > 0)
                 by_heads(group, [&](int64_t g0, auto heads_here) {
@@ -189,6 +200,31 @@ void kvserve_paged_decode_attention(const float* q, const float* k_cache, const 
             for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q, out: [batch, heads, dim] contiguous. k_cache, v_cache: [blocks, block_size, kv_heads, dim] contiguous.
+// block_tables: [batch, table_width] int64. seq_lens: [batch] int64 (the query is the last position).
+// window <= 0: no sliding window; else keys at positions > seq_len - 1 - window only.
+void kvserve_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
+                                    const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
+                                    int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                                    int64_t block_size, int64_t window, float scale, float* out) {
+    decode_attention<float>(q, k_cache, v_cache, nullptr, nullptr, block_tables, table_width, seq_lens, batch,
+                            heads, kv_heads, dim, block_size, window, scale, out);
+}
+
+// The same on an int8 cache (kvserve/kv/quant.py's layout): k_scales, v_scales [blocks, block_size, kv_heads].
+void kvserve_paged_decode_attention_i8(const float* q, const int8_t* k_cache, const int8_t* v_cache,
+                                       const float* k_scales, const float* v_scales, const int64_t* block_tables,
+                                       int64_t table_width, const int64_t* seq_lens, int64_t batch, int64_t heads,
+                                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,
+                                       float scale, float* out) {
+    decode_attention<int8_t>(q, k_cache, v_cache, k_scales, v_scales, block_tables, table_width, seq_lens, batch,
+                             heads, kv_heads, dim, block_size, window, scale, out);
 }
 
 }

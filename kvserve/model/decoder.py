@@ -161,7 +161,7 @@ class DecoderModel(nn.Module):
         # nn.ModuleList yields untyped nn.Module items (torch's stubs): these are RotaryEmbedding
         tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # type: ignore[operator]
         native = self.choose_layer_path()
-        if native is not None and native.takes(kv_caches, h.shape[0]):
+        if native is not None and native.takes(kv_caches, h.shape[0], meta.is_decode_only):
             return self.norm(native.run(h, tables, self.rope_index, kv_caches, meta))
         for layer, rope_i, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
             cos, sin = tables[rope_i]

@@ -149,14 +149,21 @@ class NativeLayerStack:
         float32 = any(lin.kind == LINEAR_FLOAT32 for d in descs for lin in (d.qkv, d.o, d.gate_up, d.down))
         return cls(kernels, descs, FLOAT32_MAX_ROWS if float32 else None)
 
-    def takes(self, kv_caches: list[LayerKVCache], rows: int) -> bool:
-        """Whether this step runs here: `rows` within max_rows, and caches the C++ reads (float32, contiguous,
-        on the CPU; says once if not)."""
+    def takes(self, kv_caches: list[LayerKVCache], rows: int, decode_only: bool = False) -> bool:
+        """Whether this step runs here: `rows` within max_rows, and caches the C++ reads (contiguous, on the CPU:
+        float32; or int8 with computed scales, on steps of decodes only, whose attention reads it in place; says
+        once if not)."""
         if self.max_rows is not None and rows > self.max_rows:
             return False
         c = kv_caches[0] if kv_caches else None
-        ok = (c is not None and not c.is_quantized and c.key.dtype == c.value.dtype == torch.float32
-              and c.key.device.type == "cpu" and c.key.is_contiguous() and c.value.is_contiguous())
+        if c is None or c.key.device.type != "cpu" or not (c.key.is_contiguous() and c.value.is_contiguous()):
+            ok = False
+        elif c.is_quantized:
+            if c.key.dtype == torch.int8 and c.static_key_scale is None and c.static_value_scale is None:
+                return decode_only  # its prefill steps run on the torch path (no native int8 prefill kernel)
+            ok = False
+        else:
+            ok = c.key.dtype == c.value.dtype == torch.float32
         if not ok and not self.warned_cache:
             log.info("decoder layers: this KV cache (%s) runs on the torch path",
                      c.key.dtype if c is not None else "none")
@@ -189,7 +196,8 @@ class NativeLayerStack:
         step.all_decode, step.decode_count = int(meta.is_decode_only), decode_count
         for desc, rope_i, cache in zip(self.layers, rope_index, kv_caches, strict=True):
             cos, sin = tables[rope_i]
-            self.kernels.decoder_layer(desc, step, h, cos, sin, cache.key, cache.value)
+            self.kernels.decoder_layer(desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale,
+                                       cache.value_scale)
         return h
 
     def _scratch(self, floats: int) -> torch.Tensor:

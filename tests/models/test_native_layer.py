@@ -101,8 +101,8 @@ def test_torch_path_where_the_native_layer_does_not_reach(tiny_checkpoint, caplo
     assert float32 is not None and float32.max_rows == FLOAT32_MAX_ROWS
     assert float32.takes(_float32_caches(model), FLOAT32_MAX_ROWS)
     assert not float32.takes(_float32_caches(model), FLOAT32_MAX_ROWS + 1)
-    # An 8-bit KV cache: that step runs the torch modules (which dequantize), the choice stays native.
-    _teacher_forced(model, seqs, kv_dtype=torch.int8)
+    # An fp8 KV cache: its steps run the torch modules (which dequantize), the choice stays native.
+    _teacher_forced(model, seqs, kv_dtype=torch.float8_e4m3fn)
     assert model.native_layers is not None and model.native_layers.warned_cache
     # The torch kernels: no native layer at all, and the same logits.
     model.use_kernels(TorchKernels())
@@ -138,3 +138,38 @@ def test_engine_greedy_tokens_equal_torch_layers(variant: str, tiny_checkpoint) 
         assert (model.native_layers is not None) == native
         outputs.append(done)
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("variant", ["gemma3_mqa_sliding", "qwen2_gqa"])
+def test_int8_kv_decode_steps_run_natively(variant: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """An int8 KV cache: steps whose rows are all decodes run the native layer, which writes each token's K/V
+    with the torch path's quantization to the bit (kvserve/kv/quant.py) and reads the cache in place; prefill
+    steps run the torch modules. Logits agree with the torch path to float32 summation order."""
+    path, _ = tiny_checkpoint(variant)
+    native, reference = _load(path, "q8_0"), _load(path, "q8_0")
+    reference.use_torch_layers()
+    seqs = _sequences()
+    caches, logits = [], []
+    for model in (native, reference):
+        driver = PagedDriver(model, seqs, block_size=4)
+        c = model.config
+        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, 4, torch.int8)
+        driver.kv = allocate_kv_cache(spec, driver.kv[0].key.shape[0], torch.device("cpu"))
+        for cache in driver.kv:  # allocated empty: zero the slots no step writes, so that the caches compare
+            cache.key.zero_(), cache.value.zero_()
+        logits.append([driver.step(plan) for plan in PLAN])
+        caches.append(driver.kv)
+    assert native.native_layers is not None and not native.native_layers.warned_cache
+    assert native.native_layers.takes(caches[0], 4, decode_only=True)
+    assert not native.native_layers.takes(caches[0], 4, decode_only=False)
+    for step, (g, w) in enumerate(zip(*logits)):
+        for i in w:
+            torch.testing.assert_close(g[i], w[i], atol=ATOL, rtol=RTOL, msg=lambda m, s=step: f"step {s}: {m}")
+    # The decode steps' tokens in the same bytes and scales, but for summation order: K and V themselves may differ
+    # in the last bit between the paths (the quantizer alone is compared bit for bit in tests/unit/test_kernels.py)
+    for got, want in zip(*caches):
+        for g, w in ((got.key, want.key), (got.value, want.value)):
+            differ = (g.int() - w.int()).abs()
+            assert differ.max() <= 1 and differ.bool().float().mean() < 0.01
+        torch.testing.assert_close(got.key_scale, want.key_scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got.value_scale, want.value_scale, rtol=1e-6, atol=0)

@@ -19,7 +19,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import reference_attention
 from kvserve.kernels.native import cpu_supports_native, supported_isas
 from kvserve.kernels.ops import TorchKernels, load_kernels
-from kvserve.kv.cache import LayerKVCache
+from kvserve.kv.cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from kvserve.model.tokenizer import default_cache_dir
 
 ATOL = RTOL = 1e-5
@@ -103,6 +103,28 @@ def test_decode_of_wide_groups_and_odd_head_sizes(heads: int, kv_heads: int, hea
     cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(head_dim**-0.5, None)
     ref = reference_attention(q, cache, meta, layer)
     torch.testing.assert_close(cpu_attention(q, cache, meta, layer, kernels=kernels), ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"),
+                         [(4, 1, 256, None), (6, 1, 24, 9), (8, 2, 40, None), (3, 1, 12, 5)])
+def test_native_decode_attention_reads_an_int8_cache_in_place(heads: int, kv_heads: int, head_dim: int,
+                                                             window: int | None, kernels) -> None:  # type: ignore[no-untyped-def]
+    """The int8 decode kernel (the native layer path's, for --kv-cache-dtype int8) against the reference on the
+    same int8 cache, which dequantizes the rows it gathers: the same values, summed in another order."""
+    if not hasattr(kernels, "paged_decode_attention_i8"):
+        pytest.skip("the torch kernels have no paged attention")
+    q, kc, vc, meta = _scenario([(45, 1), (3, 1), (17, 1), (300, 1)], 16, heads, kv_heads,
+                                seed=heads * 10 + head_dim, head_dim=head_dim)
+    kc, vc = torch.nan_to_num(kc), torch.nan_to_num(vc)  # quantized, unused slots are zeros with a unit scale
+    spec = KVCacheSpec(1, kv_heads, head_dim, 16, torch.int8)
+    cache = allocate_kv_cache(spec, kc.shape[0], torch.device("cpu"))[0]
+    slots = torch.arange(kc.shape[0] * 16)
+    cache.write(kc.view(-1, kv_heads, head_dim), vc.view(-1, kv_heads, head_dim), slots)
+    layer = AttentionLayerSpec(head_dim**-0.5, window)
+    ref = reference_attention(q, cache, meta, layer)
+    got = kernels.paged_decode_attention_i8(q, cache.key, cache.value, cache.key_scale, cache.value_scale,
+                                            meta.block_tables, meta.seq_lens, window, head_dim**-0.5)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize(("seq_len", "window", "threads"), [(300, None, 2), (1, None, 2), (2, None, 3), (3, 2, 2),

@@ -315,3 +315,23 @@ def test_native_qk_norm_rope_matches_torch(native: NativeKernels, tokens: int, q
     got = native.qk_norm_rope(qk, q_heads, qw, kw, 1e-6, cos, sin)
     assert got.is_contiguous() and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_native_int8_kv_quantizer_equals_the_torch_one(native: NativeKernels) -> None:
+    """The native layer's int8 KV write (decoder_layer.cpp) gives kvserve/kv/quant.py's bytes and scales to the
+    bit: random rows, a zero row, huge and tiny magnitudes, and values that land exactly halfway between two
+    integers (rounded half to even)."""
+    from kvserve.kv.quant import compute_scales, quant_format, quantize
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-30, 30, 64).unsqueeze(1)
+    x[0] = 0.0
+    x[1] = torch.arange(96) - 47.5  # amax 47.5: x / scale lands on many .5 ties
+    x[2, :3] = torch.tensor([127.0, 0.5, -0.5])
+    fmt = quant_format(torch.int8)
+    assert fmt is not None
+    scale = compute_scales(x, fmt)
+    q, scales = native.quantize_int8_rows(x)
+    assert torch.equal(scales, scale.squeeze(-1))
+    assert torch.equal(q, quantize(x, scale, fmt))
