@@ -11,7 +11,6 @@
 // caller (kvserve/model/native_layer.py) describes them and the step in the structs below, whose layout its
 // ctypes.Structure classes mirror field for field. Scratch memory comes from the caller (sized by
 // kvserve_decoder_layer_scratch), so a layer allocates nothing beyond what the attention kernels do.
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -134,19 +133,6 @@ void quantize_int8_row(const float* x, int64_t dim, int8_t* q, float* scale_out)
     *scale_out = scale;
 }
 
-}  // namespace
-
-extern "C" {
-
-// rows x dim float32 -> int8 rows and a scale per row, by quantize_int8_row (for its tests).
-void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales) {
-    for (int64_t r = 0; r < rows; ++r) quantize_int8_row(x + r * dim, dim, q + r * dim, scales + r);
-}
-
-}
-
-namespace {
-
 // Attention of every query row in b.q ([tokens, heads, dim]) into b.attn, as kvserve/attention/cpu.py does it.
 // An int8 cache (k_scales non-null) is read in place by the decode kernel; the caller (native_layer.py) sends
 // such a cache only steps whose rows are all decodes.
@@ -195,6 +181,11 @@ void kvserve_decoder_layer_abi(int64_t* sizes) {
     sizes[0] = sizeof(KvserveLinear);
     sizes[1] = sizeof(KvserveLayer);
     sizes[2] = sizeof(KvserveStep);
+}
+
+// rows x dim float32 -> int8 rows and a scale per row, by the layer's KV-write quantizer (for its tests).
+void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales) {
+    for (int64_t r = 0; r < rows; ++r) quantize_int8_row(x + r * dim, dim, q + r * dim, scales + r);
 }
 
 // The scratch floats kvserve_decoder_layer needs for `tokens` rows, `decode_count` of them decodes of a

@@ -26,6 +26,7 @@ void kvserve_paged_decode_attention_i8(const float* q, const int8_t* k_cache, co
                                        int64_t table_width, const int64_t* seq_lens, int64_t batch, int64_t heads,
                                        int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,
                                        float scale, float* out);
+void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales);
 void kvserve_paged_prefill_attention(const float* q, const float* k_cache, const float* v_cache,
                                      const int64_t* block_table, int64_t q_len, int64_t seq_len, int64_t heads,
                                      int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,

@@ -276,17 +276,25 @@ class NativeKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                               scale: float) -> torch.Tensor:
+                               scale: float, k_scales: torch.Tensor | None = None,
+                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """With k_scales / v_scales ([blocks, block_size, kv_heads]): an int8 cache, read in place."""
         batch, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         q = q.float().contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
         out = torch.empty(batch, heads, dim, dtype=torch.float32)
-        if batch:
-            self.library.kvserve_paged_decode_attention(
-                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-                lens.data_ptr(), batch, heads, kv_heads, dim, block_size, window or 0, scale, out.data_ptr())
+        if not batch:
+            return out
+        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, heads, kv_heads, dim, block_size,
+                 window or 0, scale, out.data_ptr())
+        if k_scales is None or v_scales is None:
+            self.library.kvserve_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rest)
+        else:
+            self.library.kvserve_paged_decode_attention_i8(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.contiguous().data_ptr(),
+                v_scales.contiguous().data_ptr(), *rest)
         return out
 
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -326,22 +334,6 @@ class NativeKernels:
         self.library.kvserve_quantize_int8_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scales.data_ptr())
         return q, scales
 
-    def paged_decode_attention_i8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  k_scales: torch.Tensor, v_scales: torch.Tensor, block_tables: torch.Tensor,
-                                  seq_lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-        """paged_decode_attention on an int8 cache read in place (scales [blocks, block_size, kv_heads])."""
-        batch, heads, dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        q = q.float().contiguous()
-        tables = block_tables.to(torch.int64).contiguous()
-        lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty(batch, heads, dim, dtype=torch.float32)
-        if batch:
-            self.library.kvserve_paged_decode_attention_i8(
-                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.contiguous().data_ptr(),
-                v_scales.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, heads,
-                kv_heads, dim, block_size, window or 0, scale, out.data_ptr())
-        return out
 
     def decoder_layer_abi_matches(self) -> bool:
         """Whether the library's struct sizes are those of kernels/layer_abi.py's ctypes mirror."""

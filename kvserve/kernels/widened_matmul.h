@@ -45,56 +45,57 @@ inline void store_dots(__m256 (&acc)[R][C], int64_t m0, int64_t n0, int64_t ldy,
     }
 }
 
+// The vector the micro-kernel accumulates in: AVX-512 where the library is built with it (kvserve/kernels/native.py
+// builds for it where the CPU has it), else AVX2. `half` folds one into the 8 lanes store_dots reduces.
 #if defined(__AVX512F__)
-// AVX-512 (the library is built with it where the CPU has it: kvserve/kernels/native.py): 16 lanes and 32
-// registers: twice the FLOPs per instruction of AVX2, and 4 x 4 accumulators (measured on the LM head at 8 and 32
-// rows against 4 x 6, which leaves 2-row tails at those batch sizes, and 8 weight rows x 3: both slower; so is a
-// k-chunk small enough that 32 activation rows stay in L1). kc is a multiple of 16: every format's block is a
-// multiple of 32 weights.
-constexpr int kMicroCols = 4;
-
-template <int R, int C, bool ADD>
-inline void widened_micro(const float* buf, const float* x, int64_t k, int64_t kc, int64_t m0, int64_t n0,
-                          int64_t ldy, float* y) {
-    __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < kc; i += 16) {
-        __m512 wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(buf + r * kc + i);
-        for (int c = 0; c < C; ++c) {
-            const __m512 xv = _mm512_loadu_ps(x + (m0 + c) * k + i);
-            for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
-        }
+// 16 lanes and 32 registers: twice the FLOPs per instruction of AVX2, and 4 x 4 accumulators (measured on the LM
+// head at 8 and 32 rows against 4 x 6, which leaves 2-row tails at those batch sizes, and 8 weight rows x 3: both
+// slower; so is a k-chunk small enough that 32 activation rows stay in L1). kc is a multiple of 16: every
+// format's block is a multiple of 32 weights.
+struct Lanes {
+    using V = __m512;
+    static constexpr int kWidth = 16;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static __m256 half(V v) {  // lanes i and i + 8 added
+        return _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     }
-    __m256 half[R][C];  // lanes i and i + 8 added: the AVX2 reduction takes it from there
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c)
-            half[r][c] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][c]),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1)));
-    store_dots<R, C, ADD>(half, m0, n0, ldy, y);
-}
+};
+constexpr int kMicroCols = 4;
 #else
+struct Lanes {
+    using V = __m256;
+    static constexpr int kWidth = 8;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static __m256 half(V v) { return v; }
+};
 constexpr int kMicroCols = 3;  // 4 x 3 accumulators, 4 weight vectors and one activation vector: 17 registers
+#endif
 
 // x points at column k0 of row 0 (rows k apart); buf holds R widened rows of kc columns.
 template <int R, int C, bool ADD>
 inline void widened_micro(const float* buf, const float* x, int64_t k, int64_t kc, int64_t m0, int64_t n0,
                           int64_t ldy, float* y) {
-    __m256 acc[R][C];
+    typename Lanes::V acc[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < kc; i += 8) {
-        __m256 wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(buf + r * kc + i);
+        for (int c = 0; c < C; ++c) acc[r][c] = Lanes::zero();
+    for (int64_t i = 0; i < kc; i += Lanes::kWidth) {
+        typename Lanes::V wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = Lanes::load(buf + r * kc + i);
         for (int c = 0; c < C; ++c) {
-            const __m256 xv = _mm256_loadu_ps(x + (m0 + c) * k + i);
-            for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
+            const typename Lanes::V xv = Lanes::load(x + (m0 + c) * k + i);
+            for (int r = 0; r < R; ++r) acc[r][c] = Lanes::fmadd(wv[r], xv, acc[r][c]);
         }
     }
-    store_dots<R, C, ADD>(acc, m0, n0, ldy, y);
+    __m256 half[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) half[r][c] = Lanes::half(acc[r][c]);
+    store_dots<R, C, ADD>(half, m0, n0, ldy, y);
 }
-#endif
 
 // Activation rows [m_lo, m_hi) against the widened rows in buf, kMicroCols at a time.
 template <int R, bool ADD>

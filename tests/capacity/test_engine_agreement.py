@@ -18,16 +18,9 @@ def estimate_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tiny_models import build_tiny_hf_model
-    from tiny_tokenizer import write_char_tokenizer
+    from tiny_models import save_tiny_checkpoints
 
-    out = {}
-    for variant in ("llama_gqa", "gemma3_mqa_sliding"):
-        path = tmp_path_factory.mktemp(variant)
-        build_tiny_hf_model(variant).save_pretrained(path)
-        write_char_tokenizer(path)
-        out[variant] = path
-    return out
+    return save_tiny_checkpoints(tmp_path_factory.mktemp)
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_hf_model
-from tiny_tokenizer import write_char_tokenizer
+from tiny_models import build_tiny_hf_model, save_tiny_checkpoints
 
 
 @pytest.fixture
@@ -28,10 +27,4 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny llama (GQA) and gemma3 (MQA, sliding window) checkpoints with a character tokenizer, once per module."""
-    out = {}
-    for variant in ("llama_gqa", "gemma3_mqa_sliding"):
-        path = tmp_path_factory.mktemp(variant)
-        build_tiny_hf_model(variant).save_pretrained(path)
-        write_char_tokenizer(path)
-        out[variant] = path
-    return out
+    return save_tiny_checkpoints(tmp_path_factory.mktemp)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from tiny_tokenizer import write_char_tokenizer
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kv.cache import LayerKVCache
@@ -55,6 +58,19 @@ def build_tiny_hf_model(variant: str, **overrides: object) -> torch.nn.Module:
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.2)
     return model
+
+
+def save_tiny_checkpoints(make_dir: Callable[[str], Path],
+                          variants: tuple[str, ...] = ("llama_gqa", "gemma3_mqa_sliding")) -> dict[str, Path]:
+    """Each variant saved with a character tokenizer into make_dir(variant) (a tmp_path_factory's mktemp):
+    variant -> checkpoint directory."""
+    out = {}
+    for variant in variants:
+        path = make_dir(variant)
+        build_tiny_hf_model(variant).save_pretrained(path)
+        write_char_tokenizer(path)
+        out[variant] = path
+    return out
 
 
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -111,7 +111,7 @@ def test_native_decode_attention_reads_an_int8_cache_in_place(heads: int, kv_hea
                                                              window: int | None, kernels) -> None:  # type: ignore[no-untyped-def]
     """The int8 decode kernel (the native layer path's, for --kv-cache-dtype int8) against the reference on the
     same int8 cache, which dequantizes the rows it gathers: the same values, summed in another order."""
-    if not hasattr(kernels, "paged_decode_attention_i8"):
+    if isinstance(kernels, TorchKernels):
         pytest.skip("the torch kernels have no paged attention")
     q, kc, vc, meta = _scenario([(45, 1), (3, 1), (17, 1), (300, 1)], 16, heads, kv_heads,
                                 seed=heads * 10 + head_dim, head_dim=head_dim)
@@ -122,8 +122,8 @@ def test_native_decode_attention_reads_an_int8_cache_in_place(heads: int, kv_hea
     cache.write(kc.view(-1, kv_heads, head_dim), vc.view(-1, kv_heads, head_dim), slots)
     layer = AttentionLayerSpec(head_dim**-0.5, window)
     ref = reference_attention(q, cache, meta, layer)
-    got = kernels.paged_decode_attention_i8(q, cache.key, cache.value, cache.key_scale, cache.value_scale,
-                                            meta.block_tables, meta.seq_lens, window, head_dim**-0.5)
+    got = kernels.paged_decode_attention(q, cache.key, cache.value, meta.block_tables, meta.seq_lens, window,
+                                         head_dim**-0.5, cache.key_scale, cache.value_scale)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
 
 
