@@ -5,8 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineConfig",
-           "LLMEngine"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+]
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig

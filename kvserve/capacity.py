@@ -66,14 +66,27 @@ class KVShape:
     def from_model_config(cls, cfg: ModelConfig) -> KVShape:
         derived = cfg.hidden_size // cfg.num_heads
         note = "head_dim" if cfg.head_dim != derived else f"hidden_size {cfg.hidden_size} / {cfg.num_heads} heads"
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, tuple(cfg.sliding_windows),
-                   head_dim_note=note)
+        return cls(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.num_heads,
+            tuple(cfg.sliding_windows),
+            head_dim_note=note,
+        )
 
     @classmethod
     def mla(cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, num_attention_heads: int) -> KVShape:
         """Multi-head latent attention caches one compressed latent plus the rope key part, shared by all heads."""
-        return cls(num_layers, 1, kv_lora_rank + qk_rope_head_dim, num_attention_heads, (None,) * num_layers,
-                   kv_factor=1, head_dim_note=f"kv_lora_rank {kv_lora_rank} + qk_rope_head_dim {qk_rope_head_dim}")
+        return cls(
+            num_layers,
+            1,
+            kv_lora_rank + qk_rope_head_dim,
+            num_attention_heads,
+            (None,) * num_layers,
+            kv_factor=1,
+            head_dim_note=f"kv_lora_rank {kv_lora_rank} + qk_rope_head_dim {qk_rope_head_dim}",
+        )
 
     @property
     def attention(self) -> str:
@@ -169,15 +182,18 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
     """Whole blocks that fit in the budget, the null block included; a budget without room for one usable block
     beside the null block is an error, not an empty pool."""
     num_blocks = budget_bytes // bytes_per_block
-    _check_has_usable_block(num_blocks, f"the KV budget ({budget_bytes} bytes) holds {num_blocks} blocks of "
-                                        f"{bytes_per_block} bytes")
+    _check_has_usable_block(
+        num_blocks, f"the KV budget ({budget_bytes} bytes) holds {num_blocks} blocks of {bytes_per_block} bytes"
+    )
     return num_blocks
 
 
 def _check_has_usable_block(num_blocks: int, what: str) -> None:
     if usable_blocks(num_blocks) < 1:
-        raise ValueError(f"{what}; the KV cache needs at least 2 (block {NULL_BLOCK_ID} is the null block, which "
-                         f"pads block tables and never holds tokens)")
+        raise ValueError(
+            f"{what}; the KV cache needs at least 2 (block {NULL_BLOCK_ID} is the null block, which "
+            f"pads block tables and never holds tokens)"
+        )
 
 
 def plan_kv_cache(
@@ -237,8 +253,10 @@ class Budget:
 def budget_from_memory(memory_bytes: int, utilization: float, weights_bytes: int, overhead_bytes: int = 0) -> Budget:
     """vLLM's rule for a device: memory x utilization, less the weights and the activation/runtime overhead."""
     kv = int(memory_bytes * utilization) - weights_bytes - overhead_bytes
-    formula = (f"{memory_bytes} (memory) x {utilization} (gpu-memory-utilization) - {weights_bytes} (weights) - "
-               f"{overhead_bytes} (overhead) = {kv} bytes")
+    formula = (
+        f"{memory_bytes} (memory) x {utilization} (gpu-memory-utilization) - {weights_bytes} (weights) - "
+        f"{overhead_bytes} (overhead) = {kv} bytes"
+    )
     if kv <= 0:
         raise ValueError(f"no memory left for the KV cache: {formula}")
     return Budget(kv, "memory", formula)
@@ -263,8 +281,9 @@ class ContiguousComparison:
     paged: CacheLayoutUse
 
 
-def compare_contiguous(bytes_per_token: int, block_size: int, requests: int, avg_len: int, max_len: int,
-                       budget_bytes: int) -> ContiguousComparison:
+def compare_contiguous(
+    bytes_per_token: int, block_size: int, requests: int, avg_len: int, max_len: int, budget_bytes: int
+) -> ContiguousComparison:
     """A cache reserving max_len per request vs the paged cache rounding each (average-length) request up to
     whole blocks; 'fit' = how many such requests the budget holds under each layout."""
     if not 1 <= avg_len <= max_len:
@@ -272,8 +291,9 @@ def compare_contiguous(bytes_per_token: int, block_size: int, requests: int, avg
     return compare_layouts([avg_len] * requests, bytes_per_token, block_size, max_len, budget_bytes)
 
 
-def compare_layouts(lengths: Sequence[int], bytes_per_token: int, block_size: int, max_len: int,
-                    budget_bytes: int) -> ContiguousComparison:
+def compare_layouts(
+    lengths: Sequence[int], bytes_per_token: int, block_size: int, max_len: int, budget_bytes: int
+) -> ContiguousComparison:
     """The same requests (their lengths in tokens, prompt + output) in a cache that reserves max_len per
     request and in the paged cache, which rounds each up to whole blocks. 'fit' = how many requests of this
     length distribution the budget holds at once: budget over the mean bytes one request takes."""

@@ -25,14 +25,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.sampling_seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty, n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+        n=args.n,
     )
     start = time.perf_counter()
     engine = LLMEngine.from_config(engine_config_from_args(args))
-    print(f"Loaded {engine.config.served_model_name} in {time.perf_counter() - start:.1f} s; "
-          f"peak memory {format_gib(_peak_rss_bytes())}; {engine.cache_plan.describe()}", file=sys.stderr)
+    print(
+        f"Loaded {engine.config.served_model_name} in {time.perf_counter() - start:.1f} s; "
+        f"peak memory {format_gib(_peak_rss_bytes())}; {engine.cache_plan.describe()}",
+        file=sys.stderr,
+    )
     llm = LLM(engine=engine)
     prompts = args.prompt
     if args.chat:
@@ -43,9 +53,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     from kvserve.tools.report import emit
 
-    doc = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
-            "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-                        for c in o.outputs]} for o in outputs]
+    doc = [
+        {
+            "prompt": o.prompt,
+            "prompt_token_ids": o.prompt_token_ids,
+            "outputs": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in o.outputs
+            ],
+        }
+        for o in outputs
+    ]
     text = "\n".join(f"{o.prompt}{c.text}" if args.echo else c.text for o in outputs for c in o.outputs)
     emit(doc, text, args.json)
     print(f"{num_out} tokens in {elapsed:.2f} s ({num_out / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
@@ -54,16 +71,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # Modules that each define `add_parser(subparsers)`, registering one subcommand whose parser sets `func`
 # (a callable taking the parsed args and returning an exit code). Heavy imports belong inside `func`.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("kvserve.tools.estimate", "kvserve.tools.advise", "kvserve.tools.doctor",
-                                        "kvserve.server.cli", "kvserve.bench.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "kvserve.tools.estimate",
+    "kvserve.tools.advise",
+    "kvserve.tools.doctor",
+    "kvserve.server.cli",
+    "kvserve.bench.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference built around a paged KV cache")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one or more prompts",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen = sub.add_parser(
+        "generate", help="generate text for one or more prompts", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched)")
     o = gen.add_argument_group("sampling")
     o.add_argument("--max-tokens", type=int, default=32)
@@ -78,9 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--ignore-eos", action="store_true")
     o.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     o.add_argument("--echo", action="store_true", help="print the prompt before its continuation")
-    o.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="JSON output: on stdout (no PATH or -) or into PATH; a list of {prompt, prompt_token_ids, "
-                        "outputs: [{text, token_ids, finish_reason}]}")
+    o.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="JSON output: on stdout (no PATH or -) or into PATH; a list of {prompt, prompt_token_ids, "
+        "outputs: [{text, token_ids, finish_reason}]}",
+    )
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     for module in SUBCOMMAND_MODULES:

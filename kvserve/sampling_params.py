@@ -159,9 +159,7 @@ class SamplingParams:
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise _bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
-            )
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):
@@ -173,8 +171,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise _bad("stop", self.stop, "non-empty strings")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop must hold strings of at most {MAX_STOP_STRING_CHARS} characters, "
-                                 f"got one of {len(s)}")
+                raise ValueError(
+                    f"stop must hold strings of at most {MAX_STOP_STRING_CHARS} characters, got one of {len(s)}"
+                )
         for t in self.stop_token_ids or []:  # a list since __post_init__, as `stop` above
             if not is_int(t) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
@@ -199,11 +198,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with `changes` applied (lists are copied, never shared)."""

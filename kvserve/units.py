@@ -11,9 +11,24 @@ GiB = 1 << 30
 
 # Decimal (k, M, G, T as in "2G") and binary (Ki, Mi, Gi, Ti) units, case-insensitive, an optional trailing b.
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": 1 << 40, "tib": 1 << 40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": KiB,
+    "kib": KiB,
+    "mi": MiB,
+    "mib": MiB,
+    "gi": GiB,
+    "gib": GiB,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
 }
 # Largest first: format_bytes picks the first unit the value reaches.
 _BINARY_UNITS = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB))

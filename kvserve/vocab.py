@@ -31,9 +31,14 @@ class KVDtype:
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # `--kv-cache-dtype` (besides auto): a compute dtype, or 8-bit with a per-token-head scale.
 KV_DTYPES: dict[str, KVDtype] = {
-    d.name: d for d in (
-        KVDtype("float32", 4), KVDtype("bfloat16", 2), KVDtype("float16", 2),
-        KVDtype("fp8", 1, SCALE_BYTES), KVDtype("fp8_e4m3", 1, SCALE_BYTES), KVDtype("fp8_e5m2", 1, SCALE_BYTES),
+    d.name: d
+    for d in (
+        KVDtype("float32", 4),
+        KVDtype("bfloat16", 2),
+        KVDtype("float16", 2),
+        KVDtype("fp8", 1, SCALE_BYTES),
+        KVDtype("fp8_e4m3", 1, SCALE_BYTES),
+        KVDtype("fp8_e5m2", 1, SCALE_BYTES),
         KVDtype("int8", 1, SCALE_BYTES),
     )
 }

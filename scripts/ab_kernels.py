@@ -55,8 +55,10 @@ def main() -> None:
             for name, k in kernels.items():
                 model.use_kernels(k)
                 times[name].append(run(prompt_len, max_tokens))
-        print(f"{label}: " + "; ".join(f"{name} {', '.join(f'{1e3 * t:.1f}' for t in sorted(ts))} ms"
-                                       for name, ts in times.items()))
+        print(
+            f"{label}: "
+            + "; ".join(f"{name} {', '.join(f'{1e3 * t:.1f}' for t in sorted(ts))} ms" for name, ts in times.items())
+        )
     model.use_kernels(kernels["new"])
 
 

@@ -28,8 +28,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="q8_0")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=1 << 29, quantization=args.quantization,
-                                                block_size=BLOCK))
+    engine = LLMEngine.from_config(
+        EngineConfig(kv_cache_memory_bytes=1 << 29, quantization=args.quantization, block_size=BLOCK)
+    )
     runner, n = engine.runner, args.n
     model, kernels = runner.model, runner.model.kernels
     if args.decode:  # n sequences of 65 tokens, the last one new (the cache holds whatever it holds: timing only)
@@ -54,9 +55,11 @@ def main() -> None:
                 hidden[mode] = model(ids, pos, runner.kv_caches, meta)
                 best[mode] = min(best.get(mode, float("inf")), 1e3 * (time.perf_counter() - start))
     diff = (hidden["native"] - hidden["torch"]).abs().max().item()
-    print(f"{'decode batch' if args.decode else 'prefill'} {n}, {args.quantization}: forward "
-          + ", ".join(f"{mode} {ms:.1f} ms" for mode, ms in best.items())
-          + f" (min of {args.rounds}); max |native - torch| {diff:.3g}; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{'decode batch' if args.decode else 'prefill'} {n}, {args.quantization}: forward "
+        + ", ".join(f"{mode} {ms:.1f} ms" for mode, ms in best.items())
+        + f" (min of {args.rounds}); max |native - torch| {diff:.3g}; load average {os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ def main() -> None:
             kernels.paged_decode_attention(q, k, v, tables, lens, None, scale)
             best = min(best, time.perf_counter() - start)
         kv_bytes = 2 * args.batch * context * args.kv_heads * args.head_dim * 4
-        print(f"batch {args.batch}, context {context}: {best * 1e3:.3f} ms, {kv_bytes / 1e6:.1f} MB of K/V, "
-              f"{kv_bytes / 1e9 / best:.1f} GB/s")
+        print(
+            f"batch {args.batch}, context {context}: {best * 1e3:.3f} ms, {kv_bytes / 1e6:.1f} MB of K/V, "
+            f"{kv_bytes / 1e9 / best:.1f} GB/s"
+        )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,26 @@ from kvserve.model.gguf_reader import GGUFFile
 from kvserve.model.source import resolve_model
 from kvserve.model.tokenizer import default_cache_dir
 
-TENSORS = {"LM head": "token_embd.weight", "q": "blk.0.attn_q.weight", "v": "blk.0.attn_v.weight",
-           "gate": "blk.0.ffn_gate.weight", "o_proj": "blk.0.attn_output.weight", "down Q6_K": "blk.0.ffn_down.weight",
-           "down 2": "blk.1.ffn_down.weight"}
+TENSORS = {
+    "LM head": "token_embd.weight",
+    "q": "blk.0.attn_q.weight",
+    "v": "blk.0.attn_v.weight",
+    "gate": "blk.0.ffn_gate.weight",
+    "o_proj": "blk.0.attn_output.weight",
+    "down Q6_K": "blk.0.ffn_down.weight",
+    "down 2": "blk.1.ffn_down.weight",
+}
 # --cold: each projection over every layer, grouped by the type the file stores it in
-COLD = {"LM head": "token_embd.weight", "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
-        "gate": "ffn_gate.weight", "up": "ffn_up.weight", "o_proj": "attn_output.weight", "down": "ffn_down.weight"}
+COLD = {
+    "LM head": "token_embd.weight",
+    "q": "attn_q.weight",
+    "k": "attn_k.weight",
+    "v": "attn_v.weight",
+    "gate": "ffn_gate.weight",
+    "up": "ffn_up.weight",
+    "o_proj": "attn_output.weight",
+    "down": "ffn_down.weight",
+}
 
 
 def weight_sets(f: GGUFFile, cold: bool) -> list[tuple[str, int, list[str]]]:
@@ -74,9 +88,11 @@ def main() -> None:
                     times["q8_0"] = min(times["q8_0"], end - middle)
                 name = NATIVE_GGUF_TYPES[qtype].name
                 flops = 2e-9 * m * n * k * len(names)
-                print(f"{label:9} {name} {n:>6} x {k:<4} rows {m:>3}: gguf "
-                      f"{1e3 * times['gguf']:7.3f} ms  q8_0 {1e3 * times['q8_0']:7.3f} ms  "
-                      f"ratio {times['q8_0'] / times['gguf']:.2f}  ({flops / times['gguf']:5.1f} GFLOP/s)")
+                print(
+                    f"{label:9} {name} {n:>6} x {k:<4} rows {m:>3}: gguf "
+                    f"{1e3 * times['gguf']:7.3f} ms  q8_0 {1e3 * times['q8_0']:7.3f} ms  "
+                    f"ratio {times['q8_0'] / times['gguf']:.2f}  ({flops / times['gguf']:5.1f} GFLOP/s)"
+                )
 
 
 if __name__ == "__main__":

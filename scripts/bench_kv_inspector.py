@@ -1,13 +1,13 @@
 """What the KV inspector costs.
 
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/bench_kv_inspector.py
-        on the tiny test model, in seconds: one snapshot of a ~7,000-block pool, its JSON, one delta between two
-        snapshots a decode step apart (diff time and size), and decode steps with and without a watcher
-        (interleaved runs, medians)
-    HF_HUB_OFFLINE=1 python scripts/bench_kv_inspector.py --serve [--model M] [--pairs 5] [--window 20]
-        the issue's proof: a real `kvserve serve` process (default model unless --model), 32 requests decoding
-        through the HTTP API, and its decode throughput (the generation-tokens counter on /metrics over a window)
-        with a /v1/kv/stream reader open vs none, in interleaved windows (alternating which goes first), medians
+OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/bench_kv_inspector.py
+    on the tiny test model, in seconds: one snapshot of a ~7,000-block pool, its JSON, one delta between two
+    snapshots a decode step apart (diff time and size), and decode steps with and without a watcher
+    (interleaved runs, medians)
+HF_HUB_OFFLINE=1 python scripts/bench_kv_inspector.py --serve [--model M] [--pairs 5] [--window 20]
+    the issue's proof: a real `kvserve serve` process (default model unless --model), 32 requests decoding
+    through the HTTP API, and its decode throughput (the generation-tokens counter on /metrics over a window)
+    with a /v1/kv/stream reader open vs none, in interleaved windows (alternating which goes first), medians
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ STEPS = 150  # per run: long against the snapshot interval, so that a run sees t
 
 def busy_engine(model_dir: Path, num_blocks: int = 7000, batch: int = 32) -> LLMEngine:
     """A pool mostly full of cached prefixes, and `batch` requests decoding with a shared system prompt."""
-    engine = make_engine(model_dir, num_gpu_blocks_override=num_blocks, block_size=16, max_num_seqs=batch,
-                         max_num_batched_tokens=8192)
+    engine = make_engine(
+        model_dir, num_gpu_blocks_override=num_blocks, block_size=16, max_num_seqs=batch, max_num_batched_tokens=8192
+    )
     rng = random.Random(0)
     for i in range(300):
         engine.add_request(f"fill{i}", [rng.randrange(3, 250) for _ in range(250)], SamplingParams(max_tokens=1))
@@ -116,16 +117,23 @@ def main() -> None:
         off.append(steps_per_s(engine, publisher, STEPS, False, rng))
         on.append(steps_per_s(engine, publisher, STEPS, True, rng))
     print(f"pool {engine.pool.num_blocks} blocks {states}, {len(snap['requests'])} requests")
-    print(f"snapshot {statistics.median(build) * 1e3:.2f} ms (median of 20); "
-          f"JSON {statistics.median(encode) * 1e3:.2f} ms, {len(text) / 1024:.0f} KiB")
-    print(f"delta one step apart: diff {statistics.median(diffs) * 1e3:.2f} ms (median of 5), "
-          f"JSON {statistics.median(sizes) / 1024:.1f} KiB")
+    print(
+        f"snapshot {statistics.median(build) * 1e3:.2f} ms (median of 20); "
+        f"JSON {statistics.median(encode) * 1e3:.2f} ms, {len(text) / 1024:.0f} KiB"
+    )
+    print(
+        f"delta one step apart: diff {statistics.median(diffs) * 1e3:.2f} ms (median of 5), "
+        f"JSON {statistics.median(sizes) / 1024:.1f} KiB"
+    )
     ratio = statistics.median(on) / statistics.median(off)
-    print(f"decode steps/s at batch {len(engine.scheduler.running)}: without a watcher {statistics.median(off):.1f}, "
-          f"with {statistics.median(on):.1f} (ratio {ratio:.3f})")
+    print(
+        f"decode steps/s at batch {len(engine.scheduler.running)}: without a watcher {statistics.median(off):.1f}, "
+        f"with {statistics.median(on):.1f} (ratio {ratio:.3f})"
+    )
 
 
 # ---- --serve: a real server process, 32 requests through HTTP, a stream reader open or not ----
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -175,8 +183,9 @@ class Load:
 
     def __init__(self, base_url: str, batch: int, max_tokens: int) -> None:
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._loop, args=(base_url, i, max_tokens), daemon=True)
-                        for i in range(batch)]
+        self.threads = [
+            threading.Thread(target=self._loop, args=(base_url, i, max_tokens), daemon=True) for i in range(batch)
+        ]
 
     def _loop(self, base_url: str, i: int, max_tokens: int) -> None:
         import httpx
@@ -185,8 +194,10 @@ class Load:
             n = 0
             while not self.stop.is_set():
                 prompt = f"Request {i}.{n}: write a long story about the sea, the ships and the sailors."
-                client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                      "ignore_eos": True, "temperature": 0.0})
+                client.post(
+                    "/v1/completions",
+                    json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0},
+                )
                 n += 1
 
 
@@ -226,8 +237,18 @@ def serve_bench(args: argparse.Namespace) -> None:
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", *([args.model] if args.model else []), "--port", str(port),
-           "--max-num-seqs", str(args.batch), *args.server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "serve",
+        *([args.model] if args.model else []),
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(args.batch),
+        *args.server_args,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
@@ -254,7 +275,7 @@ def serve_bench(args: argparse.Namespace) -> None:
             cpus: dict[bool, list[float]] = {False: [], True: []}
             sizes: dict[str, list[int]] = {"snapshot": [], "delta": []}
             for pair in range(args.pairs):
-                for watched in ((False, True) if pair % 2 == 0 else (True, False)):
+                for watched in (False, True) if pair % 2 == 0 else (True, False):
                     reader = StreamReader(base_url) if watched else None
                     time.sleep(1.0)  # the stream's full snapshot and the first deltas, as a page opening
                     rate, cpu = _decode_rate(client, server.pid, args.window)
@@ -264,21 +285,32 @@ def serve_bench(args: argparse.Namespace) -> None:
                         reader.close()
                         for kind, values in reader.sizes.items():
                             sizes[kind].extend(values)
-                    print(f"pair {pair} {'stream open  ' if watched else 'stream closed'} {rate:8.1f} tokens/s "
-                          f"{cpu:7.2f} server CPU ms/token", flush=True)
+                    print(
+                        f"pair {pair} {'stream open  ' if watched else 'stream closed'} {rate:8.1f} tokens/s "
+                        f"{cpu:7.2f} server CPU ms/token",
+                        flush=True,
+                    )
         off, on = statistics.median(rates[False]), statistics.median(rates[True])
         ratios = [b / a for a, b in zip(rates[False], rates[True], strict=True)]
         cpu_off, cpu_on = statistics.median(cpus[False]), statistics.median(cpus[True])
-        print(f"model {args.model or 'default'}, pool {pool['num_blocks']} blocks of {pool['block_size']}, "
-              f"batch {args.batch}, {args.pairs} pairs of {args.window:.0f} s windows")
-        print(f"decode tokens/s: stream closed {off:.1f}, open {on:.1f} (ratio of medians {on / off:.3f}; "
-              f"median of per-pair ratios {statistics.median(ratios):.3f}; "
-              f"per pair {', '.join(f'{r:.3f}' for r in ratios)})")
-        print(f"server CPU ms per generated token: stream closed {cpu_off:.2f}, open {cpu_on:.2f} "
-              f"(ratio of medians {cpu_on / cpu_off:.3f})")
-        print(f"stream frames: {len(sizes['snapshot'])} snapshots, median {_kib(sizes['snapshot'])} KiB; "
-              f"{len(sizes['delta'])} deltas, median {_kib(sizes['delta'])} KiB, "
-              f"largest {max(sizes['delta'] or [0]) / 1024:.1f} KiB")
+        print(
+            f"model {args.model or 'default'}, pool {pool['num_blocks']} blocks of {pool['block_size']}, "
+            f"batch {args.batch}, {args.pairs} pairs of {args.window:.0f} s windows"
+        )
+        print(
+            f"decode tokens/s: stream closed {off:.1f}, open {on:.1f} (ratio of medians {on / off:.3f}; "
+            f"median of per-pair ratios {statistics.median(ratios):.3f}; "
+            f"per pair {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
+        print(
+            f"server CPU ms per generated token: stream closed {cpu_off:.2f}, open {cpu_on:.2f} "
+            f"(ratio of medians {cpu_on / cpu_off:.3f})"
+        )
+        print(
+            f"stream frames: {len(sizes['snapshot'])} snapshots, median {_kib(sizes['snapshot'])} KiB; "
+            f"{len(sizes['delta'])} deltas, median {_kib(sizes['delta'])} KiB, "
+            f"largest {max(sizes['delta'] or [0]) / 1024:.1f} KiB"
+        )
     finally:
         load.stop.set()
         server.terminate()
@@ -293,8 +325,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=5, help="--serve: interleaved (closed, open) window pairs")
     p.add_argument("--window", type=float, default=20.0, help="--serve: seconds per window")
     p.add_argument("--max-tokens", type=int, default=400, help="--serve: tokens per request (requests repeat)")
-    p.add_argument("--server-arg", dest="server_args", action="append", default=[],
-                   help="--serve: one more `kvserve serve` argument (repeatable), e.g. --server-arg=--cpu-threads=2")
+    p.add_argument(
+        "--server-arg",
+        dest="server_args",
+        action="append",
+        default=[],
+        help="--serve: one more `kvserve serve` argument (repeatable), e.g. --server-arg=--cpu-threads=2",
+    )
     return p.parse_args()
 
 

@@ -16,8 +16,13 @@ from kvserve.kernels.ops import NativeKernels, load_kernels
 from kvserve.kernels.q8 import quantize_q8
 from kvserve.model.tokenizer import default_cache_dir
 
-SHAPES = {"LM head": (262_144, 640), "qkv": (1536, 640), "gate_up": (4096, 640), "o_proj": (640, 1024),
-          "down": (640, 2048)}
+SHAPES = {
+    "LM head": (262_144, 640),
+    "qkv": (1536, 640),
+    "gate_up": (4096, 640),
+    "o_proj": (640, 1024),
+    "down": (640, 2048),
+}
 
 
 def main() -> None:

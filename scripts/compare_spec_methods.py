@@ -63,9 +63,14 @@ def timed_run(engine: LLMEngine, request_id: str, prompt: list[int], params: Sam
     after = engine.stats()
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return {"tok_s": (len(tokens) - 1) / (last - first), "drafted": drafted, "accepted": accepted,
-            "drafts": after.spec_decode_num_drafts - before.spec_decode_num_drafts,
-            "propose_ms": propose_s * 1000, "tokens": tokens}
+    return {
+        "tok_s": (len(tokens) - 1) / (last - first),
+        "drafted": drafted,
+        "accepted": accepted,
+        "drafts": after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+        "propose_ms": propose_s * 1000,
+        "tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -82,8 +87,9 @@ def main() -> None:
 
         methods["suffix"] = {"method": "suffix", **json.loads(args.suffix_config)}
     base = LLMEngine.from_config(EngineConfig(cpu_threads=1, num_gpu_blocks_override=2048))
-    engines = {name: base.sibling(speculative_config=spec, enable_prefix_caching=False)
-               for name, spec in methods.items()}
+    engines = {
+        name: base.sibling(speculative_config=spec, enable_prefix_caching=False) for name, spec in methods.items()
+    }
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prompts = [render_prompt(base.tokenizer, p, 4096) for p in workload_prompts(args.workload, args.rounds + 1)]
     warm = engines["off"]
@@ -97,10 +103,12 @@ def main() -> None:
             run = runs[name]
             results[name].append(run["tok_s"])
             rate = run["accepted"] / run["drafted"] if run["drafted"] else 0.0
-            print(f"round {r} ({len(prompt)}-token prompt) {name:6s}: {run['tok_s']:6.1f} decode tok/s, "
-                  f"{run['drafts']} drafts, {run['drafted']} drafted, {run['accepted']} accepted ({rate:.0%}), "
-                  f"drafting {run['propose_ms']:.1f} ms, same tokens as off: {run['tokens'] == runs['off']['tokens']}",
-                  flush=True)
+            print(
+                f"round {r} ({len(prompt)}-token prompt) {name:6s}: {run['tok_s']:6.1f} decode tok/s, "
+                f"{run['drafts']} drafts, {run['drafted']} drafted, {run['accepted']} accepted ({rate:.0%}), "
+                f"drafting {run['propose_ms']:.1f} ms, same tokens as off: {run['tokens'] == runs['off']['tokens']}",
+                flush=True,
+            )
     for name, values in results.items():
         print(f"{name:6s}: median {statistics.median(values):.1f} decode tok/s over {len(values)} runs")
 

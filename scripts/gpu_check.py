@@ -78,8 +78,22 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.vocab import ATTENTION_BACKENDS
 
 # Packages the GPU machine does not have: kvserve's engine path must never import them.
-ABSENT_ON_GPU_MACHINE = ("fastapi", "uvicorn", "pydantic", "pydantic_core", "gguf", "starlette", "prometheus_client",
-                         "xgrammar", "llguidance", "zmq", "msgspec", "xxhash", "ray", "matplotlib")
+ABSENT_ON_GPU_MACHINE = (
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "pydantic_core",
+    "gguf",
+    "starlette",
+    "prometheus_client",
+    "xgrammar",
+    "llguidance",
+    "zmq",
+    "msgspec",
+    "xxhash",
+    "ray",
+    "matplotlib",
+)
 TARGET_DECODE_X_FLOOR = 1.5
 TARGET_OVER_HF_AT_64 = 10.0
 
@@ -107,14 +121,38 @@ class Plan:
     @classmethod
     def for_run(cls, tiny: bool, budget_s: float | None, dtypes: tuple[str, ...] | None) -> Plan:
         if tiny:
-            return cls(dtypes=dtypes or ("float32",), speed_dtype="float32", logits_prompt=24, logits_continuation=8,
-                       greedy_requests=4, greedy_tokens=16, speed_batches=(1, 4, 8), speed_prompt=16,
-                       speed_new_tokens=8, chunk_tokens=16, speed_batched_tokens=256, buffer_mib=64, matmul_n=256,
-                       budget_s=budget_s or 120.0)
-        return cls(dtypes=dtypes or ("float32", "bfloat16"), speed_dtype="bfloat16", logits_prompt=96,
-                   logits_continuation=32, greedy_requests=6, greedy_tokens=64, speed_batches=(1, 32, 64, 256),
-                   speed_prompt=128, speed_new_tokens=64, chunk_tokens=64, speed_batched_tokens=8192,
-                   buffer_mib=4096, matmul_n=8192, budget_s=budget_s or 270.0)
+            return cls(
+                dtypes=dtypes or ("float32",),
+                speed_dtype="float32",
+                logits_prompt=24,
+                logits_continuation=8,
+                greedy_requests=4,
+                greedy_tokens=16,
+                speed_batches=(1, 4, 8),
+                speed_prompt=16,
+                speed_new_tokens=8,
+                chunk_tokens=16,
+                speed_batched_tokens=256,
+                buffer_mib=64,
+                matmul_n=256,
+                budget_s=budget_s or 120.0,
+            )
+        return cls(
+            dtypes=dtypes or ("float32", "bfloat16"),
+            speed_dtype="bfloat16",
+            logits_prompt=96,
+            logits_continuation=32,
+            greedy_requests=6,
+            greedy_tokens=64,
+            speed_batches=(1, 32, 64, 256),
+            speed_prompt=128,
+            speed_new_tokens=64,
+            chunk_tokens=64,
+            speed_batched_tokens=8192,
+            buffer_mib=4096,
+            matmul_n=8192,
+            budget_s=budget_s or 270.0,
+        )
 
 
 class SectionTimeout(BaseException):
@@ -175,8 +213,11 @@ class Report:
         except SectionTimeout:
             entry = {"status": "timeout", "reason": f"over its deadline of {left:.0f} s"}
         except Exception as e:  # noqa: BLE001 -- recorded; the next sections still run
-            entry = {"status": "error", "error": f"{type(e).__name__}: {e}",
-                     "traceback": traceback.format_exc(limit=-8)}
+            entry = {
+                "status": "error",
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=-8),
+            }
         entry["seconds"] = round(time.monotonic() - started, 3)
         self.record(name, entry)
         return value if entry["status"] in ("ok", "failed") else None
@@ -199,7 +240,8 @@ class Report:
         for entry in sections.values():
             counts[entry["status"]] = counts.get(entry["status"], 0) + 1
         self.data["summary"] = {
-            "elapsed_s": round(time.monotonic() - self.start, 1), "statuses": counts,
+            "elapsed_s": round(time.monotonic() - self.start, 1),
+            "statuses": counts,
             "not_passed": [n for n, e in sections.items() if e["status"] in ("failed", "error", "timeout")],
             "passed": not any(e["status"] in ("failed", "error") for e in sections.values()),
         }
@@ -219,45 +261,64 @@ def _brief(entry: dict[str, Any]) -> str:
         figures = entry["kvserve_vs_hf_float32"]
         ratio = entry.get("error_ratio_vs_hf_bf16")
         return f"max|d| {figures['max_abs']:.2e} cos {figures['min_cosine']:.5f}" + (
-            f" err/hf_bf16 {ratio:.2f}" if ratio is not None else "")
+            f" err/hf_bf16 {ratio:.2f}" if ratio is not None else ""
+        )
     if "tokens" in entry:
         return f"tokens {entry['tokens']} preemptions {entry['preemptions']}"
     if "kvserve" in entry:
         kv, hf = entry.get("kvserve") or {}, entry.get("hf") or {}
-        return (f"decode tok/s kvserve {kv.get('decode_tok_s', 0):.0f} (x{kv.get('decode_x_floor', 0):.2f} floor) "
-                f"hf {hf.get('decode_tok_s', 0):.0f}; prefill kvserve {kv.get('prefill_tok_s', 0):.0f}")
+        return (
+            f"decode tok/s kvserve {kv.get('decode_tok_s', 0):.0f} (x{kv.get('decode_x_floor', 0):.2f} floor) "
+            f"hf {hf.get('decode_tok_s', 0):.0f}; prefill kvserve {kv.get('prefill_tok_s', 0):.0f}"
+        )
     return f"{entry['seconds']:.1f} s"
 
 
 # -- the sections --------------------------------------------------------------------------------------------------
 
+
 def machine(device: torch.device) -> Outcome:
     from kvserve.bench.machine import machine_info
 
-    figures: dict[str, Any] = {**machine_info().to_json(), "torch_cuda": torch.version.cuda,
-                               "kvserve_commit": _git_commit(), "utc": datetime.now(timezone.utc).isoformat()}
+    figures: dict[str, Any] = {
+        **machine_info().to_json(),
+        "torch_cuda": torch.version.cuda,
+        "kvserve_commit": _git_commit(),
+        "utc": datetime.now(timezone.utc).isoformat(),
+    }
     try:  # its version, without importing it: the first import fixes whether Triton interprets (TRITON_INTERPRET)
         figures["triton"] = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         figures["triton"] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        figures["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
-                          "memory_gib": round(props.total_memory / 2**30, 1), "count": torch.cuda.device_count(),
-                          "sm_count": props.multi_processor_count}
+        figures["gpu"] = {
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "count": torch.cuda.device_count(),
+            "sm_count": props.multi_processor_count,
+        }
     return Outcome(figures)
 
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-def engine_options(device: str, attention_backend: str | None, extra: dict[str, Any]) -> tuple[dict[str, Any],
-                                                                                                dict[str, str]]:
+def engine_options(
+    device: str, attention_backend: str | None, extra: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The engine options asked for, less those this kvserve does not have (name -> why), which are reported."""
     requested: dict[str, Any] = {"device": device}
     if device.startswith("cuda"):
@@ -282,8 +343,14 @@ def import_audit() -> Outcome:
     loaded = sorted({m.split(".")[0] for m, mod in list(sys.modules.items()) if mod is not None})
     third_party = [m for m in loaded if m not in sys.stdlib_module_names and not m.startswith(("_", "gpu_check"))]
     bad = [m for m in ABSENT_ON_GPU_MACHINE if m in third_party]
-    return Outcome({"third_party": third_party, "absent_on_gpu_machine": list(ABSENT_ON_GPU_MACHINE),
-                    "imported_but_absent_there": bad, "passed": not bad})
+    return Outcome(
+        {
+            "third_party": third_party,
+            "absent_on_gpu_machine": list(ABSENT_ON_GPU_MACHINE),
+            "imported_but_absent_there": bad,
+            "passed": not bad,
+        }
+    )
 
 
 @dataclass(slots=True)
@@ -308,8 +375,9 @@ def check_arch(run: Run, arch: Arch) -> None:
     name = arch.name
     directory = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=run.workdir))
     try:
-        ck: Checkpoint | None = report.run(f"{name}.checkpoint", lambda: _checkpoint(arch, tiny, run.device,
-                                                                                       directory), 5, phase_end)
+        ck: Checkpoint | None = report.run(
+            f"{name}.checkpoint", lambda: _checkpoint(arch, tiny, run.device, directory), 5, phase_end
+        )
         for dtype in [d for d in arch.dtype_order if d in plan.dtypes]:
             if ck is None:
                 report.skip_all(_dtype_sections(arch.name, dtype, plan), f"needs {name}.checkpoint")
@@ -323,11 +391,31 @@ def check_arch(run: Run, arch: Arch) -> None:
 
 def _checkpoint(arch: Arch, tiny: bool, device: torch.device, directory: Path) -> Outcome:
     ck = build_checkpoint(arch, tiny, device, directory)
-    return Outcome({"params": ck.num_params, "checkpoint_bytes": ck.checkpoint_bytes, "directory": str(directory),
-                    "hf_attention": getattr(ck.hf_bf16.config, "_attn_implementation", None), "config": {
-        k: v for k, v in arch.hf_config(tiny).to_dict().items()
-        if k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "sliding_window", "tie_word_embeddings")}}, ck)
+    return Outcome(
+        {
+            "params": ck.num_params,
+            "checkpoint_bytes": ck.checkpoint_bytes,
+            "directory": str(directory),
+            "hf_attention": getattr(ck.hf_bf16.config, "_attn_implementation", None),
+            "config": {
+                k: v
+                for k, v in arch.hf_config(tiny).to_dict().items()
+                if k
+                in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "sliding_window",
+                    "tie_word_embeddings",
+                )
+            },
+        },
+        ck,
+    )
 
 
 def _dtype_sections(arch: str, dtype: str, plan: Plan) -> list[str]:
@@ -345,13 +433,15 @@ def _check_dtype(run: Run, arch: Arch, ck: Checkpoint, dtype: str, phase_end: fl
     name = f"{arch.name}.{{}}_{dtype}"
     window = arch.sliding_window(run.args.tiny)
     prompt = max(plan.logits_prompt, (window or 0) + plan.logits_prompt // 2)  # past the window: it must matter
-    case = LogitsCase(random_prompts([prompt, prompt - 7, prompt + 5], ck.vocab_size, seed=11),
-                      plan.logits_continuation)
+    case = LogitsCase(
+        random_prompts([prompt, prompt - 7, prompt + 5], ck.vocab_size, seed=11), plan.logits_continuation
+    )
     greedy_prompts = random_prompts([8 + 7 * i for i in range(plan.greedy_requests)], ck.vocab_size, seed=12)
     max_len = _round_up(prompt + 5 + plan.logits_continuation, plan.block_size)
     blocks = sum(_blocks(len(p) + plan.logits_continuation, plan.block_size) for p in case.prompts) + 16
-    engine: LLMEngine | None = report.run(name.format("engine"), lambda: _engine(
-        run, ck, dtype, max_len=max_len, num_blocks=blocks), 5, phase_end)
+    engine: LLMEngine | None = report.run(
+        name.format("engine"), lambda: _engine(run, ck, dtype, max_len=max_len, num_blocks=blocks), 5, phase_end
+    )
     if not run.audited:  # after the first engine, loaded or not: what its path imported is the question
         run.audited = True
         report.run("import_audit", import_audit)
@@ -359,8 +449,12 @@ def _check_dtype(run: Run, arch: Arch, ck: Checkpoint, dtype: str, phase_end: fl
         report.skip_all(_dtype_sections(arch.name, dtype, plan)[1:], f"needs {name.format('engine')}")
         return
     try:
-        report.run(name.format("logits"), lambda: Outcome(check_logits(
-            engine, dtype, case, ck.reference, ck.hf_bf16, ck.vocab_size)), 3, phase_end)
+        report.run(
+            name.format("logits"),
+            lambda: Outcome(check_logits(engine, dtype, case, ck.reference, ck.hf_bf16, ck.vocab_size)),
+            3,
+            phase_end,
+        )
         if dtype == "float32":
             report.run(f"{arch.name}.greedy_float32", lambda: _greedy(run, engine, ck, greedy_prompts), 3, phase_end)
         if dtype == plan.speed_dtype and plan.speed_batches:
@@ -371,16 +465,32 @@ def _check_dtype(run: Run, arch: Arch, ck: Checkpoint, dtype: str, phase_end: fl
 
 def _engine(run: Run, ck: Checkpoint, dtype: str, max_len: int, num_blocks: int) -> Outcome:
     plan = run.plan
-    config = EngineConfig(model=str(ck.path), dtype=dtype, block_size=plan.block_size, max_model_len=max_len,
-                          num_gpu_blocks_override=num_blocks, max_num_batched_tokens=plan.chunk_tokens, seed=0,
-                          max_num_seqs=max(plan.greedy_requests, 3),  # few CUDA graphs to capture
-                          **run.options)
+    config = EngineConfig(
+        model=str(ck.path),
+        dtype=dtype,
+        block_size=plan.block_size,
+        max_model_len=max_len,
+        num_gpu_blocks_override=num_blocks,
+        max_num_batched_tokens=plan.chunk_tokens,
+        seed=0,
+        max_num_seqs=max(plan.greedy_requests, 3),  # few CUDA graphs to capture
+        **run.options,
+    )
     started = time.perf_counter()
     engine = LLMEngine.from_config(config)
-    resolved = {k: getattr(engine.config, k, None) for k in ("attention_backend", "enforce_eager",
-                                                             "cuda_graph_sizes", "kv_cache_dtype")}
-    return Outcome({"load_s": time.perf_counter() - started, "config": resolved,
-                    "compute_dtype": str(engine.compute_dtype), "num_blocks": engine.pool.num_blocks}, engine)
+    resolved = {
+        k: getattr(engine.config, k, None)
+        for k in ("attention_backend", "enforce_eager", "cuda_graph_sizes", "kv_cache_dtype")
+    }
+    return Outcome(
+        {
+            "load_s": time.perf_counter() - started,
+            "config": resolved,
+            "compute_dtype": str(engine.compute_dtype),
+            "num_blocks": engine.pool.num_blocks,
+        },
+        engine,
+    )
 
 
 def _greedy(run: Run, engine: LLMEngine, ck: Checkpoint, prompts: list[list[int]]) -> Outcome:
@@ -388,8 +498,7 @@ def _greedy(run: Run, engine: LLMEngine, ck: Checkpoint, prompts: list[list[int]
     plan = run.plan
     longest = max(len(p) for p in prompts) + plan.greedy_tokens
     per_request = _blocks(longest, plan.block_size)
-    small = engine.sibling(num_gpu_blocks_override=1 + 2 * per_request,
-                           max_model_len=per_request * plan.block_size)
+    small = engine.sibling(num_gpu_blocks_override=1 + 2 * per_request, max_model_len=per_request * plan.block_size)
     try:
         return Outcome(check_greedy(engine, small, prompts, plan.greedy_tokens, ck.reference))
     finally:
@@ -406,9 +515,12 @@ def _speed(run: Run, arch: Arch, ck: Checkpoint, engine: LLMEngine, phase_end: f
     biggest = max(plan.speed_batches)
 
     def make() -> Outcome:
-        fast = engine.sibling(num_gpu_blocks_override=biggest * per_request + 32, max_num_seqs=biggest,
-                              max_num_batched_tokens=plan.speed_batched_tokens,
-                              max_model_len=per_request * plan.block_size)
+        fast = engine.sibling(
+            num_gpu_blocks_override=biggest * per_request + 32,
+            max_num_seqs=biggest,
+            max_num_batched_tokens=plan.speed_batched_tokens,
+            max_model_len=per_request * plan.block_size,
+        )
         return Outcome({"num_blocks": fast.pool.num_blocks}, fast)
 
     rows = [f"{arch.name}.speed_b{batch}" for batch in plan.speed_batches]
@@ -422,16 +534,25 @@ def _speed(run: Run, arch: Arch, ck: Checkpoint, engine: LLMEngine, phase_end: f
     hf_model = ck.hf_bf16 if plan.speed_dtype == "bfloat16" else ck.reference
     try:
         for row, batch in zip(rows, plan.speed_batches):
-            report.run(row, lambda batch=batch: Outcome(_speed_row(  # type: ignore[misc]
-                fast, hf_model, batch, plan, floors, ck.vocab_size)), 3, phase_end)
+            report.run(
+                row,
+                lambda batch=batch: Outcome(
+                    _speed_row(  # type: ignore[misc]
+                        fast, hf_model, batch, plan, floors, ck.vocab_size
+                    )
+                ),
+                3,
+                phase_end,
+            )
     finally:
         fast.close()
         report.data["targets"] = targets(report, run.args.tiny)  # now: a later kill keeps them
         report.write()
 
 
-def _speed_row(engine: LLMEngine, hf_model: torch.nn.Module, batch: int, plan: Plan, floors: Floors,
-               vocab_size: int) -> dict[str, Any]:
+def _speed_row(
+    engine: LLMEngine, hf_model: torch.nn.Module, batch: int, plan: Plan, floors: Floors, vocab_size: int
+) -> dict[str, Any]:
     """kvserve and HF on the same batch; an HF failure (out of memory at batch 256, say) keeps kvserve's figures."""
     args = (batch, plan.speed_prompt, plan.speed_new_tokens, vocab_size)
     kv = kvserve_speed(engine, *args, seed=100 + batch)
@@ -451,12 +572,16 @@ def ceilings(device: torch.device, plan: Plan) -> Outcome:
     from kvserve.bench.machine import measure_ceilings
 
     cpu = device.type == "cpu"
-    buffer_mib, matmul_n = (min(plan.buffer_mib, 256), min(plan.matmul_n, 1024)) if cpu else (plan.buffer_mib,
-                                                                                                 plan.matmul_n)
-    measured = measure_ceilings(buffer_mib=buffer_mib, matmul_n=matmul_n, device=str(device),
-                                matmul_dtype=plan.speed_dtype)
-    return Outcome({**measured.to_json(), "matmul_dtype": plan.speed_dtype, "buffer_mib": buffer_mib,
-                    "matmul_n": matmul_n}, measured)
+    buffer_mib, matmul_n = (
+        (min(plan.buffer_mib, 256), min(plan.matmul_n, 1024)) if cpu else (plan.buffer_mib, plan.matmul_n)
+    )
+    measured = measure_ceilings(
+        buffer_mib=buffer_mib, matmul_n=matmul_n, device=str(device), matmul_dtype=plan.speed_dtype
+    )
+    return Outcome(
+        {**measured.to_json(), "matmul_dtype": plan.speed_dtype, "buffer_mib": buffer_mib, "matmul_n": matmul_n},
+        measured,
+    )
 
 
 def targets(report: Report, tiny: bool) -> dict[str, Any]:
@@ -467,15 +592,22 @@ def targets(report: Report, tiny: bool) -> dict[str, Any]:
     over_hf = sixty_four.get("kvserve_over_hf_decode")
     return {
         "meaningful": not tiny,  # --tiny's shapes say nothing about a GPU
-        "batch1_decode_x_floor": {"value": x_floor, "target": f"<= {TARGET_DECODE_X_FLOOR}",
-                                  "met": None if x_floor is None else x_floor <= TARGET_DECODE_X_FLOOR},
-        "batch64_decode_over_hf": {"value": over_hf, "target": f">= {TARGET_OVER_HF_AT_64}",
-                                   "output_tok_s_ratio": sixty_four.get("kvserve_over_hf_output"),
-                                   "met": None if over_hf is None else over_hf >= TARGET_OVER_HF_AT_64},
+        "batch1_decode_x_floor": {
+            "value": x_floor,
+            "target": f"<= {TARGET_DECODE_X_FLOOR}",
+            "met": None if x_floor is None else x_floor <= TARGET_DECODE_X_FLOOR,
+        },
+        "batch64_decode_over_hf": {
+            "value": over_hf,
+            "target": f">= {TARGET_OVER_HF_AT_64}",
+            "output_tok_s_ratio": sixty_four.get("kvserve_over_hf_output"),
+            "met": None if over_hf is None else over_hf >= TARGET_OVER_HF_AT_64,
+        },
     }
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
+
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
@@ -519,11 +651,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(ARCHS), help=f"comma-separated, of: {', '.join(ARCHS)}")
     p.add_argument("--dtypes", default=None, help="comma-separated (default: float32,bfloat16; --tiny: float32)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds after the imports (default 270; --tiny 120)")
-    p.add_argument("--speed-batches", default=None,
-                   help="comma-separated batch sizes (default: 1,32,64,256; '': no speed sections)")
+    p.add_argument(
+        "--speed-batches",
+        default=None,
+        help="comma-separated batch sizes (default: 1,32,64,256; '': no speed sections)",
+    )
     p.add_argument("--attention-backend", default=None, help="default: the engine's own choice for the device")
-    p.add_argument("--engine-arg", type=_engine_arg, action="append", default=[], metavar="NAME=JSON",
-                   help="an EngineConfig field for every engine, e.g. cuda_graph_sizes=[1,32,64,256]")
+    p.add_argument(
+        "--engine-arg",
+        type=_engine_arg,
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an EngineConfig field for every engine, e.g. cuda_graph_sizes=[1,32,64,256]",
+    )
     p.add_argument("--workdir", default=None, help="where checkpoints are written (default: /dev/shm if roomy)")
     args = p.parse_args(argv)
     unknown = set(args.models.split(",")) - set(ARCHS)
@@ -541,9 +682,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "gpu_check.json")
     options, unavailable = engine_options(args.device, args.attention_backend, dict(args.engine_arg))
-    header = {"schema": 1, "tool": "scripts/gpu_check.py", "argv": sys.argv[1:], "plan": dataclasses.asdict(plan),
-              "tolerances": TOLERANCES, "engine_options": {"applied": options, "unavailable": unavailable},
-              "host": platform.node()}
+    header = {
+        "schema": 1,
+        "tool": "scripts/gpu_check.py",
+        "argv": sys.argv[1:],
+        "plan": dataclasses.asdict(plan),
+        "tolerances": TOLERANCES,
+        "engine_options": {"applied": options, "unavailable": unavailable},
+        "host": platform.node(),
+    }
     report = Report(out, header, plan.budget_s)
     run = Run(args, plan, device, options, report, _workdir(args.workdir, args.tiny))
     report.run("machine", lambda: machine(device))

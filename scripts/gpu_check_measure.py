@@ -32,9 +32,12 @@ FP32_ATOL = FP32_RTOL = 1e-3
 BF16_ERROR_RATIO = 2.0
 BF16_MIN_COSINE = 0.99
 TIE_TOL = 1e-3
-TOLERANCES = {"float32": {"atol": FP32_ATOL, "rtol": FP32_RTOL},
-              "bfloat16": {"max_mean_abs_error_vs_hf_bf16": BF16_ERROR_RATIO, "min_cosine": BF16_MIN_COSINE},
-              "greedy_near_tie": TIE_TOL}
+TOLERANCES = {
+    "float32": {"atol": FP32_ATOL, "rtol": FP32_RTOL},
+    "bfloat16": {"max_mean_abs_error_vs_hf_bf16": BF16_ERROR_RATIO, "min_cosine": BF16_MIN_COSINE},
+    "greedy_near_tie": TIE_TOL,
+}
+
 
 def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int) -> list[list[int]]:
     """Token-id prompts (from id 3: never a tiny config's pad, bos or eos); distinct seeds give distinct prompts,
@@ -44,12 +47,18 @@ def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int) -> list[l
 
 
 def greedy(max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs,
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        prompt_logprobs=prompt_logprobs,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
-def generate(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams
-             ) -> tuple[list[str], list[list[int]]]:
+def generate(
+    engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams
+) -> tuple[list[str], list[list[int]]]:
     """Run `prompts` together on `engine` to the end: their request ids and generated ids, in prompt order. A
     request that fails (its step raised: a kernel fault, say) raises here with the engine's message."""
     ids = submit(engine, prompts, params)
@@ -111,8 +120,10 @@ class LogitsTap:
         rows = self.rows.get(request_id, {})
         missing = [p for p in range(length) if p not in rows]
         if missing:
-            raise RuntimeError(f"the logits tap saw no row for positions {missing[:8]} of {request_id} "
-                               f"(saw {len(rows)}): has the runner's output changed shape?")
+            raise RuntimeError(
+                f"the logits tap saw no row for positions {missing[:8]} of {request_id} "
+                f"(saw {len(rows)}): has the runner's output changed shape?"
+            )
         return torch.stack([rows[p][:vocab_size] for p in range(length)])
 
 
@@ -129,9 +140,14 @@ def compare(test: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     diff = (test - ref).abs()
     excess = diff - (FP32_ATOL + FP32_RTOL * ref.abs())
     cosine = torch.nn.functional.cosine_similarity(test, ref, dim=-1)
-    return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(), "max_abs_ref": ref.abs().max().item(),
-            "worst_excess_over_fp32_tolerance": excess.max().item(), "min_cosine": cosine.min().item(),
-            "argmax_agreement": (test.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    return {
+        "max_abs": diff.max().item(),
+        "mean_abs": diff.mean().item(),
+        "max_abs_ref": ref.abs().max().item(),
+        "worst_excess_over_fp32_tolerance": excess.max().item(),
+        "min_cosine": cosine.min().item(),
+        "argmax_agreement": (test.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+    }
 
 
 @dataclass(slots=True)
@@ -142,8 +158,14 @@ class LogitsCase:
     continuation: int
 
 
-def check_logits(engine: LLMEngine, dtype: str, case: LogitsCase, reference: torch.nn.Module,
-                 hf_same_dtype: torch.nn.Module, vocab_size: int) -> dict[str, Any]:
+def check_logits(
+    engine: LLMEngine,
+    dtype: str,
+    case: LogitsCase,
+    reference: torch.nn.Module,
+    hf_same_dtype: torch.nn.Module,
+    vocab_size: int,
+) -> dict[str, Any]:
     """kvserve's logits over each prompt (prefill, chunked as the engine's token budget says) and over its greedy
     continuation (decode steps, batched) against HF's, teacher-forced over the same tokens."""
     tap = LogitsTap(engine)
@@ -159,27 +181,34 @@ def check_logits(engine: LLMEngine, dtype: str, case: LogitsCase, reference: tor
         if dtype != "float32":
             same.append(hf_logits(hf_same_dtype, ids[:-1]))
     kv_all, ref_all = torch.cat(kv), torch.cat(ref)
-    result: dict[str, Any] = {"requests": len(case.prompts), "prompt_lengths": [len(p) for p in case.prompts],
-                              "continuation": case.continuation, "positions": kv_all.shape[0],
-                              "kvserve_vs_hf_float32": compare(kv_all, ref_all)}
+    result: dict[str, Any] = {
+        "requests": len(case.prompts),
+        "prompt_lengths": [len(p) for p in case.prompts],
+        "continuation": case.continuation,
+        "positions": kv_all.shape[0],
+        "kvserve_vs_hf_float32": compare(kv_all, ref_all),
+    }
     if dtype == "float32":
         result["tolerance"] = TOLERANCES["float32"]
         result["passed"] = result["kvserve_vs_hf_float32"]["worst_excess_over_fp32_tolerance"] <= 0
     else:
         baseline = compare(torch.cat(same), ref_all)
         ratio = result["kvserve_vs_hf_float32"]["mean_abs"] / max(baseline["mean_abs"], 1e-12)
-        result.update({"hf_bf16_vs_hf_float32": baseline, "error_ratio_vs_hf_bf16": ratio,
-                       "tolerance": TOLERANCES["bfloat16"]})
-        result["passed"] = (ratio <= BF16_ERROR_RATIO
-                            and result["kvserve_vs_hf_float32"]["min_cosine"] >= BF16_MIN_COSINE)
+        result.update(
+            {"hf_bf16_vs_hf_float32": baseline, "error_ratio_vs_hf_bf16": ratio, "tolerance": TOLERANCES["bfloat16"]}
+        )
+        result["passed"] = (
+            ratio <= BF16_ERROR_RATIO and result["kvserve_vs_hf_float32"]["min_cosine"] >= BF16_MIN_COSINE
+        )
     return result
 
 
-def _judge_greedy(reference: torch.nn.Module, prompt: list[int], tokens: list[int]) -> tuple[dict[str, Any],
-                                                                                          torch.Tensor]:
+def _judge_greedy(
+    reference: torch.nn.Module, prompt: list[int], tokens: list[int]
+) -> tuple[dict[str, Any], torch.Tensor]:
     """Each generated token against HF float32's argmax at its position, teacher-forced over this sequence; also
     HF's logits at those positions ([len(tokens), vocab])."""
-    logits = hf_logits(reference, prompt + tokens[:-1])[len(prompt) - 1:]
+    logits = hf_logits(reference, prompt + tokens[:-1])[len(prompt) - 1 :]
     chosen = torch.tensor(tokens, device=logits.device)
     gap = logits.max(-1).values - logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
     exact = int((logits.argmax(-1) == chosen).sum())
@@ -187,8 +216,9 @@ def _judge_greedy(reference: torch.nn.Module, prompt: list[int], tokens: list[in
     return {"exact": exact, "near_ties": ties, "wrong": len(tokens) - exact - ties, "max_gap": gap.max().item()}, logits
 
 
-def check_greedy(engine: LLMEngine, preempting: LLMEngine, prompts: list[list[int]], new_tokens: int,
-                 reference: torch.nn.Module) -> dict[str, Any]:
+def check_greedy(
+    engine: LLMEngine, preempting: LLMEngine, prompts: list[list[int]], new_tokens: int, reference: torch.nn.Module
+) -> dict[str, Any]:
     """The prompts batched on `preempting` (a cache too small for all: preemption by recompute is forced) against
     each prompt run alone on `engine`, and both against HF float32's greedy choice at every position. A batched
     sequence may leave its solo twin only at a near-tie of HF's logits (float32 reductions differ with the batch's
@@ -209,13 +239,21 @@ def check_greedy(engine: LLMEngine, preempting: LLMEngine, prompts: list[list[in
         if first is not None:
             gap = (logits[first, a[first]] - logits[first, b[first]]).abs().item()
             divergences.append({"request": i, "position": first, "hf_logit_gap": gap, "near_tie": gap <= TIE_TOL})
-    return {"requests": len(prompts), "new_tokens": new_tokens, "num_blocks": preempting.pool.num_blocks,
-            "preemptions": preemptions, "tokens": totals, "batched_vs_alone_divergences": divergences,
-            "max_gap": max_gap, "tolerance": {"near_tie": TIE_TOL},
-            "passed": preemptions > 0 and totals["wrong"] == 0 and all(d["near_tie"] for d in divergences)}
+    return {
+        "requests": len(prompts),
+        "new_tokens": new_tokens,
+        "num_blocks": preempting.pool.num_blocks,
+        "preemptions": preemptions,
+        "tokens": totals,
+        "batched_vs_alone_divergences": divergences,
+        "max_gap": max_gap,
+        "tolerance": {"near_tie": TIE_TOL},
+        "passed": preemptions > 0 and totals["wrong"] == 0 and all(d["near_tie"] for d in divergences),
+    }
 
 
 # -- speed ---------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Floors:
@@ -233,8 +271,9 @@ class Floors:
         return batch * prompt_len / max(compute_s, memory_s)
 
 
-def kvserve_speed(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, vocab_size: int,
-                  seed: int) -> dict[str, Any]:
+def kvserve_speed(
+    engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, vocab_size: int, seed: int
+) -> dict[str, Any]:
     """One static batch through the engine. A step that computed prompt tokens counts as prefill time, a step
     that computed none as decode time: decode tok/s is tokens of pure decode steps over their time."""
     prompts = random_prompts([prompt_len] * batch, vocab_size, seed)
@@ -255,14 +294,20 @@ def kvserve_speed(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: in
             decode_s += spent
             decode_tokens += engine.num_generation_tokens_total - gen_before
     total_s = time.perf_counter() - start
-    return {"prefill_tok_s": batch * prompt_len / prefill_s, "decode_tok_s": decode_tokens / decode_s,
-            "decode_step_ms": 1e3 * decode_s / max(decode_tokens / batch, 1), "steps": steps,
-            "output_tok_s": batch * new_tokens / total_s, "total_s": total_s}
+    return {
+        "prefill_tok_s": batch * prompt_len / prefill_s,
+        "decode_tok_s": decode_tokens / decode_s,
+        "decode_step_ms": 1e3 * decode_s / max(decode_tokens / batch, 1),
+        "steps": steps,
+        "output_tok_s": batch * new_tokens / total_s,
+        "total_s": total_s,
+    }
 
 
 @torch.inference_mode()
-def hf_speed(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, vocab_size: int,
-             seed: int) -> dict[str, Any]:
+def hf_speed(
+    model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, vocab_size: int, seed: int
+) -> dict[str, Any]:
     """HF `generate` on one static batch (equal-length prompts: no padding). Prefill time is a 1-token generate;
     decode time is a `new_tokens` generate minus it."""
     device = next(model.parameters()).device
@@ -280,19 +325,29 @@ def hf_speed(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: in
     first = run(1)
     whole = run(new_tokens)
     decode_s = max(whole - first, 1e-9)
-    return {"prefill_tok_s": batch * prompt_len / first, "decode_tok_s": batch * (new_tokens - 1) / decode_s,
-            "decode_step_ms": 1e3 * decode_s / (new_tokens - 1), "output_tok_s": batch * new_tokens / whole,
-            "total_s": whole}
+    return {
+        "prefill_tok_s": batch * prompt_len / first,
+        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+        "decode_step_ms": 1e3 * decode_s / (new_tokens - 1),
+        "output_tok_s": batch * new_tokens / whole,
+        "total_s": whole,
+    }
 
 
-def speed_row(batch: int, prompt_len: int, new_tokens: int, floors: Floors, kv: dict[str, Any] | None,
-              hf: dict[str, Any] | None) -> dict[str, Any]:
+def speed_row(
+    batch: int, prompt_len: int, new_tokens: int, floors: Floors, kv: dict[str, Any] | None, hf: dict[str, Any] | None
+) -> dict[str, Any]:
     """One batch size, side by side: each implementation's figures, the floors, and the ratios that matter."""
     context = prompt_len + new_tokens // 2
-    row: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                           "floor_decode_tok_s": floors.decode_tok_s(batch, context),
-                           "floor_prefill_tok_s": floors.prefill_tok_s(batch, prompt_len),
-                           "kvserve": kv, "hf": hf}
+    row: dict[str, Any] = {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "floor_decode_tok_s": floors.decode_tok_s(batch, context),
+        "floor_prefill_tok_s": floors.prefill_tok_s(batch, prompt_len),
+        "kvserve": kv,
+        "hf": hf,
+    }
     for figures in (kv, hf):
         if figures is not None:
             figures["decode_x_floor"] = row["floor_decode_tok_s"] / figures["decode_tok_s"]

@@ -17,8 +17,15 @@ import torch
 
 # What --tiny keeps of every architecture: its structure (GQA/MQA, biases, tied head, sliding windows, rope
 # scaling), at sizes a CPU runs in milliseconds.
-_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, max_position_embeddings=1024,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,35 +60,114 @@ def _gemma3_layer_types(num_layers: int) -> list[str]:
     return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)]
 
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (
-    Arch("qwen2_0_5b", "Qwen2Config", "Qwen2ForCausalLM", dict(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False, bos_token_id=151643,
-        eos_token_id=151643, pad_token_id=151643),
-        tiny=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-        gpu_phase_s=55),
-    Arch("gemma3_270m", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768,
-        rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=512, layer_types=_gemma3_layer_types(18),
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0),
-        tiny=dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
-                  query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-        gpu_phase_s=55),
-    Arch("llama31_8b", "LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, pad_token_id=128001),
-        tiny=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 64}),
-        dtype_order=("bfloat16", "float32")),
-)}
+ARCHS: dict[str, Arch] = {
+    a.name: a
+    for a in (
+        Arch(
+            "qwen2_0_5b",
+            "Qwen2Config",
+            "Qwen2ForCausalLM",
+            dict(
+                vocab_size=151936,
+                hidden_size=896,
+                intermediate_size=4864,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                hidden_act="silu",
+                max_position_embeddings=32768,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+                bos_token_id=151643,
+                eos_token_id=151643,
+                pad_token_id=151643,
+            ),
+            tiny=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+            gpu_phase_s=55,
+        ),
+        Arch(
+            "gemma3_270m",
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            dict(
+                vocab_size=262144,
+                hidden_size=640,
+                intermediate_size=2048,
+                num_hidden_layers=18,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=256,
+                hidden_activation="gelu_pytorch_tanh",
+                max_position_embeddings=32768,
+                rms_norm_eps=1e-6,
+                query_pre_attn_scalar=256,
+                sliding_window=512,
+                layer_types=_gemma3_layer_types(18),
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                tie_word_embeddings=True,
+                bos_token_id=2,
+                eos_token_id=1,
+                pad_token_id=0,
+            ),
+            tiny=dict(
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=32,
+                sliding_window=8,
+                query_pre_attn_scalar=32,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            ),
+            gpu_phase_s=55,
+        ),
+        Arch(
+            "llama31_8b",
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            dict(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                hidden_act="silu",
+                max_position_embeddings=131072,
+                rms_norm_eps=1e-5,
+                rope_theta=500000.0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+                tie_word_embeddings=False,
+                bos_token_id=128000,
+                eos_token_id=128001,
+                pad_token_id=128001,
+            ),
+            tiny=dict(
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+            dtype_order=("bfloat16", "float32"),
+        ),
+    )
+}
 
 
 @dataclass(slots=True)
@@ -120,8 +206,15 @@ def build_checkpoint(arch: Arch, tiny: bool, device: torch.device, directory: Pa
     _pin_generation(reference, config.pad_token_id, config.eos_token_id)
     _pin_generation(hf_bf16, config.pad_token_id, config.eos_token_id)
     size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
-    return Checkpoint(directory, reference, hf_bf16, config.vocab_size, config.pad_token_id,
-                      sum(p.numel() for p in reference.parameters()), size)
+    return Checkpoint(
+        directory,
+        reference,
+        hf_bf16,
+        config.vocab_size,
+        config.pad_token_id,
+        sum(p.numel() for p in reference.parameters()),
+        size,
+    )
 
 
 def _bf16_copy(model: torch.nn.Module) -> Any:
@@ -149,6 +242,11 @@ def _write_tokenizer(directory: Path, vocab_size: int, bos: int, eos: int, pad: 
     raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     raw.add_special_tokens(sorted({names[bos], names[eos], names[pad]}))
     raw.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[bos], "eos_token": names[eos],
-              "pad_token": names[pad], "unk_token": names[pad]}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": names[bos],
+        "eos_token": names[eos],
+        "pad_token": names[pad],
+        "unk_token": names[pad],
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))

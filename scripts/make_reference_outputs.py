@@ -138,11 +138,15 @@ def main() -> None:
     t0 = time.perf_counter()
     hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager",
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=torch.float32,
+        attn_implementation="eager",
         local_files_only=True,
     ).eval()
-    print(f"loaded in {time.perf_counter() - t0:.0f} s: {type(model).__name__}, "
-          f"attn={model.config._attn_implementation}")
+    print(
+        f"loaded in {time.perf_counter() - t0:.0f} s: {type(model).__name__}, attn={model.config._attn_implementation}"
+    )
     cfg = model.config.get_text_config()
     layer_types = list(getattr(cfg, "layer_types", []) or [])
     print(f"sliding_window={cfg.sliding_window} layer_types={layer_types}")
@@ -150,8 +154,11 @@ def main() -> None:
         raise SystemExit("HF's config lost the sliding window; the reference would be wrong")
 
     records = []
-    chosen = prompts(hf_tok) if args.prompts is None else [
-        {"name": f"prompt_{i}", "text": text} for i, text in enumerate(json.loads(args.prompts.read_text()))]
+    chosen = (
+        prompts(hf_tok)
+        if args.prompts is None
+        else [{"name": f"prompt_{i}", "text": text} for i, text in enumerate(json.loads(args.prompts.read_text()))]
+    )
     for p in chosen:
         ids = encode(hf_tok, p["text"])
         t1 = time.perf_counter()

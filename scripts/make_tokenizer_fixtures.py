@@ -105,8 +105,13 @@ def main() -> None:
         plain = hf.encode(text, add_special_tokens=False)
         # kvserve's rule: BOS once, even where HF and llama.cpp give two (text that starts with "<bos>").
         kvserve_ids = plain if plain[:1] == [BOS_ID] else [BOS_ID, *plain]
-        case = {"text": text, "hf_ids": ids, "hf_ids_no_special": plain, "kvserve_ids": kvserve_ids,
-                "decoded_no_special": hf.decode(plain, skip_special_tokens=False)}
+        case = {
+            "text": text,
+            "hf_ids": ids,
+            "hf_ids_no_special": plain,
+            "kvserve_ids": kvserve_ids,
+            "decoded_no_special": hf.decode(plain, skip_special_tokens=False),
+        }
         if llama is not None:
             case["llama_cpp_ids"] = llama["ids"][i]
             case["llama_cpp_ids_no_special"] = llama["ids_no_special"][i]
@@ -118,8 +123,13 @@ def main() -> None:
         "model_file_size": gguf.stat().st_size,
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
-        "llama_cpp": None if llama is None else {"package": llama["package"], "version": llama["version"],
-                                                 "flags": "add_special (BOS) as named, parse_special=True"},
+        "llama_cpp": None
+        if llama is None
+        else {
+            "package": llama["package"],
+            "version": llama["version"],
+            "flags": "add_special (BOS) as named, parse_special=True",
+        },
         "bos_token_id": BOS_ID,
         "cases": cases,
     }

@@ -150,7 +150,8 @@ def measure(backend_name: str, walks: int) -> dict:
         "compile_cold_ms": ms(compile_cold_s),
         "compile_cached_ms": ms(compile_cached_s),
         "new_matcher_ms": ms(matcher_s),
-        "compiled_grammar_kib": round(grammar.handle.memory_size_bytes / 1024, 1) if backend_name == "xgrammar"
+        "compiled_grammar_kib": round(grammar.handle.memory_size_bytes / 1024, 1)
+        if backend_name == "xgrammar"
         else "n/a",
         "walks": walks,
         "walks_terminated": finished,
@@ -171,8 +172,13 @@ def measure(backend_name: str, walks: int) -> dict:
 
 def run_child(backend_name: str, walks: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RAYON_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--child", backend_name, "--walks", str(walks)],
-                         env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", backend_name, "--walks", str(walks)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode != 0:
         raise SystemExit(f"{backend_name} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -188,8 +194,14 @@ def print_table(results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--walks", type=int, default=6, help="constrained random walks per backend")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                        help="JSON (a list, one object per backend) on stdout ('-') or into PATH")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="JSON (a list, one object per backend) on stdout ('-') or into PATH",
+    )
     parser.add_argument("--child", choices=("xgrammar", "guidance"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

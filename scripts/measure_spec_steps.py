@@ -23,12 +23,18 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-        "disable_by_batch_size": 1 << 20}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+    "disable_by_batch_size": 1 << 20,
+}
 
 
-def step_times(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-               clock: Callable[[], float]) -> tuple[list[float], list[float], list[tuple[int, ...]]]:
+def step_times(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, clock: Callable[[], float]
+) -> tuple[list[float], list[float], list[tuple[int, ...]]]:
     """(plain decode step times, verifying step times, each request's tokens) of one run of `prompts`."""
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
@@ -38,8 +44,11 @@ def step_times(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
     tokens: dict[str, tuple[int, ...]] = {}
     while engine.has_unfinished_requests():
         running = engine.scheduler.running
-        decoding = (len(running) == len(prompts) and not engine.scheduler.waiting
-                    and all(r.num_computed_tokens + 1 >= r.num_tokens for r in running))
+        decoding = (
+            len(running) == len(prompts)
+            and not engine.scheduler.waiting
+            and all(r.num_computed_tokens + 1 >= r.num_tokens for r in running)
+        )
         drafts_before = engine.stats().spec_decode_num_drafts
         start = clock()
         outputs = engine.step()
@@ -69,8 +78,10 @@ def main() -> None:
     drafting = base.sibling(speculative_config=SPEC, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        prompts = [render_prompt(base.tokenizer, p, base.max_model_len - args.output_len)
-                   for p in workload_prompts("code-edit", batch)]
+        prompts = [
+            render_prompt(base.tokenizer, p, base.max_model_len - args.output_len)
+            for p in workload_prompts("code-edit", batch)
+        ]
         plain_means: list[float] = []
         verify_means: list[float] = []
         same = True
@@ -85,8 +96,10 @@ def main() -> None:
             print(f"batch {batch}: no round had both plain and verifying decode steps")
             continue
         p, v = statistics.median(plain_means) * 1000, statistics.median(verify_means) * 1000
-        print(f"batch {batch}: plain step {p:.1f} ms, verifying step {v:.1f} ms ({v / p:.2f}x); "
-              f"same tokens: {same}", flush=True)
+        print(
+            f"batch {batch}: plain step {p:.1f} ms, verifying step {v:.1f} ms ({v / p:.2f}x); same tokens: {same}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

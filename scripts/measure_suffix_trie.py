@@ -38,8 +38,10 @@ def index_cost(tokens: list[int], label: str) -> None:
     trie.insert(tokens)
     size, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    print(f"index {len(tokens)} {label} tokens: {min(times) * 1e3:.1f} ms, {trie.num_nodes} nodes, "
-          f"{size / 1e6:.2f} MB ({size / len(tokens):.0f} B/token)")
+    print(
+        f"index {len(tokens)} {label} tokens: {min(times) * 1e3:.1f} ms, {trie.num_nodes} nodes, "
+        f"{size / 1e6:.2f} MB ({size / len(tokens):.0f} B/token)"
+    )
 
 
 def main() -> None:
@@ -51,7 +53,7 @@ def main() -> None:
     index_cost([rng.randrange(262144) for _ in range(1000)], "random")
     drafter = SuffixDrafter(24, 1000, 1.0, 0.1)
     for i in range(20):
-        drafter.on_finished(Request(f"done{i}", [1], ids[i * 50:i * 50 + 200]))
+        drafter.on_finished(Request(f"done{i}", [1], ids[i * 50 : i * 50 + 200]))
     request = Request("r", ids[:1000])
     start = time.perf_counter()
     drafter.propose(request, 8)
@@ -63,8 +65,10 @@ def main() -> None:
         drafter.propose(request, 8)
         steps.append(time.perf_counter() - start)
     steps.sort()
-    print(f"a later step (1 new token, drafts from both tries): median {steps[50] * 1e6:.0f} us, "
-          f"max {steps[-1] * 1e6:.0f} us")
+    print(
+        f"a later step (1 new token, drafts from both tries): median {steps[50] * 1e6:.0f} us, "
+        f"max {steps[-1] * 1e6:.0f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ def main() -> None:
                 return fn(*a, **k)
             finally:
                 spent[key] += time.perf_counter() - start
+
         return wrapper
 
     model = engine.runner.model
@@ -70,12 +71,17 @@ def main() -> None:
             step_ms = 1e3 * (time.perf_counter() - start) / n
             best[mode] = min(best.get(mode, step_ms), step_ms)
             path = "native layers" if model.native_layers is not None else "torch layers"
-            print(f"batch {args.batch}, {args.quantization}, {path}: step {step_ms:.1f} ms; "
-                  f"forward {1e3 * spent['forward'] / n:.1f} ms, LM head {1e3 * spent['logits'] / n:.1f} ms, "
-                  f"q8_0 kernel called from Python {1e3 * spent['kernel'] / n:.1f} ms", flush=True)
-    print(f"min step over {args.rounds} round(s): "
-          + ", ".join(f"{mode} {ms:.1f} ms" for mode, ms in best.items())
-          + f" (load average {os.getloadavg()[0]:.2f})")
+            print(
+                f"batch {args.batch}, {args.quantization}, {path}: step {step_ms:.1f} ms; "
+                f"forward {1e3 * spent['forward'] / n:.1f} ms, LM head {1e3 * spent['logits'] / n:.1f} ms, "
+                f"q8_0 kernel called from Python {1e3 * spent['kernel'] / n:.1f} ms",
+                flush=True,
+            )
+    print(
+        f"min step over {args.rounds} round(s): "
+        + ", ".join(f"{mode} {ms:.1f} ms" for mode, ms in best.items())
+        + f" (load average {os.getloadavg()[0]:.2f})"
+    )
 
 
 if __name__ == "__main__":

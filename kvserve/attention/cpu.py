@@ -45,10 +45,11 @@ def cpu_attention(
     paged = not cache.is_quantized and kernels.has_paged_attention(k_cache) and q.dtype == k_cache.dtype
     if meta.is_decode_only:
         if paged:
-            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, window,
-                                                  scale)
-        slots, mask = meta.memo(("decode", window), lambda: _decode_gather(
-            meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, meta.block_size, window))
+            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, window, scale)
+        slots, mask = meta.memo(
+            ("decode", window),
+            lambda: _decode_gather(meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, meta.block_size, window),
+        )
         return _decode_batch(q, cache, slots, mask, scale)
     out = torch.empty_like(q)
     decode_idx = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -60,20 +61,30 @@ def cpu_attention(
             tables, lens = meta.memo(("decode-tables",), lambda: (meta.block_tables[idx], meta.seq_lens[idx]))
             out[rows] = kernels.paged_decode_attention(q[rows], k_cache, v_cache, tables, lens, window, scale)
         else:
-            slots, mask = meta.memo(("decode-subset", window), lambda: _decode_gather(
-                meta.block_tables[idx], meta.seq_lens[idx], [meta.seq_lens_cpu[i] for i in decode_idx],
-                meta.block_size, window))
+            slots, mask = meta.memo(
+                ("decode-subset", window),
+                lambda: _decode_gather(
+                    meta.block_tables[idx],
+                    meta.seq_lens[idx],
+                    [meta.seq_lens_cpu[i] for i in decode_idx],
+                    meta.block_size,
+                    window,
+                ),
+            )
             out[rows] = _decode_batch(q[rows], cache, slots, mask, scale)
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         if q_len == 1:
             continue
         s, e = starts[i], starts[i + 1]
         if paged:
-            kernels.paged_prefill_attention(q[s:e], k_cache, v_cache, meta.block_tables[i], seq_len, window, scale,
-                                            out=out[s:e])
+            kernels.paged_prefill_attention(
+                q[s:e], k_cache, v_cache, meta.block_tables[i], seq_len, window, scale, out=out[s:e]
+            )
             continue
-        slots, mask = meta.memo(("prefill", i, window), partial(
-            _prefill_gather, meta.block_tables[i], seq_len, q_len, meta.block_size, window))
+        slots, mask = meta.memo(
+            ("prefill", i, window),
+            partial(_prefill_gather, meta.block_tables[i], seq_len, q_len, meta.block_size, window),
+        )
         out[s:e] = _prefill_one(q[s:e], cache, slots, mask, scale)
     return out
 

@@ -10,7 +10,9 @@ from kvserve.vocab import ATTENTION_BACKENDS, check_choice
 
 # One implementation per name of ATTENTION_BACKENDS (tests/unit/test_vocab.py checks they agree).
 BACKENDS: dict[str, AttentionBackend] = {
-    "cpu": cpu_attention, "reference": reference_attention, "triton": triton_attention,
+    "cpu": cpu_attention,
+    "reference": reference_attention,
+    "triton": triton_attention,
 }
 
 

@@ -33,12 +33,16 @@ def triton_attention(
     except ModuleNotFoundError as e:
         if e.name != "triton":
             raise
-        raise RuntimeError("--attention-backend triton needs the triton package: pip install -e '.[cuda]' "
-                           "(torch's CUDA wheels for Linux bring it)") from e
+        raise RuntimeError(
+            "--attention-backend triton needs the triton package: pip install -e '.[cuda]' "
+            "(torch's CUDA wheels for Linux bring it)"
+        ) from e
     kv = tk.PagedKV(cache.key, cache.value, cache.key_scale, cache.value_scale, meta.block_tables, meta.seq_lens)
     if meta.is_decode_only:
         return tk.paged_decode(q, kv, layer.scale, layer.sliding_window)
     tiling = tk.PrefillTiling.for_shape(q.shape[1], cache.num_kv_heads, q.shape[2])
-    tiles = meta.memo(("triton-prefill-tiles", tiling.block_q),
-                      lambda: tk.prefill_tiles(meta.query_lens_cpu, tiling.block_q, q.device))
+    tiles = meta.memo(
+        ("triton-prefill-tiles", tiling.block_q),
+        lambda: tk.prefill_tiles(meta.query_lens_cpu, tiling.block_q, q.device),
+    )
     return tk.paged_prefill(q, kv, meta.query_start_loc, tiles, tiling, layer.scale, layer.sliding_window)

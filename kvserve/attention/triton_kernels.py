@@ -57,9 +57,25 @@ _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, scale_ptr, table_ptr, pos, valid, offs_d, d_mask, kv_head,
-                  stride_b, stride_s, stride_h, sc_stride_b, sc_stride_s, sc_stride_h,
-                  BLOCK_SIZE: tl.constexpr, IS_QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _load_kv_tile(
+    cache_ptr,
+    scale_ptr,
+    table_ptr,
+    pos,
+    valid,
+    offs_d,
+    d_mask,
+    kv_head,
+    stride_b,
+    stride_s,
+    stride_h,
+    sc_stride_b,
+    sc_stride_s,
+    sc_stride_h,
+    BLOCK_SIZE: tl.constexpr,
+    IS_QUANT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
     """K or V at key positions `pos` ([BLOCK_N]) of one sequence and KV head, as [BLOCK_N, D_PAD] in
     OUT_DTYPE; positions where `valid` is false (and padded head dims) are never read and come out 0."""
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -70,8 +86,9 @@ def _load_kv_tile(cache_ptr, scale_ptr, table_ptr, pos, valid, offs_d, d_mask, k
     # below zeroes them, so that a probability of 0 is never multiplied by whatever they hold.
     x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask)
     if IS_QUANT:
-        scale = tl.load(scale_ptr + block * sc_stride_b + offset * sc_stride_s + kv_head * sc_stride_h,
-                        mask=valid, other=0.0)
+        scale = tl.load(
+            scale_ptr + block * sc_stride_b + offset * sc_stride_s + kv_head * sc_stride_h, mask=valid, other=0.0
+        )
         x = x.to(tl.float32) * scale[:, None]
     return tl.where(mask, x, 0.0).to(OUT_DTYPE)
 
@@ -92,16 +109,44 @@ def _online_softmax_step(s, v, m, lsum, acc, DOT_DTYPE: tl.constexpr, PRECISION:
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr,
-                   out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                   scale_log2, window,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
-                   stride_b, stride_s, stride_h, sc_stride_b, sc_stride_s, sc_stride_h,
-                   num_heads,
-                   GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, IS_QUANT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_tb,
+    stride_b,
+    stride_s,
+    stride_h,
+    sc_stride_b,
+    sc_stride_s,
+    sc_stride_h,
+    num_heads,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IS_QUANT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -119,8 +164,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
     table_ptr = tables_ptr + seq * stride_tb
 
     m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -130,18 +178,55 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end  # never empty: n0 < end
-        k = _load_kv_tile(k_ptr, ks_ptr, table_ptr, pos, valid, offs_d, d_mask, kv_head, stride_b, stride_s,
-                          stride_h, sc_stride_b, sc_stride_s, sc_stride_h, BLOCK_SIZE, IS_QUANT, DOT_DTYPE)
+        k = _load_kv_tile(
+            k_ptr,
+            ks_ptr,
+            table_ptr,
+            pos,
+            valid,
+            offs_d,
+            d_mask,
+            kv_head,
+            stride_b,
+            stride_s,
+            stride_h,
+            sc_stride_b,
+            sc_stride_s,
+            sc_stride_h,
+            BLOCK_SIZE,
+            IS_QUANT,
+            DOT_DTYPE,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
-        v = _load_kv_tile(v_ptr, vs_ptr, table_ptr, pos, valid, offs_d, d_mask, kv_head, stride_b, stride_s,
-                          stride_h, sc_stride_b, sc_stride_s, sc_stride_h, BLOCK_SIZE, IS_QUANT, DOT_DTYPE)
+        v = _load_kv_tile(
+            v_ptr,
+            vs_ptr,
+            table_ptr,
+            pos,
+            valid,
+            offs_d,
+            d_mask,
+            kv_head,
+            stride_b,
+            stride_s,
+            stride_h,
+            sc_stride_b,
+            sc_stride_s,
+            sc_stride_h,
+            BLOCK_SIZE,
+            IS_QUANT,
+            DOT_DTYPE,
+        )
         m, lsum, acc = _online_softmax_step(s, v, m, lsum, acc, DOT_DTYPE, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
     else:
         # Partial results, laid out [num_seqs, num_heads, NUM_SPLITS] (+ [D_PAD] for acc).
         row = (seq * num_heads + heads) * NUM_SPLITS + split
@@ -151,8 +236,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr
 
 
 @triton.jit
-def _merge_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ot, stride_oh, num_heads,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+def _merge_kernel(
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
     """One (sequence, head): rescale every part to the common max and add them up (log-sum-exp merge)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -168,19 +264,48 @@ def _merge_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ot, stri
     w = tl.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0))
     total = tl.sum(w * lsum, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM
+    )
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr,
-                    out_ptr, scale_log2, window,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
-                    stride_b, stride_s, stride_h, sc_stride_b, sc_stride_s, sc_stride_h,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, IS_QUANT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                    PRECISION: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    tiles_ptr,
+    out_ptr,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_tb,
+    stride_b,
+    stride_s,
+    stride_h,
+    sc_stride_b,
+    sc_stride_s,
+    sc_stride_h,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IS_QUANT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tiles_ptr + 2 * tile)
@@ -199,8 +324,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_pt
     d_mask = offs_d < HEAD_DIM
     q_pos = first_pos + qi
     q_rows = (row_start + qi) * stride_qt + (kv_head * GROUP + g) * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=r_mask[:, None] & d_mask[None, :],
-                other=0.0).to(DOT_DTYPE)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(
+        DOT_DTYPE
+    )
     table_ptr = tables_ptr + seq * stride_tb
 
     # Keys any row of the tile may see: causal up to its last query, windowed from its first.
@@ -216,21 +342,58 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_pt
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < hi
-        k = _load_kv_tile(k_ptr, ks_ptr, table_ptr, pos, valid, offs_d, d_mask, kv_head, stride_b, stride_s,
-                          stride_h, sc_stride_b, sc_stride_s, sc_stride_h, BLOCK_SIZE, IS_QUANT, DOT_DTYPE)
+        k = _load_kv_tile(
+            k_ptr,
+            ks_ptr,
+            table_ptr,
+            pos,
+            valid,
+            offs_d,
+            d_mask,
+            kv_head,
+            stride_b,
+            stride_s,
+            stride_h,
+            sc_stride_b,
+            sc_stride_s,
+            sc_stride_h,
+            BLOCK_SIZE,
+            IS_QUANT,
+            DOT_DTYPE,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             seen = seen & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
-        v = _load_kv_tile(v_ptr, vs_ptr, table_ptr, pos, valid, offs_d, d_mask, kv_head, stride_b, stride_s,
-                          stride_h, sc_stride_b, sc_stride_s, sc_stride_h, BLOCK_SIZE, IS_QUANT, DOT_DTYPE)
+        v = _load_kv_tile(
+            v_ptr,
+            vs_ptr,
+            table_ptr,
+            pos,
+            valid,
+            offs_d,
+            d_mask,
+            kv_head,
+            stride_b,
+            stride_s,
+            stride_h,
+            sc_stride_b,
+            sc_stride_s,
+            sc_stride_h,
+            BLOCK_SIZE,
+            IS_QUANT,
+            DOT_DTYPE,
+        )
         m, lsum, acc = _online_softmax_step(s, v, m, lsum, acc, DOT_DTYPE, PRECISION)
 
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     o_rows = (row_start + qi) * stride_ot + (kv_head * GROUP + g) * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=r_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + o_rows[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=r_mask[:, None] & d_mask[None, :],
+    )
 
 
 # Whether the kernels above were decorated for Triton's CPU interpreter (TRITON_INTERPRET=1 at import) rather
@@ -265,8 +428,10 @@ def _dot_args(dtype: torch.dtype) -> dict[str, object]:
 
 def _check(q: torch.Tensor, kv: PagedKV) -> None:
     if q.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError("the triton attention backend runs on CUDA tensors (or on CPU in Triton's interpreter: "
-                           "TRITON_INTERPRET=1 set before triton is first imported, see tests/attention/conftest.py)")
+        raise RuntimeError(
+            "the triton attention backend runs on CUDA tensors (or on CPU in Triton's interpreter: "
+            "TRITON_INTERPRET=1 set before triton is first imported, see tests/attention/conftest.py)"
+        )
     if q.stride(-1) != 1 or kv.key.stride(-1) != 1 or kv.value.stride(-1) != 1 or kv.key.stride() != kv.value.stride():
         raise ValueError("the triton attention kernels need contiguous head_dim and K/V caches of the same layout")
     if q.shape[1] % kv.key.shape[2]:
@@ -283,8 +448,9 @@ def _cache_args(kv: PagedKV) -> tuple:
     return (kv.key, kv.value, ks, vs), (*kv.key.stride()[:3], *sc_strides)
 
 
-def decode_splits(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, window: int | None,
-                  block_n: int) -> int:
+def decode_splits(
+    num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, window: int | None, block_n: int
+) -> int:
     """Parts each context is cut into: enough programs to fill the GPU, never more parts than key tiles the
     widest context (block-table width, capped by the window) has. Host shapes only, so CUDA-graph safe."""
     width = max_blocks * block_size if window is None else min(max_blocks * block_size, window)
@@ -297,16 +463,18 @@ def _decode_block_n(head_dim: int) -> int:
     return 64 if _pow2(head_dim) <= 128 else 32
 
 
-def paged_decode(q: torch.Tensor, kv: PagedKV, scale: float, window: int | None,
-                 num_splits: int | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor, kv: PagedKV, scale: float, window: int | None, num_splits: int | None = None
+) -> torch.Tensor:
     """Attention of one query row per sequence (q: [num_seqs, num_heads, head_dim]) over its paged context;
     returns [num_seqs, num_heads, head_dim] in q's dtype. `num_splits` overrides decode_splits (tests)."""
     _check(q, kv)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = kv.key.shape
     group = num_heads // kv_heads
-    splits = num_splits or decode_splits(num_seqs, kv_heads, kv.block_tables.shape[1], block_size, window,
-                                         _decode_block_n(head_dim))
+    splits = num_splits or decode_splits(
+        num_seqs, kv_heads, kv.block_tables.shape[1], block_size, window, _decode_block_n(head_dim)
+    )
     d_pad = max(_pow2(head_dim), _MIN_DOT)
     out = torch.empty_like(q)
     if splits == 1:
@@ -317,24 +485,57 @@ def paged_decode(q: torch.Tensor, kv: PagedKV, scale: float, window: int | None,
         part_acc = torch.empty((num_seqs, num_heads, splits, d_pad), dtype=torch.float32, device=q.device)
     tensors, strides = _cache_args(kv)
     _decode_kernel[(num_seqs, kv_heads, splits)](
-        q, *tensors, kv.block_tables, kv.seq_lens, out, part_m, part_l, part_acc,
-        scale * _LOG2E, window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv.block_tables.stride(0), *strides, num_heads,
-        **_decode_constants(q.dtype, group, head_dim, block_size, splits, window is not None,
-                            kv.key_scale is not None), num_warps=4)
+        q,
+        *tensors,
+        kv.block_tables,
+        kv.seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        scale * _LOG2E,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv.block_tables.stride(0),
+        *strides,
+        num_heads,
+        **_decode_constants(q.dtype, group, head_dim, block_size, splits, window is not None, kv.key_scale is not None),
+        num_warps=4,
+    )
     if splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
-            out, part_m, part_l, part_acc, out.stride(0), out.stride(1), num_heads,
-            **_merge_constants(head_dim, splits), num_warps=4)
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            **_merge_constants(head_dim, splits),
+            num_warps=4,
+        )
     return out
 
 
-def _decode_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_size: int, splits: int,
-                      has_window: bool, is_quant: bool) -> dict[str, object]:
+def _decode_constants(
+    q_dtype: torch.dtype, group: int, head_dim: int, block_size: int, splits: int, has_window: bool, is_quant: bool
+) -> dict[str, object]:
     """The decode kernel's constexprs (one compiled variant per distinct dict)."""
-    return dict(GROUP=group, G_PAD=max(_pow2(group), _MIN_DOT), HEAD_DIM=head_dim,
-                D_PAD=max(_pow2(head_dim), _MIN_DOT), BLOCK_SIZE=block_size, BLOCK_N=_decode_block_n(head_dim),
-                NUM_SPLITS=splits, HAS_WINDOW=has_window, IS_QUANT=is_quant, **_dot_args(q_dtype))
+    return dict(
+        GROUP=group,
+        G_PAD=max(_pow2(group), _MIN_DOT),
+        HEAD_DIM=head_dim,
+        D_PAD=max(_pow2(head_dim), _MIN_DOT),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=_decode_block_n(head_dim),
+        NUM_SPLITS=splits,
+        HAS_WINDOW=has_window,
+        IS_QUANT=is_quant,
+        **_dot_args(q_dtype),
+    )
 
 
 def _merge_constants(head_dim: int, splits: int) -> dict[str, object]:
@@ -365,8 +566,15 @@ def prefill_tiles(query_lens: list[int], block_q: int, device: torch.device) -> 
     return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device, non_blocking=True)
 
 
-def paged_prefill(q: torch.Tensor, kv: PagedKV, query_start_loc: torch.Tensor, tiles: torch.Tensor,
-                  tiling: PrefillTiling, scale: float, window: int | None) -> torch.Tensor:
+def paged_prefill(
+    q: torch.Tensor,
+    kv: PagedKV,
+    query_start_loc: torch.Tensor,
+    tiles: torch.Tensor,
+    tiling: PrefillTiling,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """Attention of a ragged batch (q: [T, num_heads, head_dim]; sequence i's rows are
     query_start_loc[i]:query_start_loc[i+1], its last positions) over each paged context, causal and
     windowed; `tiles` comes from prefill_tiles with tiling.block_q. Returns [T, num_heads, head_dim]."""
@@ -378,29 +586,75 @@ def paged_prefill(q: torch.Tensor, kv: PagedKV, query_start_loc: torch.Tensor, t
         return out
     tensors, strides = _cache_args(kv)
     _prefill_kernel[(tiles.shape[0], kv_heads)](
-        q, *tensors, kv.block_tables, kv.seq_lens, query_start_loc, tiles, out, scale * _LOG2E, window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv.block_tables.stride(0), *strides,
+        q,
+        *tensors,
+        kv.block_tables,
+        kv.seq_lens,
+        query_start_loc,
+        tiles,
+        out,
+        scale * _LOG2E,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv.block_tables.stride(0),
+        *strides,
         **_prefill_constants(q.dtype, tiling, head_dim, block_size, window is not None, kv.key_scale is not None),
-        num_warps=4)
+        num_warps=4,
+    )
     return out
 
 
-def _prefill_constants(q_dtype: torch.dtype, tiling: PrefillTiling, head_dim: int, block_size: int,
-                       has_window: bool, is_quant: bool) -> dict[str, object]:
-    return dict(GROUP=tiling.group, G_PAD=tiling.g_pad, BLOCK_Q=tiling.block_q, HEAD_DIM=head_dim,
-                D_PAD=max(_pow2(head_dim), _MIN_DOT), BLOCK_SIZE=block_size, BLOCK_N=tiling.block_n,
-                HAS_WINDOW=has_window, IS_QUANT=is_quant, **_dot_args(q_dtype))
+def _prefill_constants(
+    q_dtype: torch.dtype, tiling: PrefillTiling, head_dim: int, block_size: int, has_window: bool, is_quant: bool
+) -> dict[str, object]:
+    return dict(
+        GROUP=tiling.group,
+        G_PAD=tiling.g_pad,
+        BLOCK_Q=tiling.block_q,
+        HEAD_DIM=head_dim,
+        D_PAD=max(_pow2(head_dim), _MIN_DOT),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=tiling.block_n,
+        HAS_WINDOW=has_window,
+        IS_QUANT=is_quant,
+        **_dot_args(q_dtype),
+    )
 
 
 # Pointer arguments whose element type is not q's or the cache's, by name (for compile_for_gpu).
-_FIXED_POINTERS = {"tables_ptr": "*i64", "seq_lens_ptr": "*i64", "query_start_ptr": "*i64", "tiles_ptr": "*i32",
-                   "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
-_TL_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
-             torch.float8_e5m2: "fp8e5", torch.int8: "i8"}
+_FIXED_POINTERS = {
+    "tables_ptr": "*i64",
+    "seq_lens_ptr": "*i64",
+    "query_start_ptr": "*i64",
+    "tiles_ptr": "*i32",
+    "part_m_ptr": "*fp32",
+    "part_l_ptr": "*fp32",
+    "part_acc_ptr": "*fp32",
+}
+_TL_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+    torch.int8: "i8",
+}
 
 
-def compile_for_gpu(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
-                    block_size: int = 16, splits: int = 4, window: bool = True, arch: int = 90) -> list[str]:
+def compile_for_gpu(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    splits: int = 4,
+    window: bool = True,
+    arch: int = 90,
+) -> list[str]:
     """Compile the three kernels for one shape and NVIDIA compute capability `arch` without a GPU (Triton
     brings its own ptxas), so that CPU-only CI catches what only the real compiler rejects (dot shapes, types
     of loop-carried values); returns each kernel's name and shared-memory bytes. Needs the compiled (not
@@ -410,15 +664,26 @@ def compile_for_gpu(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
 
     is_quant = kv_dtype.itemsize == 1
     q_t, kv_t = _TL_NAMES[q_dtype], _TL_NAMES[kv_dtype]
-    types = {"q_ptr": f"*{q_t}", "out_ptr": f"*{q_t}", "k_ptr": f"*{kv_t}", "v_ptr": f"*{kv_t}",
-             "ks_ptr": "*fp32" if is_quant else f"*{kv_t}", "vs_ptr": "*fp32" if is_quant else f"*{kv_t}",
-             "scale_log2": "fp32", **_FIXED_POINTERS}
+    types = {
+        "q_ptr": f"*{q_t}",
+        "out_ptr": f"*{q_t}",
+        "k_ptr": f"*{kv_t}",
+        "v_ptr": f"*{kv_t}",
+        "ks_ptr": "*fp32" if is_quant else f"*{kv_t}",
+        "vs_ptr": "*fp32" if is_quant else f"*{kv_t}",
+        "scale_log2": "fp32",
+        **_FIXED_POINTERS,
+    }
     group = num_heads // kv_heads
     variants = [
         (_decode_kernel, _decode_constants(q_dtype, group, head_dim, block_size, splits, window, is_quant)),
         (_merge_kernel, _merge_constants(head_dim, splits)),
-        (_prefill_kernel, _prefill_constants(q_dtype, PrefillTiling.for_shape(num_heads, kv_heads, head_dim),
-                                             head_dim, block_size, window, is_quant)),
+        (
+            _prefill_kernel,
+            _prefill_constants(
+                q_dtype, PrefillTiling.for_shape(num_heads, kv_heads, head_dim), head_dim, block_size, window, is_quant
+            ),
+        ),
     ]
     report = []
     for kernel, constants in variants:

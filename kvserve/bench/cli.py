@@ -24,9 +24,10 @@ BENCH_COMMANDS: tuple[str, ...] = (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
-        "bench", help="benchmarks against peers (HF transformers, llama.cpp, any OpenAI server)",
+        "bench",
+        help="benchmarks against peers (HF transformers, llama.cpp, any OpenAI server)",
         description="Benchmarks whose figures are ratios against a peer measured in the same run. "
-                    "Each command prints a table, takes --json [PATH] and --plot FILE.png.",
+        "Each command prints a table, takes --json [PATH] and --plot FILE.png.",
     )
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     for module in BENCH_COMMANDS:

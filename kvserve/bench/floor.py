@@ -48,8 +48,7 @@ class ModelCost:
         only (its logits are the only ones sampled), causal attention over the tokens before each."""
         attention = sum(self.attended(p + 1) for p in range(prompt_len))
         body = self.matmul_params - self.lm_head_params
-        return (2.0 * (body * prompt_len + self.lm_head_params)
-                + 4.0 * self.num_heads * self.head_dim * attention)
+        return 2.0 * (body * prompt_len + self.lm_head_params) + 4.0 * self.num_heads * self.head_dim * attention
 
     def decode_floor_ms(self, ceilings: Ceilings, batch: int, context: int) -> float:
         """A step can be no faster than its bytes over bandwidth, nor its FLOPs over the matmul rate."""
@@ -72,8 +71,11 @@ def model_cost(model: torch.nn.Module, config: ModelConfig, kv_bytes_per_token: 
     tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
     embed_names = {"embed_tokens.weight", "embed_tokens.qweight", "embed_tokens.scales"}
     embed_bytes = embed_params = 0
-    packed = {id(buffer): count for module in model.modules()
-              for buffer, count in getattr(module, "packed_weight_counts", list)()}  # GGUF blocks: weights != numel
+    packed = {
+        id(buffer): count
+        for module in model.modules()
+        for buffer, count in getattr(module, "packed_weight_counts", list)()
+    }  # GGUF blocks: weights != numel
     for name, tensor in tensors:
         if id(tensor) in seen:
             continue

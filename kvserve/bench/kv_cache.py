@@ -25,8 +25,13 @@ token of a fresh L-token prompt (one forward over all L tokens, no cache hit). M
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "kv-cache", "decode cost with the KV cache vs recomputing the sequence, by length",
-                    __doc__.splitlines()[0], SCHEMA)
+    p = new_command(
+        sub,
+        "kv-cache",
+        "decode cost with the KV cache vs recomputing the sequence, by length",
+        __doc__.splitlines()[0],
+        SCHEMA,
+    )
     p.add_argument("--context-lens", type=int_list, default=[64, 128, 256, 512, 1024, 2048])
     p.add_argument("--decode-tokens", type=int, default=8, help="decode steps timed per cached run")
     add_repeats_arg(p, default=3)
@@ -48,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
     vocab, exclude = engine.model_config.vocab_size, special_token_ids(engine)
     rng = random.Random(args.seed)
     points = []
-    table = Table(f"Per-token cost with and without the KV cache (medians of {args.repeats})",
-                  ["context", "cached ms/tok", "recompute ms/tok", "speedup"])
+    table = Table(
+        f"Per-token cost with and without the KV cache (medians of {args.repeats})",
+        ["context", "cached ms/tok", "recompute ms/tok", "speedup"],
+    )
     for length in args.context_lens:
         cached, recompute = [], []
         for _ in range(args.repeats):
@@ -57,8 +64,13 @@ def run(args: argparse.Namespace) -> int:
             cached_run = system.timed_generate([random_token_ids(rng, length, vocab, exclude)], args.decode_tokens + 1)
             cached.append(1e3 * (cached_run.decode_step_s or 0.0))
             recompute.append(1e3 * system.timed_generate([random_token_ids(rng, length, vocab, exclude)], 1).ttft_s)
-        point = {"context_len": length, "cached_ms_per_token": median(cached), "cached_ms_runs": cached,
-                 "recompute_ms_per_token": median(recompute), "recompute_ms_runs": recompute}
+        point = {
+            "context_len": length,
+            "cached_ms_per_token": median(cached),
+            "cached_ms_runs": cached,
+            "recompute_ms_per_token": median(recompute),
+            "recompute_ms_runs": recompute,
+        }
         point["speedup"] = ratio(point["recompute_ms_per_token"], point["cached_ms_per_token"])
         points.append(point)
         table.add(length, point["cached_ms_per_token"], point["recompute_ms_per_token"], point["speedup"])
@@ -70,9 +82,21 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.bench.plot import Panel, Series, line_plot
 
         xs = [p["context_len"] for p in points]
-        line_plot(args.plot, [Panel("Cost of one generated token", "context length (tokens)", "ms per token", [
-            Series("with KV cache (decode step)", xs, [p["cached_ms_per_token"] for p in points]),
-            Series("without (recompute the sequence)", xs, [p["recompute_ms_per_token"] for p in points]),
-        ], log_x=True, log_y=True)])
+        line_plot(
+            args.plot,
+            [
+                Panel(
+                    "Cost of one generated token",
+                    "context length (tokens)",
+                    "ms per token",
+                    [
+                        Series("with KV cache (decode step)", xs, [p["cached_ms_per_token"] for p in points]),
+                        Series("without (recompute the sequence)", xs, [p["recompute_ms_per_token"] for p in points]),
+                    ],
+                    log_x=True,
+                    log_y=True,
+                )
+            ],
+        )
     emit(report, args.json)
     return 0

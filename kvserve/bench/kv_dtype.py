@@ -28,7 +28,7 @@ TOP = 5
 PROMPTS = (
     "The history of the printing press begins",
     "Photosynthesis is the process by which",
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+    'def merge_sorted(a, b):\n    """Merge two sorted lists."""\n',
     "Ingredients for a simple bread:\n1.",
     "Q: Why is the sky blue?\nA:",
     "The three largest planets in the solar system are",
@@ -50,10 +50,14 @@ other's top-5). rel_err: ||dequant(quant(x)) - x|| / ||x|| over all layers of th
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "kv-dtype", "accuracy, capacity and speed of each KV cache dtype",
-                    __doc__.splitlines()[0], SCHEMA)
-    p.add_argument("--kv-dtypes", default="float32,bfloat16,fp8_e4m3,fp8_e5m2,int8",
-                   help="comma-separated --kv-cache-dtype values (float32, the baseline, always runs first)")
+    p = new_command(
+        sub, "kv-dtype", "accuracy, capacity and speed of each KV cache dtype", __doc__.splitlines()[0], SCHEMA
+    )
+    p.add_argument(
+        "--kv-dtypes",
+        default="float32,bfloat16,fp8_e4m3,fp8_e5m2,int8",
+        help="comma-separated --kv-cache-dtype values (float32, the baseline, always runs first)",
+    )
     p.add_argument("--budget", type=parse_size, default=4 * GiB, help="budget for the blocks column (no allocation)")
     add_accuracy_args(p, greedy_tokens=64)
     p.add_argument("--decode-batch", type=int, default=32)
@@ -70,8 +74,13 @@ def add_accuracy_args(p: argparse.ArgumentParser, greedy_tokens: int) -> None:
     """The accuracy flags shared with `bench quantization`: perplexity text and length, greedy prompts."""
     p.add_argument("--text", type=Path, default=GPL3, help="perplexity text (default: the GPL-3 shipped here)")
     p.add_argument("--ppl-tokens", type=int, default=2000)
-    p.add_argument("--greedy-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
-                   metavar=f"1..{len(PROMPTS)}")
+    p.add_argument(
+        "--greedy-prompts",
+        type=int,
+        default=len(PROMPTS),
+        choices=range(1, len(PROMPTS) + 1),
+        metavar=f"1..{len(PROMPTS)}",
+    )
     p.add_argument("--greedy-tokens", type=int, default=greedy_tokens)
 
 
@@ -94,14 +103,24 @@ def run(args: argparse.Namespace) -> int:
     baseline_greedy: list | None = None
     for name in names:
         if name != BASELINE:
-            engine = LLMEngine(replace(base_config, kv_cache_dtype=name), engine.model_config, engine.runner.model,
-                               engine.tokenizer, device=engine.device, compute_dtype=compute_dtype(engine))
+            engine = LLMEngine(
+                replace(base_config, kv_cache_dtype=name),
+                engine.model_config,
+                engine.runner.model,
+                engine.tokenizer,
+                device=engine.device,
+                compute_dtype=compute_dtype(engine),
+            )
         greedy = greedy_outputs(engine, prompts, args.greedy_tokens)
         baseline_greedy = baseline_greedy or greedy
-        row = {"kv_cache_dtype": engine.kv_spec.dtype_name, "bytes_per_token": engine.kv_spec.bytes_per_token,
-               "blocks_at_budget": num_blocks_for_budget(args.budget, engine.kv_spec.bytes_per_block),
-               "perplexity": perplexity(engine, ppl_ids), **agreement(baseline_greedy, greedy),
-               "decode_tokens_per_s": decode_throughput(engine, decode_prompts, args.decode_tokens)}
+        row = {
+            "kv_cache_dtype": engine.kv_spec.dtype_name,
+            "bytes_per_token": engine.kv_spec.bytes_per_token,
+            "blocks_at_budget": num_blocks_for_budget(args.budget, engine.kv_spec.bytes_per_block),
+            "perplexity": perplexity(engine, ppl_ids),
+            **agreement(baseline_greedy, greedy),
+            "decode_tokens_per_s": decode_throughput(engine, decode_prompts, args.decode_tokens),
+        }
         rows.append(row)
     base = rows[0]
     for row in rows:
@@ -110,33 +129,69 @@ def run(args: argparse.Namespace) -> int:
         row["decode_vs_float32"] = ratio(row["decode_tokens_per_s"], base["decode_tokens_per_s"])
 
     report = Report("kv-dtype", machine_info(), config_of(args))
-    report.results = {"dtypes": rows, "granularity": granularity, "budget_bytes": args.budget,
-                      "ppl_tokens": len(ppl_ids) - 1, "greedy_prompts": len(prompts),
-                      "greedy_tokens": args.greedy_tokens, "decode_batch": args.decode_batch,
-                      "decode_context": args.decode_context}
+    report.results = {
+        "dtypes": rows,
+        "granularity": granularity,
+        "budget_bytes": args.budget,
+        "ppl_tokens": len(ppl_ids) - 1,
+        "greedy_prompts": len(prompts),
+        "greedy_tokens": args.greedy_tokens,
+        "decode_batch": args.decode_batch,
+        "decode_context": args.decode_context,
+    }
     for row in rows:
         d = row["kv_cache_dtype"]
-        report.ratios.update({f"capacity@{d}": row["capacity_vs_float32"],
-                              f"ppl_delta_perc@{d}": row["perplexity_delta_perc"],
-                              f"decode@{d}": row["decode_vs_float32"]})
-    main = Table(f"KV cache dtypes: blocks at {args.budget / GiB:g} GiB, perplexity on {len(ppl_ids) - 1} "
-                 f"tokens, greedy vs float32 KV ({len(prompts)} prompts x {args.greedy_tokens} tokens), decode at "
-                 f"batch {args.decode_batch}",
-                 ["kv dtype", "bytes/token", "blocks", "x fp32", "ppl", "ppl +%", "identical", "match %",
-                  "near-tie", "decode tok/s", "x fp32"])
+        report.ratios.update(
+            {
+                f"capacity@{d}": row["capacity_vs_float32"],
+                f"ppl_delta_perc@{d}": row["perplexity_delta_perc"],
+                f"decode@{d}": row["decode_vs_float32"],
+            }
+        )
+    main = Table(
+        f"KV cache dtypes: blocks at {args.budget / GiB:g} GiB, perplexity on {len(ppl_ids) - 1} "
+        f"tokens, greedy vs float32 KV ({len(prompts)} prompts x {args.greedy_tokens} tokens), decode at "
+        f"batch {args.decode_batch}",
+        [
+            "kv dtype",
+            "bytes/token",
+            "blocks",
+            "x fp32",
+            "ppl",
+            "ppl +%",
+            "identical",
+            "match %",
+            "near-tie",
+            "decode tok/s",
+            "x fp32",
+        ],
+    )
     for r in rows:
         divergent = len(prompts) - r["greedy_identical_prompts"]
-        main.add(r["kv_cache_dtype"], r["bytes_per_token"], r["blocks_at_budget"], r["capacity_vs_float32"],
-                 r["perplexity"], r["perplexity_delta_perc"], f"{r['greedy_identical_prompts']}/{len(prompts)}",
-                 r["greedy_match_perc"], f"{r['divergences_near_tie']}/{divergent}", r["decode_tokens_per_s"],
-                 r["decode_vs_float32"])
-    gran = Table("Scale granularity: relative round-trip error of the model's real K/V (all layers)",
-                 ["format", "granularity", "K rel err", "V rel err"])
+        main.add(
+            r["kv_cache_dtype"],
+            r["bytes_per_token"],
+            r["blocks_at_budget"],
+            r["capacity_vs_float32"],
+            r["perplexity"],
+            r["perplexity_delta_perc"],
+            f"{r['greedy_identical_prompts']}/{len(prompts)}",
+            r["greedy_match_perc"],
+            f"{r['divergences_near_tie']}/{divergent}",
+            r["decode_tokens_per_s"],
+            r["decode_vs_float32"],
+        )
+    gran = Table(
+        "Scale granularity: relative round-trip error of the model's real K/V (all layers)",
+        ["format", "granularity", "K rel err", "V rel err"],
+    )
     for g in granularity:
         gran.add(g["format"], g["granularity"], g["k_rel_err"], g["v_rel_err"])
     report.tables += [main, gran]
-    report.notes.append("identical: prompts whose greedy tokens equal float32 KV's throughout; near-tie: of the "
-                        "others, how many first diverge at a near-tie (vLLM's check_logprobs_close rule)")
+    report.notes.append(
+        "identical: prompts whose greedy tokens equal float32 KV's throughout; near-tie: of the "
+        "others, how many first diverge at a near-tie (vLLM's check_logprobs_close rule)"
+    )
     emit(report, args.json)
     return 0
 
@@ -192,9 +247,12 @@ def agreement(reference: list, test: list) -> dict:
         if diff < len(ref.token_ids):
             near_ties += ref.token_ids[diff] in got.logprobs[diff] and got.token_ids[diff] in ref.logprobs[diff]
     total = sum(len(r.token_ids) for r in reference)
-    return {"greedy_identical_prompts": sum(f == len(r.token_ids) for f, r in zip(first, reference)),
-            "greedy_first_divergence": first, "greedy_match_perc": 100.0 * matches / total,
-            "divergences_near_tie": near_ties}
+    return {
+        "greedy_identical_prompts": sum(f == len(r.token_ids) for f, r in zip(first, reference)),
+        "greedy_first_divergence": first,
+        "greedy_match_perc": 100.0 * matches / total,
+        "divergences_near_tie": near_ties,
+    }
 
 
 def decode_throughput(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> float | None:
@@ -220,10 +278,16 @@ def granularity_errors(engine: LLMEngine, ids: list[int], block_sizes: list[int]
     n = len(ids)
     meta = AttentionMetadata.build([list(range(cdiv(n, bs)))], [n], [n], bs, engine.device)
     with torch.inference_mode():
-        runner.model(torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device),
-                     runner.kv_caches, meta)
-        layers = [(c.key.view(-1, *c.key.shape[2:])[:n].float().clone(), c.value.view(-1, *c.value.shape[2:])[:n]
-                   .float().clone()) for c in runner.kv_caches]
+        runner.model(
+            torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device), runner.kv_caches, meta
+        )
+        layers = [
+            (
+                c.key.view(-1, *c.key.shape[2:])[:n].float().clone(),
+                c.value.view(-1, *c.value.shape[2:])[:n].float().clone(),
+            )
+            for c in runner.kv_caches
+        ]
 
     def groups(x: torch.Tensor, how: str) -> tuple[torch.Tensor, tuple[int, ...]]:
         if how == "per-token-head":
@@ -243,5 +307,8 @@ def granularity_errors(engine: LLMEngine, ids: list[int], block_sizes: list[int]
         return math.sqrt(num / den)
 
     hows = ["per-token-head", *[f"per-block {b}" for b in block_sizes], "per-tensor"]
-    return [{"format": name, "granularity": how, "k_rel_err": rel_err(fmt, how, 0), "v_rel_err": rel_err(fmt, how, 1)}
-            for name, fmt in KV_QUANT_FORMATS.items() for how in hows]
+    return [
+        {"format": name, "granularity": how, "k_rel_err": rel_err(fmt, how, 0), "v_rel_err": rel_err(fmt, how, 1)}
+        for name, fmt in KV_QUANT_FORMATS.items()
+        for how in hows
+    ]

@@ -53,21 +53,41 @@ class LatencyPlan:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "latency", "TTFT and decode speed of one request, decode step time by batch size",
-                    __doc__.splitlines()[0], SCHEMA)
+    p = new_command(
+        sub,
+        "latency",
+        "TTFT and decode speed of one request, decode step time by batch size",
+        __doc__.splitlines()[0],
+        SCHEMA,
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-lens", type=int_list, default=[32, 512, 2048], help="single-request prompt lengths")
     w.add_argument("--output-len", type=int, default=32, help="tokens decoded per single request")
     w.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32], help="decode batch sizes")
     w.add_argument("--batch-prompt-len", type=int, default=32, help="prompt length of each batched request")
     w.add_argument("--batch-output-len", type=int, default=16, help="tokens decoded per batched request")
-    w.add_argument("--peer", action="append", choices=["hf", "llama-cpp"], default=[],
-                   help="peers measured in the same run (repeatable)")
-    w.add_argument("--llama-bench", type=Path, default=None, metavar="PATH",
-                   help="llama.cpp's llama-bench binary (scripts/build_llama_cpp.sh builds it); without it the "
-                        "llama-cpp peer is skipped with a note")
-    w.add_argument("--llama-cpp-model", type=Path, default=None, metavar="FILE.gguf",
-                   help="the GGUF llama-bench loads (default: --model when it is a .gguf file or the default model)")
+    w.add_argument(
+        "--peer",
+        action="append",
+        choices=["hf", "llama-cpp"],
+        default=[],
+        help="peers measured in the same run (repeatable)",
+    )
+    w.add_argument(
+        "--llama-bench",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-bench binary (scripts/build_llama_cpp.sh builds it); without it the "
+        "llama-cpp peer is skipped with a note",
+    )
+    w.add_argument(
+        "--llama-cpp-model",
+        type=Path,
+        default=None,
+        metavar="FILE.gguf",
+        help="the GGUF llama-bench loads (default: --model when it is a .gguf file or the default model)",
+    )
     add_repeats_arg(p, default=3)
     add_output_args(p, "TTFT by prompt length and decode ms/token by batch size, with floors")
     add_engine_args(p)
@@ -80,8 +100,15 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench.machine import machine_info, measure_ceilings
     from kvserve.bench.report import Report, config_of, emit
 
-    plan = LatencyPlan(args.prompt_lens, args.output_len, args.batch_sizes, args.batch_prompt_len,
-                       args.batch_output_len, args.repeats, args.seed)
+    plan = LatencyPlan(
+        args.prompt_lens,
+        args.output_len,
+        args.batch_sizes,
+        args.batch_prompt_len,
+        args.batch_output_len,
+        args.repeats,
+        args.seed,
+    )
     kvserve = load_kvserve(args)
     engine = kvserve.engine
     systems: list[System] = [kvserve]
@@ -101,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
         row["prefill_floor_ms"] = cost.prefill_floor_ms(ceilings, row["prompt_len"])
         row["decode_floor_ms"] = cost.decode_floor_ms(ceilings, 1, row["prompt_len"] + row["output_len"] // 2)
     for row in batch:
-        row["floor_ms_per_step"] = cost.decode_floor_ms(ceilings, row["batch_size"],
-                                                        row["prompt_len"] + row["output_len"] // 2)
+        row["floor_ms_per_step"] = cost.decode_floor_ms(
+            ceilings, row["batch_size"], row["prompt_len"] + row["output_len"] // 2
+        )
     report.results = {"single": single, "batch": batch, "ceilings": ceilings.to_json(), "model_cost": cost.to_json()}
     report.ratios = ratios(single, batch)
     report.tables += tables(single, batch, plan)
@@ -110,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         f"Floors: {cost.weight_bytes_per_step / 1e6:.0f} MB of weights per step at "
         f"{ceilings.bandwidth_gbps:.1f} GB/s (measured: copy {ceilings.copy_bandwidth_gbps:.1f}, read "
         f"{ceilings.read_bandwidth_gbps:.1f}), {2 * cost.matmul_params / 1e6:.0f} MFLOP per token at "
-        f"{ceilings.matmul_gflops:.0f} GFLOP/s (fp32 matmul, measured)")
+        f"{ceilings.matmul_gflops:.0f} GFLOP/s (fp32 matmul, measured)"
+    )
     if args.plot:
         plot(args.plot, single, batch)
     emit(report, args.json)
@@ -146,9 +175,16 @@ def single_row(system: str, prompt_len: int, output_len: int, timelines: list[Ti
     ttft = [1e3 * t.ttft_s for t in timelines]
     decode = [1e3 * t.decode_step_s for t in timelines if t.decode_step_s is not None]
     decode_ms = median(decode) if decode else None
-    return {"system": system, "prompt_len": prompt_len, "output_len": output_len, "ttft_ms": median(ttft),
-            "ttft_ms_runs": ttft, "decode_ms_per_token": decode_ms, "decode_ms_per_token_runs": decode,
-            "decode_tokens_per_s": 1e3 / decode_ms if decode_ms else None}
+    return {
+        "system": system,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "ttft_ms": median(ttft),
+        "ttft_ms_runs": ttft,
+        "decode_ms_per_token": decode_ms,
+        "decode_ms_per_token_runs": decode,
+        "decode_tokens_per_s": 1e3 / decode_ms if decode_ms else None,
+    }
 
 
 def batch_row(system: str, batch_size: int, plan: LatencyPlan, timelines: list[Timeline]) -> dict:
@@ -156,10 +192,16 @@ def batch_row(system: str, batch_size: int, plan: LatencyPlan, timelines: list[T
 
     steps = [1e3 * t.decode_step_s for t in timelines if t.decode_step_s is not None]
     step_ms = median(steps) if steps else None
-    return {"system": system, "batch_size": batch_size, "prompt_len": plan.batch_prompt_len,
-            "output_len": plan.batch_output_len, "ms_per_step": step_ms, "ms_per_step_runs": steps,
-            "ms_per_token": step_ms / batch_size if step_ms else None,
-            "tokens_per_s": 1e3 * batch_size / step_ms if step_ms else None}
+    return {
+        "system": system,
+        "batch_size": batch_size,
+        "prompt_len": plan.batch_prompt_len,
+        "output_len": plan.batch_output_len,
+        "ms_per_step": step_ms,
+        "ms_per_step_runs": steps,
+        "ms_per_token": step_ms / batch_size if step_ms else None,
+        "tokens_per_s": 1e3 * batch_size / step_ms if step_ms else None,
+    }
 
 
 def llama_cpp_rows(args: argparse.Namespace, plan: LatencyPlan, report: Report) -> tuple[list[dict], list[dict]]:
@@ -175,19 +217,41 @@ def llama_cpp_rows(args: argparse.Namespace, plan: LatencyPlan, report: Report) 
         return [], []
     import torch
 
-    result = run_llama_bench(args.llama_bench, gguf, plan.prompt_lens, max(plan.output_len, 1),
-                             torch.get_num_threads(), plan.repeats)
-    report.notes.append("llama.cpp rows: llama-bench pp<N> for TTFT (prompt processing only) and tg"
-                        f"{result.decode_tokens} at empty context for decode; batch 1 only")
+    result = run_llama_bench(
+        args.llama_bench, gguf, plan.prompt_lens, max(plan.output_len, 1), torch.get_num_threads(), plan.repeats
+    )
+    report.notes.append(
+        "llama.cpp rows: llama-bench pp<N> for TTFT (prompt processing only) and tg"
+        f"{result.decode_tokens} at empty context for decode; batch 1 only"
+    )
     tg = result.decode_tokens_per_s
     decode_ms = 1e3 / tg if tg else None
     pp = result.prompt_tokens_per_s
-    single: list[dict] = [{"system": "llama.cpp", "prompt_len": n, "output_len": plan.output_len,
-                           "ttft_ms": 1e3 * n / pp[n] if n in pp else None,
-                           "ttft_ms_runs": [], "decode_ms_per_token": decode_ms, "decode_ms_per_token_runs": [],
-                           "decode_tokens_per_s": tg} for n in plan.prompt_lens]
-    batch = [{"system": "llama.cpp", "batch_size": 1, "prompt_len": 0, "output_len": result.decode_tokens,
-              "ms_per_step": decode_ms, "ms_per_step_runs": [], "ms_per_token": decode_ms, "tokens_per_s": tg}]
+    single: list[dict] = [
+        {
+            "system": "llama.cpp",
+            "prompt_len": n,
+            "output_len": plan.output_len,
+            "ttft_ms": 1e3 * n / pp[n] if n in pp else None,
+            "ttft_ms_runs": [],
+            "decode_ms_per_token": decode_ms,
+            "decode_ms_per_token_runs": [],
+            "decode_tokens_per_s": tg,
+        }
+        for n in plan.prompt_lens
+    ]
+    batch = [
+        {
+            "system": "llama.cpp",
+            "batch_size": 1,
+            "prompt_len": 0,
+            "output_len": result.decode_tokens,
+            "ms_per_step": decode_ms,
+            "ms_per_step_runs": [],
+            "ms_per_token": decode_ms,
+            "tokens_per_s": tg,
+        }
+    ]
     return single, batch
 
 
@@ -202,12 +266,14 @@ def ratios(single: list[dict], batch: list[dict]) -> dict[str, float | None]:
             k = mine[r["prompt_len"]]
             out[f"prefill_speed@prompt{r['prompt_len']}:kvserve/{r['system']}"] = ratio(r["ttft_ms"], k["ttft_ms"])
             out[f"decode_speed@prompt{r['prompt_len']}:kvserve/{r['system']}"] = ratio(
-                r["decode_ms_per_token"], k["decode_ms_per_token"])
+                r["decode_ms_per_token"], k["decode_ms_per_token"]
+            )
     mine_b = {r["batch_size"]: r for r in batch if r["system"] == "kvserve"}
     for r in batch:
         if r["system"] != "kvserve" and r["batch_size"] in mine_b:
             out[f"decode_speed@batch{r['batch_size']}:kvserve/{r['system']}"] = ratio(
-                r["ms_per_step"], mine_b[r["batch_size"]]["ms_per_step"])
+                r["ms_per_step"], mine_b[r["batch_size"]]["ms_per_step"]
+            )
     for b, r in mine_b.items():
         out[f"floor/kvserve decode@batch{b}"] = ratio(r["floor_ms_per_step"], r["ms_per_step"])
     return out
@@ -216,16 +282,28 @@ def ratios(single: list[dict], batch: list[dict]) -> dict[str, float | None]:
 def tables(single: list[dict], batch: list[dict], plan: LatencyPlan) -> list[Table]:
     from kvserve.bench.report import Table
 
-    t1 = Table(f"Single request: TTFT and decode of {plan.output_len} tokens (medians of {plan.repeats})",
-               ["system", "prompt", "TTFT ms", "floor ms", "decode ms/tok", "floor ms/tok", "decode tok/s"])
+    t1 = Table(
+        f"Single request: TTFT and decode of {plan.output_len} tokens (medians of {plan.repeats})",
+        ["system", "prompt", "TTFT ms", "floor ms", "decode ms/tok", "floor ms/tok", "decode tok/s"],
+    )
     for r in sorted(single, key=lambda r: (r["prompt_len"], r["system"] != "kvserve")):
-        t1.add(r["system"], r["prompt_len"], r["ttft_ms"], r["prefill_floor_ms"], r["decode_ms_per_token"],
-               r["decode_floor_ms"], r["decode_tokens_per_s"])
-    t2 = Table(f"Batched decode: {plan.batch_prompt_len}-token prompts, {plan.batch_output_len} tokens each",
-               ["system", "batch", "ms/step", "floor ms/step", "ms/token", "tok/s"])
+        t1.add(
+            r["system"],
+            r["prompt_len"],
+            r["ttft_ms"],
+            r["prefill_floor_ms"],
+            r["decode_ms_per_token"],
+            r["decode_floor_ms"],
+            r["decode_tokens_per_s"],
+        )
+    t2 = Table(
+        f"Batched decode: {plan.batch_prompt_len}-token prompts, {plan.batch_output_len} tokens each",
+        ["system", "batch", "ms/step", "floor ms/step", "ms/token", "tok/s"],
+    )
     for r in sorted(batch, key=lambda r: (r["batch_size"], r["system"] != "kvserve")):
-        t2.add(r["system"], r["batch_size"], r["ms_per_step"], r["floor_ms_per_step"], r["ms_per_token"],
-               r["tokens_per_s"])
+        t2.add(
+            r["system"], r["batch_size"], r["ms_per_step"], r["floor_ms_per_step"], r["ms_per_token"], r["tokens_per_s"]
+        )
     return [t1, t2]
 
 
@@ -246,11 +324,24 @@ def plot(path: str, single: list[dict], batch: list[dict]) -> None:
         mine = sorted((r for r in rows if r["system"] == "kvserve"), key=lambda r: r[x])
         return Series("floor", [r[x] for r in mine], [r[y] for r in mine], style="k--")
 
-    line_plot(path, [
-        Panel("Time to first token (one request)", "prompt tokens", "ms",
-              series(single, "prompt_len", "ttft_ms") + [floor_series(single, "prompt_len", "prefill_floor_ms")],
-              log_x=True, log_y=True),
-        Panel("Decode step time", "batch size", "ms per step",
-              series(batch, "batch_size", "ms_per_step") + [floor_series(batch, "batch_size", "floor_ms_per_step")],
-              log_x=True, log_y=True),
-    ])
+    line_plot(
+        path,
+        [
+            Panel(
+                "Time to first token (one request)",
+                "prompt tokens",
+                "ms",
+                series(single, "prompt_len", "ttft_ms") + [floor_series(single, "prompt_len", "prefill_floor_ms")],
+                log_x=True,
+                log_y=True,
+            ),
+            Panel(
+                "Decode step time",
+                "batch size",
+                "ms per step",
+                series(batch, "batch_size", "ms_per_step") + [floor_series(batch, "batch_size", "floor_ms_per_step")],
+                log_x=True,
+                log_y=True,
+            ),
+        ],
+    )

@@ -32,8 +32,10 @@ class MachineInfo:
         return asdict(self)
 
     def describe(self) -> str:
-        return (f"{self.cpu_model}, {self.logical_cpus} logical CPUs ({self.torch_threads} torch threads), "
-                f"{self.memory_gib:.1f} GiB RAM, torch {self.torch}, Python {self.python}")
+        return (
+            f"{self.cpu_model}, {self.logical_cpus} logical CPUs ({self.torch_threads} torch threads), "
+            f"{self.memory_gib:.1f} GiB RAM, torch {self.torch}, Python {self.python}"
+        )
 
 
 def _read_field(path: str, key: str) -> str | None:
@@ -86,9 +88,11 @@ class Ceilings:
 
     def best_of(self, other: Ceilings) -> Ceilings:
         """Each rate at its best over two measurements (e.g. before and after a benchmark on a shared machine)."""
-        return Ceilings(max(self.copy_bandwidth_gbps, other.copy_bandwidth_gbps),
-                        max(self.read_bandwidth_gbps, other.read_bandwidth_gbps),
-                        max(self.matmul_gflops, other.matmul_gflops))
+        return Ceilings(
+            max(self.copy_bandwidth_gbps, other.copy_bandwidth_gbps),
+            max(self.read_bandwidth_gbps, other.read_bandwidth_gbps),
+            max(self.matmul_gflops, other.matmul_gflops),
+        )
 
 
 def _best_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -135,8 +139,9 @@ def _matmul_gflops(n: int, repeats: int, device: torch.device, dtype: torch.dtyp
     return 2 * n**3 / _best_seconds(matmul, repeats) / 1e9
 
 
-def measure_ceilings(buffer_mib: int = 256, matmul_n: int = 2048, repeats: int = 5, device: str = "cpu",
-                     matmul_dtype: str = "float32") -> Ceilings:
+def measure_ceilings(
+    buffer_mib: int = 256, matmul_n: int = 2048, repeats: int = 5, device: str = "cpu", matmul_dtype: str = "float32"
+) -> Ceilings:
     """`matmul_dtype`: the compute dtype of the figures these ceilings floor (a GPU's bfloat16 matmul rate is
     an order of magnitude above its float32 one)."""
     import torch
@@ -145,5 +150,8 @@ def measure_ceilings(buffer_mib: int = 256, matmul_n: int = 2048, repeats: int =
 
     dev = torch.device(device)
     copy_gbps, read_gbps = _bandwidths(buffer_mib, repeats, dev)
-    return Ceilings(copy_bandwidth_gbps=copy_gbps, read_bandwidth_gbps=read_gbps,
-                    matmul_gflops=_matmul_gflops(matmul_n, repeats, dev, torch_dtype(matmul_dtype)))
+    return Ceilings(
+        copy_bandwidth_gbps=copy_gbps,
+        read_bandwidth_gbps=read_gbps,
+        matmul_gflops=_matmul_gflops(matmul_n, repeats, dev, torch_dtype(matmul_dtype)),
+    )

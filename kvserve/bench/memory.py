@@ -47,23 +47,31 @@ reserved: max-model-len). max_running: requests holding KV at once, as vLLM's nu
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "memory", "requests that fit at one KV budget: paged cache vs reserving max-model-len",
-                    __doc__, SCHEMA)
-    w = p.add_argument_group("workload (here --kv-cache-memory-bytes defaults to 1GiB and --max-model-len to 8192: "
-                             "the budget and the clip)")
-    w.add_argument("--mean-len", type=float, default=500.0,
-                   help="mean request length, prompt + output, in tokens (default 500)")
-    w.add_argument("--len-sigma", type=float, default=1.0,
-                   help="sigma of the lognormal lengths: the tail's weight (default 1)")
-    w.add_argument("--output-share", type=float, default=0.25,
-                   help="share of each request's length that is output (default 0.25)")
-    w.add_argument("--samples", type=int, default=10_000,
-                   help="lengths drawn for the analytic figures (default 10000)")
-    w.add_argument("--scale", type=int, default=16,
-                   help="the measured run divides the budget, max-model-len and mean length by this "
-                        "(default 16; 1: full size)")
-    w.add_argument("--num-requests", type=int, default=32,
-                   help="requests in the measured run, all submitted at once (default 32)")
+    p = new_command(
+        sub, "memory", "requests that fit at one KV budget: paged cache vs reserving max-model-len", __doc__, SCHEMA
+    )
+    w = p.add_argument_group(
+        "workload (here --kv-cache-memory-bytes defaults to 1GiB and --max-model-len to 8192: the budget and the clip)"
+    )
+    w.add_argument(
+        "--mean-len", type=float, default=500.0, help="mean request length, prompt + output, in tokens (default 500)"
+    )
+    w.add_argument(
+        "--len-sigma", type=float, default=1.0, help="sigma of the lognormal lengths: the tail's weight (default 1)"
+    )
+    w.add_argument(
+        "--output-share", type=float, default=0.25, help="share of each request's length that is output (default 0.25)"
+    )
+    w.add_argument("--samples", type=int, default=10_000, help="lengths drawn for the analytic figures (default 10000)")
+    w.add_argument(
+        "--scale",
+        type=int,
+        default=16,
+        help="the measured run divides the budget, max-model-len and mean length by this (default 16; 1: full size)",
+    )
+    w.add_argument(
+        "--num-requests", type=int, default=32, help="requests in the measured run, all submitted at once (default 32)"
+    )
     add_repeats_arg(p, default=3)
     add_output_args(p, "running requests and KV usage over the (last) measured run, paged vs reserved")
     add_engine_args(p)
@@ -90,11 +98,16 @@ class MemoryRun:
         return 100.0 * (self.held_slots - self.used_slots) / self.held_slots if self.held_slots else 0.0
 
     def to_json(self) -> dict:
-        return {"elapsed_s": self.elapsed_s, "output_tokens": self.output_tokens, "steps": self.steps,
-                "max_running": max(self.running, default=0),
-                "mean_running": sum(self.running) / len(self.running) if self.running else 0.0,
-                "peak_kv_usage_perc": max(self.kv_usage_perc, default=0.0), "waste_perc": self.waste_perc,
-                "preemptions": self.preemptions}
+        return {
+            "elapsed_s": self.elapsed_s,
+            "output_tokens": self.output_tokens,
+            "steps": self.steps,
+            "max_running": max(self.running, default=0),
+            "mean_running": sum(self.running) / len(self.running) if self.running else 0.0,
+            "peak_kv_usage_perc": max(self.kv_usage_perc, default=0.0),
+            "waste_perc": self.waste_perc,
+            "preemptions": self.preemptions,
+        }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,11 +129,14 @@ def run(args: argparse.Namespace) -> int:
     for round_index in range(args.repeats):
         for name in LAYOUTS:  # alternating, so that a slow spell on a shared machine hits both
             runs[name].append(run_workload(engines[name], requests, f"{name}-{round_index}"))
-    measured = {"scale": args.scale, "num_requests": args.num_requests,
-                "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-                "output_tokens": sum(r.output_len for r in requests),
-                "plan": analyze(paged, small, [len(r.prompt_token_ids) + r.output_len for r in requests]),
-                "layouts": [layout_row(name, runs[name]) for name in LAYOUTS]}
+    measured = {
+        "scale": args.scale,
+        "num_requests": args.num_requests,
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+        "plan": analyze(paged, small, [len(r.prompt_token_ids) + r.output_len for r in requests]),
+        "layouts": [layout_row(name, runs[name]) for name in LAYOUTS],
+    }
     report = Report("memory", machine_info(), config_of(args))
     report.results = {"analytic": analytic, "measured": measured}
     report.ratios = ratios(analytic, measured)
@@ -154,11 +170,19 @@ def workloads(args: argparse.Namespace) -> tuple[Workload, Workload]:
     max_len = args.max_model_len // args.scale
     if max_len < 2:
         raise ValueError(f"--max-model-len {args.max_model_len} / --scale {args.scale} leaves under 2 tokens")
-    full = Workload(args.kv_cache_memory_bytes, args.max_model_len,
-                    LengthDistribution(args.mean_len, args.max_model_len, args.len_sigma), args.output_share)
+    full = Workload(
+        args.kv_cache_memory_bytes,
+        args.max_model_len,
+        LengthDistribution(args.mean_len, args.max_model_len, args.len_sigma),
+        args.output_share,
+    )
     mean = min(max(args.mean_len / args.scale, 1.0), max_len)
-    small = Workload(args.kv_cache_memory_bytes // args.scale, max_len,
-                     LengthDistribution(mean, max_len, args.len_sigma), args.output_share)
+    small = Workload(
+        args.kv_cache_memory_bytes // args.scale,
+        max_len,
+        LengthDistribution(mean, max_len, args.len_sigma),
+        args.output_share,
+    )
     return full, small
 
 
@@ -183,21 +207,39 @@ def analyze(engine: LLMEngine, w: Workload, lengths: list[int]) -> dict:
     from kvserve.capacity import compare_layouts, plan_kv_cache
 
     spec = engine.kv_spec
-    plan = plan_kv_cache(spec.bytes_per_block, spec.block_size, engine.model_config.max_position_embeddings,
-                         budget_bytes=w.budget, max_model_len=w.max_len)
+    plan = plan_kv_cache(
+        spec.bytes_per_block,
+        spec.block_size,
+        engine.model_config.max_position_embeddings,
+        budget_bytes=w.budget,
+        max_model_len=w.max_len,
+    )
     cmp = compare_layouts(lengths, spec.bytes_per_token, spec.block_size, w.max_len, w.budget)
     summary = summarize([float(n) for n in lengths])
     assert summary is not None  # lengths is never empty
 
     def one(use: CacheLayoutUse) -> dict:
-        return {"kv_tokens_per_request": use.allocated_bytes / len(lengths) / spec.bytes_per_token,
-                "requests_that_fit": use.requests_that_fit, "waste_perc": use.waste_perc}
+        return {
+            "kv_tokens_per_request": use.allocated_bytes / len(lengths) / spec.bytes_per_token,
+            "requests_that_fit": use.requests_that_fit,
+            "waste_perc": use.waste_perc,
+        }
 
-    return {"budget_bytes": w.budget, "num_blocks": plan.num_blocks, "block_size": spec.block_size,
-            "bytes_per_token": spec.bytes_per_token, "max_model_len": w.max_len,
-            "lengths": {"mean_target": w.dist.mean, "sigma": w.dist.sigma, "output_share": w.output_share,
-                        "summary": summary.to_json()},
-            "paged": one(cmp.paged), "reserved": one(cmp.contiguous)}
+    return {
+        "budget_bytes": w.budget,
+        "num_blocks": plan.num_blocks,
+        "block_size": spec.block_size,
+        "bytes_per_token": spec.bytes_per_token,
+        "max_model_len": w.max_len,
+        "lengths": {
+            "mean_target": w.dist.mean,
+            "sigma": w.dist.sigma,
+            "output_share": w.output_share,
+            "summary": summary.to_json(),
+        },
+        "paged": one(cmp.paged),
+        "reserved": one(cmp.contiguous),
+    }
 
 
 def run_workload(engine: LLMEngine, requests: list[TokenRequest], tag: str) -> MemoryRun:
@@ -233,12 +275,16 @@ def layout_row(name: str, runs: list[MemoryRun]) -> dict:
     from kvserve.bench.stats import median
 
     rs = [r.to_json() for r in runs]
-    return {"layout": name, "runs": rs, "max_running": max(r["max_running"] for r in rs),
-            "mean_running": median([r["mean_running"] for r in rs]),
-            "waste_perc": median([r["waste_perc"] for r in rs]),
-            "preemptions": max(r["preemptions"] for r in rs),
-            "elapsed_s": median([r["elapsed_s"] for r in rs]),
-            "output_tokens_per_s": median([r["output_tokens"] / r["elapsed_s"] for r in rs])}
+    return {
+        "layout": name,
+        "runs": rs,
+        "max_running": max(r["max_running"] for r in rs),
+        "mean_running": median([r["mean_running"] for r in rs]),
+        "waste_perc": median([r["waste_perc"] for r in rs]),
+        "preemptions": max(r["preemptions"] for r in rs),
+        "elapsed_s": median([r["elapsed_s"] for r in rs]),
+        "output_tokens_per_s": median([r["output_tokens"] / r["elapsed_s"] for r in rs]),
+    }
 
 
 def ratios(analytic: dict, measured: dict) -> dict[str, float | None]:
@@ -246,26 +292,32 @@ def ratios(analytic: dict, measured: dict) -> dict[str, float | None]:
 
     by = {row["layout"]: row for row in measured["layouts"]}
     return {
-        "concurrency:paged/reserved": ratio(analytic["paged"]["requests_that_fit"],
-                                            analytic["reserved"]["requests_that_fit"]),
+        "concurrency:paged/reserved": ratio(
+            analytic["paged"]["requests_that_fit"], analytic["reserved"]["requests_that_fit"]
+        ),
         "measured_concurrency:paged/reserved": ratio(by["paged"]["max_running"], by["reserved"]["max_running"]),
-        "output_tokens_per_s:paged/reserved": ratio(by["paged"]["output_tokens_per_s"],
-                                                    by["reserved"]["output_tokens_per_s"]),
+        "output_tokens_per_s:paged/reserved": ratio(
+            by["paged"]["output_tokens_per_s"], by["reserved"]["output_tokens_per_s"]
+        ),
     }
 
 
 def _describe(plan: dict) -> str:
     s = plan["lengths"]["summary"]
-    return (f"{format_bytes(plan['budget_bytes'], '.4g')} = {plan['num_blocks']} blocks x {plan['block_size']} tokens "
-            f"({plan['bytes_per_token']:,} bytes/token); lengths lognormal (mean {s['mean']:.0f}, p50 {s['p50']:.0f}, "
-            f"p99 {s['p99']:.0f}, max {s['max']:.0f}) clipped at max-model-len {plan['max_model_len']}")
+    return (
+        f"{format_bytes(plan['budget_bytes'], '.4g')} = {plan['num_blocks']} blocks x {plan['block_size']} tokens "
+        f"({plan['bytes_per_token']:,} bytes/token); lengths lognormal (mean {s['mean']:.0f}, p50 {s['p50']:.0f}, "
+        f"p99 {s['p99']:.0f}, max {s['max']:.0f}) clipped at max-model-len {plan['max_model_len']}"
+    )
 
 
 def analytic_table(a: dict) -> Table:
     from kvserve.bench.report import Table
 
-    t = Table(f"Analytic, from the capacity plan: {_describe(a)}; {a['lengths']['summary']['count']} requests drawn",
-              ["cache layout", "KV tokens per request", "requests that fit", "waste %"])
+    t = Table(
+        f"Analytic, from the capacity plan: {_describe(a)}; {a['lengths']['summary']['count']} requests drawn",
+        ["cache layout", "KV tokens per request", "requests that fit", "waste %"],
+    )
     for name, label in zip(LAYOUTS, (f"paged ({a['block_size']}-token blocks)", "reserve max-model-len")):
         t.add(label, a[name]["kv_tokens_per_request"], a[name]["requests_that_fit"], a[name]["waste_perc"])
     return t
@@ -275,33 +327,68 @@ def measured_table(m: dict, repeats: int) -> Table:
     from kvserve.bench.report import Table
 
     plan = m["plan"]
-    t = Table(f"Measured at 1/{m['scale']} scale, {m['num_requests']} requests submitted at once ({m['prompt_tokens']} "
-              f"prompt + {m['output_tokens']} output tokens): {_describe(plan)}; medians of {repeats} run(s)",
-              ["cache layout", "predicted fit", "max running", "mean running", "preemptions", "waste %",
-               "output tok/s", "elapsed s"])
+    t = Table(
+        f"Measured at 1/{m['scale']} scale, {m['num_requests']} requests submitted at once ({m['prompt_tokens']} "
+        f"prompt + {m['output_tokens']} output tokens): {_describe(plan)}; medians of {repeats} run(s)",
+        [
+            "cache layout",
+            "predicted fit",
+            "max running",
+            "mean running",
+            "preemptions",
+            "waste %",
+            "output tok/s",
+            "elapsed s",
+        ],
+    )
     for row in m["layouts"]:
         name = row["layout"]
-        t.add(name, plan[name]["requests_that_fit"], row["max_running"], row["mean_running"], row["preemptions"],
-              row["waste_perc"], row["output_tokens_per_s"], row["elapsed_s"])
+        t.add(
+            name,
+            plan[name]["requests_that_fit"],
+            row["max_running"],
+            row["mean_running"],
+            row["preemptions"],
+            row["waste_perc"],
+            row["output_tokens_per_s"],
+            row["elapsed_s"],
+        )
     return t
 
 
 def notes(measured: dict) -> list[str]:
-    out = [("reserved = the same engine with every request taking max-model-len worth of blocks at admission "
-            "(EngineConfig.reserve_max_model_len), emulating a contiguous cache")]
+    out = [
+        (
+            "reserved = the same engine with every request taking max-model-len worth of blocks at admission "
+            "(EngineConfig.reserve_max_model_len), emulating a contiguous cache"
+        )
+    ]
     paged = next(r for r in measured["layouts"] if r["layout"] == "paged")
     if paged["max_running"] >= measured["num_requests"]:
-        out.append(f"paged: all {measured['num_requests']} requests ran at once, so the workload, not the cache, "
-                   "bounded its concurrency (raise --num-requests to find the cache's limit)")
+        out.append(
+            f"paged: all {measured['num_requests']} requests ran at once, so the workload, not the cache, "
+            "bounded its concurrency (raise --num-requests to find the cache's limit)"
+        )
     return out
 
 
 def plot(path: str, runs: dict[str, MemoryRun]) -> None:
     from kvserve.bench.plot import Panel, Series, line_plot
 
-    line_plot(path, [
-        Panel("Requests running at once", "time (s)", "running requests",
-              [Series(name, r.times_s, r.running, style="-") for name, r in runs.items()]),
-        Panel("KV cache usage", "time (s)", "blocks in use (%)",
-              [Series(name, r.times_s, r.kv_usage_perc, style="-") for name, r in runs.items()]),
-    ])
+    line_plot(
+        path,
+        [
+            Panel(
+                "Requests running at once",
+                "time (s)",
+                "running requests",
+                [Series(name, r.times_s, r.running, style="-") for name, r in runs.items()],
+            ),
+            Panel(
+                "KV cache usage",
+                "time (s)",
+                "blocks in use (%)",
+                [Series(name, r.times_s, r.kv_usage_perc, style="-") for name, r in runs.items()],
+            ),
+        ],
+    )

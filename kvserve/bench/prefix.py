@@ -29,8 +29,13 @@ no HTTP). hit_rate: prefix-cache hit tokens / looked-up tokens over the scenario
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "prefix", "TTFT with and without prefix caching: shared system prompt, multi-turn chat",
-                    __doc__.splitlines()[0], SCHEMA)
+    p = new_command(
+        sub,
+        "prefix",
+        "TTFT with and without prefix caching: shared system prompt, multi-turn chat",
+        __doc__.splitlines()[0],
+        SCHEMA,
+    )
     p.add_argument("--requests", type=int, default=20, help="requests sharing the system prompt")
     p.add_argument("--system-tokens", type=int, default=500, help="length of the shared system prompt")
     p.add_argument("--question-tokens", type=int, default=20, help="length of each request's own question")
@@ -88,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
     system = bos + random_token_ids(rng, args.system_tokens, vocab, exclude)
     questions = [random_token_ids(rng, args.question_tokens, vocab, exclude) for _ in range(args.requests)]
     ttfts: dict[str, list[float]] = {"on": [], "off": []}
-    before = {k: (e.stats().prefix_cache_queries_tokens, e.stats().prefix_cache_hits_tokens)
-              for k, e in engines.items()}
+    before = {
+        k: (e.stats().prefix_cache_queries_tokens, e.stats().prefix_cache_hits_tokens) for k, e in engines.items()
+    }
     for i, question in enumerate(questions):
         for name, engine in engines.items():
             ttfts[name].append(_run_one(engine, system + question, args.output_len, f"shared-{name}-{i}").ttft_ms)
@@ -97,22 +103,34 @@ def run(args: argparse.Namespace) -> int:
     for name, engine in engines.items():
         queries = engine.stats().prefix_cache_queries_tokens - before[name][0]
         hits = engine.stats().prefix_cache_hits_tokens - before[name][1]
-        shared[name] = {"cold_ttft_ms": ttfts[name][0], "warm_ttft_ms_median": median(ttfts[name][1:]) if
-                        len(ttfts[name]) > 1 else None, "warm_ttft_ms": ttfts[name][1:],
-                        "hit_rate": hits / queries if queries else 0.0}
-    t1 = Table(f"Shared {len(system)}-token system prompt, {args.requests} requests one after another",
-               ["prefix caching", "cold TTFT ms", "warm TTFT ms (median)", "warm / cold", "hit rate"])
+        shared[name] = {
+            "cold_ttft_ms": ttfts[name][0],
+            "warm_ttft_ms_median": median(ttfts[name][1:]) if len(ttfts[name]) > 1 else None,
+            "warm_ttft_ms": ttfts[name][1:],
+            "hit_rate": hits / queries if queries else 0.0,
+        }
+    t1 = Table(
+        f"Shared {len(system)}-token system prompt, {args.requests} requests one after another",
+        ["prefix caching", "cold TTFT ms", "warm TTFT ms (median)", "warm / cold", "hit rate"],
+    )
     for name in ("on", "off"):
         s = shared[name]
-        t1.add(name, s["cold_ttft_ms"], s["warm_ttft_ms_median"], ratio(s["warm_ttft_ms_median"], s["cold_ttft_ms"]),
-               s["hit_rate"])
+        t1.add(
+            name,
+            s["cold_ttft_ms"],
+            s["warm_ttft_ms_median"],
+            ratio(s["warm_ttft_ms_median"], s["cold_ttft_ms"]),
+            s["hit_rate"],
+        )
 
     # Scenario 2: multi-turn chat, each turn resending the whole conversation.
     conversations = {name: bos + random_token_ids(rng, args.system_tokens, vocab, exclude) for name in engines}
     conversations["off"] = list(conversations["on"])
     turns = []
-    t2 = Table(f"Multi-turn chat: {args.turns} turns, each resending the conversation",
-               ["turn", "prompt tokens", "TTFT ms on", "TTFT ms off", "off / on", "cached tokens (on)"])
+    t2 = Table(
+        f"Multi-turn chat: {args.turns} turns, each resending the conversation",
+        ["turn", "prompt tokens", "TTFT ms on", "TTFT ms off", "off / on", "cached tokens (on)"],
+    )
     for turn in range(1, args.turns + 1):
         user = random_token_ids(rng, args.turn_user_tokens, vocab, exclude)
         row: dict[str, float] = {"turn": turn}
@@ -125,8 +143,14 @@ def run(args: argparse.Namespace) -> int:
             if name == "on":
                 row["cached_tokens_on"] = timed.cached_tokens
         turns.append(row)
-        t2.add(turn, row["prompt_tokens"], row["ttft_ms_on"], row["ttft_ms_off"],
-               ratio(row["ttft_ms_off"], row["ttft_ms_on"]), row["cached_tokens_on"])
+        t2.add(
+            turn,
+            row["prompt_tokens"],
+            row["ttft_ms_on"],
+            row["ttft_ms_off"],
+            ratio(row["ttft_ms_off"], row["ttft_ms_on"]),
+            row["cached_tokens_on"],
+        )
 
     report = Report("prefix", machine_info(), config_of(args))
     report.results = {"shared_prompt": shared, "multi_turn": {"turns": turns}}
@@ -140,9 +164,19 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.bench.plot import Panel, Series, line_plot
 
         xs = [t["turn"] for t in turns]
-        line_plot(args.plot, [Panel("Multi-turn chat: time to first token per turn", "turn", "TTFT (ms)", [
-            Series("prefix caching on", xs, [t["ttft_ms_on"] for t in turns]),
-            Series("prefix caching off", xs, [t["ttft_ms_off"] for t in turns]),
-        ])])
+        line_plot(
+            args.plot,
+            [
+                Panel(
+                    "Multi-turn chat: time to first token per turn",
+                    "turn",
+                    "TTFT (ms)",
+                    [
+                        Series("prefix caching on", xs, [t["ttft_ms_on"] for t in turns]),
+                        Series("prefix caching off", xs, [t["ttft_ms_off"] for t in turns]),
+                    ],
+                )
+            ],
+        )
     emit(report, args.json)
     return 0

@@ -33,11 +33,19 @@ Times are medians over --repeats runs, the methods alternating within each repea
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "quantization", "accuracy, memory and speed of each --quantization (weights)",
-                    __doc__.splitlines()[0], SCHEMA)
-    p.add_argument("--methods", default="none,q8_0",
-                   help="comma-separated --quantization values (none runs first); METHOD+lm-head-TYPE adds "
-                        "--lm-head-quantization TYPE, e.g. gguf+lm-head-q4_0")
+    p = new_command(
+        sub,
+        "quantization",
+        "accuracy, memory and speed of each --quantization (weights)",
+        __doc__.splitlines()[0],
+        SCHEMA,
+    )
+    p.add_argument(
+        "--methods",
+        default="none,q8_0",
+        help="comma-separated --quantization values (none runs first); METHOD+lm-head-TYPE adds "
+        "--lm-head-quantization TYPE, e.g. gguf+lm-head-q4_0",
+    )
     add_accuracy_args(p, greedy_tokens=32)
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill figure")
     p.add_argument("--decode-batches", type=int_list, default=[1, 32], help="batch sizes of the decode figures")
@@ -69,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
         LLMEngine.from_config(replace(config))  # first start fills the caches, untimed
         start = time.perf_counter()
         engines[name] = LLMEngine.from_config(replace(config))
-        rows[name] = {"quantization": name, "weight_bytes": weight_bytes(engines[name].runner.model),
-                      "start_s": time.perf_counter() - start}
+        rows[name] = {
+            "quantization": name,
+            "weight_bytes": weight_bytes(engines[name].runner.model),
+            "start_s": time.perf_counter() - start,
+        }
     first = engines[BASELINE]
     ppl_ids = perplexity_ids(first, args.text.read_text(encoding="utf-8"), args.ppl_tokens)
     prompts = list(PROMPTS[: args.greedy_prompts])
@@ -99,31 +110,60 @@ def run(args: argparse.Namespace) -> int:
         row = rows[name]
         row["perplexity_delta_perc"] = 100.0 * (row["perplexity"] / base["perplexity"] - 1.0)
         row["prefill_ms"] = 1e3 * statistics.median(prefill[name])
-        row["decode_ms_per_step"] = {str(b): 1e3 * statistics.median(decode[name, b])
-                                     for b in args.decode_batches if decode[name, b]}
+        row["decode_ms_per_step"] = {
+            str(b): 1e3 * statistics.median(decode[name, b]) for b in args.decode_batches if decode[name, b]
+        }
         row["decode_tokens_per_s"] = {b: int(b) * 1e3 / ms for b, ms in row["decode_ms_per_step"].items()}
         report.ratios[f"weight_bytes@{name}"] = ratio(row["weight_bytes"], base["weight_bytes"])
         report.ratios[f"ppl_delta_perc@{name}"] = row["perplexity_delta_perc"]
         report.ratios[f"prefill@{name}"] = ratio(base["prefill_ms"], row["prefill_ms"])
         for b, ms in row["decode_ms_per_step"].items():
             report.ratios[f"decode@{name},batch{b}"] = ratio(base["decode_ms_per_step"].get(b), ms)
-    report.results = {"methods": list(rows.values()), "ppl_tokens": len(ppl_ids) - 1, "greedy_prompts": len(prompts),
-                      "greedy_tokens": args.greedy_tokens, "prefill_len": args.prefill_len,
-                      "decode_batches": args.decode_batches, "decode_context": args.decode_context}
-    table = Table(f"Weight quantization: perplexity on {len(ppl_ids) - 1} tokens, greedy vs none ({len(prompts)} "
-                  f"prompts x {args.greedy_tokens} tokens), prefill of {args.prefill_len} tokens, decode at "
-                  f"context {args.decode_context}",
-                  ["quantization", "weights MB", "start s", "ppl", "ppl +%", "identical", "near-tie", "prefill ms",
-                   *[f"decode b{b} ms" for b in args.decode_batches], *[f"x none b{b}" for b in args.decode_batches]])
+    report.results = {
+        "methods": list(rows.values()),
+        "ppl_tokens": len(ppl_ids) - 1,
+        "greedy_prompts": len(prompts),
+        "greedy_tokens": args.greedy_tokens,
+        "prefill_len": args.prefill_len,
+        "decode_batches": args.decode_batches,
+        "decode_context": args.decode_context,
+    }
+    table = Table(
+        f"Weight quantization: perplexity on {len(ppl_ids) - 1} tokens, greedy vs none ({len(prompts)} "
+        f"prompts x {args.greedy_tokens} tokens), prefill of {args.prefill_len} tokens, decode at "
+        f"context {args.decode_context}",
+        [
+            "quantization",
+            "weights MB",
+            "start s",
+            "ppl",
+            "ppl +%",
+            "identical",
+            "near-tie",
+            "prefill ms",
+            *[f"decode b{b} ms" for b in args.decode_batches],
+            *[f"x none b{b}" for b in args.decode_batches],
+        ],
+    )
     for name in names:
         r = rows[name]
         divergent = len(prompts) - r["greedy_identical_prompts"]
-        table.add(name, r["weight_bytes"] / 1e6, r["start_s"], r["perplexity"], r["perplexity_delta_perc"],
-                  f"{r['greedy_identical_prompts']}/{len(prompts)}", f"{r['divergences_near_tie']}/{divergent}",
-                  r["prefill_ms"], *[r["decode_ms_per_step"].get(str(b)) for b in args.decode_batches],
-                  *[report.ratios.get(f"decode@{name},batch{b}") for b in args.decode_batches])
+        table.add(
+            name,
+            r["weight_bytes"] / 1e6,
+            r["start_s"],
+            r["perplexity"],
+            r["perplexity_delta_perc"],
+            f"{r['greedy_identical_prompts']}/{len(prompts)}",
+            f"{r['divergences_near_tie']}/{divergent}",
+            r["prefill_ms"],
+            *[r["decode_ms_per_step"].get(str(b)) for b in args.decode_batches],
+            *[report.ratios.get(f"decode@{name},batch{b}") for b in args.decode_batches],
+        )
     report.tables.append(table)
-    report.notes.append("identical: prompts whose greedy tokens equal none's throughout; near-tie: of the others, "
-                        "how many first diverge at a near-tie (vLLM's check_logprobs_close rule)")
+    report.notes.append(
+        "identical: prompts whose greedy tokens equal none's throughout; near-tie: of the others, "
+        "how many first diverge at a near-tie (vLLM's check_logprobs_close rule)"
+    )
     emit(report, args.json)
     return 0

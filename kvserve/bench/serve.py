@@ -36,23 +36,39 @@ ratios: {"output_tokens_per_s@c<C>:target/peer"} (> 1: the --url server is faste
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "serve", "streaming load against an OpenAI-compatible server (and a peer server)",
-                    __doc__.splitlines()[0], SCHEMA)
+    p = new_command(
+        sub,
+        "serve",
+        "streaming load against an OpenAI-compatible server (and a peer server)",
+        __doc__.splitlines()[0],
+        SCHEMA,
+    )
     p.add_argument("--url", required=True, help="base URL of the server under test, e.g. http://127.0.0.1:8000")
     p.add_argument("--peer-url", default=None, help="a second server measured in the same run, in alternate rounds")
     p.add_argument("--model-name", default=None, help="`model` field for --url (default: first of /v1/models)")
     p.add_argument("--peer-model-name", default=None, help="`model` field for --peer-url")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                   help="bearer token (default: $OPENAI_API_KEY or $VLLM_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY") or os.environ.get("VLLM_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY or $VLLM_API_KEY)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=32)
     w.add_argument("--prompt-words", type=TokenRange.parse, default=TokenRange(48, 200), metavar="LOW-HIGH")
     w.add_argument("--max-tokens", type=int, default=64)
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    w.add_argument("--max-concurrency", type=int_list, default=[1, 8, 32],
-                   help="concurrency levels, one measurement each (default 1,8,32)")
-    w.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals per second (default inf: all at once, capped by the concurrency)")
+    w.add_argument(
+        "--max-concurrency",
+        type=int_list,
+        default=[1, 8, 32],
+        help="concurrency levels, one measurement each (default 1,8,32)",
+    )
+    w.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default inf: all at once, capped by the concurrency)",
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     w.add_argument("--warmup", type=int, default=1, help="unmeasured requests before each measurement")
@@ -73,23 +89,40 @@ def run(args: argparse.Namespace) -> int:
     if args.peer_url:
         servers.append(("peer", Endpoint(args.peer_url, args.peer_model_name, args.api_key)))
     prompts = random_word_prompts(args.num_prompts + args.warmup, args.prompt_words, args.seed)
-    warm, measured = prompts[:args.warmup], prompts[args.warmup:]
+    warm, measured = prompts[: args.warmup], prompts[args.warmup :]
     runs: dict[tuple[str, int], list[LoadRun]] = {}
     for round_index in range(args.repeats):
         for concurrency in args.max_concurrency:
             for name, endpoint in servers:
-                run_ = asyncio.run(run_load(endpoint, warm + measured, args.max_tokens, args.ignore_eos, concurrency,
-                                            args.request_rate, args.seed + round_index, args.timeout,
-                                            warmup=args.warmup))
+                run_ = asyncio.run(
+                    run_load(
+                        endpoint,
+                        warm + measured,
+                        args.max_tokens,
+                        args.ignore_eos,
+                        concurrency,
+                        args.request_rate,
+                        args.seed + round_index,
+                        args.timeout,
+                        warmup=args.warmup,
+                    )
+                )
                 runs.setdefault((name, concurrency), []).append(run_)
     levels = [level_row(name, dict(servers)[name], c, args.request_rate, rs) for (name, c), rs in runs.items()]
-    report = Report("serve", machine_info(), config_of(args, skip=("func", "json", "plot", "log_level", "command",
-                                                                   "bench_command", "api_key")))
+    report = Report(
+        "serve",
+        machine_info(),
+        config_of(args, skip=("func", "json", "plot", "log_level", "command", "bench_command", "api_key")),
+    )
     report.results = {
-        "workload": {"num_prompts": args.num_prompts, "prompt_words": str(args.prompt_words),
-                     "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
-                     "request_rate": None if args.request_rate == float("inf") else args.request_rate,
-                     "seed": args.seed},
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompt_words": str(args.prompt_words),
+            "max_tokens": args.max_tokens,
+            "ignore_eos": args.ignore_eos,
+            "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+            "seed": args.seed,
+        },
         "levels": levels,
     }
     report.ratios = ratios(levels)
@@ -111,11 +144,22 @@ def level_row(server: str, endpoint: Endpoint, concurrency: int, rate: float, ru
         return s.to_json() if s else None
 
     return {
-        "server": server, "url": endpoint.base_url, "model": runs[0].model, "max_concurrency": concurrency,
+        "server": server,
+        "url": endpoint.base_url,
+        "model": runs[0].model,
+        "max_concurrency": concurrency,
         "request_rate": None if rate == float("inf") else rate,
-        "rounds": [{"duration_s": r.duration_s, "output_tokens_per_s": r.output_tokens / r.duration_s,
-                    "completed": len(r.completed), "failed": len(r.results) - len(r.completed)} for r in runs],
-        "completed": len(done), "failed": len(failures),
+        "rounds": [
+            {
+                "duration_s": r.duration_s,
+                "output_tokens_per_s": r.output_tokens / r.duration_s,
+                "completed": len(r.completed),
+                "failed": len(r.results) - len(r.completed),
+            }
+            for r in runs
+        ],
+        "completed": len(done),
+        "failed": len(failures),
         "errors": list(dict.fromkeys(str(r.error) for r in failures))[:5],
         "output_tokens_per_s": median([r.output_tokens / r.duration_s for r in runs]),
         "requests_per_s": median([len(r.completed) / r.duration_s for r in runs]),
@@ -131,7 +175,8 @@ def ratios(levels: list[dict]) -> dict[str, float | None]:
     by = {(r["server"], r["max_concurrency"]): r for r in levels}
     return {
         f"output_tokens_per_s@c{c}:target/peer": ratio(r["output_tokens_per_s"], by[("peer", c)]["output_tokens_per_s"])
-        for (server, c), r in by.items() if server == "target" and ("peer", c) in by
+        for (server, c), r in by.items()
+        if server == "target" and ("peer", c) in by
     }
 
 
@@ -141,13 +186,35 @@ def table(levels: list[dict], args: argparse.Namespace) -> Table:
     def p(dist: dict | None, key: str) -> float | None:
         return dist[key] if dist else None
 
-    t = Table(f"Streaming load: {args.num_prompts} prompts of {args.prompt_words} words, {args.max_tokens} new tokens"
-              f"{' (ignore_eos)' if args.ignore_eos else ''}, medians of {args.repeats} round(s)",
-              ["server", "conc", "ok", "failed", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99",
-               "ITL p50", "ITL p90", "ITL p99", "E2E p50", "E2E p90", "E2E p99"])
+    t = Table(
+        f"Streaming load: {args.num_prompts} prompts of {args.prompt_words} words, {args.max_tokens} new tokens"
+        f"{' (ignore_eos)' if args.ignore_eos else ''}, medians of {args.repeats} round(s)",
+        [
+            "server",
+            "conc",
+            "ok",
+            "failed",
+            "out tok/s",
+            "TTFT p50",
+            "TTFT p90",
+            "TTFT p99",
+            "ITL p50",
+            "ITL p90",
+            "ITL p99",
+            "E2E p50",
+            "E2E p90",
+            "E2E p99",
+        ],
+    )
     for r in sorted(levels, key=lambda r: (r["max_concurrency"], r["server"] != "target")):
-        t.add(r["server"], r["max_concurrency"], r["completed"], r["failed"], r["output_tokens_per_s"],
-              *(p(r[k], q) for k in ("ttft_ms", "itl_ms", "e2e_ms") for q in ("p50", "p90", "p99")))
+        t.add(
+            r["server"],
+            r["max_concurrency"],
+            r["completed"],
+            r["failed"],
+            r["output_tokens_per_s"],
+            *(p(r[k], q) for k in ("ttft_ms", "itl_ms", "e2e_ms") for q in ("p50", "p90", "p99")),
+        )
     return t
 
 
@@ -162,9 +229,22 @@ def plot(path: str, levels: list[dict]) -> None:
             out.append(Series(label, [r["max_concurrency"] for r in rows], [pick(r[key]) for r in rows]))
         return out
 
-    line_plot(path, [
-        Panel("Output throughput", "max concurrency", "output tokens/s", series("output_tokens_per_s", lambda v: v),
-              log_x=True),
-        Panel("Time to first token (p50)", "max concurrency", "ms",
-              series("ttft_ms", lambda d: d["p50"] if d else None), log_x=True),
-    ])
+    line_plot(
+        path,
+        [
+            Panel(
+                "Output throughput",
+                "max concurrency",
+                "output tokens/s",
+                series("output_tokens_per_s", lambda v: v),
+                log_x=True,
+            ),
+            Panel(
+                "Time to first token (p50)",
+                "max concurrency",
+                "ms",
+                series("ttft_ms", lambda d: d["p50"] if d else None),
+                log_x=True,
+            ),
+        ],
+    )

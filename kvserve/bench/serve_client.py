@@ -69,14 +69,21 @@ async def discover_model(client: httpx.AsyncClient, endpoint: Endpoint) -> str |
         return None
 
 
-async def stream_completion(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str | list[int],
-                            max_tokens: int, ignore_eos: bool) -> RequestResult:
+async def stream_completion(
+    client: httpx.AsyncClient, endpoint: Endpoint, prompt: str | list[int], max_tokens: int, ignore_eos: bool
+) -> RequestResult:
     """POST a streaming completion (a text prompt, or token ids so that prompts share exact token prefixes);
     a chunk with text marks token arrival (TTFT, then inter-token gaps). The token count is the server's usage
     report when it sends one, else the number of text chunks; the report's prompt and cached token counts
     are kept as they come."""
-    body: dict = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
-                  "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    body: dict = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint.model is not None:
         body["model"] = endpoint.model
     start = time.perf_counter()
@@ -123,9 +130,18 @@ async def stream_completion(client: httpx.AsyncClient, endpoint: Endpoint, promp
     )
 
 
-async def run_load(endpoint: Endpoint, prompts: Sequence[str | list[int]], max_tokens: int, ignore_eos: bool,
-                   max_concurrency: int | None, request_rate: float, seed: int, timeout_s: float,
-                   warmup: int = 0, on_result: Callable[[RequestResult], None] | None = None) -> LoadRun:
+async def run_load(
+    endpoint: Endpoint,
+    prompts: Sequence[str | list[int]],
+    max_tokens: int,
+    ignore_eos: bool,
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    timeout_s: float,
+    warmup: int = 0,
+    on_result: Callable[[RequestResult], None] | None = None,
+) -> LoadRun:
     """Send every prompt, arrivals Poisson at `request_rate` (inf: all at once), at most `max_concurrency`
     in flight; the first `warmup` prompts go first, one by one and unmeasured, so that connection set-up
     and the server's first-request costs stay outside the figures. `on_result` sees each measured request

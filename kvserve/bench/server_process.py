@@ -41,8 +41,9 @@ class ServerProcess:
     startup_s: float
 
     @classmethod
-    def start(cls, serve_args: Sequence[str], log_path: Path, timeout_s: float,
-              env: dict[str, str] | None = None) -> ServerProcess:
+    def start(
+        cls, serve_args: Sequence[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None
+    ) -> ServerProcess:
         """`kvserve serve <serve_args> --host 127.0.0.1 --port <free>`, healthy within `timeout_s` (model load and,
         with replicas, Ray's) or a ValueError carrying the end of its log."""
         port = free_port()
@@ -63,8 +64,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ValueError(f"the server exited with status {self.proc.returncode} while starting:\n"
-                                 f"{self.log_tail()}")
+                raise ValueError(
+                    f"the server exited with status {self.proc.returncode} while starting:\n{self.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
                     return
@@ -76,8 +78,11 @@ class ServerProcess:
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(self.base_url + "/metrics", timeout=30.0).text
-        return {(s.name, tuple(sorted(s.labels.items()))): float(s.value)
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -98,6 +103,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

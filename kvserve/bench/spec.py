@@ -34,40 +34,62 @@ WORKLOADS = ("code-edit", "summarize", "qa", "quote", "story")
 MIN_PROMPTS_PER_RUN = 4  # so that batch 1 measures several sources, not one lucky (or unlucky) prompt
 
 # The edits a user asks for; each leaves most of the function as it was, so a correct reply repeats it.
-_EDITS = ("Remove the docstring from this Python function and return the whole function, otherwise unchanged.",
-          "Rename this function to `{name}_checked` and return the whole function.",
-          "Add `logger.debug(\"{name} called\")` as the first statement of this Python function and return the "
-          "whole function.",
-          "Add type hints wherever they are missing in this Python function and return the whole function.")
-_SUMMARIES = ("Summarize this passage:\n\n{doc}",
-              "{doc}\n\nSummarize the text above in a few sentences.",
-              "Write a short summary of this documentation for a new contributor:\n\n{doc}")
-_QUESTIONS = ("What does this module do, and why is it built this way?",
-              "Which design choice does the passage explain, and what is the reason given?")
+_EDITS = (
+    "Remove the docstring from this Python function and return the whole function, otherwise unchanged.",
+    "Rename this function to `{name}_checked` and return the whole function.",
+    'Add `logger.debug("{name} called")` as the first statement of this Python function and return the whole function.',
+    "Add type hints wherever they are missing in this Python function and return the whole function.",
+)
+_SUMMARIES = (
+    "Summarize this passage:\n\n{doc}",
+    "{doc}\n\nSummarize the text above in a few sentences.",
+    "Write a short summary of this documentation for a new contributor:\n\n{doc}",
+)
+_QUESTIONS = (
+    "What does this module do, and why is it built this way?",
+    "Which design choice does the passage explain, and what is the reason given?",
+)
 _QUOTE = "Quote the first paragraph of this document word for word:\n\n{doc}"
-_STORIES = ("Once upon a time, in a small village by the sea, there lived an old fisherman who",
-            "The spaceship drifted silently past the rings of the gas giant while the crew",
-            "It was the last day of summer, and the children ran down to the river where",
-            "Nobody in the city remembered when the clock tower had last rung, until one night",
-            "The letter arrived forty years late, its envelope yellow and its stamp from a country that",
-            "On the morning of the storm, the lighthouse keeper noticed that the lamp",
-            "My grandmother kept a locked wooden box under her bed, and the day she gave me the key",
-            "The robot had been built to sort mail, but on its thousandth day at the post office it")
+_STORIES = (
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The spaceship drifted silently past the rings of the gas giant while the crew",
+    "It was the last day of summer, and the children ran down to the river where",
+    "Nobody in the city remembered when the clock tower had last rung, until one night",
+    "The letter arrived forty years late, its envelope yellow and its stamp from a country that",
+    "On the morning of the storm, the lighthouse keeper noticed that the lamp",
+    "My grandmother kept a locked wooden box under her bed, and the day she gave me the key",
+    "The robot had been built to sort mail, but on its thousandth day at the post office it",
+)
 # Modules whose docstrings are prose (what and why), 950-2,550 characters each.
-_DOC_MODULES = ("kvserve.engine.sampler", "kvserve.engine.detokenizer", "kvserve.engine.stop_strings",
-                "kvserve.kv.quant", "kvserve.model.chat_template", "kvserve.spec_decode.verify",
-                "kvserve.kv.vllm_events", "kvserve.engine.inspector")
+_DOC_MODULES = (
+    "kvserve.engine.sampler",
+    "kvserve.engine.detokenizer",
+    "kvserve.engine.stop_strings",
+    "kvserve.kv.quant",
+    "kvserve.model.chat_template",
+    "kvserve.spec_decode.verify",
+    "kvserve.kv.vllm_events",
+    "kvserve.engine.inspector",
+)
 
 Messages = list[dict[str, str]]
 Prompt = Messages | str  # a chat (one user turn) or plain text to continue
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "spec", "speculative decoding off vs on, input-grounded and open-ended, by batch size",
-                    __doc__.splitlines()[0], SCHEMA)
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma-separated, of {', '.join(WORKLOADS)} (story: plain continuation; the others: "
-                        "an instruction and a document, through the model's chat template)")
+    p = new_command(
+        sub,
+        "spec",
+        "speculative decoding off vs on, input-grounded and open-ended, by batch size",
+        __doc__.splitlines()[0],
+        SCHEMA,
+    )
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (story: plain continuation; the others: "
+        "an instruction and a document, through the model's chat template)",
+    )
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     add_repeats_arg(p, default=3)
@@ -81,9 +103,16 @@ def _sources() -> list[Callable[..., Any]]:
     from kvserve.engine import scheduler
     from kvserve.kv import manager, pool
 
-    return [pool.BlockPool.free, manager.KVCacheManager.allocate_slots, scheduler.Scheduler.quarantine,
-            pool.BlockPool.cache_block, pool.BlockPool.allocate, manager.KVCacheManager.get_computed_blocks,
-            manager.KVCacheManager.rollback, pool.BlockPool.check_invariants]
+    return [
+        pool.BlockPool.free,
+        manager.KVCacheManager.allocate_slots,
+        scheduler.Scheduler.quarantine,
+        pool.BlockPool.cache_block,
+        pool.BlockPool.allocate,
+        manager.KVCacheManager.get_computed_blocks,
+        manager.KVCacheManager.rollback,
+        pool.BlockPool.check_invariants,
+    ]
 
 
 def _docs() -> list[str]:
@@ -118,8 +147,13 @@ def workload_prompts(name: str, count: int) -> list[Prompt]:
         if name == "summarize":
             return [_user(_SUMMARIES[j % len(_SUMMARIES)].format(doc=doc)) for doc, j in picks]
         if name == "qa":
-            return [_user(f"Answer the question from the passage.\n\nPassage:\n{doc}\n\nQuestion: "
-                          f"{_QUESTIONS[j % len(_QUESTIONS)]}") for doc, j in picks]
+            return [
+                _user(
+                    f"Answer the question from the passage.\n\nPassage:\n{doc}\n\nQuestion: "
+                    f"{_QUESTIONS[j % len(_QUESTIONS)]}"
+                )
+                for doc, j in picks
+            ]
         return [_user(_QUOTE.format(doc=doc)) for doc, _ in picks]
     if name == "story":
         return [_STORIES[i % len(_STORIES)] for i in range(count)]
@@ -139,7 +173,7 @@ def render_prompt(tokenizer, prompt: Prompt, room: int) -> list[int]:
 
 
 def _groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
-    return [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    return [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
 
 
 def _decode_time(timeline, batch: int, output_len: int) -> tuple[int, float]:
@@ -166,12 +200,15 @@ def run(args: argparse.Namespace) -> int:
     warm_up(on)
     tokenizer = off.engine.tokenizer
     if args.output_len < 2 or args.output_len >= off.engine.max_model_len:
-        raise ValueError(f"--output-len must be in [2, max-model-len {off.engine.max_model_len}), "
-                         f"got {args.output_len}")
+        raise ValueError(
+            f"--output-len must be in [2, max-model-len {off.engine.max_model_len}), got {args.output_len}"
+        )
     room = off.engine.max_model_len - args.output_len
     points = []
-    table = Table(f"Decode tokens/s, speculation off vs on (medians of {args.repeats})",
-                  ["workload", "batch", "off tok/s", "on tok/s", "speedup", "accepted/drafted", "same"])
+    table = Table(
+        f"Decode tokens/s, speculation off vs on (medians of {args.repeats})",
+        ["workload", "batch", "off tok/s", "on tok/s", "speedup", "accepted/drafted", "same"],
+    )
     for workload in (w.strip() for w in args.workloads.split(",")):
         for batch in args.batch_sizes:
             count = batch * math.ceil(MIN_PROMPTS_PER_RUN / batch)
@@ -179,8 +216,9 @@ def run(args: argparse.Namespace) -> int:
             before = on.engine.stats()
 
             def once(system, _round, groups=groups):
-                done = [_decode_time(system.timed_generate(g, args.output_len), len(g), args.output_len)
-                        for g in groups]
+                done = [
+                    _decode_time(system.timed_generate(g, args.output_len), len(g), args.output_len) for g in groups
+                ]
                 seconds = sum(s for _, s in done)
                 return sum(n for n, _ in done) / seconds if seconds > 0 else None
 
@@ -188,22 +226,37 @@ def run(args: argparse.Namespace) -> int:
             after = on.engine.stats()
             # one more (untimed) run each, to compare the tokens
             tokens = {s.name: [t for g in groups for t in _generate_tokens(s, g, args.output_len)] for s in (off, on)}
-            point = {"workload": workload, "batch_size": batch,
-                     "off_runs": runs[off.name], "on_runs": runs[on.name],
-                     "off_decode_tok_s": median([r for r in runs[off.name] if r is not None] or [0.0]),
-                     "on_decode_tok_s": median([r for r in runs[on.name] if r is not None] or [0.0]),
-                     "same_tokens": tokens[off.name] == tokens[on.name],
-                     "drafts": after.spec_decode_num_drafts - before.spec_decode_num_drafts,
-                     "draft_tokens": after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
-                     "accepted_tokens": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens}
+            point = {
+                "workload": workload,
+                "batch_size": batch,
+                "off_runs": runs[off.name],
+                "on_runs": runs[on.name],
+                "off_decode_tok_s": median([r for r in runs[off.name] if r is not None] or [0.0]),
+                "on_decode_tok_s": median([r for r in runs[on.name] if r is not None] or [0.0]),
+                "same_tokens": tokens[off.name] == tokens[on.name],
+                "drafts": after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+                "draft_tokens": after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                "accepted_tokens": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+            }
             point["speedup"] = ratio(point["on_decode_tok_s"], point["off_decode_tok_s"])
             points.append(point)
-            table.add(workload, batch, point["off_decode_tok_s"], point["on_decode_tok_s"], point["speedup"],
-                      f"{point['accepted_tokens']}/{point['draft_tokens']}", point["same_tokens"])
+            table.add(
+                workload,
+                batch,
+                point["off_decode_tok_s"],
+                point["on_decode_tok_s"],
+                point["speedup"],
+                f"{point['accepted_tokens']}/{point['draft_tokens']}",
+                point["same_tokens"],
+            )
     report = Report("spec", machine_info(), config_of(args))
-    report.results = {"points": points, "speculative_config": dataclasses.asdict(config),
-                      "output_len": args.output_len, "min_prompts_per_run": MIN_PROMPTS_PER_RUN,
-                      "chat_template": tokenizer.chat_template is not None}
+    report.results = {
+        "points": points,
+        "speculative_config": dataclasses.asdict(config),
+        "output_len": args.output_len,
+        "min_prompts_per_run": MIN_PROMPTS_PER_RUN,
+        "chat_template": tokenizer.chat_template is not None,
+    }
     report.ratios = {f"speedup@{p['workload']}/{p['batch_size']}": p["speedup"] for p in points}
     report.tables.append(table)
     if tokenizer.chat_template is None:
@@ -231,8 +284,16 @@ def _plot(path: str, points: list[dict], batch_sizes: list[int]) -> None:
     for workload in dict.fromkeys(p["workload"] for p in points):
         mine = [p for p in points if p["workload"] == workload]
         xs = [p["batch_size"] for p in mine]
-        panels.append(Panel(workload, "batch size", "decode tokens/s", [
-            Series("speculation off", xs, [p["off_decode_tok_s"] for p in mine]),
-            Series("speculation on (n-gram)", xs, [p["on_decode_tok_s"] for p in mine]),
-        ], log_x=len(batch_sizes) > 2))
+        panels.append(
+            Panel(
+                workload,
+                "batch size",
+                "decode tokens/s",
+                [
+                    Series("speculation off", xs, [p["off_decode_tok_s"] for p in mine]),
+                    Series("speculation on (n-gram)", xs, [p["on_decode_tok_s"] for p in mine]),
+                ],
+                log_x=len(batch_sizes) > 2,
+            )
+        )
     line_plot(path, panels, title="n-gram speculative decoding, same run")

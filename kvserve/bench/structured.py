@@ -44,9 +44,14 @@ _RECORD: dict[str, Any] = {
         "age": {"type": "integer", "minimum": 0, "maximum": 130},
         "email": {"type": "string", "pattern": "^[a-z0-9.]{1,20}@[a-z]{1,12}\\.(com|org|net)$"},
         "role": {"enum": ["engineer", "manager", "designer", "analyst"]},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
         "skills": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
         "active": {"type": "boolean"},
     },
@@ -57,21 +62,33 @@ _RECORD: dict[str, Any] = {
 def bench_schema(variant: int = 0) -> dict[str, Any]:
     """The benchmark's schema; another `variant` renames the list (a different grammar, for cold compiles)."""
     key = "people" if variant == 0 else f"people_{variant}"
-    return {"type": "object", "properties": {key: {"type": "array", "items": _RECORD, "minItems": 1000}},
-            "required": [key]}
+    return {
+        "type": "object",
+        "properties": {key: {"type": "array", "items": _RECORD, "minItems": 1000}},
+        "required": [key],
+    }
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "structured", "JSON-schema-constrained vs unconstrained decode, mask cost, compile time",
-                    (__doc__ or "").splitlines()[0], SCHEMA)
+    p = new_command(
+        sub,
+        "structured",
+        "JSON-schema-constrained vs unconstrained decode, mask cost, compile time",
+        (__doc__ or "").splitlines()[0],
+        SCHEMA,
+    )
     p.add_argument("--batch-sizes", type=int_list, default=[1, 32], help="decode batch sizes, e.g. 1,32")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each (random) prompt")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     add_repeats_arg(p, 3)
     p.add_argument("--compile-schemas", type=int, default=5, help="distinct schemas compiled cold (then cached)")
     p.add_argument("--ttft-repeats", type=int, default=7, help="single-request TTFT runs per side")
-    p.add_argument("--compact-json", action=argparse.BooleanOptionalAction, default=True,
-                   help="disable_any_whitespace on the schema (what a small model needs not to wander)")
+    p.add_argument(
+        "--compact-json",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="disable_any_whitespace on the schema (what a small model needs not to wander)",
+    )
     add_output_args(p, "decode tokens/s constrained and unconstrained, per batch size")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -89,7 +106,10 @@ class _Run:
 
 
 def _generate(
-    engine: LLMEngine, prompts: list[list[int]], output_len: int, structured: StructuredOutputsParams | None,
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    output_len: int,
+    structured: StructuredOutputsParams | None,
     salt: str,
 ) -> _Run:
     """The batch through the engine, step by step; `salt` keeps every run's prefill a cache miss, so runs compare."""
@@ -122,8 +142,13 @@ def _generate(
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     decoded = engine.num_generation_tokens_total - first_all_tokens
     span = end - (first_all or end)
-    return _Run(decoded / span if span > 0 and decoded else None, 1e3 * span / steps_after if steps_after else None,
-                1e3 * ((first_all or end) - start), tokens, [o.outputs[0].finish_reason for o in outs])
+    return _Run(
+        decoded / span if span > 0 and decoded else None,
+        1e3 * span / steps_after if steps_after else None,
+        1e3 * ((first_all or end) - start),
+        tokens,
+        [o.outputs[0].finish_reason for o in outs],
+    )
 
 
 def _first_token_ms(
@@ -159,8 +184,14 @@ def _mask_cost(engine: LLMEngine, structured: StructuredOutputsParams, walks: li
             if not matcher.accept_token(walk[t]):
                 raise RuntimeError(f"the grammar refused token {walk[t]} that it allowed during the run")
     fill, apply = median(fills), median(applies)
-    return {"batch_size": len(walks), "steps": len(fills), "fill_ms_per_step": fill, "apply_ms_per_step": apply,
-            "mask_ms_per_step": fill + apply, "mask_ms_per_row": (fill + apply) / len(walks)}
+    return {
+        "batch_size": len(walks),
+        "steps": len(fills),
+        "fill_ms_per_step": fill,
+        "apply_ms_per_step": apply,
+        "mask_ms_per_step": fill + apply,
+        "mask_ms_per_row": (fill + apply) / len(walks),
+    }
 
 
 def _cached_path_ms(engine: LLMEngine, structured: StructuredOutputsParams, repeats: int) -> dict[str, Any]:
@@ -201,8 +232,13 @@ def _compile_times(engine: LLMEngine, count: int, compact: bool) -> dict[str, An
             t0 = time.perf_counter()
             engine.grammar.compile(params)
             runs[kind].append(1e3 * (time.perf_counter() - t0))
-    return {"backend_build_s": build_s, "cold_ms": median(runs["cold"]), "cold_ms_runs": runs["cold"],
-            "cached_ms": median(runs["cached"]), "cached_ms_runs": runs["cached"]}
+    return {
+        "backend_build_s": build_s,
+        "cold_ms": median(runs["cold"]),
+        "cold_ms_runs": runs["cold"],
+        "cached_ms": median(runs["cached"]),
+        "cached_ms_runs": runs["cached"],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,12 +268,22 @@ def run(args: argparse.Namespace) -> int:
 
     _generate(engine, prompts(1), 4, structured, "warm-constrained")  # first matcher, first masks: outside timing
     decode, masks = [], []
-    t_decode = Table(f"Decode tokens/s, JSON-schema-constrained vs unconstrained ({args.output_len} tokens each, "
-                     f"median of {args.repeats})",
-                     ["batch", "unconstrained tok/s", "constrained tok/s", "constrained / unconstrained",
-                      "step ms unconstrained", "step ms constrained"])
-    t_mask = Table("Grammar mask per decode step (fill the bitmask + apply it to the logits), median",
-                   ["batch", "fill ms", "apply ms", "mask ms / step", "mask ms / row", "share of a decode step"])
+    t_decode = Table(
+        f"Decode tokens/s, JSON-schema-constrained vs unconstrained ({args.output_len} tokens each, "
+        f"median of {args.repeats})",
+        [
+            "batch",
+            "unconstrained tok/s",
+            "constrained tok/s",
+            "constrained / unconstrained",
+            "step ms unconstrained",
+            "step ms constrained",
+        ],
+    )
+    t_mask = Table(
+        "Grammar mask per decode step (fill the bitmask + apply it to the logits), median",
+        ["batch", "fill ms", "apply ms", "mask ms / step", "mask ms / row", "share of a decode step"],
+    )
     for batch in args.batch_sizes:
         runs: dict[str, list[_Run]] = {"unconstrained": [], "constrained": []}
         for r in range(args.repeats):
@@ -248,58 +294,109 @@ def run(args: argparse.Namespace) -> int:
                 runs[side].append(_generate(engine, batch_prompts, args.output_len, grammar, f"{side}-{batch}-{r}"))
         row = _decode_row(batch, runs, median)
         decode.append(row)
-        t_decode.add(batch, row["unconstrained_tokens_per_s"], row["constrained_tokens_per_s"], row["ratio"],
-                     row["unconstrained_step_ms"], row["constrained_step_ms"])
+        t_decode.add(
+            batch,
+            row["unconstrained_tokens_per_s"],
+            row["constrained_tokens_per_s"],
+            row["ratio"],
+            row["unconstrained_step_ms"],
+            row["constrained_step_ms"],
+        )
         mask = _mask_cost(engine, structured, runs["constrained"][-1].token_ids)
         masks.append(mask)
-        t_mask.add(batch, mask["fill_ms_per_step"], mask["apply_ms_per_step"], mask["mask_ms_per_step"],
-                   mask["mask_ms_per_row"], ratio(mask["mask_ms_per_step"], row["unconstrained_step_ms"]))
+        t_mask.add(
+            batch,
+            mask["fill_ms_per_step"],
+            mask["apply_ms_per_step"],
+            mask["mask_ms_per_step"],
+            mask["mask_ms_per_row"],
+            ratio(mask["mask_ms_per_step"], row["unconstrained_step_ms"]),
+        )
 
     ttft_runs: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
     for r in range(args.ttft_repeats):
         prompt = prompts(1)[0]
-        for side in (("unconstrained", "constrained") if r % 2 == 0 else ("constrained", "unconstrained")):
+        for side in ("unconstrained", "constrained") if r % 2 == 0 else ("constrained", "unconstrained"):
             grammar = structured if side == "constrained" else None
             ttft_runs[side].append(_first_token_ms(engine, prompt, grammar, f"ttft-{side}-{r}"))
     plain_ms, constrained_ms = median(ttft_runs["unconstrained"]), median(ttft_runs["constrained"])
-    ttft: dict[str, Any] = {"unconstrained_ms": plain_ms, "constrained_ms": constrained_ms,
-                            "added_ms": constrained_ms - plain_ms, "unconstrained_ms_runs": ttft_runs["unconstrained"],
-                            "constrained_ms_runs": ttft_runs["constrained"]}
+    ttft: dict[str, Any] = {
+        "unconstrained_ms": plain_ms,
+        "constrained_ms": constrained_ms,
+        "added_ms": constrained_ms - plain_ms,
+        "unconstrained_ms_runs": ttft_runs["unconstrained"],
+        "constrained_ms_runs": ttft_runs["constrained"],
+    }
     ttft.update(_cached_path_ms(engine, structured, max(args.ttft_repeats, 5)))
-    t_compile = Table(f"Grammar compile ({engine.grammar.backend_name} backend) and time to first token",
-                      ["backend build s", "compile cold ms", "compile cached ms", "TTFT ms unconstrained",
-                       "TTFT ms constrained (cached)", "TTFT added ms", "cached grammar path ms"])
-    t_compile.add(compile_result["backend_build_s"], compile_result["cold_ms"], compile_result["cached_ms"],
-                  ttft["unconstrained_ms"], ttft["constrained_ms"], ttft["added_ms"], ttft["cached_path_ms"])
+    t_compile = Table(
+        f"Grammar compile ({engine.grammar.backend_name} backend) and time to first token",
+        [
+            "backend build s",
+            "compile cold ms",
+            "compile cached ms",
+            "TTFT ms unconstrained",
+            "TTFT ms constrained (cached)",
+            "TTFT added ms",
+            "cached grammar path ms",
+        ],
+    )
+    t_compile.add(
+        compile_result["backend_build_s"],
+        compile_result["cold_ms"],
+        compile_result["cached_ms"],
+        ttft["unconstrained_ms"],
+        ttft["constrained_ms"],
+        ttft["added_ms"],
+        ttft["cached_path_ms"],
+    )
 
     report = Report("structured", machine_info(), config_of(args))
     report.results = {
-        "workload": {"schema": bench_schema(), "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "repeats": args.repeats, "backend": engine.grammar.backend_name},
-        "decode": decode, "mask": masks, "compile": compile_result, "ttft": ttft,
+        "workload": {
+            "schema": bench_schema(),
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "repeats": args.repeats,
+            "backend": engine.grammar.backend_name,
+        },
+        "decode": decode,
+        "mask": masks,
+        "compile": compile_result,
+        "ttft": ttft,
     }
     report.ratios = {f"decode_batch_{row['batch_size']}": row["ratio"] for row in decode}
     report.ratios["ttft_constrained_over_unconstrained"] = ratio(ttft["constrained_ms"], ttft["unconstrained_ms"])
-    report.notes.append("targets: constrained decode >= 0.85x unconstrained at batch 1 and >= 0.8x at batch 32; "
-                        "a cached grammar adds < 5 ms to TTFT")
+    report.notes.append(
+        "targets: constrained decode >= 0.85x unconstrained at batch 1 and >= 0.8x at batch 32; "
+        "a cached grammar adds < 5 ms to TTFT"
+    )
     early = sorted({f for row in decode for f in row.pop("finish_reasons") if f != "length"})
     if early:
-        report.notes.append(f"some constrained requests ended before --output-len ({', '.join(early)}): "
-                            "their batches shrank, so their tokens/s are not comparable")
+        report.notes.append(
+            f"some constrained requests ended before --output-len ({', '.join(early)}): "
+            "their batches shrank, so their tokens/s are not comparable"
+        )
     report.tables += [t_decode, t_mask, t_compile]
     if args.plot:
         from kvserve.bench.plot import Series, bar_plot
 
-        bar_plot(args.plot, "Decode tokens/s with and without a JSON-schema grammar", "tokens/s",
-                 [f"batch {row['batch_size']}" for row in decode],
-                 [Series("unconstrained", [], [row["unconstrained_tokens_per_s"] for row in decode]),
-                  Series("constrained", [], [row["constrained_tokens_per_s"] for row in decode])])
+        bar_plot(
+            args.plot,
+            "Decode tokens/s with and without a JSON-schema grammar",
+            "tokens/s",
+            [f"batch {row['batch_size']}" for row in decode],
+            [
+                Series("unconstrained", [], [row["unconstrained_tokens_per_s"] for row in decode]),
+                Series("constrained", [], [row["constrained_tokens_per_s"] for row in decode]),
+            ],
+        )
     emit(report, args.json)
     return 0
 
 
 def _decode_row(batch: int, runs: dict[str, list[_Run]], median: Any) -> dict[str, Any]:
     """One batch size's decode figures: medians over the repeats, and the ratio of the medians."""
+
     def med(values: list[float | None]) -> float | None:
         present = [v for v in values if v is not None]
         return median(present) if present else None

@@ -42,30 +42,153 @@ class QuickCommand:
 # Sized for the default model on 2 CPU cores, by estimate (not yet timed as a whole): under 20 minutes with the
 # HF peer (loaded twice, about 2 minutes each), about 12 without (--no-peers). all.json records the seconds.
 QUICK: tuple[QuickCommand, ...] = (
-    QuickCommand("throughput", ("--num-requests", "8", "--input-len", "32-128", "--output-len", "16-32",
-                                "--hf-max-batch-size", "8", "--kv-cache-memory-bytes", "1GiB")),
-    QuickCommand("latency", ("--prompt-lens", "32,512", "--output-len", "8", "--batch-sizes", "1,8",
-                             "--batch-output-len", "8", "--repeats", "1", "--kv-cache-memory-bytes", "1GiB")),
-    QuickCommand("kv-cache", ("--context-lens", "64,256,1024", "--decode-tokens", "4", "--repeats", "1",
-                              "--kv-cache-memory-bytes", "1GiB")),
-    QuickCommand("kv-dtype", ("--kv-dtypes", "float32,bfloat16,int8,fp8_e4m3", "--ppl-tokens", "500",
-                              "--greedy-prompts", "2", "--greedy-tokens", "16", "--decode-batch", "8",
-                              "--decode-context", "64", "--decode-tokens", "4"), plot=False),
-    QuickCommand("prefix", ("--requests", "6", "--system-tokens", "256", "--turns", "4", "--output-len", "4",
-                            "--kv-cache-memory-bytes", "1GiB")),
+    QuickCommand(
+        "throughput",
+        (
+            "--num-requests",
+            "8",
+            "--input-len",
+            "32-128",
+            "--output-len",
+            "16-32",
+            "--hf-max-batch-size",
+            "8",
+            "--kv-cache-memory-bytes",
+            "1GiB",
+        ),
+    ),
+    QuickCommand(
+        "latency",
+        (
+            "--prompt-lens",
+            "32,512",
+            "--output-len",
+            "8",
+            "--batch-sizes",
+            "1,8",
+            "--batch-output-len",
+            "8",
+            "--repeats",
+            "1",
+            "--kv-cache-memory-bytes",
+            "1GiB",
+        ),
+    ),
+    QuickCommand(
+        "kv-cache",
+        ("--context-lens", "64,256,1024", "--decode-tokens", "4", "--repeats", "1", "--kv-cache-memory-bytes", "1GiB"),
+    ),
+    QuickCommand(
+        "kv-dtype",
+        (
+            "--kv-dtypes",
+            "float32,bfloat16,int8,fp8_e4m3",
+            "--ppl-tokens",
+            "500",
+            "--greedy-prompts",
+            "2",
+            "--greedy-tokens",
+            "16",
+            "--decode-batch",
+            "8",
+            "--decode-context",
+            "64",
+            "--decode-tokens",
+            "4",
+        ),
+        plot=False,
+    ),
+    QuickCommand(
+        "prefix",
+        (
+            "--requests",
+            "6",
+            "--system-tokens",
+            "256",
+            "--turns",
+            "4",
+            "--output-len",
+            "4",
+            "--kv-cache-memory-bytes",
+            "1GiB",
+        ),
+    ),
     QuickCommand("memory", ()),  # its defaults are its quick version (a couple of minutes)
-    QuickCommand("quantization", ("--ppl-tokens", "500", "--greedy-prompts", "2", "--greedy-tokens", "16",
-                                  "--prefill-len", "256", "--decode-batches", "1,8", "--decode-tokens", "8",
-                                  "--repeats", "1", "--kv-cache-memory-bytes", "1GiB"), plot=False),
-    QuickCommand("structured", ("--batch-sizes", "1,8", "--prompt-len", "32", "--output-len", "16", "--repeats", "1",
-                                "--compile-schemas", "3", "--ttft-repeats", "3", "--kv-cache-memory-bytes", "1GiB")),
-    QuickCommand("spec", ("--workloads", "code-edit,story", "--batch-sizes", "1,8", "--output-len", "16", "--repeats",
-                          "1", "--kv-cache-memory-bytes", "1GiB")),
+    QuickCommand(
+        "quantization",
+        (
+            "--ppl-tokens",
+            "500",
+            "--greedy-prompts",
+            "2",
+            "--greedy-tokens",
+            "16",
+            "--prefill-len",
+            "256",
+            "--decode-batches",
+            "1,8",
+            "--decode-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--kv-cache-memory-bytes",
+            "1GiB",
+        ),
+        plot=False,
+    ),
+    QuickCommand(
+        "structured",
+        (
+            "--batch-sizes",
+            "1,8",
+            "--prompt-len",
+            "32",
+            "--output-len",
+            "16",
+            "--repeats",
+            "1",
+            "--compile-schemas",
+            "3",
+            "--ttft-repeats",
+            "3",
+            "--kv-cache-memory-bytes",
+            "1GiB",
+        ),
+    ),
+    QuickCommand(
+        "spec",
+        (
+            "--workloads",
+            "code-edit,story",
+            "--batch-sizes",
+            "1,8",
+            "--output-len",
+            "16",
+            "--repeats",
+            "1",
+            "--kv-cache-memory-bytes",
+            "1GiB",
+        ),
+    ),
     QuickCommand("serve", ("--num-prompts", "8", "--max-tokens", "16", "--max-concurrency", "1,8"), engine_flags=()),
     # Starts Ray and four `kvserve serve` processes (about 3 minutes); its full version is documented in
     # BENCHMARKS.md. The replicas run on the model and threads given, not on a device or dtype of bench all's.
-    QuickCommand("router", ("--num-tenants", "4", "--prefix-tokens", "256", "--num-requests", "24",
-                            "--request-rate", "1.5", "--max-tokens", "8"), engine_flags=("--model", "--cpu-threads")),
+    QuickCommand(
+        "router",
+        (
+            "--num-tenants",
+            "4",
+            "--prefix-tokens",
+            "256",
+            "--num-requests",
+            "24",
+            "--request-rate",
+            "1.5",
+            "--max-tokens",
+            "8",
+        ),
+        engine_flags=("--model", "--cpu-threads"),
+    ),
 )
 NAMES = tuple(q.name for q in QUICK)
 MANIFEST = "all.json"
@@ -83,23 +206,46 @@ files keep their own schemas). Merged with the previous manifest, so --only keep
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("all", help="quick versions of every bench command, then regenerate docs/BENCHMARKS.md's tables",
-                       description=DESCRIPTION, epilog=SCHEMA, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "all",
+        help="quick versions of every bench command, then regenerate docs/BENCHMARKS.md's tables",
+        description=DESCRIPTION,
+        epilog=SCHEMA,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"), help="where each command's JSON and PNG go")
-    p.add_argument("--docs", type=Path, default=Path("docs/BENCHMARKS.md"),
-                   help="the page whose marked tables are regenerated")
-    p.add_argument("--only", type=names_list, default=list(NAMES), metavar="NAME,...",
-                   help=f"run only these commands (of {','.join(NAMES)})")
+    p.add_argument(
+        "--docs", type=Path, default=Path("docs/BENCHMARKS.md"), help="the page whose marked tables are regenerated"
+    )
+    p.add_argument(
+        "--only",
+        type=names_list,
+        default=list(NAMES),
+        metavar="NAME,...",
+        help=f"run only these commands (of {','.join(NAMES)})",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands and the docs sections, run nothing")
-    p.add_argument("--docs-only", action="store_true",
-                   help="run nothing; regenerate the docs from the JSON files already in --out-dir")
+    p.add_argument(
+        "--docs-only",
+        action="store_true",
+        help="run nothing; regenerate the docs from the JSON files already in --out-dir",
+    )
     p.add_argument("--no-docs", action="store_true", help="leave the docs alone")
-    p.add_argument("--args", action="append", default=[], metavar="NAME=FLAGS",
-                   help="extra flags for one command, after its quick ones so they win, e.g. "
-                        "--args 'memory=--num-requests 64'; NAME `engine`: every engine-backed command, e.g. "
-                        "--args 'engine=--kv-cache-dtype int8' (repeatable)")
-    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure HF transformers in throughput and latency (about 2 minutes of loading each)")
+    p.add_argument(
+        "--args",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="extra flags for one command, after its quick ones so they win, e.g. "
+        "--args 'memory=--num-requests 64'; NAME `engine`: every engine-backed command, e.g. "
+        "--args 'engine=--kv-cache-dtype int8' (repeatable)",
+    )
+    p.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure HF transformers in throughput and latency (about 2 minutes of loading each)",
+    )
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, for latency")
     p.add_argument("--url", default=None, help="a running server for `bench serve` (skipped without one)")
     p.add_argument("--peer-url", default=None, help="a second server for `bench serve`")
@@ -115,8 +261,9 @@ def names_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = sorted(set(names) - set(NAMES))
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown bench command(s) {', '.join(unknown) or text!r}; "
-                                         f"choose from {', '.join(NAMES)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown bench command(s) {', '.join(unknown) or text!r}; choose from {', '.join(NAMES)}"
+        )
     return names
 
 
@@ -146,8 +293,15 @@ class Outcome:
     elapsed_s: float = 0.0
 
     def to_json(self) -> dict:
-        return {"command": self.command, "json": self.json, "plot": self.plot, "ok": self.ok,
-                "skipped": self.skipped, "error": self.error, "elapsed_s": self.elapsed_s}
+        return {
+            "command": self.command,
+            "json": self.json,
+            "plot": self.plot,
+            "ok": self.ok,
+            "skipped": self.skipped,
+            "error": self.error,
+            "elapsed_s": self.elapsed_s,
+        }
 
 
 def extra_flags(specs: list[str]) -> dict[str, list[str]]:
@@ -174,8 +328,15 @@ def plan(args: argparse.Namespace) -> list[Step]:
         engine = [f for flag in quick.engine_flags if chosen[flag] is not None for f in (flag, str(chosen[flag]))]
         if quick.engine_flags == ENGINE_FLAGS:  # --args engine=... goes to the in-process engine commands only
             engine += extra.get("engine", [])
-        argv = [quick.name, *quick.args, *peer_flags(quick.name, args), *engine,
-                *extra.get(quick.name, []), "--json", str(json_path)]
+        argv = [
+            quick.name,
+            *quick.args,
+            *peer_flags(quick.name, args),
+            *engine,
+            *extra.get(quick.name, []),
+            "--json",
+            str(json_path),
+        ]
         if plot_path is not None:
             argv += ["--plot", str(plot_path)]
         skipped = None
@@ -208,8 +369,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def execute(step: Step) -> Outcome:
     """Run one command in this process; a failure is recorded, never raised, so that the rest still run."""
-    outcome = Outcome(step.command, str(step.json_path), str(step.plot_path) if step.plot_path else None,
-                      skipped=step.skipped)
+    outcome = Outcome(
+        step.command, str(step.json_path), str(step.plot_path) if step.plot_path else None, skipped=step.skipped
+    )
     if step.skipped:
         print(f"bench all: {step.quick.name} skipped: {step.skipped}", file=sys.stderr)
         return outcome
@@ -226,8 +388,10 @@ def execute(step: Step) -> Outcome:
     finally:
         gc.collect()  # the engines (and an HF peer) of this command go before the next loads its own
     outcome.elapsed_s = time.perf_counter() - start
-    print(f"bench all: {step.quick.name} {'done' if outcome.ok else 'FAILED'} in {outcome.elapsed_s:.0f} s",
-          file=sys.stderr)
+    print(
+        f"bench all: {step.quick.name} {'done' if outcome.ok else 'FAILED'} in {outcome.elapsed_s:.0f} s",
+        file=sys.stderr,
+    )
     return outcome
 
 
@@ -264,8 +428,10 @@ def dry_run(steps: list[Step], args: argparse.Namespace) -> None:
     if not args.no_docs:
         names = [s.quick.name for s in steps if not s.skipped]
         unmarked = [n for n in names if n not in marked]
-        print(f"# would rewrite in {args.docs}: {', '.join(n for n in names if n in marked) or 'nothing'}"
-              + (f"; no markers for {', '.join(unmarked)}" if unmarked else ""))
+        print(
+            f"# would rewrite in {args.docs}: {', '.join(n for n in names if n in marked) or 'nothing'}"
+            + (f"; no markers for {', '.join(unmarked)}" if unmarked else "")
+        )
 
 
 def read_manifest(out_dir: Path) -> dict:
@@ -291,9 +457,15 @@ def regenerate_docs(docs: Path, steps: list[Step], manifest: dict) -> list[str]:
     text, missing = update_sections(docs.read_text(encoding="utf-8"), sections)
     docs.write_text(text, encoding="utf-8")
     done = [n for n in sections if n not in missing]
-    print(f"bench all: rewrote {', '.join(done) or 'no'} section(s) of {docs}"
-          + (f"; no markers for {', '.join(missing)} (add <!-- bench:NAME:start/end --> to place them)"
-             if missing else ""), file=sys.stderr)
+    print(
+        f"bench all: rewrote {', '.join(done) or 'no'} section(s) of {docs}"
+        + (
+            f"; no markers for {', '.join(missing)} (add <!-- bench:NAME:start/end --> to place them)"
+            if missing
+            else ""
+        ),
+        file=sys.stderr,
+    )
     return done
 
 

@@ -49,8 +49,12 @@ class ThroughputRun:
     generated_tokens: int  # tokens computed, padding waste included (more than output_tokens for static batches)
 
     def to_json(self) -> dict:
-        return {"elapsed_s": self.elapsed_s, "prompt_tokens": self.prompt_tokens,
-                "output_tokens": self.output_tokens, "generated_tokens": self.generated_tokens}
+        return {
+            "elapsed_s": self.elapsed_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "generated_tokens": self.generated_tokens,
+        }
 
 
 class System(Protocol):

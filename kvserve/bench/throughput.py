@@ -29,18 +29,42 @@ Output tokens count what the requests asked for; hf's padding waste is in genera
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = new_command(sub, "throughput", "offline throughput: N random requests at once, vs HF transformers",
-                    __doc__.splitlines()[0], SCHEMA)
+    p = new_command(
+        sub,
+        "throughput",
+        "offline throughput: N random requests at once, vs HF transformers",
+        __doc__.splitlines()[0],
+        SCHEMA,
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=64)
-    w.add_argument("--input-len", type=TokenRange.parse, default=TokenRange(32, 512), metavar="LOW-HIGH",
-                   help="prompt lengths in tokens, drawn uniformly (default 32-512)")
-    w.add_argument("--output-len", type=TokenRange.parse, default=TokenRange(32, 256), metavar="LOW-HIGH",
-                   help="output lengths in tokens, drawn uniformly, EOS ignored (default 32-256)")
-    w.add_argument("--peer", action="append", choices=["hf"], default=[],
-                   help="run the same requests through HF transformers generate in the same run")
-    w.add_argument("--hf-batch-size", type=int, default=None,
-                   help="HF's static batch size (default: probe powers of two and take the fastest)")
+    w.add_argument(
+        "--input-len",
+        type=TokenRange.parse,
+        default=TokenRange(32, 512),
+        metavar="LOW-HIGH",
+        help="prompt lengths in tokens, drawn uniformly (default 32-512)",
+    )
+    w.add_argument(
+        "--output-len",
+        type=TokenRange.parse,
+        default=TokenRange(32, 256),
+        metavar="LOW-HIGH",
+        help="output lengths in tokens, drawn uniformly, EOS ignored (default 32-256)",
+    )
+    w.add_argument(
+        "--peer",
+        action="append",
+        choices=["hf"],
+        default=[],
+        help="run the same requests through HF transformers generate in the same run",
+    )
+    w.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="HF's static batch size (default: probe powers of two and take the fastest)",
+    )
     w.add_argument("--hf-max-batch-size", type=int, default=64, help="largest batch size the probe tries")
     add_repeats_arg(p, default=1)
     add_output_args(p, "bar chart of output and total tokens/s per system")
@@ -62,8 +86,14 @@ def run(args: argparse.Namespace) -> int:
 
     def workload(round_index: int) -> list[TokenRequest]:
         # A fresh draw each round: repeating prompts would turn later rounds into prefix-cache hits.
-        return random_token_requests(args.num_requests, args.input_len, args.output_len,
-                                     engine.model_config.vocab_size, args.seed + round_index, exclude)
+        return random_token_requests(
+            args.num_requests,
+            args.input_len,
+            args.output_len,
+            engine.model_config.vocab_size,
+            args.seed + round_index,
+            exclude,
+        )
 
     systems: list[System] = [kvserve]
     probes = []
@@ -80,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
 
     report = Report("throughput", machine_info(), config_of(args))
     rows: list[dict[str, Any]] = []
-    table = Table(f"Offline throughput: {args.num_requests} requests, input {args.input_len}, output "
-                  f"{args.output_len} tokens (medians of {args.repeats} run(s))",
-                  ["system", "batch", "elapsed s", "output tok/s", "total tok/s", "req/s"])
+    table = Table(
+        f"Offline throughput: {args.num_requests} requests, input {args.input_len}, output "
+        f"{args.output_len} tokens (medians of {args.repeats} run(s))",
+        ["system", "batch", "elapsed s", "output tok/s", "total tok/s", "req/s"],
+    )
     for system in systems:
         rs = runs[system.name]
         row = {
@@ -95,14 +127,25 @@ def run(args: argparse.Namespace) -> int:
             "batch_size": getattr(system, "batch_size", None) if system.name != "kvserve" else None,
         }
         rows.append(row)
-        table.add(system.name, row["batch_size"] or "continuous", row["elapsed_s"], row["output_tokens_per_s"],
-                  row["total_tokens_per_s"], row["requests_per_s"])
+        table.add(
+            system.name,
+            row["batch_size"] or "continuous",
+            row["elapsed_s"],
+            row["output_tokens_per_s"],
+            row["total_tokens_per_s"],
+            row["requests_per_s"],
+        )
     report.results = {
-        "workload": {"num_requests": args.num_requests, "input_len": str(args.input_len),
-                     "output_len": str(args.output_len), "seed": args.seed},
+        "workload": {
+            "num_requests": args.num_requests,
+            "input_len": str(args.input_len),
+            "output_len": str(args.output_len),
+            "seed": args.seed,
+        },
         "systems": rows,
-        "hf_batch_probes": [{"batch_size": p.batch_size, "projected_tokens_per_s": p.projected_tokens_per_s}
-                            for p in probes],
+        "hf_batch_probes": [
+            {"batch_size": p.batch_size, "projected_tokens_per_s": p.projected_tokens_per_s} for p in probes
+        ],
     }
     report.tables.append(table)
     by_name = {r["system"]: r for r in rows}
@@ -110,16 +153,24 @@ def run(args: argparse.Namespace) -> int:
         for key in ("output_tokens_per_s", "total_tokens_per_s"):
             report.ratios[f"{key}:kvserve/{peer_row['system']}"] = ratio(by_name["kvserve"][key], peer_row[key])
     if probes:
-        report.notes.append("HF batch size chosen by probing: " + ", ".join(
-            f"{p.batch_size}: {p.projected_tokens_per_s:.1f} tok/s" for p in probes))
+        report.notes.append(
+            "HF batch size chosen by probing: "
+            + ", ".join(f"{p.batch_size}: {p.projected_tokens_per_s:.1f} tok/s" for p in probes)
+        )
     if args.plot:
         from kvserve.bench.plot import Series, bar_plot
 
         names = [r["system"] for r in rows]
         title = f"Offline throughput, {args.num_requests} requests (in {args.input_len}, out {args.output_len})"
-        bar_plot(args.plot, title, "tokens/s", names, [
-            Series("output tokens/s", range(len(rows)), [r["output_tokens_per_s"] for r in rows]),
-            Series("total tokens/s", range(len(rows)), [r["total_tokens_per_s"] for r in rows]),
-        ])
+        bar_plot(
+            args.plot,
+            title,
+            "tokens/s",
+            names,
+            [
+                Series("output tokens/s", range(len(rows)), [r["output_tokens_per_s"] for r in rows]),
+                Series("total tokens/s", range(len(rows)), [r["total_tokens_per_s"] for r in rows]),
+            ],
+        )
     emit(report, args.json)
     return 0

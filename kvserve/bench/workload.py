@@ -84,11 +84,13 @@ class LengthDistribution:
 
     def __post_init__(self) -> None:
         if self.max_len < 2 or not 0 < self.mean <= self.max_len or self.sigma < 0:
-            raise ValueError(f"invalid length distribution: mean {self.mean}, max {self.max_len}, sigma {self.sigma}"
-                             " (need 0 < mean <= max, max >= 2, sigma >= 0)")
+            raise ValueError(
+                f"invalid length distribution: mean {self.mean}, max {self.max_len}, sigma {self.sigma}"
+                " (need 0 < mean <= max, max >= 2, sigma >= 0)"
+            )
 
     def sample(self, rng: random.Random, n: int) -> list[int]:
-        mu = math.log(self.mean) - self.sigma ** 2 / 2  # so that the unclipped mean is `mean`
+        mu = math.log(self.mean) - self.sigma**2 / 2  # so that the unclipped mean is `mean`
         return [min(self.max_len, max(2, round(rng.lognormvariate(mu, self.sigma)))) for _ in range(n)]
 
 
@@ -144,9 +146,16 @@ def word_token_ids(rng: random.Random, num_tokens: int, encode: Callable[[str], 
     return ids[:num_tokens]
 
 
-def tenant_requests(num_tenants: int, prefix_tokens: int, num_requests: int, question_tokens: TokenRange,
-                    encode: Callable[[str], list[int]], bos: Sequence[int], seed: int,
-                    requests_per_tenant: int = 0) -> list[TenantRequest]:
+def tenant_requests(
+    num_tenants: int,
+    prefix_tokens: int,
+    num_requests: int,
+    question_tokens: TokenRange,
+    encode: Callable[[str], list[int]],
+    bos: Sequence[int],
+    seed: int,
+    requests_per_tenant: int = 0,
+) -> list[TenantRequest]:
     """Shared-prefix traffic: `num_tenants` system prompts of `prefix_tokens` tokens (`bos` included), and
     requests that each pick a tenant at random and append a distinct short question. With
     `requests_per_tenant` > 0, that many requests per tenant (tenants in turn) come first: a warm-up that
@@ -155,6 +164,9 @@ def tenant_requests(num_tenants: int, prefix_tokens: int, num_requests: int, que
     prefixes = [[*bos, *word_token_ids(rng, prefix_tokens - len(bos), encode)] for _ in range(num_tenants)]
     tenants = [t for _ in range(requests_per_tenant) for t in range(num_tenants)]
     tenants += [rng.randrange(num_tenants) for _ in range(num_requests)]
-    return [TenantRequest(t, prefixes[t] + word_token_ids(rng, rng.randint(question_tokens.low,
-                                                                               question_tokens.high), encode))
-            for t in tenants]
+    return [
+        TenantRequest(
+            t, prefixes[t] + word_token_ids(rng, rng.randint(question_tokens.low, question_tokens.high), encode)
+        )
+        for t in tenants
+    ]

@@ -84,8 +84,15 @@ class _Flight:
 class ClusterEngine:
     """Replicas of one model on Ray, served as one engine. Build with `launch`."""
 
-    def __init__(self, replicas: list[ReplicaState], facts: EngineFacts, tokenizer: Tokenizer, router: Router,
-                 max_queued_requests: int, owns_ray: bool) -> None:
+    def __init__(
+        self,
+        replicas: list[ReplicaState],
+        facts: EngineFacts,
+        tokenizer: Tokenizer,
+        router: Router,
+        max_queued_requests: int,
+        owns_ray: bool,
+    ) -> None:
         self.replicas = {r.name: r for r in replicas}
         self.facts = facts
         self.tokenizer = tokenizer
@@ -101,8 +108,14 @@ class ClusterEngine:
     # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def launch(cls, config: EngineConfig, num_replicas: int, router_policy: str = "prefix_aware",
-               ray_address: str | None = None, max_queued_requests: int = 1000) -> ClusterEngine:
+    def launch(
+        cls,
+        config: EngineConfig,
+        num_replicas: int,
+        router_policy: str = "prefix_aware",
+        ray_address: str | None = None,
+        max_queued_requests: int = 1000,
+    ) -> ClusterEngine:
         """Start `num_replicas` engines on Ray (a local instance, or the cluster at `ray_address` /
         $RAY_ADDRESS), wait until each has loaded the model, and load the tokenizer here for the server."""
         import ray
@@ -122,12 +135,15 @@ class ClusterEngine:
         gpus = 1 if config.device.startswith("cuda") else 0
         resources = ray.cluster_resources()
         cpus, cluster_gpus = resources.get("CPU", 0), resources.get("GPU", 0)
-        shortfall = (f"{num_replicas} replicas of {threads} CPU thread(s) need {num_replicas * threads} CPUs; the Ray "
-                     f"cluster has {cpus:g}: lower --data-parallel-size or --cpu-threads, or add machines"
-                     if cpus < num_replicas * threads else
-                     f"{num_replicas} replicas on --device {config.device} need {num_replicas} GPUs (one each); the "
-                     f"Ray cluster has {cluster_gpus:g}: lower --data-parallel-size, or add machines"
-                     if cluster_gpus < num_replicas * gpus else None)
+        shortfall = (
+            f"{num_replicas} replicas of {threads} CPU thread(s) need {num_replicas * threads} CPUs; the Ray "
+            f"cluster has {cpus:g}: lower --data-parallel-size or --cpu-threads, or add machines"
+            if cpus < num_replicas * threads
+            else f"{num_replicas} replicas on --device {config.device} need {num_replicas} GPUs (one each); the "
+            f"Ray cluster has {cluster_gpus:g}: lower --data-parallel-size, or add machines"
+            if cluster_gpus < num_replicas * gpus
+            else None
+        )
         if shortfall is not None:
             if owns_ray:
                 ray.shutdown()
@@ -137,13 +153,21 @@ class ClusterEngine:
         # different machines where the cluster has several (Ray's default packs the head node first), so that
         # they do not share one machine's memory bandwidth while others idle.
         actor: Any = ray.remote(EngineReplica).options(
-            num_cpus=threads, num_gpus=gpus, max_restarts=-1, max_task_retries=0, max_concurrency=10_000,
+            num_cpus=threads,
+            num_gpus=gpus,
+            max_restarts=-1,
+            max_task_retries=0,
+            max_concurrency=10_000,
             scheduling_strategy="SPREAD",
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE":
-                                      os.environ.get("HF_HUB_OFFLINE", "0")}})
+            runtime_env={
+                "env_vars": {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+            },
+        )
         replica_config = dataclasses.replace(config, cpu_threads=threads, device="cuda" if gpus else config.device)
-        handles: list[Any] = [actor.remote(dataclasses.replace(replica_config, data_parallel_rank=rank),
-                                           max_queued_requests) for rank in range(num_replicas)]
+        handles: list[Any] = [
+            actor.remote(dataclasses.replace(replica_config, data_parallel_rank=rank), max_queued_requests)
+            for rank in range(num_replicas)
+        ]
         try:
             facts_list = ray.get([h.facts.remote() for h in handles], timeout=START_TIMEOUT_S)
             reports = ray.get([h.report.remote() for h in handles], timeout=START_TIMEOUT_S)
@@ -155,8 +179,9 @@ class ClusterEngine:
             raise
         facts, logits_width = facts_list[0]
         tokenizer = load_tokenizer(resolve_model(config.model), chat_template=config.chat_template)
-        grammar = GrammarCompiler(tokenizer, logits_width, facts.eos_token_ids,
-                                  backend=config.structured_outputs_backend)
+        grammar = GrammarCompiler(
+            tokenizer, logits_width, facts.eos_token_ids, backend=config.structured_outputs_backend
+        )
         # Replicas on different machines may fit different pools: the server promises what all of them hold.
         facts = dataclasses.replace(facts, grammar=grammar, num_blocks=min(f.num_blocks for f, _ in facts_list))
         replicas = [ReplicaState(f"replica-{i}", h, r.stats) for i, (h, r) in enumerate(zip(handles, reports))]
@@ -189,8 +214,9 @@ class ClusterEngine:
             self._poller.cancel()
         handles = [r.handle for r in self.replicas.values()]
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*(h.shutdown.remote() for h in handles),
-                                                  return_exceptions=True), timeout)
+            await asyncio.wait_for(
+                asyncio.gather(*(h.shutdown.remote() for h in handles), return_exceptions=True), timeout
+            )
         for handle in handles:
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
@@ -213,8 +239,9 @@ class ClusterEngine:
 
     def stats(self) -> EngineStats:
         """The replicas' stats added up (KV usage and hit rate as the whole fleet's)."""
-        return sum_stats([r.stats for r in self.replicas.values() if r.up] or
-                         [next(iter(self.replicas.values())).stats])
+        return sum_stats(
+            [r.stats for r in self.replicas.values() if r.up] or [next(iter(self.replicas.values())).stats]
+        )
 
     def kv_views(self, include_tokens: bool) -> dict[str, InspectedEngine]:
         """The KV inspector's stand-in for each replica, by name (cluster/kv_view.py): the page shows one."""
@@ -228,20 +255,25 @@ class ClusterEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_requests(self, requests: Sequence[tuple[str, str | list[int]]], params: SamplingParams,
-                     cache_salt: str | None = None) -> list[RequestStream]:
+    def add_requests(
+        self, requests: Sequence[tuple[str, str | list[int]]], params: SamplingParams, cache_salt: str | None = None
+    ) -> list[RequestStream]:
         """Route each (request id, prompt) pair to a replica and return its stream; all or none are queued."""
         self.check_alive()
         num_seqs = len(requests) * params.n
         if num_seqs > self.max_queued_requests:
-            raise ValueError(f"this request asks for {num_seqs} sequences (prompts x n), more than the server "
-                             f"queues at once (--max-num-queued-reqs {self.max_queued_requests})")
+            raise ValueError(
+                f"this request asks for {num_seqs} sequences (prompts x n), more than the server "
+                f"queues at once (--max-num-queued-reqs {self.max_queued_requests})"
+            )
         up = [r for r in self.replicas.values() if r.up]
         queued = sum(r.stats.num_waiting + r.pending for r in up)
         if queued + num_seqs > self.max_queued_requests * len(up):
-            raise QueueFullError(f"the server is at capacity: {queued} sequences are already waiting and this "
-                                 f"request adds {num_seqs} (--max-num-queued-reqs {self.max_queued_requests} "
-                                 f"per replica); retry later")
+            raise QueueFullError(
+                f"the server is at capacity: {queued} sequences are already waiting and this "
+                f"request adds {num_seqs} (--max-num-queued-reqs {self.max_queued_requests} "
+                f"per replica); retry later"
+            )
         loop = asyncio.get_running_loop()
         streams = []
         for request_id, prompt in requests:
@@ -282,8 +314,9 @@ class ClusterEngine:
         self.decisions[key] = self.decisions.get(key, 0) + 1
         return decision
 
-    async def _serve(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None, flight: _Flight) -> None:
+    async def _serve(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None, flight: _Flight
+    ) -> None:
         """Pump one request's outputs from its replica into its stream; retry elsewhere if the replica dies
         before the first output."""
         from ray.exceptions import RayActorError, RayTaskError
@@ -315,8 +348,7 @@ class ClusterEngine:
                     if produced:
                         stream.put(EngineFaultError(f"the replica serving this request died: {e}"))
                         return
-                    logger.warning("replica %s died before %s started; retrying on another", replica.name,
-                                   request_id)
+                    logger.warning("replica %s died before %s started; retrying on another", replica.name, request_id)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must still end the stream, never hang it
@@ -389,8 +421,11 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         kv_cache_usage=sum(s.kv_cache_usage * u for s, u in zip(stats, usable)) / sum(usable),
         prefix_cache_queries_tokens=queries,
         prefix_cache_hits_tokens=sum(s.prefix_cache_hits_tokens for s in stats),
-        prefix_cache_hit_rate=(sum(s.prefix_cache_hit_rate * s.prefix_cache_queries_tokens for s in stats) / queries
-                               if queries else first.prefix_cache_hit_rate),
+        prefix_cache_hit_rate=(
+            sum(s.prefix_cache_hit_rate * s.prefix_cache_queries_tokens for s in stats) / queries
+            if queries
+            else first.prefix_cache_hit_rate
+        ),
         num_preemptions=sum(s.num_preemptions for s in stats),
         prompt_tokens_total=sum(s.prompt_tokens_total for s in stats),
         generation_tokens_total=sum(s.generation_tokens_total for s in stats),
@@ -398,6 +433,11 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
         spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),
         spec_decode_num_accepted_tokens_per_pos=tuple(
-            sum(s.spec_decode_num_accepted_tokens_per_pos[i] for s in stats
-                if i < len(s.spec_decode_num_accepted_tokens_per_pos)) for i in range(width)),
+            sum(
+                s.spec_decode_num_accepted_tokens_per_pos[i]
+                for s in stats
+                if i < len(s.spec_decode_num_accepted_tokens_per_pos)
+            )
+            for i in range(width)
+        ),
     )

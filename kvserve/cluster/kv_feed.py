@@ -100,4 +100,3 @@ def _after(events: tuple[dict[str, Any], ...], seq: int) -> tuple[dict[str, Any]
     while start and events[start - 1]["seq"] > seq:
         start -= 1
     return events[start:]
-

@@ -37,8 +37,13 @@ logger = logging.getLogger(__name__)
 class RemoteKVPublisher:
     """A replica's KVPublisher as the ingress's readers see it (the KVSource protocol). Used on the event loop."""
 
-    def __init__(self, replica: ReplicaState, include_tokens: bool, poll_s: float = DEFAULT_INTERVAL_S,
-                 history: int = DEFAULT_HISTORY) -> None:
+    def __init__(
+        self,
+        replica: ReplicaState,
+        include_tokens: bool,
+        poll_s: float = DEFAULT_INTERVAL_S,
+        history: int = DEFAULT_HISTORY,
+    ) -> None:
         self.replica = replica
         self.include_tokens = include_tokens
         self.poll_s = poll_s  # the publisher's own rate: asking more often would find nothing new
@@ -82,8 +87,9 @@ class RemoteKVPublisher:
     async def _follow(self) -> None:
         while True:
             try:
-                update = await self.replica.handle.kv_publication.remote(self._since(), self.watcher,
-                                                                         self.include_tokens)
+                update = await self.replica.handle.kv_publication.remote(
+                    self._since(), self.watcher, self.include_tokens
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # down or restarting: its streams end (the view is not running); ask again
@@ -134,8 +140,9 @@ class ReplicaKVView:
     def check_alive(self) -> None:
         self.cluster.check_alive()
         if not self.replica.up:
-            raise EngineDeadError(f"replica {self.replica.name} is down (Ray is restarting it); retry later or "
-                                  f"choose another")
+            raise EngineDeadError(
+                f"replica {self.replica.name} is down (Ray is restarting it); retry later or choose another"
+            )
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """`fn(engine)` on this replica's engine thread; its own exception (a ValueError for a 404) comes back as

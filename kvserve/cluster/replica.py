@@ -78,8 +78,9 @@ class EngineReplica:
             resync = await asyncio.wrap_future(self.engine.call(_cached_hashes))
         return ReplicaReport(self.engine.stats(), events, resync, self.engine.is_running)
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None
+    ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine produces them (the consumer's pace coalesces them, as in one
         process); its errors are raised here and reach the ingress as the generator's error."""
         (stream,) = self.engine.add_requests([(request_id, prompt)], params, cache_salt)

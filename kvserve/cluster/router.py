@@ -114,16 +114,22 @@ class RequestHasher:
         """Hex hashes of the full blocks an engine could serve from its cache: those among all tokens but the
         last (whose logits must always be computed), as the engine's lookup does."""
         num_tokens = len(token_ids) - 1
-        hashes = self._hasher.extend(lambda start, end: token_ids[start:end], num_tokens, self.block_size, [],
-                                     salt_key(cache_salt))
+        hashes = self._hasher.extend(
+            lambda start, end: token_ids[start:end], num_tokens, self.block_size, [], salt_key(cache_salt)
+        )
         return [h.hex() for h in hashes]
 
 
 class Router:
     """Chooses a replica per request under one policy; `index` is fed with the replicas' KV events."""
 
-    def __init__(self, policy: str, hasher: RequestHasher, balance_abs: int = DEFAULT_BALANCE_ABS,
-                 balance_rel: float = DEFAULT_BALANCE_REL) -> None:
+    def __init__(
+        self,
+        policy: str,
+        hasher: RequestHasher,
+        balance_abs: int = DEFAULT_BALANCE_ABS,
+        balance_rel: float = DEFAULT_BALANCE_REL,
+    ) -> None:
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"--router must be one of {', '.join(ROUTER_POLICIES)}, got {policy!r}")
         if balance_abs < 0 or balance_rel < 1.0:
@@ -135,8 +141,9 @@ class Router:
         self.index = PrefixIndex()
         self._turn = itertools.count()
 
-    def choose(self, token_ids: Sequence[int], cache_salt: str | None,
-               loads: Mapping[str, ReplicaLoad]) -> RouteDecision:
+    def choose(
+        self, token_ids: Sequence[int], cache_salt: str | None, loads: Mapping[str, ReplicaLoad]
+    ) -> RouteDecision:
         """The replica for a request with these prompt tokens, among the healthy replicas in `loads`."""
         if not loads:
             raise RuntimeError("no healthy replica to route to")

@@ -414,8 +414,10 @@ class AsyncLLMEngine:
 
     def _abort_all(self) -> None:
         """At shutdown: abort what is left (freeing its blocks) and tell each stream why it ends."""
-        error = ServerShuttingDownError("the server is shutting down: this request was aborted when the "
-                                        "shutdown grace period (--shutdown-grace-seconds) ran out; retry it")
+        error = ServerShuttingDownError(
+            "the server is shutting down: this request was aborted when the "
+            "shutdown grace period (--shutdown-grace-seconds) ran out; retry it"
+        )
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
             stream.put(error)

@@ -114,28 +114,45 @@ class DecodeBuffers:
     query_start_loc: torch.Tensor  # [B + 1]: 0, 1, ..., B (decode: one token per sequence), never rewritten
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device
-                 ) -> "DecodeBuffers":
+    def allocate(
+        cls, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> "DecodeBuffers":
         """Buffers holding a batch of padding rows (see the module docstring)."""
+
         def full(value: int, *shape: int) -> torch.Tensor:
             return torch.full(shape, value, dtype=torch.int64, device=device)
 
-        return cls(full(0, max_batch), full(0, max_batch), full(NULL_BLOCK_ID * block_size, max_batch),
-                   full(NULL_BLOCK_ID, max_batch, max_blocks_per_seq), full(1, max_batch),
-                   torch.arange(max_batch + 1, dtype=torch.int64, device=device))
+        return cls(
+            full(0, max_batch),
+            full(0, max_batch),
+            full(NULL_BLOCK_ID * block_size, max_batch),
+            full(NULL_BLOCK_ID, max_batch, max_blocks_per_seq),
+            full(1, max_batch),
+            torch.arange(max_batch + 1, dtype=torch.int64, device=device),
+        )
 
     def metadata(self, size: int, block_size: int) -> AttentionMetadata:
         """The metadata a graph of `size` rows is captured with: views of the buffers; lists frozen at 1s."""
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens_cpu=[1] * size, query_lens_cpu=[1] * size, block_size=block_size,
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens_cpu=[1] * size,
+            query_lens_cpu=[1] * size,
+            block_size=block_size,
         )
 
 
-def pad_decode_inputs(size: int, block_size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
-                      ) -> list[torch.Tensor]:
+def pad_decode_inputs(
+    size: int,
+    block_size: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> list[torch.Tensor]:
     """A decode batch of n <= size rows (host tensors) padded to `size` rows of padding (module docstring)."""
     n = input_ids.shape[0]
     if n > size:
@@ -144,15 +161,28 @@ def pad_decode_inputs(size: int, block_size: int, input_ids: torch.Tensor, posit
     def pad(t: torch.Tensor, value: int) -> torch.Tensor:
         return torch.cat([t, torch.full((size - n, *t.shape[1:]), value, dtype=t.dtype)])
 
-    return [pad(input_ids, 0), pad(positions, 0), pad(slot_mapping, NULL_BLOCK_ID * block_size),
-            pad(block_tables, NULL_BLOCK_ID), pad(seq_lens, 1)]
+    return [
+        pad(input_ids, 0),
+        pad(positions, 0),
+        pad(slot_mapping, NULL_BLOCK_ID * block_size),
+        pad(block_tables, NULL_BLOCK_ID),
+        pad(seq_lens, 1),
+    ]
 
 
 class DecodeGraphs:
     """One recorded forward per capture size, over shared static buffers."""
 
-    def __init__(self, model: DecoderModel, kv_caches: list[LayerKVCache], sizes: list[int], max_model_len: int,
-                 block_size: int, device: torch.device, capture: GraphCapture) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_caches: list[LayerKVCache],
+        sizes: list[int],
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        capture: GraphCapture,
+    ) -> None:
         if not sizes:
             raise ValueError("DecodeGraphs needs at least one capture size")
         self.model = model
@@ -165,8 +195,12 @@ class DecodeGraphs:
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the shared pool is sized once
                 self._replays[size] = capture(self._forward_fn(size))
-        logger.info("captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes),
-                    " ".join(map(str, self.sizes)), time.perf_counter() - start)
+        logger.info(
+            "captured %d decode graphs (batch sizes %s) in %.2f s",
+            len(self.sizes),
+            " ".join(map(str, self.sizes)),
+            time.perf_counter() - start,
+        )
 
     def _forward_fn(self, size: int) -> Replay:
         b = self.buffers
@@ -183,28 +217,40 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    def replay(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
         """Copy a padded batch (device tensors of `size` rows; tables as wide as this step needs) into the buffers
         and replay; returns the graph's output ([size, hidden], overwritten by the next replay)."""
         b = self.buffers
         b.input_ids[:size].copy_(input_ids)
         b.positions[:size].copy_(positions)
         b.slot_mapping[:size].copy_(slot_mapping)
-        b.block_tables[:size, :block_tables.shape[1]].copy_(block_tables)
+        b.block_tables[:size, : block_tables.shape[1]].copy_(block_tables)
         b.seq_lens[:size].copy_(seq_lens)
         return self._replays[size]()
 
 
-def build_decode_graphs(config: EngineConfig, model: DecoderModel, kv_caches: list[LayerKVCache],
-                        max_model_len: int, device: torch.device) -> DecodeGraphs | None:
+def build_decode_graphs(
+    config: EngineConfig, model: DecoderModel, kv_caches: list[LayerKVCache], max_model_len: int, device: torch.device
+) -> DecodeGraphs | None:
     """The engine's graphs: on CUDA, unless --enforce-eager, with a backend that can be captured; else None (and
     a log line saying why, where graphs were possible)."""
     if device.type != "cuda" or config.enforce_eager:
         return None
     if config.attention_backend not in CUDA_GRAPH_BACKENDS:
-        logger.info("CUDA graphs off: the %s attention backend reads the step's Python lists, which a graph "
-                    "freezes (capturable: %s)", config.attention_backend, ", ".join(CUDA_GRAPH_BACKENDS))
+        logger.info(
+            "CUDA graphs off: the %s attention backend reads the step's Python lists, which a graph "
+            "freezes (capturable: %s)",
+            config.attention_backend,
+            ", ".join(CUDA_GRAPH_BACKENDS),
+        )
         return None
     sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs, config.max_num_batched_tokens)
     if not sizes:

@@ -53,8 +53,13 @@ logger = logging.getLogger(__name__)
 _GRAMMAR_WAIT_S = 0.02
 
 
-def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheSpec, device: torch.device,
-               device_budget: Callable[[], int] | None = None) -> CachePlan:
+def plan_cache(
+    config: EngineConfig,
+    model_config: "ModelConfig",
+    spec: KVCacheSpec,
+    device: torch.device,
+    device_budget: Callable[[], int] | None = None,
+) -> CachePlan:
     """Size the pool from the KV budget and check that one request of max-model-len fits. On CUDA without
     --kv-cache-memory-bytes or --num-gpu-blocks-override, `device_budget()` (the profiled budget,
     engine/memory_profile.py) is the budget."""
@@ -63,8 +68,10 @@ def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheS
         if budget is None:
             if device.type != "cpu":
                 if device_budget is None:
-                    raise ValueError(f"on {device} the KV budget comes from a profile of the model: pass "
-                                     "--kv-cache-memory-bytes or --num-gpu-blocks-override to plan without one")
+                    raise ValueError(
+                        f"on {device} the KV budget comes from a profile of the model: pass "
+                        "--kv-cache-memory-bytes or --num-gpu-blocks-override to plan without one"
+                    )
                 budget = device_budget()
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
@@ -75,9 +82,14 @@ def plan_cache(config: EngineConfig, model_config: "ModelConfig", spec: KVCacheS
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
-    return plan_kv_cache(spec.bytes_per_block, spec.block_size, model_config.max_position_embeddings,
-                         budget_bytes=budget, num_blocks_override=config.num_gpu_blocks_override,
-                         max_model_len=config.max_model_len)
+    return plan_kv_cache(
+        spec.bytes_per_block,
+        spec.block_size,
+        model_config.max_position_embeddings,
+        budget_bytes=budget,
+        num_blocks_override=config.num_gpu_blocks_override,
+        max_model_len=config.max_model_len,
+    )
 
 
 def _available_memory_bytes() -> int | None:
@@ -101,8 +113,9 @@ def _check_cache_salt(cache_salt: str | None) -> None:
     try:
         cache_salt.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"cache_salt must be valid UTF-8 text: it holds an unpaired surrogate at position {e.start}"
-                         ) from None
+        raise ValueError(
+            f"cache_salt must be valid UTF-8 text: it holds an unpaired surrogate at position {e.start}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,17 +213,24 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec(
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, kv_dtype
         )
-        self.cache_plan = plan_cache(config, model_config, self.kv_spec, self.device,
-                                     partial(self._profiled_kv_budget, model))
+        self.cache_plan = plan_cache(
+            config, model_config, self.kv_spec, self.device, partial(self._profiled_kv_budget, model)
+        )
         self.max_model_len = self.cache_plan.max_model_len
         self.kv_events = KVEventBuffer()  # bounded: drained between steps by the async engine (the inspector)
-        self.pool = BlockPool(self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching,
-                              events=self.kv_events)
+        self.pool = BlockPool(
+            self.cache_plan.num_blocks, enable_caching=config.enable_prefix_caching, events=self.kv_events
+        )
         self.event_recorder = EngineEventRecorder(self.kv_events, self._user_request_id)
         # vLLM's --kv-events-config: None (the default) imports no zmq; see kv/events_config.py.
         self.kv_event_publisher = start_kv_event_publisher(
-            parse_kv_events_config(config.kv_events_config), self.kv_events, config.block_size,
-            medium_for_device(self.device.type), config.enable_prefix_caching, config.data_parallel_rank)
+            parse_kv_events_config(config.kv_events_config),
+            self.kv_events,
+            config.block_size,
+            medium_for_device(self.device.type),
+            config.enable_prefix_caching,
+            config.data_parallel_rank,
+        )
         reserve = self.max_model_len if config.reserve_max_model_len else 0
         self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo, reserve)
         self.scheduler = Scheduler(
@@ -229,8 +249,12 @@ class LLMEngine:
         spec_config = parse_speculative_config(config.speculative_config)  # already parsed: typed for mypy
         self.spec = None if spec_config is None else SpecDecoder(spec_config)
         # Structured output: built now, its grammar backend only on the first constrained request.
-        self.grammar = GrammarCompiler(tokenizer, getattr(model, "num_logits", model_config.vocab_size),
-                                       self.eos_token_ids, backend=config.structured_outputs_backend)
+        self.grammar = GrammarCompiler(
+            tokenizer,
+            getattr(model, "num_logits", model_config.vocab_size),
+            self.eos_token_ids,
+            backend=config.structured_outputs_backend,
+        )
         self.groups: dict[str, _Group] = {}
         self.sequences: dict[str, _Sequence] = {}  # by the engine-internal request id of each sequence
         self._constrained: set[str] = set()  # ids of live sequences with a grammar (none: the sampler masks nothing)
@@ -243,8 +267,14 @@ class LLMEngine:
     def _profiled_kv_budget(self, model: "DecoderModel") -> int:
         """vLLM's GPU sizing: --gpu-memory-utilization of the device's memory less the weights, the peak of one
         profiled step and non-torch memory (engine/memory_profile.py); logged like the CPU plan."""
-        facts = profile_gpu_memory(model, self.kv_spec, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                   self.device, CudaMemory(self.device))
+        facts = profile_gpu_memory(
+            model,
+            self.kv_spec,
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.device,
+            CudaMemory(self.device),
+        )
         plan = gpu_kv_budget(facts, self.config.gpu_memory_utilization, self.kv_spec.bytes_per_block)
         logger.info(plan.describe())
         return plan.kv_bytes
@@ -272,8 +302,9 @@ class LLMEngine:
         if scales is None:
             return
         if self.kv_spec.dtype_name != "fp8_e4m3":
-            logger.info("the checkpoint's static fp8 KV scales are unused with --kv-cache-dtype %s",
-                        self.kv_spec.dtype_name)
+            logger.info(
+                "the checkpoint's static fp8 KV scales are unused with --kv-cache-dtype %s", self.kv_spec.dtype_name
+            )
             return
         for cache, (k_scale, v_scale) in zip(kv_caches, scales):
             cache.static_key_scale, cache.static_value_scale = k_scale, v_scale
@@ -298,9 +329,15 @@ class LLMEngine:
             dtype = resolve_dtype(config.dtype, device, model_config)
             config.attention_backend = resolve_attention_backend(config.attention_backend, device.type)
             config.quantization = resolve_quantization(config.quantization, device.type, source.format.value)
-            loaded = load_model(source, dtype, device, attention_backend=config.attention_backend,
-                                quantization=config.quantization, config=model_config,
-                                lm_head_quantization=config.lm_head_quantization)
+            loaded = load_model(
+                source,
+                dtype,
+                device,
+                attention_backend=config.attention_backend,
+                quantization=config.quantization,
+                config=model_config,
+                lm_head_quantization=config.lm_head_quantization,
+            )
             tokenizer = tokenizer_future.result()
         if config.served_model_name is None:
             config.served_model_name = source.name
@@ -390,8 +427,9 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        self.event_recorder.record_abort(request_id, sum(self.kv_manager.num_blocks_held(s.request)
-                                                         for s in group.sequences))
+        self.event_recorder.record_abort(
+            request_id, sum(self.kv_manager.num_blocks_held(s.request) for s in group.sequences)
+        )
         for seq in group.sequences:
             if not seq.request.is_finished:
                 self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
@@ -484,12 +522,16 @@ class LLMEngine:
         if self.spec is None:
             return {}
         totals = self.spec.stats
-        return {"spec_decode_num_drafts": totals.num_drafts, "spec_decode_num_draft_tokens": totals.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": totals.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": tuple(totals.num_accepted_tokens_per_pos)}
+        return {
+            "spec_decode_num_drafts": totals.num_drafts,
+            "spec_decode_num_draft_tokens": totals.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": totals.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": tuple(totals.num_accepted_tokens_per_pos),
+        }
 
-    def _verify_drafts(self, out: SchedulerOutput, spec_logits: dict[str, torch.Tensor]
-                       ) -> dict[str, tuple[list[SampledToken], int]]:
+    def _verify_drafts(
+        self, out: SchedulerOutput, spec_logits: dict[str, torch.Tensor]
+    ) -> dict[str, tuple[list[SampledToken], int]]:
         """The tokens each drafted request gains: the sampler's own choice at each verified position, the drafts
         accepted up to the first mismatch and the sampler's token there (speculative sampling for a point-mass
         draft, spec_decode/verify.py). Each position's row sees the drafts before it as output tokens (penalties,
@@ -510,14 +552,22 @@ class LLMEngine:
             masks = None if matcher is None else draft_masks(matcher, s.draft_token_ids, logits.shape[1])
             if request.sampling_params.is_greedy:
                 targets = self.sampler(logits, rows, masks)
-                gained = targets[:len(verify_greedy(s.draft_token_ids, [t.token_id for t in targets]))]
+                gained = targets[: len(verify_greedy(s.draft_token_ids, [t.token_id for t in targets]))]
             else:
                 gained = []
 
-                def sample_at(i: int, logits: torch.Tensor = logits, rows: list[SamplerRow] = rows,
-                              masks: list[RowMask] | None = masks, gained: list[SampledToken] = gained) -> int:
-                    token = self.sampler(logits[i:i + 1], rows[i:i + 1],  # one draw from its generator
-                                         None if masks is None else masks[i:i + 1])[0]
+                def sample_at(
+                    i: int,
+                    logits: torch.Tensor = logits,
+                    rows: list[SamplerRow] = rows,
+                    masks: list[RowMask] | None = masks,
+                    gained: list[SampledToken] = gained,
+                ) -> int:
+                    token = self.sampler(
+                        logits[i : i + 1],
+                        rows[i : i + 1],  # one draw from its generator
+                        None if masks is None else masks[i : i + 1],
+                    )[0]
                     gained.append(token)
                     return token.token_id
 
@@ -525,8 +575,9 @@ class LLMEngine:
             verified[request.request_id] = (gained, len(s.draft_token_ids))
         return verified
 
-    def _apply_verified(self, seq: _Sequence, tokens: list[SampledToken], num_drafted: int, now: float,
-                        touched: dict[str, _Group]) -> None:
+    def _apply_verified(
+        self, seq: _Sequence, tokens: list[SampledToken], num_drafted: int, now: float, touched: dict[str, _Group]
+    ) -> None:
         """Count the verified draft (metrics, adaptive gate), append its tokens one by one (stop strings, EOS and
         max_tokens end it where a one-token step would have), count the accepted drafts' K/V as computed, and roll
         back the rest."""
@@ -632,8 +683,13 @@ class LLMEngine:
         self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
         culprits = self.scheduler.quarantine(out)
         if not culprits:
-            logger.warning("a step of %d requests failed (%s: %s); running each alone to find the culprit",
-                           len(out.scheduled), type(exc).__name__, exc, exc_info=exc)
+            logger.warning(
+                "a step of %d requests failed (%s: %s); running each alone to find the culprit",
+                len(out.scheduled),
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
             return []
         outputs = []
         for request in culprits:
@@ -646,8 +702,9 @@ class LLMEngine:
         """Finish `culprit` with an error and its unfinished siblings as aborted (the request cannot complete
         without it), freeing their blocks at once. Returns the group, now finished, for its output."""
         group = self.groups[culprit.group_id]
-        logger.error("request %r failed and is ended alone: %s: %s", group.request_id, type(exc).__name__, exc,
-                     exc_info=exc)
+        logger.error(
+            "request %r failed and is ended alone: %s: %s", group.request_id, type(exc).__name__, exc, exc_info=exc
+        )
         group.error = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
         self.scheduler.finish(culprit.request, RequestStatus.FINISHED_ERROR)
         for seq in group.sequences:
@@ -666,8 +723,12 @@ class LLMEngine:
         self.num_generation_tokens_total += 1
         if request.first_token_time is None:
             request.first_token_time = now
-        if (seq.logprobs is not None and token.top_logprobs is not None and token.logprob is not None
-                and token.rank is not None):  # all three are set together, when logprobs were asked
+        if (
+            seq.logprobs is not None
+            and token.top_logprobs is not None
+            and token.logprob is not None
+            and token.rank is not None
+        ):  # all three are set together, when logprobs were asked
             seq.logprobs.append(logprob_entry(tid, token.logprob, token.rank, token.top_logprobs, self._token_text))
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + token.logprob
         num_out = len(request.output_token_ids)
@@ -687,8 +748,9 @@ class LLMEngine:
             seq.text += result.delta_text
             if status is None and result.stopped_on is not None:
                 status, reason = RequestStatus.FINISHED_STOPPED, result.stopped_on
-        if status is None and ((params.max_tokens is not None and num_out >= params.max_tokens)
-                               or request.num_tokens >= self.max_model_len):
+        if status is None and (
+            (params.max_tokens is not None and num_out >= params.max_tokens) or request.num_tokens >= self.max_model_len
+        ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             request.stop_reason = reason
@@ -702,7 +764,7 @@ class LLMEngine:
     def _add_prompt_logprobs(self, group: _Group, first: int, logits: torch.Tensor) -> None:
         assert group.prompt_logprobs is not None
         ids = group.prompt_token_ids
-        judged = ids[first + 1:first + 1 + logits.shape[0]]
+        judged = ids[first + 1 : first + 1 + logits.shape[0]]
         entries = prompt_logprobs(logits, judged, group.params.prompt_logprobs or 0)
         for offset, entry in enumerate(entries):
             position = first + 1 + offset
@@ -759,18 +821,21 @@ class LLMEngine:
     @staticmethod
     def _has_news(seq: _Sequence) -> bool:
         """Whether a DELTA output has something new for `seq`: tokens, text, or its finish."""
-        return (len(seq.request.output_token_ids) > seq.sent_tokens or len(seq.text) > seq.sent_chars
-                or (seq.request.is_finished and not seq.sent_finish))
+        return (
+            len(seq.request.output_token_ids) > seq.sent_tokens
+            or len(seq.text) > seq.sent_chars
+            or (seq.request.is_finished and not seq.sent_finish)
+        )
 
     def _delta_output(self, seq: _Sequence) -> CompletionOutput:
         """What `seq` gained since its previous DELTA output, and the marks of how much is now handed out."""
         request = seq.request
         tokens, chars = len(request.output_token_ids), len(seq.text)
-        logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:tokens]
+        logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens : tokens]
         out = CompletionOutput(
             index=seq.index,
-            text=seq.text[seq.sent_chars:],
-            token_ids=request.output_token_ids[seq.sent_tokens:tokens],
+            text=seq.text[seq.sent_chars :],
+            token_ids=request.output_token_ids[seq.sent_tokens : tokens],
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=logprobs,
             finish_reason=self._finish_reason(seq),
@@ -781,8 +846,13 @@ class LLMEngine:
 
     @staticmethod
     def _metrics(request: Request) -> RequestMetrics:
-        return RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
-                              request.finished_time, request.num_preemptions)
+        return RequestMetrics(
+            request.arrival_time,
+            request.first_scheduled_time,
+            request.first_token_time,
+            request.finished_time,
+            request.num_preemptions,
+        )
 
     def _drop(self, group: _Group) -> None:
         self.groups.pop(group.request_id, None)

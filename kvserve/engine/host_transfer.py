@@ -74,7 +74,7 @@ class HostToDevice:
         host = self._buffer(total)
         offset = 0
         for t in tensors:
-            host[offset:offset + t.numel()].copy_(t.reshape(-1))
+            host[offset : offset + t.numel()].copy_(t.reshape(-1))
             offset += t.numel()
         flat = torch.empty(total, dtype=torch.int64, device=self.device)
         flat.copy_(host[:total], non_blocking=self._pin)
@@ -83,7 +83,7 @@ class HostToDevice:
             self._copied.record()
         out, offset = [], 0
         for t in tensors:
-            out.append(flat[offset:offset + t.numel()].view(t.shape))
+            out.append(flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
         return out
 
@@ -93,6 +93,9 @@ class HostToDevice:
             self._copied.synchronize()
             self._copied = None
         if self._host is None or self._host.numel() < numel:
-            self._host = torch.empty(max(numel, 2 * (0 if self._host is None else self._host.numel())),
-                                     dtype=torch.int64, pin_memory=self._pin)
+            self._host = torch.empty(
+                max(numel, 2 * (0 if self._host is None else self._host.numel())),
+                dtype=torch.int64,
+                pin_memory=self._pin,
+            )
         return self._host

@@ -64,8 +64,9 @@ class EngineEventRecorder:
         """The running requests' computed tokens and blocks, to tell what a preemption in this schedule lost."""
         return {r.request_id: (r.num_computed_tokens, kv.num_blocks_held(r)) for r in scheduler.running}
 
-    def after_schedule(self, out: SchedulerOutput, before: dict[str, tuple[int, int]], scheduler: Scheduler,
-                       kv: KVCacheManager) -> None:
+    def after_schedule(
+        self, out: SchedulerOutput, before: dict[str, tuple[int, int]], scheduler: Scheduler, kv: KVCacheManager
+    ) -> None:
         for request in out.preempted:
             tokens, blocks = before.get(request.request_id, (0, 0))
             self.events.append(Preempted(self.name(request.request_id), tokens, blocks))
@@ -80,8 +81,13 @@ class EngineEventRecorder:
             return
         head = scheduler.waiting[0]
         budget = scheduler.max_num_batched_tokens - out.num_tokens
-        room = (len(scheduler.running) < scheduler.max_num_seqs and budget > 0 and not out.preempted
-                and not scheduler.suspects and head.request_id not in scheduler.pending_grammars)
+        room = (
+            len(scheduler.running) < scheduler.max_num_seqs
+            and budget > 0
+            and not out.preempted
+            and not scheduler.suspects
+            and head.request_id not in scheduler.pending_grammars
+        )
         if not room or head.request_id in self.refused:
             return
         hit_blocks, num_hit = kv.get_computed_blocks(head)
@@ -142,11 +148,17 @@ def _blocks(engine: LLMEngine, include_tokens: bool) -> tuple[str, list[dict[str
         if state in ("f", "n"):
             continue
         key = block.key
-        detail.append({
-            "id": block.block_id, "state": state, "ref_cnt": block.ref_cnt, "hash": _short(block.block_hash),
-            "evict_rank": ranks.get(block.block_id), "holders": holders.get(block.block_id, []),
-            "token_ids": list(key.token_ids) if include_tokens and key is not None else None,
-        })
+        detail.append(
+            {
+                "id": block.block_id,
+                "state": state,
+                "ref_cnt": block.ref_cnt,
+                "hash": _short(block.block_hash),
+                "evict_rank": ranks.get(block.block_id),
+                "holders": holders.get(block.block_id, []),
+                "token_ids": list(key.token_ids) if include_tokens and key is not None else None,
+            }
+        )
     return "".join(states), detail
 
 
@@ -178,19 +190,31 @@ def _prefix_cache(engine: LLMEngine, ranks: dict[int, int]) -> list[dict[str, An
     nodes = []
     for block_hash, block in pool.cached.items():
         parent = block.key.parent if block.key is not None else None
-        nodes.append({"hash": _short(block_hash), "parent": _short(parent), "block_id": block.block_id,
-                      "hits": pool.hit_counts.get(block_hash, 0), "ref_cnt": block.ref_cnt,
-                      "evict_rank": ranks.get(block.block_id)})
+        nodes.append(
+            {
+                "hash": _short(block_hash),
+                "parent": _short(parent),
+                "block_id": block.block_id,
+                "hits": pool.hit_counts.get(block_hash, 0),
+                "ref_cnt": block.ref_cnt,
+                "evict_rank": ranks.get(block.block_id),
+            }
+        )
     return nodes
 
 
 def _capacity(engine: LLMEngine) -> dict[str, Any]:
     plan = engine.cache_plan
     return {
-        "num_blocks": plan.num_blocks, "num_usable_blocks": plan.num_usable_blocks, "block_size": plan.block_size,
-        "bytes_per_block": plan.bytes_per_block, "bytes_per_token": plan.bytes_per_block // plan.block_size,
-        "num_tokens": plan.num_tokens, "max_model_len": plan.max_model_len,
-        "max_concurrency": round(plan.max_concurrency, 3), "kv_cache_dtype": engine.kv_spec.dtype_name,
+        "num_blocks": plan.num_blocks,
+        "num_usable_blocks": plan.num_usable_blocks,
+        "block_size": plan.block_size,
+        "bytes_per_block": plan.bytes_per_block,
+        "bytes_per_token": plan.bytes_per_block // plan.block_size,
+        "num_tokens": plan.num_tokens,
+        "max_model_len": plan.max_model_len,
+        "max_concurrency": round(plan.max_concurrency, 3),
+        "kv_cache_dtype": engine.kv_spec.dtype_name,
         "total_bytes": plan.num_blocks * plan.bytes_per_block,
     }
 
@@ -202,9 +226,14 @@ def build_snapshot(engine: LLMEngine, include_tokens: bool = True) -> dict[str, 
     ranks = {b["id"]: b["evict_rank"] for b in blocks if b["evict_rank"] is not None}
     return {
         "version": SNAPSHOT_VERSION,
-        "pool": {"num_blocks": pool.num_blocks, "num_usable_blocks": pool.num_usable_blocks,
-                 "num_free_blocks": pool.num_free_blocks, "block_size": engine.config.block_size,
-                 "null_block_id": NULL_BLOCK_ID, "enable_prefix_caching": pool.enable_caching},
+        "pool": {
+            "num_blocks": pool.num_blocks,
+            "num_usable_blocks": pool.num_usable_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "block_size": engine.config.block_size,
+            "null_block_id": NULL_BLOCK_ID,
+            "enable_prefix_caching": pool.enable_caching,
+        },
         "block_states": states,
         "blocks": blocks,
         "requests": _requests(engine),
@@ -237,8 +266,14 @@ def block_detail(engine: LLMEngine, block_id: int, include_text: bool = True) ->
             if token_ids is None:
                 token_ids = request.token_slice(start, end)
         spans.append({"request_id": seq.group_id if seq is not None else seq_id, "start": start, "end": end})
-    detail: dict[str, Any] = {"id": block_id, "state": _state(block), "ref_cnt": block.ref_cnt,
-                              "hash": _short(block.block_hash), "held": spans, "redacted": not include_text}
+    detail: dict[str, Any] = {
+        "id": block_id,
+        "state": _state(block),
+        "ref_cnt": block.ref_cnt,
+        "hash": _short(block.block_hash),
+        "held": spans,
+        "redacted": not include_text,
+    }
     detail["token_ids"] = token_ids if include_text else None
     text = engine.tokenizer.decode(token_ids, skip_special_tokens=False) if include_text and token_ids else None
     detail["text"] = text

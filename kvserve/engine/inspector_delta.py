@@ -69,8 +69,9 @@ def _evict_order(blocks: Iterable[dict[str, Any]]) -> list[int]:
     return [block_id for _, block_id in ranked]
 
 
-def _keyed(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]], key: str
-           ) -> tuple[list[dict[str, Any]], dict[str, list[Any]] | None]:
+def _keyed(
+    old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]], key: str
+) -> tuple[list[dict[str, Any]], dict[str, list[Any]] | None]:
     """Entries of `new` added or changed (ranks aside), and the order delta of their keys."""
     before = {e[key]: e for e in old}
     changed = []
@@ -115,8 +116,9 @@ def diff_snapshots(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return delta
 
 
-def _apply_keyed(old: list[dict[str, Any]], changed: list[dict[str, Any]] | None,
-                 order: dict[str, list[Any]] | None, key: str) -> list[dict[str, Any]]:
+def _apply_keyed(
+    old: list[dict[str, Any]], changed: list[dict[str, Any]] | None, order: dict[str, list[Any]] | None, key: str
+) -> list[dict[str, Any]]:
     entries = {e[key]: e for e in old}
     entries.update((e[key], e) for e in changed or ())
     return [entries[k] for k in apply_order((e[key] for e in old), order)]

@@ -45,9 +45,15 @@ class KVPublication:
 
 
 class KVPublisher:
-    def __init__(self, engine: LLMEngine, wake: Callable[[], None], interval_s: float = DEFAULT_INTERVAL_S,
-                 history: int = DEFAULT_HISTORY, include_tokens: bool = True,
-                 max_overhead: float = DEFAULT_MAX_OVERHEAD) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        wake: Callable[[], None],
+        interval_s: float = DEFAULT_INTERVAL_S,
+        history: int = DEFAULT_HISTORY,
+        include_tokens: bool = True,
+        max_overhead: float = DEFAULT_MAX_OVERHEAD,
+    ) -> None:
         self.engine = engine
         self.interval_s = interval_s
         self.max_overhead = max_overhead

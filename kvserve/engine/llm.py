@@ -106,14 +106,18 @@ def _normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
         raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
     if all(isinstance(m, dict) for m in messages):
         return [list(messages)]
-    if all(isinstance(c, Sequence) and not isinstance(c, str) and all(isinstance(m, dict) for m in c)
-           for c in messages):
+    if all(
+        isinstance(c, Sequence) and not isinstance(c, str) and all(isinstance(m, dict) for m in c) for c in messages
+    ):
         return [list(c) for c in messages]
     raise ValueError("messages must be a list of message dicts, or a list of such lists")
 
 
 def _render_chat(
-    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None,
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    chat_template: str | None,
     tools: list[dict[str, Any]] | None,
 ) -> str:
     """The prompt text of one conversation; tools go to the template only when given (a template that never

@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The flags that change the answer, named in every "does not fit" error.
-_FLAGS_TO_CHANGE = ("raise --gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs (they size "
-                    "the profiled peak), use a smaller --dtype, or set the KV budget yourself with "
-                    "--kv-cache-memory-bytes or --num-gpu-blocks-override")
+_FLAGS_TO_CHANGE = (
+    "raise --gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs (they size "
+    "the profiled peak), use a smaller --dtype, or set the KV budget yourself with "
+    "--kv-cache-memory-bytes or --num-gpu-blocks-override"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +57,11 @@ class GpuMemoryPlan:
 
     def describe(self) -> str:
         f = self.facts
-        return (f"GPU memory: {self.utilization} (--gpu-memory-utilization) x {format_gib(f.total)} total - "
-                f"{format_gib(f.weights)} weights - {format_gib(f.peak_activations)} peak activations - "
-                f"{format_gib(f.non_torch)} non-torch = {format_gib(self.kv_bytes)} for the KV cache")
+        return (
+            f"GPU memory: {self.utilization} (--gpu-memory-utilization) x {format_gib(f.total)} total - "
+            f"{format_gib(f.weights)} weights - {format_gib(f.peak_activations)} peak activations - "
+            f"{format_gib(f.non_torch)} non-torch = {format_gib(self.kv_bytes)} for the KV cache"
+        )
 
 
 def gpu_kv_budget(facts: GpuMemoryFacts, utilization: float, bytes_per_block: int) -> GpuMemoryPlan:
@@ -67,8 +71,10 @@ def gpu_kv_budget(facts: GpuMemoryFacts, utilization: float, bytes_per_block: in
     kv = int(facts.total * utilization) - facts.weights - facts.peak_activations - facts.non_torch
     plan = GpuMemoryPlan(facts, utilization, kv)
     if kv < 2 * bytes_per_block:
-        raise ValueError(f"not enough GPU memory for the KV cache: {plan.describe()}, and the cache needs at least "
-                         f"2 blocks of {bytes_per_block} bytes; {_FLAGS_TO_CHANGE}")
+        raise ValueError(
+            f"not enough GPU memory for the KV cache: {plan.describe()}, and the cache needs at least "
+            f"2 blocks of {bytes_per_block} bytes; {_FLAGS_TO_CHANGE}"
+        )
     return plan
 
 
@@ -115,8 +121,9 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def dummy_step(model: DecoderModel, spec: KVCacheSpec, num_tokens: int, num_logit_rows: int,
-               device: torch.device) -> None:
+def dummy_step(
+    model: DecoderModel, spec: KVCacheSpec, num_tokens: int, num_logit_rows: int, device: torch.device
+) -> None:
     """One forward of `num_tokens` tokens as one sequence (into a scratch KV cache just big enough), then the LM
     head on `num_logit_rows` rows: the largest step the scheduler can make, for the activation peak."""
     blocks = cdiv(num_tokens, spec.block_size)
@@ -129,15 +136,29 @@ def dummy_step(model: DecoderModel, spec: KVCacheSpec, num_tokens: int, num_logi
     model.compute_logits(hidden[-1:].expand(num_logit_rows, -1).contiguous())
 
 
-def profile_gpu_memory(model: DecoderModel, spec: KVCacheSpec, num_tokens: int, num_logit_rows: int,
-                       device: torch.device, memory: DeviceMemory) -> GpuMemoryFacts:
+def profile_gpu_memory(
+    model: DecoderModel,
+    spec: KVCacheSpec,
+    num_tokens: int,
+    num_logit_rows: int,
+    device: torch.device,
+    memory: DeviceMemory,
+) -> GpuMemoryFacts:
     """Run `dummy_step` and read the facts `gpu_kv_budget` needs."""
     memory.reset_peak()
     before = memory.allocated()
-    logger.info("profiling one step of %d tokens (--max-num-batched-tokens) and %d LM-head rows (--max-num-seqs) "
-                "for the KV budget", num_tokens, num_logit_rows)
+    logger.info(
+        "profiling one step of %d tokens (--max-num-batched-tokens) and %d LM-head rows (--max-num-seqs) "
+        "for the KV budget",
+        num_tokens,
+        num_logit_rows,
+    )
     dummy_step(model, spec, num_tokens, num_logit_rows, device)
     peak = max(memory.peak_allocated() - before, 0)
     total, free = memory.total_and_free()
-    return GpuMemoryFacts(total=total, weights=model_bytes(model), peak_activations=peak,
-                          non_torch=max(total - free - memory.reserved(), 0))
+    return GpuMemoryFacts(
+        total=total,
+        weights=model_bytes(model),
+        peak_activations=peak,
+        non_torch=max(total - free - memory.reserved(), 0),
+    )

@@ -24,8 +24,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-                        RequestStatus.FINISHED_ERROR)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -73,8 +77,8 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

@@ -96,19 +96,26 @@ class ModelRunner:
         # (each row's logits are the same either way: the kernels compute rows independently).
         head_rows = sample_rows + [r for a, b in spec_rows.values() for r in range(a, b)]
         hidden, rows = self._forward(input_ids, positions, block_tables, seq_lens, query_lens, head_rows)
-        all_logits = self.model.compute_logits(hidden.index_select(0, rows),
-                                               out=self._logits_buffer(len(head_rows))).float()
-        logits = all_logits[:len(sample_rows)]
+        all_logits = self.model.compute_logits(
+            hidden.index_select(0, rows), out=self._logits_buffer(len(head_rows))
+        ).float()
+        logits = all_logits[: len(sample_rows)]
         spans = [b - a for a, b in spec_rows.values()]
-        spec_logits = dict(zip(spec_rows, all_logits[len(sample_rows):].split(spans), strict=True))
+        spec_logits = dict(zip(spec_rows, all_logits[len(sample_rows) :].split(spans), strict=True))
         prompt_logits = {
             rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
         }
         return RunnerOutput(sample_requests, logits, prompt_logits, spec_logits)
 
-    def _forward(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
-                 seq_lens: list[int], query_lens: list[int], head_rows: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        query_lens: list[int],
+        head_rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's hidden states of the step's rows, and `head_rows` as a device index tensor: the metadata is
         built on the host, sent with the ids in one copy, and run as a graph when one fits, else eagerly."""
         host = torch.device("cpu")
@@ -117,14 +124,16 @@ class ModelRunner:
         ids, pos, rows = as_tensor(input_ids), as_tensor(positions), as_tensor(head_rows)
         size = self._graph_size(meta)
         if self.graphs is not None and size is not None:
-            padded = pad_decode_inputs(size, self.block_size, ids, pos, meta.slot_mapping, meta.block_tables,
-                                       meta.seq_lens)
+            padded = pad_decode_inputs(
+                size, self.block_size, ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens
+            )
             *inputs, rows = self.transfer.move([*padded, rows])
-            return self.graphs.replay(size, *inputs)[:len(input_ids)], rows
+            return self.graphs.replay(size, *inputs)[: len(input_ids)], rows
         if not self.transfer.staged:  # the CPU: built where they are used, no copy at all
             return self.model(ids, pos, self.kv_caches, meta), rows
         ids, pos, slots, tables, lens, starts, rows = self.transfer.move(
-            [ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, rows])
+            [ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, rows]
+        )
         meta = replace(meta, slot_mapping=slots, block_tables=tables, seq_lens=lens, query_start_loc=starts)
         return self.model(ids, pos, self.kv_caches, meta), rows
 

@@ -110,8 +110,17 @@ class Sampler:
         if greedy:
             parts.append((greedy, _greedy(_rows(logits, greedy), _rows(raw, greedy))))
         if rand:
-            parts.append((rand, self._sample(_rows(logits, rand), _rows(raw, rand), [params[i] for i in rand],
-                                             [requests[i].generator for i in rand])))
+            parts.append(
+                (
+                    rand,
+                    self._sample(
+                        _rows(logits, rand),
+                        _rows(raw, rand),
+                        [params[i] for i in rand],
+                        [requests[i].generator for i in rand],
+                    ),
+                )
+            )
         token_ids = _merge_rows(parts, len(requests), logits.device)
         if grammar is not None:
             _keep_to_grammar_(token_ids, raw, *grammar)
@@ -130,7 +139,9 @@ class Sampler:
     # -- logits processing ----------------------------------------------------------------------
 
     def _penalized(
-        self, logits: torch.Tensor, requests: Sequence[SamplerRow],
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SamplerRow],
         grammar: tuple[torch.Tensor, list[int]] | None = None,
     ) -> torch.Tensor:
         """Penalties and min_tokens blocking, on a copy (only made when some row needs it). A constrained row
@@ -425,8 +436,9 @@ def _bucket_cut(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
 
 
-def _logprob_tensors(token_ids: torch.Tensor, rows: list[int], logprobs: torch.Tensor, num_top: list[int]
-                     ) -> list[torch.Tensor | None]:
+def _logprob_tensors(
+    token_ids: torch.Tensor, rows: list[int], logprobs: torch.Tensor, num_top: list[int]
+) -> list[torch.Tensor | None]:
     """On the logits' device, for the rows asking for logprobs: the sampled tokens' raw logprobs, their ranks, and
     the top-n values and ids (None without any top-n), for `_fill_logprobs` once they are on the host."""
     sampled = _rows(token_ids.unsqueeze(1), rows)
@@ -437,8 +449,9 @@ def _logprob_tensors(token_ids: torch.Tensor, rows: list[int], logprobs: torch.T
     return [sampled_lp.squeeze(1), ranks, top_vals, top_ids]
 
 
-def _fill_logprobs(out: list[SampledToken], rows: list[int], host: list[torch.Tensor | None], num_top: list[int]
-                   ) -> None:
+def _fill_logprobs(
+    out: list[SampledToken], rows: list[int], host: list[torch.Tensor | None], num_top: list[int]
+) -> None:
     """Raw logprob and rank of each sampled token, and the top-n of its row, from `_logprob_tensors`' tensors
     brought to the host."""
     sampled_lp, ranks, top_vals, top_ids = (None if t is None else t.tolist() for t in host)
@@ -453,9 +466,7 @@ def _fill_logprobs(out: list[SampledToken], rows: list[int], host: list[torch.Te
         tok.top_logprobs = top
 
 
-def prompt_logprobs(
-    logits: torch.Tensor, next_token_ids: Sequence[int], num_top: int
-) -> list[dict[int, Logprob]]:
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num_top: int) -> list[dict[int, Logprob]]:
     """Logprobs of prompt tokens: row j of `logits` (position j) judges `next_token_ids[j]`
     (the token at position j + 1). Each dict holds that token first (with its rank), then the top
     `num_top` tokens. Works on any chunk of positions, so chunked prefill can call it per chunk;

@@ -140,7 +140,7 @@ class Scheduler:
         step's token budget."""
         if not request.spec_token_ids or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
             return []
-        return request.spec_token_ids[:budget - 1]
+        return request.spec_token_ids[: budget - 1]
 
     def _grammar_ready(self, request: Request, out: SchedulerOutput) -> bool:
         """Whether `request` may be admitted as far as its grammar goes: it has none or its compile is done. One

@@ -24,8 +24,10 @@ COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fP
 # flags it adds. The library is built on the machine that runs it, for the best set its CPU has: AVX-512 doubles
 # the float32 FLOPs per instruction of the blocked matmul (widened_matmul.h), which bounds a step at batch >= 8.
 ISA_REQUIREMENTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    "avx512": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}),
-               ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")),
+    "avx512": (
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}),
+        ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"),
+    ),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ()),
 }
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -37,8 +39,24 @@ SIGNATURES: dict[str, list] = {
     "kvserve_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64],
     "kvserve_gated_act": [_P, _I64, _I64, ctypes.c_int32, _P],
     "kvserve_paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
-    "kvserve_paged_decode_attention_i8": [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                                          _F32, _P],
+    "kvserve_paged_decode_attention_i8": [
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _F32,
+        _P,
+    ],
     "kvserve_paged_prefill_attention": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
     "kvserve_qk_norm_rope": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F32, _P, _P, _P],
     # (layer, step) are the addresses of kernels/layer_abi.py's LayerDesc and StepDesc
@@ -95,13 +113,17 @@ def build_native_library(cache_dir: Path, isa: str | None = None) -> Path:
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    log.info("compiling kvserve's CPU kernels with %s for %s into %s (once; about 10 s)", compiler, isa,
-             cache_dir)
+    log.info("compiling kvserve's CPU kernels with %s for %s into %s (once; about 10 s)", compiler, isa, cache_dir)
     # Build beside the target, then rename: concurrent first starts never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         partial = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(partial)],
-                                check=False, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [compiler, *flags, *map(str, SOURCES), "-o", str(partial)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to build the kernels: {result.stderr.strip()[-2000:]}")
         os.replace(partial, target)

@@ -41,17 +41,19 @@ NATIVE_ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu_tanh": 0, "gelu_new": 0, "si
 class Kernels(Protocol):
     @property
     def name(self) -> str:
-        """"torch" or "native" (read-only, so that the frozen dataclasses below satisfy the protocol)."""
+        """ "torch" or "native" (read-only, so that the frozen dataclasses below satisfy the protocol)."""
         ...
 
-    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+    def q8_matmul(
+        self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [M, K] @ dequant(q [N, K] int8, scales [N, K/32] float32)^T -> [M, N] float32; into `out` ([M, N]
         float32 contiguous) when given, and then `out` is returned."""
         ...
 
-    def gguf_matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+    def gguf_matmul(
+        self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [M, K] @ W^T with W [N, K] held as GGUF blocks of ggml type `qtype` (uint8 [N, row_bytes], see
         kernels/gguf_blocks.py) -> [M, N] float32; into `out` ([M, N] float32 whose rows may be a column slice of
         a wider buffer) when given, and then `out` is returned."""
@@ -61,8 +63,9 @@ class Kernels(Protocol):
         """uint8 [N, row_bytes] GGUF blocks of `qtype` -> float32 [N, K] (an embedding's looked-up rows)."""
         ...
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """RMSNorm over the last axis of x ([T, D] or [T, G, D]) in float32 times weight [D]; into `out` (same
         shape, float32, may be a strided view) when given, else a new contiguous tensor."""
         ...
@@ -71,9 +74,16 @@ class Kernels(Protocol):
         """act(gate) * up for gate_up = [..., gate | up] (equal halves); act is one of GATED_ACTIVATIONS."""
         ...
 
-    def qk_norm_rope(self, qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
-                     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
-                     ) -> torch.Tensor:
+    def qk_norm_rope(
+        self,
+        qk: torch.Tensor,
+        q_heads: int,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> torch.Tensor:
         """qk [T, heads, D] (Q heads then K heads; rows may be strided, as slices of the fused QKV output): the
         per-head RMSNorm (q_weight on the first q_heads, k_weight on the rest; none when the weights are None),
         then NEOX rope with cos / signed_sin [T, 1, D] (cos over both halves, sin negated on the first half)
@@ -85,16 +95,31 @@ class Kernels(Protocol):
         gathers K/V and uses SDPA)."""
         ...
 
-    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                               scale: float) -> torch.Tensor:
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
         """q [B, H, D] (one token per sequence, at position seq_len - 1) over each sequence's context in the
         paged cache [blocks, block_size, kv_heads, D], read through block_tables [B, W] -> [B, H, D]."""
         ...
 
-    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_table: torch.Tensor, seq_len: int, window: int | None, scale: float,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        window: int | None,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [L, H, D] (one sequence's chunk, at positions seq_len - L .. seq_len - 1), causal over its context
         in the paged cache, read through block_table [W] -> [L, H, D]; into `out` (contiguous) when given."""
         ...
@@ -108,8 +133,9 @@ class TorchKernels:
     slab_rows: int = 16384
     name: str = "torch"
 
-    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+    def q8_matmul(
+        self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = x.float()
         if q.shape[0] <= self.slab_rows:
             return torch.matmul(x, dequantize_q8(q, scales).T, out=out)
@@ -120,8 +146,9 @@ class TorchKernels:
             out[:, start:end] = x @ dequantize_q8(q[start:end], scales[start:end]).T
         return out
 
-    def gguf_matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+    def gguf_matmul(
+        self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = x.float()
         if out is None:
             out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32, device=x.device)
@@ -133,8 +160,9 @@ class TorchKernels:
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         return dequantize_blocks(blocks, qtype).to(blocks.device)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         y = F.rms_norm(x.float(), weight.shape, weight, eps)
         return y if out is None else out.copy_(y)
 
@@ -142,9 +170,16 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return GATED_ACTIVATIONS[act](gate) * up
 
-    def qk_norm_rope(self, qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
-                     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
-                     ) -> torch.Tensor:
+    def qk_norm_rope(
+        self,
+        qk: torch.Tensor,
+        q_heads: int,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> torch.Tensor:
         if q_weight is not None and k_weight is not None:
             normed = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
             self.rms_norm(qk[:, :q_heads], q_weight, eps, out=normed[:, :q_heads])
@@ -156,14 +191,29 @@ class TorchKernels:
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         return False  # torch has no paged attention: attention/cpu.py gathers K/V and calls SDPA
 
-    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                               scale: float) -> torch.Tensor:
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
         raise NotImplementedError("the torch kernels have no paged attention; check has_paged_attention first")
 
-    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_table: torch.Tensor, seq_len: int, window: int | None, scale: float,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        window: int | None,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         raise NotImplementedError("the torch kernels have no paged attention; check has_paged_attention first")
 
 
@@ -176,42 +226,50 @@ class NativeKernels:
     name: str = "native"
     isa: str = "avx2"  # the instruction set the library was built for (kvserve.kernels.native.ISA_REQUIREMENTS)
 
-    def q8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+    def q8_matmul(
+        self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if x.device.type != "cpu" or q.device.type != "cpu":
             return self.fallback.q8_matmul(x, q, scales, out)
         x = x.float().contiguous()
         m, k = x.shape
         n = q.shape[0]
         if q.shape[1] != k or scales.shape != (n, k // GROUP_SIZE) or k % GROUP_SIZE:
-            raise ValueError(f"q8 matmul shapes do not fit: x {tuple(x.shape)}, q {tuple(q.shape)}, "
-                             f"scales {tuple(scales.shape)}")
+            raise ValueError(
+                f"q8 matmul shapes do not fit: x {tuple(x.shape)}, q {tuple(q.shape)}, scales {tuple(scales.shape)}"
+            )
         if out is not None and (out.shape != (m, n) or out.dtype != torch.float32 or not out.is_contiguous()):
-            raise ValueError(f"q8 matmul output must be a contiguous float32 [{m}, {n}], got {out.dtype} "
-                             f"{tuple(out.shape)}")
+            raise ValueError(
+                f"q8 matmul output must be a contiguous float32 [{m}, {n}], got {out.dtype} {tuple(out.shape)}"
+            )
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m:
             self.library.kvserve_q8_matmul(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr())
         return y
 
-    def gguf_matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+    def gguf_matmul(
+        self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if qtype not in NATIVE_GGUF_TYPES or x.device.type != "cpu" or blocks.device.type != "cpu":
             return self.fallback.gguf_matmul(x, blocks, qtype, out)
         x = x.float().contiguous()
         m, k = x.shape
         n = blocks.shape[0]
         if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_length(qtype, blocks.shape[1]) != k:
-            raise ValueError(f"gguf matmul shapes do not fit: x {tuple(x.shape)}, {NATIVE_GGUF_TYPES[qtype].name} "
-                             f"blocks {blocks.dtype} {tuple(blocks.shape)}")
-        if out is not None and (out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1
-                                or (m > 1 and out.stride(0) < n)):
-            raise ValueError(f"gguf matmul output must be float32 [{m}, {n}] with unit column stride, got "
-                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+            raise ValueError(
+                f"gguf matmul shapes do not fit: x {tuple(x.shape)}, {NATIVE_GGUF_TYPES[qtype].name} "
+                f"blocks {blocks.dtype} {tuple(blocks.shape)}"
+            )
+        if out is not None and (
+            out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1 or (m > 1 and out.stride(0) < n)
+        ):
+            raise ValueError(
+                f"gguf matmul output must be float32 [{m}, {n}] with unit column stride, got "
+                f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
+            )
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m and n:
-            self.library.kvserve_gguf_matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(),
-                                             y.stride(0))
+            self.library.kvserve_gguf_matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(), y.stride(0))
         return y
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -224,39 +282,73 @@ class NativeKernels:
             self.library.kvserve_gguf_dequantize(blocks.data_ptr(), qtype, rows, k, out.data_ptr())
         return out
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        if not (_rows_layout(x) and (out is None or (_rows_layout(out) and out.dtype == torch.float32))
-                and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.is_contiguous()):
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not (
+            _rows_layout(x)
+            and (out is None or (_rows_layout(out) and out.dtype == torch.float32))
+            and x.dtype == weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and weight.is_contiguous()
+        ):
             return self.fallback.rms_norm(x, weight, eps, out)
         dst = torch.empty(x.shape, dtype=torch.float32) if out is None else out
         tokens = x.shape[0] if x.dim() > 1 else 1
         groups = x.shape[1] if x.dim() == 3 else 1
         if tokens:
-            self.library.kvserve_rms_norm(x.data_ptr(), tokens, x.stride(0) if x.dim() > 1 else 0, groups,
-                                          x.shape[-1], weight.data_ptr(), eps, dst.data_ptr(),
-                                          dst.stride(0) if dst.dim() > 1 else 0)
+            self.library.kvserve_rms_norm(
+                x.data_ptr(),
+                tokens,
+                x.stride(0) if x.dim() > 1 else 0,
+                groups,
+                x.shape[-1],
+                weight.data_ptr(),
+                eps,
+                dst.data_ptr(),
+                dst.stride(0) if dst.dim() > 1 else 0,
+            )
         return dst
 
-
-    def qk_norm_rope(self, qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
-                     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
-                     ) -> torch.Tensor:
+    def qk_norm_rope(
+        self,
+        qk: torch.Tensor,
+        q_heads: int,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> torch.Tensor:
         tokens, heads, dim = qk.shape
         weights = (q_weight, k_weight) if q_weight is not None and k_weight is not None else (None, None)
-        if not (qk.dtype == cos.dtype == signed_sin.dtype == torch.float32 and qk.device.type == "cpu"
-                and qk.stride(2) == 1 and qk.stride(1) == dim and dim % 16 == 0
-                and cos.is_contiguous() and signed_sin.is_contiguous()
-                and cos.numel() == signed_sin.numel() == tokens * dim
-                and all(w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.numel() == dim)
-                        for w in weights)):
+        if not (
+            qk.dtype == cos.dtype == signed_sin.dtype == torch.float32
+            and qk.device.type == "cpu"
+            and qk.stride(2) == 1
+            and qk.stride(1) == dim
+            and dim % 16 == 0
+            and cos.is_contiguous()
+            and signed_sin.is_contiguous()
+            and cos.numel() == signed_sin.numel() == tokens * dim
+            and all(w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.numel() == dim) for w in weights)
+        ):
             return self.fallback.qk_norm_rope(qk, q_heads, q_weight, k_weight, eps, cos, signed_sin)
         out = torch.empty(tokens, heads, dim, dtype=torch.float32)
         if tokens:
             self.library.kvserve_qk_norm_rope(
-                qk.data_ptr(), tokens, qk.stride(0), heads, q_heads, dim,
-                *(w.data_ptr() if w is not None else None for w in weights), eps, cos.data_ptr(),
-                signed_sin.data_ptr(), out.data_ptr())
+                qk.data_ptr(),
+                tokens,
+                qk.stride(0),
+                heads,
+                q_heads,
+                dim,
+                *(w.data_ptr() if w is not None else None for w in weights),
+                eps,
+                cos.data_ptr(),
+                signed_sin.data_ptr(),
+                out.data_ptr(),
+            )
         return out
 
     def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
@@ -274,10 +366,18 @@ class NativeKernels:
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         return cache.dtype == torch.float32 and cache.device.type == "cpu" and cache.is_contiguous()
 
-    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                               scale: float, k_scales: torch.Tensor | None = None,
-                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None,
+        scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """With k_scales / v_scales ([blocks, block_size, kv_heads]): an int8 cache, read in place."""
         batch, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
@@ -287,44 +387,98 @@ class NativeKernels:
         out = torch.empty(batch, heads, dim, dtype=torch.float32)
         if not batch:
             return out
-        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, heads, kv_heads, dim, block_size,
-                 window or 0, scale, out.data_ptr())
+        rest = (
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            batch,
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            window or 0,
+            scale,
+            out.data_ptr(),
+        )
         if k_scales is None or v_scales is None:
             self.library.kvserve_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rest)
         else:
             self.library.kvserve_paged_decode_attention_i8(
-                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.contiguous().data_ptr(),
-                v_scales.contiguous().data_ptr(), *rest)
+                q.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                k_scales.contiguous().data_ptr(),
+                v_scales.contiguous().data_ptr(),
+                *rest,
+            )
         return out
 
-    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_table: torch.Tensor, seq_len: int, window: int | None, scale: float,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        window: int | None,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q_len, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         table = block_table.to(torch.int64).contiguous()
         if not 0 < q_len <= seq_len or table.numel() * block_size < seq_len or heads % kv_heads:
-            raise ValueError(f"paged prefill attention: {q_len} queries, context {seq_len}, a table of "
-                             f"{table.numel()} blocks of {block_size}, {heads} heads over {kv_heads} KV heads")
+            raise ValueError(
+                f"paged prefill attention: {q_len} queries, context {seq_len}, a table of "
+                f"{table.numel()} blocks of {block_size}, {heads} heads over {kv_heads} KV heads"
+            )
         q = q.float().contiguous()
         direct = out is not None and out.is_contiguous() and out.dtype == torch.float32
         dst = out if out is not None and direct else torch.empty(q_len, heads, dim, dtype=torch.float32)
         self.library.kvserve_paged_prefill_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), q_len, seq_len, heads,
-            kv_heads, dim, block_size, window or 0, scale, dst.data_ptr())
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            table.data_ptr(),
+            q_len,
+            seq_len,
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            window or 0,
+            scale,
+            dst.data_ptr(),
+        )
         return dst if out is None or direct else out.copy_(dst)
 
-    def decoder_layer(self, layer: LayerDesc, step: StepDesc, h: torch.Tensor, cos: torch.Tensor,
-                      signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
+    def decoder_layer(
+        self,
+        layer: LayerDesc,
+        step: StepDesc,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+    ) -> None:
         """A whole decoder layer (decoder_layer.cpp) on the residual stream h [T, hidden] float32, in place.
         Only for the native layer path (model/native_layer.py), which has checked every layout and dtype the
         call relies on, once per model or once per step: this is the hot path, so it checks nothing. An int8
         cache comes with its scales (kvserve/kv/quant.py's layout)."""
-        self.library.kvserve_decoder_layer(ctypes.addressof(layer), ctypes.addressof(step), h.data_ptr(),
-                                           cos.data_ptr(), signed_sin.data_ptr(), k_cache.data_ptr(),
-                                           v_cache.data_ptr(), None if k_scales is None else k_scales.data_ptr(),
-                                           None if v_scales is None else v_scales.data_ptr())
+        self.library.kvserve_decoder_layer(
+            ctypes.addressof(layer),
+            ctypes.addressof(step),
+            h.data_ptr(),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            None if k_scales is None else k_scales.data_ptr(),
+            None if v_scales is None else v_scales.data_ptr(),
+        )
 
     def quantize_int8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [rows, dim] float32 -> (int8 [rows, dim], float32 scales [rows]): the native layer's KV write."""
@@ -333,7 +487,6 @@ class NativeKernels:
         scales = torch.empty(x.shape[0], dtype=torch.float32)
         self.library.kvserve_quantize_int8_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scales.data_ptr())
         return q, scales
-
 
     def decoder_layer_abi_matches(self) -> bool:
         """Whether the library's struct sizes are those of kernels/layer_abi.py's ctypes mirror."""
@@ -345,8 +498,9 @@ class NativeKernels:
         """Floats of scratch memory `decoder_layer` needs for a step of `tokens` rows (`decode_count`: the
         decode rows of a mixed step, 0 when all rows are decodes)."""
         floats = ctypes.c_int64()
-        self.library.kvserve_decoder_layer_scratch(ctypes.addressof(layer), tokens, decode_count,
-                                                   ctypes.addressof(floats))
+        self.library.kvserve_decoder_layer_scratch(
+            ctypes.addressof(layer), tokens, decode_count, ctypes.addressof(floats)
+        )
         return floats.value
 
 

@@ -103,13 +103,20 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
         return torch.ones(shape[:3], dtype=torch.float32, device=device) if spec.is_quantized else None
 
     caches = [
-        LayerKVCache(torch.empty(shape, dtype=spec.dtype, device=device),
-                     torch.empty(shape, dtype=spec.dtype, device=device), scales(), scales())
+        LayerKVCache(
+            torch.empty(shape, dtype=spec.dtype, device=device),
+            torch.empty(shape, dtype=spec.dtype, device=device),
+            scales(),
+            scales(),
+        )
         for _ in range(spec.num_layers)
     ]
     logger.info(
         "KV cache dtype %s: %d blocks x %d tokens, %d bytes/token (%s)",
-        spec.dtype_name, num_blocks, spec.block_size, spec.bytes_per_token,
+        spec.dtype_name,
+        num_blocks,
+        spec.block_size,
+        spec.bytes_per_token,
         "8-bit with a float32 scale per token and KV head" if spec.is_quantized else "unquantized",
     )
     return caches

@@ -58,8 +58,9 @@ class ZmqKVEventPublisher:
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
         self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
-        self.replay_endpoint = (None if config.replay_endpoint is None
-                                else offset_endpoint(config.replay_endpoint, data_parallel_rank))
+        self.replay_endpoint = (
+            None if config.replay_endpoint is None else offset_endpoint(config.replay_endpoint, data_parallel_rank)
+        )
         self.dropped = 0  # events the engine thread could not hand over (queue full); engine thread only
         self.published = 0  # batches sent; publisher thread only
         self._queue: queue.Queue[KVEvent] = queue.Queue(maxsize=config.max_queue_size)
@@ -72,8 +73,12 @@ class ZmqKVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvserve-kv-events", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a script that never closes its engine still sends what it queued
-        logger.info("publishing KV events on %s%s (vLLM's schema, %s-encoded events)", self.endpoint,
-                    f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", config.event_encoding)
+        logger.info(
+            "publishing KV events on %s%s (vLLM's schema, %s-encoded events)",
+            self.endpoint,
+            f", replay on {self.replay_endpoint}" if self.replay_endpoint else "",
+            config.event_encoding,
+        )
 
     def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         """Made here, on the caller's thread, so that a bad or taken address fails the engine's start; used only
@@ -91,8 +96,10 @@ class ZmqKVEventPublisher:
             if replay is not None:
                 replay.close(linger=0)
             self._ctx.term()
-            raise ValueError(f"--kv-events-config: cannot open {self.endpoint}"
-                             f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}: {e}") from None
+            raise ValueError(
+                f"--kv-events-config: cannot open {self.endpoint}"
+                f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}: {e}"
+            ) from None
         return pub, replay
 
     # ---- the engine thread ----
@@ -137,8 +144,9 @@ class ZmqKVEventPublisher:
                         events.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                batch = event_batch(events, time.time(), self.medium, self.config.event_encoding,
-                                    self.data_parallel_rank)
+                batch = event_batch(
+                    events, time.time(), self.medium, self.config.event_encoding, self.data_parallel_rank
+                )
                 if batch is not None:
                     payload = self._encoder.encode(batch)
                     self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))

@@ -49,9 +49,15 @@ class KVEventsConfig:
         if self.publisher is None:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         types: list[tuple[str, type | tuple[type, ...]]] = [
-            ("enable_kv_cache_events", bool), ("publisher", str), ("endpoint", str),
-            ("replay_endpoint", (str, type(None))), ("buffer_steps", int), ("hwm", int), ("max_queue_size", int),
-            ("topic", str), ("event_encoding", str),
+            ("enable_kv_cache_events", bool),
+            ("publisher", str),
+            ("endpoint", str),
+            ("replay_endpoint", (str, type(None))),
+            ("buffer_steps", int),
+            ("hwm", int),
+            ("max_queue_size", int),
+            ("topic", str),
+            ("event_encoding", str),
         ]
         for name, kind in types:
             value = getattr(self, name)
@@ -60,8 +66,11 @@ class KVEventsConfig:
         checks = [
             (self.publisher in PUBLISHERS, "publisher", f"one of {', '.join(PUBLISHERS)}"),
             (self.endpoint.startswith(ENDPOINT_SCHEMES), "endpoint", f"a ZMQ address ({', '.join(ENDPOINT_SCHEMES)})"),
-            (self.replay_endpoint is None or self.replay_endpoint.startswith(ENDPOINT_SCHEMES), "replay_endpoint",
-             f"null or a ZMQ address ({', '.join(ENDPOINT_SCHEMES)})"),
+            (
+                self.replay_endpoint is None or self.replay_endpoint.startswith(ENDPOINT_SCHEMES),
+                "replay_endpoint",
+                f"null or a ZMQ address ({', '.join(ENDPOINT_SCHEMES)})",
+            ),
             (self.buffer_steps >= 1, "buffer_steps", ">= 1"),
             (self.hwm >= 0, "hwm", ">= 0 (0: no limit)"),
             (self.max_queue_size >= 1, "max_queue_size", ">= 1"),
@@ -82,19 +91,25 @@ def parse_kv_events_config(value: str | dict[str, Any] | KVEventsConfig | None) 
     return config_from_json_flag(value, KVEventsConfig, "kv_events_config")
 
 
-def start_kv_event_publisher(config: KVEventsConfig | None, events: KVEventBuffer, block_size: int,
-                             medium: str, prefix_caching: bool,
-                             data_parallel_rank: int = 0) -> ZmqKVEventPublisher | None:
+def start_kv_event_publisher(
+    config: KVEventsConfig | None,
+    events: KVEventBuffer,
+    block_size: int,
+    medium: str,
+    prefix_caching: bool,
+    data_parallel_rank: int = 0,
+) -> ZmqKVEventPublisher | None:
     """Start publishing `events` when the config enables it (binding its sockets now, so a taken port fails the
     engine's start with a clear error); None otherwise, without importing zmq."""
     if config is None or not config.enabled:
         return None
     if not prefix_caching:
-        logger.warning("--kv-events-config is set but prefix caching is off: no block will ever be stored, so the "
-                       "stream stays empty")
+        logger.warning(
+            "--kv-events-config is set but prefix caching is off: no block will ever be stored, so the "
+            "stream stays empty"
+        )
     from kvserve.kv.event_publisher import ZmqKVEventPublisher
 
-    publisher = ZmqKVEventPublisher(config, block_size=block_size, medium=medium,
-                                    data_parallel_rank=data_parallel_rank)
+    publisher = ZmqKVEventPublisher(config, block_size=block_size, medium=medium, data_parallel_rank=data_parallel_rank)
     events.listeners.append(publisher.record)
     return publisher

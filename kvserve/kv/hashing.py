@@ -53,12 +53,14 @@ class BlockHasher:
         self._digest = _digest_fn(algo)
 
     def hash_block(self, parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
-        data = b"".join((
-            parent or b"\x00" * 16,
-            len(extra_keys).to_bytes(4, "little"),
-            extra_keys,
-            array("q", token_ids).tobytes(),
-        ))
+        data = b"".join(
+            (
+                parent or b"\x00" * 16,
+                len(extra_keys).to_bytes(4, "little"),
+                extra_keys,
+                array("q", token_ids).tobytes(),
+            )
+        )
         return self._digest(data)
 
     def extend(

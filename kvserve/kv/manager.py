@@ -132,17 +132,29 @@ class KVCacheManager:
         """Blocks a request of num_tokens tokens holds: just enough, or its whole reservation."""
         return cdiv(max(num_tokens, self.reserve_tokens), self.block_size)
 
-    def can_fit(self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock],
-                num_lookahead_tokens: int = 0) -> bool:
+    def can_fit(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock],
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
         held = self.req_blocks.get(request.request_id, [])
-        num_tokens = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-                      + num_lookahead_tokens)
+        num_tokens = (
+            request.num_computed_tokens
+            + len(new_computed_blocks) * self.block_size
+            + num_new_tokens
+            + num_lookahead_tokens
+        )
         needed = self._blocks_for(num_tokens) - len(held) - len(new_computed_blocks)
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return max(needed, 0) + revived <= self.pool.num_free_blocks
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None,
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after any prefix-hit blocks), plus slots for

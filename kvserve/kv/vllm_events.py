@@ -61,15 +61,25 @@ def _coalesce(events: Iterable[KVEvent]) -> list[_Stored | _Removed | _Cleared]:
     for event in events:
         last = out[-1] if out else None
         if isinstance(event, BlockStored):
-            if (isinstance(last, _Stored) and event.parent_block_hash == last.last_hex
-                    and event.block_size == last.block_size):
+            if (
+                isinstance(last, _Stored)
+                and event.parent_block_hash == last.last_hex
+                and event.block_size == last.block_size
+            ):
                 last.hashes.append(external_block_hash(event.block_hash))
                 last.token_ids.extend(event.token_ids)
                 last.last_hex = event.block_hash
             else:
                 parent = None if event.parent_block_hash is None else external_block_hash(event.parent_block_hash)
-                out.append(_Stored([external_block_hash(event.block_hash)], event.block_hash, parent,
-                                   list(event.token_ids), event.block_size))
+                out.append(
+                    _Stored(
+                        [external_block_hash(event.block_hash)],
+                        event.block_hash,
+                        parent,
+                        list(event.token_ids),
+                        event.block_size,
+                    )
+                )
         elif isinstance(event, BlockRemoved):
             if not isinstance(last, _Removed):
                 last = _Removed()
@@ -85,10 +95,19 @@ def _as_map(item: _Stored | _Removed | _Cleared, medium: str) -> dict[str, Any]:
     msgspec's omit_defaults leaves them out (extra_keys is sent: one None per block, like vLLM without LoRA,
     multimodal inputs or a salt to report)."""
     if isinstance(item, _Stored):
-        return {"type": "BlockStored", "block_hashes": item.hashes, "parent_block_hash": item.parent,
-                "token_ids": item.token_ids, "block_size": item.block_size, "lora_id": None, "medium": medium,
-                "lora_name": None, "extra_keys": [None] * len(item.hashes), "group_idx": GROUP_IDX,
-                "kv_cache_spec_kind": KV_CACHE_SPEC_KIND}
+        return {
+            "type": "BlockStored",
+            "block_hashes": item.hashes,
+            "parent_block_hash": item.parent,
+            "token_ids": item.token_ids,
+            "block_size": item.block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+            "extra_keys": [None] * len(item.hashes),
+            "group_idx": GROUP_IDX,
+            "kv_cache_spec_kind": KV_CACHE_SPEC_KIND,
+        }
     if isinstance(item, _Removed):
         return {"type": "BlockRemoved", "block_hashes": item.hashes, "medium": medium, "group_idx": GROUP_IDX}
     return {"type": "AllBlocksCleared"}
@@ -104,8 +123,9 @@ def _as_array(item: _Stored | _Removed | _Cleared, medium: str) -> list[Any]:
     return ["AllBlocksCleared"]
 
 
-def event_batch(events: Iterable[KVEvent], ts: float, medium: str, encoding: str = "map",
-                data_parallel_rank: int = 0) -> list[Any] | None:
+def event_batch(
+    events: Iterable[KVEvent], ts: float, medium: str, encoding: str = "map", data_parallel_rank: int = 0
+) -> list[Any] | None:
     """One KVEventBatch, msgpack-ready: [ts, [event, ...], data_parallel_rank]; None when no event is vLLM's."""
     items = _coalesce(events)
     if not items:

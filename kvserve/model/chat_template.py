@@ -75,9 +75,7 @@ def resolve_chat_template(value: str) -> str:
             raise ValueError(f"chat template file {path}: cannot read it: {e}") from e
     if "{{" in value or "{%" in value:
         return value
-    raise ValueError(
-        f"--chat-template {value!r}: no such file, and not a jinja2 template string (no '{{{{' or '{{%')"
-    )
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a jinja2 template string (no '{{{{' or '{{%')")
 
 
 # -- tools ---------------------------------------------------------------------------------------------------------
@@ -108,8 +106,10 @@ class JSONToolStyle:
     """The default (no parser, or tool_choice "required"): calls as the forced JSON array."""
 
     def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("You can call these functions. To call functions, reply with only a JSON array of calls, each "
-                '{"name": <function name>, "parameters": <arguments object>}.\n' + functions_json(tools))
+        return (
+            "You can call these functions. To call functions, reply with only a JSON array of calls, each "
+            '{"name": <function name>, "parameters": <arguments object>}.\n' + functions_json(tools)
+        )
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         return json.dumps([{"name": n, "parameters": a} for n, a in calls], ensure_ascii=False)
@@ -133,8 +133,9 @@ _TOOL_CALLS_RE = re.compile(r"\btool_calls\b")
 
 
 def tool_support(template: str) -> TemplateToolSupport:
-    return TemplateToolSupport(bool(_TOOLS_RE.search(template)), bool(_TOOL_ROLE_RE.search(template)),
-                               bool(_TOOL_CALLS_RE.search(template)))
+    return TemplateToolSupport(
+        bool(_TOOLS_RE.search(template)), bool(_TOOL_ROLE_RE.search(template)), bool(_TOOL_CALLS_RE.search(template))
+    )
 
 
 def tool_fallback_messages(

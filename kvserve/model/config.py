@@ -111,8 +111,10 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         """Map an HF config dict (transformers 4.x or 5.x layout) onto ModelConfig."""
         if "text_config" in cfg and cfg.get("model_type") == "gemma3":
-            raise ValueError("multimodal Gemma3ForConditionalGeneration checkpoints are not supported; "
-                             "use a text-only (gemma3_text) checkpoint")
+            raise ValueError(
+                "multimodal Gemma3ForConditionalGeneration checkpoints are not supported; "
+                "use a text-only (gemma3_text) checkpoint"
+            )
         model_type = cfg.get("model_type")
         family = _HF_FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
@@ -177,8 +179,9 @@ class ModelConfig:
         arch = f.architecture
         family = _GGUF_FAMILIES.get(arch)
         if family is None:
-            raise ValueError(f"{f.path}: unsupported GGUF architecture {arch!r} "
-                             f"(supported: {', '.join(_GGUF_FAMILIES)})")
+            raise ValueError(
+                f"{f.path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(_GGUF_FAMILIES)})"
+            )
 
         def need(key: str) -> Any:
             value = f.arch_value(key)
@@ -192,8 +195,9 @@ class ModelConfig:
         n_kv = f.arch_value("attention.head_count_kv", n_heads)
         if isinstance(n_kv, list):
             raise NotImplementedError(f"{f.path}: per-layer KV head counts are not supported")
-        head_dim = int(f.arch_value("attention.key_length") or f.arch_value("rope.dimension_count")
-                       or hidden // n_heads)
+        head_dim = int(
+            f.arch_value("attention.key_length") or f.arch_value("rope.dimension_count") or hidden // n_heads
+        )
         theta = float(f.arch_value("rope.freq_base", 10_000.0))
         embd = f.tensors.get("token_embd.weight")
         if embd is None:
@@ -295,8 +299,10 @@ def _hf_rope(cfg: dict[str, Any], family: str, layer_types: list[str]) -> tuple[
         else:
             full = dict(cfg.get("rope_scaling") or {})
             full["rope_theta"] = cfg.get("rope_theta", 1_000_000.0)
-            per_type = {"full_attention": full,
-                        "sliding_attention": {"rope_theta": cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)}}
+            per_type = {
+                "full_attention": full,
+                "sliding_attention": {"rope_theta": cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)},
+            }
         defaults = {"full_attention": 1_000_000.0, "sliding_attention": GEMMA3_LOCAL_ROPE_THETA}
         thetas = [float(per_type[t].get("rope_theta", defaults[t])) for t in layer_types]
         scalings = [_normalize_scaling(per_type[t]) for t in layer_types]

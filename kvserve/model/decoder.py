@@ -89,15 +89,22 @@ class DecoderModel(nn.Module):
             self.layers = nn.ModuleList()
             for i in range(c.num_layers):
                 attn = PagedAttention(
-                    c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                    qkv_bias=c.attention_bias, out_bias=c.attention_out_bias,
+                    c.hidden_size,
+                    c.num_heads,
+                    c.num_kv_heads,
+                    c.head_dim,
+                    qkv_bias=c.attention_bias,
+                    out_bias=c.attention_out_bias,
                     qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
-                    scale=c.attention_scale, sliding_window=c.sliding_windows[i], backend=backend,
+                    scale=c.attention_scale,
+                    sliding_window=c.sliding_windows[i],
+                    backend=backend,
                 )
                 self.layers.append(DecoderLayer(c, attn).to(dtype=dtype))
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
-                                                                         dtype=dtype)
+            self.lm_head = (
+                None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+            )
         self._keep_norms_float32()
         _materialize(self, torch.device(device))
         # One rope table per distinct (theta, scaling); layers point at theirs by index.
@@ -130,8 +137,9 @@ class DecoderModel(nn.Module):
         if not self.layer_path_chosen:
             self.layer_path_chosen = True
             try:
-                self.native_layers = NativeLayerStack.build(self.layers, self.kernels, self.dtype,
-                                                            self.attention_backend)
+                self.native_layers = NativeLayerStack.build(
+                    self.layers, self.kernels, self.dtype, self.attention_backend
+                )
                 log.info("decoder layers: one native call per layer (kernels/decoder_layer.cpp)")
             except NativeLayerUnsupported as e:
                 log.info("decoder layers: the torch modules (%s)", e)
@@ -237,14 +245,17 @@ class DecoderModel(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {c.family} model")
             dest = param.data if rows is None else param.data.narrow(0, offset, rows)
             if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
             dest.copy_(tensor)
             done.add((target, offset))
         missing = sorted(f"{n}[{o}:]" if o else n for n, o in needed - done)
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
-                             + (" ..." if len(missing) > 8 else ""))
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:
@@ -255,8 +266,9 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None:
-                sub._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                     requires_grad=False)
+                sub._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False
+                )
         for name, b in list(sub._buffers.items()):
             if b is not None:
                 sub._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)

@@ -55,7 +55,7 @@ class GGUFLinear(nn.Module):
         y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=x.device) if out is None else out
         start = 0
         for i, (qtype, rows) in enumerate(zip(self.qtypes, self.part_rows)):
-            dst = y if len(self.qtypes) == 1 else y[:, start:start + rows]
+            dst = y if len(self.qtypes) == 1 else y[:, start : start + rows]
             self.kernels.gguf_matmul(flat, getattr(self, f"blocks{i}"), qtype, out=dst)
             start += rows
         if self.bias is not None:

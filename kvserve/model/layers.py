@@ -133,8 +133,9 @@ class PagedAttention(nn.Module):
         v = qkv[:, q_size + kv_heads * self.head_dim :].view(t, kv_heads, self.head_dim)
         # Per-head norms (if any) and rope in one kernel call: rotates the pair (i, i + head_dim / 2).
         qn, kn = self.q_norm, self.k_norm
-        qk = self.kernels.qk_norm_rope(qk, heads, qn.weight if qn else None, kn.weight if kn else None,
-                                       qn.eps if qn else 0.0, cos, sin)
+        qk = self.kernels.qk_norm_rope(
+            qk, heads, qn.weight if qn else None, kn.weight if kn else None, qn.eps if qn else 0.0, cos, sin
+        )
         q, k = qk[:, :heads], qk[:, heads:]
         kv_cache.write(k, v, meta.slot_mapping)
         out = self.backend(q, kv_cache, meta, self.spec, self.kernels)

@@ -35,7 +35,7 @@ def requantize_rows(blocks: torch.Tensor, qtype: int, target: int, kernels: Kern
 
     slabs = []
     for start in range(0, blocks.shape[0], _SLAB_ROWS):
-        rows = kernels.gguf_dequantize(blocks[start:start + _SLAB_ROWS], qtype).numpy()
+        rows = kernels.gguf_dequantize(blocks[start : start + _SLAB_ROWS], qtype).numpy()
         slabs.append(torch.from_numpy(quantize(rows, GGMLQuantizationType(target))))
     return torch.cat(slabs)
 
@@ -51,9 +51,13 @@ def quantize_lm_head(model: torch.nn.Module, method: str, kernels: Kernels) -> N
     elif isinstance(head, GGUFLinear) and len(head.qtypes) == 1:
         head.replace_blocks(target, requantize_rows(head.part_blocks(0), head.qtypes[0], target, kernels))
     else:
-        raise ValueError(f"--lm-head-quantization {method} re-quantizes an LM head held as GGUF blocks "
-                         "(--quantization gguf, the default for a GGUF file on CPU with the native kernels); "
-                         f"this model's head is a {type(head).__name__}")
-    log.info("--lm-head-quantization %s: the LM head re-quantized from the file's blocks in %.1f s", method,
-             time.perf_counter() - start)
-
+        raise ValueError(
+            f"--lm-head-quantization {method} re-quantizes an LM head held as GGUF blocks "
+            "(--quantization gguf, the default for a GGUF file on CPU with the native kernels); "
+            f"this model's head is a {type(head).__name__}"
+        )
+    log.info(
+        "--lm-head-quantization %s: the LM head re-quantized from the file's blocks in %.1f s",
+        method,
+        time.perf_counter() - start,
+    )

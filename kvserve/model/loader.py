@@ -84,8 +84,10 @@ def load_model(
     again. `lm_head_quantization` (kvserve/model/lm_head.py) needs the GGUF blocks path."""
     start = time.perf_counter()
     if quantization == "gguf" and source.format != ModelFormat.GGUF:
-        raise ValueError(f"--quantization gguf runs a GGUF file's own quantized blocks; {source.name} is a "
-                         f"{source.format.value} checkpoint (use none or q8_0)")
+        raise ValueError(
+            f"--quantization gguf runs a GGUF file's own quantized blocks; {source.name} is a "
+            f"{source.format.value} checkpoint (use none or q8_0)"
+        )
     # The compiled kernels are CPU code: on a GPU nothing would call them, so nothing is compiled there.
     kernels = load_kernels(default_cache_dir().expanduser() / "kernels") if device.type == "cpu" else TORCH_KERNELS
     config = config or load_model_config(source)
@@ -97,20 +99,25 @@ def load_model(
             quantize_lm_head(model, lm_head_quantization, kernels)
         return _loaded(config, model, source, dtype, device, quantization, start)
     if lm_head_quantization is not None:
-        raise ValueError(f"--lm-head-quantization {lm_head_quantization} re-quantizes an LM head held as the GGUF "
-                         f"file's blocks: it needs --quantization gguf with kvserve's native CPU kernels (here: "
-                         f"--quantization {quantization}, {kernels.name} kernels on {device.type})")
+        raise ValueError(
+            f"--lm-head-quantization {lm_head_quantization} re-quantizes an LM head held as the GGUF "
+            f"file's blocks: it needs --quantization gguf with kvserve's native CPU kernels (here: "
+            f"--quantization {quantization}, {kernels.name} kernels on {device.type})"
+        )
     if quantization == "gguf":
         # No native kernels (no compiler, no AVX2, not the CPU): the blocks would all be dequantized at every start;
         # the float32 weights of the same blocks, cached once, are the same numbers.
-        log.info("--quantization gguf without kvserve's native kernels: the file's weights run dequantized to "
-                 "float32 (cached once), the same values as its blocks")
+        log.info(
+            "--quantization gguf without kvserve's native kernels: the file's weights run dequantized to "
+            "float32 (cached once), the same values as its blocks"
+        )
         quantization = "none"
     if source.format == ModelFormat.GGUF:
         cache_file = _gguf_cache_file(source, cache_dir)
         if quantization != "none":
             quantized_file = cache_file.with_name(
-                f"model.{quantization}-v{QUANTIZED_CACHE_VERSION}.{str(dtype).removeprefix('torch.')}.safetensors")
+                f"model.{quantization}-v{QUANTIZED_CACHE_VERSION}.{str(dtype).removeprefix('torch.')}.safetensors"
+            )
         if quantized_file is not None and quantized_file.is_file():
             try:
                 _load_quantized_cache(model, quantized_file, quantization, kernels)
@@ -131,8 +138,9 @@ def load_model(
     return _loaded(config, model, source, dtype, device, quantization, start)
 
 
-def _load_gguf_blocks(model: DecoderModel, source: ModelSource, config: ModelConfig, kernels: Kernels,
-                      device: torch.device) -> None:
+def _load_gguf_blocks(
+    model: DecoderModel, source: ModelSource, config: ModelConfig, kernels: Kernels, device: torch.device
+) -> None:
     """`--quantization gguf`: the file's quantized tensors as their own blocks, read straight from the file
     (the file is its own cache: a start copies its bytes, with no float32 pass); the rest (norms, biases, and
     any tensor whose type has no native kernel here) dequantized to float32, with a log line."""
@@ -141,16 +149,22 @@ def _load_gguf_blocks(model: DecoderModel, source: ModelSource, config: ModelCon
     native = kernels.name == "native" and device.type == "cpu"
     with GGUFFile(source.path) as f:
         names = {gguf_canonical_name(g, config): g for g in f.tensors}
-        blocks = {name: (f.tensors[g].ggml_type, _canonical_rows(name, torch.from_numpy(f.tensor_blocks(g)), config))
-                  for name, g in names.items()
-                  if native and f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2}
+        blocks = {
+            name: (f.tensors[g].ggml_type, _canonical_rows(name, torch.from_numpy(f.tensor_blocks(g)), config))
+            for name, g in names.items()
+            if native and f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2
+        }
         used = use_gguf_blocks(model, blocks, kernels)
         rest = [name for name in names if name not in used]
-        dequantized = sorted({GGMLQuantizationType(f.tensors[names[n]].ggml_type).name for n in rest}
-                             - {"F32"})
+        dequantized = sorted({GGMLQuantizationType(f.tensors[names[n]].ggml_type).name for n in rest} - {"F32"})
         if dequantized:
-            log.info("--quantization gguf: %s tensors dequantized to float32 (no native kernel for them with the "
-                     "%s kernels on %s)", ", ".join(dequantized), kernels.name, device.type)
+            log.info(
+                "--quantization gguf: %s tensors dequantized to float32 (no native kernel for them with the "
+                "%s kernels on %s)",
+                ", ".join(dequantized),
+                kernels.name,
+                device.type,
+            )
         model.load_weights((name, _gguf_tensor(f, names[name], name, config)) for name in rest)
     log.info("--quantization gguf: %d weight tensors run as the file's blocks (%s kernels)", len(used), kernels.name)
 
@@ -171,13 +185,27 @@ def _load_gguf_weights(model: DecoderModel, source: ModelSource, config: ModelCo
             cache_file.unlink(missing_ok=True)
 
 
-def _loaded(config: ModelConfig, model: DecoderModel, source: ModelSource, dtype: torch.dtype, device: torch.device,
-            quantization: str, start: float) -> LoadedModel:
+def _loaded(
+    config: ModelConfig,
+    model: DecoderModel,
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+    start: float,
+) -> LoadedModel:
     model.eval()
     model.choose_layer_path()  # the weights are in place: native decoder layers or the torch modules, logged now
     seconds = time.perf_counter() - start
-    log.info("loaded %s (%s, %s, quantization %s, %s) in %.2f s", source.name, config.family, dtype, quantization,
-             device, seconds)
+    log.info(
+        "loaded %s (%s, %s, quantization %s, %s) in %.2f s",
+        source.name,
+        config.family,
+        dtype,
+        quantization,
+        device,
+        seconds,
+    )
     return LoadedModel(config=config, model=model, source=source, load_seconds=seconds)
 
 
@@ -248,9 +276,7 @@ def _static_kv_scales(found: dict[str, float], num_layers: int, path: Path) -> l
     return [(by_layer[i, "k"], by_layer[i, "v"]) for i in range(num_layers)]
 
 
-def _safetensors_tensors(
-    files: list[Path], rename: Callable[[str], str | None]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_tensors(files: list[Path], rename: Callable[[str], str | None]) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name, tensor) from each file, one tensor in memory at a time."""
     from safetensors import SafetensorError, safe_open
 
@@ -368,8 +394,11 @@ def _save_atomically(tensors: dict[str, torch.Tensor], file: Path, metadata: dic
 def _write_gguf_cache(f: GGUFFile, config: ModelConfig, cache_file: Path) -> None:
     """Dequantize every tensor once and store them (float32) atomically: tmp file, then rename."""
     start = time.perf_counter()
-    log.info("first start of %s: dequantizing its tensors into %s (once; about 10 s for Gemma 3 270M)",
-             f.path.name, cache_file)
+    log.info(
+        "first start of %s: dequantizing its tensors into %s (once; about 10 s for Gemma 3 270M)",
+        f.path.name,
+        cache_file,
+    )
     tensors = dict(gguf_canonical_tensors(f, config))
     _save_atomically(tensors, cache_file, {"source": str(f.path), "layout": f"kvserve-canonical-v{GGUF_CACHE_VERSION}"})
     log.info("dequantized %s into %s in %.2f s", f.path.name, cache_file, time.perf_counter() - start)

@@ -131,8 +131,9 @@ class NativeLayerStack:
     warned_cache: bool = False
 
     @classmethod
-    def build(cls, layers: nn.ModuleList, kernels: Kernels, dtype: torch.dtype, attention_backend: str
-              ) -> NativeLayerStack:
+    def build(
+        cls, layers: nn.ModuleList, kernels: Kernels, dtype: torch.dtype, attention_backend: str
+    ) -> NativeLayerStack:
         """Raises NativeLayerUnsupported (saying why) for what decoder_layer.cpp does not compute."""
         if not isinstance(kernels, NativeKernels):
             raise NativeLayerUnsupported(f"the {kernels.name} kernels are in use")
@@ -165,13 +166,20 @@ class NativeLayerStack:
         else:
             ok = c.key.dtype == c.value.dtype == torch.float32
         if not ok and not self.warned_cache:
-            log.info("decoder layers: this KV cache (%s) runs on the torch path",
-                     c.key.dtype if c is not None else "none")
+            log.info(
+                "decoder layers: this KV cache (%s) runs on the torch path", c.key.dtype if c is not None else "none"
+            )
             self.warned_cache = True
         return ok
 
-    def run(self, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], rope_index: list[int],
-            kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def run(
+        self,
+        h: torch.Tensor,
+        tables: list[tuple[torch.Tensor, torch.Tensor]],
+        rope_index: list[int],
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """h [T, hidden] float32 (a fresh tensor: it is updated in place) through every layer; returns h."""
         h = h.contiguous()
         tokens = h.shape[0]
@@ -185,8 +193,12 @@ class NativeLayerStack:
                 sel = torch.tensor(idx, dtype=torch.int64)
                 keep += [meta.query_start_loc[sel], meta.block_tables[sel].contiguous(), meta.seq_lens[sel]]
                 step.decode_rows, step.decode_tables, step.decode_lens = (t.data_ptr() for t in keep[-3:])
-        ints = [meta.slot_mapping.contiguous(), meta.block_tables.contiguous(), meta.seq_lens.contiguous(),
-                meta.query_start_loc.contiguous()]
+        ints = [
+            meta.slot_mapping.contiguous(),
+            meta.block_tables.contiguous(),
+            meta.seq_lens.contiguous(),
+            meta.query_start_loc.contiguous(),
+        ]
         keep += ints
         step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc = (t.data_ptr() for t in ints)
         scratch = self._scratch(self.kernels.decoder_layer_scratch(self.layers[0], tokens, decode_count))
@@ -196,8 +208,9 @@ class NativeLayerStack:
         step.all_decode, step.decode_count = int(meta.is_decode_only), decode_count
         for desc, rope_i, cache in zip(self.layers, rope_index, kv_caches, strict=True):
             cos, sin = tables[rope_i]
-            self.kernels.decoder_layer(desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale,
-                                       cache.value_scale)
+            self.kernels.decoder_layer(
+                desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale, cache.value_scale
+            )
         return h
 
     def _scratch(self, floats: int) -> torch.Tensor:

@@ -97,8 +97,10 @@ class Q8Embedding(nn.Module):
 
 def _empty_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
-    return (torch.empty(n, k, dtype=torch.int8, device=weight.device),
-            torch.empty(n, k // GROUP_SIZE, dtype=torch.float32, device=weight.device))
+    return (
+        torch.empty(n, k, dtype=torch.int8, device=weight.device),
+        torch.empty(n, k // GROUP_SIZE, dtype=torch.float32, device=weight.device),
+    )
 
 
 def quantize_model(model: nn.Module, method: str, kernels: Kernels, quantize: bool = True) -> int:

@@ -86,8 +86,10 @@ class Tokenizer:
         """Wraps a transformers fast tokenizer (its Rust backend and its special tokens)."""
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
-            raise ValueError(f"{name or 'the model'}: transformers gave a slow tokenizer ({type(hf).__name__}); "
-                             "kvserve needs a fast one (a tokenizer.json, or files transformers can convert)")
+            raise ValueError(
+                f"{name or 'the model'}: transformers gave a slow tokenizer ({type(hf).__name__}); "
+                "kvserve needs a fast one (a tokenizer.json, or files transformers can convert)"
+            )
         # transformers ignores clean_up_tokenization_spaces for BPE models (it would strip real spaces).
         clean_up = bool(getattr(hf, "clean_up_tokenization_spaces", False)) and type(backend.model).__name__ != "BPE"
         return cls(backend, hf.special_tokens_map, chat_template, name, hf.all_special_ids, clean_up)
@@ -129,8 +131,14 @@ class Tokenizer:
 
     def snapshot(self) -> TokenizerSnapshot:
         """This tokenizer as immutable values, to build independent copies from (TokenizerSnapshot.build)."""
-        return TokenizerSnapshot(self.backend.to_str(), tuple(self.special_tokens.items()), self.chat_template,
-                                 self.name, tuple(self.all_special_ids), self.clean_up_tokenization_spaces)
+        return TokenizerSnapshot(
+            self.backend.to_str(),
+            tuple(self.special_tokens.items()),
+            self.chat_template,
+            self.name,
+            tuple(self.all_special_ids),
+            self.clean_up_tokenization_spaces,
+        )
 
     def copy(self) -> Tokenizer:
         """An independent tokenizer that encodes, decodes and templates exactly as this one (about a second for a
@@ -175,8 +183,12 @@ class Tokenizer:
         try:
             # transformers annotates render_jinja_template "-> str", but it returns (rendered, generation indices)
             rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
-                conversations=[conversation], chat_template=template, tools=template_tools,
-                add_generation_prompt=add_generation_prompt, **template_vars)
+                conversations=[conversation],
+                chat_template=template,
+                tools=template_tools,
+                add_generation_prompt=add_generation_prompt,
+                **template_vars,
+            )
         except TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
         out = rendered[0]
@@ -206,14 +218,30 @@ class TokenizerSnapshot:
     def build(self) -> Tokenizer:
         from tokenizers import Tokenizer as RawTokenizer
 
-        return Tokenizer(RawTokenizer.from_str(self.backend_json), dict(self.special_tokens), self.chat_template,
-                         self.name, self.special_ids, self.clean_up_tokenization_spaces)
+        return Tokenizer(
+            RawTokenizer.from_str(self.backend_json),
+            dict(self.special_tokens),
+            self.chat_template,
+            self.name,
+            self.special_ids,
+            self.clean_up_tokenization_spaces,
+        )
 
 
 def _clean_up_tokenization(text: str) -> str:
     """transformers' clean_up_tokenization (WordPiece-era spaces before punctuation and contractions)."""
-    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for spaced, joined in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(spaced, joined)
     return text
 
@@ -368,14 +396,25 @@ def _load_cached(entry: Path, meta: dict, name: str) -> Tokenizer:
     from tokenizers import Tokenizer as RawTokenizer
 
     backend = RawTokenizer.from_file(str(entry / "tokenizer.json"))
-    return Tokenizer(backend, meta["special_tokens"], meta.get("chat_template"), name, meta["special_ids"],
-                     bool(meta["clean_up_tokenization_spaces"]))
+    return Tokenizer(
+        backend,
+        meta["special_tokens"],
+        meta.get("chat_template"),
+        name,
+        meta["special_ids"],
+        bool(meta["clean_up_tokenization_spaces"]),
+    )
 
 
 def _store(entry: Path, tok: Tokenizer, meta: dict) -> None:
     """Write the cache entry atomically (a temp dir renamed into place); failure only costs speed."""
-    meta = {**meta, "chat_template": tok.chat_template, "special_tokens": tok.special_tokens,
-            "special_ids": tok.all_special_ids, "clean_up_tokenization_spaces": tok.clean_up_tokenization_spaces}
+    meta = {
+        **meta,
+        "chat_template": tok.chat_template,
+        "special_tokens": tok.special_tokens,
+        "special_ids": tok.all_special_ids,
+        "clean_up_tokenization_spaces": tok.clean_up_tokenization_spaces,
+    }
     tmp: Path | None = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)

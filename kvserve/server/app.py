@@ -57,13 +57,16 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
     if settings.api_key is not None:
         check_api_key(settings.api_key)  # here, not when Starlette first builds the middleware stack
     facts = engine.facts
-    metrics = ServerMetrics(engine.stats, {
-        "block_size": facts.block_size,
-        "num_blocks": facts.num_blocks,
-        "kv_cache_dtype": facts.kv_cache_dtype,
-        "enable_prefix_caching": facts.enable_prefix_caching,
-        "max_model_len": facts.max_model_len,
-    })
+    metrics = ServerMetrics(
+        engine.stats,
+        {
+            "block_size": facts.block_size,
+            "num_blocks": facts.num_blocks,
+            "kv_cache_dtype": facts.kv_cache_dtype,
+            "enable_prefix_caching": facts.enable_prefix_caching,
+            "max_model_len": facts.max_model_len,
+        },
+    )
     for collector in engine.metric_collectors():
         metrics.registry.register(collector)
     # The only reads of the engine itself, once, here: its immutable facts and a snapshot of its tokenizer, taken
@@ -88,9 +91,12 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
     install_error_handlers(app)
     # The last added runs first: the key is checked before a byte of the body is read, then the body's size,
     # arrival time and JSON shape before FastAPI parses it.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
-                       read_timeout_s=transport.timeout_body_read,
-                       json_limits=JSONLimits.for_context(facts.max_model_len))
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_body_bytes,
+        read_timeout_s=transport.timeout_body_read,
+        json_limits=JSONLimits.for_context(facts.max_model_len),
+    )
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
     app.include_router(_open_routes(ctx))
@@ -102,8 +108,9 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
         if not settings.disable_ui:
             app.include_router(ui_routes(ctx))
     else:
-        logger.info("the KV inspector (/, /ui, /v1/kv/*) is not served: %s shows no engine's KV cache",
-                    type(engine).__name__)
+        logger.info(
+            "the KV inspector (/, /ui, /v1/kv/*) is not served: %s shows no engine's KV cache", type(engine).__name__
+        )
     return app
 
 
@@ -137,8 +144,10 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=ctx.settings.model_root or name, max_model_len=ctx.max_model_len)
-                 for name in ctx.settings.served_model_names]
+        cards = [
+            ModelCard(id=name, root=ctx.settings.model_root or name, max_model_len=ctx.max_model_len)
+            for name in ctx.settings.served_model_names
+        ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @router.post("/v1/completions")
@@ -164,8 +173,9 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
         else:
             ids = await prep.run(prep.encode, body.prompt or "", body.add_special_tokens)
         strs = await prep.run(prep.token_strs, ids) if body.return_token_strs else None
-        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
-                                             token_strs=strs).model_dump())
+        return JSONResponse(
+            TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs).model_dump()
+        )
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:

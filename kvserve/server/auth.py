@@ -25,14 +25,17 @@ UI_ASSET_PREFIX = "/ui/assets/"
 def check_api_key(api_key: str) -> str:
     """The key to require; an empty or blank one would let anyone in, so it is refused (ValueError)."""
     if not api_key.strip():
-        raise ValueError("the API key is empty: that would serve without authentication. Give a non-empty key, "
-                         "or none at all to serve openly")
+        raise ValueError(
+            "the API key is empty: that would serve without authentication. Give a non-empty key, "
+            "or none at all to serve openly"
+        )
     return api_key.strip()
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "Invalid or missing API key: send it as `Authorization: Bearer <key>`.",
-                    code="invalid_api_key")
+    return APIError(
+        401, "Invalid or missing API key: send it as `Authorization: Bearer <key>`.", code="invalid_api_key"
+    )
 
 
 class APIKeyMiddleware:

@@ -28,13 +28,17 @@ _INLINE_SCAN_BYTES = 256 << 10  # smaller bodies are measured on the loop: a thr
 
 def too_large(limit: int, size: int | None = None) -> APIError:
     got = f"{size} bytes" if size is not None else "more than that"
-    return APIError(413, f"The request body is too large: the limit is {limit} bytes "
-                         f"(--max-request-body-bytes), got {got}.", code="request_too_large")
+    return APIError(
+        413,
+        f"The request body is too large: the limit is {limit} bytes (--max-request-body-bytes), got {got}.",
+        code="request_too_large",
+    )
 
 
 def too_slow(timeout_s: float) -> APIError:
-    return APIError(408, f"The request body did not arrive within {timeout_s:g} s (--timeout-body-read).",
-                    code="request_timeout")
+    return APIError(
+        408, f"The request body did not arrive within {timeout_s:g} s (--timeout-body-read).", code="request_timeout"
+    )
 
 
 class _TooLarge(Exception):
@@ -45,8 +49,9 @@ class BodyLimitMiddleware:
     """Refuse HTTP request bodies over `max_bytes` (413), not complete within `read_timeout_s` (408), or, when
     JSON, shaped beyond `json_limits` (400)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float,
-                 json_limits: JSONLimits | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, read_timeout_s: float, json_limits: JSONLimits | None = None
+    ) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         if not read_timeout_s > 0:
@@ -124,6 +129,5 @@ def _is_json(scope: Scope) -> bool:
             message = email.message.Message()
             message["content-type"] = value.decode("latin-1")
             subtype = message.get_content_subtype()
-            return message.get_content_maintype() == "application" and (subtype == "json"
-                                                                          or subtype.endswith("+json"))
+            return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
     return True

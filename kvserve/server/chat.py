@@ -58,14 +58,17 @@ TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.resolve_model(request.model)
-    reject_unsupported(request, {"functions": request.functions, "function_call": request.function_call},
-                       max_n=ctx.facts.max_num_seqs)
+    reject_unsupported(
+        request, {"functions": request.functions, "function_call": request.function_call}, max_n=ctx.facts.max_num_seqs
+    )
     if not request.messages:
         raise bad_request("messages must not be empty", param="messages")
     if request.chat_template is not None and not ctx.settings.trust_request_chat_template:
         # A template is a program: even sandboxed, nested loops can hold the event loop for hours.
-        raise bad_request("chat_template in a request is refused unless the server runs with "
-                          "--trust-request-chat-template", param="chat_template")
+        raise bad_request(
+            "chat_template in a request is refused unless the server runs with --trust-request-chat-template",
+            param="chat_template",
+        )
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -73,9 +76,13 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         raise bad_request("max_tokens must be at least 1", param="max_tokens")
     tools = plan_tools(request, ctx.settings)
     constraint = _constraint(request, tools.constraint)
-    params = build_sampling_params(request, ctx.facts.generation_defaults, max_tokens=max_tokens,
-                                   logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-                                   structured_outputs=constraint.params if constraint else None)
+    params = build_sampling_params(
+        request,
+        ctx.facts.generation_defaults,
+        max_tokens=max_tokens,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        structured_outputs=constraint.params if constraint else None,
+    )
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
     render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
     truncate = ctx.settings.chat_history_policy == "truncate"
@@ -93,8 +100,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         return Response(status_code=499)
     output = tracker.result()
     choices = [_choice(ctx, request, tools, ids, c) for c in output.outputs]
-    body = ChatCompletionResponse(id=chat_id, created=created, model=model, choices=choices,
-                                  usage=_usage(tracker))
+    body = ChatCompletionResponse(id=chat_id, created=created, model=model, choices=choices, usage=_usage(tracker))
     return JSONResponse(body.model_dump(), headers=headers)
 
 
@@ -118,30 +124,42 @@ def _choice(
     """One whole choice: its text as content, or read by the tool plan into content and calls."""
     reply = parse_reply(tools, c.text)
     message = ChatResponseMessage(content=reply.content, tool_calls=reply.tool_calls or None)
-    return ChatChoice(index=c.index, message=message,
-                      logprobs=_logprobs(ctx, request, prompt, c.token_ids, 0, c.token_ids, c.logprobs),
-                      finish_reason=finish_reason(c.finish_reason, bool(reply.tool_calls)), stop_reason=c.stop_reason)
+    return ChatChoice(
+        index=c.index,
+        message=message,
+        logprobs=_logprobs(ctx, request, prompt, c.token_ids, 0, c.token_ids, c.logprobs),
+        finish_reason=finish_reason(c.finish_reason, bool(reply.tool_calls)),
+        stop_reason=c.stop_reason,
+    )
 
 
 def _logprobs(
-    ctx: ServerContext, request: ChatCompletionRequest, prompt: list[int], generated: Sequence[int], start: int,
-    ids: Sequence[int], entries: Sequence[LogprobEntry] | None,
+    ctx: ServerContext,
+    request: ChatCompletionRequest,
+    prompt: list[int],
+    generated: Sequence[int],
+    start: int,
+    ids: Sequence[int],
+    entries: Sequence[LogprobEntry] | None,
 ) -> ChatChoiceLogprobs | None:
     """Chat logprobs of `ids`, generated from position `start` on (each measured against a few tokens
     before it only)."""
     if not request.logprobs:
         return None
     context = context_tail(prompt, generated, start)
-    content = chat_logprobs(ctx.texts, context, ids, list(entries or [])[:len(ids)], request.top_logprobs or 0)
+    content = chat_logprobs(ctx.texts, context, ids, list(entries or [])[: len(ids)], request.top_logprobs or 0)
     return ChatChoiceLogprobs(content=content)
 
 
 def _usage(tracker: DeltaTracker) -> UsageInfo:
     prompt_tokens = len(tracker.prompt_token_ids)
     completion_tokens = tracker.num_generated_tokens
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=tracker.num_cached_tokens))
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=tracker.num_cached_tokens),
+    )
 
 
 async def _stream(
@@ -169,8 +187,9 @@ async def _stream(
             if d.is_first:
                 yield chunk([ChatStreamChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
         for d in deltas:
-            logprobs = _logprobs(ctx, request, prompt, tracker.generated(d.index), d.first_token, d.token_ids,
-                                 d.logprobs)
+            logprobs = _logprobs(
+                ctx, request, prompt, tracker.generated(d.index), d.first_token, d.token_ids, d.logprobs
+            )
             if tools.extractor is not None:
                 if d.index not in calls:
                     calls[d.index] = StreamedCalls(tools)
@@ -178,8 +197,17 @@ async def _stream(
                     yield chunk([frame])
             elif d.finish_reason is not None:
                 delta = DeltaMessage(content=d.text) if d.text else DeltaMessage()
-                yield chunk([ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs,
-                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                yield chunk(
+                    [
+                        ChatStreamChoice(
+                            index=d.index,
+                            delta=delta,
+                            logprobs=logprobs,
+                            finish_reason=d.finish_reason,
+                            stop_reason=d.stop_reason,
+                        )
+                    ]
+                )
             elif d.text or (logprobs is not None and logprobs.content):
                 yield chunk([ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text), logprobs=logprobs)])
     if tracker.finished and request.stream_options is not None and request.stream_options.include_usage:
@@ -199,7 +227,12 @@ def _tool_chunks(
         delta = DeltaMessage(content=content or None, tool_calls=pieces or None)
         frames.append(ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs))
     if finished:
-        frames.append(ChatStreamChoice(index=d.index, delta=DeltaMessage(),
-                                       finish_reason=finish_reason(d.finish_reason, streamed.has_calls),
-                                       stop_reason=d.stop_reason))
+        frames.append(
+            ChatStreamChoice(
+                index=d.index,
+                delta=DeltaMessage(),
+                finish_reason=finish_reason(d.finish_reason, streamed.has_calls),
+                stop_reason=d.stop_reason,
+            )
+        )
     return frames

@@ -36,70 +36,153 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve a model with the OpenAI API (completions, chat, models, tokenize, metrics)",
+        "serve",
+        help="serve a model with the OpenAI API (completions, chat, models, tokenize, metrics)",
         description="Serve a model over HTTP with the OpenAI API. With no flags: the default model "
-                    f"(Gemma 3 270M) on 127.0.0.1:{DEFAULT_PORT}.",
-        formatter_class=_HelpFormatter)
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as in `vllm serve MODEL` (same as --model; default: Gemma 3 270M)")
+        f"(Gemma 3 270M) on 127.0.0.1:{DEFAULT_PORT}.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as in `vllm serve MODEL` (same as --model; default: Gemma 3 270M)",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
-    s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None, metavar="NAME",
-                   help="model name(s) accepted in requests; the first is reported (default: the model's name)")
-    s.add_argument("--api-key", default=None,
-                   help=f"require `Authorization: Bearer KEY` on every route but /health, /version and /metrics "
-                        f"(/v1/*, /tokenize, /detokenize, /docs, /redoc, /openapi.json), checked before the "
-                        f"body is read (default: ${_API_KEY_ENVS[0]} or ${_API_KEY_ENVS[1]}; none: open; an "
-                        f"empty key is an error)")
-    s.add_argument("--max-num-queued-reqs", type=int, default=1000,
-                   help="sequences (prompts x n) allowed to wait for admission; a request that would go beyond "
-                        "it gets 503 (400 if it alone is larger)")
-    s.add_argument("--max-prompts-per-request", type=int, default=256,  # = context.DEFAULT_MAX_PROMPTS_PER_REQUEST
-                   help="prompts one completions request may list; more get 400")
-    s.add_argument("--chat-history-policy", choices=["reject", "truncate"], default="reject",
-                   help="a chat longer than max-model-len: reject with 400, or drop the oldest turns after "
-                        "the system prompt (reported in the X-Kvserve-Truncated-Turns header)")
-    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20,  # body_limit's (not imported: fast --help)
-                   help="request bodies larger than this get 413 (bounds what one client makes the server hold)")
+    s.add_argument(
+        "--served-model-name",
+        dest="served_model_names",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) accepted in requests; the first is reported (default: the model's name)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on every route but /health, /version and /metrics "
+        f"(/v1/*, /tokenize, /detokenize, /docs, /redoc, /openapi.json), checked before the "
+        f"body is read (default: ${_API_KEY_ENVS[0]} or ${_API_KEY_ENVS[1]}; none: open; an "
+        f"empty key is an error)",
+    )
+    s.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=1000,
+        help="sequences (prompts x n) allowed to wait for admission; a request that would go beyond "
+        "it gets 503 (400 if it alone is larger)",
+    )
+    s.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=256,  # = context.DEFAULT_MAX_PROMPTS_PER_REQUEST
+        help="prompts one completions request may list; more get 400",
+    )
+    s.add_argument(
+        "--chat-history-policy",
+        choices=["reject", "truncate"],
+        default="reject",
+        help="a chat longer than max-model-len: reject with 400, or drop the oldest turns after "
+        "the system prompt (reported in the X-Kvserve-Truncated-Turns header)",
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=8 << 20,  # body_limit's (not imported: fast --help)
+        help="request bodies larger than this get 413 (bounds what one client makes the server hold)",
+    )
     # The defaults below are transport.TransportLimits' (not imported: it imports uvicorn, and --help stays fast).
-    s.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
-                   help="close a keep-alive connection idle this long between requests")
-    s.add_argument("--timeout-header-read", type=float, default=30.0, metavar="SECONDS",
-                   help="close a connection that has not sent a request's complete headers this long after "
-                        "connecting or after its previous response (slow clients, slowloris)")
-    s.add_argument("--timeout-body-read", type=float, default=60.0, metavar="SECONDS",
-                   help="a request body not complete this long after its headers gets 408 and the connection "
-                        "is closed")
-    s.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a `chat_template` field in chat requests (rendered sandboxed, but it runs "
-                        "client code on the server); by default such requests get 400")
-    s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, how long running requests may finish; then each is aborted with a "
-                        "503 (a stream: an error frame and [DONE])")
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let the model decide whether to call tools (tool_choice \"auto\", the default when a "
-                        "request has tools; a 400 without this flag), reading its calls with --tool-call-parser")
-    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="how the model writes tool calls, as vLLM names them: hermes (Hermes / Qwen "
-                        "<tool_call> JSON), pythonic (Gemma 3's and Llama 3.2's Python call list; alias gemma3); "
-                        "also the format in which tools are described to a chat template that lacks tool support")
-    s.add_argument("--disable-ui", action="store_true",
-                   help="do not serve the KV inspector page at / and /ui (its data routes /v1/kv/* stay)")
-    s.add_argument("--ui-redact-text", action="store_true",
-                   help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text")
+    s.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="close a keep-alive connection idle this long between requests",
+    )
+    s.add_argument(
+        "--timeout-header-read",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection that has not sent a request's complete headers this long after "
+        "connecting or after its previous response (slow clients, slowloris)",
+    )
+    s.add_argument(
+        "--timeout-body-read",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request body not complete this long after its headers gets 408 and the connection is closed",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a `chat_template` field in chat requests (rendered sandboxed, but it runs "
+        "client code on the server); by default such requests get 400",
+    )
+    s.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long running requests may finish; then each is aborted with a "
+        "503 (a stream: an error frame and [DONE])",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide whether to call tools (tool_choice "auto", the default when a '
+        "request has tools; a 400 without this flag), reading its calls with --tool-call-parser",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how the model writes tool calls, as vLLM names them: hermes (Hermes / Qwen "
+        "<tool_call> JSON), pythonic (Gemma 3's and Llama 3.2's Python call list; alias gemma3); "
+        "also the format in which tools are described to a chat template that lacks tool support",
+    )
+    s.add_argument(
+        "--disable-ui",
+        action="store_true",
+        help="do not serve the KV inspector page at / and /ui (its data routes /v1/kv/* stay)",
+    )
+    s.add_argument(
+        "--ui-redact-text",
+        action="store_true",
+        help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text",
+    )
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
     d = p.add_argument_group("scale-out (needs `pip install -e '.[cluster]'`, see docs/SCALE_OUT.md)")
-    d.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
-                   help="serve N engine replicas on Ray behind this one endpoint (1: one process, no Ray)")
-    d.add_argument("--data-parallel-backend", choices=["ray"], default="ray",
-                   help="what runs the replicas (vLLM's flag; Ray is the one kvserve has)")
-    d.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (as `ray start --address`); default: $RAY_ADDRESS, else a local "
-                        "Ray instance started for this server")
-    d.add_argument("--router", choices=["prefix_aware", "least_loaded", "round_robin"], default="prefix_aware",
-                   help="how requests are spread over the replicas: prefix_aware sends a request to the replica "
-                        "whose prefix cache holds most of its prompt, unless that replica is much busier")
+    d.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve N engine replicas on Ray behind this one endpoint (1: one process, no Ray)",
+    )
+    d.add_argument(
+        "--data-parallel-backend",
+        choices=["ray"],
+        default="ray",
+        help="what runs the replicas (vLLM's flag; Ray is the one kvserve has)",
+    )
+    d.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (as `ray start --address`); default: $RAY_ADDRESS, else a local "
+        "Ray instance started for this server",
+    )
+    d.add_argument(
+        "--router",
+        choices=["prefix_aware", "least_loaded", "round_robin"],
+        default="prefix_aware",
+        help="how requests are spread over the replicas: prefix_aware sends a request to the replica "
+        "whose prefix cache holds most of its prompt, unless that replica is much busier",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -113,8 +196,10 @@ def resolve_api_key(flag: str | None) -> str | None:
         return None
     source, key = given[0]
     if not key.strip():
-        raise ValueError(f"{source} is empty, which would serve without authentication: give a non-empty key, "
-                         f"or unset it to serve openly")
+        raise ValueError(
+            f"{source} is empty, which would serve without authentication: give a non-empty key, "
+            f"or unset it to serve openly"
+        )
     return key.strip()
 
 
@@ -123,12 +208,18 @@ def launch_cluster(config: "EngineConfig", args: argparse.Namespace) -> "Cluster
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise ValueError("--data-parallel-size > 1 runs replicas on Ray, which is not installed: "
-                         "pip install -e '.[cluster]'") from None
+        raise ValueError(
+            "--data-parallel-size > 1 runs replicas on Ray, which is not installed: pip install -e '.[cluster]'"
+        ) from None
     from kvserve.cluster.engine import ClusterEngine
 
-    return ClusterEngine.launch(config, args.data_parallel_size, router_policy=args.router,
-                                ray_address=args.ray_address, max_queued_requests=args.max_num_queued_reqs)
+    return ClusterEngine.launch(
+        config,
+        args.data_parallel_size,
+        router_policy=args.router,
+        ray_address=args.ray_address,
+        max_queued_requests=args.max_num_queued_reqs,
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -142,9 +233,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_key = resolve_api_key(args.api_key)  # before the model loads: a refused key fails at once
     check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # so do bad tool flags
-    transport = TransportLimits(timeout_keep_alive=args.timeout_keep_alive,
-                                timeout_header_read=args.timeout_header_read,
-                                timeout_body_read=args.timeout_body_read)
+    transport = TransportLimits(
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_header_read=args.timeout_header_read,
+        timeout_body_read=args.timeout_body_read,
+    )
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -180,10 +273,22 @@ def run_serve(args: argparse.Namespace) -> int:
         ui_redact_text=args.ui_redact_text,
     )
     app = build_app(async_engine, settings, transport)
-    print(f"kvserve: serving {settings.served_model_names[0]} on http://{args.host}:{args.port} "
-          f"(max-model-len {async_engine.facts.max_model_len}; {description})", file=sys.stderr, flush=True)
-    server = GracefulServer(ServerConfig(
-        app, transport, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=args.shutdown_grace_seconds), on_grace_expired=async_engine.stop)
+    print(
+        f"kvserve: serving {settings.served_model_names[0]} on http://{args.host}:{args.port} "
+        f"(max-model-len {async_engine.facts.max_model_len}; {description})",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = GracefulServer(
+        ServerConfig(
+            app,
+            transport,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=args.shutdown_grace_seconds,
+        ),
+        on_grace_expired=async_engine.stop,
+    )
     server.run()
     return 0 if server.started else 1

@@ -77,11 +77,13 @@ def _prompt_items(request: CompletionRequest) -> list[str | list[int]]:
     return items
 
 
-def _params(ctx: ServerContext, request: CompletionRequest, max_tokens: int,
-            constraint: Constraint | None) -> SamplingParams:
+def _params(
+    ctx: ServerContext, request: CompletionRequest, max_tokens: int, constraint: Constraint | None
+) -> SamplingParams:
     prompt_only = max_tokens == 0
     return build_sampling_params(
-        request, ctx.facts.generation_defaults,
+        request,
+        ctx.facts.generation_defaults,
         max_tokens=1 if prompt_only else request.max_tokens,
         logprobs=None if prompt_only else request.logprobs,
         prompt_logprobs=request.logprobs if request.echo else None,
@@ -102,8 +104,9 @@ async def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
     params = _params(ctx, request, max_tokens, constraint)
     if constraint is not None:
         await ctx.preparer.run(compile_constraint, ctx.facts.grammar, constraint)
-    prompts = await ctx.preparer.run(ctx.preparer.completion_prompts, items, params, request.max_tokens,
-                                     request.skip_special_tokens)
+    prompts = await ctx.preparer.run(
+        ctx.preparer.completion_prompts, items, params, request.max_tokens, request.skip_special_tokens
+    )
     return _Plan(ctx.new_id("cmpl"), model, request, prompts, params, max_tokens)
 
 
@@ -127,14 +130,20 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, raw:
 def _prompt_logprobs(
     ctx: ServerContext, plan: _Plan, prompt: Prompt, entries: Sequence[LogprobEntry | None] | None
 ) -> CompletionLogprobs:
-    entries = list(entries or [])[:len(prompt.token_ids)]
+    entries = list(entries or [])[: len(prompt.token_ids)]
     entries = entries + [None] * (len(prompt.token_ids) - len(entries))
     return completion_logprobs(ctx.texts, [], prompt.token_ids, entries, 0, plan.request.skip_special_tokens)
 
 
 def _token_logprobs(
-    ctx: ServerContext, plan: _Plan, prompt: Prompt, generated: Sequence[int], start: int, ids: Sequence[int],
-    entries: Sequence[LogprobEntry], offset: int,
+    ctx: ServerContext,
+    plan: _Plan,
+    prompt: Prompt,
+    generated: Sequence[int],
+    start: int,
+    ids: Sequence[int],
+    entries: Sequence[LogprobEntry],
+    offset: int,
 ) -> CompletionLogprobs:
     """Logprobs of generated tokens `ids` (from position `start` of `generated`), whose text begins at
     character `offset`; each token's text is measured against the few tokens before it only."""
@@ -143,8 +152,12 @@ def _token_logprobs(
 
 
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
-                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
 
 
 def _finish_reason(plan: _Plan, finish_reason: str | None) -> str | None:
@@ -157,34 +170,47 @@ def _usage(plan: _Plan, trackers: Sequence[DeltaTracker]) -> UsageInfo:
     prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     completion_tokens = 0 if plan.max_tokens == 0 else sum(t.num_generated_tokens for t in trackers)
     cached = sum(t.num_cached_tokens for t in trackers)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
-def _choice(ctx: ServerContext, plan: _Plan, prompt: Prompt, output: RequestOutput, c: CompletionOutput,
-            index: int) -> CompletionChoice:
+def _choice(
+    ctx: ServerContext, plan: _Plan, prompt: Prompt, output: RequestOutput, c: CompletionOutput, index: int
+) -> CompletionChoice:
     """One whole choice of a non-streamed response."""
     request = plan.request
     text, ids = ("", []) if plan.max_tokens == 0 else (c.text, c.token_ids)
     logprobs = None
     if request.logprobs is not None:
-        logprobs = _token_logprobs(ctx, plan, prompt, ids, 0, ids, (c.logprobs or [])[:len(ids)], len(prompt.text))
+        logprobs = _token_logprobs(ctx, plan, prompt, ids, 0, ids, (c.logprobs or [])[: len(ids)], len(prompt.text))
         if request.echo:
             logprobs = _concat(_prompt_logprobs(ctx, plan, prompt, output.prompt_logprobs), logprobs)
     prefix = prompt.text if request.echo else ""
-    return CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
-                            finish_reason=_finish_reason(plan, c.finish_reason), stop_reason=c.stop_reason)
+    return CompletionChoice(
+        index=index,
+        text=prefix + text,
+        logprobs=logprobs,
+        finish_reason=_finish_reason(plan, c.finish_reason),
+        stop_reason=c.stop_reason,
+    )
 
 
 def _response(
     ctx: ServerContext, plan: _Plan, outputs: list[RequestOutput], trackers: Sequence[DeltaTracker]
 ) -> CompletionResponse:
-    choices = [_choice(ctx, plan, prompt, output, c, plan.choice_index(i, c.index))
-               for i, (prompt, output) in enumerate(zip(plan.prompts, outputs)) for c in output.outputs]
+    choices = [
+        _choice(ctx, plan, prompt, output, c, plan.choice_index(i, c.index))
+        for i, (prompt, output) in enumerate(zip(plan.prompts, outputs))
+        for c in output.outputs
+    ]
     choices.sort(key=lambda ch: ch.index)
-    return CompletionResponse(id=plan.id, created=plan.created, model=plan.model, choices=choices,
-                              usage=_usage(plan, trackers))
+    return CompletionResponse(
+        id=plan.id, created=plan.created, model=plan.model, choices=choices, usage=_usage(plan, trackers)
+    )
 
 
 async def _stream(
@@ -219,10 +245,15 @@ def _delta_choice(
             logprobs = _prompt_logprobs(ctx, plan, prompt, tracker.prompt_logprobs)
     if logprobs is not None and ids:
         offset = len(prompt.text) + delta.first_char
-        logprobs = _concat(logprobs, _token_logprobs(ctx, plan, prompt, tracker.generated(delta.index),
-                                                     delta.first_token, ids, delta.logprobs or [], offset))
+        logprobs = _concat(
+            logprobs,
+            _token_logprobs(
+                ctx, plan, prompt, tracker.generated(delta.index), delta.first_token, ids, delta.logprobs or [], offset
+            ),
+        )
     finish = _finish_reason(plan, delta.finish_reason)
     if not (prefix or text or finish or (logprobs is not None and logprobs.tokens)):
         return None
-    return CompletionChoice(index=index, text=prefix + text, logprobs=logprobs, finish_reason=finish,
-                            stop_reason=delta.stop_reason)
+    return CompletionChoice(
+        index=index, text=prefix + text, logprobs=logprobs, finish_reason=finish, stop_reason=delta.stop_reason
+    )

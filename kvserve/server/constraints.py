@@ -43,8 +43,15 @@ class Constraint:
 def request_constraint(request: SamplingFields) -> Constraint | None:
     """The constraint `request` asks for, None for none; 400 naming the field for a malformed one, or for two."""
     options = _options(request)
-    found = [c for c in (_from_response_format(request.response_format),
-                         _from_structured_outputs(request.structured_outputs), *_from_guided(request)) if c]
+    found = [
+        c
+        for c in (
+            _from_response_format(request.response_format),
+            _from_structured_outputs(request.structured_outputs),
+            *_from_guided(request),
+        )
+        if c
+    ]
     if len(found) > 1:
         names = ", ".join(field for field, _ in found)
         raise bad_request(f"only one output constraint may be given, got {names}", param=found[1][0])
@@ -83,12 +90,16 @@ def _from_response_format(response_format: Mapping[str, Any] | None) -> tuple[st
     if kind == "json_object":
         return "response_format", {"json_object": True}
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                          param="response_format.type")
+        raise bad_request(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            param="response_format.type",
+        )
     spec = response_format.get("json_schema")
     if not isinstance(spec, Mapping):
-        raise bad_request("response_format.json_schema must be an object with the schema under 'schema'",
-                          param="response_format.json_schema")
+        raise bad_request(
+            "response_format.json_schema must be an object with the schema under 'schema'",
+            param="response_format.json_schema",
+        )
     schema = spec.get("schema", spec.get("json_schema"))  # vLLM also reads its alias
     if schema is None:
         raise bad_request("response_format.json_schema.schema is required", param="response_format.json_schema.schema")
@@ -100,20 +111,27 @@ def _from_structured_outputs(so: Mapping[str, Any] | None) -> tuple[str, dict[st
         return None
     unknown = sorted(set(so) - set(_CONSTRAINT_KEYS) - set(_OPTION_KEYS))
     if unknown:
-        raise bad_request(f"structured_outputs: unknown field(s) {', '.join(unknown)} (known: "
-                          f"{', '.join(sorted((*_CONSTRAINT_KEYS, *_OPTION_KEYS)))})", param="structured_outputs")
+        raise bad_request(
+            f"structured_outputs: unknown field(s) {', '.join(unknown)} (known: "
+            f"{', '.join(sorted((*_CONSTRAINT_KEYS, *_OPTION_KEYS)))})",
+            param="structured_outputs",
+        )
     present = [k for k in _CONSTRAINT_KEYS if so.get(k) not in (None, False)]
     if not present:
         return None  # options only: they apply to the constraint of another field
     if len(present) > 1:
-        raise bad_request(f"structured_outputs: exactly one of {', '.join(_CONSTRAINT_KEYS)} may be set, got "
-                          f"{', '.join(present)}", param="structured_outputs")
+        raise bad_request(
+            f"structured_outputs: exactly one of {', '.join(_CONSTRAINT_KEYS)} may be set, got {', '.join(present)}",
+            param="structured_outputs",
+        )
     return f"structured_outputs.{present[0]}", {present[0]: so[present[0]]}
 
 
 def _from_guided(request: SamplingFields) -> list[tuple[str, dict[str, Any]] | None]:
-    return [(name, {key: getattr(request, name)}) if getattr(request, name) is not None else None
-            for name, key in _GUIDED.items()]
+    return [
+        (name, {key: getattr(request, name)}) if getattr(request, name) is not None else None
+        for name, key in _GUIDED.items()
+    ]
 
 
 def request_options(request: SamplingFields) -> dict[str, Any]:

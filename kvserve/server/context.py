@@ -60,8 +60,10 @@ class ServerSettings:
         if self.max_request_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.chat_history_policy not in CHAT_HISTORY_POLICIES:
-            raise ValueError(f"--chat-history-policy must be one of {', '.join(CHAT_HISTORY_POLICIES)}, "
-                             f"got {self.chat_history_policy!r}")
+            raise ValueError(
+                f"--chat-history-policy must be one of {', '.join(CHAT_HISTORY_POLICIES)}, "
+                f"got {self.chat_history_policy!r}"
+            )
 
     @property
     def tool_parser(self) -> ToolParserSpec | None:
@@ -100,9 +102,13 @@ class ServerContext:
         if requested is None or requested == "":
             return self.model_name
         if requested not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{requested}` does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in self.settings.served_model_names)}.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{requested}` does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.settings.served_model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
         return requested
 
     @staticmethod

@@ -27,15 +27,37 @@ from kvserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          500: "server_error", 503: "service_unavailable_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
 
 # Fields named first in SamplingParams' ValueError messages ("temperature must be ..."), for `param`.
-_PARAM_NAMES = frozenset({
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
-    "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop", "stop_token_ids",
-})
+_PARAM_NAMES = frozenset(
+    {
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        "stop",
+        "stop_token_ids",
+    }
+)
 
 
 class APIError(Exception):
@@ -49,8 +71,9 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=_TYPES.get(self.status, "server_error"),
-                         param=self.param, code=self.code)
+        info = ErrorInfo(
+            message=self.message, type=_TYPES.get(self.status, "server_error"), param=self.param, code=self.code
+        )
         return ErrorResponse(error=info).model_dump()
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:

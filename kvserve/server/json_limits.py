@@ -56,20 +56,25 @@ class JSONLimits:
         if self._surely_within(body):
             return
         shape = measure_json(body, stop_over=self)
-        for got, limit, what in ((shape.containers, self.max_containers, "number of arrays and objects"),
-                                 (shape.values, self.max_values,
-                                  "number of JSON values (array items, object members, arrays and objects)"),
-                                 (shape.depth, self.max_depth, "nesting depth of arrays and objects")):
+        for got, limit, what in (
+            (shape.containers, self.max_containers, "number of arrays and objects"),
+            (shape.values, self.max_values, "number of JSON values (array items, object members, arrays and objects)"),
+            (shape.depth, self.max_depth, "nesting depth of arrays and objects"),
+        ):
             if got > limit:
-                raise bad_request(f"The request body is too complex to parse: its {what} exceeds the limit "
-                                  f"of {limit}. Split the request or simplify its JSON.")
+                raise bad_request(
+                    f"The request body is too complex to parse: its {what} exceeds the limit "
+                    f"of {limit}. Split the request or simplify its JSON."
+                )
 
     def _surely_within(self, body: bytes) -> bool:
         """Counting brackets and commas inside strings too overestimates every figure, at memchr speed: the
         common body (text prompts, short chats) is cleared without the exact scan."""
         containers = body.count(b"[") + body.count(b"{")
-        return (max(containers, body.count(b"]") + body.count(b"}")) <= min(self.max_depth, self.max_containers)
-                and containers + body.count(b",") + 1 <= self.max_values)
+        return (
+            max(containers, body.count(b"]") + body.count(b"}")) <= min(self.max_depth, self.max_containers)
+            and containers + body.count(b",") + 1 <= self.max_values
+        )
 
 
 def measure_json(body: bytes, stop_over: JSONLimits | None = None) -> JSONShape:
@@ -110,5 +115,8 @@ def _scan(body: bytes) -> Iterator[tuple[int, int, np.ndarray]]:
         opens = ((chunk == _OPENS[0]) | (chunk == _OPENS[1])) & outside
         closes = ((chunk == _CLOSES[0]) | (chunk == _CLOSES[1])) & outside
         brackets = opens | closes
-        yield (int(np.count_nonzero(opens)), int(np.count_nonzero((chunk == _COMMA) & outside)),
-               (opens.view(np.int8) - closes.view(np.int8))[brackets])
+        yield (
+            int(np.count_nonzero(opens)),
+            int(np.count_nonzero((chunk == _COMMA) & outside)),
+            (opens.view(np.int8) - closes.view(np.int8))[brackets],
+        )

@@ -62,8 +62,9 @@ def kv_data_routes(ctx: ServerContext, engines: Mapping[str, InspectedEngine], c
         if replica is None:
             replica = next((name for name, engine in engines.items() if engine.is_running), next(iter(engines)))
         elif replica not in engines:
-            raise APIError(404, f"no replica {replica!r} (GET /v1/kv/replicas lists them)", param="replica",
-                           code="not_found")
+            raise APIError(
+                404, f"no replica {replica!r} (GET /v1/kv/replicas lists them)", param="replica", code="not_found"
+            )
         engine = engines[replica]
         engine.check_alive()
         return replica, engine
@@ -78,8 +79,9 @@ def kv_data_routes(ctx: ServerContext, engines: Mapping[str, InspectedEngine], c
         data = await asyncio.wrap_future(engine.call(lambda e: e.kv_snapshot(include_tokens)))
         body = {**data, "replica": name, "events": list((await engine.kv.latest()).events)}
         large = len(data["block_states"]) >= LARGE_POOL  # with token ids: megabytes of JSON for a large pool
-        return Response(await off_loop(large, _json_bytes, body), media_type="application/json",
-                        headers={REPLICA_HEADER: name})
+        return Response(
+            await off_loop(large, _json_bytes, body), media_type="application/json", headers={REPLICA_HEADER: name}
+        )
 
     @router.get("/v1/kv/blocks/{block_id}")
     async def block(block_id: int, replica: str | None = None) -> JSONResponse:
@@ -93,8 +95,11 @@ def kv_data_routes(ctx: ServerContext, engines: Mapping[str, InspectedEngine], c
     @router.get("/v1/kv/stream")
     async def stream(replica: str | None = None) -> StreamingResponse:
         name, _ = chosen(replica)
-        return StreamingResponse(hubs[name].stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", REPLICA_HEADER: name})
+        return StreamingResponse(
+            hubs[name].stream(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", REPLICA_HEADER: name},
+        )
 
     return router
 

@@ -64,8 +64,10 @@ def _delta_frame(seq: int, old: KVSnapshot, new: KVSnapshot, events: list[dict[s
 
 
 def _full_frame(state: _State) -> str:
-    return sse("snapshot", {"seq": state.seq, "time": state.snapshot.taken_at, **state.snapshot.data,
-                            "events": list(state.events)})
+    return sse(
+        "snapshot",
+        {"seq": state.seq, "time": state.snapshot.taken_at, **state.snapshot.data, "events": list(state.events)},
+    )
 
 
 def _is_large(snapshot: KVSnapshot) -> bool:
@@ -77,8 +79,9 @@ class KVStreamHub:
     at least one stream is open, a pump task watches the engine's publisher (so that it publishes) and makes one
     update per new publication."""
 
-    def __init__(self, engine: InspectedEngine, closing: asyncio.Event, poll_s: float = POLL_S,
-                 history: int = HISTORY) -> None:
+    def __init__(
+        self, engine: InspectedEngine, closing: asyncio.Event, poll_s: float = POLL_S, history: int = HISTORY
+    ) -> None:
         self.engine = engine
         self.closing = closing
         self.poll_s = poll_s

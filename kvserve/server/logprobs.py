@@ -25,16 +25,17 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the model rules out gets thi
 def _finite(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
+
 LogprobEntry = dict[int, Logprob]
 
 
 def context_tail(prompt: Sequence[int], generated: Sequence[int], position: int) -> list[int]:
     """The ids just before generated token `position` (reaching back into the prompt), as many as a
     token's text needs: a stream's piece is measured against these, never against the whole sequence."""
-    tail = list(generated[max(0, position - _CONTEXT_TOKENS):position])
+    tail = list(generated[max(0, position - _CONTEXT_TOKENS) : position])
     missing = _CONTEXT_TOKENS - len(tail)
     if missing > 0:
-        tail = list(prompt[max(0, len(prompt) - missing):]) + tail
+        tail = list(prompt[max(0, len(prompt) - missing) :]) + tail
     return tail
 
 
@@ -57,14 +58,14 @@ class TokenTexts:
 
     def context(self, ids: Sequence[int], position: int) -> tuple[list[int], str]:
         """The few ids before `position` and their text: what that token's piece is measured against."""
-        window = list(ids[max(0, position - _CONTEXT_TOKENS):position])
+        window = list(ids[max(0, position - _CONTEXT_TOKENS) : position])
         return window, self.decode(window) if window else ""
 
     def piece(self, context: tuple[list[int], str], token_id: int) -> str:
         window, before = context
         after = self.decode([*window, token_id])
         if window and after.startswith(before):
-            return after[len(before):]
+            return after[len(before) :]
         return self.decode([token_id])
 
     def is_special(self, token_id: int) -> bool:
@@ -123,6 +124,9 @@ def chat_logprobs(
         for _, alt, value in ranked[:num_top]:
             alt_text = piece if alt == tid else texts.piece(ctx, alt)
             top.append(ChatTopLogprob(token=alt_text, logprob=_finite(value), bytes=list(alt_text.encode("utf-8"))))
-        out.append(ChatLogprob(token=piece, logprob=_finite(entry[tid].logprob), bytes=list(piece.encode("utf-8")),
-                               top_logprobs=top))
+        out.append(
+            ChatLogprob(
+                token=piece, logprob=_finite(entry[tid].logprob), bytes=list(piece.encode("utf-8")), top_logprobs=top
+            )
+        )
     return out

@@ -88,7 +88,8 @@ class PromptPreparer:
         # tokenizer, and the event loop's (TokenTexts). One worker runs jobs in order, so every preparation, queued
         # behind them, finds both built.
         self._own: Future[_ThreadTokenizer] = self._executor.submit(
-            _ThreadTokenizer.build, snapshot, facts.max_model_len)
+            _ThreadTokenizer.build, snapshot, facts.max_model_len
+        )
         self.loop_tokenizer: Future[Tokenizer] = self._executor.submit(snapshot.build)
 
     @property
@@ -120,14 +121,18 @@ class PromptPreparer:
             raise bad_request(
                 f"The prompt has {len(text)} characters, more than max-model-len ({self.facts.max_model_len} "
                 f"tokens) can hold with this tokenizer (at most {self.max_prompt_chars} characters); shorten it.",
-                param=param)
+                param=param,
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.check_chars(text, param)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def completion_prompts(
-        self, items: Sequence[str | list[int]], params: SamplingParams, max_tokens: int | None,
+        self,
+        items: Sequence[str | list[int]],
+        params: SamplingParams,
+        max_tokens: int | None,
         skip_special_tokens: bool,
     ) -> list[Prompt]:
         """Token ids and echo text of each prompt, each checked as the engine will check it, and against
@@ -142,7 +147,11 @@ class PromptPreparer:
         return prompts
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], render: ChatRender, params: SamplingParams, max_tokens: int | None,
+        self,
+        messages: list[dict[str, Any]],
+        render: ChatRender,
+        params: SamplingParams,
+        max_tokens: int | None,
         truncate: bool,
     ) -> tuple[list[int], int]:
         """The chat's prompt ids, checked, and how many old turns were dropped to make it fit (truncate)."""
@@ -152,9 +161,13 @@ class PromptPreparer:
         return ids, dropped
 
     def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:
-        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=render.add_generation_prompt,
-                                                   chat_template=render.chat_template, tools=render.tools,
-                                                   tool_style=render.tool_style)
+        text = self._tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=render.add_generation_prompt,
+            chat_template=render.chat_template,
+            tools=render.tools,
+            tool_style=render.tool_style,
+        )
         return self.encode(text, param="messages")
 
     def _render_fitting(
@@ -203,4 +216,3 @@ def check_token_ids(facts: EngineFacts, ids: Sequence[int]) -> None:
     bad = next((t for t in ids if not 0 <= t < facts.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is out of the vocabulary (0..{facts.vocab_size - 1})", param="tokens")
-

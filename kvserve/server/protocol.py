@@ -55,8 +55,10 @@ def _require_utf8(value: Any) -> Any:
     where = _not_utf8(value)
     if where is not None:
         at = f" (at {where})" if where else ""
-        raise ValueError(f"text must be valid UTF-8, but this field contains a lone surrogate{at}: an unpaired "
-                         "\\ud800-\\udfff escape")
+        raise ValueError(
+            f"text must be valid UTF-8, but this field contains a lone surrogate{at}: an unpaired "
+            "\\ud800-\\udfff escape"
+        )
     return value
 
 

@@ -68,13 +68,16 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> N
         raise bad_request(
             f"This model's maximum context length (max-model-len) is {max_model_len} tokens, but the prompt has "
             f"{prompt_len} tokens and at least one token must be generated; shorten the prompt to at most "
-            f"{max_model_len - 1} tokens.", param="prompt")
+            f"{max_model_len - 1} tokens.",
+            param="prompt",
+        )
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length (max-model-len) is {max_model_len} tokens, but you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion); "
             f"reduce max_tokens to at most {max_model_len - prompt_len} or shorten the prompt.",
-            param="max_tokens")
+            param="max_tokens",
+        )
 
 
 def reject_unsupported(request: SamplingFields, fields: Mapping[str, Any], max_n: int) -> None:
@@ -98,8 +101,11 @@ def check_num_prompts(num_prompts: int, limit: int) -> None:
     """400 for more prompts in one request than --max-prompts-per-request: a prompt list (with n samples
     each) must not let one client fill the queue that every client shares."""
     if num_prompts > limit:
-        raise bad_request(f"this request has {num_prompts} prompts, more than this server accepts in one request "
-                          f"(--max-prompts-per-request {limit}); split it into several requests", param="prompt")
+        raise bad_request(
+            f"this request has {num_prompts} prompts, more than this server accepts in one request "
+            f"(--max-prompts-per-request {limit}); split it into several requests",
+            param="prompt",
+        )
 
 
 def require(condition: bool, message: str, param: str | None = None) -> None:

@@ -44,8 +44,9 @@ if TYPE_CHECKING:
     from kvserve.structured.compiler import GrammarCompiler
 
 _FORCED_OPTIONS = {"disable_any_whitespace": True}
-AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
-                    "on the server")
+AUTO_NEEDS_FLAGS = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set on the server'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +68,11 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
         functions = parse_tools(request.tools)
         choice = _choice(request.tool_choice, bool(functions))
         forced = forced_function(functions, request.tool_choice) if choice == "named" else None
-        schema = tool_choice_schema(request.tools, request.tool_choice, parallel) \
-            if choice in ("named", "required") else None
+        schema = (
+            tool_choice_schema(request.tools, request.tool_choice, parallel)
+            if choice in ("named", "required")
+            else None
+        )
     except ValueError as e:
         raise bad_request(str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from e
     tools = list(request.tools) if request.tools else None
@@ -79,10 +83,12 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
         if not settings.enable_auto_tool_choice or parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
         return ToolPlan(tools, functions, choice, None, parser.extractor, parallel)
-    constraint = Constraint(make_params("tools", {"json": schema, **_FORCED_OPTIONS, **request_options(request)}),
-                            "tools")
+    constraint = Constraint(
+        make_params("tools", {"json": schema, **_FORCED_OPTIONS, **request_options(request)}), "tools"
+    )
     extractor: Callable[[], ToolCallExtractor] = (
-        partial(NamedFunctionExtractor, forced.name) if forced is not None else RequiredExtractor)
+        partial(NamedFunctionExtractor, forced.name) if forced is not None else RequiredExtractor
+    )
     return ToolPlan(tools, functions, choice, constraint, extractor, parallel)
 
 
@@ -136,13 +142,14 @@ def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
         return ParsedReply(text, [])
     result = extract_all(plan.extractor(), text)
     calls = result.calls if plan.parallel else result.calls[:1]
-    return ParsedReply(result.content, [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name,
-                                                                                        arguments=c.arguments))
-                                        for c in calls])
+    return ParsedReply(
+        result.content,
+        [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls],
+    )
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    """"tool_calls" when a reply that ended by itself called tools (a call cut by max_tokens stays "length")."""
+    """ "tool_calls" when a reply that ended by itself called tools (a call cut by max_tokens stays "length")."""
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
@@ -173,5 +180,9 @@ class StreamedCalls:
         if piece.name is None:
             return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
         self._ids.append(new_call_id())
-        return DeltaToolCall(index=piece.index, id=self._ids[-1], type="function",
-                             function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
+        return DeltaToolCall(
+            index=piece.index,
+            id=self._ids[-1],
+            type="function",
+            function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments),
+        )

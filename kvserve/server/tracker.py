@@ -46,8 +46,17 @@ class _Sample:
     started: bool = False
 
     def add(self, c: CompletionOutput) -> ChoiceDelta:
-        delta = ChoiceDelta(c.index, c.text, list(c.token_ids), c.logprobs, len(self.token_ids), self.num_chars,
-                            c.finish_reason, c.stop_reason, is_first=not self.started)
+        delta = ChoiceDelta(
+            c.index,
+            c.text,
+            list(c.token_ids),
+            c.logprobs,
+            len(self.token_ids),
+            self.num_chars,
+            c.finish_reason,
+            c.stop_reason,
+            is_first=not self.started,
+        )
         self.started = True
         self.text_parts.append(c.text)
         self.num_chars += len(c.text)
@@ -61,8 +70,15 @@ class _Sample:
         return delta
 
     def output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, "".join(self.text_parts), self.token_ids, self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason)
+        return CompletionOutput(
+            self.index,
+            "".join(self.text_parts),
+            self.token_ids,
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )
 
 
 class DeltaTracker:
@@ -100,5 +116,13 @@ class DeltaTracker:
         if self._last is None:
             raise RuntimeError("no output was received for this request")
         samples = [self._samples[i].output() for i in sorted(self._samples)]
-        return RequestOutput(self._last.request_id, self._last.prompt, self.prompt_token_ids, self.prompt_logprobs,
-                             samples, self.finished, self.num_cached_tokens, self._last.metrics)
+        return RequestOutput(
+            self._last.request_id,
+            self._last.prompt,
+            self.prompt_token_ids,
+            self.prompt_logprobs,
+            samples,
+            self.finished,
+            self.num_cached_tokens,
+            self._last.metrics,
+        )

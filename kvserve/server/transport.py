@@ -54,8 +54,7 @@ class ServerConfig(uvicorn.Config):
     """uvicorn.Config serving HTTP/1.1 through `TimedH11Protocol` with `limits`, without WebSockets."""
 
     def __init__(self, app: Any, limits: TransportLimits, **kwargs: Any) -> None:
-        super().__init__(app, http=TimedH11Protocol, ws="none", timeout_keep_alive=limits.timeout_keep_alive,
-                         **kwargs)
+        super().__init__(app, http=TimedH11Protocol, ws="none", timeout_keep_alive=limits.timeout_keep_alive, **kwargs)
         self.limits = limits
 
 
@@ -66,8 +65,13 @@ class TimedH11Protocol(H11Protocol):
     `timeout_body_read`. A close while the client is still sending a body lingers (see the module's
     docstring). Upgrade offers are ignored: the request is served over HTTP/1.1, silently."""
 
-    def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         limits = config.limits if isinstance(config, ServerConfig) else TransportLimits()
         self._limits = limits

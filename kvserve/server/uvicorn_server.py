@@ -39,8 +39,9 @@ class GracefulServer(uvicorn.Server):
     With `on_grace_expired`, `config.timeout_graceful_shutdown` is the grace period after which it is
     called, and uvicorn cancels what is still running `drain_s` seconds later."""
 
-    def __init__(self, config: uvicorn.Config, on_grace_expired: Callable[[], None] | None = None,
-                 drain_s: int = DRAIN_S) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_grace_expired: Callable[[], None] | None = None, drain_s: int = DRAIN_S
+    ) -> None:
         super().__init__(config)
         self._on_grace_expired = on_grace_expired
         self._grace_s = config.timeout_graceful_shutdown

@@ -48,10 +48,12 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method in _UNSUPPORTED_METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not supported by kvserve; use \"ngram\" "
-                             "(prompt lookup) or \"suffix\" (suffix trees), which need no draft model")
+            raise ValueError(
+                f'speculative method {self.method!r} is not supported by kvserve; use "ngram" '
+                '(prompt lookup) or "suffix" (suffix trees), which need no draft model'
+            )
         if self.method not in _METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r}; kvserve supports \"ngram\" and \"suffix\"")
+            raise ValueError(f'unknown speculative method {self.method!r}; kvserve supports "ngram" and "suffix"')
         checks = [
             (self.num_speculative_tokens >= 1, "num_speculative_tokens", ">= 1"),
             (self.prompt_lookup_min >= 1, "prompt_lookup_min", ">= 1"),
@@ -59,8 +61,11 @@ class SpeculativeConfig:
             (self.disable_by_batch_size >= 1, "disable_by_batch_size", ">= 1"),
             (0.0 <= self.min_acceptance_rate <= 1.0, "min_acceptance_rate", "in [0, 1]"),
             (self.acceptance_window >= 1, "acceptance_window", ">= 1"),
-            (self.suffix_decoding_max_tree_depth >= 2, "suffix_decoding_max_tree_depth",
-             ">= 2 (one token to match, one to draft)"),
+            (
+                self.suffix_decoding_max_tree_depth >= 2,
+                "suffix_decoding_max_tree_depth",
+                ">= 2 (one token to match, one to draft)",
+            ),
             (self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests", ">= 0"),
             (self.suffix_decoding_max_spec_factor > 0, "suffix_decoding_max_spec_factor", "> 0"),
             (0.0 <= self.suffix_decoding_min_token_prob <= 1.0, "suffix_decoding_min_token_prob", "in [0, 1]"),
@@ -73,12 +78,14 @@ class SpeculativeConfig:
 def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
     """The flag's JSON text, a dict (the offline API) or a config; None (the default) means off. A "method" is
     required (kvserve supports "ngram" and "suffix"); num_speculative_tokens defaults by method."""
-    return config_from_json_flag(_with_method_default(value), SpeculativeConfig, "speculative_config",
-                                 required=("method",))
+    return config_from_json_flag(
+        _with_method_default(value), SpeculativeConfig, "speculative_config", required=("method",)
+    )
 
 
-def _with_method_default(value: str | dict[str, Any] | SpeculativeConfig | None
-                         ) -> str | dict[str, Any] | SpeculativeConfig | None:
+def _with_method_default(
+    value: str | dict[str, Any] | SpeculativeConfig | None,
+) -> str | dict[str, Any] | SpeculativeConfig | None:
     """A JSON object (text or dict) with its method's num_speculative_tokens filled in when left out; anything
     else as it is (config_from_json_flag reports what is wrong with it)."""
     obj = value

@@ -46,6 +46,10 @@ class NgramDrafter:
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter of `config.method` (the config has checked that kvserve has it)."""
     if config.method == "suffix":
-        return SuffixDrafter(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
-                             config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+        return SuffixDrafter(
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
     return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)

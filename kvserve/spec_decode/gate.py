@@ -57,8 +57,13 @@ class SpecDecoder:
         self.drafter = make_drafter(config)
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
-    def propose(self, running: Iterable[DraftRequest], grammars: Mapping[str, GrammarMatcher | None],
-                max_model_len: int, num_running: int) -> None:
+    def propose(
+        self,
+        running: Iterable[DraftRequest],
+        grammars: Mapping[str, GrammarMatcher | None],
+        max_model_len: int,
+        num_running: int,
+    ) -> None:
         """Set every running request's `spec_token_ids` for the coming step (empty: no drafting). `grammars`:
         the constrained requests' matchers, by request id (None: not made yet, so no draft)."""
         enabled = num_running <= self.config.disable_by_batch_size
@@ -68,7 +73,7 @@ class SpecDecoder:
                 draft = self._draft(request, max_model_len)
                 matcher = grammars.get(request.request_id)
                 if draft and matcher is not None:  # only what the grammar allows: verification masks by it
-                    draft = draft[:validate_tokens(matcher, draft)]
+                    draft = draft[: validate_tokens(matcher, draft)]
             request.spec_token_ids = draft
 
     def wants_draft(self, request: DraftRequest, grammars: Mapping[str, GrammarMatcher | None]) -> bool:
@@ -81,8 +86,10 @@ class SpecDecoder:
         if request.request_id in grammars and grammars[request.request_id] is None:
             return False
         cfg = self.config
-        return (request.spec_num_drafted < cfg.acceptance_window
-                or request.spec_num_accepted >= cfg.min_acceptance_rate * request.spec_num_drafted)
+        return (
+            request.spec_num_drafted < cfg.acceptance_window
+            or request.spec_num_accepted >= cfg.min_acceptance_rate * request.spec_num_drafted
+        )
 
     def _draft(self, request: DraftRequest, max_model_len: int) -> list[int]:
         """Drafts capped so that the verified tokens stay within max_tokens and max-model-len."""

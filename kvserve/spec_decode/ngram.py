@@ -12,11 +12,11 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
     the model is continuing."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = list(tokens[length - n:])
+        pattern = list(tokens[length - n :])
         first = pattern[0]
         for start in range(length - n - 1, -1, -1):  # an occurrence that ends before the pattern itself
-            if tokens[start] == first and list(tokens[start:start + n]) == pattern:
-                follow = list(tokens[start + n:start + n + k])
+            if tokens[start] == first and list(tokens[start : start + n]) == pattern:
+                follow = list(tokens[start + n : start + n + k])
                 if follow:
                     return follow
     return []

@@ -138,7 +138,7 @@ class SuffixTrie:
         n = len(context)
         for m in range(1, min(self.max_depth - 1, n) + 1):
             node: _Node | None = self.root
-            for token in context[n - m:]:
+            for token in context[n - m :]:
                 assert node is not None
                 node = node.child(token)
                 if node is None:
@@ -198,8 +198,7 @@ class SuffixDrafter:
     `max_cached_requests` finished requests (oldest evicted; 0: no global trie). Each draft is the better of the
     two tries' best drafts."""
 
-    def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float,
-                 min_token_prob: float) -> None:
+    def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float) -> None:
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
@@ -257,6 +256,6 @@ def _context(request: DraftSource, n: int) -> list[int]:
     """The request's last `n` real tokens (prompt and output together)."""
     output = request.output_token_ids
     if len(output) >= n:
-        return list(output[len(output) - n:])
+        return list(output[len(output) - n :])
     prompt = request.prompt_token_ids
-    return list(prompt[max(0, len(prompt) - (n - len(output))):]) + list(output)
+    return list(prompt[max(0, len(prompt) - (n - len(output))) :]) + list(output)

@@ -62,5 +62,7 @@ def drafted_rows(request: SamplerRow, draft: Sequence[int]) -> list[SamplerRow]:
     if not params.has_penalties and len(request.output_token_ids) >= params.min_tokens:
         return [request] * (len(draft) + 1)
     out = request.output_token_ids
-    return [DraftedRow(params, request.prompt_token_ids, out + list(draft[:i]), request.generator)
-            for i in range(len(draft) + 1)]
+    return [
+        DraftedRow(params, request.prompt_token_ids, out + list(draft[:i]), request.generator)
+        for i in range(len(draft) + 1)
+    ]

@@ -245,8 +245,11 @@ class XgrammarBackend:
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         if params.whitespace_pattern is not None:
-            raise GrammarCompileError("structured_outputs.whitespace_pattern", "not supported by xgrammar",
-                                      "use --structured-outputs-backend guidance (or auto)")
+            raise GrammarCompileError(
+                "structured_outputs.whitespace_pattern",
+                "not supported by xgrammar",
+                "use --structured-outputs-backend guidance (or auto)",
+            )
         try:
             handle = self._compile_handle(params)
         except (RuntimeError, ValueError, TypeError) as e:
@@ -280,8 +283,13 @@ def _xgrammar_tokenizer_info(vocab: GrammarVocab) -> Any:
         if token_id < vocab.vocab_size and token_id not in hidden:
             encoded[token_id] = token
     vocab_type, add_prefix_space = _xgrammar_vocab_metadata(vocab.raw)
-    return xgr.TokenizerInfo(encoded, vocab_type, vocab_size=vocab.vocab_size,
-                             stop_token_ids=list(vocab.stop_token_ids), add_prefix_space=add_prefix_space)
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type,
+        vocab_size=vocab.vocab_size,
+        stop_token_ids=list(vocab.stop_token_ids),
+        add_prefix_space=add_prefix_space,
+    )
 
 
 def _xgrammar_vocab_metadata(raw: RawTokenizer) -> tuple[Any, bool]:
@@ -295,11 +303,12 @@ def _xgrammar_vocab_metadata(raw: RawTokenizer) -> tuple[Any, bool]:
         return meta["vocab_type"], bool(meta["add_prefix_space"])
     kind = decoder_vocab_type(raw)  # a later xgrammar without the private detector: the decoder says most of it
     return {"byte_level": xgr.VocabType.BYTE_LEVEL, "byte_fallback": xgr.VocabType.BYTE_FALLBACK}.get(
-        kind, xgr.VocabType.RAW), False
+        kind, xgr.VocabType.RAW
+    ), False
 
 
 def decoder_vocab_type(raw: RawTokenizer) -> str:
-    """"byte_level", "byte_fallback" or "raw", from the tokenizer's decoder."""
+    """ "byte_level", "byte_fallback" or "raw", from the tokenizer's decoder."""
     decoder = json.loads(raw.to_str()).get("decoder") or {}
     kinds = {d.get("type") for d in [decoder, *decoder.get("decoders", [])] if isinstance(d, dict)}
     if "ByteLevel" in kinds:
@@ -434,8 +443,11 @@ class AutoBackend:
                 compiled = self.fallback().compile(params)
             except GrammarCompileError:
                 raise first from None
-            logger.info("structured output: xgrammar refused a %s constraint (%s); using llguidance",
-                        params.kind.value, first.reason)
+            logger.info(
+                "structured output: xgrammar refused a %s constraint (%s); using llguidance",
+                params.kind.value,
+                first.reason,
+            )
             return compiled
 
     def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
@@ -472,4 +484,3 @@ def make_backend(name: str, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE
     if name == "auto":
         return AutoBackend(vocab, cache_size)
     raise ValueError(f"structured outputs backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
-

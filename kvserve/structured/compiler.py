@@ -83,8 +83,12 @@ class GrammarCompiler:
             if self._backend is None:
                 vocab = GrammarVocab.from_tokenizer(self._tokenizer, self._vocab_size, self._stop_token_ids)
                 self._backend = make_backend(self.backend_name, vocab, self._cache_size)
-                logger.info("structured output: %s backend built over %d tokens (stop tokens %s)",
-                            self.backend_name, self._vocab_size, list(vocab.stop_token_ids))
+                logger.info(
+                    "structured output: %s backend built over %d tokens (stop tokens %s)",
+                    self.backend_name,
+                    self._vocab_size,
+                    list(vocab.stop_token_ids),
+                )
             return self._backend
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:

@@ -233,8 +233,9 @@ def _check_rollback(num_tokens: int, accepted: int) -> None:
 def _check_bitmask(bitmask: torch.Tensor, row: int) -> None:
     """The backends write through raw pointers: a wrong dtype, device or layout would corrupt memory."""
     if bitmask.dtype != BITMASK_DTYPE or bitmask.device.type != "cpu" or bitmask.dim() != 2:
-        raise ValueError(f"bitmask must be a 2-D CPU int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)} "
-                         f"on {bitmask.device}")
+        raise ValueError(
+            f"bitmask must be a 2-D CPU int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
+        )
     if not bitmask.is_contiguous():
         raise ValueError("bitmask must be contiguous")
     if not 0 <= row < bitmask.shape[0]:
@@ -264,9 +265,7 @@ def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=BITMASK_DTYPE)
 
 
-def fill_step_bitmask(
-    matchers: Sequence[MaskSource | None], vocab_size: int
-) -> tuple[torch.Tensor, list[int]] | None:
+def fill_step_bitmask(matchers: Sequence[MaskSource | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
     """One step's bitmask for a batch whose row i belongs to matchers[i] (None: unconstrained).
 
     Returns the bitmask (allocated once for the step, one row per batch row) and the constrained rows, or None
@@ -336,4 +335,3 @@ def _check_apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -
     bad = [r for r in rows if not 0 <= r < limit]
     if bad or len(set(rows)) != len(rows):
         raise IndexError(f"rows {rows} must be distinct and below {limit}")
-

@@ -86,8 +86,9 @@ class StructuredOutputsParams:
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{_FIELD_PREFIX}: unknown field(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"{_FIELD_PREFIX}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         return cls(**dict(data))
 
 

@@ -424,10 +424,12 @@ class ToolParserSpec:
     style: ToolPromptStyle
 
 
-TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType({
-    "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle()),
-    "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle()),
-})
+TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType(
+    {
+        "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle()),
+        "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle()),
+    }
+)
 # kvserve's own name for the parser that reads Gemma 3's style (not a vLLM name)
 TOOL_PARSER_ALIASES: Mapping[str, str] = MappingProxyType({"gemma3": "pythonic"})
 TOOL_PARSER_NAMES = (*TOOL_PARSERS, *TOOL_PARSER_ALIASES)

@@ -23,14 +23,18 @@ class HermesStyle:
 
     def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
         listed = "\n".join(json.dumps(dict(t), ensure_ascii=False) for t in tools)
-        return ("You may call one or more functions to assist with the user query.\n\nYou are provided with function "
-                f"signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
-                "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
-                '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+        return (
+            "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+            f"signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
+            "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
-        return "\n".join(f"{HERMES_START}\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n{HERMES_END}"
-                         for n, a in calls)
+        return "\n".join(
+            f"{HERMES_START}\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n{HERMES_END}"
+            for n, a in calls
+        )
 
     def render_result(self, content: str, name: str | None) -> str:
         return f"<tool_response>\n{content}\n</tool_response>"
@@ -40,10 +44,11 @@ class PythonicStyle:
     """Gemma 3's documented function-calling prompt: a Python list of calls."""
 
     def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        return ("You have access to functions. If you decide to invoke any of the function(s), you MUST put it in the "
-                "format of [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]"
-                "\nYou SHOULD NOT include any other text in the response if you call a function\n"
-                + functions_json(tools))
+        return (
+            "You have access to functions. If you decide to invoke any of the function(s), you MUST put it in the "
+            "format of [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]"
+            "\nYou SHOULD NOT include any other text in the response if you call a function\n" + functions_json(tools)
+        )
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         return "[" + ", ".join(f"{n}({_python_kwargs(a)})" for n, a in calls) + "]"

@@ -96,8 +96,10 @@ def named_choice(tool_choice: object) -> str | None:
     if isinstance(tool_choice, str):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}")
     if not isinstance(tool_choice, Mapping) or tool_choice.get("type", "function") != "function":
-        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
-                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
+        raise ValueError(
+            f"tool_choice must be 'none', 'auto', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
+        )
     function = tool_choice.get("function")
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str) or not name:
@@ -153,8 +155,10 @@ def _merged_defs(tools: list[FunctionTool]) -> dict[str, Any]:
                 raise ValueError(f"{tool.field}.{key} must be an object")
             for name, schema in defs.items():
                 if name in seen and seen[name] != schema:
-                    raise ValueError(f"{tool.field}.{key}.{name}: another tool defines {name!r} differently; "
-                                     "definitions shared by several tools must be identical")
+                    raise ValueError(
+                        f"{tool.field}.{key}.{name}: another tool defines {name!r} differently; "
+                        "definitions shared by several tools must be identical"
+                    )
                 seen[name] = schema
     return {name: _defs_refs_to_root(schema) for name, schema in seen.items()}
 
@@ -168,7 +172,7 @@ def _defs_refs_to_root(schema: Any) -> Any:
     out = {k: _defs_refs_to_root(v) for k, v in schema.items()}
     ref = out.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/definitions/"):
-        out["$ref"] = "#/$defs/" + ref[len("#/definitions/"):]
+        out["$ref"] = "#/$defs/" + ref[len("#/definitions/") :]
     return out
 
 

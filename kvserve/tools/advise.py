@@ -34,12 +34,15 @@ class Scenario:
     expected_concurrency: int
 
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario("real_time_chat", "many users, short multi-turn chats; latency matters", 2048, 8192, 32),
-    Scenario("document_qa", "questions over a few pages of retrieved text", 8192, 32768, 8),
-    Scenario("long_document_analysis", "whole reports or books in one prompt, few at a time", 32768, 131072, 2),
-    Scenario("custom", "your numbers: --typical-len, --needed-len, --expected-concurrency", 4096, 16384, 8),
-)}
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("real_time_chat", "many users, short multi-turn chats; latency matters", 2048, 8192, 32),
+        Scenario("document_qa", "questions over a few pages of retrieved text", 8192, 32768, 8),
+        Scenario("long_document_analysis", "whole reports or books in one prompt, few at a time", 32768, 131072, 2),
+        Scenario("custom", "your numbers: --typical-len, --needed-len, --expected-concurrency", 4096, 16384, 8),
+    )
+}
 
 SCHEMA = (
     "{model: {as in estimate}, device, dtype, block_size, weights: {bytes, formula}, budget: {kv_bytes, source, "
@@ -51,12 +54,23 @@ SCHEMA = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("advise", help="recommend max-model-len, max-num-seqs and KV dtype for a workload",
-                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser(
+        "advise",
+        help="recommend max-model-len, max-num-seqs and KV dtype for a workload",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_sizing_args(p)
-    p.add_argument("--scenario", choices=list(SCENARIOS), default="real_time_chat",
-                   help="; ".join(f"{s.name}: {s.description} (typical {s.typical_len}, needs {s.needed_len}, "
-                                  f"{s.expected_concurrency} at once)" for s in SCENARIOS.values()))
+    p.add_argument(
+        "--scenario",
+        choices=list(SCENARIOS),
+        default="real_time_chat",
+        help="; ".join(
+            f"{s.name}: {s.description} (typical {s.typical_len}, needs {s.needed_len}, "
+            f"{s.expected_concurrency} at once)"
+            for s in SCENARIOS.values()
+        ),
+    )
     p.add_argument("--expected-concurrency", type=int, default=None, help="override the scenario's")
     p.add_argument("--typical-len", type=int, default=None, help="override: typical prompt + output tokens")
     p.add_argument("--needed-len", type=int, default=None, help="override: the longest request to accept")
@@ -70,9 +84,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     facts = resolve_model_facts(args.model)
     setup = resolve_setup(args, facts)
-    overrides = {k: v for k, v in (("expected_concurrency", args.expected_concurrency),
-                                   ("typical_len", args.typical_len), ("needed_len", args.needed_len))
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("expected_concurrency", args.expected_concurrency),
+            ("typical_len", args.typical_len),
+            ("needed_len", args.needed_len),
+        )
+        if v is not None
+    }
     scenario = replace(SCENARIOS[args.scenario], **overrides)
     if min(scenario.typical_len, scenario.needed_len, scenario.expected_concurrency) < 1:
         raise ValueError("--typical-len, --needed-len and --expected-concurrency must be >= 1")
@@ -98,39 +118,65 @@ def advise(facts: ModelFacts, setup: Setup, scenario: Scenario, model_arg: str |
     blocks = {d.name: _blocks(facts, setup, d) for d in dtypes}
     lengths = candidate_lengths(facts.context_len, scenario.needed_len)
     candidates = [
-        {"max_model_len": n, "kv_cache_dtype": d.name, "num_blocks": blocks[d.name],
-         "max_concurrent_requests": max_concurrent_requests(blocks[d.name], n, bs) if blocks[d.name] else 0,
-         "concurrent_requests_at_typical_len":
-             max_concurrent_requests(blocks[d.name], min(scenario.typical_len, n), bs) if blocks[d.name] else 0}
-        for n in lengths for d in dtypes
+        {
+            "max_model_len": n,
+            "kv_cache_dtype": d.name,
+            "num_blocks": blocks[d.name],
+            "max_concurrent_requests": max_concurrent_requests(blocks[d.name], n, bs) if blocks[d.name] else 0,
+            "concurrent_requests_at_typical_len": max_concurrent_requests(
+                blocks[d.name], min(scenario.typical_len, n), bs
+            )
+            if blocks[d.name]
+            else 0,
+        }
+        for n in lengths
+        for d in dtypes
     ]
     warnings: list[str] = []
     target_len = min(scenario.needed_len, facts.context_len)
     if scenario.needed_len > facts.context_len:
-        warnings.append(f"the scenario needs {scenario.needed_len} tokens but the model's context is "
-                        f"{facts.context_len}; requests are capped there.")
+        warnings.append(
+            f"the scenario needs {scenario.needed_len} tokens but the model's context is "
+            f"{facts.context_len}; requests are capped there."
+        )
     chosen = _choose(candidates, target_len, scenario, dtypes)
     if chosen["max_model_len"] < target_len:
-        warnings.append(f"even with {chosen['kv_cache_dtype']} KV one request of {target_len} tokens does not fit "
-                        f"in the KV budget; max-model-len is cut to {chosen['max_model_len']}.")
+        warnings.append(
+            f"even with {chosen['kv_cache_dtype']} KV one request of {target_len} tokens does not fit "
+            f"in the KV budget; max-model-len is cut to {chosen['max_model_len']}."
+        )
     typical = chosen["concurrent_requests_at_typical_len"]
     max_num_seqs = max(1, min(MAX_NUM_SEQS_CAP, typical))
     if typical < scenario.expected_concurrency:
-        warnings.append(f"only {typical} requests of the typical {scenario.typical_len} tokens fit at once, "
-                        f"fewer than the expected {scenario.expected_concurrency}: the rest wait in the queue; "
-                        f"add memory, or use a smaller model.")
+        warnings.append(
+            f"only {typical} requests of the typical {scenario.typical_len} tokens fit at once, "
+            f"fewer than the expected {scenario.expected_concurrency}: the rest wait in the queue; "
+            f"add memory, or use a smaller model."
+        )
     elif chosen["max_concurrent_requests"] < scenario.expected_concurrency:
-        warnings.append(f"if {scenario.expected_concurrency} requests all reach max-model-len "
-                        f"{chosen['max_model_len']} together, only {chosen['max_concurrent_requests']} fit; the "
-                        f"others are preempted and recomputed later (slower, nothing lost).")
-    command = (f"kvserve serve{'' if model_arg is None else ' --model ' + model_arg} "
-               f"--max-model-len {chosen['max_model_len']} --max-num-seqs {max_num_seqs} "
-               f"--kv-cache-dtype {chosen['kv_cache_dtype']} --kv-cache-memory-bytes {setup.budget.kv_bytes}")
+        warnings.append(
+            f"if {scenario.expected_concurrency} requests all reach max-model-len "
+            f"{chosen['max_model_len']} together, only {chosen['max_concurrent_requests']} fit; the "
+            f"others are preempted and recomputed later (slower, nothing lost)."
+        )
+    command = (
+        f"kvserve serve{'' if model_arg is None else ' --model ' + model_arg} "
+        f"--max-model-len {chosen['max_model_len']} --max-num-seqs {max_num_seqs} "
+        f"--kv-cache-dtype {chosen['kv_cache_dtype']} --kv-cache-memory-bytes {setup.budget.kv_bytes}"
+    )
     return {
-        "model": facts.to_json(), **setup.to_json(), "scenario": asdict(scenario), "candidates": candidates,
-        "recommendation": {"max_model_len": chosen["max_model_len"], "max_num_seqs": max_num_seqs,
-                           "kv_cache_dtype": chosen["kv_cache_dtype"], "command": command},
-        "warnings": warnings, "explanation": _explain(chosen, dtypes, candidates, scenario),
+        "model": facts.to_json(),
+        **setup.to_json(),
+        "scenario": asdict(scenario),
+        "candidates": candidates,
+        "recommendation": {
+            "max_model_len": chosen["max_model_len"],
+            "max_num_seqs": max_num_seqs,
+            "kv_cache_dtype": chosen["kv_cache_dtype"],
+            "command": command,
+        },
+        "warnings": warnings,
+        "explanation": _explain(chosen, dtypes, candidates, scenario),
     }
 
 
@@ -143,8 +189,9 @@ def _blocks(facts: ModelFacts, setup: Setup, kv_dtype: KVDtype) -> int:
         return 0
 
 
-def _choose(candidates: list[dict[str, Any]], target_len: int, scenario: Scenario,
-            dtypes: list[KVDtype]) -> dict[str, Any]:
+def _choose(
+    candidates: list[dict[str, Any]], target_len: int, scenario: Scenario, dtypes: list[KVDtype]
+) -> dict[str, Any]:
     """The needed length with the widest dtype that serves the expected concurrency at typical length; else the
     dtype that serves the most; if nothing holds one request of that length, the longest length that fits."""
     at_target = [c for c in candidates if c["max_model_len"] == target_len and c["max_concurrent_requests"] >= 1]
@@ -159,21 +206,27 @@ def _choose(candidates: list[dict[str, Any]], target_len: int, scenario: Scenari
     return max(at_target, key=lambda c: c["concurrent_requests_at_typical_len"])
 
 
-def _explain(chosen: dict[str, Any], dtypes: list[KVDtype], candidates: list[dict[str, Any]],
-             scenario: Scenario) -> str:
+def _explain(
+    chosen: dict[str, Any], dtypes: list[KVDtype], candidates: list[dict[str, Any]], scenario: Scenario
+) -> str:
     covers = "covers" if chosen["max_model_len"] >= scenario.needed_len else "is as close as this model allows to"
-    first = (f"max-model-len {chosen['max_model_len']} {covers} the scenario's longest request ({scenario.needed_len} "
-             f"tokens), and {chosen['kv_cache_dtype']} KV holds {chosen['concurrent_requests_at_typical_len']} "
-             f"requests of the typical {scenario.typical_len} tokens at once.")
+    first = (
+        f"max-model-len {chosen['max_model_len']} {covers} the scenario's longest request ({scenario.needed_len} "
+        f"tokens), and {chosen['kv_cache_dtype']} KV holds {chosen['concurrent_requests_at_typical_len']} "
+        f"requests of the typical {scenario.typical_len} tokens at once."
+    )
     meets = chosen["concurrent_requests_at_typical_len"] >= scenario.expected_concurrency
     if chosen["kv_cache_dtype"] == dtypes[0].name:
         kept = f" That meets the expected {scenario.expected_concurrency}, so the full-precision KV dtype is kept."
         return first + (kept if meets else "")
-    wide = next(c for c in candidates if c["max_model_len"] == chosen["max_model_len"]
-                and c["kv_cache_dtype"] == dtypes[0].name)
+    wide = next(
+        c for c in candidates if c["max_model_len"] == chosen["max_model_len"] and c["kv_cache_dtype"] == dtypes[0].name
+    )
     ratio = chosen["num_blocks"] / max(wide["num_blocks"], 1)
-    return first + (f" {dtypes[0].name} KV would hold only {wide['concurrent_requests_at_typical_len']}; 8-bit KV "
-                    f"fits {ratio:.1f}x the tokens for a small accuracy cost (measure it with kvserve bench kv-dtype).")
+    return first + (
+        f" {dtypes[0].name} KV would hold only {wide['concurrent_requests_at_typical_len']}; 8-bit KV "
+        f"fits {ratio:.1f}x the tokens for a small accuracy cost (measure it with kvserve bench kv-dtype)."
+    )
 
 
 def render_advice(doc: dict[str, Any]) -> str:
@@ -184,17 +237,23 @@ def render_advice(doc: dict[str, Any]) -> str:
     rows = [[n] + [by[n, d]["max_concurrent_requests"] for d in dtypes] for n in lengths]
     typical = ", ".join(f"{d}: {by[r['max_model_len'], d]['concurrent_requests_at_typical_len']}" for d in dtypes)
     lines = [
-        (f"Model: {doc['model']['name']}; {doc['dtype']} weights ({format_gib(doc['weights']['bytes'] or 0)}) on "
-         f"{doc['device']}; KV budget {format_gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}"),
-        (f"Scenario {s['name']}: {s['description']}; typical {s['typical_len']} tokens, longest {s['needed_len']}, "
-         f"{s['expected_concurrency']} at once"),
+        (
+            f"Model: {doc['model']['name']}; {doc['dtype']} weights ({format_gib(doc['weights']['bytes'] or 0)}) on "
+            f"{doc['device']}; KV budget {format_gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}"
+        ),
+        (
+            f"Scenario {s['name']}: {s['description']}; typical {s['typical_len']} tokens, longest {s['needed_len']}, "
+            f"{s['expected_concurrency']} at once"
+        ),
         "",
         "Concurrent requests, all at max-model-len:",
         table(["max-model-len", *dtypes], rows),
         f"Requests of the typical length that fit at once: {typical}",
         "",
-        (f"Recommended: --max-model-len {r['max_model_len']} --max-num-seqs {r['max_num_seqs']} "
-         f"--kv-cache-dtype {r['kv_cache_dtype']}"),
+        (
+            f"Recommended: --max-model-len {r['max_model_len']} --max-num-seqs {r['max_num_seqs']} "
+            f"--kv-cache-dtype {r['kv_cache_dtype']}"
+        ),
         f"  {r['command']}",
         f"Why: {doc['explanation']}",
     ]

@@ -32,21 +32,43 @@ SCHEMA = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("doctor", help="diagnose a running kvserve server from its metrics",
-                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser(
+        "doctor",
+        help="diagnose a running kvserve server from its metrics",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    src.add_argument("--metrics-file", action="append", default=None, metavar="FILE",
-                     help="a saved /metrics scrape instead of a server (repeat, oldest first, for trends)")
-    p.add_argument("--scrapes", type=int, default=5,
-                   help=f"how many times to read /metrics (trends need >= {Thresholds().min_trend_windows + 1})")
+    src.add_argument(
+        "--metrics-file",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a saved /metrics scrape instead of a server (repeat, oldest first, for trends)",
+    )
+    p.add_argument(
+        "--scrapes",
+        type=int,
+        default=5,
+        help=f"how many times to read /metrics (trends need >= {Thresholds().min_trend_windows + 1})",
+    )
     p.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes")
-    p.add_argument("--probe", action="store_true",
-                   help="also send a few requests: growing prompt length, then growing concurrency")
-    p.add_argument("--probe-prompt-lens", type=int_list, default="64,256,1024",
-                   help="approximate prompt tokens of the probe's one-token requests")
-    p.add_argument("--probe-concurrency", type=int_list, default="1,4,16",
-                   help="concurrency levels of the probe's 16-token requests")
+    p.add_argument(
+        "--probe", action="store_true", help="also send a few requests: growing prompt length, then growing concurrency"
+    )
+    p.add_argument(
+        "--probe-prompt-lens",
+        type=int_list,
+        default="64,256,1024",
+        help="approximate prompt tokens of the probe's one-token requests",
+    )
+    p.add_argument(
+        "--probe-concurrency",
+        type=int_list,
+        default="1,4,16",
+        help="concurrency levels of the probe's 16-token requests",
+    )
     p.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
     add_json_arg(p, SCHEMA)
@@ -130,8 +152,9 @@ def _prompt(tokens: int) -> str:
     return f"{uuid.uuid4().hex} " + " ".join(["the"] * max(tokens - 1, 1))
 
 
-def run_probe(client: Client, model: str | None, prompt_lens: list[int], concurrencies: list[int],
-              output_tokens: int = 16) -> ProbeResult:
+def run_probe(
+    client: Client, model: str | None, prompt_lens: list[int], concurrencies: list[int], output_tokens: int = 16
+) -> ProbeResult:
     """TTFT (a one-token completion) at growing prompt lengths, then latency at growing concurrency."""
     ttft = [(n, client.complete(model, _prompt(n), 1)) for n in prompt_lens]
     short = prompt_lens[0]
@@ -162,18 +185,36 @@ def report(ev: Evidence, findings: list[Finding], source: str, models: list[str]
     }
     notes = []
     if not busy:
-        notes.append("no requests completed their first token during the scrapes: latency checks had nothing to "
-                     "measure (send traffic, scrape over a longer --interval, or use --probe)")
+        notes.append(
+            "no requests completed their first token during the scrapes: latency checks had nothing to "
+            "measure (send traffic, scrape over a longer --interval, or use --probe)"
+        )
     trend_scrapes = Thresholds().min_trend_windows + 1
     if len(ev.snapshots) < trend_scrapes:
         notes.append(f"trends across turns need at least {trend_scrapes} scrapes with traffic between them")
-    probe = None if ev.probe is None else {
-        "ttft_by_prompt_len": [{"prompt_tokens": n, "ttft_s": t} for n, t in ev.probe.ttft_by_prompt_len],
-        "latency_by_concurrency": [{"concurrency": c, "latency_s": t, "s_per_output_token": s}
-                                   for c, t, s in ev.probe.latency_by_concurrency]}
-    return {"source": source, "scrapes": len(ev.snapshots), "cache_config": ev.last.cache_config, "models": models,
-            "summary": summary, "windows": [asdict(w) for w in ev.windows], "probe": probe,
-            "healthy": not findings, "findings": [asdict(f) for f in findings], "notes": notes}
+    probe = (
+        None
+        if ev.probe is None
+        else {
+            "ttft_by_prompt_len": [{"prompt_tokens": n, "ttft_s": t} for n, t in ev.probe.ttft_by_prompt_len],
+            "latency_by_concurrency": [
+                {"concurrency": c, "latency_s": t, "s_per_output_token": s}
+                for c, t, s in ev.probe.latency_by_concurrency
+            ],
+        }
+    )
+    return {
+        "source": source,
+        "scrapes": len(ev.snapshots),
+        "cache_config": ev.last.cache_config,
+        "models": models,
+        "summary": summary,
+        "windows": [asdict(w) for w in ev.windows],
+        "probe": probe,
+        "healthy": not findings,
+        "findings": [asdict(f) for f in findings],
+        "notes": notes,
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -189,19 +230,30 @@ def render(doc: dict[str, Any]) -> str:
     lines.append("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in doc["summary"].items()))
     if doc["probe"]:
         p = doc["probe"]
-        lines += ["", "Probe: time to first token by prompt length",
-                  table(["prompt tokens", "TTFT s"], [(r["prompt_tokens"], f"{r['ttft_s']:.3f}")
-                                                      for r in p["ttft_by_prompt_len"]]),
-                  "Probe: latency by concurrency",
-                  table(["concurrency", "latency s", "s/output token"],
-                        [(r["concurrency"], f"{r['latency_s']:.3f}", f"{r['s_per_output_token']:.4f}")
-                         for r in p["latency_by_concurrency"]])]
+        lines += [
+            "",
+            "Probe: time to first token by prompt length",
+            table(
+                ["prompt tokens", "TTFT s"],
+                [(r["prompt_tokens"], f"{r['ttft_s']:.3f}") for r in p["ttft_by_prompt_len"]],
+            ),
+            "Probe: latency by concurrency",
+            table(
+                ["concurrency", "latency s", "s/output token"],
+                [
+                    (r["concurrency"], f"{r['latency_s']:.3f}", f"{r['s_per_output_token']:.4f}")
+                    for r in p["latency_by_concurrency"]
+                ],
+            ),
+        ]
     lines.append("")
     if doc["healthy"]:
         lines.append("Healthy: no finding was triggered by the measured values.")
     for f in doc["findings"]:
-        lines += [f"[{f['code']}] {f['summary']}",
-                  "  measured: " + ", ".join(f"{k}={_fmt(v)}" for k, v in f["evidence"].items()),
-                  f"  fix: {f['fix']}"]
+        lines += [
+            f"[{f['code']}] {f['summary']}",
+            "  measured: " + ", ".join(f"{k}={_fmt(v)}" for k, v in f["evidence"].items()),
+            f"  fix: {f['fix']}",
+        ]
     lines += [f"Note: {n}" for n in doc["notes"]]
     return "\n".join(lines)

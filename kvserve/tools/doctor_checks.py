@@ -100,10 +100,14 @@ def check_growing_prompts(ev: Evidence, th: Thresholds) -> Finding | None:
         mean = busy[-1].prompt_len_mean
         assert mean is not None
         if mean >= th.near_limit * max_len:
-            return _growth_finding({"prompt_len_mean": round(mean, 1), "max_model_len": max_len,
-                                    "ttft_mean_s": round(busy[-1].ttft_mean or 0.0, 4)},
-                                   f"prompts average {mean:.0f} tokens, {100 * mean / max_len:.0f}% of max-model-len "
-                                   f"{max_len}")
+            return _growth_finding(
+                {
+                    "prompt_len_mean": round(mean, 1),
+                    "max_model_len": max_len,
+                    "ttft_mean_s": round(busy[-1].ttft_mean or 0.0, 4),
+                },
+                f"prompts average {mean:.0f} tokens, {100 * mean / max_len:.0f}% of max-model-len {max_len}",
+            )
     return None
 
 
@@ -122,21 +126,30 @@ def _prompt_trend(ev: Evidence, th: Thresholds) -> Finding | None:
         return None
     if prompts[-1] < th.growth_factor * prompts[0] or computes[-1] < th.growth_factor * computes[0]:
         return None
-    evidence: dict[str, Any] = {"prompt_len_mean_by_window": [round(p, 1) for p in prompts],
-                                "ttft_mean_s_by_window": [round(w.ttft_mean or 0.0, 4) for w in busy],
-                                "prefill_mean_s_by_window": [round(c, 4) for c in computes]}
+    evidence: dict[str, Any] = {
+        "prompt_len_mean_by_window": [round(p, 1) for p in prompts],
+        "ttft_mean_s_by_window": [round(w.ttft_mean or 0.0, 4) for w in busy],
+        "prefill_mean_s_by_window": [round(c, 4) for c in computes],
+    }
     if all(w.queue_mean is not None for w in busy):
         evidence["queue_time_mean_s_by_window"] = [round(w.queue_mean or 0.0, 4) for w in busy]
-    return _growth_finding(evidence, f"mean prompt length grew {prompts[-1] / prompts[0]:.1f}x over {len(busy)} "
-                                     f"windows in a row and the time from admission to the first token grew "
-                                     f"{computes[-1] / computes[0]:.1f}x with it")
+    return _growth_finding(
+        evidence,
+        f"mean prompt length grew {prompts[-1] / prompts[0]:.1f}x over {len(busy)} "
+        f"windows in a row and the time from admission to the first token grew "
+        f"{computes[-1] / computes[0]:.1f}x with it",
+    )
 
 
 def _growth_finding(evidence: dict[str, Any], what: str) -> Finding:
-    return Finding("growing_prompts", f"Time to first token grows with prompt length: {what}.", evidence,
-                   "Conversations are growing without bound. Truncate or summarize old turns (kvserve serve "
-                   "--chat-history-policy truncate drops the oldest turns after the system prompt), and keep the "
-                   "start of each prompt identical turn to turn so earlier turns are prefix-cache hits.")
+    return Finding(
+        "growing_prompts",
+        f"Time to first token grows with prompt length: {what}.",
+        evidence,
+        "Conversations are growing without bound. Truncate or summarize old turns (kvserve serve "
+        "--chat-history-policy truncate drops the oldest turns after the system prompt), and keep the "
+        "start of each prompt identical turn to turn so earlier turns are prefix-cache hits.",
+    )
 
 
 def check_kv_pressure(ev: Evidence, th: Thresholds) -> Finding | None:
@@ -144,21 +157,28 @@ def check_kv_pressure(ev: Evidence, th: Thresholds) -> Finding | None:
     preempted = ev.preemptions()
     if usage is None or usage < th.kv_full or preempted <= 0:
         return None
-    evidence: dict[str, Any] = {"kv_cache_usage_perc_max": round(usage, 3), "preemptions": preempted,
-                                "num_requests_running_max": ev.max_of("num_requests_running"),
-                                "num_requests_waiting_max": ev.max_of("num_requests_waiting")}
+    evidence: dict[str, Any] = {
+        "kv_cache_usage_perc_max": round(usage, 3),
+        "preemptions": preempted,
+        "num_requests_running_max": ev.max_of("num_requests_running"),
+        "num_requests_waiting_max": ev.max_of("num_requests_waiting"),
+    }
     climb = ""
     if ev.probe is not None and ev.probe.slowdown is not None:
         evidence["probe_latency_slowdown"] = round(ev.probe.slowdown, 2)
         if ev.probe.slowdown >= th.concurrency_slowdown:
-            climb = (f"; latency at concurrency {ev.probe.latency_by_concurrency[-1][0]} is "
-                     f"{ev.probe.slowdown:.1f}x that of one request")
-    return Finding("kv_cache_pressure",
-                   f"The KV cache is near full ({100 * usage:.0f}% used) and {preempted:.0f} requests were "
-                   f"preempted{climb}.", evidence,
-                   "Lower --max-num-seqs so running requests fit without preemption, raise the KV budget "
-                   "(--kv-cache-memory-bytes / --gpu-memory-utilization), or use an 8-bit KV dtype "
-                   "(--kv-cache-dtype fp8) for about twice the tokens; `kvserve advise` sizes these.")
+            climb = (
+                f"; latency at concurrency {ev.probe.latency_by_concurrency[-1][0]} is "
+                f"{ev.probe.slowdown:.1f}x that of one request"
+            )
+    return Finding(
+        "kv_cache_pressure",
+        f"The KV cache is near full ({100 * usage:.0f}% used) and {preempted:.0f} requests were preempted{climb}.",
+        evidence,
+        "Lower --max-num-seqs so running requests fit without preemption, raise the KV budget "
+        "(--kv-cache-memory-bytes / --gpu-memory-utilization), or use an 8-bit KV dtype "
+        "(--kv-cache-dtype fp8) for about twice the tokens; `kvserve advise` sizes these.",
+    )
 
 
 def check_queueing(ev: Evidence, th: Thresholds) -> Finding | None:
@@ -172,31 +192,42 @@ def check_queueing(ev: Evidence, th: Thresholds) -> Finding | None:
     seconds, source = wait
     peak = max(ev.snapshots, key=lambda snap: snap.running or 0.0)
     running = peak.running or 0.0
-    evidence: dict[str, Any] = {"queue_time_mean_s": round(seconds, 4), "queue_time_source": source,
-                                "num_requests_waiting_max": ev.max_of("num_requests_waiting"),
-                                "num_requests_running_max": running,
-                                "kv_cache_usage_perc_max": None if usage is None else round(usage, 4)}
+    evidence: dict[str, Any] = {
+        "queue_time_mean_s": round(seconds, 4),
+        "queue_time_source": source,
+        "num_requests_waiting_max": ev.max_of("num_requests_waiting"),
+        "num_requests_running_max": running,
+        "kv_cache_usage_perc_max": None if usage is None else round(usage, 4),
+    }
     if usage is not None and usage >= th.kv_full:
         evidence["limited_by"] = "kv_cache"
-        return Finding("requests_queued",
-                       f"Requests wait {seconds:.1f} s on average to be admitted because the KV cache is full "
-                       f"({100 * usage:.0f}% used).", evidence,
-                       "Raise the KV budget (--kv-cache-memory-bytes / --gpu-memory-utilization), use an 8-bit KV "
-                       "dtype (--kv-cache-dtype fp8) for about twice the tokens, or add replicas; `kvserve advise` "
-                       "sizes these.")
+        return Finding(
+            "requests_queued",
+            f"Requests wait {seconds:.1f} s on average to be admitted because the KV cache is full "
+            f"({100 * usage:.0f}% used).",
+            evidence,
+            "Raise the KV budget (--kv-cache-memory-bytes / --gpu-memory-utilization), use an 8-bit KV "
+            "dtype (--kv-cache-dtype fp8) for about twice the tokens, or add replicas; `kvserve advise` "
+            "sizes these.",
+        )
     evidence["limited_by"] = "max_num_seqs"
     room = ""
     if peak.kv_usage:
         fits = int(round(running * th.kv_full / peak.kv_usage, 6))  # round first: 2 x 0.9 / 0.004 is 450, not 449
         evidence["requests_that_fit_estimate"] = fits
-        room = (f"; at the peak, {running:.0f} running requests used {100 * peak.kv_usage:.1f}% of it (about "
-                f"{fits} such requests would fit)")
+        room = (
+            f"; at the peak, {running:.0f} running requests used {100 * peak.kv_usage:.1f}% of it (about "
+            f"{fits} such requests would fit)"
+        )
     used = "" if usage is None else f" ({100 * usage:.1f}% used at most)"
-    return Finding("requests_queued",
-                   f"Requests wait {seconds:.1f} s on average to be admitted while the KV cache has room{used}: "
-                   f"the running batch, not memory, is the limit{room}.", evidence,
-                   "Raise --max-num-seqs (the cap on running requests) so more requests share each step, or add "
-                   "replicas; with long prompts, also check --max-num-batched-tokens.")
+    return Finding(
+        "requests_queued",
+        f"Requests wait {seconds:.1f} s on average to be admitted while the KV cache has room{used}: "
+        f"the running batch, not memory, is the limit{room}.",
+        evidence,
+        "Raise --max-num-seqs (the cap on running requests) so more requests share each step, or add "
+        "replicas; with long prompts, also check --max-num-batched-tokens.",
+    )
 
 
 def _queue_wait(ev: Evidence) -> tuple[float, str] | None:
@@ -229,31 +260,42 @@ def check_bandwidth_bound(ev: Evidence, th: Thresholds) -> Finding | None:
     tokens_per_request = peak.kv_usage * num_blocks * block_size / running
     if tokens_per_request < th.large_context_tokens:
         return None
-    return Finding("memory_bandwidth_bound",
-                   f"Decode is slow ({1000 * itl:.0f} ms per token) with only {running:.0f} running requests holding "
-                   f"about {tokens_per_request:.0f} cached tokens each: each step is bound by reading the KV cache.",
-                   {"itl_mean_s": round(itl, 4), "itl_source": source, "num_requests_running": running,
-                    "cached_tokens_per_request": round(tokens_per_request), "kv_cache_dtype": dtype or None},
-                   "Use an 8-bit KV dtype (--kv-cache-dtype fp8 or int8): it halves the bytes read per decode step "
-                   "next to 16-bit KV (a quarter of fp32).")
+    return Finding(
+        "memory_bandwidth_bound",
+        f"Decode is slow ({1000 * itl:.0f} ms per token) with only {running:.0f} running requests holding "
+        f"about {tokens_per_request:.0f} cached tokens each: each step is bound by reading the KV cache.",
+        {
+            "itl_mean_s": round(itl, 4),
+            "itl_source": source,
+            "num_requests_running": running,
+            "cached_tokens_per_request": round(tokens_per_request),
+            "kv_cache_dtype": dtype or None,
+        },
+        "Use an 8-bit KV dtype (--kv-cache-dtype fp8 or int8): it halves the bytes read per decode step "
+        "next to 16-bit KV (a quarter of fp32).",
+    )
 
 
 def check_prefix_hits(ev: Evidence, th: Thresholds) -> Finding | None:
     if ev.last.cache_config.get("enable_prefix_caching", "").lower() in ("false", "0"):
-        return Finding("prefix_caching_off", "Prefix caching is off, so shared prompt prefixes are recomputed.",
-                       {"enable_prefix_caching": ev.last.cache_config["enable_prefix_caching"]},
-                       "Start the server with --enable-prefix-caching (the default).")
+        return Finding(
+            "prefix_caching_off",
+            "Prefix caching is off, so shared prompt prefixes are recomputed.",
+            {"enable_prefix_caching": ev.last.cache_config["enable_prefix_caching"]},
+            "Start the server with --enable-prefix-caching (the default).",
+        )
     queries = sum(w.prefix_queries for w in ev.windows)
     hits = sum(w.prefix_hits for w in ev.windows)
     if queries < th.min_prefix_queries or hits / queries >= th.low_hit_rate:
         return None
-    return Finding("low_prefix_hit_rate",
-                   f"The prefix cache hit rate is {100 * hits / queries:.1f}% ({hits:.0f} of {queries:.0f} prompt "
-                   f"tokens).", {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
-                                 "hit_rate": round(hits / queries, 4)},
-                   "If your prompts share a system prompt, their beginnings still differ: something varying "
-                   "(a timestamp, a user id, a request id) sits before the shared part. Move the varying parts to "
-                   "the end of the prompt so the shared prefix is byte-identical.")
+    return Finding(
+        "low_prefix_hit_rate",
+        f"The prefix cache hit rate is {100 * hits / queries:.1f}% ({hits:.0f} of {queries:.0f} prompt tokens).",
+        {"prefix_cache_queries": queries, "prefix_cache_hits": hits, "hit_rate": round(hits / queries, 4)},
+        "If your prompts share a system prompt, their beginnings still differ: something varying "
+        "(a timestamp, a user id, a request id) sits before the shared part. Move the varying parts to "
+        "the end of the prompt so the shared prefix is byte-identical.",
+    )
 
 
 def check_spec_acceptance(ev: Evidence, th: Thresholds) -> Finding | None:
@@ -270,26 +312,40 @@ def check_spec_acceptance(ev: Evidence, th: Thresholds) -> Finding | None:
     if drafted < th.min_spec_draft_tokens or accepted / drafted >= th.low_spec_acceptance:
         return None
     rate = accepted / drafted
-    evidence: dict[str, Any] = {"draft_tokens": drafted, "accepted_tokens": accepted, "drafts": drafts,
-                                "acceptance_rate": round(rate, 4)}
+    evidence: dict[str, Any] = {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "drafts": drafts,
+        "acceptance_rate": round(rate, 4),
+    }
     name = "spec_decode_num_accepted_tokens_per_pos_total"
     per_pos = ev.last.by_int_label(name, "position")
     if per_pos and drafts > 0:  # share of drafts accepted at each draft position (vLLM's per-position rate)
         before = first.by_int_label(name, "position") if first is not None else {}
-        evidence["acceptance_by_position"] = [round((per_pos[i] - before.get(i, 0.0)) / drafts, 4)
-                                              for i in sorted(per_pos)]
-    return Finding("low_spec_acceptance",
-                   f"Speculative decoding accepts only {100 * rate:.1f}% of drafted tokens ({accepted:.0f} of "
-                   f"{drafted:.0f}, threshold {100 * th.low_spec_acceptance:.0f}%): verifying drafts costs more than "
-                   "it saves.", evidence,
-                   "Lower num_speculative_tokens in --speculative-config (acceptance_by_position shows where drafts "
-                   "stop being kept), raise prompt_lookup_min so only longer n-gram matches draft, or turn "
-                   "speculation off (drop --speculative-config) for open-ended traffic, which rarely repeats its "
-                   "prompt.")
+        evidence["acceptance_by_position"] = [
+            round((per_pos[i] - before.get(i, 0.0)) / drafts, 4) for i in sorted(per_pos)
+        ]
+    return Finding(
+        "low_spec_acceptance",
+        f"Speculative decoding accepts only {100 * rate:.1f}% of drafted tokens ({accepted:.0f} of "
+        f"{drafted:.0f}, threshold {100 * th.low_spec_acceptance:.0f}%): verifying drafts costs more than "
+        "it saves.",
+        evidence,
+        "Lower num_speculative_tokens in --speculative-config (acceptance_by_position shows where drafts "
+        "stop being kept), raise prompt_lookup_min so only longer n-gram matches draft, or turn "
+        "speculation off (drop --speculative-config) for open-ended traffic, which rarely repeats its "
+        "prompt.",
+    )
 
 
-CHECKS: tuple[Check, ...] = (check_growing_prompts, check_kv_pressure, check_queueing, check_bandwidth_bound,
-                             check_prefix_hits, check_spec_acceptance)
+CHECKS: tuple[Check, ...] = (
+    check_growing_prompts,
+    check_kv_pressure,
+    check_queueing,
+    check_bandwidth_bound,
+    check_prefix_hits,
+    check_spec_acceptance,
+)
 
 
 def diagnose(ev: Evidence, th: Thresholds | None = None) -> list[Finding]:

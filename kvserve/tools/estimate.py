@@ -43,21 +43,39 @@ SCHEMA = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("estimate", help="KV cache memory for a model: per token, per context, what fits",
-                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser(
+        "estimate",
+        help="KV cache memory for a model: per token, per context, what fits",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_sizing_args(p)
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="one or more (comma-separated) of auto (= --dtype), float32, bfloat16, float16, fp8, "
-                        "fp8_e4m3, fp8_e5m2, int8; 8-bit types add a float32 scale per token per KV head per layer")
-    p.add_argument("--seq-len", type=int_list, default="1024,4096,8192,32768",
-                   help="context lengths for the table (comma-separated; 4k = 4096)")
-    p.add_argument("--batch", type=int_list, default="1,8,32",
-                   help="batch sizes (concurrent requests) for the table and for the largest max-model-len")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="one or more (comma-separated) of auto (= --dtype), float32, bfloat16, float16, fp8, "
+        "fp8_e4m3, fp8_e5m2, int8; 8-bit types add a float32 scale per token per KV head per layer",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int_list,
+        default="1024,4096,8192,32768",
+        help="context lengths for the table (comma-separated; 4k = 4096)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int_list,
+        default="1,8,32",
+        help="batch sizes (concurrent requests) for the table and for the largest max-model-len",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="as for kvserve serve: checked against the pool")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="as for kvserve serve")
     c = p.add_argument_group("contiguous vs paged")
-    c.add_argument("--compare-contiguous", action="store_true",
-                   help="compare a cache reserving --max-len per request with the paged cache")
+    c.add_argument(
+        "--compare-contiguous",
+        action="store_true",
+        help="compare a cache reserving --max-len per request with the paged cache",
+    )
     c.add_argument("--requests", type=int, default=64)
     c.add_argument("--avg-len", type=int, default=1024)
     c.add_argument("--max-len", type=int, default=None, help="default: the model's context length")
@@ -73,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
     facts = resolve_model_facts(args.model)
     setup = resolve_setup(args, facts)
     kv_dtypes = [resolve_kv_dtype(name.strip(), setup.dtype) for name in args.kv_cache_dtype.split(",")]
-    doc = build_estimate(facts, setup, kv_dtypes, args.seq_len, args.batch, args.max_model_len,
-                         args.num_gpu_blocks_override)
+    doc = build_estimate(
+        facts, setup, kv_dtypes, args.seq_len, args.batch, args.max_model_len, args.num_gpu_blocks_override
+    )
     if args.compare_contiguous:
         doc["compare_contiguous"] = contiguous_section(doc, args.requests, args.avg_len, args.max_len)
     if args.plot:
@@ -88,55 +107,95 @@ def catalog_text() -> str:
     return table(["name", "model_type", "params", "source"], rows)
 
 
-def build_estimate(facts: ModelFacts, setup: Setup, kv_dtypes: list[KVDtype], seq_lens: list[int],
-                   batches: list[int], max_model_len: int | None = None,
-                   num_blocks_override: int | None = None) -> dict[str, Any]:
+def build_estimate(
+    facts: ModelFacts,
+    setup: Setup,
+    kv_dtypes: list[KVDtype],
+    seq_lens: list[int],
+    batches: list[int],
+    max_model_len: int | None = None,
+    num_blocks_override: int | None = None,
+) -> dict[str, Any]:
     """Everything estimate reports, as the JSON document; the table is rendered from it."""
     doc: dict[str, Any] = {"model": facts.to_json(), **setup.to_json(), "kv": [], "compare_contiguous": None}
     for kv_dtype in kv_dtypes:
-        doc["kv"].append(_dtype_section(facts, setup, kv_dtype, seq_lens, batches, max_model_len,
-                                        num_blocks_override))
+        doc["kv"].append(_dtype_section(facts, setup, kv_dtype, seq_lens, batches, max_model_len, num_blocks_override))
     return doc
 
 
-def _dtype_section(facts: ModelFacts, setup: Setup, kv_dtype: KVDtype, seq_lens: list[int], batches: list[int],
-                   max_model_len: int | None, num_blocks_override: int | None) -> dict[str, Any]:
+def _dtype_section(
+    facts: ModelFacts,
+    setup: Setup,
+    kv_dtype: KVDtype,
+    seq_lens: list[int],
+    batches: list[int],
+    max_model_len: int | None,
+    num_blocks_override: int | None,
+) -> dict[str, Any]:
     shape, bs = facts.shape, setup.block_size
     bytes_per_block = shape.bytes_per_token(kv_dtype) * bs
     plan = None
     if setup.budget is not None or num_blocks_override is not None:
-        plan = plan_kv_cache(bytes_per_block, bs, facts.context_len,
-                             budget_bytes=None if setup.budget is None else setup.budget.kv_bytes,
-                             num_blocks_override=num_blocks_override, max_model_len=max_model_len)
+        plan = plan_kv_cache(
+            bytes_per_block,
+            bs,
+            facts.context_len,
+            budget_bytes=None if setup.budget is None else setup.budget.kv_bytes,
+            num_blocks_override=num_blocks_override,
+            max_model_len=max_model_len,
+        )
     rows = []
     for seq_len in seq_lens:
         allocated = blocks_per_request(seq_len, bs) * bytes_per_block
         capped = shape.window_capped_bytes(seq_len, kv_dtype, bs)
-        rows.append({
-            "seq_len": seq_len, "within_context": seq_len <= facts.context_len,
-            "blocks_per_request": blocks_per_request(seq_len, bs),
-            "bytes_per_request": allocated, "window_capped_bytes_per_request": capped,
-            "batches": [{"batch": b, "bytes": b * allocated, "window_capped_bytes": b * capped} for b in batches],
-            "max_concurrent_requests": None if plan is None else max_concurrent_requests(plan.num_blocks, seq_len, bs),
-            "max_concurrent_requests_window_capped":
-                None if plan is None else plan.num_usable_blocks * bytes_per_block // capped,
-        })
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "within_context": seq_len <= facts.context_len,
+                "blocks_per_request": blocks_per_request(seq_len, bs),
+                "bytes_per_request": allocated,
+                "window_capped_bytes_per_request": capped,
+                "batches": [{"batch": b, "bytes": b * allocated, "window_capped_bytes": b * capped} for b in batches],
+                "max_concurrent_requests": None
+                if plan is None
+                else max_concurrent_requests(plan.num_blocks, seq_len, bs),
+                "max_concurrent_requests_window_capped": None
+                if plan is None
+                else plan.num_usable_blocks * bytes_per_block // capped,
+            }
+        )
     return {
-        "kv_cache_dtype": kv_dtype.name, "bytes_per_token": shape.bytes_per_token(kv_dtype),
+        "kv_cache_dtype": kv_dtype.name,
+        "bytes_per_token": shape.bytes_per_token(kv_dtype),
         "formula": shape.formula(kv_dtype),
-        "terms": {"kv_factor": shape.kv_factor, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
-                  "head_dim": shape.head_dim, "element_bytes": kv_dtype.element_bytes,
-                  "scale_bytes": kv_dtype.scale_bytes},
+        "terms": {
+            "kv_factor": shape.kv_factor,
+            "num_layers": shape.num_layers,
+            "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "element_bytes": kv_dtype.element_bytes,
+            "scale_bytes": kv_dtype.scale_bytes,
+        },
         "bytes_per_block": bytes_per_block,
-        "plan": None if plan is None else {"num_blocks": plan.num_blocks, "num_usable_blocks": plan.num_usable_blocks,
-                                           "num_tokens": plan.num_tokens,
-                                           "bytes": plan.num_blocks * bytes_per_block,
-                                           "max_model_len": plan.max_model_len},
+        "plan": None
+        if plan is None
+        else {
+            "num_blocks": plan.num_blocks,
+            "num_usable_blocks": plan.num_usable_blocks,
+            "num_tokens": plan.num_tokens,
+            "bytes": plan.num_blocks * bytes_per_block,
+            "max_model_len": plan.max_model_len,
+        },
         "seq_lens": rows,
-        "max_model_len_at_concurrency": None if plan is None else [
-            {"concurrency": b,
-             "max_model_len": max_model_len_for_concurrency(plan.num_blocks, bs, b, facts.context_len)}
-            for b in batches],
+        "max_model_len_at_concurrency": None
+        if plan is None
+        else [
+            {
+                "concurrency": b,
+                "max_model_len": max_model_len_for_concurrency(plan.num_blocks, bs, b, facts.context_len),
+            }
+            for b in batches
+        ],
     }
 
 
@@ -148,11 +207,23 @@ def contiguous_section(doc: dict[str, Any], requests: int, avg_len: int, max_len
     max_len = max_len or doc["model"]["context_len"]
     budget = doc["budget"]["kv_bytes"]
     cmp = compare_contiguous(kv["bytes_per_token"], doc["block_size"], requests, avg_len, max_len, budget)
-    layouts = {name: {"allocated_bytes": u.allocated_bytes, "used_bytes": u.used_bytes,
-                      "waste_perc": round(u.waste_perc, 2), "requests_that_fit": u.requests_that_fit}
-               for name, u in (("contiguous", cmp.contiguous), ("paged", cmp.paged))}
-    return {"kv_cache_dtype": kv["kv_cache_dtype"], "requests": requests, "avg_len": avg_len, "max_len": max_len,
-            "budget_bytes": budget, **layouts}
+    layouts = {
+        name: {
+            "allocated_bytes": u.allocated_bytes,
+            "used_bytes": u.used_bytes,
+            "waste_perc": round(u.waste_perc, 2),
+            "requests_that_fit": u.requests_that_fit,
+        }
+        for name, u in (("contiguous", cmp.contiguous), ("paged", cmp.paged))
+    }
+    return {
+        "kv_cache_dtype": kv["kv_cache_dtype"],
+        "requests": requests,
+        "avg_len": avg_len,
+        "max_len": max_len,
+        "budget_bytes": budget,
+        **layouts,
+    }
 
 
 def render_estimate(doc: dict[str, Any]) -> str:
@@ -160,34 +231,47 @@ def render_estimate(doc: dict[str, Any]) -> str:
     windows = sorted({w for w in m["sliding_windows"] if w is not None})
     lines = [
         f"Model: {m['name']} ({m['kind']}: {m['source']})",
-        (f"  {m['attention']}: {m['num_layers']} layers, {m['num_attention_heads']} query heads, "
-         f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']} ({m['head_dim_note']}), "
-         f"context {m['context_len']}"),
+        (
+            f"  {m['attention']}: {m['num_layers']} layers, {m['num_attention_heads']} query heads, "
+            f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']} ({m['head_dim_note']}), "
+            f"context {m['context_len']}"
+        ),
     ]
     if windows:
         n_local = sum(w is not None for w in m["sliding_windows"])
         lines.append(f"  sliding window {', '.join(map(str, windows))} on {n_local} of {m['num_layers']} layers")
     weights = doc["weights"]
-    lines.append(f"Weights ({doc['dtype']} on {doc['device']}): "
-                 + (f"{format_gib(weights['bytes'])} = {weights['formula']}" if weights["bytes"]
-                    else weights["formula"]))
+    lines.append(
+        f"Weights ({doc['dtype']} on {doc['device']}): "
+        + (f"{format_gib(weights['bytes'])} = {weights['formula']}" if weights["bytes"] else weights["formula"])
+    )
     if doc["budget"]:
         lines.append(f"KV budget: {format_gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}")
     for kv in doc["kv"]:
-        lines += ["", f"KV per token ({kv['kv_cache_dtype']}): {kv['formula']} ({format_bytes(kv['bytes_per_token'])})",
-                  f"  one block of {doc['block_size']} tokens = {kv['bytes_per_block']} bytes"]
+        lines += [
+            "",
+            f"KV per token ({kv['kv_cache_dtype']}): {kv['formula']} ({format_bytes(kv['bytes_per_token'])})",
+            f"  one block of {doc['block_size']} tokens = {kv['bytes_per_block']} bytes",
+        ]
         if kv["plan"]:
             p = kv["plan"]
-            lines.append(f"  budget holds {p['num_blocks']} blocks ({p['num_usable_blocks']} usable + 1 null) = "
-                         f"{p['num_tokens']} tokens ({format_gib(p['bytes'])}); "
-                         f"max-model-len {p['max_model_len']}")
+            lines.append(
+                f"  budget holds {p['num_blocks']} blocks ({p['num_usable_blocks']} usable + 1 null) = "
+                f"{p['num_tokens']} tokens ({format_gib(p['bytes'])}); "
+                f"max-model-len {p['max_model_len']}"
+            )
         lines += ["", _seq_len_table(kv, windowed=bool(windows))]
         if kv["max_model_len_at_concurrency"]:
             at = ", ".join(f"{c['concurrency']} -> {c['max_model_len']}" for c in kv["max_model_len_at_concurrency"])
             lines.append(f"Largest max-model-len for N concurrent full-length requests: {at}")
     if windows:
-        lines += ["", ("kvserve allocates one uniform pool today (every layer keeps every token); the window-capped "
-                       "figures are what a cache freeing out-of-window blocks per layer would need.")]
+        lines += [
+            "",
+            (
+                "kvserve allocates one uniform pool today (every layer keeps every token); the window-capped "
+                "figures are what a cache freeing out-of-window blocks per layer would need."
+            ),
+        ]
     if doc["compare_contiguous"]:
         lines += ["", _contiguous_text(doc["compare_contiguous"])]
     return "\n".join(lines)
@@ -200,8 +284,9 @@ def _seq_len_table(kv: dict[str, Any], windowed: bool) -> str:
     if rows and rows[0]["max_concurrent_requests"] is not None:
         headers.append("max concurrent")
     if windowed:
-        headers += [f"capped batch {b}" for b in batches] + (["capped concurrent"] if "max concurrent" in headers
-                                                              else [])
+        headers += [f"capped batch {b}" for b in batches] + (
+            ["capped concurrent"] if "max concurrent" in headers else []
+        )
     out = []
     for r in rows:
         row = [f"{r['seq_len']}{'' if r['within_context'] else ' (> context)'}"]
@@ -217,10 +302,20 @@ def _seq_len_table(kv: dict[str, Any], windowed: bool) -> str:
 
 
 def _contiguous_text(c: dict[str, Any]) -> str:
-    rows = [(name, format_gib(c[name]["allocated_bytes"]), format_gib(c[name]["used_bytes"]),
-             f"{c[name]['waste_perc']:.1f}%", c[name]["requests_that_fit"]) for name in ("contiguous", "paged")]
-    head = (f"{c['requests']} requests of {c['avg_len']} tokens on average, max-len {c['max_len']}, "
-            f"{c['kv_cache_dtype']} KV, budget {format_gib(c['budget_bytes'])}:")
+    rows = [
+        (
+            name,
+            format_gib(c[name]["allocated_bytes"]),
+            format_gib(c[name]["used_bytes"]),
+            f"{c[name]['waste_perc']:.1f}%",
+            c[name]["requests_that_fit"],
+        )
+        for name in ("contiguous", "paged")
+    ]
+    head = (
+        f"{c['requests']} requests of {c['avg_len']} tokens on average, max-len {c['max_len']}, "
+        f"{c['kv_cache_dtype']} KV, budget {format_gib(c['budget_bytes'])}:"
+    )
     return head + "\n" + table(["layout", "allocated", "used", "waste", "requests that fit"], rows)
 
 
@@ -238,11 +333,19 @@ def plot_estimate(facts: ModelFacts, setup: Setup, kv_dtypes: list[KVDtype], pat
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kv_dtype in kv_dtypes:
         per_block = shape.bytes_per_token(kv_dtype) * bs
-        ax.plot(lengths, [blocks_per_request(n, bs) * per_block / GiB for n in lengths],
-                marker="o", label=f"{kv_dtype.name}")
+        ax.plot(
+            lengths,
+            [blocks_per_request(n, bs) * per_block / GiB for n in lengths],
+            marker="o",
+            label=f"{kv_dtype.name}",
+        )
         if shape.has_sliding_window:
-            ax.plot(lengths, [shape.window_capped_bytes(n, kv_dtype, bs) / GiB for n in lengths],
-                    linestyle="--", label=f"{kv_dtype.name}, window-capped")
+            ax.plot(
+                lengths,
+                [shape.window_capped_bytes(n, kv_dtype, bs) / GiB for n in lengths],
+                linestyle="--",
+                label=f"{kv_dtype.name}, window-capped",
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")

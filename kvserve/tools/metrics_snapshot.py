@@ -114,10 +114,21 @@ class Window:
         prompt_mean = mean((PROMPT_LEN,))
         if prompt_mean is None and requests > 0 and f"{P}prompt_tokens_total" in b.values:
             prompt_mean = delta(f"{P}prompt_tokens_total") / requests
-        return cls(requests, mean((TTFT,)), prompt_mean, mean(ITL), mean((E2E,)),
-                   delta(f"{P}num_preemptions_total"), delta(f"{P}prefix_cache_queries_total"),
-                   delta(f"{P}prefix_cache_hits_total"), b.kv_usage, b.running, b.get("num_requests_waiting"),
-                   mean((QUEUE,)), mean((PREFILL,)))
+        return cls(
+            requests,
+            mean((TTFT,)),
+            prompt_mean,
+            mean(ITL),
+            mean((E2E,)),
+            delta(f"{P}num_preemptions_total"),
+            delta(f"{P}prefix_cache_queries_total"),
+            delta(f"{P}prefix_cache_hits_total"),
+            b.kv_usage,
+            b.running,
+            b.get("num_requests_waiting"),
+            mean((QUEUE,)),
+            mean((PREFILL,)),
+        )
 
     @property
     def compute_mean(self) -> float | None:

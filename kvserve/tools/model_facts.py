@@ -36,12 +36,22 @@ class ModelFacts:
     def to_json(self) -> dict[str, Any]:
         s = self.shape
         return {
-            "name": self.name, "kind": self.kind, "source": self.source, "attention": s.attention,
-            "num_layers": s.num_layers, "num_attention_heads": s.num_attention_heads, "num_kv_heads": s.num_kv_heads,
-            "head_dim": s.head_dim, "head_dim_note": s.head_dim_note, "kv_factor": s.kv_factor,
-            "sliding_windows": list(s.sliding_windows), "context_len": self.context_len,
-            "checkpoint_dtype": self.checkpoint_dtype, "num_parameters": self.num_parameters,
-            "num_parameters_note": self.num_parameters_note, "file_bytes": self.file_bytes,
+            "name": self.name,
+            "kind": self.kind,
+            "source": self.source,
+            "attention": s.attention,
+            "num_layers": s.num_layers,
+            "num_attention_heads": s.num_attention_heads,
+            "num_kv_heads": s.num_kv_heads,
+            "head_dim": s.head_dim,
+            "head_dim_note": s.head_dim_note,
+            "kv_factor": s.kv_factor,
+            "sliding_windows": list(s.sliding_windows),
+            "context_len": self.context_len,
+            "checkpoint_dtype": self.checkpoint_dtype,
+            "num_parameters": self.num_parameters,
+            "num_parameters_note": self.num_parameters_note,
+            "file_bytes": self.file_bytes,
         }
 
 
@@ -58,8 +68,10 @@ def resolve_model_facts(model: str | None) -> ModelFacts:
         entry = find_entry(model)
         if entry is None:
             names = ", ".join(e.name for e in CATALOG)
-            raise ValueError(f"model {model!r} is neither a config.json, a checkpoint directory, a .gguf file, "
-                             f"nor a catalog name ({names})")
+            raise ValueError(
+                f"model {model!r} is neither a config.json, a checkpoint directory, a .gguf file, "
+                f"nor a catalog name ({names})"
+            )
         facts = _from_hf_config(entry.config, None, entry.source, entry.name)
         return _with_params(facts, entry.num_parameters, "published on the model card", "catalog")
     source = resolve_model(model)
@@ -83,8 +95,14 @@ def kv_shape_from_hf_config(cfg: dict[str, Any]) -> tuple[KVShape, ModelConfig |
     hidden = int(text["hidden_size"])
     head_dim = text.get("head_dim")
     note = "head_dim" if head_dim else f"hidden_size {hidden} / {heads} heads"
-    return KVShape(layers, int(text.get("num_key_value_heads") or heads), int(head_dim or hidden // heads), heads,
-                   _other_family_windows(text, layers), head_dim_note=note), None
+    return KVShape(
+        layers,
+        int(text.get("num_key_value_heads") or heads),
+        int(head_dim or hidden // heads),
+        heads,
+        _other_family_windows(text, layers),
+        head_dim_note=note,
+    ), None
 
 
 def _other_family_windows(cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
@@ -129,10 +147,20 @@ def _from_hf_config(cfg: dict[str, Any], directory: Path | None, source: str, na
     return facts
 
 
-def _with_params(facts: ModelFacts, params: int, note: str, kind: str | None = None,
-                 file_bytes: int | None = None) -> ModelFacts:
-    return ModelFacts(facts.name, kind or facts.kind, facts.source, facts.shape, facts.context_len,
-                      facts.checkpoint_dtype, params, note, file_bytes)
+def _with_params(
+    facts: ModelFacts, params: int, note: str, kind: str | None = None, file_bytes: int | None = None
+) -> ModelFacts:
+    return ModelFacts(
+        facts.name,
+        kind or facts.kind,
+        facts.source,
+        facts.shape,
+        facts.context_len,
+        facts.checkpoint_dtype,
+        params,
+        note,
+        file_bytes,
+    )
 
 
 def _from_gguf(path: Path, name: str) -> ModelFacts:
@@ -141,9 +169,17 @@ def _from_gguf(path: Path, name: str) -> ModelFacts:
     with GGUFFile(path) as f:
         model_config = ModelConfig.from_gguf(f)
         params = sum(math.prod(t.shape) for t in f.tensors.values())
-    return ModelFacts(name, "gguf", str(path), KVShape.from_model_config(model_config),
-                      model_config.max_position_embeddings, None, params, "counted from the GGUF tensors",
-                      path.stat().st_size)
+    return ModelFacts(
+        name,
+        "gguf",
+        str(path),
+        KVShape.from_model_config(model_config),
+        model_config.max_position_embeddings,
+        None,
+        params,
+        "counted from the GGUF tensors",
+        path.stat().st_size,
+    )
 
 
 def _safetensors_parameters(directory: Path) -> tuple[int, int] | None:

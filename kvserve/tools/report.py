@@ -12,9 +12,15 @@ from kvserve.units import parse_size
 
 
 def add_json_arg(parser: argparse.ArgumentParser, schema: str) -> None:
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                        help=f"JSON output: on stdout instead of the table (no PATH or -), or into PATH with the "
-                             f"table on stdout. Schema: {schema}")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help=f"JSON output: on stdout instead of the table (no PATH or -), or into PATH with the "
+        f"table on stdout. Schema: {schema}",
+    )
 
 
 def emit(doc: dict[str, Any] | list[Any], text: str, json_target: str | None) -> None:

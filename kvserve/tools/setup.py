@@ -14,28 +14,51 @@ from kvserve.vocab import COMPUTE_DTYPES, KV_DTYPES
 
 
 def add_sizing_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="an HF config.json or checkpoint directory (weights optional), a .gguf file, or a "
-                             "catalog name such as llama-3.1-8b (see --list-models); default: kvserve's default model")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="an HF config.json or checkpoint directory (weights optional), a .gguf file, or a "
+        "catalog name such as llama-3.1-8b (see --list-models); default: kvserve's default model",
+    )
     parser.add_argument("--list-models", action="store_true", help="list the built-in catalog and exit")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="where the model would run: decides what --dtype auto means (default: cuda when "
-                             "--memory is given, else cpu)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *COMPUTE_DTYPES],
-                        help="weights/compute dtype as `kvserve serve` takes it: auto = float32 on CPU, the "
-                             "checkpoint's dtype (bfloat16 when unknown) on CUDA")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="where the model would run: decides what --dtype auto means (default: cuda when "
+        "--memory is given, else cpu)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *COMPUTE_DTYPES],
+        help="weights/compute dtype as `kvserve serve` takes it: auto = float32 on CPU, the "
+        "checkpoint's dtype (bfloat16 when unknown) on CUDA",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--kv-cache-memory-bytes", type=size_arg, default=None,
-                        help="the KV budget itself, as the engine takes it (e.g. 4GiB); default on CPU: 4GiB")
-    budget.add_argument("--memory", type=size_arg, default=None,
-                        help="device memory (e.g. 80GiB): KV budget = memory x --gpu-memory-utilization - weights "
-                             "- --overhead")
+    budget.add_argument(
+        "--kv-cache-memory-bytes",
+        type=size_arg,
+        default=None,
+        help="the KV budget itself, as the engine takes it (e.g. 4GiB); default on CPU: 4GiB",
+    )
+    budget.add_argument(
+        "--memory",
+        type=size_arg,
+        default=None,
+        help="device memory (e.g. 80GiB): KV budget = memory x --gpu-memory-utilization - weights - --overhead",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--overhead", type=size_arg, default=0,
-                        help="memory for activations and runtime, subtracted with --memory (vLLM profiles it)")
-    parser.add_argument("--weights-bytes", type=size_arg, default=None,
-                        help="override the weights' size (e.g. for quantized weights)")
+    parser.add_argument(
+        "--overhead",
+        type=size_arg,
+        default=0,
+        help="memory for activations and runtime, subtracted with --memory (vLLM profiles it)",
+    )
+    parser.add_argument(
+        "--weights-bytes", type=size_arg, default=None, help="override the weights' size (e.g. for quantized weights)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +73,18 @@ class Setup:
     budget: Budget | None
 
     def to_json(self) -> dict[str, Any]:
-        budget = None if self.budget is None else {
-            "kv_bytes": self.budget.kv_bytes, "source": self.budget.source, "formula": self.budget.formula}
-        return {"device": self.device, "dtype": self.dtype, "block_size": self.block_size,
-                "weights": {"bytes": self.weights_bytes, "formula": self.weights_formula}, "budget": budget}
+        budget = (
+            None
+            if self.budget is None
+            else {"kv_bytes": self.budget.kv_bytes, "source": self.budget.source, "formula": self.budget.formula}
+        )
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "weights": {"bytes": self.weights_bytes, "formula": self.weights_formula},
+            "budget": budget,
+        }
 
 
 def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
@@ -66,8 +97,10 @@ def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
     elif facts.num_parameters is not None:
         elem = KV_DTYPES[dtype].element_bytes
         weights = facts.num_parameters * elem
-        formula = (f"{facts.num_parameters} parameters ({facts.num_parameters_note}) x {elem} bytes ({dtype}) "
-                   f"= {weights} bytes")
+        formula = (
+            f"{facts.num_parameters} parameters ({facts.num_parameters_note}) x {elem} bytes ({dtype}) "
+            f"= {weights} bytes"
+        )
     else:
         weights, formula = None, f"unknown: {facts.num_parameters_note}"
     return Setup(device, dtype, args.block_size, weights, formula, _budget(args, device, weights))
@@ -75,13 +108,19 @@ def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
 
 def _budget(args: argparse.Namespace, device: str, weights: int | None) -> Budget | None:
     if args.kv_cache_memory_bytes is not None:
-        return Budget(args.kv_cache_memory_bytes, "kv-cache-memory-bytes",
-                      f"{args.kv_cache_memory_bytes} bytes (--kv-cache-memory-bytes)")
+        return Budget(
+            args.kv_cache_memory_bytes,
+            "kv-cache-memory-bytes",
+            f"{args.kv_cache_memory_bytes} bytes (--kv-cache-memory-bytes)",
+        )
     if args.memory is not None:
         if weights is None:
             raise ValueError("--memory needs the weights' size, which is unknown for this model; pass --weights-bytes")
         return budget_from_memory(args.memory, args.gpu_memory_utilization, weights, args.overhead)
     if device == "cpu":
-        return Budget(DEFAULT_CPU_KV_CACHE_BYTES, "cpu-default",
-                      f"{DEFAULT_CPU_KV_CACHE_BYTES} bytes (kvserve serve's default --kv-cache-memory-bytes on CPU)")
+        return Budget(
+            DEFAULT_CPU_KV_CACHE_BYTES,
+            "cpu-default",
+            f"{DEFAULT_CPU_KV_CACHE_BYTES} bytes (kvserve serve's default --kv-cache-memory-bytes on CPU)",
+        )
     return None

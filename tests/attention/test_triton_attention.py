@@ -39,9 +39,17 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 
 
-def make_case(seqs: list[tuple[int, int]], block_size: int, num_heads: int, kv_heads: int, head_dim: int = 32,
-              seed: int = 0, kv_dtype: torch.dtype = torch.float32, q_dtype: torch.dtype = torch.float32,
-              device: torch.device = CPU) -> tuple[torch.Tensor, LayerKVCache, AttentionMetadata]:
+def make_case(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int = 32,
+    seed: int = 0,
+    kv_dtype: torch.dtype = torch.float32,
+    q_dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+) -> tuple[torch.Tensor, LayerKVCache, AttentionMetadata]:
     """q for sequences given as (seq_len, query_len), and a cache holding their whole contexts (written through
     LayerKVCache.write, so 8-bit caches are quantized as the engine does) with NaN everywhere else; built on
     the CPU (same random numbers everywhere), then moved to `device`."""
@@ -69,15 +77,17 @@ def make_case(seqs: list[tuple[int, int]], block_size: int, num_heads: int, kv_h
     q = torch.randn(sum(n for _, n in seqs), num_heads, head_dim).to(q_dtype)
     if device == CPU:
         return q, cache, meta
-    moved = LayerKVCache(*(t.to(device) if t is not None else None
-                           for t in (cache.key, cache.value, cache.key_scale, cache.value_scale)))
+    moved = LayerKVCache(
+        *(t.to(device) if t is not None else None for t in (cache.key, cache.value, cache.key_scale, cache.value_scale))
+    )
     tables = [row[:n].tolist() for row, n in zip(meta.block_tables, need)]
     meta = AttentionMetadata.build(tables, meta.seq_lens_cpu, meta.query_lens_cpu, block_size, device)
     return q.to(device), moved, meta
 
 
-def check(got: torch.Tensor, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
-          layer: AttentionLayerSpec) -> None:
+def check(
+    got: torch.Tensor, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, layer: AttentionLayerSpec
+) -> None:
     assert got.dtype == q.dtype and got.shape == q.shape
     assert torch.isfinite(got).all()
     tol = TOLERANCE[q.dtype]
@@ -94,22 +104,26 @@ DECODE = [(1, 1), (7, 1), (33, 1), (100, 1)]
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_matches_reference(block_size: int, heads: str, window: int | None,
-                                  triton_kernels: ModuleType, triton_device: torch.device) -> None:
+def test_decode_matches_reference(
+    block_size: int, heads: str, window: int | None, triton_kernels: ModuleType, triton_device: torch.device
+) -> None:
     """Decode-only steps take the split-K kernel; these contexts span 1..7 blocks and 1..2 key tiles."""
-    q, cache, meta = make_case(DECODE, block_size, *HEADS[heads], seed=seed_of(block_size, heads, window),
-                               device=triton_device)
+    q, cache, meta = make_case(
+        DECODE, block_size, *HEADS[heads], seed=seed_of(block_size, heads, window), device=triton_device
+    )
     layer = AttentionLayerSpec(32**-0.5, window)
     # Two tiles of 64 keys at most: two parts without a window (the merge kernel runs), one with it.
-    assert triton_kernels.decode_splits(len(DECODE), cache.num_kv_heads, meta.block_tables.shape[1],
-                                        block_size, window, 64) == (1 if window else 2)
+    assert triton_kernels.decode_splits(
+        len(DECODE), cache.num_kv_heads, meta.block_tables.shape[1], block_size, window, 64
+    ) == (1 if window else 2)
     check(triton_attention(q, cache, meta, layer), q, cache, meta, layer)
 
 
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("splits", [1, 3, 4])
-def test_decode_split_k_over_long_contexts(splits: int, window: int | None, triton_kernels: ModuleType,
-                                           triton_device: torch.device) -> None:
+def test_decode_split_k_over_long_contexts(
+    splits: int, window: int | None, triton_kernels: ModuleType, triton_device: torch.device
+) -> None:
     """Any number of parts gives the same answer: with 3 parts a 300-token context is cut 128 + 128 + 44, the
     short contexts leave parts empty, and the window moves where the parts start."""
     seqs = [(300, 1), (77, 1), (1, 1)]
@@ -154,20 +168,21 @@ PREFILL = {
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("case", sorted(PREFILL))
-def test_prefill_matches_reference(case: str, heads: str, window: int | None,
-                                   triton_device: torch.device) -> None:
+def test_prefill_matches_reference(case: str, heads: str, window: int | None, triton_device: torch.device) -> None:
     """Prompts, later chunks whose earlier context is only in the cache, and decode rows mixed with chunks,
     all in one launch; block size 16 and 32 alternate over the cases."""
     block_size = 16 if (len(case) + len(heads)) % 2 else 32
-    q, cache, meta = make_case(PREFILL[case], block_size, *HEADS[heads], seed=seed_of(case, heads, window),
-                               device=triton_device)
+    q, cache, meta = make_case(
+        PREFILL[case], block_size, *HEADS[heads], seed=seed_of(case, heads, window), device=triton_device
+    )
     layer = AttentionLayerSpec(0.2, window)
     check(triton_attention(q, cache, meta, layer), q, cache, meta, layer)
 
 
 @pytest.mark.parametrize("block_q", [16, 32])
-def test_prefill_tiles_cover_every_query_once(block_q: int, triton_kernels: ModuleType,
-                                              triton_device: torch.device) -> None:
+def test_prefill_tiles_cover_every_query_once(
+    block_q: int, triton_kernels: ModuleType, triton_device: torch.device
+) -> None:
     """One program per block_q queries of each sequence, in order; a sequence with no query gets none."""
     lens = [20, 1, 0, 70, 2]
     tiles = triton_kernels.prefill_tiles(lens, block_q, triton_device).tolist()
@@ -175,42 +190,47 @@ def test_prefill_tiles_cover_every_query_once(block_q: int, triton_kernels: Modu
     assert len(tiles) == sum(-(-n // block_q) for n in lens)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8],
-                         ids=["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8], ids=["fp8_e4m3", "fp8_e5m2", "int8"]
+)
 @pytest.mark.parametrize("seqs", [DECODE, PREFILL["ragged_decode_and_prefill"]], ids=["decode", "ragged"])
-def test_8bit_cache_dequantized_in_the_kernel(seqs: list[tuple[int, int]], kv_dtype: torch.dtype,
-                                              triton_device: torch.device) -> None:
-    q, cache, meta = make_case(seqs, 16, 8, 2, seed=seed_of(seqs, kv_dtype), kv_dtype=kv_dtype,
-                               device=triton_device)
+def test_8bit_cache_dequantized_in_the_kernel(
+    seqs: list[tuple[int, int]], kv_dtype: torch.dtype, triton_device: torch.device
+) -> None:
+    q, cache, meta = make_case(seqs, 16, 8, 2, seed=seed_of(seqs, kv_dtype), kv_dtype=kv_dtype, device=triton_device)
     layer = AttentionLayerSpec(32**-0.5, 20)
     check(triton_attention(q, cache, meta, layer), q, cache, meta, layer)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16_cache", "fp8_cache"])
 @pytest.mark.parametrize("seqs", [DECODE, PREFILL["ragged_decode_and_prefill"]], ids=["decode", "ragged"])
-def test_bfloat16_queries(seqs: list[tuple[int, int]], kv_dtype: torch.dtype,
-                          triton_device: torch.device) -> None:
-    q, cache, meta = make_case(seqs, 32, 4, 1, seed=seed_of(seqs, kv_dtype), kv_dtype=kv_dtype,
-                               q_dtype=torch.bfloat16, device=triton_device)
+def test_bfloat16_queries(seqs: list[tuple[int, int]], kv_dtype: torch.dtype, triton_device: torch.device) -> None:
+    q, cache, meta = make_case(
+        seqs, 32, 4, 1, seed=seed_of(seqs, kv_dtype), kv_dtype=kv_dtype, q_dtype=torch.bfloat16, device=triton_device
+    )
     layer = AttentionLayerSpec(32**-0.5, None)
     check(triton_attention(q, cache, meta, layer), q, cache, meta, layer)
 
 
-@pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim"), [(6, 2, 80), (14, 2, 64), (4, 1, 256)],
-                         ids=["group3_dim80", "qwen2_group7", "gemma3_dim256"])
-def test_odd_groups_and_head_dims(num_heads: int, kv_heads: int, head_dim: int,
-                                  triton_device: torch.device) -> None:
+@pytest.mark.parametrize(
+    ("num_heads", "kv_heads", "head_dim"),
+    [(6, 2, 80), (14, 2, 64), (4, 1, 256)],
+    ids=["group3_dim80", "qwen2_group7", "gemma3_dim256"],
+)
+def test_odd_groups_and_head_dims(num_heads: int, kv_heads: int, head_dim: int, triton_device: torch.device) -> None:
     """Groups and head dims that are no power of two are padded inside the kernels (Qwen2-0.5B: 7 heads per
     KV head; Gemma 3: head_dim 256)."""
     for seqs in (DECODE, [(30, 12), (5, 1)]):
-        q, cache, meta = make_case(seqs, 16, num_heads, kv_heads, head_dim, seed=seed_of(num_heads, head_dim),
-                                   device=triton_device)
+        q, cache, meta = make_case(
+            seqs, 16, num_heads, kv_heads, head_dim, seed=seed_of(num_heads, head_dim), device=triton_device
+        )
         layer = AttentionLayerSpec(head_dim**-0.5, 24)
         check(triton_attention(q, cache, meta, layer), q, cache, meta, layer)
 
 
-def test_tiny_model_generates_the_cpu_backends_tokens(tmp_path: Path, interpreted_kernels: ModuleType,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_model_generates_the_cpu_backends_tokens(
+    tmp_path: Path, interpreted_kernels: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """End to end through the engine (interpreted kernels, CPU): greedy tokens equal the "cpu" backend's on a
     tiny Gemma 3 with MQA and a sliding window of 8, with prompts chunked and batched with decodes."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -233,8 +253,13 @@ def test_tiny_model_generates_the_cpu_backends_tokens(tmp_path: Path, interprete
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for backend in ("cpu", "triton"):
-        llm = LLM(model=str(tmp_path), attention_backend=backend, block_size=16, num_gpu_blocks_override=32,
-                  max_num_batched_tokens=16)
+        llm = LLM(
+            model=str(tmp_path),
+            attention_backend=backend,
+            block_size=16,
+            num_gpu_blocks_override=32,
+            max_num_batched_tokens=16,
+        )
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["triton"] == tokens["cpu"]
     assert all(len(t) == 8 for t in tokens["cpu"])
@@ -264,8 +289,10 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path: Path, triton_device:
     Triton compiles for sm_90 on a CPU machine too (its ptxas is in the wheel). bf16 q over an fp8 cache with
     split-K and a window, on the Gemma 3 shape; in a fresh interpreter without TRITON_INTERPRET, with its own
     cache directory so the compiler really runs."""
-    code = ("import torch; from kvserve.attention import triton_kernels as tk; "
-            "print(tk.compile_for_gpu(torch.bfloat16, torch.float8_e4m3fn, 4, 1, 256))")
+    code = (
+        "import torch; from kvserve.attention import triton_kernels as tk; "
+        "print(tk.compile_for_gpu(torch.bfloat16, torch.float8_e4m3fn, 4, 1, 256))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

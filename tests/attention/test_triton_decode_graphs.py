@@ -18,7 +18,8 @@ from kvserve.engine.engine import LLMEngine
 
 
 def test_triton_decode_under_frozen_graph_metadata_gives_the_eager_tokens(
-        tmp_path: Path, interpreted_kernels: ModuleType) -> None:
+    tmp_path: Path, interpreted_kernels: ModuleType
+) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from tiny_models import build_tiny_hf_model
     from tiny_tokenizer import write_char_tokenizer
@@ -30,14 +31,22 @@ def test_triton_decode_under_frozen_graph_metadata_gives_the_eager_tokens(
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
 
     def engine() -> LLMEngine:
-        return LLMEngine.from_config(EngineConfig(model=str(tmp_path), attention_backend="triton", block_size=16,
-                                                  num_gpu_blocks_override=16, max_num_seqs=4))
+        return LLMEngine.from_config(
+            EngineConfig(
+                model=str(tmp_path),
+                attention_backend="triton",
+                block_size=16,
+                num_gpu_blocks_override=16,
+                max_num_seqs=4,
+            )
+        )
 
     eager = [o.outputs[0].token_ids for o in LLM(engine=engine()).generate(prompts, params, use_tqdm=False)]
     graphed_engine = engine()
     runner = graphed_engine.runner
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, [1, 2, 4], graphed_engine.max_model_len, 16,
-                                 torch.device("cpu"), replay_by_call)
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, [1, 2, 4], graphed_engine.max_model_len, 16, torch.device("cpu"), replay_by_call
+    )
     used: list[int] = []
     replay = runner.graphs.replay
 

@@ -48,8 +48,9 @@ def test_update_sections_reports_sections_without_markers_and_rejects_broken_one
     assert text.split("<!-- bench:throughput:end -->")[1] == PAGE.split("<!-- bench:throughput:end -->")[1]
     with pytest.raises(ValueError, match="expected one"):
         replace_section(PAGE.replace("<!-- bench:memory:end -->", ""), "memory", "x")
-    swapped = PAGE.replace("<!-- bench:memory:start -->", "@@").replace("<!-- bench:memory:end -->",
-                                                                        "<!-- bench:memory:start -->")
+    swapped = PAGE.replace("<!-- bench:memory:start -->", "@@").replace(
+        "<!-- bench:memory:end -->", "<!-- bench:memory:start -->"
+    )
     with pytest.raises(ValueError, match="comes before"):
         replace_section(swapped.replace("@@", "<!-- bench:memory:end -->"), "memory", "x")
 
@@ -62,12 +63,30 @@ def test_markdown_table_aligns_numbers_right():
 def test_bench_all_runs_the_chosen_commands_and_regenerates_the_docs(tiny_model_dir, tmp_path, capsys):
     docs, out = tmp_path / "BENCHMARKS.md", tmp_path / "bench"
     docs.write_text(PAGE.replace("throughput", "kv-cache"))
-    argv = ["--log-level", "WARNING", "bench", "all", "--only", "kv-cache,memory,serve", "--no-peers",
-            "--model", str(tiny_model_dir), "--out-dir", str(out), "--docs", str(docs),
-            "--args", "engine=--block-size 4 --cpu-threads 1",
-            "--args", "kv-cache=--context-lens 8,16 --decode-tokens 1 --kv-cache-memory-bytes 8MiB",
-            "--args", ("memory=--max-model-len 64 --kv-cache-memory-bytes 128KiB --scale 4 --mean-len 40 "
-                       "--num-requests 6 --samples 200 --repeats 1")]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "all",
+        "--only",
+        "kv-cache,memory,serve",
+        "--no-peers",
+        "--model",
+        str(tiny_model_dir),
+        "--out-dir",
+        str(out),
+        "--docs",
+        str(docs),
+        "--args",
+        "engine=--block-size 4 --cpu-threads 1",
+        "--args",
+        "kv-cache=--context-lens 8,16 --decode-tokens 1 --kv-cache-memory-bytes 8MiB",
+        "--args",
+        (
+            "memory=--max-model-len 64 --kv-cache-memory-bytes 128KiB --scale 4 --mean-len 40 "
+            "--num-requests 6 --samples 200 --repeats 1"
+        ),
+    ]
     assert main([*argv, "--dry-run"]) == 0
     planned = capsys.readouterr().out
     assert "kvserve bench memory" in planned and "# skipped: no --url" in planned and not out.exists()
@@ -88,8 +107,12 @@ def test_bench_all_runs_the_chosen_commands_and_regenerates_the_docs(tiny_model_
     assert "(no figures yet)" not in memory and "| cache layout |" in memory and "kvserve bench memory" in memory
     assert "`measured_concurrency:paged/reserved`" in memory and "bench/memory.json" in memory
     assert "| context |" in text and "| old | table |" not in text
-    for prose in ("Prose before, kept as written.", "Prose between, about kv-cache.", "Prose after.",
-                  "![memory](bench/memory.png)"):
+    for prose in (
+        "Prose before, kept as written.",
+        "Prose between, about kv-cache.",
+        "Prose after.",
+        "![memory](bench/memory.png)",
+    ):
         assert text.count(prose) == 1
 
     (out / "kv_cache.json").unlink()  # --docs-only renders what is there; a missing report leaves its section
@@ -103,8 +126,23 @@ def test_the_router_step_takes_only_the_flags_it_has_and_is_skipped_without_ray(
     --dtype or `--args engine=...` (engine flags of the in-process commands), and without Ray it is skipped."""
     from kvserve.bench import suite
 
-    argv = ["all", "--only", "router,kv-cache", "--model", "m.gguf", "--device", "cpu", "--dtype", "float32",
-            "--cpu-threads", "1", "--args", "engine=--block-size 4", "--out-dir", str(tmp_path)]
+    argv = [
+        "all",
+        "--only",
+        "router,kv-cache",
+        "--model",
+        "m.gguf",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cpu-threads",
+        "1",
+        "--args",
+        "engine=--block-size 4",
+        "--out-dir",
+        str(tmp_path),
+    ]
     steps = {s.quick.name: s for s in suite.plan(suite.parse(argv))}
     router = steps["router"].argv
     assert router[router.index("--model") + 1] == "m.gguf" and router[router.index("--cpu-threads") + 1] == "1"
@@ -113,7 +151,8 @@ def test_the_router_step_takes_only_the_flags_it_has_and_is_skipped_without_ray(
     assert steps["router"].skipped is None  # Ray is installed with the [test] extra
 
     real_find_spec = suite.importlib.util.find_spec
-    monkeypatch.setattr(suite.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else
-                        real_find_spec(name, *a))
+    monkeypatch.setattr(
+        suite.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real_find_spec(name, *a)
+    )
     skipped = {s.quick.name: s for s in suite.plan(suite.parse(argv))}["router"]
     assert skipped.skipped is not None and "[cluster]" in skipped.skipped

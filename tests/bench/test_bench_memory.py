@@ -11,18 +11,53 @@ from kvserve.cli import main
 
 # The tiny model stores 512 bytes per token: 2 KiB per 4-token block. 128 KiB = 64 blocks at full size;
 # the measured run at 1/4 scale has 16 blocks and max-model-len 16, so reserving fits 4 requests at once.
-ARGS = ["--max-model-len", "64", "--kv-cache-memory-bytes", "128KiB", "--block-size", "4", "--scale", "4",
-        "--mean-len", "40", "--num-requests", "10", "--samples", "500", "--repeats", "2"]
+ARGS = [
+    "--max-model-len",
+    "64",
+    "--kv-cache-memory-bytes",
+    "128KiB",
+    "--block-size",
+    "4",
+    "--scale",
+    "4",
+    "--mean-len",
+    "40",
+    "--num-requests",
+    "10",
+    "--samples",
+    "500",
+    "--repeats",
+    "2",
+]
 PLAN = {"budget_bytes", "num_blocks", "block_size", "bytes_per_token", "max_model_len", "lengths", "paged", "reserved"}
 LAYOUT = {"kv_tokens_per_request", "requests_that_fit", "waste_perc"}
-RUN = {"elapsed_s", "output_tokens", "steps", "max_running", "mean_running", "peak_kv_usage_perc", "waste_perc",
-       "preemptions"}
+RUN = {
+    "elapsed_s",
+    "output_tokens",
+    "steps",
+    "max_running",
+    "mean_running",
+    "peak_kv_usage_perc",
+    "waste_perc",
+    "preemptions",
+}
 
 
 def test_bench_memory_paged_fits_at_least_as_many_as_reserved(tiny_model_dir, tmp_path, capsys):
     out_json, out_png = tmp_path / "memory.json", tmp_path / "memory.png"
-    argv = ["--log-level", "WARNING", "bench", "memory", "--model", str(tiny_model_dir), *ARGS,
-            "--json", str(out_json), "--plot", str(out_png)]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "memory",
+        "--model",
+        str(tiny_model_dir),
+        *ARGS,
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     assert main(argv) == 0
     assert_png(out_png)
     doc = load_report(out_json, "memory")
@@ -47,8 +82,11 @@ def test_bench_memory_paged_fits_at_least_as_many_as_reserved(tiny_model_dir, tm
     assert all(r["output_tokens"] == measured["output_tokens"] for r in runs)  # the same requests every round
     assert layouts["reserved"]["max_running"] <= 4  # a reservation of 4 blocks each, in 16 blocks
     assert layouts["paged"]["max_running"] >= layouts["reserved"]["max_running"]
-    assert set(doc["ratios"]) == {"concurrency:paged/reserved", "measured_concurrency:paged/reserved",
-                                  "output_tokens_per_s:paged/reserved"}
+    assert set(doc["ratios"]) == {
+        "concurrency:paged/reserved",
+        "measured_concurrency:paged/reserved",
+        "output_tokens_per_s:paged/reserved",
+    }
     assert [t["columns"][0] for t in doc["tables"]] == ["cache layout", "cache layout"]
     assert "reserve max-model-len" in capsys.readouterr().out
 

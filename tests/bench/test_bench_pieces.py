@@ -73,10 +73,23 @@ def test_emit_follows_the_json_convention(tmp_path):
 
 
 def _config(tied: bool) -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=100, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
-                       head_dim=4, intermediate_size=16, rms_norm_eps=1e-6, rope_theta=1e4,
-                       max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=1, eos_token_ids=[2],
-                       sliding_windows=[4, None])
+    return ModelConfig(
+        family="llama",
+        vocab_size=100,
+        hidden_size=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_ids=[2],
+        sliding_windows=[4, None],
+    )
 
 
 class _Toy(torch.nn.Module):
@@ -105,8 +118,11 @@ def test_model_cost_counts_what_a_step_must_read(tied):
 
 
 def test_llama_bench_json_parsing():
-    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 330.5}, {"n_prompt": 32, "n_gen": 0, "avg_ts": 250.0},
-            {"n_prompt": 0, "n_gen": 128, "avg_ts": 44.0}]
+    rows = [
+        {"n_prompt": 512, "n_gen": 0, "avg_ts": 330.5},
+        {"n_prompt": 32, "n_gen": 0, "avg_ts": 250.0},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 44.0},
+    ]
     result = parse_llama_bench_json(json.dumps(rows), 128)
     assert result.prompt_tokens_per_s == {512: 330.5, 32: 250.0} and result.decode_tokens_per_s == 44.0
 

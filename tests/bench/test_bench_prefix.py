@@ -10,10 +10,34 @@ from kvserve.cli import main
 
 def test_bench_prefix_reports_both_scenarios(tiny_model_dir, tmp_path, capsys):
     out_json, out_png = tmp_path / "prefix.json", tmp_path / "prefix.png"
-    argv = ["--log-level", "WARNING", "bench", "prefix", "--model", str(tiny_model_dir), "--requests", "3",
-            "--system-tokens", "40", "--question-tokens", "5", "--turns", "3", "--turn-user-tokens", "6",
-            "--output-len", "4", "--block-size", "4", "--kv-cache-memory-bytes", "8MiB",
-            "--json", str(out_json), "--plot", str(out_png)]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "prefix",
+        "--model",
+        str(tiny_model_dir),
+        "--requests",
+        "3",
+        "--system-tokens",
+        "40",
+        "--question-tokens",
+        "5",
+        "--turns",
+        "3",
+        "--turn-user-tokens",
+        "6",
+        "--output-len",
+        "4",
+        "--block-size",
+        "4",
+        "--kv-cache-memory-bytes",
+        "8MiB",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     assert main(argv) == 0
     assert_png(out_png)
     doc = load_report(out_json, "prefix")

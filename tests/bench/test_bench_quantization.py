@@ -7,17 +7,54 @@ import json
 
 from kvserve.cli import main
 
-METHOD_KEYS = {"quantization", "weight_bytes", "start_s", "perplexity", "perplexity_delta_perc",
-               "greedy_identical_prompts", "greedy_first_divergence", "greedy_match_perc", "divergences_near_tie",
-               "prefill_ms", "decode_ms_per_step", "decode_tokens_per_s"}
+METHOD_KEYS = {
+    "quantization",
+    "weight_bytes",
+    "start_s",
+    "perplexity",
+    "perplexity_delta_perc",
+    "greedy_identical_prompts",
+    "greedy_first_divergence",
+    "greedy_match_perc",
+    "divergences_near_tie",
+    "prefill_ms",
+    "decode_ms_per_step",
+    "decode_tokens_per_s",
+}
 
 
 def test_bench_quantization(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "q.json"
-    argv = ["--log-level", "WARNING", "bench", "quantization", "--model", str(tiny_model_dir), "--ppl-tokens", "40",
-            "--greedy-prompts", "2", "--greedy-tokens", "4", "--prefill-len", "16", "--decode-batches", "1,3",
-            "--decode-context", "8", "--decode-tokens", "3", "--repeats", "1", "--kv-cache-memory-bytes", "8MiB",
-            "--block-size", "4", "--json", str(out)]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "quantization",
+        "--model",
+        str(tiny_model_dir),
+        "--ppl-tokens",
+        "40",
+        "--greedy-prompts",
+        "2",
+        "--greedy-tokens",
+        "4",
+        "--prefill-len",
+        "16",
+        "--decode-batches",
+        "1,3",
+        "--decode-context",
+        "8",
+        "--decode-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--kv-cache-memory-bytes",
+        "8MiB",
+        "--block-size",
+        "4",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["command"] == "quantization"

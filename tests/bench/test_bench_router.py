@@ -15,14 +15,40 @@ from kvserve.bench.router import KVBudget, evaluate, policy_list
 from kvserve.bench.workload import TokenRange, tenant_requests, word_token_ids
 from kvserve.cli import main
 
-ROUTER_CONFIG = {"name", "replicas", "router", "command", "startup_s", "completed", "failed", "errors", "duration_s",
-                 "output_tokens_per_s", "requests_per_s", "prompt_tokens", "cached_tokens", "hit_rate",
-                 "server_hit_rate", "preemptions", "router_decisions", "ttft_ms", "itl_ms", "e2e_ms"}
+ROUTER_CONFIG = {
+    "name",
+    "replicas",
+    "router",
+    "command",
+    "startup_s",
+    "completed",
+    "failed",
+    "errors",
+    "duration_s",
+    "output_tokens_per_s",
+    "requests_per_s",
+    "prompt_tokens",
+    "cached_tokens",
+    "hit_rate",
+    "server_hit_rate",
+    "preemptions",
+    "router_decisions",
+    "ttft_ms",
+    "itl_ms",
+    "e2e_ms",
+}
 
 
 def test_kv_budget_holds_the_asked_share_of_prefixes():
-    args = argparse.Namespace(block_size=16, prefix_tokens=1000, question_tokens=TokenRange(16, 32), max_tokens=16,
-                              num_tenants=8, kv_tenants=None, kv_slack_requests=4)
+    args = argparse.Namespace(
+        block_size=16,
+        prefix_tokens=1000,
+        question_tokens=TokenRange(16, 32),
+        max_tokens=16,
+        num_tenants=8,
+        kv_tenants=None,
+        kv_slack_requests=4,
+    )
     budget = KVBudget.plan(args)
     assert budget.prefix_blocks == 62  # full blocks only: the partial last one is never shared
     assert budget.request_blocks == 66 - 62  # ceil((1000 + 32 + 16) / 16) blocks for the longest request
@@ -42,12 +68,21 @@ def test_targets_compare_prefix_aware_with_the_other_policies():
     def row(router: str | None, hit: float, p90: float, tps: float) -> dict:
         return {"router": router, "hit_rate": hit, "ttft_ms": {"p90": p90}, "output_tokens_per_s": tps}
 
-    rows = [row(None, 0.5, 9000, 5.0), row("prefix_aware", 0.95, 400, 9.6), row("least_loaded", 0.5, 8000, 9.0),
-            row("round_robin", 0.5, 6000, 10.0)]
+    rows = [
+        row(None, 0.5, 9000, 5.0),
+        row("prefix_aware", 0.95, 400, 9.6),
+        row("least_loaded", 0.5, 8000, 9.0),
+        row("round_robin", 0.5, 6000, 10.0),
+    ]
     targets = {t["name"]: t for t in evaluate(rows)}
-    hit, ttft, tput = (targets[n] for n in ("hit rate, prefix_aware / round_robin",
-                                            "TTFT p90, prefix_aware / round_robin",
-                                            "output tokens/s, prefix_aware / best other policy"))
+    hit, ttft, tput = (
+        targets[n]
+        for n in (
+            "hit rate, prefix_aware / round_robin",
+            "TTFT p90, prefix_aware / round_robin",
+            "output tokens/s, prefix_aware / best other policy",
+        )
+    )
     assert hit["value"] == pytest.approx(1.9) and hit["met"] is True
     assert ttft["value"] == pytest.approx(400 / 6000) and ttft["met"] is True
     assert tput["value"] == pytest.approx(0.96) and tput["met"] is True  # against the best other (10.0), not 9.0
@@ -75,10 +110,34 @@ def test_tenant_requests_share_exact_prefixes():
 
 def test_bench_router_prefix_aware_hits_more_than_round_robin(tiny_model_dir, tmp_path, capsys):
     out_json, out_png = tmp_path / "router.json", tmp_path / "router.png"
-    argv = ["--log-level", "WARNING", "bench", "router", "--model", str(tiny_model_dir), "--block-size", "4",
-            "--num-tenants", "4", "--prefix-tokens", "64", "--question-tokens", "4-8", "--max-tokens", "3",
-            "--num-requests", "16", "--request-rate", "8", "--policies", "prefix_aware,round_robin",
-            "--json", str(out_json), "--plot", str(out_png)]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "router",
+        "--model",
+        str(tiny_model_dir),
+        "--block-size",
+        "4",
+        "--num-tenants",
+        "4",
+        "--prefix-tokens",
+        "64",
+        "--question-tokens",
+        "4-8",
+        "--max-tokens",
+        "3",
+        "--num-requests",
+        "16",
+        "--request-rate",
+        "8",
+        "--policies",
+        "prefix_aware,round_robin",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     assert main(argv) == 0
     assert_png(out_png)
     doc = load_report(out_json, "router")
@@ -100,10 +159,15 @@ def test_bench_router_prefix_aware_hits_more_than_round_robin(tiny_model_dir, tm
     assert aware["hit_rate"] >= rr["hit_rate"]
     assert aware["hit_rate"] > 0 and aware["server_hit_rate"] > 0  # from usage, and from the engines' counters
     assert {t["name"] for t in results["targets"]} == {
-        "hit rate, prefix_aware / round_robin", "TTFT p90, prefix_aware / round_robin",
-        "output tokens/s, prefix_aware / best other policy"}
-    assert set(doc["ratios"]) == {"hit_rate:prefix_aware/round_robin", "ttft_p90:prefix_aware/round_robin",
-                                  "output_tokens_per_s:prefix_aware/best_other",
-                                  "output_tokens_per_s:prefix_aware/single"}
+        "hit rate, prefix_aware / round_robin",
+        "TTFT p90, prefix_aware / round_robin",
+        "output tokens/s, prefix_aware / best other policy",
+    }
+    assert set(doc["ratios"]) == {
+        "hit_rate:prefix_aware/round_robin",
+        "ttft_p90:prefix_aware/round_robin",
+        "output_tokens_per_s:prefix_aware/best_other",
+        "output_tokens_per_s:prefix_aware/single",
+    }
     out = capsys.readouterr().out
     assert "2x prefix_aware" in out and "KV budget: 45 blocks of 4 tokens" in out

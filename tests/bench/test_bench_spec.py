@@ -9,21 +9,49 @@ from kvserve.bench.spec import WORKLOADS, workload_prompts
 from kvserve.cli import main
 
 ENGINE = ["--kv-cache-memory-bytes", "8MiB", "--block-size", "4"]
-POINT = {"workload", "batch_size", "off_decode_tok_s", "on_decode_tok_s", "off_runs", "on_runs", "speedup",
-         "same_tokens", "drafts", "draft_tokens", "accepted_tokens"}
+POINT = {
+    "workload",
+    "batch_size",
+    "off_decode_tok_s",
+    "on_decode_tok_s",
+    "off_runs",
+    "on_runs",
+    "speedup",
+    "same_tokens",
+    "drafts",
+    "draft_tokens",
+    "accepted_tokens",
+}
 
 
 def test_bench_spec(tiny_model_dir, tmp_path, capsys):
     out_json, out_png = tmp_path / "spec.json", tmp_path / "spec.png"
-    argv = ["--log-level", "WARNING", "bench", "spec", "--model", str(tiny_model_dir), "--batch-sizes", "1,3",
-            "--output-len", "12", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png), *ENGINE,
-            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64}']
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "spec",
+        "--model",
+        str(tiny_model_dir),
+        "--batch-sizes",
+        "1,3",
+        "--output-len",
+        "12",
+        "--repeats",
+        "1",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        *ENGINE,
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64}',
+    ]
     assert main(argv) == 0
     assert_png(out_png)
     doc = load_report(out_json, "spec")
     points = doc["results"]["points"]
-    assert [(p["workload"], p["batch_size"]) for p in points] == [
-        (w, b) for w in WORKLOADS for b in (1, 3)]
+    assert [(p["workload"], p["batch_size"]) for p in points] == [(w, b) for w in WORKLOADS for b in (1, 3)]
     for point in points:
         assert set(point) == POINT and point["same_tokens"]
         assert point["on_decode_tok_s"] > 0 and point["off_decode_tok_s"] > 0

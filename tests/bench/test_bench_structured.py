@@ -8,20 +8,59 @@ from bench_schema import assert_png, load_report
 
 from kvserve.cli import main
 
-DECODE = {"batch_size", "unconstrained_tokens_per_s", "constrained_tokens_per_s", "ratio", "unconstrained_runs",
-          "constrained_runs", "unconstrained_step_ms", "constrained_step_ms"}
+DECODE = {
+    "batch_size",
+    "unconstrained_tokens_per_s",
+    "constrained_tokens_per_s",
+    "ratio",
+    "unconstrained_runs",
+    "constrained_runs",
+    "unconstrained_step_ms",
+    "constrained_step_ms",
+}
 MASK = {"batch_size", "steps", "fill_ms_per_step", "apply_ms_per_step", "mask_ms_per_step", "mask_ms_per_row"}
 COMPILE = {"backend_build_s", "cold_ms", "cold_ms_runs", "cached_ms", "cached_ms_runs"}
-TTFT = {"unconstrained_ms", "constrained_ms", "added_ms", "unconstrained_ms_runs", "constrained_ms_runs",
-        "cached_path_ms", "cached_path_ms_runs"}
+TTFT = {
+    "unconstrained_ms",
+    "constrained_ms",
+    "added_ms",
+    "unconstrained_ms_runs",
+    "constrained_ms_runs",
+    "cached_path_ms",
+    "cached_path_ms_runs",
+}
 
 
 def test_bench_structured_reports_every_section(tiny_model_dir, tmp_path, capsys):
     out_json, out_png = tmp_path / "structured.json", tmp_path / "structured.png"
-    argv = ["--log-level", "WARNING", "bench", "structured", "--model", str(tiny_model_dir), "--batch-sizes", "1,3",
-            "--prompt-len", "6", "--output-len", "8", "--repeats", "2", "--compile-schemas", "2",
-            "--ttft-repeats", "2", "--block-size", "4", "--kv-cache-memory-bytes", "8MiB",
-            "--json", str(out_json), "--plot", str(out_png)]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "structured",
+        "--model",
+        str(tiny_model_dir),
+        "--batch-sizes",
+        "1,3",
+        "--prompt-len",
+        "6",
+        "--output-len",
+        "8",
+        "--repeats",
+        "2",
+        "--compile-schemas",
+        "2",
+        "--ttft-repeats",
+        "2",
+        "--block-size",
+        "4",
+        "--kv-cache-memory-bytes",
+        "8MiB",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     assert main(argv) == 0
     assert_png(out_png)
     doc = load_report(out_json, "structured")

@@ -140,8 +140,11 @@ def test_dtype_resolution_follows_the_loader() -> None:
         resolve_kv_dtype("fp4", "bfloat16")
 
 
-DENSE_TEXT_ONLY = [e for e in CATALOG if e.config["model_type"] in ("llama", "qwen2", "qwen3", "mistral")
-                   or e.name in ("gemma-3-270m", "gemma-3-1b-pt")]  # Gemma 3 4B+ also count a vision tower
+DENSE_TEXT_ONLY = [
+    e
+    for e in CATALOG
+    if e.config["model_type"] in ("llama", "qwen2", "qwen3", "mistral") or e.name in ("gemma-3-270m", "gemma-3-1b-pt")
+]  # Gemma 3 4B+ also count a vision tower
 
 
 @pytest.mark.parametrize("entry", DENSE_TEXT_ONLY, ids=lambda e: e.name)

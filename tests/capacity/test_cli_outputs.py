@@ -26,8 +26,20 @@ def test_table_on_stdout_and_json_in_a_file(capsys, tmp_path: Path) -> None:
 
 
 def test_memory_formula_subtracts_the_weights(capsys) -> None:
-    doc = run_json(capsys, "estimate", "--model", "llama-3.1-8b", "--memory", "80GiB", "--overhead", "1GiB",
-                   "--seq-len", "8k", "--batch", "1,8")
+    doc = run_json(
+        capsys,
+        "estimate",
+        "--model",
+        "llama-3.1-8b",
+        "--memory",
+        "80GiB",
+        "--overhead",
+        "1GiB",
+        "--seq-len",
+        "8k",
+        "--batch",
+        "1,8",
+    )
     weights = 8_030_000_000 * 2
     budget = int(80 * 2**30 * 0.9) - weights - 2**30
     assert doc["weights"]["bytes"] == weights and doc["budget"]["kv_bytes"] == budget
@@ -43,8 +55,20 @@ def test_memory_formula_subtracts_the_weights(capsys) -> None:
 
 
 def test_several_kv_dtypes_and_window_capping(capsys) -> None:
-    doc = run_json(capsys, "estimate", "--model", "google/gemma-3-270m", "--kv-cache-dtype", "float32,int8",
-                   "--seq-len", "32768", "--batch", "1", "--kv-cache-memory-bytes", "4GiB")
+    doc = run_json(
+        capsys,
+        "estimate",
+        "--model",
+        "google/gemma-3-270m",
+        "--kv-cache-dtype",
+        "float32,int8",
+        "--seq-len",
+        "32768",
+        "--batch",
+        "1",
+        "--kv-cache-memory-bytes",
+        "4GiB",
+    )
     f32, i8 = doc["kv"]
     assert f32["bytes_per_token"] == 36864 and i8["bytes_per_token"] == 2 * 18 * (256 + 4)
     assert f32["seq_lens"][0]["window_capped_bytes_per_request"] == 217_055_232
@@ -52,9 +76,23 @@ def test_several_kv_dtypes_and_window_capping(capsys) -> None:
 
 
 def test_compare_contiguous(capsys) -> None:
-    doc = run_json(capsys, "estimate", "--model", "llama-3.1-8b", "--kv-cache-memory-bytes", "64GiB",
-                   "--dtype", "bfloat16", "--compare-contiguous", "--requests", "10", "--avg-len", "1000",
-                   "--max-len", "8192")
+    doc = run_json(
+        capsys,
+        "estimate",
+        "--model",
+        "llama-3.1-8b",
+        "--kv-cache-memory-bytes",
+        "64GiB",
+        "--dtype",
+        "bfloat16",
+        "--compare-contiguous",
+        "--requests",
+        "10",
+        "--avg-len",
+        "1000",
+        "--max-len",
+        "8192",
+    )
     c = doc["compare_contiguous"]
     # contiguous reserves 8192 tokens each; paged rounds 1000 up to 63 blocks = 1008 tokens
     assert c["contiguous"]["allocated_bytes"] == 10 * 8192 * 131072
@@ -66,8 +104,7 @@ def test_compare_contiguous(capsys) -> None:
 def test_plot(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "kv.png"
-    assert main(["estimate", "--model", "mistral-7b-v0.1", "--kv-cache-dtype", "bfloat16,fp8", "--plot",
-                 str(png)]) == 0
+    assert main(["estimate", "--model", "mistral-7b-v0.1", "--kv-cache-dtype", "bfloat16,fp8", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -98,8 +135,18 @@ def test_advise_switches_to_8bit_kv_and_warns(capsys) -> None:
 
 
 def test_advise_warns_below_expected_concurrency(capsys) -> None:
-    doc = run_json(capsys, "advise", "--model", "qwen3-8b", "--memory", "24GiB", "--scenario",
-                   "long_document_analysis", "--expected-concurrency", "4")
+    doc = run_json(
+        capsys,
+        "advise",
+        "--model",
+        "qwen3-8b",
+        "--memory",
+        "24GiB",
+        "--scenario",
+        "long_document_analysis",
+        "--expected-concurrency",
+        "4",
+    )
     assert doc["recommendation"]["max_model_len"] == 40960  # the model's context, below the 131072 wanted
     assert any("context is 40960" in w for w in doc["warnings"])
     assert any("fewer than the expected 4" in w for w in doc["warnings"])

@@ -15,25 +15,45 @@ from kvserve.cli import main
 from kvserve.tools.doctor_checks import Evidence, ProbeResult, diagnose
 from kvserve.tools.metrics_snapshot import Snapshot
 
-CACHE = dict(block_size="16", num_blocks="1000", kv_cache_dtype="bfloat16", enable_prefix_caching="True",
-             max_model_len="8192")
+CACHE = dict(
+    block_size="16", num_blocks="1000", kv_cache_dtype="bfloat16", enable_prefix_caching="True", max_model_len="8192"
+)
 
 
 def histogram(name: str, count: float, total: float) -> str:
-    return (f"# TYPE {name} histogram\n"
-            f'{name}_bucket{{le="0.5",model_name="m"}} {count / 2}\n{name}_bucket{{le="+Inf",model_name="m"}} {count}\n'
-            f'{name}_count{{model_name="m"}} {count}\n{name}_sum{{model_name="m"}} {total}\n')
+    return (
+        f"# TYPE {name} histogram\n"
+        f'{name}_bucket{{le="0.5",model_name="m"}} {count / 2}\n{name}_bucket{{le="+Inf",model_name="m"}} {count}\n'
+        f'{name}_count{{model_name="m"}} {count}\n{name}_sum{{model_name="m"}} {total}\n'
+    )
 
 
-def exposition(usage: float = 0.2, running: float = 8, waiting: float = 0, preemptions: float = 0,
-               queries: float = 20000, hits: float = 10000, requests: float = 100, ttft_sum: float = 5.0,
-               prompt_tokens: float = 50000, itl_count: float = 3000, itl_sum: float = 30.0,
-               queue_sum: float | None = None, prefill_sum: float | None = None, **cache: str) -> str:
+def exposition(
+    usage: float = 0.2,
+    running: float = 8,
+    waiting: float = 0,
+    preemptions: float = 0,
+    queries: float = 20000,
+    hits: float = 10000,
+    requests: float = 100,
+    ttft_sum: float = 5.0,
+    prompt_tokens: float = 50000,
+    itl_count: float = 3000,
+    itl_sum: float = 30.0,
+    queue_sum: float | None = None,
+    prefill_sum: float | None = None,
+    **cache: str,
+) -> str:
     """A kvserve /metrics page with these (cumulative) values; the queue and prefill histograms only if given."""
     labels = ",".join(f'{k}="{v}"' for k, v in {**CACHE, **cache}.items())
     gauges = {"kv_cache_usage_perc": usage, "num_requests_running": running, "num_requests_waiting": waiting}
-    counters = {"num_preemptions": preemptions, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
-                "prompt_tokens": prompt_tokens, "generation_tokens": itl_count + requests}
+    counters = {
+        "num_preemptions": preemptions,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prompt_tokens": prompt_tokens,
+        "generation_tokens": itl_count + requests,
+    }
     text = "".join(f"# TYPE kvserve:{k} gauge\nkvserve:{k} {v}\n" for k, v in gauges.items())
     text += "".join(f"# TYPE kvserve:{k} counter\nkvserve:{k}_total {v}\n" for k, v in counters.items())
     text += histogram("kvserve:time_to_first_token_seconds", requests, ttft_sum)
@@ -60,8 +80,9 @@ def growing_pages(ttft_steps: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)) -> list[
         requests.append(requests[-1] + 10)
         prompts.append(prompts[-1] + prompt_sum)
         ttft.append(ttft[-1] + ttft_sum)
-    return [exposition(requests=r, prompt_tokens=p, ttft_sum=t)
-            for r, p, t in zip(requests, prompts, ttft, strict=True)]
+    return [
+        exposition(requests=r, prompt_tokens=p, ttft_sum=t) for r, p, t in zip(requests, prompts, ttft, strict=True)
+    ]
 
 
 def test_growing_prompts_across_scrapes() -> None:
@@ -79,8 +100,12 @@ def test_prompts_near_max_model_len() -> None:
 
 
 def test_kv_pressure_with_preemptions() -> None:
-    findings = diagnose(Evidence([Snapshot.parse(exposition(usage=0.97, preemptions=12, waiting=5))],
-                                 ProbeResult([(64, 0.05)], [(1, 0.2, 0.01), (16, 1.0, 0.05)])))
+    findings = diagnose(
+        Evidence(
+            [Snapshot.parse(exposition(usage=0.97, preemptions=12, waiting=5))],
+            ProbeResult([(64, 0.05)], [(1, 0.2, 0.01), (16, 1.0, 0.05)]),
+        )
+    )
     assert [f.code for f in findings] == ["kv_cache_pressure"]
     f = findings[0]
     assert f.evidence["kv_cache_usage_perc_max"] == 0.97 and f.evidence["preemptions"] == 12
@@ -167,8 +192,23 @@ def server() -> Iterator[str]:
 
 
 def test_url_with_probe(server: str, capsys) -> None:
-    code = main(["doctor", "--url", server, "--scrapes", "2", "--interval", "0", "--probe",
-                 "--probe-prompt-lens", "8,32", "--probe-concurrency", "1,3", "--json"])
+    code = main(
+        [
+            "doctor",
+            "--url",
+            server,
+            "--scrapes",
+            "2",
+            "--interval",
+            "0",
+            "--probe",
+            "--probe-prompt-lens",
+            "8,32",
+            "--probe-concurrency",
+            "1,3",
+            "--json",
+        ]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["healthy"] and doc["models"] == ["gemma-3-270m"] and doc["scrapes"] == 2
     assert [r["prompt_tokens"] for r in doc["probe"]["ttft_by_prompt_len"]] == [8, 32]

@@ -47,12 +47,21 @@ def scrapes(steps: list[Step]) -> list[str]:
 
 
 def page(totals: dict[str, float], step: Step, usage: float, running: float, waiting: float) -> str:
-    return exposition(usage=usage, running=running, waiting=waiting, preemptions=totals["preemptions"],
-                      requests=totals["requests"], ttft_sum=totals["ttft_sum"], prompt_tokens=totals["prompt_tokens"],
-                      itl_count=1000 + 30 * totals["requests"], itl_sum=0.02 * (1000 + 30 * totals["requests"]),
-                      queries=0, hits=0,
-                      queue_sum=None if step.queue_mean is None else totals["queue_sum"],
-                      prefill_sum=None if step.prefill_mean is None else totals["prefill_sum"])
+    return exposition(
+        usage=usage,
+        running=running,
+        waiting=waiting,
+        preemptions=totals["preemptions"],
+        requests=totals["requests"],
+        ttft_sum=totals["ttft_sum"],
+        prompt_tokens=totals["prompt_tokens"],
+        itl_count=1000 + 30 * totals["requests"],
+        itl_sum=0.02 * (1000 + 30 * totals["requests"]),
+        queries=0,
+        hits=0,
+        queue_sum=None if step.queue_mean is None else totals["queue_sum"],
+        prefill_sum=None if step.prefill_mean is None else totals["prefill_sum"],
+    )
 
 
 def findings(steps: list[Step]) -> list[Finding]:
@@ -64,8 +73,9 @@ def codes(steps: list[Step]) -> list[str]:
 
 
 # (a) --max-num-seqs 2, 8 concurrent clients: 6 wait, 0.4% of the KV cache used, TTFT 9.3 s of which ~9 s queue
-QUEUED = Step(requests=8, prompt_mean=70, ttft_mean=9.3, queue_mean=9.0, prefill_mean=0.3, usage=0.004, running=2,
-              waiting=6)
+QUEUED = Step(
+    requests=8, prompt_mean=70, ttft_mean=9.3, queue_mean=9.0, prefill_mean=0.3, usage=0.004, running=2, waiting=6
+)
 
 
 def test_queue_behind_max_num_seqs_is_a_finding() -> None:
@@ -88,16 +98,18 @@ def test_queue_without_the_queue_histogram_falls_back_to_ttft() -> None:
 
 
 def test_short_waits_and_no_waits_stay_healthy() -> None:
-    busy_but_fine = Step(requests=8, prompt_mean=70, ttft_mean=0.4, queue_mean=0.2, prefill_mean=0.2, usage=0.3,
-                         running=8, waiting=2)  # a burst queued for 200 ms
+    busy_but_fine = Step(
+        requests=8, prompt_mean=70, ttft_mean=0.4, queue_mean=0.2, prefill_mean=0.2, usage=0.3, running=8, waiting=2
+    )  # a burst queued for 200 ms
     assert codes([busy_but_fine] * 3) == []
     no_histogram = Step(requests=8, prompt_mean=70, ttft_mean=3.0, usage=0.3, running=8)  # slow, but nobody waits
     assert codes([no_histogram] * 2) == []
 
 
 def test_queue_behind_a_full_kv_cache_names_memory() -> None:
-    full = Step(requests=8, prompt_mean=2000, ttft_mean=5.5, queue_mean=5.0, prefill_mean=0.5, usage=0.95, running=6,
-                waiting=10)  # blocks run out before admission: requests wait, none is preempted
+    full = Step(
+        requests=8, prompt_mean=2000, ttft_mean=5.5, queue_mean=5.0, prefill_mean=0.5, usage=0.95, running=6, waiting=10
+    )  # blocks run out before admission: requests wait, none is preempted
     found = findings([full, full])
     assert [f.code for f in found] == ["requests_queued"]
     assert found[0].evidence["limited_by"] == "kv_cache" and "--kv-cache-dtype fp8" in found[0].fix
@@ -123,8 +135,17 @@ def test_cli_never_calls_a_queueing_server_healthy(tmp_path: Path, capsys) -> No
 
 
 def pressure(prompt_mean: float, ttft: float, queue: float | None, prefill: float | None) -> Step:
-    return Step(requests=20, prompt_mean=prompt_mean, ttft_mean=ttft, queue_mean=queue, prefill_mean=prefill,
-                usage=0.97, running=12, waiting=8, preemptions=6)
+    return Step(
+        requests=20,
+        prompt_mean=prompt_mean,
+        ttft_mean=ttft,
+        queue_mean=queue,
+        prefill_mean=prefill,
+        usage=0.97,
+        running=12,
+        waiting=8,
+        preemptions=6,
+    )
 
 
 def test_two_windows_of_random_prompts_are_not_a_trend() -> None:
@@ -150,8 +171,9 @@ def test_rising_prompts_with_ttft_rising_from_the_queue_only_are_not_blamed() ->
 
 
 def test_a_sustained_rise_with_prefill_time_is_still_growing_prompts() -> None:
-    steps = [pressure(p, q + c, q, c) for p, q, c in [(500, 0.5, 0.1), (700, 0.5, 0.15), (1000, 0.6, 0.2),
-                                                     (1500, 0.6, 0.3)]]
+    steps = [
+        pressure(p, q + c, q, c) for p, q, c in [(500, 0.5, 0.1), (700, 0.5, 0.15), (1000, 0.6, 0.2), (1500, 0.6, 0.3)]
+    ]
     found = findings(steps)
     assert [f.code for f in found] == ["growing_prompts", "kv_cache_pressure"]
     assert found[0].evidence["prefill_mean_s_by_window"] == [0.1, 0.15, 0.2, 0.3]

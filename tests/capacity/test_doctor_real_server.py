@@ -29,8 +29,9 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path: Path = tmp_path_factory.mktemp("tiny_llama")
     build_tiny_hf_model("llama_gqa").save_pretrained(path)
     write_char_tokenizer(path)
-    engine = LLMEngine.from_config(EngineConfig(model=str(path), num_gpu_blocks_override=256, block_size=4,
-                                                cpu_threads=1))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(path), num_gpu_blocks_override=256, block_size=4, cpu_threads=1)
+    )
     app = build_app(AsyncLLMEngine(engine), ServerSettings(served_model_names=("tiny",)))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -47,8 +48,23 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_doctor_reads_the_real_server_and_probes_it(server_url: str, capsys) -> None:
-    code = main(["doctor", "--url", server_url, "--scrapes", "2", "--interval", "0", "--probe",
-                 "--probe-prompt-lens", "4,16", "--probe-concurrency", "1,3", "--json"])
+    code = main(
+        [
+            "doctor",
+            "--url",
+            server_url,
+            "--scrapes",
+            "2",
+            "--interval",
+            "0",
+            "--probe",
+            "--probe-prompt-lens",
+            "4,16",
+            "--probe-concurrency",
+            "1,3",
+            "--json",
+        ]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["models"] == ["tiny"]
     assert doc["cache_config"]["num_blocks"] == "256" and doc["cache_config"]["block_size"] == "4"

@@ -14,8 +14,9 @@ def spec_page(drafts: float, drafted: float, per_pos: list[float]) -> str:
     for name, value in (("drafts", drafts), ("draft_tokens", drafted), ("accepted_tokens", sum(per_pos))):
         text += f"# TYPE kvserve:spec_decode_num_{name} counter\nkvserve:spec_decode_num_{name}_total {value}\n"
     text += "# TYPE kvserve:spec_decode_num_accepted_tokens_per_pos counter\n"
-    text += "".join(f'kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}\n'
-                    for i, v in enumerate(per_pos))
+    text += "".join(
+        f'kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}\n' for i, v in enumerate(per_pos)
+    )
     return text
 
 

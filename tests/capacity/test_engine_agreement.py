@@ -24,20 +24,32 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
-@pytest.mark.parametrize("flags", [
-    dict(kv_cache_memory_bytes=1_000_003, block_size=16),
-    dict(kv_cache_memory_bytes=777_777, block_size=4, kv_cache_dtype="bfloat16"),
-    dict(kv_cache_memory_bytes=5_000_000, block_size=8, max_model_len=200),
-    dict(kv_cache_memory_bytes=333_333, block_size=16, kv_cache_dtype="int8"),
-    dict(kv_cache_memory_bytes=333_333, block_size=32, kv_cache_dtype="fp8"),
-], ids=["fp32-b16", "bf16kv-b4", "max-model-len", "int8-scales", "fp8-scales"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(kv_cache_memory_bytes=1_000_003, block_size=16),
+        dict(kv_cache_memory_bytes=777_777, block_size=4, kv_cache_dtype="bfloat16"),
+        dict(kv_cache_memory_bytes=5_000_000, block_size=8, max_model_len=200),
+        dict(kv_cache_memory_bytes=333_333, block_size=16, kv_cache_dtype="int8"),
+        dict(kv_cache_memory_bytes=333_333, block_size=32, kv_cache_dtype="fp8"),
+    ],
+    ids=["fp32-b16", "bf16kv-b4", "max-model-len", "int8-scales", "fp8-scales"],
+)
 def test_estimate_matches_the_engine_on_tiny_checkpoints(capsys, tiny_dirs, variant, flags) -> None:
     from kvserve.engine.engine import LLMEngine
 
     path = tiny_dirs[variant]
     engine = LLMEngine.from_config(EngineConfig(model=str(path), **flags))
-    argv = ["--model", str(path), "--kv-cache-memory-bytes", str(flags["kv_cache_memory_bytes"]),
-            "--block-size", str(flags["block_size"]), "--kv-cache-dtype", flags.get("kv_cache_dtype", "auto")]
+    argv = [
+        "--model",
+        str(path),
+        "--kv-cache-memory-bytes",
+        str(flags["kv_cache_memory_bytes"]),
+        "--block-size",
+        str(flags["block_size"]),
+        "--kv-cache-dtype",
+        flags.get("kv_cache_dtype", "auto"),
+    ]
     if "max_model_len" in flags:
         argv += ["--max-model-len", str(flags["max_model_len"])]
     kv = estimate_json(capsys, *argv)["kv"][0]

@@ -31,12 +31,16 @@ def config_json(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("argv", [
-    ["estimate", "--json"],  # the default model's GGUF
-    ["estimate", "--model", "deepseek-v3", "--memory", "1500GB", "--weights-bytes", "700GB", "--json"],
-    ["estimate", "--model", "{config}", "--memory", "80GiB", "--json"],
-    ["advise", "--model", "llama-3.1-8b", "--memory", "24GiB", "--scenario", "document_qa", "--json"],
-], ids=["gguf", "catalog-mla", "config-json", "advise"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["estimate", "--json"],  # the default model's GGUF
+        ["estimate", "--model", "deepseek-v3", "--memory", "1500GB", "--weights-bytes", "700GB", "--json"],
+        ["estimate", "--model", "{config}", "--memory", "80GiB", "--json"],
+        ["advise", "--model", "llama-3.1-8b", "--memory", "24GiB", "--scenario", "document_qa", "--json"],
+    ],
+    ids=["gguf", "catalog-mla", "config-json", "advise"],
+)
 def test_no_torch_import(config_json: Path, argv: list[str]) -> None:
     argv = [a.replace("{config}", str(config_json)) for a in argv]
     proc = subprocess.run([sys.executable, "-c", CHECK, *argv], capture_output=True, text=True, timeout=60)

@@ -17,8 +17,10 @@ from kvserve import LLM, SamplingParams
 from kvserve.model.gguf_layers import GGUFEmbedding, GGUFLinear
 
 pytestmark = pytest.mark.real_model
-REFERENCE = Path(os.environ.get("KVSERVE_GREEDY_REFERENCE")
-                 or Path(__file__).resolve().parents[1] / "fixtures" / "gemma3_270m_reference.json")
+REFERENCE = Path(
+    os.environ.get("KVSERVE_GREEDY_REFERENCE")
+    or Path(__file__).resolve().parents[1] / "fixtures" / "gemma3_270m_reference.json"
+)
 NEAR_TIE = 0.005
 
 
@@ -28,8 +30,10 @@ def test_gguf_blocks_greedy_equals_hf_reference() -> None:
     assert llm.engine.config.quantization == "gguf"
     model = llm.engine.runner.model
     assert isinstance(model.embed_tokens, GGUFEmbedding)
-    assert all(isinstance(layer.mlp.down_proj, GGUFLinear) and isinstance(layer.self_attn.qkv_proj, GGUFLinear)
-               for layer in model.layers)
+    assert all(
+        isinstance(layer.mlp.down_proj, GGUFLinear) and isinstance(layer.self_attn.qkv_proj, GGUFLinear)
+        for layer in model.layers
+    )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     outs = llm.generate([r["prompt_token_ids"] for r in reference], params, use_tqdm=False)
     for r, out in zip(reference, outs):

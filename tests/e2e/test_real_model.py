@@ -117,6 +117,5 @@ def test_output_independent_of_batching_chunking_and_preemption(loaded, referenc
 def test_cli_generate_prints_a_continuation(capsys):
     from kvserve.cli import main
 
-    assert main(["generate", "The capital of France is", "--max-tokens", "8",
-                 "--kv-cache-memory-bytes", "64MiB"]) == 0
+    assert main(["generate", "The capital of France is", "--max-tokens", "8", "--kv-cache-memory-bytes", "64MiB"]) == 0
     assert "capital" in capsys.readouterr().out

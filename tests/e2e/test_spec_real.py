@@ -12,8 +12,14 @@ from kvserve.engine.llm import LLM
 
 pytestmark = pytest.mark.real_model
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-        "disable_by_batch_size": 8, "min_acceptance_rate": 0.0}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+    "disable_by_batch_size": 8,
+    "min_acceptance_rate": 0.0,
+}
 
 
 def test_greedy_output_identical_with_and_without_speculation():
@@ -22,8 +28,10 @@ def test_greedy_output_identical_with_and_without_speculation():
     from kvserve.kv.pool import BlockPool
 
     code = inspect.getsource(BlockPool.free)
-    prompts = [f"Here is a Python function:\n\n{code}\nThe same function, copied exactly:\n\n",
-               "Once upon a time, in a small village by the sea, there lived"]
+    prompts = [
+        f"Here is a Python function:\n\n{code}\nThe same function, copied exactly:\n\n",
+        "Once upon a time, in a small village by the sea, there lived",
+    ]
     plain = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=256 * 2**20))
     spec = plain.sibling(speculative_config=SPEC)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -28,8 +28,13 @@ BLOCK = 4
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
-def tensor_only_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, layer: AttentionLayerSpec,
-                          kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+def tensor_only_attention(
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    layer: AttentionLayerSpec,
+    kernels: Kernels = TORCH_KERNELS,
+) -> torch.Tensor:
     """A capturable decode backend, as the graph path requires: it reads the step only from the metadata's tensors
     (every block-table column, masked by seq_lens), never from its Python lists; other steps go to the reference."""
     if not meta.is_decode_only:
@@ -52,8 +57,9 @@ def tensor_only_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionM
 def make_engine(path: Path, backend=tensor_only_attention, **kw) -> LLMEngine:
     kw.setdefault("num_gpu_blocks_override", 256)
     kw.setdefault("device", "cpu")
-    engine = LLMEngine.from_config(EngineConfig(model=str(path), block_size=BLOCK, attention_backend="reference",
-                                                max_num_seqs=8, **kw))
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(path), block_size=BLOCK, attention_backend="reference", max_num_seqs=8, **kw)
+    )
     for layer in engine.runner.model.layers:
         layer.self_attn.backend = backend
     return engine
@@ -64,9 +70,15 @@ def with_graphs(engine: LLMEngine) -> list[int]:
     the list of sizes replayed."""
     config, device = engine.config, engine.device
     capture = replay_by_call if device.type == "cpu" else CudaGraphCapture(device)
-    graphs = DecodeGraphs(engine.runner.model, engine.runner.kv_caches,
-                          capture_sizes(None, config.max_num_seqs, config.max_num_batched_tokens),
-                          engine.max_model_len, BLOCK, device, capture)
+    graphs = DecodeGraphs(
+        engine.runner.model,
+        engine.runner.kv_caches,
+        capture_sizes(None, config.max_num_seqs, config.max_num_batched_tokens),
+        engine.max_model_len,
+        BLOCK,
+        device,
+        capture,
+    )
     used: list[int] = []
     replay = graphs.replay
 
@@ -89,9 +101,11 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
-@pytest.mark.parametrize("engine_kw", [{}, dict(kv_cache_dtype="fp8"),
-                                       dict(max_num_batched_tokens=7, num_gpu_blocks_override=14, max_model_len=48)],
-                         ids=["plain", "fp8-kv", "chunked-preempt"])
+@pytest.mark.parametrize(
+    "engine_kw",
+    [{}, dict(kv_cache_dtype="fp8"), dict(max_num_batched_tokens=7, num_gpu_blocks_override=14, max_model_len=48)],
+    ids=["plain", "fp8-kv", "chunked-preempt"],
+)
 def test_padded_graph_steps_give_the_eager_tokens(checkpoints, device, variant, engine_kw) -> None:
     prompts, params = workload()
     engine_kw = {**engine_kw, "device": device}

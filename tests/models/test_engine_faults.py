@@ -105,7 +105,8 @@ def test_a_request_whose_step_fails_fails_alone_and_the_others_are_unchanged(mod
     assert bad.finished and bad.error and "injected fault" in bad.error
     assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []
     assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == {
-        rid: o.outputs[0].token_ids for rid, o in clean.items()}
+        rid: o.outputs[0].token_ids for rid, o in clean.items()
+    }
     assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in got.values())
     assert model.num_failures == 2  # once in the batch, once alone
     assert engine.stats().num_preemptions == 0  # quarantine is not KV pressure
@@ -127,8 +128,9 @@ def test_a_fault_while_decoding_spares_the_others_and_their_progress(model_dir):
     engine.runner.model = model
     # Whoever feeds `target` to the model fails too: a prompt holding it, or an output holding it before its
     # last token (the last one is sampled, never computed).
-    holders = [rid for rid, o in clean.items()
-               if target in o.outputs[0].token_ids[:-1] or target in prompts[int(rid[1:])]]
+    holders = [
+        rid for rid, o in clean.items() if target in o.outputs[0].token_ids[:-1] or target in prompts[int(rid[1:])]
+    ]
     got = run(engine, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)})
     for rid, output in got.items():
         if rid in holders:
@@ -202,7 +204,8 @@ def test_a_sampler_fault_is_isolated_like_a_model_fault(model_dir):
     got = run(engine, requests)
     assert got["doomed"].outputs[0].finish_reason == "error"
     assert {rid: got[rid].outputs[0].token_ids for rid in clean} == {
-        rid: o.outputs[0].token_ids for rid, o in clean.items()}
+        rid: o.outputs[0].token_ids for rid, o in clean.items()
+    }
     assert_whole(engine)
 
 
@@ -214,8 +217,12 @@ def test_a_sampler_fault_is_isolated_like_a_model_fault(model_dir):
         SamplingParams(temperature=0.8, repetition_penalty=1e-45, max_tokens=1),
         SamplingParams(temperature=0, repetition_penalty=1e-45, max_tokens=6),
     ],
-    ids=["huge-temperature-min-tokens", "tiny-repetition-penalty", "tiny-repetition-penalty-max-tokens-1",
-         "tiny-repetition-penalty-greedy"],
+    ids=[
+        "huge-temperature-min-tokens",
+        "tiny-repetition-penalty",
+        "tiny-repetition-penalty-max-tokens-1",
+        "tiny-repetition-penalty-greedy",
+    ],
 )
 def test_hostile_sampling_stays_in_the_vocabulary_and_the_engine_serves_on(model_dir, params):
     prompts = healthy_prompts(3, seed=6)
@@ -263,8 +270,10 @@ def test_request_ids_that_look_like_child_ids_do_not_collide(model_dir):
     manager's maps."""
     prompts = healthy_prompts(2, seed=9)
     two = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
-    alone = {rid: run(make_engine(model_dir), {rid: req})[rid]
-             for rid, req in {"x": (prompts[0], two), "x#0": (prompts[1], GREEDY)}.items()}
+    alone = {
+        rid: run(make_engine(model_dir), {rid: req})[rid]
+        for rid, req in {"x": (prompts[0], two), "x#0": (prompts[1], GREEDY)}.items()
+    }
     engine = make_engine(model_dir)
     engine.add_request("x", prompts[0], two)
     engine.add_request("x#0", prompts[1], GREEDY)

@@ -47,9 +47,16 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def hf_greedy_with_top(model: torch.nn.Module, ids: list[int], n: int) -> tuple[list[int], list[dict]]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
     tops = [dict.fromkeys(torch.topk(s[0], TOP).indices.tolist()) for s in out.scores]
     return tokens, tops
 
@@ -122,8 +129,13 @@ def test_seeded_sampling_is_reproducible_in_any_batch(checkpoints):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([p], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = prompts(5, seed=5)
-    mixed = llm.generate(others[:2] + [p] + others[2:], [SamplingParams(temperature=1.0, max_tokens=12)] * 2
-                         + [seeded] + [SamplingParams(temperature=0.7, max_tokens=12)] * 3, use_tqdm=False)
+    mixed = llm.generate(
+        others[:2] + [p] + others[2:],
+        [SamplingParams(temperature=1.0, max_tokens=12)] * 2
+        + [seeded]
+        + [SamplingParams(temperature=0.7, max_tokens=12)] * 3,
+        use_tqdm=False,
+    )
     assert mixed[2].outputs[0].token_ids == alone
 
 
@@ -131,8 +143,9 @@ def test_n_samples_share_the_prompt(checkpoints):
     path, _ = checkpoints["llama_gqa"]
     llm = LLM(engine=make_engine(path))
     p = prompts(1, seed=6)[0]
-    out = llm.generate([p], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [p], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     # The siblings were scheduled in the same step as the first sample yet shared its full prompt blocks.
@@ -150,17 +163,22 @@ def test_stop_conditions(checkpoints):
     free = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
     stop_tok = free.token_ids[4]
     first = free.token_ids.index(stop_tok)
-    by_id = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]),
-                         use_tqdm=False)[0].outputs[0]
+    by_id = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_tok
     assert by_id.token_ids == free.token_ids[: first + 1]
     stop_str = free.text[5:7]
-    by_str = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop=[stop_str]),
-                          use_tqdm=False)[0].outputs[0]
+    by_str = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop=[stop_str]), use_tqdm=False)[
+        0
+    ].outputs[0]
     cut = free.text.index(stop_str)
     assert by_str.finish_reason == "stop" and by_str.stop_reason == stop_str and by_str.text == free.text[:cut]
-    kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop=[stop_str],
-                                            include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        [p],
+        SamplingParams(temperature=0, max_tokens=12, stop=[stop_str], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == free.text[: cut + len(stop_str)]
     llm.engine.check_invariants()
 

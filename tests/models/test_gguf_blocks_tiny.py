@@ -28,19 +28,23 @@ def test_gguf_blocks_match_hf(variant_name: str, tmp_path: Path) -> None:
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(hf, path, arch)
     source = ModelSource(ModelFormat.GGUF, path, path.stem)
-    loaded = loader.load_model(source, torch.float32, torch.device("cpu"), cache_dir=tmp_path / "cache",
-                               quantization="gguf")
+    loaded = loader.load_model(
+        source, torch.float32, torch.device("cpu"), cache_dir=tmp_path / "cache", quantization="gguf"
+    )
     model = loaded.model
     assert not list((tmp_path / "cache").glob("*/model.safetensors")), "the file's blocks need no float32 cache"
     if cpu_supports_native()[0]:
         assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear)
         assert isinstance(model.embed_tokens, GGUFEmbedding)
     if cpu_supports_native()[0]:  # packed blocks hold more weights than elements: the FLOP floor asks the layers
-        dense = loader.load_model(source, torch.float32, torch.device("cpu"), cache_dir=tmp_path / "cache",
-                                  quantization="none")
+        dense = loader.load_model(
+            source, torch.float32, torch.device("cpu"), cache_dir=tmp_path / "cache", quantization="none"
+        )
         kv = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
-        assert model_cost(model, loaded.config, kv).matmul_params == model_cost(dense.model, dense.config,
-                                                                                kv).matmul_params
+        assert (
+            model_cost(model, loaded.config, kv).matmul_params
+            == model_cost(dense.model, dense.config, kv).matmul_params
+        )
     ids = [1] + [(7 * i) % 250 + 3 for i in range(29)]
     ref = hf_logits(hf, ids)
     for kernels in (None, TorchKernels(slab_rows=64)):

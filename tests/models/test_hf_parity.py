@@ -107,11 +107,23 @@ def test_config_fields(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
 
 def test_transformers4_style_gemma3_config() -> None:
     """Older config.json layout: rope_theta / rope_local_base_freq / sliding_window_pattern."""
-    c = ModelConfig.from_hf_dict(dict(
-        model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=7,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=4, rope_theta=1e6, rope_local_base_freq=1e4,
-        sliding_window=512, sliding_window_pattern=6, rope_scaling={"rope_type": "linear", "factor": 8.0},
-    ))
+    c = ModelConfig.from_hf_dict(
+        dict(
+            model_type="gemma3_text",
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=7,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=4,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        )
+    )
     assert c.sliding_windows == [512] * 5 + [None, 512]
     assert c.rope_thetas == [1e4] * 5 + [1e6, 1e4]
     assert c.rope_scalings[5] == {"rope_type": "linear", "factor": 8.0} and c.rope_scalings[0] is None
@@ -119,10 +131,17 @@ def test_transformers4_style_gemma3_config() -> None:
 
 def test_unsupported_rope_scaling_is_a_clear_error() -> None:
     with pytest.raises(NotImplementedError, match="yarn"):
-        ModelConfig.from_hf_dict(dict(
-            model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-            num_attention_heads=2, rope_scaling={"rope_type": "yarn", "factor": 4.0},
-        ))
+        ModelConfig.from_hf_dict(
+            dict(
+                model_type="llama",
+                vocab_size=10,
+                hidden_size=8,
+                intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                rope_scaling={"rope_type": "yarn", "factor": 4.0},
+            )
+        )
 
 
 # -- malformed checkpoints ---------------------------------------------------------------------------
@@ -181,8 +200,17 @@ def test_checkpoint_missing_tensor(llama_dir) -> None:  # type: ignore[no-untype
 def test_resolve_dtype() -> None:
     from kvserve.model.loader import resolve_dtype
 
-    cfg = ModelConfig.from_hf_dict(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
-                                        num_hidden_layers=1, num_attention_heads=2, torch_dtype="bfloat16"))
+    cfg = ModelConfig.from_hf_dict(
+        dict(
+            model_type="llama",
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            torch_dtype="bfloat16",
+        )
+    )
     assert resolve_dtype("auto", torch.device("cpu"), cfg) == torch.float32
     assert resolve_dtype("bfloat16", "cpu", cfg) == torch.bfloat16
     assert resolve_dtype("float16", "cpu", cfg) == torch.float16

@@ -61,8 +61,11 @@ def test_greedy_close_to_float32_kv(checkpoints, float32_outputs, variant, kv_dt
 
 @pytest.mark.parametrize(
     "kv_dtype,engine_kw",
-    [("fp8", dict(max_num_batched_tokens=7)), ("int8", dict(num_gpu_blocks_override=20, max_model_len=64)),
-     ("fp8_e5m2", dict(attention_backend="reference"))],
+    [
+        ("fp8", dict(max_num_batched_tokens=7)),
+        ("int8", dict(num_gpu_blocks_override=20, max_model_len=64)),
+        ("fp8_e5m2", dict(attention_backend="reference")),
+    ],
     ids=["fp8-chunked", "int8-preempt", "e5m2-reference-attn"],
 )
 def test_quantized_output_independent_of_batching(checkpoints, kv_dtype, engine_kw):
@@ -97,8 +100,9 @@ def test_budget_buys_4x_blocks_and_startup_log_says_so(checkpoints, caplog):
     blocks = {}
     with caplog.at_level(logging.INFO, logger="kvserve"):
         for kv_dtype in ("float32", "bfloat16", "fp8", "int8"):
-            blocks[kv_dtype] = make_engine(path, kv_cache_dtype=kv_dtype, num_gpu_blocks_override=None,
-                                           kv_cache_memory_bytes=4 << 20).cache_plan.num_blocks
+            blocks[kv_dtype] = make_engine(
+                path, kv_cache_dtype=kv_dtype, num_gpu_blocks_override=None, kv_cache_memory_bytes=4 << 20
+            ).cache_plan.num_blocks
     # 2 layers x 2 KV heads x (K, V) x head_dim 16: 64 elements a token; 8-bit adds a 4-byte scale per head
     # vector, a fifth of it at head_dim 16 (1.6% at Gemma's 256), so 3.2x float32 here and 3.94x there.
     per_token = {"float32": 2 * 2 * 2 * 16 * 4, "bfloat16": 2 * 2 * 2 * 16 * 2, "fp8": 2 * 2 * 2 * (16 + 4)}

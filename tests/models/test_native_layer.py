@@ -32,8 +32,15 @@ pytestmark = pytest.mark.skipif(not cpu_supports_native()[0], reason=cpu_support
 ATOL = RTOL = 1e-4
 # Ragged steps over four sequences (index -> new tokens): whole prompts, chunks after a cached prefix, decodes,
 # multi-token verification rows, and steps where all rows are decodes (the decode kernel's direct path).
-PLAN = [{0: 9, 1: 5}, {1: 6, 2: 11, 0: 1}, {0: 1, 1: 1, 2: 1}, {3: 7, 0: 3, 1: 1}, {0: 1, 1: 1, 2: 1, 3: 1},
-        {2: 4, 3: 1}, {3: 2, 0: 1}]
+PLAN = [
+    {0: 9, 1: 5},
+    {1: 6, 2: 11, 0: 1},
+    {0: 1, 1: 1, 2: 1},
+    {3: 7, 0: 3, 1: 1},
+    {0: 1, 1: 1, 2: 1, 3: 1},
+    {2: 4, 3: 1},
+    {3: 2, 0: 1},
+]
 
 
 def _sequences(n: int = 4, length: int = 24) -> list[list[int]]:
@@ -43,12 +50,14 @@ def _sequences(n: int = 4, length: int = 24) -> list[list[int]]:
 
 def _load(path: Path, quantization: str, fmt: ModelFormat = ModelFormat.HF) -> DecoderModel:
     source = ModelSource(fmt, path, path.stem)
-    return load_model(source, torch.float32, torch.device("cpu"), cache_dir=path.parent / "cache",
-                      quantization=quantization).model
+    return load_model(
+        source, torch.float32, torch.device("cpu"), cache_dir=path.parent / "cache", quantization=quantization
+    ).model
 
 
-def _teacher_forced(model: DecoderModel, seqs: list[list[int]], kv_dtype: torch.dtype = torch.float32
-                    ) -> list[dict[int, torch.Tensor]]:
+def _teacher_forced(
+    model: DecoderModel, seqs: list[list[int]], kv_dtype: torch.dtype = torch.float32
+) -> list[dict[int, torch.Tensor]]:
     driver = PagedDriver(model, seqs, block_size=4)
     if kv_dtype != torch.float32:  # an 8-bit cache (with its scales), of the driver's shape
         c = model.config
@@ -122,9 +131,16 @@ def test_engine_greedy_tokens_equal_torch_layers(variant: str, tiny_checkpoint) 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = []
     for native in (True, False):
-        engine = LLMEngine.from_config(EngineConfig(model=str(path), quantization="q8_0", block_size=4,
-                                                    num_gpu_blocks_override=128, max_num_batched_tokens=8,
-                                                    max_num_seqs=4))
+        engine = LLMEngine.from_config(
+            EngineConfig(
+                model=str(path),
+                quantization="q8_0",
+                block_size=4,
+                num_gpu_blocks_override=128,
+                max_num_batched_tokens=8,
+                max_num_seqs=4,
+            )
+        )
         model = engine.runner.model
         if not native:
             model.use_torch_layers()

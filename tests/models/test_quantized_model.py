@@ -34,8 +34,9 @@ TOP = 5
 
 def _load(path: Path, quantization: str = "none"):  # type: ignore[no-untyped-def]
     source = ModelSource(ModelFormat.HF, path, path.name)
-    return load_model(source, torch.float32, torch.device("cpu"), quantization=quantization,
-                      cache_dir=path.parent / "cache").model
+    return load_model(
+        source, torch.float32, torch.device("cpu"), quantization=quantization, cache_dir=path.parent / "cache"
+    ).model
 
 
 def _fake_quantize(model: torch.nn.Module) -> None:
@@ -127,8 +128,11 @@ def test_engine_q8_close_to_float_and_pool_whole(gemma_checkpoint: Path) -> None
     prompts = [_prompt(s, n) for s, n in ((3, 5), (4, 20), (5, 37))]
 
     def run(quantization: str):  # type: ignore[no-untyped-def]
-        engine = LLMEngine.from_config(EngineConfig(model=str(gemma_checkpoint), quantization=quantization,
-                                                    num_gpu_blocks_override=64, block_size=4))
+        engine = LLMEngine.from_config(
+            EngineConfig(
+                model=str(gemma_checkpoint), quantization=quantization, num_gpu_blocks_override=64, block_size=4
+            )
+        )
         outs = [o.outputs[0] for o in LLM(engine=engine).generate(prompts, params, use_tqdm=False)]
         engine.check_invariants()
         assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks

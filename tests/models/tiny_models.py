@@ -13,34 +13,93 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.decoder import DecoderModel
 
-_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=256,
-               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 # name -> (transformers config class name, model class name, config kwargs)
 TINY_VARIANTS: dict[str, tuple[str, str, dict]] = {
-    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM",
-                  dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0)),
-    "llama_mqa_bias_llama3rope": ("LlamaConfig", "LlamaForCausalLM", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, attention_bias=True,
-        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
-        rope_theta=500.0)),
-    "qwen2_gqa": ("Qwen2Config", "Qwen2ForCausalLM",
-                  dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0)),
-    "qwen3_gqa_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-        rope_theta=1000.0)),
-    "gemma3_mqa_sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
-        final_logit_softcapping=30.0,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
-    "gemma3_gqa_linear_rope": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
-        layer_types=["full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "llama_gqa": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0),
+    ),
+    "llama_mqa_bias_llama3rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            attention_bias=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            rope_theta=500.0,
+        ),
+    ),
+    "qwen2_gqa": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0),
+    ),
+    "qwen3_gqa_tied": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_theta=1000.0,
+        ),
+    ),
+    "gemma3_mqa_sliding": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
+    "gemma3_gqa_linear_rope": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=5,
+            layer_types=["full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
 }
 
 
@@ -60,8 +119,9 @@ def build_tiny_hf_model(variant: str, **overrides: object) -> torch.nn.Module:
     return model
 
 
-def save_tiny_checkpoints(make_dir: Callable[[str], Path],
-                          variants: tuple[str, ...] = ("llama_gqa", "gemma3_mqa_sliding")) -> dict[str, Path]:
+def save_tiny_checkpoints(
+    make_dir: Callable[[str], Path], variants: tuple[str, ...] = ("llama_gqa", "gemma3_mqa_sliding")
+) -> dict[str, Path]:
     """Each variant saved with a character tokenizer into make_dir(variant) (a tmp_path_factory's mktemp):
     variant -> checkpoint directory."""
     out = {}
@@ -81,8 +141,14 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 class PagedDriver:
     """Runs a DecoderModel step by step over a shuffled paged cache, like the engine's runner would."""
 
-    def __init__(self, model: DecoderModel, seqs: list[list[int]], block_size: int = 4, seed: int = 0,
-                 kv_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        seqs: list[list[int]],
+        block_size: int = 4,
+        seed: int = 0,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
         c = model.config
         self.model, self.seqs, self.block_size = model, seqs, block_size
         need = [-(-len(s) // block_size) for s in seqs]
@@ -94,8 +160,10 @@ class PagedDriver:
             at += n
         shape = (len(ids) + 1, block_size, c.num_kv_heads, c.head_dim)
         nan = float("nan")
-        self.kv = [LayerKVCache(torch.full(shape, nan, dtype=kv_dtype), torch.full(shape, nan, dtype=kv_dtype))
-                   for _ in range(c.num_layers)]
+        self.kv = [
+            LayerKVCache(torch.full(shape, nan, dtype=kv_dtype), torch.full(shape, nan, dtype=kv_dtype))
+            for _ in range(c.num_layers)
+        ]
         self.done = [0] * len(seqs)
 
     def step(self, plan: dict[int, int]) -> dict[int, torch.Tensor]:

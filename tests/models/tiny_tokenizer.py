@@ -30,6 +30,11 @@ def write_char_tokenizer(path: Path, vocab_size: int = 256) -> None:
     raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     path.mkdir(parents=True, exist_ok=True)
     raw.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-              "unk_token": "<unk>", "pad_token": "<pad>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config))

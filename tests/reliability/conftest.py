@@ -48,8 +48,9 @@ def make_configured_server(tiny_model_dir: Path) -> Iterator[Callable[..., Runni
 
     def make(**settings: Any) -> RunningServer:
         async_engine = AsyncLLMEngine(make_engine(tiny_model_dir))
-        server = RunningServer(build_app(async_engine, ServerSettings(served_model_names=(MODEL,), **settings)),
-                               async_engine).start()
+        server = RunningServer(
+            build_app(async_engine, ServerSettings(served_model_names=(MODEL,), **settings)), async_engine
+        ).start()
         servers.append(server)
         return server
 

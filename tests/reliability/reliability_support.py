@@ -31,10 +31,14 @@ def assert_openai_error(response: httpx.Response, status: int | None = None) -> 
 def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> dict[str, float]:
     """Wait until /metrics shows nothing running, nothing waiting and no KV block in use; the metrics."""
     with server.client() as c:
+
         def drained() -> bool:
             m = metric_values(c)
-            return (m["kvserve:kv_cache_usage_perc"] == 0 and m["kvserve:num_requests_running"] == 0
-                    and m["kvserve:num_requests_waiting"] == 0)
+            return (
+                m["kvserve:kv_cache_usage_perc"] == 0
+                and m["kvserve:num_requests_running"] == 0
+                and m["kvserve:num_requests_waiting"] == 0
+            )
 
         wait_until(drained, timeout=timeout, interval=0.05)
         return metric_values(c)

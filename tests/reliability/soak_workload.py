@@ -110,21 +110,29 @@ def _spec(rng: random.Random, shape: SoakShape, index: int) -> RequestSpec:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     leaves = rng.random() < shape.disconnect_share
-    return RequestSpec(index, chat, stream, body,
-                       leave_after_frames=rng.randint(1, 6) if leaves and stream else None,
-                       leave_after_s=rng.uniform(0.02, 0.6) if leaves and not stream else None)
+    return RequestSpec(
+        index,
+        chat,
+        stream,
+        body,
+        leave_after_frames=rng.randint(1, 6) if leaves and stream else None,
+        leave_after_s=rng.uniform(0.02, 0.6) if leaves and not stream else None,
+    )
 
 
 # ---- running ----------------------------------------------------------------------------------------
 
 
-async def run_specs(base_url: str, specs: list[RequestSpec], concurrency: int,
-                    headers: dict[str, str] | None = None) -> SoakReport:
+async def run_specs(
+    base_url: str, specs: list[RequestSpec], concurrency: int, headers: dict[str, str] | None = None
+) -> SoakReport:
     """Send every spec (at most `concurrency` at a time) and classify each outcome."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S, limits=limits,
-                                 headers=headers or {}) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=REQUEST_TIMEOUT_S, limits=limits, headers=headers or {}
+    ) as client:
+
         async def one(spec: RequestSpec) -> Outcome:
             async with gate:
                 try:
@@ -170,7 +178,7 @@ async def _send_stream(client: httpx.AsyncClient, path: str, spec: RequestSpec) 
             if spec.leave_after_frames is not None and frames >= spec.leave_after_frames:
                 return Outcome(spec, "aborted")  # leaving the block closes the connection mid-stream
             frames += 1
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             if payload == "[DONE]":
                 done = True
                 continue
@@ -217,6 +225,8 @@ def _judge(spec: RequestSpec, choices: dict[int, tuple[str, str | None]], comple
 
 def summary_line(report: SoakReport, preemptions: int, leaked: int, rss_growth_mib: float, seconds: float) -> str:
     """The one line the soak prints (and docs/RELIABILITY.md quotes)."""
-    return (f"soak: requests={len(report.outcomes)} completed={report.count('completed')} "
-            f"aborted={report.count('aborted')} failed={report.count('failed')} preemptions={preemptions} "
-            f"leaked_blocks={leaked} rss_growth_mib={rss_growth_mib:.1f} duration_s={seconds:.0f}")
+    return (
+        f"soak: requests={len(report.outcomes)} completed={report.count('completed')} "
+        f"aborted={report.count('aborted')} failed={report.count('failed')} preemptions={preemptions} "
+        f"leaked_blocks={leaked} rss_growth_mib={rss_growth_mib:.1f} duration_s={seconds:.0f}"
+    )

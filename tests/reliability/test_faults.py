@@ -51,8 +51,7 @@ def test_fault_under_load_ends_every_request_and_marks_the_server_dead(make_serv
     async def run() -> list[str]:
         limits = httpx.Limits(max_connections=CONCURRENCY + 2)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=DEADLINE_S, limits=limits) as client:
-            return await asyncio.wait_for(asyncio.gather(*(_one(client, i) for i in range(CONCURRENCY))),
-                                          DEADLINE_S)
+            return await asyncio.wait_for(asyncio.gather(*(_one(client, i) for i in range(CONCURRENCY))), DEADLINE_S)
 
     endings = asyncio.run(run())
     assert set(endings) <= {"500", "503", "error-frame"}, endings
@@ -60,7 +59,9 @@ def test_fault_under_load_ends_every_request_and_marks_the_server_dead(make_serv
     with server.client(timeout=5) as c:
         health = c.get("/health")
         assert health.status_code == 503 and "injected fault" in health.json()["error"]["message"]
-        for path, body in [("/v1/completions", {"prompt": "x"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-                           ("/v1/completions", {"prompt": "x", "stream": True})]:
+        for path, body in [
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            ("/v1/completions", {"prompt": "x", "stream": True}),
+        ]:
             assert assert_openai_error(c.post(path, json=body), 503)["code"] == "engine_dead"

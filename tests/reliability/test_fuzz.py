@@ -39,8 +39,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_no_5xx_and_openai_errors(case, guarded_server, auth):
     response = case.call(base_url=guarded_server.base_url, headers=auth, timeout=60)
     assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text[:500])

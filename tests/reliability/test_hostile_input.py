@@ -28,12 +28,20 @@ SURROGATES: list[tuple[str, str, str, str]] = [
     ("user", CMPL, f'{{"prompt": "x", "user": "{LONE}"}}', "user"),
     ("unknown field", CMPL, f'{{"prompt": "x", "metadata": {{"k": ["{LONE}"]}}}}', "metadata"),
     ("chat content", CHAT, f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "messages"),
-    ("chat content part", CHAT,
-     f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "{LONE}"}}]}}]}}', "messages"),
+    (
+        "chat content part",
+        CHAT,
+        f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "{LONE}"}}]}}]}}',
+        "messages",
+    ),
     ("chat role", CHAT, f'{{"messages": [{{"role": "us{LONE}er", "content": "x"}}]}}', "messages"),
     ("chat stop", CHAT, f'{{"messages": [{{"role": "user", "content": "x"}}], "stop": ["{LONE}"]}}', "stop"),
-    ("chat cache_salt", CHAT, f'{{"messages": [{{"role": "user", "content": "x"}}], "cache_salt": "{LONE}"}}',
-     "cache_salt"),
+    (
+        "chat cache_salt",
+        CHAT,
+        f'{{"messages": [{{"role": "user", "content": "x"}}], "cache_salt": "{LONE}"}}',
+        "cache_salt",
+    ),
     ("tokenize prompt", TOK, f'{{"prompt": "{LONE}"}}', "prompt"),
     ("tokenize messages", TOK, f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "messages"),
 ]
@@ -63,19 +71,28 @@ def test_paired_surrogates_are_fine(guarded_server, auth):
 # a client need not be Python. Each once killed the engine for everyone (NaN logits, then an id past the vocabulary):
 # 1e39 is finite in float64 and infinite in float32, where the sampler computes.
 NON_FINITE: list[tuple[str, str, str, str]] = [
-    ("temperature Infinity", CMPL, '{"prompt": "x", "temperature": Infinity, "min_tokens": 1, "max_tokens": 2}',
-     "temperature"),
-    ("temperature 1e39", CMPL, '{"prompt": "x", "temperature": 1e39, "min_tokens": 1, "max_tokens": 2}',
-     "temperature"),
+    (
+        "temperature Infinity",
+        CMPL,
+        '{"prompt": "x", "temperature": Infinity, "min_tokens": 1, "max_tokens": 2}',
+        "temperature",
+    ),
+    ("temperature 1e39", CMPL, '{"prompt": "x", "temperature": 1e39, "min_tokens": 1, "max_tokens": 2}', "temperature"),
     ("temperature NaN", CMPL, '{"prompt": "x", "temperature": NaN, "max_tokens": 2}', "temperature"),
     ("top_p -Infinity", CMPL, '{"prompt": "x", "top_p": -Infinity, "max_tokens": 2}', "top_p"),
-    ("presence_penalty 1e39", CMPL, '{"prompt": "x", "presence_penalty": 1e39, "max_tokens": 2}',
-     "presence_penalty"),
-    ("chat temperature 1e39", CHAT,
-     '{"messages": [{"role": "user", "content": "x"}], "temperature": 1e39, "min_tokens": 1, "max_tokens": 2}',
-     "temperature"),
-    ("chat temperature Infinity", CHAT,
-     '{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity, "max_tokens": 1}', "temperature"),
+    ("presence_penalty 1e39", CMPL, '{"prompt": "x", "presence_penalty": 1e39, "max_tokens": 2}', "presence_penalty"),
+    (
+        "chat temperature 1e39",
+        CHAT,
+        '{"messages": [{"role": "user", "content": "x"}], "temperature": 1e39, "min_tokens": 1, "max_tokens": 2}',
+        "temperature",
+    ),
+    (
+        "chat temperature Infinity",
+        CHAT,
+        '{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity, "max_tokens": 1}',
+        "temperature",
+    ),
 ]
 
 
@@ -103,10 +120,13 @@ LOOSE_TYPES: list[tuple[str, str, dict[str, Any], str]] = [
     ("echo 1", CMPL, {"prompt": "x", "echo": 1}, "echo"),
     ("token ids as booleans", CMPL, {"prompt": [True, False]}, "prompt"),
     ("stop_token_ids strings", CMPL, {"prompt": "x", "stop_token_ids": ["5"]}, "stop_token_ids"),
-    ("include_usage 1", CMPL, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
-     "stream_options"),
-    ("chat max_tokens string", CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
-     "max_tokens"),
+    (
+        "include_usage 1",
+        CMPL,
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options",
+    ),
+    ("chat max_tokens string", CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, "max_tokens"),
     ("chat logprobs 1", CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ("chat content number", CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages"),
     ("tokenize add_special_tokens 0", TOK, {"prompt": "x", "add_special_tokens": 0}, "add_special_tokens"),
@@ -122,8 +142,17 @@ def test_loose_types_are_a_400_naming_the_field(guarded_server, auth, path, body
 
 def test_numbers_take_integers_as_openai_does(guarded_server, auth):
     """A float field takes a JSON integer (temperature 1, top_p 1), as OpenAI's API and its SDK send them."""
-    body = {"prompt": "x", "max_tokens": 2, "temperature": 1, "top_p": 1, "presence_penalty": 0,
-            "logit_bias": None, "stream": False, "echo": False, "seed": 3}
+    body = {
+        "prompt": "x",
+        "max_tokens": 2,
+        "temperature": 1,
+        "top_p": 1,
+        "presence_penalty": 0,
+        "logit_bias": None,
+        "stream": False,
+        "echo": False,
+        "seed": 3,
+    }
     with guarded_server.client(headers=auth) as c:
         r = c.post(CMPL, json=body)
         assert r.status_code == 200, r.text
@@ -133,8 +162,9 @@ def test_empty_cache_salt_is_a_400(guarded_server, auth):
     with guarded_server.client(headers=auth) as c:
         error = assert_openai_error(c.post(CMPL, json={"prompt": "x", "cache_salt": ""}), 400)
         assert error["param"] == "cache_salt"
-        error = assert_openai_error(c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}],
-                                                       "cache_salt": ""}), 400)
+        error = assert_openai_error(
+            c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}), 400
+        )
         assert error["param"] == "cache_salt"
         assert c.post(CMPL, json={"prompt": "x", "cache_salt": "t", "max_tokens": 2}).status_code == 200
 

@@ -16,8 +16,14 @@ MAX_TOKENS = 40
 
 def greedy_outputs(server) -> list[list[str]]:
     async def one(client: httpx.AsyncClient, i: int, prompt: str) -> list[str]:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "n": 1 + i % 2, "stream": i % 3 == 0}
+        body = {
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "n": 1 + i % 2,
+            "stream": i % 3 == 0,
+        }
         if not body["stream"]:
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text

@@ -26,12 +26,23 @@ def api_routes(server) -> list[tuple[str, str]]:
 
 def test_every_v1_route_is_guarded(guarded_server):
     routes = api_routes(guarded_server)
-    assert {p for _, p in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-                                      "/detokenize"}
-    bad_headers = [{}, {"Authorization": "Bearer"}, {"Authorization": "Bearer wrong"},
-                   {"Authorization": f"Basic {API_KEY}"}, {"Authorization": API_KEY},
-                   {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": f"Bearer {API_KEY[:-1]}"},
-                   {"X-API-Key": API_KEY}]
+    assert {p for _, p in routes} >= {
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+    }
+    bad_headers = [
+        {},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {API_KEY}"},
+        {"Authorization": API_KEY},
+        {"Authorization": f"Bearer {API_KEY}x"},
+        {"Authorization": f"Bearer {API_KEY[:-1]}"},
+        {"X-API-Key": API_KEY},
+    ]
     for method, path in routes:
         for headers in bad_headers:
             with guarded_server.client(headers=headers) as c:
@@ -78,8 +89,9 @@ def test_body_limit_is_configurable_and_counts_chunked_bodies(make_configured_se
                 yield b"a" * 100
             yield b'"}'
 
-        assert_openai_error(c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}),
-                            413)
+        assert_openai_error(
+            c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413
+        )
     assert_serving(server)
 
 
@@ -102,8 +114,9 @@ def test_cache_salt_isolates_prefix_caches(make_server):
 
 def test_request_chat_template_is_refused_by_default(guarded_server):
     with guarded_server.client(headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        err = assert_openai_error(c.post("/v1/chat/completions",
-                                         json={"messages": USER, "chat_template": "{{ messages }}"}), 400)
+        err = assert_openai_error(
+            c.post("/v1/chat/completions", json={"messages": USER, "chat_template": "{{ messages }}"}), 400
+        )
     assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
 
 
@@ -122,14 +135,18 @@ def test_trusted_request_templates_are_still_sandboxed(make_configured_server, t
     marker = tmp_path / "pwned"
     server = make_configured_server(trust_request_chat_template=True)
     with server.client() as c:
-        r = c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1,
-                                                 "chat_template": template.replace("{marker}", str(marker))})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 1, "chat_template": template.replace("{marker}", str(marker))},
+        )
         if r.status_code == 200:  # the sandbox may render an unsafe attribute as undefined: nothing at all
             assert r.json()["usage"]["prompt_tokens"] <= 1, r.text  # BOS alone
         else:
             assert_openai_error(r, 400)
-        ok = c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1,
-                                                  "chat_template": "{{ messages[0]['content'] }}"})
+        ok = c.post(
+            "/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 1, "chat_template": "{{ messages[0]['content'] }}"},
+        )
         assert ok.status_code == 200, ok.text
     assert not marker.exists()
 

@@ -34,9 +34,18 @@ async def _stream(client: httpx.AsyncClient, i: int, started: asyncio.Event, cou
 
 
 def test_sigterm_under_load_finishes_running_requests_and_exits_0(tiny_model_dir: Path, tmp_path: Path):
-    proc, base = serve_process(tiny_model_dir, tmp_path, "--uvicorn-log-level", "warning", "--max-num-seqs", "4",
-                               "--shutdown-grace-seconds", str(GRACE_S))
+    proc, base = serve_process(
+        tiny_model_dir,
+        tmp_path,
+        "--uvicorn-log-level",
+        "warning",
+        "--max-num-seqs",
+        "4",
+        "--shutdown-grace-seconds",
+        str(GRACE_S),
+    )
     try:
+
         async def load() -> list[list[str]]:
             started, count = asyncio.Event(), [0]
             limits = httpx.Limits(max_connections=STREAMS + 2)

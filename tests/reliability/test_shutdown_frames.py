@@ -20,7 +20,7 @@ DEADLINE_S = 60.0
 
 
 def _frames(lines: list[str]) -> list[str]:
-    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
 def _assert_ends_with_shutdown_error(frames: list[str]) -> None:
@@ -30,8 +30,9 @@ def _assert_ends_with_shutdown_error(frames: list[str]) -> None:
     assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable_error", error
 
 
-def _stream_lines(client: httpx.Client, path: str, body: dict[str, Any], lines: list[str],
-                  first: threading.Event) -> None:
+def _stream_lines(
+    client: httpx.Client, path: str, body: dict[str, Any], lines: list[str], first: threading.Event
+) -> None:
     try:
         with client.stream("POST", path, json=body) as r:
             assert r.status_code == 200
@@ -55,8 +56,9 @@ def test_grace_period_end_sends_error_frames_and_503s(make_server):
     with server.client() as a, server.client() as b, server.client() as c:
         for client, path, request in ((a, CMPL, body), (b, CHAT, chat)):
             lines: list[str] = []
-            thread = threading.Thread(target=_stream_lines, args=(client, path, {**request, "stream": True},
-                                                                  lines, first))
+            thread = threading.Thread(
+                target=_stream_lines, args=(client, path, {**request, "stream": True}, lines, first)
+            )
             thread.start()
             streams.append((thread, lines))
         waiter = threading.Thread(target=lambda: plain.setdefault("r", c.post(CMPL, json=body)))
@@ -81,9 +83,11 @@ def test_sigterm_with_streams_longer_than_the_grace_period(tiny_model_dir: Path,
     """A real `kvserve serve` with --shutdown-grace-seconds 0 and one sequence at a time: SIGTERM while a
     stream is running and others wait. Every stream ends with [DONE] (the running ones with the error frame),
     the process exits 0, and its log has no traceback."""
-    proc, base = serve_process(tiny_model_dir, tmp_path, "--uvicorn-log-level", "info", "--max-num-seqs", "1",
-                               "--shutdown-grace-seconds", "0")
+    proc, base = serve_process(
+        tiny_model_dir, tmp_path, "--uvicorn-log-level", "info", "--max-num-seqs", "1", "--shutdown-grace-seconds", "0"
+    )
     try:
+
         async def one(client: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[str]:
             body = {"prompt": f"stream {i}", "stream": True, "max_tokens": 240, "ignore_eos": True}
             lines: list[str] = []

@@ -32,15 +32,38 @@ WARMUP_SHARE = 0.2  # RSS is sampled after this share of the requests, and again
 RSS_TOLERANCE_BYTES = 32 << 20
 
 TINY_SHAPE = SoakShape(num_requests=800, concurrency=32, prompt_chars=(1, 60), max_tokens=(1, 48))
-REAL_SHAPE = SoakShape(num_requests=400, concurrency=16, prompt_chars=(5, 400), max_tokens=(1, 48),
-                       words=("the", "cache", "block", "model", "token", "river", "light", "paged", "attention",
-                              "server", "quiet", "number", "seven", "blue", "stone", "engine", "kv"))
+REAL_SHAPE = SoakShape(
+    num_requests=400,
+    concurrency=16,
+    prompt_chars=(5, 400),
+    max_tokens=(1, 48),
+    words=(
+        "the",
+        "cache",
+        "block",
+        "model",
+        "token",
+        "river",
+        "light",
+        "paged",
+        "attention",
+        "server",
+        "quiet",
+        "number",
+        "seven",
+        "blue",
+        "stone",
+        "engine",
+        "kv",
+    ),
+)
 
 
 def _shape(default: SoakShape) -> SoakShape:
     count = int(os.environ.get("KVSERVE_SOAK_REQUESTS", default.num_requests))
-    return SoakShape(count, default.concurrency, default.prompt_chars, default.max_tokens,
-                     default.disconnect_share, default.words)
+    return SoakShape(
+        count, default.concurrency, default.prompt_chars, default.max_tokens, default.disconnect_share, default.words
+    )
 
 
 def soak(server: RunningServer, shape: SoakShape, report_line: Callable[[str], None]) -> None:

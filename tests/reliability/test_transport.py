@@ -83,11 +83,14 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def post_head(path: str, length: int, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n{extra}\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n{extra}\r\n"
+    ).encode()
 
 
 # --- 1. the API key before the body -------------------------------------------------------------------------
+
 
 def test_keyless_request_gets_401_before_sending_its_body(guarded_server):
     """The 401 comes back while the client has sent the headers only: the body was never waited for. The
@@ -105,8 +108,10 @@ def test_keyless_request_gets_401_before_sending_its_body(guarded_server):
 
 def test_keyless_oversized_or_chunked_body_gets_401_and_the_connection_closes(guarded_server):
     """A body the server would not accept anyway is not drained either: 401, then the connection closes."""
-    for head in (post_head("/v1/completions", 1 << 30),
-                 b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n"):
+    for head in (
+        post_head("/v1/completions", 1 << 30),
+        b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n",
+    ):
         with connect(guarded_server) as sock:
             sock.sendall(head)
             status, headers, _ = read_response(sock)
@@ -143,8 +148,9 @@ def test_concurrent_keyless_bodies_leave_the_server_serving(guarded_server, auth
 
     def attack() -> None:
         with guarded_server.client() as c:
-            statuses.append(c.post("/v1/completions", content=body,
-                                   headers={"content-type": "application/json"}).status_code)
+            statuses.append(
+                c.post("/v1/completions", content=body, headers={"content-type": "application/json"}).status_code
+            )
 
     threads = [threading.Thread(target=attack) for _ in range(4)]
     for t in threads:
@@ -170,17 +176,22 @@ def test_docs_and_schema_need_the_key_and_probes_do_not(guarded_server, auth):
 
 # --- 2. parse cost -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body,limit", [
-    (nested_empty_lists(EIGHT_MIB), "arrays and objects"),
-    (b'{"prompt": "x", "stop": [' + b'"a",' * 400_000 + b'"a"]}', "JSON values"),
-    (b'{"prompt": "x", "user": ' + b"[" * 100 + b"]" * 100 + b"}", "nesting depth"),
-])
+
+@pytest.mark.parametrize(
+    "body,limit",
+    [
+        (nested_empty_lists(EIGHT_MIB), "arrays and objects"),
+        (b'{"prompt": "x", "stop": [' + b'"a",' * 400_000 + b'"a"]}', "JSON values"),
+        (b'{"prompt": "x", "user": ' + b"[" * 100 + b"]" * 100 + b"}", "nesting depth"),
+    ],
+)
 def test_bodies_of_unbounded_parse_cost_are_refused_before_parsing(guarded_server, auth, body, limit):
     """The 400 names the shape limit: it came from the scan of the raw bytes, before json.loads or pydantic
     saw the body (those would answer with a validation error instead)."""
     with guarded_server.client(headers=auth) as c:
-        err = assert_openai_error(c.post("/v1/completions", content=body,
-                                          headers={"content-type": "application/json"}), 400)
+        err = assert_openai_error(
+            c.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400
+        )
     assert limit in err["message"] and "too complex" in err["message"] and err["param"] is None
     assert_serving(guarded_server, auth)
 
@@ -201,8 +212,13 @@ def test_health_answers_while_a_large_body_is_measured(guarded_server, auth, mon
 
     def send() -> None:
         with guarded_server.client(headers=auth) as c:
-            result.append(c.post("/v1/completions", content=nested_empty_lists(EIGHT_MIB),
-                                 headers={"content-type": "application/json"}))
+            result.append(
+                c.post(
+                    "/v1/completions",
+                    content=nested_empty_lists(EIGHT_MIB),
+                    headers={"content-type": "application/json"},
+                )
+            )
 
     sender = threading.Thread(target=send)
     sender.start()
@@ -218,8 +234,9 @@ def test_health_answers_while_a_large_body_is_measured(guarded_server, auth, mon
 
 def test_invalid_json_says_where_not_in_param(guarded_server, auth):
     with guarded_server.client(headers=auth) as c:
-        r = c.post("/v1/completions", content=b'{\n  "prompt": "x",\n  "n": }',
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/completions", content=b'{\n  "prompt": "x",\n  "n": }', headers={"content-type": "application/json"}
+        )
     err = assert_openai_error(r, 400)
     assert err["param"] is None
     assert "not valid JSON" in err["message"] and "line 3, column 8" in err["message"], err["message"]
@@ -227,12 +244,16 @@ def test_invalid_json_says_where_not_in_param(guarded_server, auth):
 
 # --- 3. empty API key ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv,env", [
-    (["--api-key", ""], {}),
-    (["--api-key", "  "], {}),
-    ([], {"KVSERVE_API_KEY": ""}),
-    ([], {"VLLM_API_KEY": ""}),
-])
+
+@pytest.mark.parametrize(
+    "argv,env",
+    [
+        (["--api-key", ""], {}),
+        (["--api-key", "  "], {}),
+        ([], {"KVSERVE_API_KEY": ""}),
+        ([], {"VLLM_API_KEY": ""}),
+    ],
+)
 def test_empty_api_key_is_refused_at_startup(argv, env, monkeypatch, capsys):
     """Exit 2 with a clear error, before the model loads (the model path does not even exist)."""
     for name in ("KVSERVE_API_KEY", "VLLM_API_KEY"):
@@ -250,6 +271,7 @@ def test_build_app_refuses_an_empty_key(tiny_model_dir):
 
 
 # --- 4. slow clients -----------------------------------------------------------------------------------------
+
 
 def test_connection_with_incomplete_headers_is_closed(strict_server):
     with connect(strict_server) as sock:
@@ -315,6 +337,7 @@ def test_complete_requests_are_served_normally(strict_server):
 
 
 # --- 6. HTTP/2 upgrade offers --------------------------------------------------------------------------------
+
 
 class _Records(logging.Handler):
     def __init__(self) -> None:

@@ -47,9 +47,26 @@ def run_script(out: Path, *args: str, **variables: str) -> subprocess.CompletedP
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **variables}
     absent = ",".join(gpu_check.ABSENT_ON_GPU_MACHINE)
     script = str(ROOT / "scripts" / "gpu_check.py")
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_ABSENT_PACKAGES, absent, script, "--device", "cpu", "--tiny",
-                           "--out", str(out), *args], env=env, cwd=out.parent, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_ABSENT_PACKAGES,
+            absent,
+            script,
+            "--device",
+            "cpu",
+            "--tiny",
+            "--out",
+            str(out),
+            *args,
+        ],
+        env=env,
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
@@ -63,8 +80,14 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_every_section_ran_and_passed(report: dict[str, Any]) -> None:
-    per_arch = ["checkpoint", "engine_float32", "logits_float32", "greedy_float32", "speed_engine",
-                *(f"speed_b{b}" for b in TINY_BATCHES)]
+    per_arch = [
+        "checkpoint",
+        "engine_float32",
+        "logits_float32",
+        "greedy_float32",
+        "speed_engine",
+        *(f"speed_b{b}" for b in TINY_BATCHES),
+    ]
     expected = {"machine", "ceilings", "import_audit", *(f"{a}.{s}" for a in ARCHS for s in per_arch)}
     assert set(report["sections"]) == expected
     assert {name: s["status"] for name, s in report["sections"].items() if s["status"] != "ok"} == {}
@@ -98,11 +121,14 @@ def test_speed_rows_and_targets(report: dict[str, Any]) -> None:
                 assert figures["decode_tok_s"] > 0 and figures["prefill_tok_s"] > 0
                 assert figures["decode_x_floor"] >= 1  # a floor nobody beats, or the floor's arithmetic is wrong
             assert row["kvserve_over_hf_decode"] == pytest.approx(
-                row["kvserve"]["decode_tok_s"] / row["hf"]["decode_tok_s"])
+                row["kvserve"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
+            )
     targets = report["targets"]
     assert targets["meaningful"] is False
-    assert targets["batch1_decode_x_floor"]["value"] == report["sections"]["llama31_8b.speed_b1"]["kvserve"][
-        "decode_x_floor"]
+    assert (
+        targets["batch1_decode_x_floor"]["value"]
+        == report["sections"]["llama31_8b.speed_b1"]["kvserve"]["decode_x_floor"]
+    )
     assert targets["batch64_decode_over_hf"]["met"] is None  # --tiny has no batch 64
 
 
@@ -126,8 +152,16 @@ def test_the_triton_backend_through_the_engine(tmp_path: Path) -> None:
     if importlib.util.find_spec("triton") is None:  # found, not imported: see tests/attention/conftest.py
         pytest.skip("triton is not installed")
     out = tmp_path / "report.json"
-    run_script(out, "--attention-backend", "triton", "--models", "gemma3_270m,llama31_8b", "--speed-batches", "",
-               TRITON_INTERPRET="1")
+    run_script(
+        out,
+        "--attention-backend",
+        "triton",
+        "--models",
+        "gemma3_270m,llama31_8b",
+        "--speed-batches",
+        "",
+        TRITON_INTERPRET="1",
+    )
     sections = json.loads(out.read_text())["sections"]
     for arch in ("gemma3_270m", "llama31_8b"):
         assert sections[f"{arch}.engine_float32"]["config"]["attention_backend"] == "triton"
@@ -138,8 +172,15 @@ def test_the_triton_backend_through_the_engine(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLMEngine]:
     ck = build_checkpoint(ARCHS["llama31_8b"], True, torch.device("cpu"), tmp_path_factory.mktemp("llama"))
-    engine = LLMEngine.from_config(EngineConfig(model=str(ck.path), dtype="float32", num_gpu_blocks_override=64,
-                                                max_model_len=128, max_num_batched_tokens=16))
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(ck.path),
+            dtype="float32",
+            num_gpu_blocks_override=64,
+            max_model_len=128,
+            max_num_batched_tokens=16,
+        )
+    )
     return ck, engine
 
 
@@ -157,8 +198,9 @@ def test_the_checks_can_fail(tiny_llama: tuple[Any, LLMEngine]) -> None:
     assert check_logits(engine, "float32", case, ck.reference, ck.hf_bf16, ck.vocab_size)["passed"]
     impostor = _impostor()
     assert not check_logits(engine, "float32", case, impostor, ck.hf_bf16, ck.vocab_size)["passed"]
-    bf16 = LLMEngine.from_config(EngineConfig(
-        model=str(ck.path), dtype="bfloat16", num_gpu_blocks_override=64, max_model_len=128))
+    bf16 = LLMEngine.from_config(
+        EngineConfig(model=str(ck.path), dtype="bfloat16", num_gpu_blocks_override=64, max_model_len=128)
+    )
     assert check_logits(bf16, "bfloat16", case, ck.reference, ck.hf_bf16, ck.vocab_size)["passed"]
     assert not check_logits(bf16, "bfloat16", case, impostor, ck.hf_bf16, ck.vocab_size)["passed"]
     small = engine.sibling(num_gpu_blocks_override=5, max_model_len=64)
@@ -175,8 +217,9 @@ def test_engine_options_report_what_this_kvserve_lacks() -> None:
 
 def test_a_failing_engine_keeps_the_early_sections(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--models", "llama31_8b", "--out", str(out),
-                         "--engine-arg", "max_num_seqs=0"])  # EngineConfig refuses it: every engine fails
+    rc = gpu_check.main(
+        ["--device", "cpu", "--tiny", "--models", "llama31_8b", "--out", str(out), "--engine-arg", "max_num_seqs=0"]
+    )  # EngineConfig refuses it: every engine fails
     sections = json.loads(out.read_text())["sections"]
     assert rc == 1
     assert sections["machine"]["status"] == sections["llama31_8b.checkpoint"]["status"] == "ok"

@@ -88,7 +88,7 @@ def replay(batches: list[KVEventBatch]) -> dict[int, tuple[int | None, tuple[int
                 parent = event.parent_block_hash
                 size = event.block_size
                 for i, block_hash in enumerate(event.block_hashes):
-                    index[block_hash] = (parent, tuple(event.token_ids[i * size:(i + 1) * size]))
+                    index[block_hash] = (parent, tuple(event.token_ids[i * size : (i + 1) * size]))
                     parent = block_hash
             elif isinstance(event, VBlockRemoved):
                 for block_hash in event.block_hashes:

@@ -52,8 +52,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    kw: dict[str, Any] = {"model": str(model_dir), "num_gpu_blocks_override": 256, "block_size": 4,
-                          "chat_template": CHAT_TEMPLATE, "cpu_threads": 1}
+    kw: dict[str, Any] = {
+        "model": str(model_dir),
+        "num_gpu_blocks_override": 256,
+        "block_size": 4,
+        "chat_template": CHAT_TEMPLATE,
+        "cpu_threads": 1,
+    }
     kw.update(overrides)
     return LLMEngine.from_config(EngineConfig(**kw))
 
@@ -77,16 +82,18 @@ class HookedEngine:
 class RunningServer:
     """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread, on kvserve's transport."""
 
-    def __init__(self, app: Any, engine: AsyncLLMEngine, grace_s: float = 5.0,
-                 transport: TransportLimits | None = None) -> None:
+    def __init__(
+        self, app: Any, engine: AsyncLLMEngine, grace_s: float = 5.0, transport: TransportLimits | None = None
+    ) -> None:
         self.engine = engine
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = ServerConfig(app, transport or TransportLimits(), log_level="warning",
-                              timeout_graceful_shutdown=grace_s)
+        config = ServerConfig(
+            app, transport or TransportLimits(), log_level="warning", timeout_graceful_shutdown=grace_s
+        )
         self.server = GracefulServer(config, on_grace_expired=engine.stop)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
@@ -116,15 +123,19 @@ def make_server(tiny_model_dir: Path) -> Iterator[ServerFactory]:
     """Factory: start a server; `before_step` wraps the engine, engine overrides go to EngineConfig."""
     servers: list[RunningServer] = []
 
-    def make(before_step: Callable[[], None] | None = None, max_queued_requests: int = 1000,
-             grace_s: float = 5.0, api_key: str | None = None, chat_history_policy: str = "reject",
-             **engine_overrides: Any) -> RunningServer:
+    def make(
+        before_step: Callable[[], None] | None = None,
+        max_queued_requests: int = 1000,
+        grace_s: float = 5.0,
+        api_key: str | None = None,
+        chat_history_policy: str = "reject",
+        **engine_overrides: Any,
+    ) -> RunningServer:
         engine: Any = make_engine(tiny_model_dir, **engine_overrides)
         if before_step is not None:
             engine = HookedEngine(engine, before_step)
         async_engine = AsyncLLMEngine(engine, max_queued_requests=max_queued_requests)
-        settings = ServerSettings(served_model_names=(MODEL,), api_key=api_key,
-                                  chat_history_policy=chat_history_policy)
+        settings = ServerSettings(served_model_names=(MODEL,), api_key=api_key, chat_history_policy=chat_history_policy)
         server = RunningServer(build_app(async_engine, settings), async_engine, grace_s).start()
         servers.append(server)
         return server
@@ -174,8 +185,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
-def serve_process(model_dir: Path, tmp_path: Path, *args: str,
-                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+def serve_process(
+    model_dir: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     """A real `kvserve serve` process on the tiny model (free port, the tiny chat template, one CPU thread, a
     256-block pool; `args` add or override flags), started and healthy. Returns (process, base URL); the caller
     stops it. For tests of what only a whole process shows: signals, exit codes, the log."""
@@ -184,11 +196,34 @@ def serve_process(model_dir: Path, tmp_path: Path, *args: str,
         port = s.getsockname()[1]
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", str(model_dir), "--port", str(port),
-           "--block-size", "4", "--num-gpu-blocks-override", "256", "--chat-template", str(template),
-           "--served-model-name", "tiny", "--cpu-threads", "1", *args]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[2])
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--block-size",
+        "4",
+        "--num-gpu-blocks-override",
+        "256",
+        "--chat-template",
+        str(template),
+        "--served-model-name",
+        "tiny",
+        "--cpu-threads",
+        "1",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     base = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:

@@ -134,6 +134,7 @@ def test_idle_loop_sleeps_instead_of_polling(engine):
     async_engine = AsyncLLMEngine(Counting(engine, lambda: None))
     async_engine.start()
     try:
+
         async def go() -> None:
             async for _ in async_engine.generate("r", [2, 7], params(3)):
                 pass

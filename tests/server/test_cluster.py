@@ -45,31 +45,47 @@ from kvserve.server.context import ServerSettings
 
 BS = 4
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], list(range(60, 90)), [7] * 12]
 SETTINGS = ServerSettings(served_model_names=(MODEL,))
 
 
 def _config(model_dir: Path, **changes: Any) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), num_gpu_blocks_override=256, block_size=BS,
-                        chat_template=CHAT_TEMPLATE, cpu_threads=1, **changes)
+    return EngineConfig(
+        model=str(model_dir),
+        num_gpu_blocks_override=256,
+        block_size=BS,
+        chat_template=CHAT_TEMPLATE,
+        cpu_threads=1,
+        **changes,
+    )
 
 
 def _kv_events_config(folder: Path) -> dict[str, Any]:
     """vLLM's --kv-events-config; replica r publishes at the rank-offset addresses (`..._dp<r>`)."""
-    return {"enable_kv_cache_events": True, "endpoint": f"ipc://{folder}/kv.pub",
-            "replay_endpoint": f"ipc://{folder}/kv.replay", "topic": "kv"}
+    return {
+        "enable_kv_cache_events": True,
+        "endpoint": f"ipc://{folder}/kv.pub",
+        "replay_endpoint": f"ipc://{folder}/kv.replay",
+        "topic": "kv",
+    }
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[RunningServer, ClusterEngine]]:
+def cluster(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RunningServer, ClusterEngine]]:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         events = _kv_events_config(tmp_path_factory.mktemp("kv-events"))
-        engine = ClusterEngine.launch(_config(tiny_model_dir, kv_events_config=events), 2,
-                                      router_policy="prefix_aware")
+        engine = ClusterEngine.launch(_config(tiny_model_dir, kv_events_config=events), 2, router_policy="prefix_aware")
         server = RunningServer(build_app(engine, SETTINGS), engine).start()  # type: ignore[arg-type]
         yield server, engine
         server.stop()
@@ -79,8 +95,10 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 def _complete(server: RunningServer, prompt: list[int], max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
     with server.client() as c:
-        r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                            "temperature": 0, **extra})
+        r = c.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
+        )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -88,8 +106,10 @@ def _complete(server: RunningServer, prompt: list[int], max_tokens: int = 6, **e
 def _wait_indexed(engine: ClusterEngine, prompt: list[int], salt: str | None = None) -> None:
     """Until the router's index (fed by the replicas' reports every 50 ms) holds every full block of `prompt`."""
     hashes = engine.router.hasher.block_hashes(prompt, salt)
-    wait_until(lambda: any(engine.router.index.matched_blocks(hashes, name) == len(hashes)
-                           for name in engine.replicas), timeout=30)
+    wait_until(
+        lambda: any(engine.router.index.matched_blocks(hashes, name) == len(hashes) for name in engine.replicas),
+        timeout=30,
+    )
 
 
 def _on_replica(engine: ClusterEngine, name: str, fn: Any) -> Any:
@@ -105,8 +125,10 @@ def test_greedy_outputs_equal_one_process(cluster, tiny_model_dir: Path) -> None
             want = _complete(one, prompt)["choices"][0]["text"]
             assert _complete(server, prompt)["choices"][0]["text"] == want
             with server.client() as c:
-                r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 6,
-                                                    "temperature": 0, "stream": True})
+                r = c.post(
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True},
+                )
             frames = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
             assert frames[-1] == "[DONE]"
             assert "".join(json.loads(f)["choices"][0]["text"] for f in frames[:-1]) == want
@@ -149,9 +171,13 @@ def test_health_metrics_and_models(cluster) -> None:
 
 def _kv_state(snapshot: dict[str, Any]) -> dict[str, Any]:
     """What a KV inspector snapshot says of a pool (token ids aside: the stream carries none)."""
-    return {"pool": snapshot["pool"], "block_states": snapshot["block_states"],
-            "prefix_cache": snapshot["prefix_cache"], "requests": snapshot["requests"],
-            "blocks": [{**b, "token_ids": None} for b in snapshot["blocks"]]}
+    return {
+        "pool": snapshot["pool"],
+        "block_states": snapshot["block_states"],
+        "prefix_cache": snapshot["prefix_cache"],
+        "requests": snapshot["requests"],
+        "blocks": [{**b, "token_ids": None} for b in snapshot["blocks"]],
+    }
 
 
 def _real_kv(engine: ClusterEngine, name: str) -> dict[str, Any]:
@@ -169,8 +195,7 @@ def test_kv_inspector_shows_each_replica(cluster) -> None:
     server, engine = cluster
     _new_prefixes(server, 130, 4)
     with server.client() as c:
-        assert c.get("/v1/kv/replicas").json() == [{"name": "replica-0", "up": True},
-                                                   {"name": "replica-1", "up": True}]
+        assert c.get("/v1/kv/replicas").json() == [{"name": "replica-0", "up": True}, {"name": "replica-1", "up": True}]
         for path in ("/v1/kv/snapshot", "/v1/kv/stream", "/v1/kv/blocks/1"):
             missing = c.get(path, params={"replica": "replica-9"})
             assert missing.status_code == 404, path
@@ -266,13 +291,20 @@ def test_each_replica_publishes_kv_events_that_rebuild_its_cache(cluster) -> Non
             # looked up in a test module the replica cannot import).
             def cache_contents(e: LLMEngine) -> list[tuple[str, str | None, tuple[int, ...]]]:
                 """The replica's prefix cache as (hash, parent hash, tokens): what its stream must rebuild."""
-                return [(h.hex(), None if b.key is None or b.key.parent is None else b.key.parent.hex(),
-                         b.key.token_ids if b.key is not None else ()) for h, b in e.pool.cached.items()]
+                return [
+                    (
+                        h.hex(),
+                        None if b.key is None or b.key.parent is None else b.key.parent.hex(),
+                        b.key.token_ids if b.key is not None else (),
+                    )
+                    for h, b in e.pool.cached.items()
+                ]
 
             def publisher_state(e: LLMEngine) -> tuple[int, int, str | None]:
                 publisher = e.kv_event_publisher
                 assert publisher is not None and publisher.flush()
                 return publisher.published, publisher.dropped, publisher.replay_endpoint
+
             published, dropped, endpoint = _on_replica(engine, name, publisher_state)
             assert dropped == 0 and endpoint is not None
             assert endpoint.endswith(f"/kv.replay_dp{rank}" if rank else "/kv.replay")
@@ -280,8 +312,10 @@ def test_each_replica_publishes_kv_events_that_rebuild_its_cache(cluster) -> Non
             assert [seq for seq, _ in replayed] == list(range(published))
             batches = [msgspec.msgpack.Decoder(KVEventBatch).decode(p) for _, p in replayed]
             assert batches and all(b.data_parallel_rank == rank for b in batches)
-            want = {external_block_hash(h): (None if parent is None else external_block_hash(parent), tokens)
-                    for h, parent, tokens in _on_replica(engine, name, cache_contents)}
+            want = {
+                external_block_hash(h): (None if parent is None else external_block_hash(parent), tokens)
+                for h, parent, tokens in _on_replica(engine, name, cache_contents)
+            }
             assert want and replay(batches) == want
     finally:
         ctx.term()
@@ -295,8 +329,14 @@ def test_client_that_leaves_aborts_its_request_on_the_replica(cluster) -> None:
 
     before = generated()
     longest = engine.facts.max_model_len - 3
-    with server.client() as c, c.stream("POST", "/v1/completions", json={
-            "model": MODEL, "prompt": [9, 9, 9], "max_tokens": longest, "ignore_eos": True, "stream": True}) as r:
+    with (
+        server.client() as c,
+        c.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [9, 9, 9], "max_tokens": longest, "ignore_eos": True, "stream": True},
+        ) as r,
+    ):
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data: "))  # generating; then the client leaves
     deadline = time.monotonic() + 30
@@ -316,8 +356,16 @@ def test_killed_replica_loses_no_unstarted_request_and_leaks_nothing(cluster, ca
 
     def send(i: int) -> int:
         with server.client() as c:
-            return c.post("/v1/completions", json={"model": MODEL, "prompt": [10 + i, 11, 12], "max_tokens": 24,
-                                                   "temperature": 0, "ignore_eos": True}).status_code
+            return c.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": [10 + i, 11, 12],
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            ).status_code
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(send, i) for i in range(8)]
@@ -331,8 +379,9 @@ def test_killed_replica_loses_no_unstarted_request_and_leaks_nothing(cluster, ca
     assert statuses.count(200) >= 8 - statuses.count(500)
     for _ in range(8):  # the survivor keeps serving, and its pool is whole once idle
         assert _complete(server, [20, 21, 22], max_tokens=2)["choices"]
-    free = _on_replica(engine, survivor, lambda e: (e.pool.num_free_blocks, e.pool.num_blocks - 1,
-                                                    e.has_unfinished_requests()))
+    free = _on_replica(
+        engine, survivor, lambda e: (e.pool.num_free_blocks, e.pool.num_blocks - 1, e.has_unfinished_requests())
+    )
     assert free[2] is False and free[0] == free[1]
     deadline = time.monotonic() + 120  # Ray restarts the victim, which reports again and is used again
     while not engine.replicas[victim].up:
@@ -346,8 +395,16 @@ def test_killed_replica_loses_no_unstarted_request_and_leaks_nothing(cluster, ca
 def test_serve_cli_with_two_replicas(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`kvserve serve --data-parallel-size 2`: a local Ray instance, both replicas used (round robin), SIGTERM
     drains and exits 0."""
-    proc, base = serve_process(tiny_model_dir, tmp_path, "--data-parallel-size", "2", "--router", "round_robin",
-                               "--uvicorn-log-level", "warning")
+    proc, base = serve_process(
+        tiny_model_dir,
+        tmp_path,
+        "--data-parallel-size",
+        "2",
+        "--router",
+        "round_robin",
+        "--uvicorn-log-level",
+        "warning",
+    )
     try:
         with httpx.Client(base_url=base, timeout=60) as c:
             for i in range(4):
@@ -356,8 +413,11 @@ def test_serve_cli_with_two_replicas(tiny_model_dir: Path, tmp_path: Path) -> No
             time.sleep(0.5)
             metrics = c.get("/metrics").text
         for name in ("replica-0", "replica-1"):
-            line = next(x for x in metrics.splitlines()
-                        if x.startswith(f'kvserve:replica_generation_tokens_total{{replica="{name}"}}'))
+            line = next(
+                x
+                for x in metrics.splitlines()
+                if x.startswith(f'kvserve:replica_generation_tokens_total{{replica="{name}"}}')
+            )
             assert float(line.split()[-1]) > 0, metrics
         assert 'kvserve:router_decisions_total{policy="round_robin",reason="round_robin"} 4.0' in metrics
     finally:
@@ -368,8 +428,10 @@ def test_serve_cli_with_two_replicas(tiny_model_dir: Path, tmp_path: Path) -> No
 
 
 def test_one_process_never_imports_ray() -> None:
-    code = ("import sys; from kvserve.server import app, cli; from kvserve.engine import async_engine; "
-            "assert 'ray' not in sys.modules and 'kvserve.cluster.engine' not in sys.modules")
+    code = (
+        "import sys; from kvserve.server import app, cli; from kvserve.engine import async_engine; "
+        "assert 'ray' not in sys.modules and 'kvserve.cluster.engine' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

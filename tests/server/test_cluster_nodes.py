@@ -35,14 +35,16 @@ def two_nodes() -> Iterator[Cluster]:
 
 
 def test_replicas_spread_over_the_nodes_of_an_existing_cluster(two_nodes: Cluster, tiny_model_dir: Path) -> None:
-    config = EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=64, block_size=4,
-                          chat_template=CHAT_TEMPLATE, cpu_threads=1)
+    config = EngineConfig(
+        model=str(tiny_model_dir), num_gpu_blocks_override=64, block_size=4, chat_template=CHAT_TEMPLATE, cpu_threads=1
+    )
     engine = ClusterEngine.launch(config, 2, router_policy="round_robin", ray_address=two_nodes.address)
     server = RunningServer(build_app(engine, ServerSettings(served_model_names=(MODEL,))), engine).start()
     try:
         # Defined here so that Ray pickles it by value: a replica cannot import this test module.
         def node_of(_engine: object) -> str:
             import ray as replica_ray
+
             return replica_ray.get_runtime_context().get_node_id()
 
         nodes = {name: ray.get(r.handle.call.remote(node_of), timeout=30) for name, r in engine.replicas.items()}
@@ -50,8 +52,9 @@ def test_replicas_spread_over_the_nodes_of_an_existing_cluster(two_nodes: Cluste
         assert set(nodes.values()) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         with server.client() as c:
             for i in range(4):
-                r = c.post("/v1/completions", json={"model": MODEL, "prompt": [5 + i, 6, 7], "max_tokens": 3,
-                                                    "temperature": 0})
+                r = c.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": [5 + i, 6, 7], "max_tokens": 3, "temperature": 0}
+                )
                 assert r.status_code == 200, r.text
         # Both nodes served (the ingress reads the replicas' counters every 50 ms).
         wait_until(lambda: all(r.stats.generation_tokens_total > 0 for r in engine.replicas.values()), timeout=30)

@@ -29,8 +29,15 @@ def engine(tiny_model_dir):
 
 
 def _params(kind: RequestOutputKind, **kw: Any) -> SamplingParams:
-    base: dict[str, Any] = {"n": 2, "max_tokens": 12, "temperature": 0.8, "seed": 7, "logprobs": 2,
-                            "prompt_logprobs": 1, "ignore_eos": True}
+    base: dict[str, Any] = {
+        "n": 2,
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "seed": 7,
+        "logprobs": 2,
+        "prompt_logprobs": 1,
+        "ignore_eos": True,
+    }
     base.update(kw)
     return SamplingParams(output_kind=kind, **base)
 
@@ -51,10 +58,16 @@ def _accumulate(outputs: list[RequestOutput]) -> RequestOutput:
 
 
 def _same(a: CompletionOutput, b: CompletionOutput) -> None:
-    assert (a.index, a.text, list(a.token_ids), a.finish_reason, a.stop_reason) == \
-           (b.index, b.text, list(b.token_ids), b.finish_reason, b.stop_reason)
-    assert [{t: lp.logprob for t, lp in e.items()} for e in a.logprobs or []] == \
-           [{t: lp.logprob for t, lp in e.items()} for e in b.logprobs or []]
+    assert (a.index, a.text, list(a.token_ids), a.finish_reason, a.stop_reason) == (
+        b.index,
+        b.text,
+        list(b.token_ids),
+        b.finish_reason,
+        b.stop_reason,
+    )
+    assert [{t: lp.logprob for t, lp in e.items()} for e in a.logprobs or []] == [
+        {t: lp.logprob for t, lp in e.items()} for e in b.logprobs or []
+    ]
     assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob)
 
 
@@ -176,8 +189,16 @@ def test_tracker_reports_where_each_piece_starts():
 
 def test_streamed_logprobs_equal_non_streamed(http):
     """The tracker's offsets: a stream's logprob pieces, put together, are the non-streamed logprobs."""
-    body = {"prompt": "hello there", "max_tokens": 10, "temperature": 0, "logprobs": 2, "echo": True, "n": 2,
-            "ignore_eos": True, "seed": 1}
+    body = {
+        "prompt": "hello there",
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": 2,
+        "echo": True,
+        "n": 2,
+        "ignore_eos": True,
+        "seed": 1,
+    }
     whole = http.post("/v1/completions", json=body).json()["choices"]
     pieces: dict[int, dict[str, list]] = {}
     texts: dict[int, str] = {}
@@ -185,7 +206,7 @@ def test_streamed_logprobs_equal_non_streamed(http):
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[len("data: "):])["choices"]:
+            for choice in json.loads(line[len("data: ") :])["choices"]:
                 texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
                 into = pieces.setdefault(choice["index"], {"tokens": [], "text_offset": [], "token_logprobs": []})
                 for key in into:

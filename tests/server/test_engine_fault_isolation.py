@@ -61,8 +61,9 @@ def test_async_engine_fails_the_faulty_stream_only(tiny_model_dir):
             return e
 
     async def go() -> list[object]:
-        return await asyncio.gather(one("a", [2, 10, 11, 12]), one("bad", [2, 10, POISON, 12]),
-                                    one("c", [2, 20, 21, 22, 23]))
+        return await asyncio.gather(
+            one("a", [2, 10, 11, 12]), one("bad", [2, 10, POISON, 12]), one("c", [2, 20, 21, 22, 23])
+        )
 
     try:
         a, bad, c = asyncio.run(asyncio.wait_for(go(), TIMEOUT_S))

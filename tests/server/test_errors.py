@@ -21,8 +21,16 @@ def assert_error(response: httpx.Response, status: int, *words: str, param: str 
     return error
 
 
-@pytest.mark.parametrize("path,method", [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
-                                         ("/v1/models", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")])
+@pytest.mark.parametrize(
+    "path,method",
+    [
+        ("/v1/completions", "POST"),
+        ("/v1/chat/completions", "POST"),
+        ("/v1/models", "GET"),
+        ("/tokenize", "POST"),
+        ("/detokenize", "POST"),
+    ],
+)
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
 def test_api_key_required(server, path, method, headers):
     with server.client(headers=headers) as c:
@@ -38,25 +46,30 @@ def test_open_endpoints_need_no_key(server):
 
 
 def test_unknown_model_is_404(http):
-    err = assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "gpt-4",
-                       param="model")
+    err = assert_error(
+        http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "gpt-4", param="model"
+    )
     assert err["code"] == "model_not_found"
-    assert_error(http.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user",
-                                                                                         "content": "x"}]}), 404)
+    assert_error(
+        http.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404
+    )
 
 
-@pytest.mark.parametrize("body,param", [
-    ({}, "prompt"),                                             # missing field (FastAPI's 422)
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),     # wrong type (422)
-    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "x", "temperature": -1}, "temperature"),        # SamplingParams' own check
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),              # over --max-logprobs
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": "x", "n": 0}, "n"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "prompt"),  # missing field (FastAPI's 422)
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),  # wrong type (422)
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),  # SamplingParams' own check
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),  # over --max-logprobs
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "x", "n": 0}, "n"),
+    ],
+)
 def test_bad_completion_requests_are_400(http, body, param):
     assert_error(http.post("/v1/completions", json={"model": MODEL, **body}), 400, param=param)
 
@@ -79,8 +92,13 @@ def test_prompt_over_max_model_len_names_both_numbers(http, server):
 
 def test_max_tokens_that_cannot_fit(http, server):
     limit = server.engine.engine.max_model_len
-    err = assert_error(http.post("/v1/completions", json={"prompt": "abc", "max_tokens": limit}), 400,
-                       str(limit), "4 in the prompt", param="max_tokens")
+    err = assert_error(
+        http.post("/v1/completions", json={"prompt": "abc", "max_tokens": limit}),
+        400,
+        str(limit),
+        "4 in the prompt",
+        param="max_tokens",
+    )
     assert err["type"] == "invalid_request_error"
 
 
@@ -88,14 +106,20 @@ def test_chat_errors(http, server):
     user = [{"role": "user", "content": "x"}]
     assert_error(http.post("/v1/chat/completions", json={"messages": []}), 400, param="messages")
     assert_error(http.post("/v1/chat/completions", json={"messages": [{"content": "no role"}]}), 400)
-    assert_error(http.post("/v1/chat/completions", json={"messages": user, "tools": [{"type": "function"}]}),
-                 400, param="tools")
-    assert_error(http.post("/v1/chat/completions", json={"messages": user,
-                                                         "response_format": {"type": "xml"}}), 400,
-                 param="response_format.type")
+    assert_error(
+        http.post("/v1/chat/completions", json={"messages": user, "tools": [{"type": "function"}]}), 400, param="tools"
+    )
+    assert_error(
+        http.post("/v1/chat/completions", json={"messages": user, "response_format": {"type": "xml"}}),
+        400,
+        param="response_format.type",
+    )
     assert_error(http.post("/v1/chat/completions", json={"messages": user, "top_logprobs": 2}), 400)
-    assert_error(http.post("/v1/chat/completions",
-                           json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "image_url")
+    assert_error(
+        http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        400,
+        "image_url",
+    )
     long_chat = [{"role": "user", "content": "y" * server.engine.engine.max_model_len}]
     assert_error(http.post("/v1/chat/completions", json={"messages": long_chat}), 400, "max-model-len")
 
@@ -129,8 +153,9 @@ def test_queue_full_is_503(make_server):
     try:
         assert entered.wait(10)
         with srv.client() as c:
-            err = assert_error(c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2}), 503,
-                               "--max-num-queued-reqs")
+            err = assert_error(
+                c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2}), 503, "--max-num-queued-reqs"
+            )
             assert err["code"] == "queue_full"
     finally:
         release.set()
@@ -151,8 +176,9 @@ def test_chat_history_truncation(make_server):
         dropped = int(r.headers["X-Kvserve-Truncated-Turns"])
         assert 0 < dropped <= 6
         assert r.json()["usage"]["prompt_tokens"] + 4 <= 64
-        short = c.post("/v1/chat/completions", json={"messages": [system, {"role": "user", "content": "q"}],
-                                                     "max_tokens": 2})
+        short = c.post(
+            "/v1/chat/completions", json={"messages": [system, {"role": "user", "content": "q"}], "max_tokens": 2}
+        )
         assert short.status_code == 200 and "X-Kvserve-Truncated-Turns" not in short.headers
         too_long = [system, {"role": "user", "content": "z" * 80}]
         assert_error(c.post("/v1/chat/completions", json={"messages": too_long}), 400)

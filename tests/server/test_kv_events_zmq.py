@@ -40,10 +40,13 @@ TOPIC = "kv"
 
 def engine_cache(engine: LLMEngine) -> dict[int, tuple[int | None, tuple[int, ...]]]:
     """The same view, read from the engine's own prefix cache."""
-    return {external_block_hash(h.hex()): (None if b.key is None or b.key.parent is None
-                                           else external_block_hash(b.key.parent.hex()),
-                                           b.key.token_ids if b.key is not None else ())
-            for h, b in engine.pool.cached.items()}
+    return {
+        external_block_hash(h.hex()): (
+            None if b.key is None or b.key.parent is None else external_block_hash(b.key.parent.hex()),
+            b.key.token_ids if b.key is not None else (),
+        )
+        for h, b in engine.pool.cached.items()
+    }
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -59,10 +62,19 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 3) 
 
 # -- the engine's stream --------------------------------------------------------------------------------------
 
+
 def test_stream_replays_to_the_engine_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
     pub_ep, replay_ep = f"ipc://{tmp_path}/kv.pub", f"ipc://{tmp_path}/kv.replay"
-    engine = make_engine(tiny_model_dir, num_gpu_blocks_override=17, kv_events_config={  # 16 usable blocks
-        "enable_kv_cache_events": True, "endpoint": pub_ep, "replay_endpoint": replay_ep, "topic": TOPIC})
+    engine = make_engine(
+        tiny_model_dir,
+        num_gpu_blocks_override=17,
+        kv_events_config={  # 16 usable blocks
+            "enable_kv_cache_events": True,
+            "endpoint": pub_ep,
+            "replay_endpoint": replay_ep,
+            "topic": TOPIC,
+        },
+    )
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(pub_ep)
@@ -87,8 +99,9 @@ def test_stream_replays_to_the_engine_cache(tiny_model_dir: Path, tmp_path: Path
         assert kinds == {"VBlockStored", "VBlockRemoved", "VAllBlocksCleared"}  # the run exercised all three
         assert all(b.data_parallel_rank == 0 for b in batches)
         stored = [e for b in batches for e in b.events if isinstance(e, VBlockStored)]
-        assert all(e.block_size == BS and e.medium == "CPU" and len(e.token_ids) == BS * len(e.block_hashes)
-                   for e in stored)
+        assert all(
+            e.block_size == BS and e.medium == "CPU" and len(e.token_ids) == BS * len(e.block_hashes) for e in stored
+        )
         assert any(len(e.block_hashes) > 1 for e in stored)  # a request's new blocks travel as one event
         # The index an external router builds equals the engine's prefix cache: hashes, parents and tokens.
         index = replay(batches)
@@ -129,14 +142,20 @@ def test_publisher_off_imports_no_zmq(tiny_model_dir: Path) -> None:
                         if m == "zmq" or m.startswith(("zmq.", "msgspec")) or m.endswith("event_publisher"))
         assert not loaded, loaded
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_sibling_engine_does_not_publish(tiny_model_dir: Path, tmp_path: Path) -> None:
-    engine = make_engine(tiny_model_dir, kv_events_config={"enable_kv_cache_events": True,
-                                                           "endpoint": f"ipc://{tmp_path}/kv.pub"})
+    engine = make_engine(
+        tiny_model_dir, kv_events_config={"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv.pub"}
+    )
     try:
         assert engine.kv_event_publisher is not None
         assert engine.sibling().kv_event_publisher is None  # the address is taken by the first engine
@@ -146,13 +165,21 @@ def test_sibling_engine_does_not_publish(tiny_model_dir: Path, tmp_path: Path) -
 
 def test_replica_rank_offsets_the_address(tiny_model_dir: Path, tmp_path: Path) -> None:
     """--data-parallel-size N: replica r (EngineConfig.data_parallel_rank) publishes at its own address."""
-    engines = [make_engine(tiny_model_dir, data_parallel_rank=rank, kv_events_config={
-        "enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv.pub"}) for rank in (0, 1)]
+    engines = [
+        make_engine(
+            tiny_model_dir,
+            data_parallel_rank=rank,
+            kv_events_config={"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv.pub"},
+        )
+        for rank in (0, 1)
+    ]
     try:
         publishers = [e.kv_event_publisher for e in engines]
         assert publishers[0] is not None and publishers[1] is not None
-        assert (publishers[0].endpoint, publishers[1].endpoint) == (f"ipc://{tmp_path}/kv.pub",
-                                                                    f"ipc://{tmp_path}/kv.pub_dp1")
+        assert (publishers[0].endpoint, publishers[1].endpoint) == (
+            f"ipc://{tmp_path}/kv.pub",
+            f"ipc://{tmp_path}/kv.pub_dp1",
+        )
         assert publishers[1].data_parallel_rank == 1
     finally:
         for engine in engines:
@@ -161,11 +188,18 @@ def test_replica_rank_offsets_the_address(tiny_model_dir: Path, tmp_path: Path) 
 
 # -- the schema, without an engine ----------------------------------------------------------------------------
 
+
 def _events() -> list[Any]:
     h = [f"{i:02x}" * 32 for i in range(1, 5)]  # sha256-sized hex hashes
-    return [BlockStored(1, h[0], None, (1, 2), 2), BlockStored(2, h[1], h[0], (3, 4), 2),
-            BlockStored(3, h[2], None, (5, 6), 2),  # a new chain: a new event
-            BlockRemoved(1, h[0]), BlockRemoved(2, h[1]), AllBlocksCleared(), BlockStored(4, h[3], h[2], (7, 8), 2)]
+    return [
+        BlockStored(1, h[0], None, (1, 2), 2),
+        BlockStored(2, h[1], h[0], (3, 4), 2),
+        BlockStored(3, h[2], None, (5, 6), 2),  # a new chain: a new event
+        BlockRemoved(1, h[0]),
+        BlockRemoved(2, h[1]),
+        AllBlocksCleared(),
+        BlockStored(4, h[3], h[2], (7, 8), 2),
+    ]
 
 
 def test_batch_schema_map_encoding() -> None:
@@ -188,40 +222,58 @@ def test_batch_schema_map_encoding() -> None:
 def test_batch_schema_legacy_array_encoding() -> None:
     payload = msgspec.msgpack.encode(event_batch(_events(), 1.0, "CPU", encoding="array"))
     batch = msgspec.msgpack.Decoder(LegacyBatch).decode(payload)
-    assert [type(e).__name__ for e in batch.events] == ["LegacyStored", "LegacyStored", "LegacyRemoved",
-                                                        "LegacyCleared", "LegacyStored"]
+    assert [type(e).__name__ for e in batch.events] == [
+        "LegacyStored",
+        "LegacyStored",
+        "LegacyRemoved",
+        "LegacyCleared",
+        "LegacyStored",
+    ]
     assert msgspec.msgpack.decode(payload)[1][0][0] == "BlockStored"
 
 
 def test_non_block_events_make_no_batch() -> None:
     from kvserve.kv.events import Preempted
+
     assert event_batch([Preempted("r", 4, 1)], 0.0, "CPU") is None
 
 
 # -- the flag ---------------------------------------------------------------------------------------------------
 
+
 def test_config_follows_vllm() -> None:
     assert parse_kv_events_config(None) is None
     config = parse_kv_events_config('{"enable_kv_cache_events": true}')
     assert config is not None and config.publisher == "zmq" and config.enabled
-    assert (config.endpoint, config.replay_endpoint, config.buffer_steps, config.hwm, config.max_queue_size,
-            config.topic) == ("tcp://*:5557", None, 10_000, 100_000, 100_000, "")
+    assert (
+        config.endpoint,
+        config.replay_endpoint,
+        config.buffer_steps,
+        config.hwm,
+        config.max_queue_size,
+        config.topic,
+    ) == ("tcp://*:5557", None, 10_000, 100_000, 100_000, "")
     assert not KVEventsConfig().enabled and KVEventsConfig().publisher == "null"
     assert not KVEventsConfig(enable_kv_cache_events=True, publisher="null").enabled
-    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559" and offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    assert (
+        offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559" and offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    )
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "unknown kv_events_config keys ['endpont']"),
-    ("{not json", "not valid JSON"),
-    ("[1]", "must be a JSON object"),
-    ('{"publisher": "kafka"}', "publisher must be one of null, zmq"),
-    ('{"endpoint": "localhost:5557"}', "endpoint must be a ZMQ address"),
-    ('{"hwm": "10"}', "hwm has the wrong type"),
-    ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events has the wrong type"),
-    ('{"max_queue_size": 0}', "max_queue_size must be >= 1"),
-    ('{"event_encoding": "json"}', "event_encoding must be one of map, array"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "unknown kv_events_config keys ['endpont']"),
+        ("{not json", "not valid JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"publisher": "kafka"}', "publisher must be one of null, zmq"),
+        ('{"endpoint": "localhost:5557"}', "endpoint must be a ZMQ address"),
+        ('{"hwm": "10"}', "hwm has the wrong type"),
+        ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events has the wrong type"),
+        ('{"max_queue_size": 0}', "max_queue_size must be >= 1"),
+        ('{"event_encoding": "json"}', "event_encoding must be one of map, array"),
+    ],
+)
 def test_config_errors_are_clear(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         EngineConfig(kv_events_config=value)

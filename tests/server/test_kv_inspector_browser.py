@@ -22,12 +22,21 @@ from kvserve.server.app import build_app
 from kvserve.server.context import ServerSettings
 
 CHROMIUM = Path("/usr/bin/chromium")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 WAIT_MS = 20_000
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed at /usr/bin/chromium "
-                                "(.ci/run installs it with apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="Debian's chromium is not installed at /usr/bin/chromium "
+    "(.ci/run installs it with apt-get install chromium)",
+)
 
 
 class SlowEngine:
@@ -133,26 +142,30 @@ def test_a_100k_block_pool_stays_on_one_screen(page: Any, tiny_model_dir: Path) 
 def test_the_pages_delta_code_matches_the_servers(page: Any, tiny_model_dir: Path) -> None:
     """app.js's applyDelta, fed the deltas of a random workload, ends at the last snapshot, as apply_delta does."""
     snaps = json.loads(json.dumps(random_snapshots(tiny_model_dir, seed=3)))
-    deltas = [{"seq": i + 1, "base": i, "time": float(i), **diff_snapshots(a, b), "events": []}
-              for i, (a, b) in enumerate(zip(snaps, snaps[1:], strict=False))]
+    deltas = [
+        {"seq": i + 1, "base": i, "time": float(i), **diff_snapshots(a, b), "events": []}
+        for i, (a, b) in enumerate(zip(snaps, snaps[1:], strict=False))
+    ]
     assert any("evict_order" in d for d in deltas) and any("request_order" in d for d in deltas)
     server = _serve(tiny_model_dir)
     try:
         _live(page, server.base_url + "/")
-        states = page.evaluate("""([first, deltas]) => {
+        states = page.evaluate(
+            """([first, deltas]) => {
             const out = [];
             let snap = first;
             for (const d of deltas) { snap = window.kvInspector.applyDelta(snap, d); out.push(snap); }
             return out;
-        }""", [snaps[0], deltas])
+        }""",
+            [snaps[0], deltas],
+        )
         for state, snap in zip(states, snaps[1:], strict=True):
             assert {k: v for k, v in state.items() if k not in ("seq", "time")} == snap
     finally:
         server.stop()
 
 
-def test_playground_requests_share_the_system_prompts_blocks(page: Any, tiny_model_dir: Path,
-                                                             artifacts: Path) -> None:
+def test_playground_requests_share_the_system_prompts_blocks(page: Any, tiny_model_dir: Path, artifacts: Path) -> None:
     server = _serve(tiny_model_dir, delay_s=0.1)
     try:
         errors = _watch_errors(page)
@@ -163,14 +176,20 @@ def test_playground_requests_share_the_system_prompts_blocks(page: Any, tiny_mod
         page.click("#send")
         page.fill("textarea[name=user]", "second")
         page.click("#send")
-        page.wait_for_function("() => (window.kvInspector.snapshot || {blocks: []}).blocks"
-                               ".some(b => b.state === 's' && b.ref_cnt === 2)")
+        page.wait_for_function(
+            "() => (window.kvInspector.snapshot || {blocks: []}).blocks.some(b => b.state === 's' && b.ref_cnt === 2)"
+        )
         assert "max ref 2" in page.inner_text("#map-legend")
         shared = page.evaluate("() => window.kvInspector.snapshot.blocks.find(b => b.state === 's').id")
         layout = page.evaluate("() => window.kvInspector.layout")
         assert layout["per"] == 1
-        page.click("#map", position={"x": (shared % layout["cols"]) * layout["cell"] + 3,
-                                     "y": (shared // layout["cols"]) * layout["cell"] + 3})
+        page.click(
+            "#map",
+            position={
+                "x": (shared % layout["cols"]) * layout["cell"] + 3,
+                "y": (shared // layout["cols"]) * layout["cell"] + 3,
+            },
+        )
         page.wait_for_function("() => document.getElementById('block-detail').textContent.includes('text ')")
         assert f"block {shared}: shared" in page.inner_text("#block-detail")
         page.click("tr.req")  # highlights its blocks
@@ -187,6 +206,7 @@ def test_preemption_shows_in_the_events_log(page: Any, tiny_model_dir: Path, art
     try:
         _live(page, server.base_url + "/")
         with server.client() as client:
+
             def send(prompt: str) -> None:
                 client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 30, "ignore_eos": True})
 
@@ -216,8 +236,10 @@ def test_playground_abort_frees_its_blocks(page: Any, tiny_model_dir: Path) -> N
         page.wait_for_function("() => window.kvInspector.snapshot.requests.length === 1")
         page.click("#abort")
         page.wait_for_selector("#events li.aborted")
-        page.wait_for_function("() => window.kvInspector.snapshot.requests.length === 0 && "
-                               "![...window.kvInspector.snapshot.block_states].some(s => s === 'u' || s === 's')")
+        page.wait_for_function(
+            "() => window.kvInspector.snapshot.requests.length === 0 && "
+            "![...window.kvInspector.snapshot.block_states].some(s => s === 'u' || s === 's')"
+        )
     finally:
         server.stop()
 

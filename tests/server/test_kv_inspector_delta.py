@@ -40,8 +40,16 @@ def test_a_workload_exercises_sharing_eviction_and_requests(tiny_model_dir: Path
                 kinds.add("shared")
             if delta.get("evict_order", {}).get("removed"):
                 kinds.add("evicted")
-    assert {"shared", "evicted", "blocks", "blocks_removed", "requests", "request_order", "prefix_cache",
-            "gauges"} <= kinds
+    assert {
+        "shared",
+        "evicted",
+        "blocks",
+        "blocks_removed",
+        "requests",
+        "request_order",
+        "prefix_cache",
+        "gauges",
+    } <= kinds
 
 
 def test_unchanged_snapshots_give_an_empty_delta(tiny_model_dir: Path) -> None:

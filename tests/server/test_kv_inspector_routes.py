@@ -44,8 +44,9 @@ def test_snapshot_shows_a_running_requests_blocks(make_server: ServerFactory) ->
         done: dict[str, Any] = {}
 
         def send() -> None:
-            done["r"] = client.post("/v1/completions", json={"prompt": "abcdefghijklm", "max_tokens": 20,
-                                                              "ignore_eos": True})
+            done["r"] = client.post(
+                "/v1/completions", json={"prompt": "abcdefghijklm", "max_tokens": 20, "ignore_eos": True}
+            )
 
         thread = threading.Thread(target=send)
         thread.start()
@@ -79,16 +80,20 @@ def test_stream_sends_a_snapshot_then_deltas(make_server: ServerFactory) -> None
         kind, first = next(messages)
         assert kind == "snapshot" and first["requests"] == [] and first["events"] == []
         with server.client() as other:
-            assert other.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 3}
-                              ).status_code == 200
+            assert (
+                other.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 3}).status_code == 200
+            )
         state, seq, events = first, first["seq"], []
         for kind, payload in messages:
             assert kind == "delta" and payload["base"] == seq  # no gap, no second snapshot
             seq = payload["seq"]
             state = apply_delta(state, payload)
             events += payload["events"]
-            if state["gauges"]["generation_tokens_total"] >= 3 and not state["requests"] \
-                    and any(e["kind"] == "block_stored" for e in events):
+            if (
+                state["gauges"]["generation_tokens_total"] >= 3
+                and not state["requests"]
+                and any(e["kind"] == "block_stored" for e in events)
+            ):
                 break
         stored = {e["block_id"] for e in events if e["kind"] == "block_stored"}
         assert stored and all(state["block_states"][i] == "c" for i in stored)  # cached once the request ended
@@ -123,8 +128,9 @@ def test_disable_ui_and_redact_text(make_server: ServerFactory, tiny_model_dir: 
     try:
         with server.client() as client:
             assert client.get("/").status_code == 404 and client.get("/ui").status_code == 404
-            assert client.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 2}
-                               ).status_code == 200
+            assert (
+                client.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 2}).status_code == 200
+            )
             snap = client.get("/v1/kv/snapshot").json()
             assert snap["redacted"] and snap["blocks"]
             assert all(b["token_ids"] is None for b in snap["blocks"])

@@ -74,7 +74,7 @@ def test_stored_events_carry_chained_hashes_and_tokens(tiny_model_dir: Path) -> 
     engine.add_request("a", prompt, _greedy(4))
     engine.step()
     stored = [event_to_json(*item) for item in engine.kv_events.drain() if item[2].kind == "block_stored"]
-    assert [e["token_ids"] for e in stored] == [prompt[:BS], prompt[BS:2 * BS]]
+    assert [e["token_ids"] for e in stored] == [prompt[:BS], prompt[BS : 2 * BS]]
     assert stored[0]["parent_block_hash"] is None
     assert stored[1]["parent_block_hash"] == stored[0]["block_hash"]
     assert all(e["block_size"] == BS for e in stored)
@@ -120,8 +120,15 @@ def test_preemption_and_abort_events(tiny_model_dir: Path) -> None:
     held = engine.kv_manager.num_blocks_held(engine.scheduler.running[0])
     engine.abort_request("c")
     aborted = [event_to_json(*i) for i in engine.kv_events.drain() if i[2].kind == "aborted"]
-    assert aborted == [{"kind": "aborted", "request_id": "c", "blocks_freed": held, "seq": aborted[0]["seq"],
-                        "time": aborted[0]["time"]}]
+    assert aborted == [
+        {
+            "kind": "aborted",
+            "request_id": "c",
+            "blocks_freed": held,
+            "seq": aborted[0]["seq"],
+            "time": aborted[0]["time"],
+        }
+    ]
     snap = engine.kv_snapshot()
     assert snap["requests"] == [] and not [b for b in snap["blocks"] if b["state"] in "us"]
 

@@ -46,8 +46,9 @@ class StandInPublisher:
     def publish(self, data: dict[str, Any], num_events: int = 0) -> None:
         self._seq += 1
         for _ in range(num_events):
-            self._events.append({"kind": "aborted", "request_id": "x", "blocks_freed": 0, "seq": len(self._events),
-                                 "time": 0.0})
+            self._events.append(
+                {"kind": "aborted", "request_id": "x", "blocks_freed": 0, "seq": len(self._events), "time": 0.0}
+            )
         self.published = KVPublication(KVSnapshot(self._seq, float(self._seq), data), tuple(self._events))
 
 
@@ -133,8 +134,9 @@ def test_a_stream_that_falls_behind_gets_a_fresh_snapshot(snaps: list[dict[str, 
     asyncio.run(run())
 
 
-def test_large_pools_are_diffed_and_encoded_off_the_loop(snaps: list[dict[str, Any]],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_pools_are_diffed_and_encoded_off_the_loop(
+    snaps: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     threads: list[str] = []
     real = inspector_delta.diff_snapshots
 

@@ -29,7 +29,7 @@ def engine_is_clean(server) -> bool:
 
 
 def data_frames(lines: list[str]) -> list[str]:
-    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
 def test_dropped_streams_are_aborted_and_free_their_blocks(make_server):
@@ -38,8 +38,12 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(make_server):
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
         drop = i % 2 == 1
-        body = {"prompt": f"request {i}", "stream": True, "ignore_eos": True,
-                "max_tokens": dropped_tokens if drop else kept_tokens}
+        body = {
+            "prompt": f"request {i}",
+            "stream": True,
+            "ignore_eos": True,
+            "max_tokens": dropped_tokens if drop else kept_tokens,
+        }
         frames = 0
         async with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -58,10 +62,14 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(make_server):
     assert all(f == 3 for f in frames[1::2])
 
     with srv.client() as c:
+
         def drained() -> bool:
             m = metric_values(c)
-            return (m["kvserve:kv_cache_usage_perc"] == 0 and m["kvserve:num_requests_running"] == 0
-                    and m["kvserve:num_requests_waiting"] == 0)
+            return (
+                m["kvserve:kv_cache_usage_perc"] == 0
+                and m["kvserve:num_requests_running"] == 0
+                and m["kvserve:num_requests_waiting"] == 0
+            )
 
         wait_until(drained, timeout=10)
         generated = metric_values(c)["kvserve:generation_tokens_total"]
@@ -92,8 +100,7 @@ def test_engine_fault_in_a_stream_sends_an_error_frame(make_server):
     srv = make_server(before_step=maybe_fail)
     lines = []
     with srv.client() as c:
-        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 200,
-                "ignore_eos": True}
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 200, "ignore_eos": True}
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -146,8 +153,9 @@ def _stream_in_thread(srv, body: dict, first_frame: threading.Event) -> tuple[th
 def test_shutdown_lets_running_requests_finish(make_server):
     srv = make_server(before_step=slow_steps(0.005), grace_s=10)
     first = threading.Event()
-    reader, lines = _stream_in_thread(srv, {"prompt": "ab", "stream": True, "max_tokens": 60,
-                                            "ignore_eos": True}, first)
+    reader, lines = _stream_in_thread(
+        srv, {"prompt": "ab", "stream": True, "max_tokens": 60, "ignore_eos": True}, first
+    )
     assert first.wait(10)
     srv.stop()
     reader.join(10)
@@ -160,8 +168,9 @@ def test_shutdown_lets_running_requests_finish(make_server):
 def test_shutdown_aborts_requests_after_the_grace_period(make_server):
     srv = make_server(before_step=slow_steps(0.01), grace_s=0.3)  # 200 tokens would take >= 2 s
     first = threading.Event()
-    reader, lines = _stream_in_thread(srv, {"prompt": "ab", "stream": True, "max_tokens": 200,
-                                            "ignore_eos": True}, first)
+    reader, lines = _stream_in_thread(
+        srv, {"prompt": "ab", "stream": True, "max_tokens": 200, "ignore_eos": True}, first
+    )
     assert first.wait(10)
     started = time.monotonic()
     srv.stop()
@@ -174,8 +183,15 @@ def test_shutdown_aborts_requests_after_the_grace_period(make_server):
 
 
 def test_kvserve_serve_exits_0_on_sigterm_after_finishing_requests(tiny_model_dir: Path, tmp_path: Path):
-    proc, base = serve_process(tiny_model_dir, tmp_path, "--uvicorn-log-level", "warning",
-                               "--shutdown-grace-seconds", "20", env={"KVSERVE_API_KEY": "env-key"})
+    proc, base = serve_process(
+        tiny_model_dir,
+        tmp_path,
+        "--uvicorn-log-level",
+        "warning",
+        "--shutdown-grace-seconds",
+        "20",
+        env={"KVSERVE_API_KEY": "env-key"},
+    )
     try:
         headers = {"Authorization": "Bearer env-key"}  # the key came from $KVSERVE_API_KEY
         assert httpx.get(f"{base}/v1/models", timeout=5).status_code == 401

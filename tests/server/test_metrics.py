@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from server_support import metric_values
 
-GAUGES = ["kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
-          "kvserve:prefix_cache_hit_rate"]
-COUNTERS = ["kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
-            "kvserve:num_preemptions_total", "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total"]
-HISTOGRAMS = ["kvserve:time_to_first_token_seconds", "kvserve:inter_token_latency_seconds",
-              "kvserve:e2e_request_latency_seconds", "kvserve:request_queue_time_seconds"]
+GAUGES = [
+    "kvserve:num_requests_running",
+    "kvserve:num_requests_waiting",
+    "kvserve:kv_cache_usage_perc",
+    "kvserve:prefix_cache_hit_rate",
+]
+COUNTERS = [
+    "kvserve:prefix_cache_queries_total",
+    "kvserve:prefix_cache_hits_total",
+    "kvserve:num_preemptions_total",
+    "kvserve:prompt_tokens_total",
+    "kvserve:generation_tokens_total",
+]
+HISTOGRAMS = [
+    "kvserve:time_to_first_token_seconds",
+    "kvserve:inter_token_latency_seconds",
+    "kvserve:e2e_request_latency_seconds",
+    "kvserve:request_queue_time_seconds",
+]
 
 
 def test_metrics_names_and_values(make_server):
@@ -20,15 +33,18 @@ def test_metrics_names_and_values(make_server):
         for name in GAUGES + COUNTERS:
             assert empty[name] == 0, name
         info = [k for k in empty if k.startswith("kvserve:cache_config_info{")]
-        expected = ("kvserve:cache_config_info{block_size=4,enable_prefix_caching=True,kv_cache_dtype=float32,"
-                    "max_model_len=256,num_blocks=256}")
+        expected = (
+            "kvserve:cache_config_info{block_size=4,enable_prefix_caching=True,kv_cache_dtype=float32,"
+            "max_model_len=256,num_blocks=256}"
+        )
         assert info == [expected]
 
         for _ in range(2):  # the second one hits the prefix cache
             r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "ignore_eos": True})
             assert r.status_code == 200
-        r = c.post("/v1/completions", json={"prompt": "xyz", "max_tokens": 5, "ignore_eos": True, "n": 2,
-                                            "stream": True})
+        r = c.post(
+            "/v1/completions", json={"prompt": "xyz", "max_tokens": 5, "ignore_eos": True, "n": 2, "stream": True}
+        )
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         m = metric_values(c)
 

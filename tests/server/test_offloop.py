@@ -65,8 +65,11 @@ class _GatedSnapshot:
 
     def build(self) -> GatedTokenizer:
         copy = GatedTokenizer(self._inner.build(), self._gated._min_chars)
-        copy.entered, copy.release, copy.encode_threads = self._gated.entered, self._gated.release, \
-            self._gated.encode_threads
+        copy.entered, copy.release, copy.encode_threads = (
+            self._gated.entered,
+            self._gated.release,
+            self._gated.encode_threads,
+        )
         return copy
 
 
@@ -86,7 +89,7 @@ def gated_server(tiny_model_dir):
 
 
 def _frames(lines: Any) -> list[str]:
-    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
 LONG_REQUESTS = {
@@ -99,8 +102,14 @@ LONG_REQUESTS = {
 def test_loop_answers_while_a_long_prompt_is_prepared(gated_server, kind):
     server, tokenizer = gated_server
     path, body = LONG_REQUESTS[kind]
-    stream_body = {"model": MODEL, "prompt": "ab", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
-                   "stream": True}
+    stream_body = {
+        "model": MODEL,
+        "prompt": "ab",
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with server.client(headers=HEADERS, timeout=10.0) as http, ThreadPoolExecutor(1) as pool:
         with http.stream("POST", "/v1/completions", json=stream_body) as open_stream:
             lines = open_stream.iter_lines()
@@ -123,8 +132,12 @@ def test_prompts_are_encoded_on_the_preparation_thread_only(gated_server):
     tokenizer.release.set()
     with server.client(headers=HEADERS) as http:
         assert http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1}).status_code == 200
-        assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                       "max_tokens": 1}).status_code == 200
+        assert (
+            http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+            ).status_code
+            == 200
+        )
         assert http.post("/tokenize", json={"prompt": "abc"}).status_code == 200
     assert tokenizer.encode_threads and all(n.startswith("kvserve-prepare") for n in tokenizer.encode_threads)
 
@@ -170,6 +183,7 @@ class ThreadLog:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             self.threads.add(threading.current_thread().name)
             return value(*args, **kwargs)
+
         return recorded
 
     def snapshot(self) -> Any:
@@ -179,6 +193,7 @@ class ThreadLog:
             def build(self) -> ThreadLog:
                 copies.append(ThreadLog(inner.build(), copies))
                 return copies[-1]
+
         return Snapshot()
 
 
@@ -194,11 +209,18 @@ def test_no_tokenizer_object_is_used_by_two_threads(tiny_model_dir):
     running = RunningServer(build_app(async_engine, ServerSettings((MODEL,))), async_engine).start()
     try:
         with running.client() as http:
-            for body in ({"prompt": "abc", "max_tokens": 3, "logprobs": 2, "echo": True},
-                         {"prompt": "abc", "max_tokens": 3, "logprobs": 2, "stream": True}):
+            for body in (
+                {"prompt": "abc", "max_tokens": 3, "logprobs": 2, "echo": True},
+                {"prompt": "abc", "max_tokens": 3, "logprobs": 2, "stream": True},
+            ):
                 assert http.post("/v1/completions", json=body).status_code == 200
-            assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                           "max_tokens": 3, "logprobs": True}).status_code == 200
+            assert (
+                http.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logprobs": True},
+                ).status_code
+                == 200
+            )
             assert http.post("/detokenize", json={"tokens": [5, 6]}).status_code == 200
     finally:
         running.stop()
@@ -223,7 +245,12 @@ def test_a_tokenizer_copy_is_independent_and_identical(tiny_model_dir):
     for skip in (True, False):
         assert copy.decode(ids, skip_special_tokens=skip) == original.decode(ids, skip_special_tokens=skip)
     assert (copy.special_ids, copy.bos_token_id, copy.eos_token_id, copy.add_bos, copy.chat_template, copy.name) == (
-        original.special_ids, original.bos_token_id, original.eos_token_id, original.add_bos, original.chat_template,
-        original.name)
+        original.special_ids,
+        original.bos_token_id,
+        original.eos_token_id,
+        original.add_bos,
+        original.chat_template,
+        original.name,
+    )
     messages = [{"role": "user", "content": "hi"}]
     assert copy.apply_chat_template(messages) == original.apply_chat_template(messages)

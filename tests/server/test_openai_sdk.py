@@ -33,8 +33,9 @@ def test_models_lists_served_names(client, server):
 
 
 def test_completion_basic_usage_and_model_alias(client):
-    r = client.completions.create(model="tiny-alias", prompt="Hello there", max_tokens=5, temperature=0,
-                                  extra_body=GREEDY)
+    r = client.completions.create(
+        model="tiny-alias", prompt="Hello there", max_tokens=5, temperature=0, extra_body=GREEDY
+    )
     assert r.object == "text_completion" and r.model == "tiny-alias"
     (choice,) = r.choices
     assert choice.finish_reason == "length" and choice.text
@@ -64,25 +65,36 @@ def test_greedy_stream_equals_non_stream(client):
 
 
 def test_prompt_list_and_n_give_indexed_choices(client):
-    r = client.completions.create(model=MODEL, prompt=["ab", "cd"], n=2, max_tokens=3, temperature=1.0, seed=7,
-                                  extra_body=GREEDY)
+    r = client.completions.create(
+        model=MODEL, prompt=["ab", "cd"], n=2, max_tokens=3, temperature=1.0, seed=7, extra_body=GREEDY
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert all(c.finish_reason == "length" for c in r.choices)
     assert r.usage.prompt_tokens == 3 + 3 and r.usage.completion_tokens == 4 * 3
 
 
 def test_token_id_prompts(client):
-    r = client.completions.create(model=MODEL, prompt=[[2, 40, 41, 42], [2, 50]], max_tokens=2, temperature=0,
-                                  extra_body=GREEDY)
+    r = client.completions.create(
+        model=MODEL, prompt=[[2, 40, 41, 42], [2, 50]], max_tokens=2, temperature=0, extra_body=GREEDY
+    )
     assert len(r.choices) == 2 and r.usage.prompt_tokens == 6
-    single = client.completions.create(model=MODEL, prompt=[2, 40, 41, 42], max_tokens=2, temperature=0,
-                                       extra_body=GREEDY)
+    single = client.completions.create(
+        model=MODEL, prompt=[2, 40, 41, 42], max_tokens=2, temperature=0, extra_body=GREEDY
+    )
     assert single.choices[0].text == r.choices[0].text
 
 
 def test_streaming_prompts_and_n_with_usage(client):
-    stream = client.completions.create(model=MODEL, prompt=["ab", "cd"], n=2, max_tokens=4, stream=True, seed=1,
-                                       stream_options={"include_usage": True}, extra_body=GREEDY)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=["ab", "cd"],
+        n=2,
+        max_tokens=4,
+        stream=True,
+        seed=1,
+        stream_options={"include_usage": True},
+        extra_body=GREEDY,
+    )
     texts: dict[int, str] = {}
     finished: set[int] = set()
     chunks = list(stream)
@@ -107,8 +119,9 @@ def _hf_prompt_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
 def test_lm_eval_loglikelihood_request(client, tiny_model_dir, max_tokens):
     """lm-evaluation-harness local-completions: token-id prompts, echo, logprobs=1, max_tokens 0 or 1."""
     ids = [2, 60, 70, 80, 90, 61, 71]
-    r = client.completions.create(model=MODEL, prompt=[ids], echo=True, max_tokens=max_tokens, logprobs=1,
-                                  temperature=0, seed=1234)
+    r = client.completions.create(
+        model=MODEL, prompt=[ids], echo=True, max_tokens=max_tokens, logprobs=1, temperature=0, seed=1234
+    )
     (choice,) = r.choices
     lp = choice.logprobs
     n = len(ids) + max_tokens
@@ -129,8 +142,9 @@ def test_lm_eval_loglikelihood_request(client, tiny_model_dir, max_tokens):
 
 
 def test_string_prompt_echo_text_offsets(client):
-    r = client.completions.create(model=MODEL, prompt="abc", echo=True, max_tokens=3, logprobs=2, temperature=0,
-                                  extra_body=GREEDY)
+    r = client.completions.create(
+        model=MODEL, prompt="abc", echo=True, max_tokens=3, logprobs=2, temperature=0, extra_body=GREEDY
+    )
     (choice,) = r.choices
     lp = choice.logprobs
     assert choice.text.startswith("abc")
@@ -142,10 +156,17 @@ def test_string_prompt_echo_text_offsets(client):
 
 def test_chat_non_streaming(client):
     r = client.chat.completions.create(
-        model=MODEL, max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
-        messages=[{"role": "system", "content": "be brief"},
-                  {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
-        extra_body=GREEDY)
+        model=MODEL,
+        max_completion_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
+        ],
+        extra_body=GREEDY,
+    )
     assert r.object == "chat.completion"
     (choice,) = r.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
@@ -160,15 +181,21 @@ def test_chat_non_streaming(client):
 def test_chat_streaming_order_raw_frames(http):
     """Role chunk first (after prefill), content deltas, finish, usage chunk with empty choices, [DONE];
     plain `data:` frames only."""
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
     frames = raw.split("\n\n")
     assert frames[-1] == "" and frames[-2] == "data: [DONE]"
     assert all(f.startswith("data: ") for f in frames[:-1])
-    chunks = [json.loads(f[len("data: "):]) for f in frames[:-2]]
+    chunks = [json.loads(f[len("data: ") :]) for f in frames[:-2]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[0]["object"] == "chat.completion.chunk"
     content = [c for c in chunks[1:-1]]
@@ -180,8 +207,13 @@ def test_chat_streaming_order_raw_frames(http):
 
 
 def test_chat_streaming_sdk_matches_non_streaming(client):
-    kw = {"model": MODEL, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 8, "temperature": 0,
-          "extra_body": GREEDY}
+    kw = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "abc"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": GREEDY,
+    }
     full = client.chat.completions.create(**kw).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -190,15 +222,21 @@ def test_chat_streaming_sdk_matches_non_streaming(client):
 
 def test_async_client_concurrent_requests(aclient):
     async def run() -> None:
-        completions = [aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=4, extra_body=GREEDY)
-                       for i in range(4)]
-        chats = [aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
-                                                 max_tokens=4, extra_body=GREEDY) for i in range(2)]
+        completions = [
+            aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=4, extra_body=GREEDY) for i in range(4)
+        ]
+        chats = [
+            aclient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=4, extra_body=GREEDY
+            )
+            for i in range(2)
+        ]
         results = await asyncio.gather(*completions, *chats)
         assert all(r.usage.completion_tokens == 4 for r in results)
 
-        stream = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
-                                                       max_tokens=4, stream=True, extra_body=GREEDY)
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "s"}], max_tokens=4, stream=True, extra_body=GREEDY
+        )
         pieces = [chunk async for chunk in stream]
         assert pieces[0].choices[0].delta.role == "assistant"
         assert pieces[-1].choices[0].finish_reason == "length"
@@ -218,10 +256,11 @@ def test_stop_string_and_stop_reason(client):
     first = client.completions.create(model=MODEL, prompt="xyz", max_tokens=8, temperature=0, extra_body=GREEDY)
     text = first.choices[0].text
     stop = text[2:4]
-    r = client.completions.create(model=MODEL, prompt="xyz", max_tokens=8, temperature=0, stop=[stop],
-                                  extra_body=GREEDY)
+    r = client.completions.create(
+        model=MODEL, prompt="xyz", max_tokens=8, temperature=0, stop=[stop], extra_body=GREEDY
+    )
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == text[:text.index(stop)]
+    assert r.choices[0].text == text[: text.index(stop)]
     assert r.choices[0].model_dump()["stop_reason"] == stop
 
 
@@ -238,8 +277,17 @@ def test_tokenize_detokenize_version(http):
 
 
 def test_chat_n_streaming_gives_each_choice_a_role_and_a_finish(client):
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "n"}], n=2,
-                                                 max_tokens=3, stream=True, seed=3, extra_body=GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "n"}],
+            n=2,
+            max_tokens=3,
+            stream=True,
+            seed=3,
+            extra_body=GREEDY,
+        )
+    )
     roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
     finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason == "length"]
     assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]

@@ -29,8 +29,9 @@ def gemma_server() -> Iterator[RunningServer]:
 
 def test_default_model_chat(gemma_server):
     client = openai.OpenAI(base_url=f"{gemma_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="gemma-3-270m", max_tokens=8, temperature=0,
-                                       messages=[{"role": "user", "content": "Say hello."}])
+    r = client.chat.completions.create(
+        model="gemma-3-270m", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Say hello."}]
+    )
     assert r.model == "gemma-3-270m" and r.choices[0].finish_reason in ("stop", "length")
     # Gemma's turn template: <bos><start_of_turn>user\nSay hello.<end_of_turn>\n<start_of_turn>model\n
     assert r.usage.prompt_tokens == 12 and 0 < r.usage.completion_tokens <= 8

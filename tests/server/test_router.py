@@ -19,8 +19,9 @@ IDLE = ReplicaLoad()
 
 def _run(engine: LLMEngine, request_id: str, prompt: list[int], salt: str | None = None) -> int:
     """Serve one request to the end; the prompt tokens it found in the engine's prefix cache."""
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                       cache_salt=salt)
+    engine.add_request(
+        request_id, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), cache_salt=salt
+    )
     engine.step()
     hit = next(r["prefix_hit_tokens"] for r in engine.kv_snapshot()["requests"] if r["request_id"] == request_id)
     while engine.has_unfinished_requests():
@@ -43,7 +44,7 @@ def test_index_predicts_the_engines_own_prefix_hits(tiny_model_dir: Path) -> Non
     _run(engines["r1"], "b0", tenant_b + [3])
     _feed(router, engines)
     loads = {"r0": IDLE, "r1": IDLE}
-    for prompt, salt, want in ((tenant_a + [7, 8, 9], None, "r0"), (tenant_b[:2 * BS] + [5] * 9, None, "r1")):
+    for prompt, salt, want in ((tenant_a + [7, 8, 9], None, "r0"), (tenant_b[: 2 * BS] + [5] * 9, None, "r1")):
         decision = router.choose(prompt, salt, loads)
         assert decision.replica == want and decision.reason == "prefix_hit"
         hit = _run(engines[want], f"q{want}", prompt, salt)
@@ -84,8 +85,11 @@ def test_imbalance_sends_a_hit_to_the_least_loaded_replica() -> None:
 
 def test_least_loaded_and_round_robin() -> None:
     least = Router("least_loaded", RequestHasher(BS))
-    loads = {"a": ReplicaLoad(num_running=3), "b": ReplicaLoad(num_running=1, kv_cache_usage=0.9),
-             "c": ReplicaLoad(num_running=1, kv_cache_usage=0.2)}
+    loads = {
+        "a": ReplicaLoad(num_running=3),
+        "b": ReplicaLoad(num_running=1, kv_cache_usage=0.9),
+        "c": ReplicaLoad(num_running=1, kv_cache_usage=0.2),
+    }
     assert least.choose([1, 2], None, loads).replica == "c"
     rr = Router("round_robin", RequestHasher(BS))
     assert [rr.choose([1], None, loads).replica for _ in range(4)] == ["a", "b", "c", "a"]

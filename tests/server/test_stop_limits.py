@@ -17,15 +17,20 @@ def test_stop_list_over_the_bounds_is_400(http):
     too_many = {"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}
     err = _error(http.post("/v1/completions", json=too_many))
     assert err["param"] == "stop" and f"at most {MAX_STOP_STRINGS} strings" in err["message"]
-    too_long = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                "stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}
+    too_long = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stop": ["x" * (MAX_STOP_STRING_CHARS + 1)],
+    }
     err = _error(http.post("/v1/chat/completions", json=too_long))
     assert err["param"] == "stop" and f"at most {MAX_STOP_STRING_CHARS} characters" in err["message"]
 
 
 def test_stop_list_at_the_bounds_is_served(http):
     stops = [chr(0x4E00 + i) * MAX_STOP_STRING_CHARS for i in range(MAX_STOP_STRINGS)]  # never generated
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 8, "stop": stops,
-                                           "ignore_eos": True, "temperature": 0})
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "hello", "max_tokens": 8, "stop": stops, "ignore_eos": True, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 8

@@ -16,8 +16,13 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.metrics import EngineStatsCollector
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-        "disable_by_batch_size": 64}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+    "disable_by_batch_size": 64,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -98,8 +103,9 @@ def test_stop_strings_and_max_tokens_end_inside_an_accepted_draft(checkpoint):
         greedy = run(engine, prompts, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 6)
         tokenizer = engine.tokenizer
         stops = [tokenizer.decode(g[10:12]) for g in greedy]  # text that appears mid-output
-        params = [SamplingParams(temperature=0, max_tokens=7 + i, stop=[s], ignore_eos=True)
-                  for i, s in enumerate(stops)]
+        params = [
+            SamplingParams(temperature=0, max_tokens=7 + i, stop=[s], ignore_eos=True) for i, s in enumerate(stops)
+        ]
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"s{i}", p, sp)
         texts: dict[str, tuple[str, str | None]] = {}
@@ -125,13 +131,17 @@ def test_acceptance_metrics_are_exported(checkpoint):
     assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a draft keeps position i only if it kept i - 1
     assert per_pos[0] <= stats.spec_decode_num_drafts
-    family = next(m for m in EngineStatsCollector(engine.stats).collect()
-                  if m.name == "kvserve:spec_decode_num_accepted_tokens_per_pos")
+    family = next(
+        m
+        for m in EngineStatsCollector(engine.stats).collect()
+        if m.name == "kvserve:spec_decode_num_accepted_tokens_per_pos"
+    )
     assert [(s.labels, s.value) for s in family.samples] == [({"position": str(i)}, v) for i, v in enumerate(per_pos)]
     plain = make_engine(checkpoint, None)
     assert plain.stats().spec_decode_num_accepted_tokens_per_pos == ()
     assert "kvserve:spec_decode_num_accepted_tokens_per_pos" not in {
-        m.name for m in EngineStatsCollector(plain.stats).collect()}  # speculation off: no per-position family
+        m.name for m in EngineStatsCollector(plain.stats).collect()
+    }  # speculation off: no per-position family
 
 
 def test_batch_size_gate_turns_drafting_off(checkpoint):
@@ -148,8 +158,10 @@ def test_seeded_sampled_output_identical_with_and_without_speculation(checkpoint
     request gets the same tokens whether drafts ran or not (and whatever its neighbours do). Low temperatures:
     the tiny random model's distributions are flat, and its outputs must loop for drafts to be accepted."""
     prompts = repetitive_prompts(8, seed=7)
-    params = [SamplingParams(temperature=t, top_p=p, seed=100 + i, max_tokens=24, ignore_eos=True)
-              for i, (t, p) in enumerate([(0.02, 1.0), (0.05, 0.9), (0.1, 1.0), (0.2, 0.8)] * 2)]
+    params = [
+        SamplingParams(temperature=t, top_p=p, seed=100 + i, max_tokens=24, ignore_eos=True)
+        for i, (t, p) in enumerate([(0.02, 1.0), (0.05, 0.9), (0.1, 1.0), (0.2, 0.8)] * 2)
+    ]
     off = run(make_engine(checkpoint, None), prompts, params)
     engine = make_engine(checkpoint, SPEC)
     on = run(engine, prompts, params)
@@ -166,8 +178,9 @@ def test_offline_api_takes_speculative_config_and_n_samples_draft(checkpoint):
     params = SamplingParams(n=2, temperature=0.02, seed=5, max_tokens=20, ignore_eos=True)
     llm = LLM(model=str(checkpoint), speculative_config=SPEC, num_gpu_blocks_override=128, block_size=4)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    plain = LLM(model=str(checkpoint), num_gpu_blocks_override=128, block_size=4).generate(prompts, params,
-                                                                                           use_tqdm=False)
+    plain = LLM(model=str(checkpoint), num_gpu_blocks_override=128, block_size=4).generate(
+        prompts, params, use_tqdm=False
+    )
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
     assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
     llm.engine.check_invariants()
@@ -183,7 +196,7 @@ def _oracle_drafts(engine: LLMEngine, reference: list[list[int]]) -> dict[int, i
     def oracle(request, max_model_len):
         done = len(request.output_token_ids)
         room = request.sampling_params.max_tokens - done - 1
-        return reference[int(engine._user_request_id(request.request_id))][done:done + min(k, room)]
+        return reference[int(engine._user_request_id(request.request_id))][done : done + min(k, room)]
 
     real_record = engine.spec.record
 
@@ -208,8 +221,9 @@ def test_constrained_requests_draft_and_keep_their_output(checkpoint, pattern):
 
     prompts = repetitive_prompts(4, seed=1)
     regex = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=pattern))
-    sampled = SamplingParams(temperature=0.5, seed=3, max_tokens=12,
-                             structured_outputs=StructuredOutputsParams(regex=pattern))
+    sampled = SamplingParams(
+        temperature=0.5, seed=3, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
     params = [GREEDY, regex, sampled, regex]
     off = run(make_engine(checkpoint, None), prompts, params)
     assert run(make_engine(checkpoint, SPEC), prompts, params) == off
@@ -224,8 +238,10 @@ def test_requests_with_logprobs_draft_and_report_each_positions_logprobs(checkpo
     the same logprobs, rank and top-n as without drafts: each verified row's raw logprobs. Tolerance 1e-5: a
     verification chunk's logits come from a several-row forward pass, a one-token step's from a single row."""
     prompts = repetitive_prompts(6, seed=1)
-    params = [SamplingParams(temperature=0, logprobs=3, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.05, seed=9, logprobs=1, max_tokens=24, ignore_eos=True)] * 3
+    params = [
+        SamplingParams(temperature=0, logprobs=3, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.05, seed=9, logprobs=1, max_tokens=24, ignore_eos=True),
+    ] * 3
 
     def generate(engine: LLMEngine) -> list:
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -252,8 +268,9 @@ def test_requests_with_logprobs_draft_and_report_each_positions_logprobs(checkpo
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("engine_kw", [{}, dict(num_gpu_blocks_override=24, max_model_len=64)],
-                         ids=["default", "preempt"])
+@pytest.mark.parametrize(
+    "engine_kw", [{}, dict(num_gpu_blocks_override=24, max_model_len=64)], ids=["default", "preempt"]
+)
 def test_penalties_and_min_tokens_verify_exactly(checkpoint, engine_kw):
     """Each verified position's sampler row sees the drafts before it as output (verify.DraftedRow), so repetition,
     presence and frequency penalties and min_tokens blocking judge it as a one-token step would. An oracle drafter
@@ -261,11 +278,12 @@ def test_penalties_and_min_tokens_verify_exactly(checkpoint, engine_kw):
     output; a row that judged with the wrong history would pick another token there, and the output would differ.
     (A tiny random model does not loop under penalties, so n-gram drafts alone would hardly be accepted.)"""
     prompts = repetitive_prompts(8, seed=1)
-    params = [SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, max_tokens=24,
-                             ignore_eos=True),
-              SamplingParams(temperature=0.5, seed=4, frequency_penalty=1.0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0, stop_token_ids=[5, 9], min_tokens=10, max_tokens=24)] * 2
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.5, seed=4, frequency_penalty=1.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, stop_token_ids=[5, 9], min_tokens=10, max_tokens=24),
+    ] * 2
     off = run(make_engine(checkpoint, None, **engine_kw), prompts, params)
     engine = make_engine(checkpoint, SPEC, **engine_kw)
     by_request = _oracle_drafts(engine, off)

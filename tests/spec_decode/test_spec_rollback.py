@@ -45,11 +45,12 @@ def check(manager: KVCacheManager, live: list[FakeRequest]) -> None:
             if block.block_hash is not None:  # a published block holds exactly the real tokens there
                 bs = manager.block_size
                 assert (i + 1) * bs <= request.num_tokens  # never a block of draft slots
-                assert block.key is not None and list(block.key.token_ids) == request.tokens[i * bs:(i + 1) * bs]
+                assert block.key is not None and list(block.key.token_ids) == request.tokens[i * bs : (i + 1) * bs]
 
 
-ops = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 5), st.integers(0, 3)),
-               min_size=1, max_size=60)
+ops = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=60
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -19,15 +19,15 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def _sample_row(sampler: Sampler, logits: torch.Tensor, request: Request, row: int) -> int:
-    return sampler(logits[row:row + 1], [request])[0].token_id
+    return sampler(logits[row : row + 1], [request])[0].token_id
 
 
 def test_verification_keeps_the_target_distribution_at_every_position():
     """Draft [t0, t1] against two positions' logits: the first gained token ~ p0 (so the draft t0 is accepted with
     probability p0(t0) and a rejection follows p0 without t0, renormalized), and after an acceptance the next ~ p1."""
-    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 0.2],
-                           [0.0, 1.2, -0.3, 0.4, -1.0, 0.1],
-                           [0.3, 0.3, 0.3, 0.3, 0.3, 0.3]])
+    logits = torch.tensor(
+        [[1.0, 0.5, 0.0, -0.5, -1.0, 0.2], [0.0, 1.2, -0.3, 0.4, -1.0, 0.1], [0.3, 0.3, 0.3, 0.3, 0.3, 0.3]]
+    )
     draft = [1, 3]
     sampler = Sampler([99], seed=7)
     request = Request("r", [0], SamplingParams(temperature=1.0))
@@ -63,6 +63,6 @@ def test_a_seeded_request_draws_once_per_token_gained():
     reference = [alone(logits[:1], [plain])[0].token_id for _ in range(40)]
     got: list[int] = []
     while len(got) < 40:
-        draft = reference[len(got) + 1:len(got) + 4] if len(got) % 2 else [3, 3, 3]  # right and wrong drafts
+        draft = reference[len(got) + 1 : len(got) + 4] if len(got) % 2 else [3, 3, 3]  # right and wrong drafts
         got += verify_by_sampling(draft, functools.partial(_sample_row, drafted, logits, spec))
     assert got[:40] == reference

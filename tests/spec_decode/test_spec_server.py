@@ -12,8 +12,7 @@ PROMPT = [2, 213, 188, 124, 205, 213, 188, 124, 205, 213, 188, 124, 205, 213, 18
 
 
 def _complete(server, stream: bool) -> list[str] | str:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": stream}
     with server.client() as client:
         if not stream:
             response = client.post("/v1/completions", json=body)
@@ -36,8 +35,13 @@ def test_streamed_and_plain_completions_match_and_counters_are_exported(make_ser
     with server.client() as client:
         values = metric_values(client)
     assert values["kvserve:spec_decode_num_drafts_total"] > 0
-    assert 0 < values["kvserve:spec_decode_num_accepted_tokens_total"] <= values[
-        "kvserve:spec_decode_num_draft_tokens_total"]
-    per_pos = [values[f"kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"]
-               for i in range(SPEC["num_speculative_tokens"])]
+    assert (
+        0
+        < values["kvserve:spec_decode_num_accepted_tokens_total"]
+        <= values["kvserve:spec_decode_num_draft_tokens_total"]
+    )
+    per_pos = [
+        values[f"kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"]
+        for i in range(SPEC["num_speculative_tokens"])
+    ]
     assert sum(per_pos) == values["kvserve:spec_decode_num_accepted_tokens_total"]

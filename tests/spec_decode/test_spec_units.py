@@ -38,8 +38,14 @@ def test_config_parses_vllm_json_and_rejects_other_methods():
     for method in ("eagle", "draft_model", "mtp"):
         with pytest.raises(ValueError, match="not supported"):
             parse_speculative_config({"method": method})
-    for bad in ('{"method": "ngram", "num_speculative_tokens": 0}', '{"method": "magic"}', "{nope",
-                '{"method": "ngram", "model": "x"}', '{"num_speculative_tokens": 2}', "[1]"):
+    for bad in (
+        '{"method": "ngram", "num_speculative_tokens": 0}',
+        '{"method": "magic"}',
+        "{nope",
+        '{"method": "ngram", "model": "x"}',
+        '{"num_speculative_tokens": 2}',
+        "[1]",
+    ):
         with pytest.raises(ValueError):
             parse_speculative_config(bad)
 
@@ -69,9 +75,11 @@ def test_gate_drafts_only_requests_it_verifies_exactly():
     assert spec.wants_draft(_decoding(greedy, [3]), {})
     assert not spec.wants_draft(_decoding(greedy, [3]), {"r": None})  # a grammar whose matcher is not made yet
     assert spec.wants_draft(_decoding(SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=50), [3]), {})
-    for params in (SamplingParams(temperature=0, logprobs=2, max_tokens=50),
-                   SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=50),
-                   SamplingParams(temperature=0, min_tokens=5, max_tokens=50)):
+    for params in (
+        SamplingParams(temperature=0, logprobs=2, max_tokens=50),
+        SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=50),
+        SamplingParams(temperature=0, min_tokens=5, max_tokens=50),
+    ):
         assert spec.wants_draft(_decoding(params, [3]), {})  # verify.DraftedRow makes each exact
     prefilling = _decoding(greedy, [3])
     prefilling.num_computed_tokens = 2
@@ -121,8 +129,13 @@ def test_spec_decode_imports_downward_only():
     forbidden = ("kvserve.engine", "kvserve.server", "kvserve.bench", "kvserve.cli", "kvserve.kv")
     for path in Path(kvserve.spec_decode.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not [n for n in names if n.startswith(forbidden)], (path.name, names)
 
 

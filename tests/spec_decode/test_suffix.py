@@ -29,9 +29,11 @@ def indexed(tokens: list[int], depth: int = 24) -> tuple[SuffixTrie, list]:
 
 def dump(trie: SuffixTrie) -> tuple:
     """The trie's counts as nested tuples (children in token order), to compare two tries."""
+
     def node(n) -> tuple:
         kids = n.children or ({} if n.best is None else {n.best: n.best_child})
         return n.count, n.total, tuple((t, node(c)) for t, c in sorted(kids.items()))
+
     return node(trie.root)
 
 
@@ -146,12 +148,21 @@ def test_make_drafter_follows_the_method():
 def test_config_keys_defaults_and_errors():
     cfg = parse_speculative_config('{"method": "suffix"}')
     assert cfg is not None
-    assert (cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
-            cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob) == (8, 24, 1000, 1.0, 0.1)
+    assert (
+        cfg.num_speculative_tokens,
+        cfg.suffix_decoding_max_tree_depth,
+        cfg.suffix_decoding_max_cached_requests,
+        cfg.suffix_decoding_max_spec_factor,
+        cfg.suffix_decoding_min_token_prob,
+    ) == (8, 24, 1000, 1.0, 0.1)
     assert parse_speculative_config({"method": "ngram"}).num_speculative_tokens == 4  # type: ignore[union-attr]
     assert parse_speculative_config({"method": "suffix", "num_speculative_tokens": 3}).num_speculative_tokens == 3  # type: ignore[union-attr]
-    bad = [("suffix_decoding_max_tree_depth", 1, ">= 2"), ("suffix_decoding_max_cached_requests", -1, ">= 0"),
-           ("suffix_decoding_max_spec_factor", 0, "> 0"), ("suffix_decoding_min_token_prob", 1.5, r"in \[0, 1\]")]
+    bad = [
+        ("suffix_decoding_max_tree_depth", 1, ">= 2"),
+        ("suffix_decoding_max_cached_requests", -1, ">= 0"),
+        ("suffix_decoding_max_spec_factor", 0, "> 0"),
+        ("suffix_decoding_min_token_prob", 1.5, r"in \[0, 1\]"),
+    ]
     for key, value, expected in bad:
         with pytest.raises(ValueError, match=f"{key} must be {expected}"):
             parse_speculative_config({"method": "suffix", key: value})
@@ -163,8 +174,9 @@ def test_config_keys_defaults_and_errors():
         parse_speculative_config('"suffix"')
 
 
-@pytest.mark.parametrize("engine_kw", [{}, dict(num_gpu_blocks_override=24, max_model_len=64)],
-                         ids=["default", "preempt"])
+@pytest.mark.parametrize(
+    "engine_kw", [{}, dict(num_gpu_blocks_override=24, max_model_len=64)], ids=["default", "preempt"]
+)
 def test_engine_output_identical_and_state_released(checkpoint, engine_kw):  # noqa: F811 -- the imported fixture
     prompts = repetitive_prompts(6, seed=3)
     prompts += prompts[:2]  # repeated requests: the global cache has their first copy's output

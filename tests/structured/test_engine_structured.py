@@ -81,8 +81,9 @@ def test_json_schema_output_validates_and_stops(llm: LLM) -> None:
 def test_regex_and_choice(llm: LLM) -> None:
     regex = StructuredOutputsParams(regex="[a-c]{2,5}x")
     choice = StructuredOutputsParams(choice=["alpha", "beta", "gamma"])
-    outs = llm.generate(["p", "q"], [greedy(structured_outputs=regex), greedy(structured_outputs=choice)],
-                        use_tqdm=False)
+    outs = llm.generate(
+        ["p", "q"], [greedy(structured_outputs=regex), greedy(structured_outputs=choice)], use_tqdm=False
+    )
     assert re.fullmatch("[a-c]{2,5}x", outs[0].outputs[0].text) and outs[0].outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].text in {"alpha", "beta", "gamma"} and outs[1].outputs[0].finish_reason == "stop"
 
@@ -95,12 +96,16 @@ def test_grammar_that_cannot_finish_ends_with_length(llm: LLM) -> None:
 def test_unconstrained_rows_are_bit_identical_next_to_constrained_ones(llm: LLM) -> None:
     """Same batch shapes at every step (the neighbours never finish early), so any difference would be the mask's."""
     prompts = ["one", "two two", "three", "four four four", "five", "six"]
-    mine = [greedy(max_tokens=12, ignore_eos=True, logprobs=3),
-            SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, logprobs=3),  # batch draw
-            SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=12, ignore_eos=True, logprobs=3)]
-    plain_neighbours = [greedy(max_tokens=12, ignore_eos=True),
-                        SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True),
-                        SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)]
+    mine = [
+        greedy(max_tokens=12, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, logprobs=3),  # batch draw
+        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=12, ignore_eos=True, logprobs=3),
+    ]
+    plain_neighbours = [
+        greedy(max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True),
+    ]
     constrained = [p.clone(structured_outputs=LONG) for p in plain_neighbours]
     runs = []
     for k, neighbours in enumerate((plain_neighbours, constrained)):
@@ -117,8 +122,10 @@ def test_unconstrained_rows_are_bit_identical_next_to_constrained_ones(llm: LLM)
 
 
 def test_greedy_is_deterministic_and_seeds_reproduce(llm: LLM) -> None:
-    params = [greedy(structured_outputs=JSON),
-              SamplingParams(temperature=1.0, seed=7, max_tokens=40, structured_outputs=JSON)]
+    params = [
+        greedy(structured_outputs=JSON),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=40, structured_outputs=JSON),
+    ]
     first = llm.generate(["x", "y"], params, use_tqdm=False)
     second = llm.generate(["x", "y"], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
@@ -126,8 +133,9 @@ def test_greedy_is_deterministic_and_seeds_reproduce(llm: LLM) -> None:
 
 def test_n_samples_each_follow_the_grammar(llm: LLM) -> None:
     regex = StructuredOutputsParams(regex="[a-f]{3,8}(!|\\?)")
-    out = llm.generate("z", SamplingParams(n=4, temperature=1.5, seed=11, max_tokens=20, structured_outputs=regex),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "z", SamplingParams(n=4, temperature=1.5, seed=11, max_tokens=20, structured_outputs=regex), use_tqdm=False
+    )[0]
     texts = [c.text for c in out.outputs]
     assert len(texts) == 4 and all(re.fullmatch("[a-f]{3,8}(!|\\?)", t) for t in texts)
     assert all(c.finish_reason == "stop" for c in out.outputs)
@@ -289,12 +297,21 @@ def test_structured_outputs_accepts_vllm_dicts_and_rejects_junk() -> None:
         EngineConfig(structured_outputs_backend="outlines")
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}]
-TOOL_TEMPLATE = ("{%- if tools %}[tools:{% for t in tools %} {{ t.function.name }}{% endfor %}]\n{% endif %}"
-                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]},
+        },
+    }
+]
+TOOL_TEMPLATE = (
+    "{%- if tools %}[tools:{% for t in tools %} {{ t.function.name }}{% endfor %}]\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def test_chat_renders_tools_and_a_forced_call_parses(llm: LLM) -> None:
@@ -302,18 +319,26 @@ def test_chat_renders_tools_and_a_forced_call_parses(llm: LLM) -> None:
 
     forced = tool_choice_params(TOOLS, "required", disable_any_whitespace=True)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    out = llm.chat(messages, greedy(max_tokens=120, structured_outputs=forced), use_tqdm=False,
-                   chat_template=TOOL_TEMPLATE, tools=TOOLS)[0]
+    out = llm.chat(
+        messages,
+        greedy(max_tokens=120, structured_outputs=forced),
+        use_tqdm=False,
+        chat_template=TOOL_TEMPLATE,
+        tools=TOOLS,
+    )[0]
     assert out.prompt is not None and out.prompt.startswith("[tools: get_weather]\n<user>Weather in Paris?")
     assert out.outputs[0].finish_reason == "stop"
     calls = parse_forced_tool_calls(out.outputs[0].text, "required")
-    assert calls and all(c.name == "get_weather" and json.loads(c.arguments)["city"] in ("Paris", "Oslo")
-                         for c in calls)
+    assert calls and all(
+        c.name == "get_weather" and json.loads(c.arguments)["city"] in ("Paris", "Oslo") for c in calls
+    )
 
 
 def test_chat_takes_a_batch_of_conversations(llm: LLM) -> None:
-    conversations = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "s"},
-                                                           {"role": "user", "content": "yo"}]]
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "yo"}],
+    ]
     outs = llm.chat(conversations, greedy(max_tokens=3), use_tqdm=False, chat_template=TOOL_TEMPLATE)
     assert [o.prompt for o in outs] == ["<user>hi\n<assistant>", "<system>s\n<user>yo\n<assistant>"]
     with pytest.raises(ValueError, match="messages"):

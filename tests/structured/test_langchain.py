@@ -25,8 +25,9 @@ class Weather(BaseModel):
 
 def _llm(server, **kw) -> langchain_openai.ChatOpenAI:
     options = {"temperature": 0, "max_tokens": 200, **kw}
-    return langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.base_url}/v1", api_key="unused",
-                                       max_retries=0, timeout=60, **options)
+    return langchain_openai.ChatOpenAI(
+        model=MODEL, base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60, **options
+    )
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
@@ -77,6 +78,7 @@ def test_bind_tools_agent_loop(tools_server):
 
 def test_bind_tools_streams_tool_call_chunks(tools_server):
     """Streamed, LangChain puts the call pieces back together into the same call."""
+
     @tools_mod.tool
     def lookup(term: Literal["cat", "dog"]) -> str:
         """Look a term up."""

@@ -21,8 +21,9 @@ def request(i: int, **kw: object) -> Request:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_no_finite_allowed_logit_still_samples_an_allowed_token(tiny_backends: dict[str, GrammarBackend],
-                                                                 temperature: float) -> None:
+def test_no_finite_allowed_logit_still_samples_an_allowed_token(
+    tiny_backends: dict[str, GrammarBackend], temperature: float
+) -> None:
     """Every allowed token's logit is NaN, every forbidden one finite: the fallback must keep to the grammar."""
     backend = tiny_backends["xgrammar"]
     matcher = backend.matcher(backend.compile(DIGITS))
@@ -37,9 +38,13 @@ def test_unconstrained_rows_untouched(tiny_backends: dict[str, GrammarBackend]) 
     backend = tiny_backends["xgrammar"]
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(3, TINY_LOGITS_WIDTH, generator=gen)
+
     def requests() -> list[Request]:  # fresh ones each time: a seeded request's generator advances
-        return [request(0, temperature=0.0, logprobs=2), request(1, temperature=0.0),
-                request(2, temperature=0.9, seed=4, logprobs=2)]
+        return [
+            request(0, temperature=0.0, logprobs=2),
+            request(1, temperature=0.0),
+            request(2, temperature=0.9, seed=4, logprobs=2),
+        ]
 
     plain = Sampler([EOS], seed=0)(logits.clone(), requests())
     matcher = backend.matcher(backend.compile(DIGITS))
@@ -52,6 +57,7 @@ def test_unconstrained_rows_untouched(tiny_backends: dict[str, GrammarBackend]) 
 
 def test_all_rows_unconstrained_is_the_plain_path() -> None:
     logits = torch.randn(2, TINY_LOGITS_WIDTH, generator=torch.Generator().manual_seed(2))
+
     def requests() -> list[Request]:
         return [request(0, temperature=0.0), request(1, temperature=0.5, seed=9)]
 

@@ -41,24 +41,46 @@ def gemma_client() -> Iterator[openai.OpenAI]:
 
 # -- 25 schemas of varied shape ------------------------------------------------------------------------------------
 
-_NAMES = ["title", "city", "owner", "status", "score", "count", "tags", "price", "active", "code", "when", "kind",
-          "items", "rating", "email", "level", "note", "size", "color", "id"]
+_NAMES = [
+    "title",
+    "city",
+    "owner",
+    "status",
+    "score",
+    "count",
+    "tags",
+    "price",
+    "active",
+    "code",
+    "when",
+    "kind",
+    "items",
+    "rating",
+    "email",
+    "level",
+    "note",
+    "size",
+    "color",
+    "id",
+]
 
 
 def _scalar(rng: random.Random) -> dict[str, Any]:
-    return rng.choice([
-        {"type": "string", "maxLength": 16},
-        {"type": "string", "minLength": 2, "maxLength": 10},
-        {"type": "integer", "minimum": 0, "maximum": 1000},
-        {"type": "number", "minimum": -5, "maximum": 5},
-        {"type": "boolean"},
-        {"enum": ["low", "medium", "high"]},
-        {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-        {"const": "v1"},
-        {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "maxLength": 8}]},
-        {"type": "string", "format": "date"},
-        {"type": ["string", "null"], "maxLength": 12},
-    ])
+    return rng.choice(
+        [
+            {"type": "string", "maxLength": 16},
+            {"type": "string", "minLength": 2, "maxLength": 10},
+            {"type": "integer", "minimum": 0, "maximum": 1000},
+            {"type": "number", "minimum": -5, "maximum": 5},
+            {"type": "boolean"},
+            {"enum": ["low", "medium", "high"]},
+            {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+            {"const": "v1"},
+            {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "maxLength": 8}]},
+            {"type": "string", "format": "date"},
+            {"type": ["string", "null"], "maxLength": 12},
+        ]
+    )
 
 
 def _value(rng: random.Random, depth: int) -> dict[str, Any]:
@@ -86,10 +108,16 @@ def generated_schemas(count: int = 25, seed: int = 15) -> list[dict[str, Any]]:
     for i in range(count):
         schema = _object(rng, 0, rng.randint(2, 5))
         if i % 5 == 4:
-            schema = {"$defs": {"Part": _object(rng, 1, 2)}, "type": "object",
-                      "properties": {"main": {"$ref": "#/$defs/Part"},
-                                     "extra": {"type": "array", "items": {"$ref": "#/$defs/Part"}, "maxItems": 2}},
-                      "required": ["main", "extra"], "additionalProperties": False}
+            schema = {
+                "$defs": {"Part": _object(rng, 1, 2)},
+                "type": "object",
+                "properties": {
+                    "main": {"$ref": "#/$defs/Part"},
+                    "extra": {"type": "array", "items": {"$ref": "#/$defs/Part"}, "maxItems": 2},
+                },
+                "required": ["main", "extra"],
+                "additionalProperties": False,
+            }
         schemas.append(schema)
     return schemas
 
@@ -98,11 +126,14 @@ def test_generated_schemas_are_valid(gemma_client):
     def ask(i_schema: tuple[int, dict[str, Any]]) -> tuple[str, str]:
         i, schema = i_schema
         r = gemma_client.chat.completions.create(
-            model=MODEL, max_tokens=400, temperature=0.7, seed=i,
+            model=MODEL,
+            max_tokens=400,
+            temperature=0.7,
+            seed=i,
             messages=[{"role": "user", "content": "Write one realistic example record as JSON."}],
-            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
-                                                                    "strict": True}},
-            extra_body=COMPACT)
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
+            extra_body=COMPACT,
+        )
         return r.choices[0].finish_reason, r.choices[0].message.content
 
     schemas = generated_schemas()
@@ -125,28 +156,52 @@ class Movie(BaseModel):
 
 def test_parse_with_a_pydantic_model(gemma_client):
     r = gemma_client.beta.chat.completions.parse(
-        model=MODEL, max_tokens=100, temperature=0, response_format=Movie, extra_body=COMPACT,
-        messages=[{"role": "user", "content": "Name a famous movie."}])
+        model=MODEL,
+        max_tokens=100,
+        temperature=0,
+        response_format=Movie,
+        extra_body=COMPACT,
+        messages=[{"role": "user", "content": "Name a famous movie."}],
+    )
     assert isinstance(r.choices[0].message.parsed, Movie)
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_calls_on_the_default_model(gemma_client, tool_choice):
     # A base model left to itself repeats the call until max_tokens: one call (parallel_tool_calls false) ends it.
-    kw = dict(model=MODEL, max_tokens=80, temperature=0, tools=[WEATHER], tool_choice=tool_choice,
-              parallel_tool_calls=False, messages=[{"role": "user", "content": "What's the weather like in Paris?"}])
+    kw = dict(
+        model=MODEL,
+        max_tokens=80,
+        temperature=0,
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "What's the weather like in Paris?"}],
+    )
     r = gemma_client.chat.completions.create(**kw)
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    arguments = "".join(p.function.arguments or "" for c in gemma_client.chat.completions.create(stream=True, **kw)
-                        if c.choices for p in c.choices[0].delta.tool_calls or [] if p.index == 0)
+    arguments = "".join(
+        p.function.arguments or ""
+        for c in gemma_client.chat.completions.create(stream=True, **kw)
+        if c.choices
+        for p in c.choices[0].delta.tool_calls or []
+        if p.index == 0
+    )
     assert arguments == call.function.arguments

@@ -21,31 +21,76 @@ EOS = 1
 STR: dict[str, Any] = {"type": "string", "maxLength": 6}
 
 SCHEMAS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "kind": {"enum": ["cat", "dog", "bird"]}, "tag": {"const": "v1"}, "ok": {"type": "boolean"},
-        "none": {"type": "null"}, "score": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["kind", "tag", "ok", "none", "score"]},
-    {"type": "object", "properties": {
-        "items": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2,
-                  "maxItems": 4},
-        "inner": {"type": "object", "properties": {"x": STR, "y": {"type": "array", "items": STR, "maxItems": 2}},
-                  "required": ["x", "y"], "additionalProperties": False}},
-     "required": ["items", "inner"]},
-    {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                         "y": {"type": "integer", "minimum": 0, "maximum": 9}},
-                         "required": ["x", "y"], "additionalProperties": False}},
-     "type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
-     "required": ["a", "b"]},
-    {"type": "object", "properties": {
-        "value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, STR]},
-        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-        "opt": STR},
-     "required": ["value", "code"]},
-    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1,
-                                                                       "maximum": 9}},
-                                "required": ["id"]}, "minItems": 1, "maxItems": 3},
+    {
+        "type": "object",
+        "properties": {"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["cat", "dog", "bird"]},
+            "tag": {"const": "v1"},
+            "ok": {"type": "boolean"},
+            "none": {"type": "null"},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["kind", "tag", "ok", "none", "score"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "inner": {
+                "type": "object",
+                "properties": {"x": STR, "y": {"type": "array", "items": STR, "maxItems": 2}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["items", "inner"],
+    },
+    {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+        "required": ["a", "b"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, STR]},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+            "opt": STR,
+        },
+        "required": ["value", "code"],
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["id"],
+        },
+        "minItems": 1,
+        "maxItems": 3,
+    },
 ]
 
 
@@ -81,9 +126,13 @@ def test_json_object_means_any_object(tiny_backends: dict, tiny_tokenizer, name:
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_properties_in_anyof_branches_stay_satisfiable(tiny_backends: dict, name: str) -> None:
-    schema = {"type": "object", "anyOf": [{"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
-                                           "required": ["a"]},
-                                          {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}
+    schema = {
+        "type": "object",
+        "anyOf": [
+            {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
+            {"properties": {"b": {"type": "boolean"}}, "required": ["b"]},
+        ],
+    }
     backend = tiny_backends[name]
     grammar = backend.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
     for seed in range(3):
@@ -142,7 +191,7 @@ def test_rollback_restores_masks_and_termination(tiny_backends: dict, name: str)
         position = matcher.num_accepted
         assert allowed_ids(matcher, TINY_LOGITS_WIDTH) == masks[position]
     # And forward again to the same end.
-    for token in tokens[matcher.num_accepted:]:
+    for token in tokens[matcher.num_accepted :]:
         assert matcher.accept_token(token)
     assert matcher.accept_token(EOS) and matcher.is_terminated()
     matcher.reset()
@@ -187,8 +236,9 @@ def test_validate_tokens_counts_the_accepted_prefix(tiny_backends: dict, tiny_to
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_validate_tokens_stops_before_a_token_that_completes_the_grammar(tiny_backends: dict, tiny_tokenizer,
-                                                                         name: str) -> None:
+def test_validate_tokens_stops_before_a_token_that_completes_the_grammar(
+    tiny_backends: dict, tiny_tokenizer, name: str
+) -> None:
     """Speculative drafts end before the grammar would complete: every verified position needs a live state."""
     backend = tiny_backends[name]
     matcher = backend.matcher(backend.compile(StructuredOutputsParams(regex="abc")))
@@ -245,8 +295,9 @@ def test_compile_errors_are_value_errors_naming_field_and_reason(
 
 
 def test_whitespace_pattern_needs_guidance(tiny_backends: dict) -> None:
-    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": STR}, "required": ["a"]},
-                                     whitespace_pattern="[ ]?")
+    params = StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": STR}, "required": ["a"]}, whitespace_pattern="[ ]?"
+    )
     with pytest.raises(GrammarCompileError, match="whitespace_pattern: not supported by xgrammar"):
         tiny_backends["xgrammar"].compile(params)
     grammar = tiny_backends["auto"].compile(params)  # auto falls back to llguidance
@@ -321,5 +372,9 @@ def test_a_guidance_matcher_in_error_allows_only_stop_tokens(tiny_backends: dict
     inner.consume_token(tiny_tokenizer.token_to_id("x"))  # straight into llguidance's error state
     assert "doesn't satisfy the grammar" in (matcher.error() or "")
     assert allowed_ids(matcher, TINY_LOGITS_WIDTH) == {EOS}
-    assert tiny_backends["xgrammar"].matcher(tiny_backends["xgrammar"].compile(
-        StructuredOutputsParams(regex="abc"))).error() is None
+    assert (
+        tiny_backends["xgrammar"]
+        .matcher(tiny_backends["xgrammar"].compile(StructuredOutputsParams(regex="abc")))
+        .error()
+        is None
+    )

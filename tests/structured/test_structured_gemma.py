@@ -24,9 +24,14 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "status": {"enum": ["active", "inactive", "pending"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
         "verified": {"type": "boolean"},
     },
     "required": ["name", "age", "status", "tags", "address", "verified"],
@@ -45,8 +50,9 @@ def test_schema_walk_validates(gemma_backends: dict, gemma_tokenizer, name: str)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_special_tokens_never_allowed_and_stop_only_at_the_end(gemma_backends: dict, gemma_tokenizer,
-                                                                name: str) -> None:
+def test_special_tokens_never_allowed_and_stop_only_at_the_end(
+    gemma_backends: dict, gemma_tokenizer, name: str
+) -> None:
     backend = gemma_backends[name]
     schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
     matcher = backend.matcher(backend.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
@@ -79,8 +85,7 @@ def test_regex_choice_and_rollback(gemma_backends: dict, gemma_tokenizer, name: 
 
 
 def test_forced_tool_call_on_gemma(gemma_backends: dict, gemma_tokenizer) -> None:
-    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-              "required": ["city"]}
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
     backend = gemma_backends["xgrammar"]
     grammar = compile_tool_choice(backend, tools, "required", parallel_tool_calls=False, disable_any_whitespace=True)

@@ -24,6 +24,10 @@ def imports_of(path: Path) -> set[str]:
 
 def test_structured_imports_downward_only() -> None:
     root = Path(kvserve.structured.__file__).parent
-    found = [f"{path.name} imports {name}" for path in sorted(root.glob("*.py")) for name in imports_of(path)
-             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)]
+    found = [
+        f"{path.name} imports {name}"
+        for path in sorted(root.glob("*.py"))
+        for name in imports_of(path)
+        if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+    ]
     assert not found

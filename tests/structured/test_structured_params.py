@@ -11,36 +11,42 @@ from kvserve.structured import ConstraintKind, StructuredOutputsParams
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
 
 
-@pytest.mark.parametrize("kwargs, kind", [
-    ({"json": SCHEMA}, ConstraintKind.JSON),
-    ({"json": json.dumps(SCHEMA)}, ConstraintKind.JSON),
-    ({"regex": "[a-z]+"}, ConstraintKind.REGEX),
-    ({"choice": ["yes", "no"]}, ConstraintKind.CHOICE),
-    ({"grammar": 'root ::= "x"'}, ConstraintKind.GRAMMAR),
-    ({"json_object": True}, ConstraintKind.JSON_OBJECT),
-    ({"json_object": False, "regex": "x"}, ConstraintKind.REGEX),  # False counts as unset, as in vLLM
-])
+@pytest.mark.parametrize(
+    "kwargs, kind",
+    [
+        ({"json": SCHEMA}, ConstraintKind.JSON),
+        ({"json": json.dumps(SCHEMA)}, ConstraintKind.JSON),
+        ({"regex": "[a-z]+"}, ConstraintKind.REGEX),
+        ({"choice": ["yes", "no"]}, ConstraintKind.CHOICE),
+        ({"grammar": 'root ::= "x"'}, ConstraintKind.GRAMMAR),
+        ({"json_object": True}, ConstraintKind.JSON_OBJECT),
+        ({"json_object": False, "regex": "x"}, ConstraintKind.REGEX),  # False counts as unset, as in vLLM
+    ],
+)
 def test_one_constraint_gives_its_kind(kwargs: dict, kind: ConstraintKind) -> None:
     params = StructuredOutputsParams(**kwargs)
     assert params.kind is kind
     assert params.field_name == f"structured_outputs.{kind.value}"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "exactly one of json, regex, choice, grammar, json_object must be set (got: none)"),
-    ({"json": SCHEMA, "regex": "x"}, "(got: json, regex)"),
-    ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
-    ({"json": "[1, 2]"}, "structured_outputs.json must be a JSON schema object"),
-    ({"json": {"type": {1, 2}}}, "structured_outputs.json: not serializable as JSON"),
-    ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
-    ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
-    ({"choice": "yes"}, "structured_outputs.choice must be a non-empty list of strings"),
-    ({"choice": ["a", 3]}, "structured_outputs.choice[1] must be a string"),
-    ({"grammar": 7}, "structured_outputs.grammar must be a non-empty string"),
-    ({"json_object": "yes"}, "structured_outputs.json_object must be true or absent"),
-    ({"regex": "x", "disable_any_whitespace": "no"}, "structured_outputs.disable_any_whitespace must be a boolean"),
-    ({"regex": "x", "whitespace_pattern": ""}, "structured_outputs.whitespace_pattern must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "exactly one of json, regex, choice, grammar, json_object must be set (got: none)"),
+        ({"json": SCHEMA, "regex": "x"}, "(got: json, regex)"),
+        ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+        ({"json": "[1, 2]"}, "structured_outputs.json must be a JSON schema object"),
+        ({"json": {"type": {1, 2}}}, "structured_outputs.json: not serializable as JSON"),
+        ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+        ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
+        ({"choice": "yes"}, "structured_outputs.choice must be a non-empty list of strings"),
+        ({"choice": ["a", 3]}, "structured_outputs.choice[1] must be a string"),
+        ({"grammar": 7}, "structured_outputs.grammar must be a non-empty string"),
+        ({"json_object": "yes"}, "structured_outputs.json_object must be true or absent"),
+        ({"regex": "x", "disable_any_whitespace": "no"}, "structured_outputs.disable_any_whitespace must be a boolean"),
+        ({"regex": "x", "whitespace_pattern": ""}, "structured_outputs.whitespace_pattern must be a non-empty string"),
+    ],
+)
 def test_bad_values_are_value_errors_naming_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as e:
         StructuredOutputsParams(**kwargs)
@@ -64,8 +70,7 @@ def test_key_is_stable_across_spellings_of_the_same_constraint() -> None:
 
 def test_key_changes_with_anything_that_shapes_the_grammar() -> None:
     base = StructuredOutputsParams(json=SCHEMA)
-    reordered = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}},
-                 "required": ["a"]}
+    reordered = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "required": ["a"]}
     variants = [
         StructuredOutputsParams(json=reordered),  # property order decides the output's field order
         StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),

@@ -19,12 +19,18 @@ from kvserve.structured.tool_schemas import (
     tool_choice_schema,
 )
 
-WEATHER: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
-                                            "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                                        "b": {"$ref": "#/$defs/digit"}},
-       "required": ["a", "b"], "$defs": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}}}
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD: dict[str, Any] = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"$ref": "#/$defs/digit"}},
+    "required": ["a", "b"],
+    "$defs": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "add", "parameters": ADD}},
@@ -54,12 +60,19 @@ def test_required_schema_accepts_calls_and_rejects_others() -> None:
     schema = tool_choice_schema(TOOLS, "required")
     assert schema is not None and schema["minItems"] == 1 and "maxItems" not in schema
     assert schema["$defs"] == {"digit": ADD["$defs"]["digit"]}
-    good = [{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather",
-                                                              "parameters": {"city": "Oslo", "unit": "c"}},
-            {"name": "ping", "parameters": {}}]
+    good = [
+        {"name": "add", "parameters": {"a": 1, "b": 2}},
+        {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}},
+        {"name": "ping", "parameters": {}},
+    ]
     jsonschema.validate(good, schema)
-    for bad in ([], [{"name": "add", "parameters": {"a": 1, "b": 20}}], [{"name": "nope", "parameters": {}}],
-                [{"name": "add"}], [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "k"}}]):
+    for bad in (
+        [],
+        [{"name": "add", "parameters": {"a": 1, "b": 20}}],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "add"}],
+        [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "k"}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     single = tool_choice_schema(TOOLS, "required", parallel_tool_calls=False)
@@ -67,8 +80,12 @@ def test_required_schema_accepts_calls_and_rejects_others() -> None:
 
 
 def test_definitions_are_hoisted_and_conflicts_refused() -> None:
-    draft7 = {"type": "object", "properties": {"p": {"$ref": "#/definitions/pt"}}, "required": ["p"],
-              "definitions": {"pt": {"type": "integer"}}}
+    draft7 = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/definitions/pt"}},
+        "required": ["p"],
+        "definitions": {"pt": {"type": "integer"}},
+    }
     tools = [{"type": "function", "function": {"name": "f", "parameters": draft7}}]
     schema = tool_choice_schema(tools, "required")
     assert schema is not None
@@ -81,19 +98,25 @@ def test_definitions_are_hoisted_and_conflicts_refused() -> None:
         tool_choice_schema(tools, "required")
 
 
-@pytest.mark.parametrize("tools, choice, message", [
-    (TOOLS, named("missing"), "tool_choice: function 'missing' is not in tools (tools: get_weather, add, ping)"),
-    (TOOLS, "sometimes", "tool_choice must be 'none', 'auto', 'required' or a named function"),
-    (TOOLS, {"type": "function", "function": {}}, "tool_choice.function.name must be a non-empty string"),
-    (TOOLS, {"type": "code"}, "tool_choice must be"),
-    ([], "required", "tool_choice 'required' needs at least one tool"),
-    ("tools", "auto", "tools must be a list"),
-    ([{"type": "retrieval"}], "auto", "tools[0].type must be 'function'"),
-    ([{"type": "function"}], "auto", "tools[0].function must be an object"),
-    ([{"type": "function", "function": {"name": ""}}], "auto", "tools[0].function.name must be a non-empty string"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "auto",
-     "tools[0].function.parameters must be a JSON schema object"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, message",
+    [
+        (TOOLS, named("missing"), "tool_choice: function 'missing' is not in tools (tools: get_weather, add, ping)"),
+        (TOOLS, "sometimes", "tool_choice must be 'none', 'auto', 'required' or a named function"),
+        (TOOLS, {"type": "function", "function": {}}, "tool_choice.function.name must be a non-empty string"),
+        (TOOLS, {"type": "code"}, "tool_choice must be"),
+        ([], "required", "tool_choice 'required' needs at least one tool"),
+        ("tools", "auto", "tools must be a list"),
+        ([{"type": "retrieval"}], "auto", "tools[0].type must be 'function'"),
+        ([{"type": "function"}], "auto", "tools[0].function must be an object"),
+        ([{"type": "function", "function": {"name": ""}}], "auto", "tools[0].function.name must be a non-empty string"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+            "auto",
+            "tools[0].function.parameters must be a JSON schema object",
+        ),
+    ],
+)
 def test_bad_tools_and_choices_are_value_errors(tools: object, choice: object, message: str) -> None:
     with pytest.raises(ValueError) as e:
         tool_choice_schema(tools, choice)  # type: ignore[arg-type]
@@ -134,7 +157,8 @@ def test_parse_forced_output_errors() -> None:
     with pytest.raises(ValueError, match="forces no tool call"):
         parse_forced_tool_calls("[]", "auto")
     assert parse_forced_tool_calls(' {"city": "x"} ', named("get_weather")) == [
-        ForcedToolCall("get_weather", '{"city": "x"}')]
+        ForcedToolCall("get_weather", '{"city": "x"}')
+    ]
 
 
 @pytest.mark.parametrize("name", ["xgrammar", "guidance"])

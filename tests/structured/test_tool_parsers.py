@@ -26,31 +26,61 @@ from kvserve.structured.tool_parsers import (
     tool_parser,
 )
 
-HERMES_TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
-                    '</tool_call>\n<tool_call>\n{"arguments": {}, "name": "now"}\n</tool_call>')
+HERMES_TWO_CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+    '</tool_call>\n<tool_call>\n{"arguments": {}, "name": "now"}\n</tool_call>'
+)
 
 # (extractor factory, text, expected content, expected calls)
 CASES = [
     (HermesExtractor, "Just text, no call.", "Just text, no call.", []),
-    (HermesExtractor, HERMES_TWO_CALLS, None,
-     [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolCall("now", "{}")]),
-    (HermesExtractor, 'Let me check.\n\n<tool_call>{"name": "f", "arguments": {"q": "a}b\\"c"}}</tool_call>',
-     "Let me check.", [ToolCall("f", '{"q": "a}b\\"c"}')]),
+    (
+        HermesExtractor,
+        HERMES_TWO_CALLS,
+        None,
+        [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolCall("now", "{}")],
+    ),
+    (
+        HermesExtractor,
+        'Let me check.\n\n<tool_call>{"name": "f", "arguments": {"q": "a}b\\"c"}}</tool_call>',
+        "Let me check.",
+        [ToolCall("f", '{"q": "a}b\\"c"}')],
+    ),
     (HermesExtractor, '<tool_call>{"name": "f"}</tool_call>', None, [ToolCall("f", "{}")]),
-    (HermesExtractor, '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', None,
-     [ToolCall("f", '{"x": 1}')]),
-    (HermesExtractor, '<tool_call>{"name": "f", "arguments": 5, "extra": null}</tool_call> ok', "ok",
-     [ToolCall("f", "5")]),
+    (
+        HermesExtractor,
+        '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>',
+        None,
+        [ToolCall("f", '{"x": 1}')],
+    ),
+    (
+        HermesExtractor,
+        '<tool_call>{"name": "f", "arguments": 5, "extra": null}</tool_call> ok',
+        "ok",
+        [ToolCall("f", "5")],
+    ),
     (HermesExtractor, "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
-    (HermesExtractor, 'a <tool_c b <toolbox> <tool_call', "a <tool_c b <toolbox> <tool_call", []),
+    (HermesExtractor, "a <tool_c b <toolbox> <tool_call", "a <tool_c b <toolbox> <tool_call", []),
     (HermesExtractor, '<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [ToolCall("f", '{"a": 1}')]),
     (HermesExtractor, '<tool_call>{"name": "f", "arguments": {"a": [1, {"b"', None, [ToolCall("f", '{"a": [1, {"b"')]),
-    (HermesExtractor, '<tool_call>{"name": "f", "arguments": {}, oops}</tool_call>after', "after",
-     [ToolCall("f", "{}")]),
-    (PythonicExtractor, '[get_weather(city="Paris", days=[1, 2], metric=True), now()]', None,
-     [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2], "metric": true}'), ToolCall("now", "{}")]),
-    (PythonicExtractor, " [f(a='x,)', b={'k': None}, c=(1, 2))]\n", None,
-     [ToolCall("f", '{"a": "x,)", "b": {"k": null}, "c": [1, 2]}')]),
+    (
+        HermesExtractor,
+        '<tool_call>{"name": "f", "arguments": {}, oops}</tool_call>after',
+        "after",
+        [ToolCall("f", "{}")],
+    ),
+    (
+        PythonicExtractor,
+        '[get_weather(city="Paris", days=[1, 2], metric=True), now()]',
+        None,
+        [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2], "metric": true}'), ToolCall("now", "{}")],
+    ),
+    (
+        PythonicExtractor,
+        " [f(a='x,)', b={'k': None}, c=(1, 2))]\n",
+        None,
+        [ToolCall("f", '{"a": "x,)", "b": {"k": null}, "c": [1, 2]}')],
+    ),
     (PythonicExtractor, "The answer is 4.", "The answer is 4.", []),
     (PythonicExtractor, "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
     (PythonicExtractor, "[ref] see above", "[ref] see above", []),
@@ -58,8 +88,12 @@ CASES = [
     (PythonicExtractor, "[f(x=1, y=unknown_name)]", None, [ToolCall("f", '{"x": 1}')]),
     (PythonicExtractor, '[f(x=1, y="cut', None, [ToolCall("f", '{"x": 1}')]),
     (PythonicExtractor, "[f", "[f", []),
-    (RequiredExtractor, '[{"name": "f", "parameters": {"a": "]}"}}, {"name": "g", "parameters": {}}]', None,
-     [ToolCall("f", '{"a": "]}"}'), ToolCall("g", "{}")]),
+    (
+        RequiredExtractor,
+        '[{"name": "f", "parameters": {"a": "]}"}}, {"name": "g", "parameters": {}}]',
+        None,
+        [ToolCall("f", '{"a": "]}"}'), ToolCall("g", "{}")],
+    ),
     (RequiredExtractor, '[{"name": "f", "parameters": {"a": 1', None, [ToolCall("f", '{"a": 1')]),
     (lambda: NamedFunctionExtractor("f"), '  {"a": "x y "} \n', None, [ToolCall("f", '{"a": "x y "}')]),
     (lambda: NamedFunctionExtractor("f"), "", None, [ToolCall("f", "")]),
@@ -112,7 +146,7 @@ def test_arguments_stream_in_pieces():
 def test_pythonic_arguments_stream_per_keyword():
     text = '[f(a=1, b="two", c=[3])]'
     _, pieces = _streamed(PythonicExtractor, text, list(range(len(text))))
-    assert [p.arguments for p in pieces] == ['', '{"a": 1', ', "b": "two"', ', "c": [3]}']  # the last with its }
+    assert [p.arguments for p in pieces] == ["", '{"a": 1', ', "b": "two"', ', "c": [3]}']  # the last with its }
 
 
 def test_plain_text_streams_without_waiting():
@@ -133,14 +167,26 @@ def test_parser_names_follow_vllm():
 
 # -- asking for calls: styles and the template fallback ---------------------------------------------------------
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather now",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
     {"role": "user", "content": "Thanks. And Rome?"},
 ]
@@ -153,7 +199,9 @@ def test_a_style_writes_calls_its_parser_reads(name):
     text = spec.style.render_calls([("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})])
     result = extract_all(spec.extractor(), text)
     assert [(c.name, json.loads(c.arguments)) for c in result.calls] == [
-        ("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})]
+        ("get_weather", {"city": "Paris", "days": [1, 2]}),
+        ("now", {}),
+    ]
 
 
 def test_json_style_writes_the_required_format():
@@ -176,8 +224,10 @@ def test_gemma_template_gets_the_fallback():
 
 
 def test_a_template_with_tools_gets_them_natively():
-    template = ("{% for t in tools %}{{ t.function.name }}{% endfor %}{% for m in messages %}{% if m.role == 'tool' %}"
-                "{% endif %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{% endfor %}")
+    template = (
+        "{% for t in tools %}{{ t.function.name }}{% endfor %}{% for m in messages %}{% if m.role == 'tool' %}"
+        "{% endif %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{% endfor %}"
+    )
     support = tool_support(template)
     assert support == TemplateToolSupport(tools=True, tool_role=True, tool_calls=True)
     messages, tools = tool_fallback_messages(CONVERSATION, TOOLS, support, JSONToolStyle())
@@ -189,7 +239,8 @@ def test_a_template_with_tools_gets_them_natively():
 def test_tool_messages_render_through_the_gemma_template(tiny_tokenizer):
     """Rendering never fails on tool turns with a template that lacks them (here Gemma's, which would raise on the
     tool role's broken alternation)."""
-    text = tiny_tokenizer.apply_chat_template(CONVERSATION, chat_template=GEMMA_CHAT_TEMPLATE, tools=TOOLS,
-                                              tool_style=tool_parser("pythonic").style)
+    text = tiny_tokenizer.apply_chat_template(
+        CONVERSATION, chat_template=GEMMA_CHAT_TEMPLATE, tools=TOOLS, tool_style=tool_parser("pythonic").style
+    )
     assert text.count("<start_of_turn>user") == 2 and text.count("<start_of_turn>model") == 2
-    assert "[get_weather(city=\"Paris\")]" in text and "```tool_output\n18C\n```" in text
+    assert '[get_weather(city="Paris")]' in text and "```tool_output\n18C\n```" in text

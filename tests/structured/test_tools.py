@@ -16,10 +16,15 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # tool_choice auto with the text constrained to two Hermes blocks: the random model "decides" to call two tools.
-TWO_HERMES_CALLS = {"structured_outputs": {"regex": (
-    r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "c", '
-    r'"days": [1-7]\}\}</tool_call><tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}'
-    r"</tool_call>")}}
+TWO_HERMES_CALLS = {
+    "structured_outputs": {
+        "regex": (
+            r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "c", '
+            r'"days": [1-7]\}\}</tool_call><tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}'
+            r"</tool_call>"
+        )
+    }
+}
 
 
 def _assert_valid_calls(calls) -> None:
@@ -51,22 +56,27 @@ def _streamed(tools_client, **kw) -> tuple[str, list[tuple[str, str]], str, list
 
 def _whole(r) -> tuple[str | None, list[tuple[str, str]], str]:
     message = r.choices[0].message
-    return message.content, [(c.function.name, c.function.arguments) for c in message.tool_calls or []], \
-        r.choices[0].finish_reason
+    return (
+        message.content,
+        [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+        r.choices[0].finish_reason,
+    )
 
 
 def test_required_forces_valid_calls(tools_client):
     for seed in (2, 3, 4):
-        r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
-                                                 max_tokens=300, temperature=1.0, seed=seed)
+        r = tools_client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=1.0, seed=seed
+        )
         assert r.choices[0].finish_reason == "tool_calls"
         assert r.choices[0].message.content is None
         _assert_valid_calls(r.choices[0].message.tool_calls)
 
 
 def test_named_forces_that_function(tools_client):
-    r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
-                                             temperature=0)
+    r = tools_client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice=NAMED, max_tokens=200, temperature=0
+    )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
     _assert_valid_calls([call])
@@ -75,8 +85,7 @@ def test_named_forces_that_function(tools_client):
 def test_required_may_return_several_calls_by_default(tools_client):
     """parallel_tool_calls defaults to true (OpenAI's default): the grammar lets a required reply hold several calls,
     each valid against its own function's schema, and the streamed reply equals the whole one."""
-    kw = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=1.0,
-              seed=6)
+    kw = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=1.0, seed=6)
     r = tools_client.chat.completions.create(**kw)
     calls = r.choices[0].message.tool_calls
     assert len(calls) > 1 and r.choices[0].finish_reason == "tool_calls"
@@ -87,8 +96,16 @@ def test_required_may_return_several_calls_by_default(tools_client):
 
 def test_parallel_tool_calls_false_gives_one_call(tools_client):
     for seed in (4, 5, 6):
-        r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
-                                                 parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed)
+        r = tools_client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=300,
+            temperature=1.0,
+            seed=seed,
+        )
         assert len(r.choices[0].message.tool_calls) == 1
 
 
@@ -97,8 +114,16 @@ def test_streamed_calls_equal_the_whole(tools_client, tool_choice):
     """Per call an index, then id/type/name in its first piece, then arguments in pieces; put together they equal
     the non-streamed reply for the same seed."""
     extra = TWO_HERMES_CALLS if tool_choice == "auto" else None
-    kw = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice, max_tokens=300, temperature=1.0,
-              seed=9, extra_body=extra)
+    kw = dict(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=300,
+        temperature=1.0,
+        seed=9,
+        extra_body=extra,
+    )
     content, calls, finish = _whole(tools_client.chat.completions.create(**kw))
     s_content, s_calls, s_finish, chunks = _streamed(tools_client, **kw)
     assert (s_content or None, s_calls, s_finish) == (content, calls, finish)
@@ -110,18 +135,30 @@ def test_streamed_calls_equal_the_whole(tools_client, tool_choice):
 def test_sdk_stream_accumulator_rebuilds_the_calls(tools_client, tools_server):
     """The SDK's own stream helper (which merges deltas key by key) rebuilds the same calls; on the wire a call's
     later pieces carry no id or type at all (a null type would overwrite the accumulated one)."""
-    kw = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="auto", max_tokens=300, temperature=1.0, seed=4,
-              extra_body=TWO_HERMES_CALLS)
+    kw = dict(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=300,
+        temperature=1.0,
+        seed=4,
+        extra_body=TWO_HERMES_CALLS,
+    )
     whole = tools_client.chat.completions.create(**kw).choices[0].message
     with tools_client.beta.chat.completions.stream(**kw) as stream:
         final = stream.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls" and final.message.content == whole.content
     assert [(c.type, c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
-        ("function", c.function.name, c.function.arguments) for c in whole.tool_calls]
+        ("function", c.function.name, c.function.arguments) for c in whole.tool_calls
+    ]
     body = {**{k: v for k, v in kw.items() if k != "extra_body"}, **TWO_HERMES_CALLS, "stream": True}
     with tools_server.client() as http:
-        frames = [json.loads(line[6:]) for line in http.post("/v1/chat/completions", json=body).text.splitlines()
-                  if line.startswith("data: {")]
+        frames = [
+            json.loads(line[6:])
+            for line in http.post("/v1/chat/completions", json=body).text.splitlines()
+            if line.startswith("data: {")
+        ]
     pieces = [p for f in frames for c in f["choices"] for p in c["delta"].get("tool_calls", [])]
     firsts = {p["index"]: p for p in reversed(pieces)}
     for piece in pieces:
@@ -132,8 +169,16 @@ def test_sdk_stream_accumulator_rebuilds_the_calls(tools_client, tools_server):
 
 
 def test_auto_reads_hermes_calls_and_content(tools_client):
-    r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="auto",
-                                             max_tokens=300, temperature=1.0, seed=2, extra_body=TWO_HERMES_CALLS)
+    r = tools_client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=300,
+        temperature=1.0,
+        seed=2,
+        extra_body=TWO_HERMES_CALLS,
+    )
     message = r.choices[0].message
     assert message.content == "Checking."
     assert [c.function.name for c in message.tool_calls] == ["get_weather", "get_time"]
@@ -159,8 +204,9 @@ def test_auto_is_the_default_and_plain_text_stays_text(tools_client, tool_choice
 def test_none_renders_the_tools_and_answers_in_text(tools_client, tools_server):
     """tool_choice none: the template still renders the tools into the prompt; the reply is text."""
     plain = tools_client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, temperature=0)
-    r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="none", max_tokens=5,
-                                             temperature=0)
+    r = tools_client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice="none", max_tokens=5, temperature=0
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 200  # the two function descriptions
     with tools_server.client() as http:
@@ -171,13 +217,18 @@ def test_none_renders_the_tools_and_answers_in_text(tools_client, tools_server):
 
 def test_next_turn_renders_the_call_and_its_result(tools_client, tools_server):
     """The assistant's tool_calls and the tool message go back through the template (arguments as an object)."""
-    first = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice=NAMED,
-                                                 max_tokens=200, temperature=0)
+    first = tools_client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice=NAMED, max_tokens=200, temperature=0
+    )
     call = first.choices[0].message.tool_calls[0]
-    messages = [*USER, first.choices[0].message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
-    r = tools_client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
-                                             max_tokens=5, temperature=0)
+    messages = [
+        *USER,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"},
+    ]
+    r = tools_client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5, temperature=0
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
     with tools_server.client() as http:
         ids = http.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
@@ -188,18 +239,21 @@ def test_next_turn_renders_the_call_and_its_result(tools_client, tools_server):
 
 
 def test_n_choices_each_get_their_calls(tools_client):
-    r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", n=2,
-                                             max_tokens=300, temperature=1.0, seed=3)
+    r = tools_client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", n=2, max_tokens=300, temperature=1.0, seed=3
+    )
     assert [c.index for c in r.choices] == [0, 1]
     for choice in r.choices:
         _assert_valid_calls(choice.message.tool_calls)
     assert len({c.id for choice in r.choices for c in choice.message.tool_calls}) == sum(
-        len(choice.message.tool_calls) for choice in r.choices)
+        len(choice.message.tool_calls) for choice in r.choices
+    )
 
 
 def test_a_call_cut_by_max_tokens_is_length(tools_client):
-    r = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice=NAMED, max_tokens=4,
-                                             temperature=0)
+    r = tools_client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice=NAMED, max_tokens=4, temperature=0
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
 
@@ -207,19 +261,53 @@ def test_a_call_cut_by_max_tokens_is_length(tools_client):
 # -- 400s ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body,param,words", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "'nope' is not in tools"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
-    ({"tool_choice": "required"}, "tool_choice", "at least one tool"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "bogus"}}}}}], "tool_choice": "none"}, "tools[0].function.parameters", "invalid JSON schema"),
-    ({"tools": [TIME_TOOL, {"type": "function", "function": {"name": "g", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}}], "tool_choice": "required"},
-     "tools[1].function.parameters", "invalid JSON schema"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "name"),
-    ({"tools": [{"type": "retrieval"}]}, "tools", "'function'"),
-])
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope' is not in tools",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+        ({"tool_choice": "required"}, "tool_choice", "at least one tool"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "none",
+            },
+            "tools[0].function.parameters",
+            "invalid JSON schema",
+        ),
+        (
+            {
+                "tools": [
+                    TIME_TOOL,
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "g",
+                            "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}},
+                        },
+                    },
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+            "invalid JSON schema",
+        ),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", "'function'"),
+    ],
+)
 def test_bad_tools_are_400s_naming_the_field(tools_client, body, param, words):
     with pytest.raises(openai.BadRequestError) as info:
         tools_client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, **body)
@@ -237,8 +325,9 @@ def test_auto_needs_the_server_flags(tools_model_dir):
             kw = {} if tool_choice is None else {"tool_choice": tool_choice}
             with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
                 plain.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=5, **kw)
-        r = plain.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER_TOOL], tool_choice="required",
-                                          max_tokens=200, temperature=0)
+        r = plain.chat.completions.create(
+            model=MODEL, messages=USER, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=200, temperature=0
+        )
         _assert_valid_calls(r.choices[0].message.tool_calls)
     finally:
         server.stop()

@@ -42,17 +42,35 @@ TOOLS_TEMPLATE = (
     "{%- if add_generation_prompt %}<assistant>{% endif %}"
 )
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-        "unit": {"type": "string", "enum": ["c", "f"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "unit", "days"], "additionalProperties": False}}}
-TIME_TOOL = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
-                   "required": ["zone"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 6}},
+            "required": ["zone"],
+        },
+    },
+}
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # extra_body: no whitespace to wander in
 

@@ -25,8 +25,9 @@ from kvserve.model.tokenizer import default_cache_dir
 ATOL = RTOL = 1e-5
 
 
-def _scenario(seqs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, seed: int,
-              head_dim: int = 16):
+def _scenario(
+    seqs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, seed: int, head_dim: int = 16
+):
     """Random caches + shuffled (non-contiguous) block tables for sequences given as (seq_len, query_len)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -75,8 +76,7 @@ def kernels(request):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("window", [None, 1, 6, 100])
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_cpu_matches_reference(case: str, heads: tuple[int, int], window: int | None, block_size: int,
-                               kernels) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_matches_reference(case: str, heads: tuple[int, int], window: int | None, block_size: int, kernels) -> None:  # type: ignore[no-untyped-def]
     q, kc, vc, meta = _scenario(CASES[case], block_size, *heads, seed=zlib.crc32(repr((case, heads, window)).encode()))
     scale = 0.3
     cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(scale, window)
@@ -94,27 +94,30 @@ def test_native_paged_attention_takes_long_contexts_and_wide_heads(kernels) -> N
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 1, 24), (3, 1, 12), (8, 2, 40), (9, 1, 16)])
-def test_decode_of_wide_groups_and_odd_head_sizes(heads: int, kv_heads: int, head_dim: int,
-                                                  kernels) -> None:  # type: ignore[no-untyped-def]
+def test_decode_of_wide_groups_and_odd_head_sizes(heads: int, kv_heads: int, head_dim: int, kernels) -> None:  # type: ignore[no-untyped-def]
     """The native decode kernel takes the query heads of a KV head four at a time and V's columns sixteen at a
     time: groups of 3, 4 + 2, 4 + 4 + 1 and head sizes with a tail after the sixteens (or no sixteen at all)."""
-    q, kc, vc, meta = _scenario([(45, 1), (3, 1), (17, 1)], 4, heads, kv_heads, seed=heads * 100 + head_dim,
-                                head_dim=head_dim)
+    q, kc, vc, meta = _scenario(
+        [(45, 1), (3, 1), (17, 1)], 4, heads, kv_heads, seed=heads * 100 + head_dim, head_dim=head_dim
+    )
     cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(head_dim**-0.5, None)
     ref = reference_attention(q, cache, meta, layer)
     torch.testing.assert_close(cpu_attention(q, cache, meta, layer, kernels=kernels), ref, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"),
-                         [(4, 1, 256, None), (6, 1, 24, 9), (8, 2, 40, None), (3, 1, 12, 5)])
-def test_native_decode_attention_reads_an_int8_cache_in_place(heads: int, kv_heads: int, head_dim: int,
-                                                             window: int | None, kernels) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "window"), [(4, 1, 256, None), (6, 1, 24, 9), (8, 2, 40, None), (3, 1, 12, 5)]
+)
+def test_native_decode_attention_reads_an_int8_cache_in_place(
+    heads: int, kv_heads: int, head_dim: int, window: int | None, kernels
+) -> None:  # type: ignore[no-untyped-def]
     """The int8 decode kernel (the native layer path's, for --kv-cache-dtype int8) against the reference on the
     same int8 cache, which dequantizes the rows it gathers: the same values, summed in another order."""
     if isinstance(kernels, TorchKernels):
         pytest.skip("the torch kernels have no paged attention")
-    q, kc, vc, meta = _scenario([(45, 1), (3, 1), (17, 1), (300, 1)], 16, heads, kv_heads,
-                                seed=heads * 10 + head_dim, head_dim=head_dim)
+    q, kc, vc, meta = _scenario(
+        [(45, 1), (3, 1), (17, 1), (300, 1)], 16, heads, kv_heads, seed=heads * 10 + head_dim, head_dim=head_dim
+    )
     kc, vc = torch.nan_to_num(kc), torch.nan_to_num(vc)  # quantized, unused slots are zeros with a unit scale
     spec = KVCacheSpec(1, kv_heads, head_dim, 16, torch.int8)
     cache = allocate_kv_cache(spec, kc.shape[0], torch.device("cpu"))[0]
@@ -122,15 +125,25 @@ def test_native_decode_attention_reads_an_int8_cache_in_place(heads: int, kv_hea
     cache.write(kc.view(-1, kv_heads, head_dim), vc.view(-1, kv_heads, head_dim), slots)
     layer = AttentionLayerSpec(head_dim**-0.5, window)
     ref = reference_attention(q, cache, meta, layer)
-    got = kernels.paged_decode_attention(q, cache.key, cache.value, meta.block_tables, meta.seq_lens, window,
-                                         head_dim**-0.5, cache.key_scale, cache.value_scale)
+    got = kernels.paged_decode_attention(
+        q,
+        cache.key,
+        cache.value,
+        meta.block_tables,
+        meta.seq_lens,
+        window,
+        head_dim**-0.5,
+        cache.key_scale,
+        cache.value_scale,
+    )
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize(("seq_len", "window", "threads"), [(300, None, 2), (1, None, 2), (2, None, 3), (3, 2, 2),
-                                                            (700, 512, 2), (41, None, 4), (41, None, 1)])
-def test_decode_of_one_sequence_split_over_threads(seq_len: int, window: int | None, threads: int,
-                                                   kernels) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("seq_len", "window", "threads"),
+    [(300, None, 2), (1, None, 2), (2, None, 3), (3, 2, 2), (700, 512, 2), (41, None, 4), (41, None, 1)],
+)
+def test_decode_of_one_sequence_split_over_threads(seq_len: int, window: int | None, threads: int, kernels) -> None:  # type: ignore[no-untyped-def]
     """Batch 1 on one KV head: the native kernel splits the context over threads and merges the parts' softmax
     sums (some parts empty when the context is shorter than the thread count)."""
     q, kc, vc, meta = _scenario([(seq_len, 1)], 16, 4, 1, seed=seq_len, head_dim=256)
@@ -171,8 +184,11 @@ def test_prefill_matches_reference(case: str, kernels, monkeypatch) -> None:  # 
     calls: list[int] = []
     if kernels.name == "native":
         native_prefill = type(kernels).paged_prefill_attention
-        monkeypatch.setattr(type(kernels), "paged_prefill_attention",
-                            lambda self, q, *a, **kw: calls.append(q.shape[0]) or native_prefill(self, q, *a, **kw))
+        monkeypatch.setattr(
+            type(kernels),
+            "paged_prefill_attention",
+            lambda self, q, *a, **kw: calls.append(q.shape[0]) or native_prefill(self, q, *a, **kw),
+        )
     scale = head_dim**-0.5
     cache, layer = LayerKVCache(kc, vc), AttentionLayerSpec(scale, window)
     ref = reference_attention(q, cache, meta, layer)

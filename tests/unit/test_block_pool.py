@@ -65,6 +65,7 @@ def test_cached_block_revived_then_evicted_on_reuse():
 def test_chained_hashes_depend_on_parent_and_salt(algo):
     hasher = BlockHasher(algo)
     tokens = list(range(10))
+
     def token_slice(start: int, end: int) -> list[int]:
         return tokens[start:end]
 

@@ -31,8 +31,9 @@ def test_graph_flags_reach_the_config() -> None:
     assert parse().enforce_eager is False and parse().cuda_graph_sizes is None
     config = parse("--enforce-eager", "--cuda-graph-sizes", "1", "2", "8")
     assert config.enforce_eager is True and config.cuda_graph_sizes == [1, 2, 8]
-    assert parse().attention_backend is None and parse("--attention-backend", "reference").attention_backend == \
-        "reference"
+    assert (
+        parse().attention_backend is None and parse("--attention-backend", "reference").attention_backend == "reference"
+    )
 
 
 def test_the_attention_backend_defaults_by_device_and_keeps_an_explicit_choice() -> None:
@@ -66,8 +67,14 @@ def test_default_capture_sizes_are_vllms_buckets_up_to_max_num_seqs() -> None:
     assert capture_sizes(None, 8, 2048) == [1, 2, 4, 8]
 
 
-@pytest.mark.parametrize("kw", [dict(enforce_eager=True, attention_backend="triton"),
-                                dict(attention_backend="reference"), dict(device="cpu", attention_backend="triton")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(enforce_eager=True, attention_backend="triton"),
+        dict(attention_backend="reference"),
+        dict(device="cpu", attention_backend="triton"),
+    ],
+)
 def test_graphs_are_off_with_enforce_eager_an_uncapturable_backend_or_on_cpu(kw) -> None:
     """Decided before anything touches a GPU (so this runs without one)."""
     config = EngineConfig(**{"device": "cuda", **kw})
@@ -133,8 +140,11 @@ def test_the_sync_free_sampler_gives_the_cpu_samplers_tokens_and_logprobs(monkey
     """What a GPU runs (no host sync to find bad rows: fix-ups computed for every row) equals the CPU path exactly,
     on rows with NaN, +inf and no finite candidate, with logprobs, seeds, top-k/top-p and mixed batches."""
     greedy = SamplingParams(temperature=0, logprobs=3)
-    rand = [SamplingParams(temperature=0.8, seed=3, logprobs=2), SamplingParams(temperature=1.0),
-            SamplingParams(temperature=1.3, top_k=5, top_p=0.9, min_p=0.05)]
+    rand = [
+        SamplingParams(temperature=0.8, seed=3, logprobs=2),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.3, top_k=5, top_p=0.9, min_p=0.05),
+    ]
     params = {"greedy": [greedy] * 8, "sampled": (rand * 3)[:8], "mixed": ([greedy] + rand) * 2}[kind]
     params[6] = params[6].clone(min_tokens=1, stop_token_ids=[9])
     logits = rows_of_every_kind()

@@ -71,15 +71,18 @@ def installed_requirements() -> list[str]:
     found = {str(getattr(d, "_path", "?")): sorted(d.requires or []) for d in md.distributions(name="kvserve")}
     assert found, "kvserve is not installed: pip install -e ."
     assert len({tuple(r) for r in found.values()}) == 1, (
-        f"kvserve metadata disagree between {sorted(found)}: delete the stale one, or pip install -e . again")
+        f"kvserve metadata disagree between {sorted(found)}: delete the stale one, or pip install -e . again"
+    )
     return next(iter(found.values()))
 
 
 def test_the_walk_sees_lazy_imports_and_skips_stdlib_and_relative(tmp_path):
     pkg = tmp_path / "kvserve"
     pkg.mkdir()
-    (pkg / "a.py").write_text("import os, json\nimport numpy.linalg\nfrom . import b\n"
-                              "def f():\n    from matplotlib import pyplot\n    import kvserve.x\n")
+    (pkg / "a.py").write_text(
+        "import os, json\nimport numpy.linalg\nfrom . import b\n"
+        "def f():\n    from matplotlib import pyplot\n    import kvserve.x\n"
+    )
     assert third_party_imports(pkg) == {"numpy": {"kvserve/a.py"}, "matplotlib": {"kvserve/a.py"}}
 
 
@@ -97,8 +100,10 @@ def test_every_import_of_the_package_is_a_declared_dependency():
         if not dists:
             missing.append(f"{name}: not installed, imported by {sorted(files)}")
         elif not dists & core:
-            missing.append(f"{name} ({', '.join(sorted(dists))}) is imported by {sorted(files)} but is not a core "
-                           f"dependency (declare it in [project].dependencies, or guard it and list it above)")
+            missing.append(
+                f"{name} ({', '.join(sorted(dists))}) is imported by {sorted(files)} but is not a core "
+                f"dependency (declare it in [project].dependencies, or guard it and list it above)"
+            )
     assert not missing, "\n".join(missing)
 
 

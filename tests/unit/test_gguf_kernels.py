@@ -35,7 +35,7 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
     per_weight = {32: 1 / 16, 256: 1 / 64}[fmt.block]
     for offset in _F16_FIELDS[qtype]:
         scales = (rng.uniform(0.2, 1.0, size=(n, k // fmt.block)) * per_weight).astype(np.float16)
-        raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(n, k // fmt.block, 2)
+        raw[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(n, k // fmt.block, 2)
     return torch.from_numpy(raw.reshape(n, row_bytes(qtype, k)))
 
 
@@ -72,8 +72,13 @@ def test_native_matmul_matches_dequantized_float_matmul(native, qtype: int) -> N
         blocks = random_blocks(qtype, n, k, seed=100 * qtype + i)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(i))
         got = native.gguf_matmul(x, blocks, qtype)
-        torch.testing.assert_close(got.double(), reference(x, blocks, qtype), rtol=0, atol=1e-4 * k ** 0.5,
-                                   msg=lambda s, m=m, n=n, k=k: f"M={m} N={n} K={k}: {s}")
+        torch.testing.assert_close(
+            got.double(),
+            reference(x, blocks, qtype),
+            rtol=0,
+            atol=1e-4 * k**0.5,
+            msg=lambda s, m=m, n=n, k=k: f"M={m} N={n} K={k}: {s}",
+        )
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[NATIVE_GGUF_TYPES[t].name for t in TYPES])
@@ -87,8 +92,13 @@ def test_native_matmul_at_every_decode_row_count(native, qtype: int) -> None:
         blocks = random_blocks(qtype, n, k, seed=qtype + n)
         for m in range(1, 13):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            torch.testing.assert_close(native.gguf_matmul(x, blocks, qtype).double(), reference(x, blocks, qtype),
-                                       rtol=0, atol=1e-4 * k ** 0.5, msg=lambda s, m=m, n=n: f"M={m} N={n}: {s}")
+            torch.testing.assert_close(
+                native.gguf_matmul(x, blocks, qtype).double(),
+                reference(x, blocks, qtype),
+                rtol=0,
+                atol=1e-4 * k**0.5,
+                msg=lambda s, m=m, n=n: f"M={m} N={n}: {s}",
+            )
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[NATIVE_GGUF_TYPES[t].name for t in TYPES])
@@ -100,7 +110,7 @@ def test_native_matmul_writes_a_column_slice_in_place(native, qtype: int) -> Non
         x = torch.randn(m, k)
         out = torch.full((m, 20), 7.0)
         native.gguf_matmul(x, blocks, qtype, out=out[:, 9:15])
-        torch.testing.assert_close(out[:, 9:15].double(), reference(x, blocks, qtype), rtol=0, atol=1e-4 * k ** 0.5)
+        torch.testing.assert_close(out[:, 9:15].double(), reference(x, blocks, qtype), rtol=0, atol=1e-4 * k**0.5)
         assert (out[:, :9] == 7).all() and (out[:, 15:] == 7).all()
 
 
@@ -110,7 +120,7 @@ def test_torch_fallback_matches_reference(qtype: int) -> None:
     blocks = random_blocks(qtype, n, k, seed=qtype)
     x = torch.randn(m, k)
     got = TorchKernels(slab_rows=8).gguf_matmul(x, blocks, qtype)  # several slabs
-    torch.testing.assert_close(got.double(), reference(x, blocks, qtype), rtol=0, atol=1e-4 * k ** 0.5)
+    torch.testing.assert_close(got.double(), reference(x, blocks, qtype), rtol=0, atol=1e-4 * k**0.5)
 
 
 def test_native_rejects_misshaped_blocks(native) -> None:

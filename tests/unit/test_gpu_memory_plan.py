@@ -17,8 +17,7 @@ CUDA = torch.device("cuda")
 SPEC = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)  # 8B-shaped
 
 
-def facts(total: int = 80 * GiB, weights: int = 16 * GiB, peak: int = 2 * GiB, non_torch: int = GiB
-          ) -> GpuMemoryFacts:
+def facts(total: int = 80 * GiB, weights: int = 16 * GiB, peak: int = 2 * GiB, non_torch: int = GiB) -> GpuMemoryFacts:
     return GpuMemoryFacts(total=total, weights=weights, peak_activations=peak, non_torch=non_torch)
 
 
@@ -42,8 +41,13 @@ def test_not_enough_memory_is_an_error_naming_the_flags_to_change(kw) -> None:
         gpu_kv_budget(facts(**kw), 0.9, SPEC.bytes_per_block)
     message = str(e.value)
     assert "not enough GPU memory for the KV cache" in message
-    for flag in ("--gpu-memory-utilization", "--max-num-batched-tokens", "--max-num-seqs", "--kv-cache-memory-bytes",
-                 "--num-gpu-blocks-override"):
+    for flag in (
+        "--gpu-memory-utilization",
+        "--max-num-batched-tokens",
+        "--max-num-seqs",
+        "--kv-cache-memory-bytes",
+        "--num-gpu-blocks-override",
+    ):
         assert flag in message
 
 
@@ -51,14 +55,29 @@ def test_room_for_fewer_than_two_blocks_is_an_error() -> None:
     one_block_left = 16 * GiB + 2 * GiB + GiB + SPEC.bytes_per_block  # with utilization 1.0
     with pytest.raises(ValueError, match="at least 2 blocks"):
         gpu_kv_budget(facts(total=one_block_left), 1.0, SPEC.bytes_per_block)
-    assert gpu_kv_budget(facts(total=one_block_left + SPEC.bytes_per_block), 1.0,
-                         SPEC.bytes_per_block).kv_bytes == 2 * SPEC.bytes_per_block
+    assert (
+        gpu_kv_budget(facts(total=one_block_left + SPEC.bytes_per_block), 1.0, SPEC.bytes_per_block).kv_bytes
+        == 2 * SPEC.bytes_per_block
+    )
 
 
 def model_config() -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=1000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                       head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=5e5,
-                       max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=[2])
+    return ModelConfig(
+        family="llama",
+        vocab_size=1000,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        rms_norm_eps=1e-5,
+        rope_theta=5e5,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=[2],
+    )
 
 
 class Profile:
@@ -77,8 +96,10 @@ def test_on_cuda_the_engine_plans_from_the_profiled_budget() -> None:
     assert plan.max_model_len == (plan.num_blocks - 1) * 16 < 131072  # 10 GiB of 8B KV: the context is capped
 
 
-@pytest.mark.parametrize("kw, blocks", [(dict(kv_cache_memory_bytes=GiB), GiB // SPEC.bytes_per_block),
-                                        (dict(num_gpu_blocks_override=100), 100)])
+@pytest.mark.parametrize(
+    "kw, blocks",
+    [(dict(kv_cache_memory_bytes=GiB), GiB // SPEC.bytes_per_block), (dict(num_gpu_blocks_override=100), 100)],
+)
 def test_an_explicit_budget_or_block_count_wins_over_the_profile(kw, blocks) -> None:
     profile = Profile(10 * GiB)
     plan = plan_cache(EngineConfig(device="cuda", max_model_len=1024, **kw), model_config(), SPEC, CUDA, profile)

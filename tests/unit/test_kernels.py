@@ -145,9 +145,11 @@ def test_a_failed_avx512_build_gives_way_to_avx2(tmp_path: Path, monkeypatch, ca
 
     avx2_library = build_native_library(default_cache_dir() / "kernels", "avx2")
     compiler = tmp_path / "cxx"  # refuses -mavx512f; otherwise "builds" by copying the real AVX2 library
-    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -mavx512f ] && exit 1; done\n'
-                        'while [ "$#" -gt 0 ]; do [ "$1" = -o ] && exec cp "$KVSERVE_TEST_LIBRARY" "$2"; shift; done\n'
-                        'exit 1\n')
+    compiler.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -mavx512f ] && exit 1; done\n'
+        'while [ "$#" -gt 0 ]; do [ "$1" = -o ] && exec cp "$KVSERVE_TEST_LIBRARY" "$2"; shift; done\n'
+        "exit 1\n"
+    )
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("KVSERVE_TEST_LIBRARY", str(avx2_library))
@@ -226,17 +228,27 @@ def _paged_prompt(seq_len: int, q_len: int, block_size: int, heads: int, kv_head
 
 
 @needs_native
-@pytest.mark.parametrize("seq_len,q_len,block_size,heads,kv_heads,dim,window", [
-    (1, 1, 16, 4, 1, 256, None),  # a one-token prompt
-    (9, 1, 5, 4, 1, 64, 4),  # one query at the end of a context: the decode shape
-    (67, 67, 16, 4, 1, 256, None),  # a chunk that is no multiple of the query and key tiles
-    (130, 35, 5, 8, 2, 40, 50),  # a later chunk in a window, GQA 4, head_dim 40 (8 x 5)
-    (200, 199, 3, 3, 3, 24, 1),  # window 1: each query sees only itself
-    (90, 90, 7, 2, 1, 20, 33),  # head_dim 20: no multiple of 8
-])
-def test_native_paged_prefill_attention_matches_reference(native: NativeKernels, seq_len: int, q_len: int,
-                                                          block_size: int, heads: int, kv_heads: int, dim: int,
-                                                          window: int | None) -> None:
+@pytest.mark.parametrize(
+    "seq_len,q_len,block_size,heads,kv_heads,dim,window",
+    [
+        (1, 1, 16, 4, 1, 256, None),  # a one-token prompt
+        (9, 1, 5, 4, 1, 64, 4),  # one query at the end of a context: the decode shape
+        (67, 67, 16, 4, 1, 256, None),  # a chunk that is no multiple of the query and key tiles
+        (130, 35, 5, 8, 2, 40, 50),  # a later chunk in a window, GQA 4, head_dim 40 (8 x 5)
+        (200, 199, 3, 3, 3, 24, 1),  # window 1: each query sees only itself
+        (90, 90, 7, 2, 1, 20, 33),  # head_dim 20: no multiple of 8
+    ],
+)
+def test_native_paged_prefill_attention_matches_reference(
+    native: NativeKernels,
+    seq_len: int,
+    q_len: int,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    window: int | None,
+) -> None:
     q, kc, vc, meta = _paged_prompt(seq_len, q_len, block_size, heads, kv_heads, dim, seed=seq_len + q_len)
     got = native.paged_prefill_attention(q, kc, vc, meta.block_tables[0], seq_len, window, 0.125)
     ref = reference_attention(q, LayerKVCache(kc, vc), meta, AttentionLayerSpec(0.125, window))
@@ -267,8 +279,15 @@ def test_torch_kernels_have_no_paged_prefill_attention() -> None:
     kernels = TorchKernels()
     assert not kernels.has_paged_attention(torch.zeros(2, 4, 1, 8))
     with pytest.raises(NotImplementedError):
-        kernels.paged_prefill_attention(torch.zeros(2, 1, 8), torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8),
-                                        torch.zeros(2, dtype=torch.int64), 2, None, 1.0)
+        kernels.paged_prefill_attention(
+            torch.zeros(2, 1, 8),
+            torch.zeros(2, 4, 1, 8),
+            torch.zeros(2, 4, 1, 8),
+            torch.zeros(2, dtype=torch.int64),
+            2,
+            None,
+            1.0,
+        )
 
 
 def _qk_slice(tokens: int, q_heads: int, kv_heads: int, dim: int, seed: int) -> torch.Tensor:
@@ -294,23 +313,30 @@ def test_torch_qk_norm_rope_matches_the_hf_formula(norm: bool) -> None:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
     freqs = positions.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))[None]
     emb = torch.cat((freqs, freqs), -1)[:, None, :]
-    rotate_half = torch.cat((-x[..., dim // 2:], x[..., : dim // 2]), -1)
+    rotate_half = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)
     torch.testing.assert_close(got, x * emb.cos() + rotate_half * emb.sin(), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("tokens", "q_heads", "kv_heads", "dim", "norm"), [
-    (1, 4, 1, 256, True), (9, 4, 1, 256, True), (300, 4, 1, 256, True), (3, 8, 2, 64, False), (5, 2, 2, 16, True),
-    (4, 2, 1, 8, True),  # head_dim 8: not a multiple of 16, so the native kernel hands it to torch
-])
-def test_native_qk_norm_rope_matches_torch(native: NativeKernels, tokens: int, q_heads: int, kv_heads: int,
-                                           dim: int, norm: bool) -> None:
+@pytest.mark.parametrize(
+    ("tokens", "q_heads", "kv_heads", "dim", "norm"),
+    [
+        (1, 4, 1, 256, True),
+        (9, 4, 1, 256, True),
+        (300, 4, 1, 256, True),
+        (3, 8, 2, 64, False),
+        (5, 2, 2, 16, True),
+        (4, 2, 1, 8, True),  # head_dim 8: not a multiple of 16, so the native kernel hands it to torch
+    ],
+)
+def test_native_qk_norm_rope_matches_torch(
+    native: NativeKernels, tokens: int, q_heads: int, kv_heads: int, dim: int, norm: bool
+) -> None:
     from kvserve.model.layers import RotaryEmbedding
 
     qk = _qk_slice(tokens, q_heads, kv_heads, dim, 1)
     g = torch.Generator().manual_seed(2)
     qw, kw = (torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5) if norm else (None, None)
-    cos, sin = RotaryEmbedding(dim, 1e6, None).cos_sin(torch.randint(0, 30000, (tokens,), generator=g),
-                                                       torch.float32)
+    cos, sin = RotaryEmbedding(dim, 1e6, None).cos_sin(torch.randint(0, 30000, (tokens,), generator=g), torch.float32)
     want = TorchKernels().qk_norm_rope(qk, q_heads, qw, kw, 1e-6, cos, sin)
     got = native.qk_norm_rope(qk, q_heads, qw, kw, 1e-6, cos, sin)
     assert got.is_contiguous() and got.shape == want.shape

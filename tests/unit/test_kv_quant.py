@@ -96,8 +96,10 @@ def test_block_written_in_pieces_equals_written_whole(name: str) -> None:
         pieces.write(k[a:b], v[a:b], slots[a:b])
     for attr in ("key", "value", "key_scale", "value_scale"):  # the written slots (the rest is uninitialized)
         got, want = (getattr(c, attr).flatten(0, 1)[slots] for c in (pieces, whole))
-        assert torch.equal(got.view(torch.uint8) if got.dtype == storage else got,
-                           want.view(torch.uint8) if want.dtype == storage else want), attr
+        assert torch.equal(
+            got.view(torch.uint8) if got.dtype == storage else got,
+            want.view(torch.uint8) if want.dtype == storage else want,
+        ), attr
     rk, rv = whole.read(slots, torch.float32)
     fmt = KV_QUANT_FORMATS[name]
     assert ((rk - k).abs() <= error_bound(fmt, k, compute_scales(k, fmt)) * (1 + 1e-5)).all()
@@ -144,8 +146,9 @@ CASES = {"decode": [(1, 1), (9, 1), (23, 1)], "mixed": [(20, 20), (9, 1), (30, 7
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("name", FORMATS)
 def test_cpu_backend_matches_reference_on_quantized_cache(name, case, heads, window) -> None:
-    q, c, meta = _scenario(CASES[case], 4, heads, KV_QUANT_FORMATS[name].storage,
-                           zlib.crc32(repr((name, case, heads, window)).encode()))
+    q, c, meta = _scenario(
+        CASES[case], 4, heads, KV_QUANT_FORMATS[name].storage, zlib.crc32(repr((name, case, heads, window)).encode())
+    )
     ref = reference_attention(q, c, meta, AttentionLayerSpec(0.2, window))
     fast = cpu_attention(q, c, meta, AttentionLayerSpec(0.2, window))
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
@@ -181,6 +184,7 @@ def test_bytes_per_token_agrees_with_capacity_math(name: str) -> None:
 
 def test_block_counts_at_the_same_budget() -> None:
     """8-bit: >= 3.8x the blocks of float32 and ~2x those of 16-bit, less the scales' share."""
+
     def blocks_of(name: str) -> int:
         spec = KVCacheSpec(18, 1, 256, 16, resolve_kv_cache_dtype(name, torch.float32))
         return num_blocks_for_budget(4 << 30, spec.bytes_per_block)

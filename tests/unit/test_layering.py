@@ -25,6 +25,7 @@ SHARED_FILES = [PACKAGE_ROOT / name for name in ("engine_args.py", "config.py", 
 
 # -- the import walker --------------------------------------------------------------------------------------
 
+
 def module_name(path: Path) -> str:
     """kvserve/kv/pool.py -> kvserve.kv.pool; a package's __init__.py -> the package."""
     parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
@@ -36,7 +37,7 @@ def _resolve(module: str | None, level: int, importer: str, is_package: bool) ->
     if level == 0:
         return module or ""
     base = importer.split(".")
-    base = base[:len(base) - level + (1 if is_package else 0)]
+    base = base[: len(base) - level + (1 if is_package else 0)]
     return ".".join(base + ([module] if module else []))
 
 
@@ -77,6 +78,7 @@ def forbidden_imports(paths: Iterable[Path], forbidden: tuple[str, ...]) -> list
 
 # -- the rules ----------------------------------------------------------------------------------------------
 
+
 def test_kv_imports_nothing_above_it() -> None:
     assert forbidden_imports(sorted((PACKAGE_ROOT / "kv").rglob("*.py")), KV_MUST_NOT_IMPORT) == []
 
@@ -93,6 +95,7 @@ def test_the_bench_package_is_all_checked() -> None:
 
 # -- the walker itself: not vacuous -------------------------------------------------------------------------
 
+
 def test_the_check_sees_hidden_imports() -> None:
     """Imports under TYPE_CHECKING, inside functions, relative or through importlib are found."""
     source = (
@@ -106,21 +109,30 @@ def test_the_check_sees_hidden_imports() -> None:
         "from . import pool\n"
     )
     names = imported_names(source, "kvserve.kv.manager")
-    assert {"kvserve.engine.request", "kvserve.server.app", "kvserve.cli", "kvserve.bench.suite",
-            "kvserve.kv.pool"} <= names
+    assert {
+        "kvserve.engine.request",
+        "kvserve.server.app",
+        "kvserve.cli",
+        "kvserve.bench.suite",
+        "kvserve.kv.pool",
+    } <= names
     assert sum(is_forbidden(n, KV_MUST_NOT_IMPORT) for n in names) >= 4
     assert not is_forbidden("kvserve.engineering", KV_MUST_NOT_IMPORT)
     assert not is_forbidden("kvserve.kv.pool", KV_MUST_NOT_IMPORT)
 
 
-@pytest.mark.parametrize("source", [
-    "from kvserve.cli import build_parser",
-    "def f():\n    from kvserve.cli import engine_config_from_args\n",
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvserve.cli\n",
-    "from kvserve import cli",
-    "from ... import cli",
-    "import importlib\nimportlib.import_module('kvserve.cli')",
-], ids=["top-level", "function-local", "type-checking", "from-package", "relative", "import-module"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from kvserve.cli import build_parser",
+        "def f():\n    from kvserve.cli import engine_config_from_args\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvserve.cli\n",
+        "from kvserve import cli",
+        "from ... import cli",
+        "import importlib\nimportlib.import_module('kvserve.cli')",
+    ],
+    ids=["top-level", "function-local", "type-checking", "from-package", "relative", "import-module"],
+)
 def test_the_check_sees_every_kind_of_cli_import(source: str) -> None:
     """Each way a module of kvserve.bench.peers could reach the CLI is caught."""
     names = imported_names(source, "kvserve.bench.peers.hf")

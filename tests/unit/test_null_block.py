@@ -55,7 +55,7 @@ def test_the_runner_pads_a_mixed_batch_with_a_block_no_request_holds() -> None:
     sched.add(short)
     model = RecordingModel()
     ModelRunner(model, [], kv, BS, CPU).execute(sched.schedule())  # type: ignore[arg-type]
-    (ids, meta), = model.calls
+    ((ids, meta),) = model.calls
     assert ids == list(range(30)) + [100, 101]
     held = {b.block_id for r in (long, short) for b in kv.req_blocks[r.request_id]}
     assert NULL_BLOCK_ID not in held and len(held) == 8 + 1

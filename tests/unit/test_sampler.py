@@ -59,8 +59,20 @@ def test_top_k_top_p_threshold_matches_sorting(scale, vocab):
     logits = rand_logits(12, vocab, seed=2, scale=scale)
     params = [
         SamplingParams(top_k=k, top_p=p)
-        for k, p in [(0, 0.9), (0, 0.5), (10, 1.0), (100, 0.8), (2000, 0.95), (-1, 0.99),
-                     (1, 1.0), (0, 1e-6), (50, 0.3), (vocab, 0.7), (0, 0.999), (5000, 0.6)]
+        for k, p in [
+            (0, 0.9),
+            (0, 0.5),
+            (10, 1.0),
+            (100, 0.8),
+            (2000, 0.95),
+            (-1, 0.99),
+            (1, 1.0),
+            (0, 1e-6),
+            (50, 0.3),
+            (vocab, 0.7),
+            (0, 0.999),
+            (5000, 0.6),
+        ]
     ]
     probs = (logits - logits.amax(-1, keepdim=True)).exp()  # the sampler's unnormalized probs
     threshold = top_k_top_p_threshold(probs, params)
@@ -94,8 +106,10 @@ def _chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     [
         (dict(temperature=1.0), lambda x: torch.softmax(x, -1)),
         (dict(temperature=2.0), lambda x: torch.softmax(x / 2, -1)),
-        (dict(temperature=0.5, top_k=3),
-         lambda x: torch.softmax(torch.where(x >= x.topk(3).values[-1], x / 0.5, -math.inf), -1)),
+        (
+            dict(temperature=0.5, top_k=3),
+            lambda x: torch.softmax(torch.where(x >= x.topk(3).values[-1], x / 0.5, -math.inf), -1),
+        ),
     ],
 )
 def test_temperature_sampling_distribution(params, transform):

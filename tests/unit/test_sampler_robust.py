@@ -70,8 +70,10 @@ def test_nan_logits_never_win_and_all_nan_rows_fall_back():
 
 def test_row_with_every_token_blocked_falls_back_to_the_raw_argmax():
     rows = logits(2)
-    requests = [forced(req(temperature=0.0), frequency_penalty=INF, presence_penalty=INF),
-                forced(req(seed=3), temperature=INF)]
+    requests = [
+        forced(req(temperature=0.0), frequency_penalty=INF, presence_penalty=INF),
+        forced(req(seed=3), temperature=INF),
+    ]
     requests[0].output_token_ids = list(range(VOCAB))  # every token seen: an infinite penalty blocks all
     requests[1].output_token_ids = []
     requests[1].sampling_params.min_tokens = 1
@@ -90,8 +92,9 @@ def test_input_logits_are_untouched_when_rows_need_fixing():
     assert torch.equal(rows.isnan(), before.isnan()) and torch.equal(rows.nan_to_num(), before.nan_to_num())
 
 
-@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "min_p", "presence_penalty",
-                                   "frequency_penalty"])
+@pytest.mark.parametrize(
+    "field", ["temperature", "repetition_penalty", "top_p", "min_p", "presence_penalty", "frequency_penalty"]
+)
 @pytest.mark.parametrize("value", [INF, -INF, NAN, 1e39, -1e39, 10**400])
 def test_values_not_finite_in_float32_are_rejected_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field) as err:

@@ -184,15 +184,21 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 64), caching=st.booleans(),
-       reserve=st.booleans())
+@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 64), caching=st.booleans(), reserve=st.booleans())
 # A preempted request re-admitted through a prefix hit once counted its cached tokens twice and never fit.
 @example(ops=[("add", 13, 9, 0), ("add", 22, 4, 1)], num_blocks=12, budget=5, caching=True, reserve=False)
 def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching, reserve):
     block_size = 4
     max_len = min(48, num_blocks * block_size)
-    sched, pool, kv = make(num_blocks=num_blocks, block_size=block_size, max_seqs=5, budget=budget,
-                           max_len=max_len, caching=caching, reserve=reserve)
+    sched, pool, kv = make(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_seqs=5,
+        budget=budget,
+        max_len=max_len,
+        caching=caching,
+        reserve=reserve,
+    )
     live: list[Request] = []
     count = 0
     for op in ops:

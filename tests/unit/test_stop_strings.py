@@ -35,8 +35,12 @@ def brute_hold(text: str, stops: Sequence[str]) -> int:
 
 def brute_match(text: str, old_len: int, stops: Sequence[str]) -> StopMatch | None:
     """The earliest-starting stop string that ends after `old_len` (ties: first in the list)."""
-    found = [(i, k) for k, s in enumerate(stops) for i in range(len(text) - len(s) + 1)
-             if text.startswith(s, i) and i + len(s) > old_len]
+    found = [
+        (i, k)
+        for k, s in enumerate(stops)
+        for i in range(len(text) - len(s) + 1)
+        if text.startswith(s, i) and i + len(s) > old_len
+    ]
     if not found:
         return None
     start, index = min(found)
@@ -122,8 +126,11 @@ def test_matcher_equals_brute_force(stops, chunks, data):
 
 @pytest.mark.parametrize("include", [False, True])
 @settings(max_examples=300, deadline=None)
-@given(stops=stops_st, ids=st.lists(st.integers(0, len(PieceTokenizer.PIECES) - 1), max_size=20),
-       min_tokens=st.integers(0, 4))
+@given(
+    stops=stops_st,
+    ids=st.lists(st.integers(0, len(PieceTokenizer.PIECES) - 1), max_size=20),
+    min_tokens=st.integers(0, 4),
+)
 def test_detokenizer_equals_reference_stream(include, stops, ids, min_tokens):
     deltas, stopped, detok = stream(ids, stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens)
     ref = ReferenceStream(stops, include, min_tokens)

@@ -34,8 +34,12 @@ def make_checkpoint(root: Path, chat_template: str | None = TEMPLATE_WITH_BOS, w
         raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     root.mkdir(parents=True, exist_ok=True)
     raw.save(str(root / "tokenizer.json"))
-    cfg: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>",
-                 "pad_token": "<pad>"}
+    cfg: dict = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+    }
     if with_bos:
         cfg["bos_token"] = "<bos>"
     if chat_template is not None:
@@ -89,11 +93,17 @@ def test_list_of_parts_content(tok):
 
 
 def test_gemma_template(tok):
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": " hi \n"},
-            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "there"}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": " hi \n"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "there"},
+    ]
     out = tok.apply_chat_template(msgs, chat_template=GEMMA_CHAT_TEMPLATE)
-    assert out == ("<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
-                   "<start_of_turn>user\nthere<end_of_turn>\n<start_of_turn>model\n")
+    assert out == (
+        "<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+        "<start_of_turn>user\nthere<end_of_turn>\n<start_of_turn>model\n"
+    )
     no_prompt = tok.apply_chat_template(msgs[1:2], add_generation_prompt=False, chat_template=GEMMA_CHAT_TEMPLATE)
     assert no_prompt == "<bos><start_of_turn>user\nhi<end_of_turn>\n"
     with pytest.raises(ValueError, match="alternate"):
@@ -141,8 +151,30 @@ def test_missing_tokenizer_files(tmp_path):
 
 # -- GGUF vocabulary -> fast tokenizer, cached -----------------------------------------------------------
 
-GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n", "▁", "▁hello",
-               "▁world", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "lo", "▁w"]
+GGUF_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "\n",
+    "▁",
+    "▁hello",
+    "▁world",
+    "h",
+    "e",
+    "l",
+    "o",
+    "w",
+    "r",
+    "d",
+    "▁h",
+    "he",
+    "ll",
+    "lo",
+    "▁w",
+]
 
 
 def make_gguf(path: Path, with_vocab: bool = True, chat_template: str | None = None, arch: str = "llama") -> Path:
@@ -203,8 +235,9 @@ def test_gguf_tokenizer_is_cached(tmp_path):
 
     calls: list = []
     real = AutoTokenizer.from_pretrained
-    with mock.patch.object(AutoTokenizer, "from_pretrained",
-                           side_effect=lambda *a, **k: calls.append(k.get("gguf_file")) or real(*a, **k)):
+    with mock.patch.object(
+        AutoTokenizer, "from_pretrained", side_effect=lambda *a, **k: calls.append(k.get("gguf_file")) or real(*a, **k)
+    ):
         second = load_tokenizer(gguf_source(path), cache_dir=cache)
     assert calls == []  # read from the cache: no GGUF conversion, no transformers tokenizer at all
     assert second.encode("hello world") == ids
@@ -228,7 +261,8 @@ def test_gguf_tokenizer_named_by_architecture_is_transformers_own(tmp_path):
     for text in ("hello world", "<bos>hello", "hello<end_of_turn>"):
         ids = ref.encode(text, add_special_tokens=False)
         assert ours.encode(text, add_special_tokens=False) == ids and ours.decode(ids) == ref.decode(
-            ids, skip_special_tokens=True)
+            ids, skip_special_tokens=True
+        )
 
 
 def test_gguf_without_vocabulary_names_the_file(tmp_path):
@@ -259,7 +293,8 @@ def test_matches_transformers_tokenizer(tmp_path):
     for template in (TEMPLATE_WITH_BOS, GEMMA_CHAT_TEMPLATE.replace("assistant", "model")):
         for prompt in (True, False):
             assert ours.apply_chat_template(msgs, prompt, template) == hf.apply_chat_template(
-                msgs, chat_template=template, add_generation_prompt=prompt, tokenize=False)
+                msgs, chat_template=template, add_generation_prompt=prompt, tokenize=False
+            )
 
 
 def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
@@ -295,8 +330,10 @@ def test_cached_gguf_tokenizer_loads_without_transformers(tmp_path):
         "print(tok.encode('hello world'), tok.bos_token_id, tok.eos_token_id, sorted(tok.special_ids), tok.add_bos)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == (f"{first.encode('hello world')} {first.bos_token_id} {first.eos_token_id} "
-                           f"{sorted(first.special_ids)} {first.add_bos}")
+    assert out.strip() == (
+        f"{first.encode('hello world')} {first.bos_token_id} {first.eos_token_id} "
+        f"{sorted(first.special_ids)} {first.add_bos}"
+    )
 
 
 def test_gguf_tokenizer_falls_back_to_autotokenizer_when_the_named_class_fails(tmp_path, monkeypatch):

@@ -122,8 +122,10 @@ def test_the_structured_outputs_backend_flag_reaches_the_engine_config() -> None
 
 def test_the_name_registries_do_not_import_torch() -> None:
     """vocab, units, config and the engine flags are read by `kvserve estimate`, which must not import torch."""
-    code = ("import sys, kvserve.vocab, kvserve.units, kvserve.config, kvserve.engine_args, kvserve.capacity; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    code = (
+        "import sys, kvserve.vocab, kvserve.units, kvserve.config, kvserve.engine_args, kvserve.capacity; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -147,8 +149,11 @@ def redeclared_vocabularies(source: str) -> list[str]:
         if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) or items is None:
             continue
         names = {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
-        found += [f"line {node.lineno}: {kind} names {sorted(names & vocab)}"
-                  for kind, vocab in VOCABULARIES.items() if len(names & vocab) >= 2]
+        found += [
+            f"line {node.lineno}: {kind} names {sorted(names & vocab)}"
+            for kind, vocab in VOCABULARIES.items()
+            if len(names & vocab) >= 2
+        ]
     return found
 
 
@@ -156,9 +161,13 @@ def redeclared_units(source: str) -> list[str]:
     """Binary size units spelled as literals (1 << 10/20/30, 2 ** 30): KiB, MiB and GiB live in kvserve/units.py."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.LShift, ast.Pow))
-                and isinstance(node.left, ast.Constant) and isinstance(node.right, ast.Constant)
-                and (node.left.value, node.right.value) in {(1, 10), (1, 20), (1, 30), (2, 10), (2, 20), (2, 30)}):
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, (ast.LShift, ast.Pow))
+            and isinstance(node.left, ast.Constant)
+            and isinstance(node.right, ast.Constant)
+            and (node.left.value, node.right.value) in {(1, 10), (1, 20), (1, 30), (2, 10), (2, 20), (2, 30)}
+        ):
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
     return found
 
@@ -170,9 +179,11 @@ def test_the_check_sees_a_redeclared_vocabulary() -> None:
     assert redeclared_units("n / (1 << 30)") and redeclared_units("4 * 2**20") and not redeclared_units("1 << 40")
 
 
-@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py")
-                                         if p.relative_to(PACKAGE).as_posix() not in REGISTRIES),
-                         ids=lambda p: str(p.relative_to(PACKAGE)))
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).as_posix() not in REGISTRIES),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
 def test_no_module_redeclares_a_vocabulary(path: Path) -> None:
     source = path.read_text(encoding="utf-8")
     assert not redeclared_vocabularies(source), path

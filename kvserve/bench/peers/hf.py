@@ -57,8 +57,8 @@ class HFPeer:
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
         return ids, mask
 
     def _generate(self, prompts: list[list[int]], new_tokens: int, timeline: Timeline | None = None) -> None:
@@ -66,8 +66,13 @@ class HFPeer:
         processors = LogitsProcessorList([_StepTimer(timeline)]) if timeline is not None else None
         with torch.inference_mode():
             self.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=self.pad_token_id, logits_processor=processors,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_token_id,
+                logits_processor=processors,
             )
 
     def timed_generate(self, prompts: list[list[int]], output_len: int) -> Timeline:
@@ -82,16 +87,18 @@ class HFPeer:
         generated = 0
         start = time.perf_counter()
         for i in range(0, len(order), self.batch_size):
-            batch = order[i:i + self.batch_size]
+            batch = order[i : i + self.batch_size]
             longest = max(r.output_len for r in batch)
             self._generate([list(r.prompt_token_ids) for r in batch], longest)
             generated += longest * len(batch)
         elapsed = time.perf_counter() - start
-        return ThroughputRun(elapsed, sum(len(r.prompt_token_ids) for r in requests),
-                             sum(r.output_len for r in requests), generated)
+        return ThroughputRun(
+            elapsed, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests), generated
+        )
 
-    def choose_batch_size(self, requests: list[TokenRequest], candidates: list[int],
-                          probe_tokens: int = 8) -> list[BatchProbe]:
+    def choose_batch_size(
+        self, requests: list[TokenRequest], candidates: list[int], probe_tokens: int = 8
+    ) -> list[BatchProbe]:
         """Give HF its best batch size: for each candidate, time a short generate on the workload's own
         prompts and project its throughput at the workload's mean output length. Every candidate is
         probed: on a shared machine one noisy probe must not end the search early."""

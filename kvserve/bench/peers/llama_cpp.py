@@ -20,10 +20,30 @@ class LlamaBenchResult:
     raw: list[dict]
 
 
-def run_llama_bench(binary: Path, gguf: Path, prompt_lens: list[int], decode_tokens: int, threads: int,
-                    repeats: int, timeout_s: float = 1800) -> LlamaBenchResult:
-    cmd = [str(binary), "-m", str(gguf), "-p", ",".join(map(str, prompt_lens)), "-n", str(decode_tokens),
-           "-t", str(threads), "-r", str(repeats), "-o", "json"]
+def run_llama_bench(
+    binary: Path,
+    gguf: Path,
+    prompt_lens: list[int],
+    decode_tokens: int,
+    threads: int,
+    repeats: int,
+    timeout_s: float = 1800,
+) -> LlamaBenchResult:
+    cmd = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "-p",
+        ",".join(map(str, prompt_lens)),
+        "-n",
+        str(decode_tokens),
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
