@@ -384,7 +384,8 @@ class ClusterEngine:
             report: ReplicaReport = await asyncio.wait_for(replica.handle.report.remote(), REPORT_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # dead, restarting or hung: Ray restarts it; it comes back when it reports
+        # Dead, restarting or hung: Ray restarts it, and it comes back when it reports.
+        except Exception as e:  # noqa: BLE001 -- any failure of the remote call means the replica is down
             self._mark_down(replica, e)
             return
         if not replica.up:

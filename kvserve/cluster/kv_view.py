@@ -92,7 +92,8 @@ class RemoteKVPublisher:
                 )
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # down or restarting: its streams end (the view is not running); ask again
+            # Down or restarting: its streams end (the view is not running); ask again.
+            except Exception as e:  # noqa: BLE001 -- any failure of the remote call means the replica is down
                 logger.debug("no KV publication from %s: %s", self.replica.name, e)
             else:
                 self.apply(update)

@@ -104,7 +104,7 @@ class KVPublisher:
         if self.due():
             try:
                 self._publish()
-            except Exception:  # noqa: BLE001 -- an inspector fault must never stop the engine; readers see it stale
+            except Exception:
                 logger.exception("could not build the KV snapshot")
                 self._last_at, self._dirty = time.monotonic(), False
 

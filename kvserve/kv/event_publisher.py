@@ -155,7 +155,7 @@ class ZmqKVEventPublisher:
                     self.published += 1
                 for _ in events:
                     self._queue.task_done()
-        except Exception:  # noqa: BLE001 -- the stream stops, the engine does not; readers see the silence
+        except Exception:
             logger.exception("the KV event publisher failed; no further KV events are published")
         finally:
             self._pub.close(linger=_LINGER_MS)  # let the last batches leave before the context ends

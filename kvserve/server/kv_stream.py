@@ -112,7 +112,7 @@ class KVStreamHub:
                     if snapshot is not None and snapshot.seq > since:
                         try:
                             await self._update(snapshot, published.events)
-                        except Exception:  # noqa: BLE001 -- a fault here must not end the streams: start afresh
+                        except Exception:
                             logger.exception("could not make the KV stream's update; streams restart from a snapshot")
                             self.state, since = None, snapshot.seq
                             self.deltas.clear()

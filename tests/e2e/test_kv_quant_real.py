@@ -20,7 +20,7 @@ from kvserve.model.source import resolve_model
 from kvserve.model.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from logprob_check import assert_logprobs_close  # noqa: E402
+from logprob_check import assert_logprobs_close
 
 pytestmark = pytest.mark.real_model
 TOP = 5

@@ -15,7 +15,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.model.quantization import Q8Embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from logprob_check import assert_logprobs_close  # noqa: E402
+from logprob_check import assert_logprobs_close
 
 pytestmark = pytest.mark.real_model
 REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "gemma3_270m_reference.json"

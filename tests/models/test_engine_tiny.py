@@ -16,7 +16,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from logprob_check import assert_logprobs_close  # noqa: E402
+from logprob_check import assert_logprobs_close
 
 TOP = 5
 

@@ -26,7 +26,7 @@ from kvserve.model.quantization import Q8Embedding, Q8Linear, quantize_model, we
 from kvserve.model.source import ModelFormat, ModelSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from logprob_check import assert_logprobs_close  # noqa: E402
+from logprob_check import assert_logprobs_close
 
 ATOL = RTOL = 1e-4
 TOP = 5

@@ -7,4 +7,4 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
-from server_support import make_server, tiny_model_dir  # noqa: E402,F401 -- fixtures for test_spec_server.py
+from server_support import make_server, tiny_model_dir  # noqa: F401 -- fixtures for test_spec_server.py

@@ -10,12 +10,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
-from structured_support import TINY_LOGITS_WIDTH  # noqa: E402
-from tiny_tokenizer import write_char_tokenizer  # noqa: E402
-from tool_server_support import tools_client, tools_model_dir, tools_server  # noqa: E402, F401 (fixtures)
+from structured_support import TINY_LOGITS_WIDTH
+from tiny_tokenizer import write_char_tokenizer
+from tool_server_support import tools_client, tools_model_dir, tools_server  # noqa: F401 (fixtures)
 
-from kvserve.model.tokenizer import Tokenizer  # noqa: E402
-from kvserve.structured import GrammarBackend, GrammarVocab, make_backend  # noqa: E402
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.structured import GrammarBackend, GrammarVocab, make_backend
 
 
 @pytest.fixture(scope="session")

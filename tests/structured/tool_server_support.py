@@ -16,13 +16,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
-from server_support import RunningServer, make_engine  # noqa: E402
-from tiny_models import build_tiny_hf_model  # noqa: E402
-from tiny_tokenizer import write_char_tokenizer  # noqa: E402
+from server_support import RunningServer, make_engine
+from tiny_models import build_tiny_hf_model
+from tiny_tokenizer import write_char_tokenizer
 
-from kvserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from kvserve.server.app import build_app  # noqa: E402
-from kvserve.server.context import ServerSettings  # noqa: E402
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.app import build_app
+from kvserve.server.context import ServerSettings
 
 MODEL = "tiny-tools"
 MAX_MODEL_LEN = 2048
