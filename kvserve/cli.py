@@ -40,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_config(engine_config_from_args(args))
     print(
         f"Loaded {engine.config.served_model_name} in {time.perf_counter() - start:.1f} s; "
-        f"peak memory {format_gib(_peak_rss_bytes())}; {engine.cache_plan.describe()}",
+        f"peak memory {format_gib(_peak_rss_bytes())}; {engine.core.cache_plan.describe()}",
         file=sys.stderr,
     )
     llm = LLM(engine=engine)

@@ -1,4 +1,8 @@
-"""EngineConfig: every engine setting in one validated place, under vLLM's flag names."""
+"""EngineConfig: every engine setting in one validated place, under vLLM's flag names.
+
+Frozen: validated and parsed once, on construction, and never changed after. What only loading the model can
+decide (`--quantization auto`, the attention backend, the served name) is resolved by the engine's build into a new
+config (dataclasses.replace), so the caller's own object keeps what the caller asked for."""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ def _one_of(value: str, name: str, choices: tuple[str, ...]) -> tuple[bool, str,
     return value in choices, name, f"one of {', '.join(choices)}"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (Gemma 3 270M GGUF)
     dtype: str = "auto"
@@ -58,28 +62,32 @@ class EngineConfig:
     # "cpu" (fast on CPU), "reference" (plain torch), "triton" (CUDA) or None: resolve_attention_backend's choice
     attention_backend: str | None = None
     # Decode batch sizes captured as CUDA graphs (vLLM's --cuda-graph-sizes); None: engine/cuda_graphs.py's default.
-    cuda_graph_sizes: list[int] | None = None
+    cuda_graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs (graphs are never used on CPU)
     max_logprobs: int = 20
     served_model_name: str | None = None
     chat_template: str | None = None
     # Grammar library for structured output (vLLM's flag): auto, xgrammar or guidance (llguidance).
     structured_outputs_backend: str = "auto"
-    # Speculative decoding (vLLM's --speculative-config): a JSON string or dict, made a SpeculativeConfig here;
-    # None (the default): off.
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
-    # KV events on ZMQ in vLLM's schema (vLLM's --kv-events-config): a JSON string or dict, made a KVEventsConfig
-    # here; None (the default): off (docs/KV_EVENTS.md).
-    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    # Speculative decoding (vLLM's --speculative-config); None (the default): off. The offline API may pass the flag's
+    # JSON text or a dict: __post_init__ parses it, once, so that every reader sees a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | None = None
+    # KV events on ZMQ in vLLM's schema (vLLM's --kv-events-config); None (the default): off (docs/KV_EVENTS.md).
+    # JSON text or a dict is parsed here, as for speculative_config.
+    kv_events_config: KVEventsConfig | None = None
     # This engine's index among --data-parallel-size replicas (set by the cluster launcher, as vLLM's): its KV
     # events go to the configured endpoint offset by it, so replicas on one host never share an address.
     data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
-        self.speculative_config = parse_speculative_config(self.speculative_config)
-        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
-        if isinstance(self.kv_cache_memory_bytes, str):
-            self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+        # The flag-shaped inputs the offline API accepts (JSON text, dicts, "4GiB"), parsed once into their types.
+        raw: Any = self
+        object.__setattr__(self, "speculative_config", parse_speculative_config(raw.speculative_config))
+        object.__setattr__(self, "kv_events_config", parse_kv_events_config(raw.kv_events_config))
+        if isinstance(raw.kv_cache_memory_bytes, str):
+            object.__setattr__(self, "kv_cache_memory_bytes", parse_size(raw.kv_cache_memory_bytes))
+        if isinstance(raw.cuda_graph_sizes, list):
+            object.__setattr__(self, "cuda_graph_sizes", tuple(raw.cuda_graph_sizes))
         checks = [
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two from 1 to 256"),
             (self.max_num_seqs >= 1, "max_num_seqs", ">= 1"),

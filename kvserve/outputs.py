@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,34 +64,3 @@ def logprob_entry(
         if tid not in entry:
             entry[tid] = Logprob(lp, position, decode(tid) if decode else None)
     return entry
-
-
-def merge_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:
-    """One DELTA output equal to `outputs` (consecutive DELTA outputs of one request) in order: each
-    sample's text, token ids and logprobs concatenated, its latest finish and stop reason, the prompt's
-    logprobs from whichever output carried them. Linear in the outputs' size (one join per sample)."""
-    last = outputs[-1]
-    if len(outputs) == 1:
-        return last
-    pieces: dict[int, list[CompletionOutput]] = {}
-    for output in outputs:
-        for c in output.outputs:
-            pieces.setdefault(c.index, []).append(c)
-    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
-    return dataclasses.replace(
-        last, prompt_logprobs=prompt_logprobs, outputs=[_merge_samples(parts) for parts in pieces.values()]
-    )
-
-
-def _merge_samples(parts: list[CompletionOutput]) -> CompletionOutput:
-    last = parts[-1]
-    has_logprobs = any(p.logprobs is not None for p in parts)
-    return CompletionOutput(
-        index=last.index,
-        text="".join(p.text for p in parts),
-        token_ids=[t for p in parts for t in p.token_ids],
-        cumulative_logprob=last.cumulative_logprob,
-        logprobs=[e for p in parts for e in (p.logprobs or [])] if has_logprobs else None,
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-    )

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=20)
     args = parser.parse_args()
     engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False))
-    model = engine.runner.model
+    model = engine.core.runner.model
     kernels = {"new": model.embed_tokens.kernels, "old": NativeKernels(load_native_library(args.old))}
     serial = iter(range(10**9))
 

@@ -31,7 +31,7 @@ def main() -> None:
     engine = LLMEngine.from_config(
         EngineConfig(kv_cache_memory_bytes=1 << 29, quantization=args.quantization, block_size=BLOCK)
     )
-    runner, n = engine.runner, args.n
+    runner, n = engine.core.runner, args.n
     model, kernels = runner.model, runner.model.kernels
     if args.decode:  # n sequences of 65 tokens, the last one new (the cache holds whatever it holds: timing only)
         tables = [list(range(1 + 5 * i, 6 + 5 * i)) for i in range(n)]

@@ -64,7 +64,7 @@ def busy_engine(model_dir: Path, num_blocks: int = 7000, batch: int = 32) -> LLM
 
 def top_up(engine: LLMEngine, batch: int, rng: random.Random) -> None:
     """Keep `batch` requests decoding: replace finished ones with fresh ones (sharing the system prompt)."""
-    while len(engine.groups) < batch:
+    while len(engine.core.requests.groups) < batch:
         prompt = [7] * 64 + [rng.randrange(3, 250) for _ in range(8)]
         engine.add_request(f"r{rng.random()}", prompt, SamplingParams(max_tokens=150, ignore_eos=True))
 
@@ -110,13 +110,13 @@ def main() -> None:
         delta = diff_snapshots(before, after)
         diffs.append(time.perf_counter() - start)
         sizes.append(len(json.dumps(delta)))
-    publisher = KVPublisher(engine, lambda: None)
+    publisher = KVPublisher(engine.core, lambda: None)
     off, on = [], []
     rng = random.Random(1)
     for _ in range(5):  # interleaved, so that drift (other load, the sequences growing) hits both alike
         off.append(steps_per_s(engine, publisher, STEPS, False, rng))
         on.append(steps_per_s(engine, publisher, STEPS, True, rng))
-    print(f"pool {engine.pool.num_blocks} blocks {states}, {len(snap['requests'])} requests")
+    print(f"pool {engine.core.pool.num_blocks} blocks {states}, {len(snap['requests'])} requests")
     print(
         f"snapshot {statistics.median(build) * 1e3:.2f} ms (median of 20); "
         f"JSON {statistics.median(encode) * 1e3:.2f} ms, {len(text) / 1024:.0f} KiB"
@@ -127,8 +127,8 @@ def main() -> None:
     )
     ratio = statistics.median(on) / statistics.median(off)
     print(
-        f"decode steps/s at batch {len(engine.scheduler.running)}: without a watcher {statistics.median(off):.1f}, "
-        f"with {statistics.median(on):.1f} (ratio {ratio:.3f})"
+        f"decode steps/s at batch {len(engine.core.scheduler.running)}: "
+        f"without a watcher {statistics.median(off):.1f}, with {statistics.median(on):.1f} (ratio {ratio:.3f})"
     )
 
 

@@ -34,7 +34,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
 
 def timed_run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """One request alone: decode tokens/s, drafting counters and drafting time, and its tokens."""
-    spec = engine.spec
+    spec = engine.core.spec
     propose_s = 0.0
     if spec is not None:
         real = spec.propose

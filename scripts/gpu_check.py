@@ -487,7 +487,7 @@ def _engine(run: Run, ck: Checkpoint, dtype: str, max_len: int, num_blocks: int)
             "load_s": time.perf_counter() - started,
             "config": resolved,
             "compute_dtype": str(engine.compute_dtype),
-            "num_blocks": engine.pool.num_blocks,
+            "num_blocks": engine.core.pool.num_blocks,
         },
         engine,
     )
@@ -521,7 +521,7 @@ def _speed(run: Run, arch: Arch, ck: Checkpoint, engine: LLMEngine, phase_end: f
             max_num_batched_tokens=plan.speed_batched_tokens,
             max_model_len=per_request * plan.block_size,
         )
-        return Outcome({"num_blocks": fast.pool.num_blocks}, fast)
+        return Outcome({"num_blocks": fast.core.pool.num_blocks}, fast)
 
     rows = [f"{arch.name}.speed_b{batch}" for batch in plan.speed_batches]
     if run.ceilings is None:
@@ -529,7 +529,9 @@ def _speed(run: Run, arch: Arch, ck: Checkpoint, engine: LLMEngine, phase_end: f
     fast: LLMEngine | None = report.run(f"{arch.name}.speed_engine", make, 5, phase_end)
     if fast is None:
         return report.skip_all(rows, f"needs {arch.name}.speed_engine")
-    floors = Floors(model_cost(fast.runner.model, fast.model_config, fast.kv_spec.bytes_per_token), run.ceilings)
+    floors = Floors(
+        model_cost(fast.core.runner.model, fast.core.model_config, fast.core.kv_spec.bytes_per_token), run.ceilings
+    )
     report.data["sections"][f"{arch.name}.speed_engine"]["model_cost"] = floors.cost.to_json()
     hf_model = ck.hf_bf16 if plan.speed_dtype == "bfloat16" else ck.reference
     try:
@@ -561,7 +563,7 @@ def _speed_row(
         hf_error = None
     except Exception as e:  # noqa: BLE001 -- reported beside kvserve's figures
         hf, hf_error = None, f"{type(e).__name__}: {e}"
-        _free(engine.device)
+        _free(engine.core.device)
     row = speed_row(batch, plan.speed_prompt, plan.speed_new_tokens, floors, kv, hf)
     if hf_error:
         row["hf_error"] = hf_error

@@ -95,14 +95,14 @@ class LogitsTap:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.rows: dict[str, dict[int, torch.Tensor]] = {}  # user request id -> position -> logits
-        self._inner = engine.runner.execute
-        engine.runner.execute = self._execute  # type: ignore[method-assign]
+        self._inner = engine.core.runner.execute
+        engine.core.runner.execute = self._execute  # type: ignore[method-assign]
 
     def close(self) -> None:
-        self.engine.runner.execute = self._inner  # type: ignore[method-assign]
+        self.engine.core.runner.execute = self._inner  # type: ignore[method-assign]
 
     def _group(self, sequence_id: str) -> str:
-        return self.engine.sequences[sequence_id].group_id
+        return self.engine.core.requests.user_request_id(sequence_id)
 
     def _execute(self, out: Any) -> Any:
         result = self._inner(out)
@@ -224,9 +224,9 @@ def check_greedy(
     sequence may leave its solo twin only at a near-tie of HF's logits (float32 reductions differ with the batch's
     shape); after that the two are not compared."""
     params = greedy(new_tokens)
-    before = preempting.scheduler.num_preemptions
+    before = preempting.core.scheduler.num_preemptions
     _, batched = generate(preempting, prompts, params)
-    preemptions = preempting.scheduler.num_preemptions - before
+    preemptions = preempting.core.scheduler.num_preemptions - before
     alone = [generate(engine, [p], params)[1][0] for p in prompts]
     totals = {"exact": 0, "near_ties": 0, "wrong": 0}
     divergences, max_gap = [], 0.0
@@ -242,7 +242,7 @@ def check_greedy(
     return {
         "requests": len(prompts),
         "new_tokens": new_tokens,
-        "num_blocks": preempting.pool.num_blocks,
+        "num_blocks": preempting.core.pool.num_blocks,
         "preemptions": preemptions,
         "tokens": totals,
         "batched_vs_alone_divergences": divergences,
@@ -283,16 +283,16 @@ def kvserve_speed(
     decode_tokens = steps = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        prompt_before, gen_before = engine.num_prompt_tokens_total, engine.num_generation_tokens_total
+        prompt_before, gen_before = engine.core.num_prompt_tokens_total, engine.core.num_generation_tokens_total
         t = time.perf_counter()
         _step(engine)
         spent = time.perf_counter() - t
         steps += 1
-        if engine.num_prompt_tokens_total > prompt_before:
+        if engine.core.num_prompt_tokens_total > prompt_before:
             prefill_s += spent
         else:
             decode_s += spent
-            decode_tokens += engine.num_generation_tokens_total - gen_before
+            decode_tokens += engine.core.num_generation_tokens_total - gen_before
     total_s = time.perf_counter() - start
     return {
         "prefill_tok_s": batch * prompt_len / prefill_s,

@@ -43,10 +43,10 @@ def step_times(
     verifying: list[float] = []
     tokens: dict[str, tuple[int, ...]] = {}
     while engine.has_unfinished_requests():
-        running = engine.scheduler.running
+        running = engine.core.scheduler.running
         decoding = (
             len(running) == len(prompts)
-            and not engine.scheduler.waiting
+            and not engine.core.scheduler.waiting
             and all(r.num_computed_tokens + 1 >= r.num_tokens for r in running)
         )
         drafts_before = engine.stats().spec_decode_num_drafts
@@ -79,7 +79,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts = [
-            render_prompt(base.tokenizer, p, base.max_model_len - args.output_len)
+            render_prompt(base.tokenizer, p, base.core.max_model_len - args.output_len)
             for p in workload_prompts("code-edit", batch)
         ]
         plain_means: list[float] = []

@@ -1,7 +1,8 @@
-"""Where one decode step goes: the step's wall time, the model's forward, the LM head (compute_logits) and the
-time inside q8_0 matmul calls made from Python (the LM head; on the torch layer path the body's too: the native
-layer path calls the kernel from C++), averaged over decode steps of BATCH requests at a 64-token context.
-The breakdown quoted in docs/PERFORMANCE_NOTES.md. Not run by CI.
+"""Where one decode step goes: the step's wall time, the engine core's share of it (what a server's engine thread
+runs; the rest is the front end's detokenizing and output building), the model's forward, the LM head
+(compute_logits) and the time inside q8_0 matmul calls made from Python (the LM head; on the torch layer path the
+body's too: the native layer path calls the kernel from C++), averaged over decode steps of BATCH requests at a
+64-token context. The breakdown quoted in docs/PERFORMANCE_NOTES.md. Not run by CI.
 
 `--layers native,torch` alternates the native layer path (one call per decoder layer) and the torch modules in
 rounds in one process, so that a noisy machine's drift hits both alike; the minimum over rounds is printed last.
@@ -38,7 +39,7 @@ def main() -> None:
     for _ in range(3):  # the prefill and a warm-up decode
         engine.step()
 
-    spent = {"kernel": 0.0, "forward": 0.0, "logits": 0.0}
+    spent = {"kernel": 0.0, "forward": 0.0, "logits": 0.0, "core": 0.0}
 
     def timed(key: str, fn):  # type: ignore[no-untyped-def]
         def wrapper(*a, **k):  # type: ignore[no-untyped-def]
@@ -50,11 +51,13 @@ def main() -> None:
 
         return wrapper
 
-    model = engine.runner.model
+    model = engine.core.runner.model
     kernels = model.kernels
     NativeKernels.q8_matmul = timed("kernel", NativeKernels.q8_matmul)  # type: ignore[method-assign]
     model.forward = timed("forward", model.forward)  # type: ignore[method-assign]
     model.compute_logits = timed("logits", model.compute_logits)  # type: ignore[method-assign]
+    # The core's step is what a server's engine thread runs; the rest of LLMEngine.step is the front end's text work.
+    engine.core.step = timed("core", engine.core.step)  # type: ignore[method-assign]
     best: dict[str, float] = {}
     n = args.steps
     for _ in range(args.rounds):
@@ -64,15 +67,17 @@ def main() -> None:
             else:
                 model.use_kernels(kernels)  # chooses again: the native layers where the model allows them
             engine.step()  # one untimed step in this mode
-            spent.update(kernel=0.0, forward=0.0, logits=0.0)
+            spent.update(kernel=0.0, forward=0.0, logits=0.0, core=0.0)
             start = time.perf_counter()
             for _ in range(n):
                 engine.step()
             step_ms = 1e3 * (time.perf_counter() - start) / n
+            core_ms = 1e3 * spent["core"] / n
             best[mode] = min(best.get(mode, step_ms), step_ms)
             path = "native layers" if model.native_layers is not None else "torch layers"
             print(
-                f"batch {args.batch}, {args.quantization}, {path}: step {step_ms:.1f} ms; "
+                f"batch {args.batch}, {args.quantization}, {path}: step {step_ms:.1f} ms "
+                f"(engine core {core_ms:.1f} ms, front end {step_ms - core_ms:.1f} ms); "
                 f"forward {1e3 * spent['forward'] / n:.1f} ms, LM head {1e3 * spent['logits'] / n:.1f} ms, "
                 f"q8_0 kernel called from Python {1e3 * spent['kernel'] / n:.1f} ms",
                 flush=True,

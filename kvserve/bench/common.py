@@ -27,7 +27,7 @@ def load_hf_peer(args: argparse.Namespace, kvserve: KVServeSystem) -> HFPeer:
     from kvserve.bench.peers.hf import HFPeer
     from kvserve.model.source import resolve_model
 
-    dtype = next(p.dtype for p in kvserve.engine.runner.model.parameters() if p.is_floating_point())
+    dtype = next(p.dtype for p in kvserve.engine.core.runner.model.parameters() if p.is_floating_point())
     log.info("loading the HF transformers peer (for the default GGUF this takes a minute or two)")
     peer = HFPeer.load(resolve_model(args.model), dtype=dtype)
     warm_up(peer)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     system = load_kvserve(args)
     engine = system.engine
-    vocab, exclude = engine.model_config.vocab_size, special_token_ids(engine)
+    vocab, exclude = engine.core.model_config.vocab_size, special_token_ids(engine)
     rng = random.Random(args.seed)
     points = []
     table = Table(

@@ -103,20 +103,13 @@ def run(args: argparse.Namespace) -> int:
     baseline_greedy: list | None = None
     for name in names:
         if name != BASELINE:
-            engine = LLMEngine(
-                replace(base_config, kv_cache_dtype=name),
-                engine.model_config,
-                engine.runner.model,
-                engine.tokenizer,
-                device=engine.device,
-                compute_dtype=compute_dtype(engine),
-            )
+            engine = engine.sibling(kv_cache_dtype=name)  # the loaded model, another KV cache
         greedy = greedy_outputs(engine, prompts, args.greedy_tokens)
         baseline_greedy = baseline_greedy or greedy
         row = {
-            "kv_cache_dtype": engine.kv_spec.dtype_name,
-            "bytes_per_token": engine.kv_spec.bytes_per_token,
-            "blocks_at_budget": num_blocks_for_budget(args.budget, engine.kv_spec.bytes_per_block),
+            "kv_cache_dtype": engine.core.kv_spec.dtype_name,
+            "bytes_per_token": engine.core.kv_spec.bytes_per_token,
+            "blocks_at_budget": num_blocks_for_budget(args.budget, engine.core.kv_spec.bytes_per_block),
             "perplexity": perplexity(engine, ppl_ids),
             **agreement(baseline_greedy, greedy),
             "decode_tokens_per_s": decode_throughput(engine, decode_prompts, args.decode_tokens),
@@ -196,23 +189,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def compute_dtype(engine: LLMEngine) -> torch.dtype:
-    return next(p.dtype for p in engine.runner.model.parameters() if p.is_floating_point())
-
-
 def random_prompts(engine: LLMEngine, n: int, length: int, seed: int) -> list[list[int]]:
     from kvserve.bench.systems import special_token_ids
     from kvserve.bench.workload import random_token_ids
 
     rng = random.Random(seed)
     exclude = special_token_ids(engine)
-    return [random_token_ids(rng, length, engine.model_config.vocab_size, exclude) for _ in range(n)]
+    return [random_token_ids(rng, length, engine.core.model_config.vocab_size, exclude) for _ in range(n)]
 
 
 def perplexity_ids(engine: LLMEngine, text: str, num_tokens: int) -> list[int]:
     """What `perplexity` scores: the model's BOS (when it has one), then the first `num_tokens` tokens of `text`."""
     body = engine.tokenizer.encode(text, add_special_tokens=False)
-    bos = engine.model_config.bos_token_id
+    bos = engine.core.model_config.bos_token_id
     return ([] if bos is None else [bos]) + body[:num_tokens]
 
 
@@ -274,12 +263,15 @@ def granularity_errors(engine: LLMEngine, ids: list[int], block_sizes: list[int]
     from kvserve.attention.metadata import AttentionMetadata
     from kvserve.kv.quant import KV_QUANT_FORMATS, fake_quantize
 
-    runner, bs = engine.runner, engine.config.block_size
+    runner, bs = engine.core.runner, engine.config.block_size
     n = len(ids)
-    meta = AttentionMetadata.build([list(range(cdiv(n, bs)))], [n], [n], bs, engine.device)
+    meta = AttentionMetadata.build([list(range(cdiv(n, bs)))], [n], [n], bs, engine.core.device)
     with torch.inference_mode():
         runner.model(
-            torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device), runner.kv_caches, meta
+            torch.tensor(ids, device=engine.core.device),
+            torch.arange(n, device=engine.core.device),
+            runner.kv_caches,
+            meta,
         )
         layers = [
             (

@@ -95,6 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from kvserve.bench.common import load_hf_peer, load_kvserve
     from kvserve.bench.floor import model_cost
     from kvserve.bench.machine import machine_info, measure_ceilings
@@ -115,11 +117,13 @@ def run(args: argparse.Namespace) -> int:
     if "hf" in args.peer:
         systems.append(load_hf_peer(args, kvserve))
     report = Report("latency", machine_info(), config_of(args))
-    ceilings = measure_ceilings(device=str(engine.device))
-    cost = model_cost(engine.runner.model, engine.model_config, engine.kv_spec.bytes_per_token)
+    ceilings = measure_ceilings(device=str(engine.core.device))
+    model = engine.core.runner.model
+    assert isinstance(model, torch.nn.Module), "the floor is counted over a loaded torch module's tensors"
+    cost = model_cost(model, engine.core.model_config, engine.core.kv_spec.bytes_per_token)
     single, batch = measure(systems, plan, engine)
     # Measured again afterwards: on a shared machine the ceilings drift too, and a floor must be the best case.
-    ceilings = ceilings.best_of(measure_ceilings(device=str(engine.device)))
+    ceilings = ceilings.best_of(measure_ceilings(device=str(engine.core.device)))
     if "llama-cpp" in args.peer:
         llama_rows = llama_cpp_rows(args, plan, report)
         single += llama_rows[0]
@@ -151,7 +155,7 @@ def measure(systems: list[System], plan: LatencyPlan, engine: LLMEngine) -> tupl
     from kvserve.bench.systems import special_token_ids
     from kvserve.bench.workload import random_token_ids
 
-    vocab, exclude = engine.model_config.vocab_size, special_token_ids(engine)
+    vocab, exclude = engine.core.model_config.vocab_size, special_token_ids(engine)
     rng = random.Random(plan.seed)
     single_runs: dict[tuple[str, int], list[Timeline]] = {(s.name, n): [] for s in systems for n in plan.prompt_lens}
     batch_runs: dict[tuple[str, int], list[Timeline]] = {(s.name, b): [] for s in systems for b in plan.batch_sizes}

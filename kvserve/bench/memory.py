@@ -192,7 +192,7 @@ def requests_for(engine: LLMEngine, w: Workload, seed: int, n: int) -> list[Toke
     from kvserve.bench.workload import TokenRequest, random_token_ids, split_length
 
     rng = random.Random(seed)
-    exclude, vocab = special_token_ids(engine), engine.model_config.vocab_size
+    exclude, vocab = special_token_ids(engine), engine.core.model_config.vocab_size
     requests = []
     for length in w.dist.sample(rng, n):
         prompt, output = split_length(length, w.output_share)
@@ -206,11 +206,11 @@ def analyze(engine: LLMEngine, w: Workload, lengths: list[int]) -> dict:
     from kvserve.bench.stats import summarize
     from kvserve.capacity import compare_layouts, plan_kv_cache
 
-    spec = engine.kv_spec
+    spec = engine.core.kv_spec
     plan = plan_kv_cache(
         spec.bytes_per_block,
         spec.block_size,
-        engine.model_config.max_position_embeddings,
+        engine.core.model_config.max_position_embeddings,
         budget_bytes=w.budget,
         max_model_len=w.max_len,
     )
@@ -249,7 +249,7 @@ def run_workload(engine: LLMEngine, requests: list[TokenRequest], tag: str) -> M
     from kvserve.sampling_params import SamplingParams
 
     result = MemoryRun()
-    engine.pool.reset_prefix_cache()  # every round starts cold, even with --enable-prefix-caching
+    engine.core.pool.reset_prefix_cache()  # every round starts cold, even with --enable-prefix-caching
     preemptions = engine.stats().num_preemptions
     start = time.perf_counter()
     for i, r in enumerate(requests):
@@ -261,10 +261,10 @@ def run_workload(engine: LLMEngine, requests: list[TokenRequest], tag: str) -> M
         result.steps += 1
         result.output_tokens += sum(len(c.token_ids) for o in outputs if o.finished for c in o.outputs)
         result.times_s.append(time.perf_counter() - start)
-        result.running.append(engine.num_running + finished)
-        result.kv_usage_perc.append(100.0 * engine.pool.usage)
-        for request in engine.scheduler.running:
-            result.held_slots += engine.kv_manager.num_blocks_held(request) * engine.kv_manager.block_size
+        result.running.append(engine.core.num_running + finished)
+        result.kv_usage_perc.append(100.0 * engine.core.pool.usage)
+        for request in engine.core.scheduler.running:
+            result.held_slots += engine.core.kv_manager.num_blocks_held(request) * engine.core.kv_manager.block_size
             result.used_slots += request.num_computed_tokens
     result.elapsed_s = time.perf_counter() - start
     result.preemptions = engine.stats().num_preemptions - preemptions

@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
     for engine in (on, off):
         warm_up(KVServeSystem(engine))
     engines = {"on": on, "off": off}
-    vocab, exclude = on.model_config.vocab_size, special_token_ids(on)
+    vocab, exclude = on.core.model_config.vocab_size, special_token_ids(on)
     rng = random.Random(args.seed)
-    bos = [on.model_config.bos_token_id] if on.model_config.bos_token_id is not None else []
+    bos = [on.core.model_config.bos_token_id] if on.core.model_config.bos_token_id is not None else []
 
     # Scenario 1: a shared system prompt, requests one after another.
     system = bos + random_token_ids(rng, args.system_tokens, vocab, exclude)

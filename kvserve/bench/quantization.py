@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         engines[name] = LLMEngine.from_config(replace(config))
         rows[name] = {
             "quantization": name,
-            "weight_bytes": weight_bytes(engines[name].runner.model),
+            "weight_bytes": weight_bytes(engines[name].core.runner.model),
             "start_s": time.perf_counter() - start,
         }
     first = engines[BASELINE]

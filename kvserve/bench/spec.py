@@ -199,11 +199,11 @@ def run(args: argparse.Namespace) -> int:
     on.name = "kvserve+spec"
     warm_up(on)
     tokenizer = off.engine.tokenizer
-    if args.output_len < 2 or args.output_len >= off.engine.max_model_len:
+    if args.output_len < 2 or args.output_len >= off.engine.core.max_model_len:
         raise ValueError(
-            f"--output-len must be in [2, max-model-len {off.engine.max_model_len}), got {args.output_len}"
+            f"--output-len must be in [2, max-model-len {off.engine.core.max_model_len}), got {args.output_len}"
         )
-    room = off.engine.max_model_len - args.output_len
+    room = off.engine.core.max_model_len - args.output_len
     points = []
     table = Table(
         f"Decode tokens/s, speculation off vs on (medians of {args.repeats})",

@@ -134,13 +134,13 @@ def _generate(
                 finished[out.request_id] = out
         if first_all is None and len(started) == len(ids):
             first_all = now
-            first_all_tokens = engine.num_generation_tokens_total
+            first_all_tokens = engine.core.num_generation_tokens_total
         elif first_all is not None and outputs:
             steps_after += 1
     end = time.perf_counter()
     outs = [finished[rid] for rid in ids]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    decoded = engine.num_generation_tokens_total - first_all_tokens
+    decoded = engine.core.num_generation_tokens_total - first_all_tokens
     span = end - (first_all or end)
     return _Run(
         decoded / span if span > 0 and decoded else None,
@@ -259,9 +259,9 @@ def run(args: argparse.Namespace) -> int:
     structured = StructuredOutputsParams(json=bench_schema(), disable_any_whitespace=args.compact_json)
     compile_result = _compile_times(engine, args.compile_schemas, args.compact_json)
     engine.grammar.compile(structured)
-    vocab, exclude = engine.model_config.vocab_size, special_token_ids(engine)
+    vocab, exclude = engine.core.model_config.vocab_size, special_token_ids(engine)
     rng = random.Random(args.seed)
-    bos = [engine.model_config.bos_token_id] if engine.model_config.bos_token_id is not None else []
+    bos = [engine.core.model_config.bos_token_id] if engine.core.model_config.bos_token_id is not None else []
 
     def prompts(n: int) -> list[list[int]]:
         return [bos + random_token_ids(rng, args.prompt_len, vocab, exclude) for _ in range(n)]

@@ -127,7 +127,7 @@ def special_token_ids(engine: LLMEngine) -> list[int]:
     """Ids a random prompt must not contain (BOS/EOS/pad...), so that random prompts stay ordinary text."""
     hf = getattr(engine.tokenizer, "hf", None)
     ids = set(getattr(hf, "all_special_ids", []) or [])
-    ids.update(engine.eos_token_ids)
-    if engine.model_config.bos_token_id is not None:
-        ids.add(engine.model_config.bos_token_id)
+    ids.update(engine.core.eos_token_ids)
+    if engine.core.model_config.bos_token_id is not None:
+        ids.add(engine.core.model_config.bos_token_id)
     return sorted(ids)

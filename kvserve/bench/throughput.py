@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             args.num_requests,
             args.input_len,
             args.output_len,
-            engine.model_config.vocab_size,
+            engine.core.model_config.vocab_size,
             args.seed + round_index,
             exclude,
         )

@@ -3,9 +3,10 @@
 Why the server does not change: ClusterEngine offers what the FastAPI app uses of AsyncLLMEngine (facts,
 tokenizer, stats, add_requests returning RequestStreams, abort, call, lifecycle), so every route, field, error,
 header, auth rule and transport limit is the single-process server's own code. Each request goes to one replica
-(chosen by the router) and its outputs come back through a Ray streaming generator into an ordinary
-RequestStream. A poller collects each replica's report (load and prefix-cache events) every `POLL_INTERVAL_S`
-and feeds the router's index.
+(chosen by the router) and its outputs come back as token ids through a Ray streaming generator into an ordinary
+RequestStream, which detokenizes them here (the ingress is the replicas' front end; a stop string found here is
+sent back to the replica as `stop_sequence`). A poller collects each replica's report (load and prefix-cache
+events) every `POLL_INTERVAL_S` and feeds the router's index.
 
 Faults: a replica that dies (or stops answering its report) is marked down and the router forgets its blocks;
 Ray restarts it (max_restarts) and it is used again once it reports. A request whose replica died before it
@@ -36,15 +37,16 @@ from kvserve.engine.async_engine import (
     RequestStream,
     ServerShuttingDownError,
 )
-from kvserve.engine.engine import EngineStats
 from kvserve.engine.facts import EngineFacts
+from kvserve.engine.output_processor import RequestState
+from kvserve.engine.stats import EngineStats
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.core import EngineCore
     from kvserve.engine.inspected import InspectedEngine
     from kvserve.model.tokenizer import Tokenizer
 
@@ -89,13 +91,15 @@ class ClusterEngine:
         replicas: list[ReplicaState],
         facts: EngineFacts,
         tokenizer: Tokenizer,
+        grammar: GrammarCompiler,
         router: Router,
         max_queued_requests: int,
         owns_ray: bool,
     ) -> None:
         self.replicas = {r.name: r for r in replicas}
         self.facts = facts
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the ingress's own: it is the replicas' front end (text work, on the loop)
+        self.grammar = grammar  # the ingress's own, for the server to fail a bad constraint fast
         self.router = router
         self.max_queued_requests = max_queued_requests
         self.decisions: dict[tuple[str, str], int] = {}  # (policy, reason) -> count, for the metrics
@@ -177,17 +181,17 @@ class ClusterEngine:
             if owns_ray:
                 ray.shutdown()
             raise
-        facts, logits_width = facts_list[0]
+        facts = facts_list[0]
         tokenizer = load_tokenizer(resolve_model(config.model), chat_template=config.chat_template)
         grammar = GrammarCompiler(
-            tokenizer, logits_width, facts.eos_token_ids, backend=config.structured_outputs_backend
+            tokenizer, facts.logits_width, facts.eos_token_ids, backend=config.structured_outputs_backend
         )
         # Replicas on different machines may fit different pools: the server promises what all of them hold.
-        facts = dataclasses.replace(facts, grammar=grammar, num_blocks=min(f.num_blocks for f, _ in facts_list))
+        facts = dataclasses.replace(facts, num_blocks=min(f.num_blocks for f in facts_list))
         replicas = [ReplicaState(f"replica-{i}", h, r.stats) for i, (h, r) in enumerate(zip(handles, reports))]
         router = Router(router_policy, RequestHasher(facts.block_size, config.prefix_caching_hash_algo))
         logger.info("kvserve: %d replicas on Ray, router %s", num_replicas, router_policy)
-        return cls(replicas, facts, tokenizer, router, max_queued_requests, owns_ray)
+        return cls(replicas, facts, tokenizer, grammar, router, max_queued_requests, owns_ray)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -279,8 +283,9 @@ class ClusterEngine:
         for request_id, prompt in requests:
             if request_id in self._flights:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-            stream = RequestStream(request_id, loop, self.abort, params.output_kind)
+            text, token_ids = (None, prompt) if isinstance(prompt, list) else (prompt, self.tokenizer.encode(prompt))
+            state = RequestState(self.tokenizer, request_id, text, token_ids, params)
+            stream = RequestStream(state, loop, self.abort, self.stop_sequence)
             flight = _Flight(stream)
             self._flights[request_id] = flight
             flight.task = loop.create_task(self._serve(request_id, token_ids, params, cache_salt, flight))
@@ -294,7 +299,15 @@ class ClusterEngine:
             if flight.task is not None:
                 flight.task.cancel()
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """A stop string ended sample `index` here (the ingress is the front end): its replica stops it."""
+        flight = self._flights.get(request_id)
+        replica = self.replicas.get(flight.replica) if flight is not None and flight.replica is not None else None
+        if replica is not None and replica.up:
+            with contextlib.suppress(Exception):
+                replica.handle.stop_sequence.remote(request_id, index)
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the first replica that is up (diagnosis)."""
         replica = next((r for r in self.replicas.values() if r.up), None)
         if replica is None:

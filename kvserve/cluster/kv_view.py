@@ -28,7 +28,7 @@ from kvserve.engine.kv_publisher import DEFAULT_HISTORY, DEFAULT_INTERVAL_S, KVP
 
 if TYPE_CHECKING:
     from kvserve.cluster.engine import ClusterEngine, ReplicaState
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.core import EngineCore
     from kvserve.engine.inspected import InspectedEngine
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class ReplicaKVView:
     def __init__(self, cluster: ClusterEngine, replica: ReplicaState, include_tokens: bool) -> None:
         self.cluster = cluster
         self.replica = replica
-        self.kv = RemoteKVPublisher(replica, include_tokens)
+        self.kv_publisher = RemoteKVPublisher(replica, include_tokens)
 
     @property
     def is_running(self) -> bool:
@@ -145,7 +145,7 @@ class ReplicaKVView:
                 f"replica {self.replica.name} is down (Ray is restarting it); retry later or choose another"
             )
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future:
         """`fn(engine)` on this replica's engine thread; its own exception (a ValueError for a 404) comes back as
         raised there, not wrapped in Ray's."""
         self.check_alive()

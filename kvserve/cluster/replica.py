@@ -3,7 +3,9 @@
 Why an actor around the ordinary AsyncLLMEngine: a replica is exactly the single-process engine (same
 scheduler, KV cache, batching), so N replicas behave like N servers; Ray places the processes, restarts one
 that dies (the actor is created with max_restarts) and carries the requests and their output streams (an async
-generator method is a Ray streaming generator). What the ingress needs besides streams comes from `report()`:
+generator method is a Ray streaming generator). A replica is an engine core only: its outputs stay token ids, and
+the ingress is the front end that detokenizes them and applies stop strings (vLLM's data parallelism has one
+front end for N engine cores too). What the ingress needs besides streams comes from `report()`:
 the replica's load and the KV events of its prefix cache since the last report, which feed the router's index.
 The KV inspector's page, when it shows this replica, follows its publisher through `kv_publication` (kv_feed.py).
 """
@@ -11,7 +13,6 @@ The KV inspector's page, when it shows this replica, follows its publisher throu
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -20,10 +21,12 @@ from typing import Any
 from kvserve.cluster.kv_feed import KVFeed, KVSince, KVUpdate
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.engine.engine import EngineStats, LLMEngine
+from kvserve.engine.core import EngineCore
+from kvserve.engine.core_outputs import EngineCoreOutput
+from kvserve.engine.engine import LLMEngine
 from kvserve.engine.facts import EngineFacts
+from kvserve.engine.stats import EngineStats
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 EVENT_BACKLOG = 65536  # block events kept between two reports; beyond it the report carries a full resync
@@ -45,11 +48,13 @@ class EngineReplica:
     """An AsyncLLMEngine in this process, with the methods the ingress calls remotely."""
 
     def __init__(self, config: EngineConfig, max_queued_requests: int) -> None:
-        self.engine = AsyncLLMEngine(LLMEngine.from_config(config), max_queued_requests=max_queued_requests)
         self._events: deque[KVEvent] = deque()
         self._dropped = False
-        self.engine.engine.kv_events.listeners.append(self._on_event)
-        self.kv = KVFeed(self.engine.kv)  # the KV inspector's publications, for the ingress (cluster/kv_view.py)
+        self.engine = AsyncLLMEngine(
+            LLMEngine.from_config(config), max_queued_requests=max_queued_requests, kv_event_listeners=[self._on_event]
+        )
+        # The KV inspector's publications, for the ingress (cluster/kv_view.py).
+        self.kv_feed = KVFeed(self.engine.kv_publisher)
         self.engine.start()
 
     def _on_event(self, event: KVEvent) -> None:
@@ -60,15 +65,12 @@ class EngineReplica:
                 self._events.popleft()
             self._events.append(event)
 
-    def facts(self) -> tuple[EngineFacts, int]:
-        """The engine's facts without its grammar compiler (a handle to this process's threads, not data), and
-        the logits width the ingress builds its own compiler for."""
-        facts = self.engine.facts
-        grammar = facts.grammar
-        return dataclasses.replace(facts, grammar=None), (grammar.vocab_size if grammar else facts.vocab_size)
+    def facts(self) -> EngineFacts:
+        """The engine's fixed facts (the ingress builds its own grammar compiler for their logits width)."""
+        return self.engine.facts
 
     async def report(self) -> ReplicaReport:
-        self.kv.expire()  # the ingress reports every 50 ms: lapsed inspector watches end here too
+        self.kv_feed.expire()  # the ingress reports every 50 ms: lapsed inspector watches end here too
         events = []
         while self._events:
             events.append(self._events.popleft())
@@ -80,10 +82,10 @@ class EngineReplica:
 
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine produces them (the consumer's pace coalesces them, as in one
-        process); its errors are raised here and reach the ingress as the generator's error."""
-        (stream,) = self.engine.add_requests([(request_id, prompt)], params, cache_salt)
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """The request's core outputs (token ids) as the engine produces them; its errors are raised here and reach
+        the ingress as the generator's error."""
+        stream = self.engine.add_core_request(request_id, prompt, params, cache_salt)
         async for output in stream:
             yield output
 
@@ -91,20 +93,24 @@ class EngineReplica:
         """The KV inspector's publication newer than `since` (None: nothing newer); a `watcher` keeps this
         replica's publisher watched while it keeps asking (kv_feed.py). Async, like `report`, so that the feed
         is only ever used on the actor's event loop."""
-        return self.kv.update(since, watcher, include_tokens)
+        return self.kv_feed.update(since, watcher, include_tokens)
 
     async def kv_unwatch(self, watcher: str) -> None:
-        self.kv.unwatch(watcher)
+        self.kv_feed.unwatch(watcher)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """A stop string the ingress found ended sample `index`: the core stops it and frees its blocks."""
+        self.engine.stop_sequence(request_id, index)
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         return await asyncio.wrap_future(self.engine.call(fn))
 
     async def shutdown(self) -> None:
         await self.engine.shutdown_async()
 
 
-def _cached_hashes(engine: LLMEngine) -> list[str]:
+def _cached_hashes(engine: EngineCore) -> list[str]:
     return [block_hash.hex() for block_hash in engine.pool.cached]

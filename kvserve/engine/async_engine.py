@@ -1,11 +1,14 @@
-"""AsyncLLMEngine: the single-threaded LLMEngine driven by one background thread, for asyncio callers.
+"""AsyncLLMEngine: an LLMEngine's core driven by one background thread, its text work beside asyncio callers.
 
 Why a thread and not the event loop: a step is a blocking forward pass (tens of ms to seconds), which
-would freeze every HTTP connection if it ran on the loop. So the engine thread owns the engine outright:
-callers never touch it, they post commands (add, abort, call) to an inbox that the thread drains between
-steps, and they receive outputs on a per-request asyncio queue fed through `loop.call_soon_threadsafe`.
+would freeze every HTTP connection if it ran on the loop. So the engine thread owns the engine core outright:
+callers never touch it, they post commands (add, abort, stop, call) to an inbox that the thread drains between
+steps, and they receive its token-id outputs on a per-request asyncio queue fed through `loop.call_soon_threadsafe`.
+The engine thread runs no tokenizer: a string prompt is encoded by the caller, and each request's stream turns the
+core's outputs into text on the consumer's loop (engine/output_processor.py), handing a stop string's hit back to
+the core as a `stop_sequence` command. That tokenizer (the LLMEngine's) is the front end's, used on that loop only.
 The thread sleeps on a condition variable when there is nothing to do (no busy-wait). A fault in one request
-(its forward pass, sampling, detokenizing) fails that request alone: `LLMEngine.step` isolates it and returns
+(its forward pass, sampling, grammar) fails that request alone: `EngineCore.step` isolates it and returns
 an error output, which ends that request's stream with `EngineFaultError` while the others go on. Only a fault
 outside any request (`step` itself raising, e.g. in the scheduler) kills the loop: then every in-flight
 request fails with `EngineFaultError`, the engine is marked dead, and new requests are refused with
@@ -22,17 +25,22 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.engine.core_outputs import EngineCoreOutput
 from kvserve.engine.kv_publisher import KVPublisher
-from kvserve.outputs import RequestOutput, merge_deltas
-from kvserve.sampling_params import RequestOutputKind
+from kvserve.engine.output_processor import RequestState
+from kvserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-    from kvserve.engine.engine import EngineStats, LLMEngine
+    from kvserve.engine.core import EngineCore
+    from kvserve.engine.engine import LLMEngine
     from kvserve.engine.facts import EngineFacts
+    from kvserve.engine.stats import EngineStats
+    from kvserve.kv.events import KVEvent
     from kvserve.model.tokenizer import Tokenizer
     from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -56,80 +64,112 @@ class QueueFullError(RuntimeError):
     """More sequences would wait than `max_queued_requests` allows."""
 
 
-_StreamItem = RequestOutput | BaseException
+_StreamItem = EngineCoreOutput | BaseException
 
 
-class RequestStream:
-    """The outputs of one request, in order, as an async iterator. Iteration ends after the finished
-    output; leaving the iteration early (break, cancellation, error) aborts the request.
+class _Stream:
+    """The core outputs of one request, queued from the engine thread for one asyncio consumer. Leaving the
+    iteration early (break, cancellation, error) aborts the request in the core."""
 
-    A consumer that falls behind gets the outputs waiting for it as one: the newest, for cumulative
-    outputs (it holds everything); their concatenation, for DELTA outputs (each holds only its part)."""
-
-    def __init__(
-        self,
-        request_id: str,
-        loop: asyncio.AbstractEventLoop,
-        abort: Callable[[str], None],
-        kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-    ) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]) -> None:
         self.request_id = request_id
         self.finished = False
         self._loop = loop
         self._queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._abort = abort
-        self._kind = kind
-        self._held: _StreamItem | None = None
+        self._core_finished = False  # the core holds nothing of it any more: no abort to send
 
     def put(self, item: _StreamItem) -> None:
-        """Called from the engine thread."""
+        """Called from the engine thread (or, for a replica's outputs, on the loop)."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
     def abort(self) -> None:
-        if not self.finished:
+        if not self._core_finished:
+            self._core_finished = True
             self._abort(self.request_id)
+
+    async def _pending(self) -> list[EngineCoreOutput]:
+        """The next core output and those queued behind it. An error raises once the outputs before it are used: it
+        is held back for the next call."""
+        item = await self._queue.get()
+        pending: list[EngineCoreOutput] = []
+        while True:
+            if isinstance(item, BaseException):
+                if pending:
+                    self._queue.put_nowait(item)  # after what is queued: nothing is, between here and the next get
+                    break
+                self.finished = self._core_finished = True
+                raise item
+            pending.append(item)
+            self._core_finished = self._core_finished or item.finished
+            if self._queue.empty():
+                break
+            item = self._queue.get_nowait()
+        return pending
+
+
+class CoreStream(_Stream):
+    """A request's core outputs as they come (token ids, no text): what a replica hands its ingress, which is the
+    front end that detokenizes them (kvserve/cluster/)."""
+
+    def __aiter__(self) -> AsyncIterator[EngineCoreOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[EngineCoreOutput]:
+        try:
+            while not self.finished:
+                for output in await self._pending():
+                    self.finished = output.finished
+                    yield output
+        finally:
+            self.abort()
+
+
+class RequestStream(_Stream):
+    """The outputs of one request as text, in order, as an async iterator: the core's outputs put through the
+    request's RequestState on the consumer's loop. Iteration ends after the finished output.
+
+    A consumer that falls behind gets the outputs waiting for it as one (their concatenation for DELTA outputs,
+    the newest for cumulative ones). A sample that a stop string ends is handed back to the core (`stop`)."""
+
+    def __init__(
+        self,
+        state: RequestState,
+        loop: asyncio.AbstractEventLoop,
+        abort: Callable[[str], None],
+        stop: Callable[[str, int], None],
+    ) -> None:
+        super().__init__(state.request_id, loop, abort)
+        self.state = state
+        self._stop = stop
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
-    async def _next(self) -> _StreamItem:
-        """The next output, with those queued behind it coalesced into it; an error queued behind them is
-        held back for the next call, so the outputs before it are still delivered."""
-        item = self._held if self._held is not None else await self._queue.get()
-        self._held = None
-        if isinstance(item, BaseException):
-            return item
-        pending = [item]
-        while not self._queue.empty():
-            later = self._queue.get_nowait()
-            if isinstance(later, BaseException):
-                self._held = later
-                break
-            pending.append(later)
-        if self._kind is RequestOutputKind.DELTA:
-            return merge_deltas(pending)
-        return pending[-1]
-
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._next()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
+                for core_output in await self._pending():
+                    for index in self.state.absorb(core_output):
+                        self._stop(self.request_id, index)
+                    if self.state.failed:  # its text failed here: it fails alone (the abort below frees it)
+                        self.finished = True
+                        raise EngineFaultError(self.state.error)
+                output = self.state.take_output()
+                self.finished = self.state.finished
+                if output is not None:
+                    yield output
         finally:
             self.abort()
 
 
 @dataclass(slots=True)
 class _Add:
-    stream: RequestStream
-    prompt: str | list[int]
+    stream: _Stream
+    prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
 
@@ -140,35 +180,55 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _Stop:
+    """A stop string ended sample `index` (found by the front end): the core stops it and frees its blocks."""
+
+    request_id: str
+    index: int
+
+
+@dataclass(slots=True)
 class _Call:
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[[EngineCore], Any]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-_Command = _Add | _Abort | _Call
+_Command = _Add | _Abort | _Stop | _Call
 
 
 class AsyncLLMEngine:
-    """Runs `engine` in a background thread; `add_request` / `generate` from an asyncio loop.
+    """Runs `engine`'s core in a background thread; `add_request` / `generate` from an asyncio loop, on which the
+    engine's tokenizer serves the requests' text work from then on (the LLMEngine itself is not used again).
 
     `max_queued_requests` bounds the sequences waiting for admission (the engine's waiting queue, which
     holds each of a request's n samples, plus those not yet handed to it); a request (or a batch, which is
     all or nothing) that would go beyond it raises QueueFullError, and one that could never fit ValueError."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1000) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int = 1000,
+        kv_event_listeners: Sequence[Callable[[KVEvent], None]] = (),
+    ) -> None:
+        """`kv_event_listeners` see every KV event of the core's pool on the engine thread, as it happens; each
+        must return at once (a replica keeps them for its ingress's router)."""
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
-        self.engine = engine
+        self.core = engine.core
+        self.tokenizer: Tokenizer = (
+            engine.tokenizer
+        )  # the front end's: encodes string prompts and detokenizes, on the loop
         self.max_queued_requests = max_queued_requests
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
         self._num_pending_seqs = 0  # posted, not yet counted in the published stats' num_waiting
-        self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
-        self._stats: EngineStats = engine.stats()
+        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._stats: EngineStats = self.core.stats()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
-        self.kv = KVPublisher(engine, self._notify)  # the KV inspector's snapshots and events, published here
+        self.core.kv_events.listeners.extend(kv_event_listeners)
+        self.kv_publisher = KVPublisher(self.core, self._notify)  # the KV inspector's snapshots and events
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -217,16 +277,17 @@ class AsyncLLMEngine:
     @property
     def facts(self) -> EngineFacts:
         """The engine's fixed limits and settings: immutable, so safe to read from the event loop."""
-        return self.engine.facts
+        return self.core.facts
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The structured-output service the core compiles with (thread-safe): a front end that compiles a
+        request's constraint first fails it fast and leaves the core a cache hit."""
+        return self.core.grammar
 
     def metric_collectors(self) -> list[Collector]:
         """None beyond the EngineStats series (see EngineClient)."""
         return []
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """The engine's tokenizer, used by the engine thread; others snapshot it before start() and build copies."""
-        return self.engine.tokenizer
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -251,15 +312,36 @@ class AsyncLLMEngine:
     ) -> list[RequestStream]:
         """Queue (request id, prompt) pairs that share `params`, all or none, and return their streams.
         Why all or none: one HTTP request with many prompts must either fit in the queue whole (counted as
-        prompts x n sequences) or be refused whole, without crowding out other clients in between."""
+        prompts x n sequences) or be refused whole, without crowding out other clients in between. A string prompt
+        is encoded here, on the caller's loop (the server sends token ids, prepared on its own thread)."""
         loop = asyncio.get_running_loop()
-        streams = [RequestStream(rid, loop, self.abort, params.output_kind) for rid, _ in requests]
+        prompts = [
+            (rid, None, prompt) if isinstance(prompt, list) else (rid, prompt, self.tokenizer.encode(prompt))
+            for rid, prompt in requests
+        ]
+        streams = [
+            RequestStream(RequestState(self.tokenizer, rid, text, ids, params), loop, self.abort, self.stop_sequence)
+            for rid, text, ids in prompts
+        ]
+        self._post_all(streams, [ids for _, _, ids in prompts], params, cache_salt)
+        return streams
+
+    def add_core_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> CoreStream:
+        """Queue one request of token ids whose outputs stay token ids (a replica's: its ingress detokenizes)."""
+        stream = CoreStream(request_id, asyncio.get_running_loop(), self.abort)
+        self._post_all([stream], [list(prompt_token_ids)], params, cache_salt)
+        return stream
+
+    def _post_all(
+        self, streams: Sequence[_Stream], prompts: Sequence[list[int]], params: SamplingParams, cache_salt: str | None
+    ) -> None:
         with self._cond:
             self.check_alive()
-            self._reserve(len(requests) * params.n)
-            for stream, (_, prompt) in zip(streams, requests):
-                self._post(_Add(stream, prompt, params, cache_salt))
-        return streams
+            self._reserve(len(streams) * params.n)
+            for stream, ids in zip(streams, prompts):
+                self._post(_Add(stream, ids, params, cache_salt))
 
     @property
     def num_queued_seqs(self) -> int:
@@ -306,8 +388,14 @@ class AsyncLLMEngine:
             if self._error is None:
                 self._post(_Abort(request_id))
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """Run `fn(engine)` on the engine thread between steps (for checks and diagnosis)."""
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """Stop sample `index` of a request whose text hit a stop string (its stream found it); thread-safe."""
+        with self._cond:
+            if self._error is None:
+                self._post(_Stop(request_id, index))
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future:
+        """Run `fn(core)` on the engine thread between steps (for checks and diagnosis)."""
         command = _Call(fn)
         with self._cond:
             self.check_alive()
@@ -341,17 +429,17 @@ class AsyncLLMEngine:
                     break
                 for command in commands:
                     self._apply(command)
-                self._stats = self.engine.stats()
+                self._stats = self.core.stats()
                 self._settle(commands)
-                self.kv.tick(bool(commands))
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._stats = self.engine.stats()
+                self.kv_publisher.tick(bool(commands))
+                if self.core.has_unfinished_requests():
+                    outputs = self.core.step()
+                    self._stats = self.core.stats()
                     for output in outputs:
                         self._deliver(output)
-                    self.kv.tick(True)
+                    self.kv_publisher.tick(True)
             self._abort_all()
-            self.engine.close()
+            self.core.close()
         except BaseException as exc:
             logger.exception("the engine loop failed; failing %d in-flight requests", len(self._streams))
             self._fail(exc)
@@ -359,10 +447,10 @@ class AsyncLLMEngine:
     def _next_commands(self) -> list[_Command] | None:
         """Take the inbox, sleeping while idle; None when it is time to stop."""
         with self._cond:
-            while not self._inbox and not self._stopping and not self.engine.has_unfinished_requests():
-                if self.kv.due():  # a watched snapshot is pending: publish it before sleeping on
+            while not self._inbox and not self._stopping and not self.core.has_unfinished_requests():
+                if self.kv_publisher.due():  # a watched snapshot is pending: publish it before sleeping on
                     break
-                self._cond.wait(self.kv.wait_timeout())
+                self._cond.wait(self.kv_publisher.wait_timeout())
             if self._stopping:
                 commands, self._inbox = self._inbox, []
                 self._num_pending_seqs = 0
@@ -382,7 +470,7 @@ class AsyncLLMEngine:
         if isinstance(command, _Add):
             rid = command.stream.request_id
             try:
-                self.engine.add_request(rid, command.prompt, command.params, cache_salt=command.cache_salt)
+                self.core.add_request(rid, command.prompt_token_ids, command.params, cache_salt=command.cache_salt)
             except Exception as e:
                 if not isinstance(e, ValueError):
                     logger.exception("add_request(%r) failed", rid)
@@ -390,17 +478,21 @@ class AsyncLLMEngine:
                 return
             self._streams[rid] = command.stream
         elif isinstance(command, _Abort):
-            output = self.engine.abort_request(command.request_id)
+            output = self.core.abort_request(command.request_id)
             stream = self._streams.pop(command.request_id, None)
             if stream is not None and output is not None:
                 stream.put(output)
+        elif isinstance(command, _Stop):
+            self.core.stop_sequence(command.request_id, command.index)
+            if command.request_id not in self.core.requests:
+                self._streams.pop(command.request_id, None)  # that was its last sample: the stream has ended
         else:
             try:
-                command.future.set_result(command.fn(self.engine))
+                command.future.set_result(command.fn(self.core))
             except Exception as e:  # noqa: BLE001 -- the caller gets the error, the loop goes on
                 command.future.set_exception(e)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, output: EngineCoreOutput) -> None:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
@@ -419,10 +511,10 @@ class AsyncLLMEngine:
             "shutdown grace period (--shutdown-grace-seconds) ran out; retry it"
         )
         for rid, stream in list(self._streams.items()):
-            self.engine.abort_request(rid)
+            self.core.abort_request(rid)
             stream.put(error)
         self._streams.clear()
-        self._stats = self.engine.stats()
+        self._stats = self.core.stats()
 
     @staticmethod
     def _refuse(command: _Command, error: BaseException) -> None:

@@ -13,10 +13,12 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from kvserve.engine.async_engine import RequestStream
-    from kvserve.engine.engine import EngineStats, LLMEngine
+    from kvserve.engine.core import EngineCore
     from kvserve.engine.facts import EngineFacts
+    from kvserve.engine.stats import EngineStats
     from kvserve.model.tokenizer import Tokenizer
     from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.compiler import GrammarCompiler
 
 
 class EngineClient(Protocol):
@@ -26,8 +28,14 @@ class EngineClient(Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """Read once by the server, before start(), for a snapshot to build its own copies from (one per thread that
-        uses one); the server never encodes or decodes with this object."""
+        """The front end's tokenizer: its streams detokenize with it, on the serving event loop, and the server's
+        logprob texts share it there (the engine thread runs none). The server's preparation thread builds its own
+        from `tokenizer.snapshot()`, before start(): one tokenizer object per thread that uses one."""
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The structured-output compiler (thread-safe): the server compiles a request's constraint with it on its
+        preparation thread, so that a bad one is a 400 before the response starts (the engine then hits the cache)."""
 
     @property
     def is_running(self) -> bool: ...
@@ -54,7 +62,7 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future: ...
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future: ...
 
     def metric_collectors(self) -> list[Collector]:
         """Collectors of the engine's own series beyond the EngineStats ones, registered by the server."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,7 +38,7 @@ from kvserve.units import cdiv
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
-    from kvserve.model.decoder import DecoderModel
+    from kvserve.model.protocol import Model
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in candidates if s < cap] + [next(s for s in candidates if s >= cap)]
 
 
-def capture_sizes(requested: list[int] | None, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+def capture_sizes(requested: Sequence[int] | None, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     """The sizes to capture, ascending: `requested` (--cuda-graph-sizes) or the default, without sizes a decode step
     can never reach (more rows than --max-num-batched-tokens)."""
     sizes = sorted(set(requested if requested is not None else default_capture_sizes(max_num_seqs)))
@@ -175,7 +175,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: DecoderModel,
+        model: Model,
         kv_caches: list[LayerKVCache],
         sizes: list[int],
         max_model_len: int,
@@ -238,7 +238,7 @@ class DecodeGraphs:
 
 
 def build_decode_graphs(
-    config: EngineConfig, model: DecoderModel, kv_caches: list[LayerKVCache], max_model_len: int, device: torch.device
+    config: EngineConfig, model: Model, kv_caches: list[LayerKVCache], max_model_len: int, device: torch.device
 ) -> DecodeGraphs | None:
     """The engine's graphs: on CUDA, unless --enforce-eager, with a backend that can be captured; else None (and
     a log line saying why, where graphs were possible)."""

@@ -4,20 +4,19 @@ Why a frozen snapshot: the server's handlers run on the event loop while the eng
 so they must never read the engine itself. Everything a handler needs to know (limits, the vocabulary size,
 generation defaults, the cache's shape) is fixed once the engine is built, so the engine publishes it once
 and the handlers hold this object instead. And why one validation function: the server (to answer 400
-before a response starts) and `LLMEngine.add_request` (for every other caller) must apply the same rules;
+before a response starts) and `EngineCore.add_request` (for every other caller) must apply the same rules;
 with both calling `validate_request`, those rules live here only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.sampling_params import SamplingParams
-    from kvserve.structured.compiler import GrammarCompiler
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +33,10 @@ class EngineFacts:
     kv_cache_dtype: str  # the --kv-cache-dtype name of the cache's storage
     eos_token_ids: tuple[int, ...]
     generation_defaults: Mapping[str, Any]  # the checkpoint's generation_config (read-only view)
+    # The model's logits width (its LM head's rows, which may exceed the tokenizer's vocabulary): what a grammar's
+    # token masks cover, so a front end can build a grammar compiler of its own (the cluster's ingress does).
+    logits_width: int
     served_model_name: str | None = None
-    # Not a fact but a thread-safe service handle: the server compiles a request's grammar with it in its
-    # prompt-preparation thread (a bad schema is a 400 before the response starts; the engine then hits the cache).
-    grammar: GrammarCompiler | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # A read-only view of a private copy: nobody can change the defaults behind a handler's back.

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.core import EngineCore
     from kvserve.engine.kv_publisher import KVPublication
 
 
@@ -35,7 +35,7 @@ class InspectedEngine(Protocol):
     """One engine whose KV cache the inspector shows."""
 
     @property
-    def kv(self) -> KVSource: ...
+    def kv_publisher(self) -> KVSource: ...
 
     @property
     def is_running(self) -> bool: ...
@@ -43,7 +43,7 @@ class InspectedEngine(Protocol):
     def check_alive(self) -> None:
         """Raise EngineDeadError (or ServerShuttingDownError) when the engine cannot answer."""
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread between steps (`fn` must pickle for a replica)."""
 
 

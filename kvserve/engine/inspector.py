@@ -32,7 +32,7 @@ from kvserve.kv.events import Aborted, AdmissionRefused, KVEventBuffer, Preempte
 from kvserve.units import cdiv
 
 if TYPE_CHECKING:
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.core import EngineCore
     from kvserve.engine.scheduler import Scheduler, SchedulerOutput
     from kvserve.kv.block import KVCacheBlock
     from kvserve.kv.manager import KVCacheManager
@@ -107,7 +107,7 @@ def _short(block_hash: bytes | None) -> str | None:
     return block_hash.hex()[:HASH_PREFIX_HEX] if block_hash is not None else None
 
 
-def _evict_ranks(engine: LLMEngine) -> dict[int, int]:
+def _evict_ranks(engine: EngineCore) -> dict[int, int]:
     """Cached free blocks by block id -> their rank in reuse order (0: reused, so evicted, next)."""
     ranks: dict[int, int] = {}
     for block in engine.pool.free_queue:
@@ -116,11 +116,11 @@ def _evict_ranks(engine: LLMEngine) -> dict[int, int]:
     return ranks
 
 
-def _holders(engine: LLMEngine) -> dict[int, list[str]]:
+def _holders(engine: EngineCore) -> dict[int, list[str]]:
     """Block id -> the user request ids holding it (a request with n > 1 appears once per sequence)."""
     holders: dict[int, list[str]] = {}
     for seq_id, blocks in engine.kv_manager.req_blocks.items():
-        seq = engine.sequences.get(seq_id)
+        seq = engine.requests.sequences.get(seq_id)
         name = seq.group_id if seq is not None else seq_id
         for block in blocks:
             holders.setdefault(block.block_id, []).append(name)
@@ -137,7 +137,7 @@ def _state(block: KVCacheBlock) -> str:
     return "c" if block.block_hash is not None else "f"
 
 
-def _blocks(engine: LLMEngine, include_tokens: bool) -> tuple[str, list[dict[str, Any]]]:
+def _blocks(engine: EngineCore, include_tokens: bool) -> tuple[str, list[dict[str, Any]]]:
     ranks = _evict_ranks(engine)
     holders = _holders(engine)
     states: list[str] = []
@@ -162,8 +162,8 @@ def _blocks(engine: LLMEngine, include_tokens: bool) -> tuple[str, list[dict[str
     return "".join(states), detail
 
 
-def _request(engine: LLMEngine, request: Request, now: float) -> dict[str, Any]:
-    seq = engine.sequences.get(request.request_id)
+def _request(engine: EngineCore, request: Request, now: float) -> dict[str, Any]:
+    seq = engine.requests.sequences.get(request.request_id)
     return {
         "request_id": seq.group_id if seq is not None else request.request_id,
         "seq_id": request.request_id,
@@ -178,13 +178,13 @@ def _request(engine: LLMEngine, request: Request, now: float) -> dict[str, Any]:
     }
 
 
-def _requests(engine: LLMEngine) -> list[dict[str, Any]]:
+def _requests(engine: EngineCore) -> list[dict[str, Any]]:
     now = time.monotonic()
     queued = [*engine.scheduler.running, *engine.scheduler.waiting]
     return [_request(engine, r, now) for r in queued if r.status is not RequestStatus.FINISHED_ABORTED]
 
 
-def _prefix_cache(engine: LLMEngine, ranks: dict[int, int]) -> list[dict[str, Any]]:
+def _prefix_cache(engine: EngineCore, ranks: dict[int, int]) -> list[dict[str, Any]]:
     """The cached blocks as tree nodes linked by parent hash (a node whose parent is gone was evicted first)."""
     pool = engine.pool
     nodes = []
@@ -203,7 +203,7 @@ def _prefix_cache(engine: LLMEngine, ranks: dict[int, int]) -> list[dict[str, An
     return nodes
 
 
-def _capacity(engine: LLMEngine) -> dict[str, Any]:
+def _capacity(engine: EngineCore) -> dict[str, Any]:
     plan = engine.cache_plan
     return {
         "num_blocks": plan.num_blocks,
@@ -219,7 +219,7 @@ def _capacity(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
-def build_snapshot(engine: LLMEngine, include_tokens: bool = True) -> dict[str, Any]:
+def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str, Any]:
     """The whole view, built from the engine's live state on the engine thread (see the module docstring)."""
     pool = engine.pool
     states, blocks = _blocks(engine, include_tokens)
@@ -245,9 +245,10 @@ def build_snapshot(engine: LLMEngine, include_tokens: bool = True) -> dict[str, 
     }
 
 
-def block_detail(engine: LLMEngine, block_id: int, include_text: bool = True) -> dict[str, Any]:
-    """One block in full, for the page's click: its snapshot entry plus, per holder, the token range it holds and
-    the text of its tokens (from the cached key or the holder's tokens). Raises ValueError for an unknown id."""
+def block_detail(engine: EngineCore, block_id: int, include_text: bool = True) -> dict[str, Any]:
+    """One block in full, for the page's click: its snapshot entry plus, per holder, the token range it holds, and
+    its token ids (from the cached key or the holder's tokens; the route adds their text, off the engine thread).
+    Raises ValueError for an unknown id."""
     if not 0 <= block_id < engine.pool.num_blocks:
         raise ValueError(f"block id {block_id} is out of range: the pool has {engine.pool.num_blocks} blocks")
     block = engine.pool.blocks[block_id]
@@ -258,7 +259,7 @@ def block_detail(engine: LLMEngine, block_id: int, include_text: bool = True) ->
         if block not in blocks:
             continue
         index = blocks.index(block)
-        seq = engine.sequences.get(seq_id)
+        seq = engine.requests.sequences.get(seq_id)
         request = seq.request if seq is not None else None
         start, end = index * bs, (index + 1) * bs
         if request is not None:
@@ -275,6 +276,4 @@ def block_detail(engine: LLMEngine, block_id: int, include_text: bool = True) ->
         "redacted": not include_text,
     }
     detail["token_ids"] = token_ids if include_text else None
-    text = engine.tokenizer.decode(token_ids, skip_special_tokens=False) if include_text and token_ids else None
-    detail["text"] = text
     return detail

@@ -23,7 +23,7 @@ from kvserve.engine.inspector import KVSnapshot
 from kvserve.kv.events import KVEvent, event_to_json
 
 if TYPE_CHECKING:
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class KVPublication:
 class KVPublisher:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineCore,
         wake: Callable[[], None],
         interval_s: float = DEFAULT_INTERVAL_S,
         history: int = DEFAULT_HISTORY,

@@ -24,10 +24,11 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.capacity import NULL_BLOCK_ID
 from kvserve.kv.cache import KVCacheSpec, allocate_kv_cache
+from kvserve.model.quantization import weight_bytes
 from kvserve.units import cdiv, format_gib
 
 if TYPE_CHECKING:
-    from kvserve.model.decoder import DecoderModel
+    from kvserve.model.protocol import Model
 
 logger = logging.getLogger(__name__)
 
@@ -114,16 +115,8 @@ class CudaMemory:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (what the weights hold on the device)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @torch.inference_mode()
-def dummy_step(
-    model: DecoderModel, spec: KVCacheSpec, num_tokens: int, num_logit_rows: int, device: torch.device
-) -> None:
+def dummy_step(model: Model, spec: KVCacheSpec, num_tokens: int, num_logit_rows: int, device: torch.device) -> None:
     """One forward of `num_tokens` tokens as one sequence (into a scratch KV cache just big enough), then the LM
     head on `num_logit_rows` rows: the largest step the scheduler can make, for the activation peak."""
     blocks = cdiv(num_tokens, spec.block_size)
@@ -137,7 +130,7 @@ def dummy_step(
 
 
 def profile_gpu_memory(
-    model: DecoderModel,
+    model: Model,
     spec: KVCacheSpec,
     num_tokens: int,
     num_logit_rows: int,
@@ -158,7 +151,7 @@ def profile_gpu_memory(
     total, free = memory.total_and_free()
     return GpuMemoryFacts(
         total=total,
-        weights=model_bytes(model),
+        weights=weight_bytes(model),
         peak_activations=peak,
         non_torch=max(total - free - memory.reserved(), 0),
     )

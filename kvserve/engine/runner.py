@@ -17,7 +17,7 @@ from kvserve.kv.cache import LayerKVCache
 from kvserve.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
-    from kvserve.model.decoder import DecoderModel
+    from kvserve.model.protocol import Model
 
 
 @dataclass(slots=True)
@@ -27,7 +27,7 @@ class RunnerOutput:
     # Per request asking for prompt logprobs: (first position judged, logits of the chunk's positions).
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # Per request with drafted tokens: the logits of every verified position ([1 + drafts, vocab] float32), its
-    # rows not in `logits` (speculative decoding verifies them, see LLMEngine._verify_drafts). Views into the
+    # rows not in `logits` (speculative decoding verifies them, see spec_decode/verify.py). Views into the
     # same step buffer as `logits`: consumed before the next step.
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -42,7 +42,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: DecoderModel,
+        model: Model,
         kv_caches: list[LayerKVCache],
         kv_manager: KVCacheManager,
         block_size: int,

@@ -120,3 +120,16 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
         "8-bit with a float32 scale per token and KV head" if spec.is_quantized else "unquantized",
     )
     return caches
+
+
+def use_static_kv_scales(caches: list[LayerKVCache], scales: list[tuple[float, float]] | None, dtype_name: str) -> None:
+    """A checkpoint's calibrated per-tensor KV scales are for fp8_e4m3 (how vLLM and llm-compressor make them): with
+    that KV dtype every layer quantizes with them, otherwise they are ignored (logged)."""
+    if scales is None:
+        return
+    if dtype_name != "fp8_e4m3":
+        logger.info("the checkpoint's static fp8 KV scales are unused with --kv-cache-dtype %s", dtype_name)
+        return
+    for cache, (k_scale, v_scale) in zip(caches, scales):
+        cache.static_key_scale, cache.static_value_scale = k_scale, v_scale
+    logger.info("fp8 KV cache uses the checkpoint's per-tensor scales for all %d layers", len(scales))

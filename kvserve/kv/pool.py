@@ -115,7 +115,7 @@ class BlockPool:
 
         A public debug API (the pool's invariants, checkable by anyone who drives a pool, as the tests do after
         every operation): raises AssertionError naming the broken block; O(blocks), so not on a hot
-        path. LLMEngine.check_invariants adds the cross-check against each request's block table."""
+        path. EngineCore.check_invariants adds the cross-check against each request's block table."""
         free_ids = [b.block_id for b in self.free_queue]
         if len(free_ids) != len(set(free_ids)) or len(free_ids) != self.num_free_blocks:
             raise AssertionError("free queue is corrupt")

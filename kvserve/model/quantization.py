@@ -12,6 +12,7 @@ Layers whose input size is not a multiple of 32 stay unquantized.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from torch import nn
 from kvserve.capacity import QUANTIZATION_METHODS
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8, quantize_q8
+
+if TYPE_CHECKING:
+    from kvserve.model.protocol import Model
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +130,6 @@ def quantize_model(model: nn.Module, method: str, kernels: Kernels, quantize: bo
     return count
 
 
-def weight_bytes(model: nn.Module) -> int:
+def weight_bytes(model: Model) -> int:
     """Bytes of every parameter and buffer: what the model holds in memory, quantized or not."""
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

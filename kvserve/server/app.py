@@ -69,11 +69,10 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
     )
     for collector in engine.metric_collectors():
         metrics.registry.register(collector)
-    # The only reads of the engine itself, once, here: its immutable facts and a snapshot of its tokenizer, taken
-    # before the engine thread starts. The server's own copies are built from it on the preparation thread: one
-    # for that thread (prompts), one for the loop (short logprob windows); the engine's is never shared.
+    # The front end's tokenizer serves the loop (the streams' text, logprob windows); the preparation thread builds
+    # its own from a snapshot (prompts, chat templates), so no tokenizer object is used by two threads.
     preparer = PromptPreparer(engine.tokenizer.snapshot(), facts)
-    ctx = ServerContext(engine, settings, metrics, facts, preparer, TokenTexts(preparer.loop_tokenizer))
+    ctx = ServerContext(engine, settings, metrics, facts, preparer, TokenTexts(engine.tokenizer))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

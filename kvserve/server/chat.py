@@ -113,9 +113,9 @@ def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Co
 
 def _compile(ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None) -> None:
     """On the preparation thread: the tools' schemas and the constraint, so that a bad one is a 400 now."""
-    compile_tools(ctx.facts.grammar, tools)
+    compile_tools(ctx.engine.grammar, tools)
     if constraint is not None and constraint is not tools.constraint:
-        compile_constraint(ctx.facts.grammar, constraint)
+        compile_constraint(ctx.engine.grammar, constraint)
 
 
 def _choice(

@@ -7,6 +7,7 @@ imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -246,9 +247,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    config = engine_config_from_args(args)
     names = tuple(args.served_model_names or ())
-    config.served_model_name = names[0] if names else None
+    config = dataclasses.replace(engine_config_from_args(args), served_model_name=names[0] if names else None)
     async_engine: EngineClient
     if args.data_parallel_size > 1:
         async_engine = launch_cluster(config, args)
@@ -258,7 +258,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = LLMEngine.from_config(config)
         async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs)
         served_name = str(engine.config.served_model_name)
-        description = engine.cache_plan.describe()
+        description = engine.core.cache_plan.describe()
     settings = ServerSettings(
         served_model_names=names or (served_name,),
         api_key=api_key,

@@ -103,7 +103,7 @@ async def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
     constraint = request_constraint(request)
     params = _params(ctx, request, max_tokens, constraint)
     if constraint is not None:
-        await ctx.preparer.run(compile_constraint, ctx.facts.grammar, constraint)
+        await ctx.preparer.run(compile_constraint, ctx.engine.grammar, constraint)
     prompts = await ctx.preparer.run(
         ctx.preparer.completion_prompts, items, params, request.max_tokens, request.skip_special_tokens
     )

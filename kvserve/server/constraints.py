@@ -140,11 +140,9 @@ def request_options(request: SamplingFields) -> dict[str, Any]:
     return _options(request)
 
 
-def compile_constraint(grammar: GrammarCompiler | None, constraint: Constraint) -> None:
+def compile_constraint(grammar: GrammarCompiler, constraint: Constraint) -> None:
     """Compile now, on the preparation thread (cached, so the engine's own compile is a hit): a schema, regex or
     grammar the backend refuses is a 400 naming the request field, before any response starts."""
-    if grammar is None:
-        raise APIError(400, "structured output is not available on this server", param=constraint.field)
     try:
         grammar.compile(constraint.params)
     except GrammarCompileError as e:

@@ -44,7 +44,7 @@ def inspected_engines(engine: EngineClient, include_tokens: bool) -> dict[str, I
     """The engines the inspector can show, by name, first the default: one process's engine as SINGLE_REPLICA, or
     each replica of a replica set (`--data-parallel-size N`); none for any other engine client."""
     if isinstance(engine, AsyncLLMEngine):
-        engine.kv.include_tokens = include_tokens
+        engine.kv_publisher.include_tokens = include_tokens
         return {SINGLE_REPLICA: engine}
     if isinstance(engine, InspectedReplicas):
         return engine.kv_views(include_tokens)
@@ -77,7 +77,7 @@ def kv_data_routes(ctx: ServerContext, engines: Mapping[str, InspectedEngine], c
     async def snapshot(replica: str | None = None) -> Response:
         name, engine = chosen(replica)
         data = await asyncio.wrap_future(engine.call(lambda e: e.kv_snapshot(include_tokens)))
-        body = {**data, "replica": name, "events": list((await engine.kv.latest()).events)}
+        body = {**data, "replica": name, "events": list((await engine.kv_publisher.latest()).events)}
         large = len(data["block_states"]) >= LARGE_POOL  # with token ids: megabytes of JSON for a large pool
         return Response(
             await off_loop(large, _json_bytes, body), media_type="application/json", headers={REPLICA_HEADER: name}
@@ -88,9 +88,12 @@ def kv_data_routes(ctx: ServerContext, engines: Mapping[str, InspectedEngine], c
         name, engine = chosen(replica)
         future = engine.call(lambda e: block_detail(e, block_id, include_tokens))
         try:
-            return JSONResponse(await asyncio.wrap_future(future), headers={REPLICA_HEADER: name})
+            detail = await asyncio.wrap_future(future)
         except ValueError as e:
             raise APIError(404, str(e), param="block_id", code="not_found") from None
+        token_ids = detail["token_ids"]
+        detail["text"] = ctx.texts.decode(token_ids) if token_ids else None  # on the loop, not the engine thread
+        return JSONResponse(detail, headers={REPLICA_HEADER: name})
 
     @router.get("/v1/kv/stream")
     async def stream(replica: str | None = None) -> StreamingResponse:

@@ -101,7 +101,7 @@ class KVStreamHub:
     # ---- the pump ----
 
     async def _run_pump(self) -> None:
-        publisher = self.engine.kv
+        publisher = self.engine.kv_publisher
         start = publisher.published.snapshot
         since = start.seq if start is not None else 0  # an older snapshot is stale: wait for the watch's first
         try:

@@ -9,7 +9,6 @@ before it, which is also how incremental detokenizers work.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvserve.outputs import Logprob
@@ -40,18 +39,11 @@ def context_tail(prompt: Sequence[int], generated: Sequence[int], position: int)
 
 
 class TokenTexts:
-    """The text each token adds after the tokens before it, decoded on the event loop with a tokenizer of its own
-    (neither the engine thread's nor the preparation thread's: one thread per tokenizer object).
+    """The text each token adds after the tokens before it, decoded on the event loop with the front end's
+    tokenizer (the one the streams detokenize with there; the preparation thread has its own)."""
 
-    That tokenizer is built on the preparation thread before any request is prepared there (PromptPreparer), and
-    logprobs exist only for prepared requests, so the future is always done when a handler reads it."""
-
-    def __init__(self, tokenizer: Future[Tokenizer]) -> None:
-        self._future = tokenizer
-
-    @property
-    def _tokenizer(self) -> Tokenizer:
-        return self._future.result()
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)

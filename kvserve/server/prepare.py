@@ -3,9 +3,9 @@
 Why not on the event loop: tokenizing costs about a microsecond per character and a chat template is a
 program, so one long prompt held there would stall every open stream and every probe for as long. Why one
 dedicated thread rather than the default executor: the thread owns a tokenizer of its own, built here from the
-engine's (TokenizerSnapshot), so no tokenizer object is used by two threads (the engine thread detokenizes with
-the engine's, the event loop decodes logprob windows with a third, TokenTexts'), and preparations run one at a
-time in arrival order, so a burst of huge prompts queues here instead of taking every core.
+front end's (TokenizerSnapshot), so no tokenizer object is used by two threads (the event loop detokenizes the
+streams and decodes logprob windows with the front end's own), and preparations run one at a time in arrival
+order, so a burst of huge prompts queues here instead of taking every core.
 
 Everything here is synchronous and runs on that thread; the handlers `await` it through `run`. Errors keep
 their meaning: ValueError and APIError raised here become the same 400s as before.
@@ -84,13 +84,11 @@ class PromptPreparer:
     def __init__(self, snapshot: TokenizerSnapshot, facts: EngineFacts) -> None:
         self.facts = facts
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-prepare")
-        # The thread's first two jobs (about a second each for a 262k vocabulary, off the start-up path): its own
-        # tokenizer, and the event loop's (TokenTexts). One worker runs jobs in order, so every preparation, queued
-        # behind them, finds both built.
+        # The thread's first job (about a second for a 262k vocabulary, off the start-up path): its own tokenizer.
+        # One worker runs jobs in order, so every preparation, queued behind it, finds it built.
         self._own: Future[_ThreadTokenizer] = self._executor.submit(
             _ThreadTokenizer.build, snapshot, facts.max_model_len
         )
-        self.loop_tokenizer: Future[Tokenizer] = self._executor.submit(snapshot.build)
 
     @property
     def _tokenizer(self) -> Tokenizer:

@@ -24,7 +24,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvserve.server.constraints import Constraint, compile_failed, make_params, request_options
-from kvserve.server.errors import APIError, bad_request
+from kvserve.server.errors import bad_request
 from kvserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.structured.backend import GrammarCompileError
 from kvserve.structured.tool_calls import CallPiece, ParsedDelta, ToolCallExtractor, extract_all
@@ -106,13 +106,11 @@ def _choice(tool_choice: object, has_tools: bool) -> str:
     return "named"
 
 
-def compile_tools(grammar: GrammarCompiler | None, plan: ToolPlan) -> None:
+def compile_tools(grammar: GrammarCompiler, plan: ToolPlan) -> None:
     """On the preparation thread: every tool's parameters schema (a refused one is a 400 naming its field), then the
     forcing grammar (cached: the engine's compile is a hit)."""
     if not plan.functions:
         return
-    if grammar is None:
-        raise APIError(400, "tools need structured output, which is not available on this server", param="tools")
     try:
         check_tool_schemas(grammar.backend, plan.functions)
         if plan.constraint is not None:

@@ -13,12 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from kvserve.structured.matcher import draft_masks
 
 if TYPE_CHECKING:
     import torch
 
     from kvserve.sampling_params import SamplerRow, SamplingParams
+    from kvserve.structured.matcher import GrammarMatcher, RowMask
+
+
+class _Sampled(Protocol):
+    @property
+    def token_id(self) -> int: ...
+
+
+SampledT = TypeVar("SampledT", bound=_Sampled)
+# The engine's sampler as verification uses it: logits rows, their sampler rows and grammar masks -> one token each.
+RowSampler = Callable[["torch.Tensor", "list[SamplerRow]", "list[RowMask] | None"], "list[SampledT]"]
 
 
 def verify_by_sampling(draft: Sequence[int], sample_at: Callable[[int], int]) -> list[int]:
@@ -66,3 +79,32 @@ def drafted_rows(request: SamplerRow, draft: Sequence[int]) -> list[SamplerRow]:
         DraftedRow(params, request.prompt_token_ids, out + list(draft[:i]), request.generator)
         for i in range(len(draft) + 1)
     ]
+
+
+def verify_draft(
+    sample: RowSampler[SampledT],
+    request: SamplerRow,
+    draft: Sequence[int],
+    logits: torch.Tensor,
+    matcher: GrammarMatcher | None,
+) -> list[SampledT]:
+    """The tokens one drafted request gains from its verified chunk (`logits`: len(draft) + 1 rows): the sampler's
+    own choice at each position, the drafts accepted up to the first mismatch and the sampler's token there. Each
+    position's row sees the drafts before it as output tokens (penalties, min_tokens: DraftedRow) and is masked by
+    the grammar's state after them (matcher.draft_masks), so it is what a one-token step there would have chosen.
+    Greedy rows in one call; a sampled request one row at a time, so that a seeded request draws once per token it
+    gains. Each token comes with its row's logprobs when the request asked for them."""
+    rows = drafted_rows(request, draft)
+    masks = None if matcher is None else draft_masks(matcher, draft, logits.shape[1])
+    if request.sampling_params.is_greedy:
+        targets = sample(logits, rows, masks)
+        return targets[: len(verify_greedy(draft, [t.token_id for t in targets]))]
+    gained: list[SampledT] = []
+
+    def sample_at(i: int) -> int:
+        token = sample(logits[i : i + 1], rows[i : i + 1], None if masks is None else masks[i : i + 1])[0]
+        gained.append(token)
+        return token.token_id
+
+    verify_by_sampling(draft, sample_at)
+    return gained

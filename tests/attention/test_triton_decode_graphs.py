@@ -43,9 +43,15 @@ def test_triton_decode_under_frozen_graph_metadata_gives_the_eager_tokens(
 
     eager = [o.outputs[0].token_ids for o in LLM(engine=engine()).generate(prompts, params, use_tqdm=False)]
     graphed_engine = engine()
-    runner = graphed_engine.runner
+    runner = graphed_engine.core.runner
     runner.graphs = DecodeGraphs(
-        runner.model, runner.kv_caches, [1, 2, 4], graphed_engine.max_model_len, 16, torch.device("cpu"), replay_by_call
+        runner.model,
+        runner.kv_caches,
+        [1, 2, 4],
+        graphed_engine.core.max_model_len,
+        16,
+        torch.device("cpu"),
+        replay_by_call,
     )
     used: list[int] = []
     replay = runner.graphs.replay

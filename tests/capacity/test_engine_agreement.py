@@ -53,13 +53,13 @@ def test_estimate_matches_the_engine_on_tiny_checkpoints(capsys, tiny_dirs, vari
     if "max_model_len" in flags:
         argv += ["--max-model-len", str(flags["max_model_len"])]
     kv = estimate_json(capsys, *argv)["kv"][0]
-    assert kv["bytes_per_token"] == engine.kv_spec.bytes_per_token
-    assert kv["bytes_per_block"] == engine.cache_plan.bytes_per_block
-    assert kv["plan"]["num_blocks"] == engine.cache_plan.num_blocks == engine.pool.num_blocks
+    assert kv["bytes_per_token"] == engine.core.kv_spec.bytes_per_token
+    assert kv["bytes_per_block"] == engine.core.cache_plan.bytes_per_block
+    assert kv["plan"]["num_blocks"] == engine.core.cache_plan.num_blocks == engine.core.pool.num_blocks
     # One block is the null block: the estimate and the engine agree on what requests can use, too.
-    assert kv["plan"]["num_usable_blocks"] == engine.pool.num_usable_blocks == engine.pool.num_blocks - 1
-    assert kv["plan"]["num_tokens"] == engine.pool.num_usable_blocks * flags["block_size"]
-    assert kv["plan"]["max_model_len"] == engine.cache_plan.max_model_len
+    assert kv["plan"]["num_usable_blocks"] == engine.core.pool.num_usable_blocks == engine.core.pool.num_blocks - 1
+    assert kv["plan"]["num_tokens"] == engine.core.pool.num_usable_blocks * flags["block_size"]
+    assert kv["plan"]["max_model_len"] == engine.core.cache_plan.max_model_len
 
 
 def test_estimate_reports_the_engines_max_model_len_error(capsys, tiny_dirs) -> None:
@@ -72,7 +72,7 @@ def test_estimate_matches_the_engine_plan_on_the_default_gguf(capsys) -> None:
     """Metadata only: the engine's plan_cache on the GGUF's ModelConfig, no weights loaded."""
     import torch
 
-    from kvserve.engine.engine import plan_cache
+    from kvserve.engine.build import plan_cache
     from kvserve.kv.cache import KVCacheSpec
     from kvserve.model.config import ModelConfig
     from kvserve.model.source import default_model_path

@@ -28,7 +28,7 @@ def test_gguf_blocks_greedy_equals_hf_reference() -> None:
     reference = json.loads(REFERENCE.read_text())["prompts"]
     llm = LLM(kv_cache_memory_bytes=256 << 20)  # --quantization auto: the file's blocks, the default path
     assert llm.engine.config.quantization == "gguf"
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     assert isinstance(model.embed_tokens, GGUFEmbedding)
     assert all(
         isinstance(layer.mlp.down_proj, GGUFLinear) and isinstance(layer.self_attn.qkv_proj, GGUFLinear)

@@ -13,7 +13,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.engine.build import build_engine
 from kvserve.engine.llm import LLM
 from kvserve.model.loader import load_model, resolve_dtype
 from kvserve.model.source import resolve_model
@@ -39,7 +39,7 @@ def loaded():
 def generate(loaded, kv_cache_dtype: str) -> list:
     model, tokenizer = loaded
     config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=64 << 20)
-    engine = LLMEngine(config, model.config, model.model, tokenizer)
+    engine = build_engine(config, model.config, model.model, tokenizer)
     return [o.outputs[0] for o in LLM(engine=engine).generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 

@@ -25,7 +25,7 @@ TOP = 5
 def test_q8_0_close_to_hf_reference() -> None:
     reference = json.loads(REFERENCE.read_text())["prompts"]
     llm = LLM(quantization="q8_0", kv_cache_memory_bytes=256 << 20)
-    assert isinstance(llm.engine.runner.model.embed_tokens, Q8Embedding)
+    assert isinstance(llm.engine.core.runner.model.embed_tokens, Q8Embedding)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP)
     outs = llm.generate([r["prompt"] for r in reference], params, use_tqdm=False)
     for r, out in zip(reference, outs):
@@ -37,4 +37,4 @@ def test_q8_0_close_to_hf_reference() -> None:
         ref_lp = r["top_logprobs"][0][0]
         assert got.logprobs[0][r["token_ids"][0]].logprob == pytest.approx(ref_lp, abs=0.05), r["name"]
     llm.engine.check_invariants()
-    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_usable_blocks
+    assert llm.engine.core.pool.num_free_blocks == llm.engine.core.pool.num_usable_blocks

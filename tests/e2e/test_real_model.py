@@ -16,6 +16,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.build import build_engine
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.llm import LLM
 from kvserve.model.loader import load_model, resolve_dtype
@@ -46,7 +47,7 @@ def loaded():
 def engine(loaded, **kw) -> LLMEngine:
     model, tokenizer = loaded
     kw.setdefault("kv_cache_memory_bytes", 256 << 20)
-    return LLMEngine(EngineConfig(**kw), model.config, model.model, tokenizer)
+    return build_engine(EngineConfig(**kw), model.config, model.model, tokenizer)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -107,11 +108,11 @@ def test_output_independent_of_batching_chunking_and_preemption(loaded, referenc
         ref_tops = [dict.fromkeys(ids) for ids in r["top_ids"]]
         assert_logprobs_close(r["token_ids"][:12], ref_tops, base.token_ids, tops(base), name=r["name"])
     if "num_gpu_blocks_override" in kw:
-        assert eng.scheduler.num_preemptions > 0
+        assert eng.core.scheduler.num_preemptions > 0
     if not kw:
         assert eng.stats().prefix_cache_hits_tokens > 0
     eng.check_invariants()
-    assert eng.pool.num_free_blocks == eng.pool.num_usable_blocks
+    assert eng.core.pool.num_free_blocks == eng.core.pool.num_usable_blocks
 
 
 def test_cli_generate_prints_a_continuation(capsys):

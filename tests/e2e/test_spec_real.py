@@ -41,4 +41,4 @@ def test_greedy_output_identical_with_and_without_speculation():
     stats = spec.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
     spec.check_invariants()
-    assert spec.pool.num_free_blocks == spec.pool.num_usable_blocks
+    assert spec.core.pool.num_free_blocks == spec.core.pool.num_usable_blocks

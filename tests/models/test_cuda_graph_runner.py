@@ -18,9 +18,10 @@ from kvserve.config import EngineConfig
 from kvserve.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, capture_sizes, replay_by_call
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.host_transfer import HostToDevice
-from kvserve.engine.memory_profile import model_bytes, profile_gpu_memory
+from kvserve.engine.memory_profile import profile_gpu_memory
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels
 from kvserve.kv.cache import LayerKVCache
+from kvserve.model.quantization import weight_bytes
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -60,7 +61,7 @@ def make_engine(path: Path, backend=tensor_only_attention, **kw) -> LLMEngine:
     engine = LLMEngine.from_config(
         EngineConfig(model=str(path), block_size=BLOCK, attention_backend="reference", max_num_seqs=8, **kw)
     )
-    for layer in engine.runner.model.layers:
+    for layer in engine.core.runner.model.layers:
         layer.self_attn.backend = backend
     return engine
 
@@ -68,13 +69,13 @@ def make_engine(path: Path, backend=tensor_only_attention, **kw) -> LLMEngine:
 def with_graphs(engine: LLMEngine) -> list[int]:
     """Give the engine's runner decode graphs (captured by a plain call on CPU, as CUDA graphs on a GPU); returns
     the list of sizes replayed."""
-    config, device = engine.config, engine.device
+    config, device = engine.config, engine.core.device
     capture = replay_by_call if device.type == "cpu" else CudaGraphCapture(device)
     graphs = DecodeGraphs(
-        engine.runner.model,
-        engine.runner.kv_caches,
+        engine.core.runner.model,
+        engine.core.runner.kv_caches,
         capture_sizes(None, config.max_num_seqs, config.max_num_batched_tokens),
-        engine.max_model_len,
+        engine.core.max_model_len,
         BLOCK,
         device,
         capture,
@@ -87,7 +88,7 @@ def with_graphs(engine: LLMEngine) -> list[int]:
         return replay(size, *inputs)
 
     graphs.replay = spy  # type: ignore[method-assign]
-    engine.runner.graphs = graphs
+    engine.core.runner.graphs = graphs
     return used
 
 
@@ -118,15 +119,15 @@ def test_padded_graph_steps_give_the_eager_tokens(checkpoints, device, variant, 
         lp_e = [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
         lp_g = [d[t].logprob for d, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]
         assert lp_g == pytest.approx(lp_e, abs=1e-4)
-    largest = max(engine.runner.graphs.sizes) if engine.runner.graphs else 0
+    largest = max(engine.core.runner.graphs.sizes) if engine.core.runner.graphs else 0
     assert used and max(used) <= largest
     if engine_kw.get("num_gpu_blocks_override", 256) < 256:  # fewer requests decode together; one is preempted
-        assert engine.scheduler.num_preemptions > 0
+        assert engine.core.scheduler.num_preemptions > 0
     else:
         assert {1, 2, 4, 8} <= set(used)  # batches of 3 and 5 were padded up to 4 and 8
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
-    assert engine.pool.null_block.ref_cnt == 0  # padding rows wrote there; no request ever holds it
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
+    assert engine.core.pool.null_block.ref_cnt == 0  # padding rows wrote there; no request ever holds it
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -137,7 +138,7 @@ def test_staged_transfers_give_the_same_tokens(checkpoints, graphs: bool) -> Non
     path = checkpoints["gemma3_mqa_sliding"]
     plain = LLM(engine=make_engine(path)).generate(prompts, params, use_tqdm=False)
     engine = make_engine(path, max_num_batched_tokens=16)  # chunked prefill mixed with decodes: eager steps too
-    engine.runner.transfer = HostToDevice(CPU, staged=True)
+    engine.core.runner.transfer = HostToDevice(CPU, staged=True)
     used = with_graphs(engine) if graphs else []
     staged = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in staged] == [o.outputs[0].token_ids for o in plain]
@@ -159,14 +160,14 @@ def test_a_backend_that_reads_the_python_lists_is_caught_by_the_frozen_metadata(
 
 def test_on_cpu_the_default_backend_is_cpu_and_no_graphs_are_built(checkpoints) -> None:
     engine = LLMEngine.from_config(EngineConfig(model=str(checkpoints["llama_gqa"]), num_gpu_blocks_override=64))
-    assert engine.config.attention_backend == "cpu" and engine.runner.graphs is None
+    assert engine.config.attention_backend == "cpu" and engine.core.runner.graphs is None
 
 
 def test_a_batch_larger_than_every_graph_runs_eagerly(checkpoints) -> None:
     engine = make_engine(checkpoints["llama_gqa"])
     used = with_graphs(engine)
-    assert engine.runner.graphs is not None
-    engine.runner.graphs.sizes = [1, 2]  # the 4 and 8 graphs stay captured but are never chosen
+    assert engine.core.runner.graphs is not None
+    engine.core.runner.graphs.sizes = [1, 2]  # the 4 and 8 graphs stay captured but are never chosen
     prompts, params = workload()
     LLM(engine=engine).generate(prompts, params, use_tqdm=False)
     assert set(used) == {1, 2}
@@ -196,7 +197,7 @@ class FakeMemory:
 
 def test_the_profile_runs_the_largest_step_and_reads_the_device_counters(checkpoints) -> None:
     engine = make_engine(checkpoints["gemma3_mqa_sliding"])
-    model = engine.runner.model
+    model = engine.core.runner.model
     rows: list[int] = []
     hook = model.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     head_rows: list[int] = []
@@ -209,11 +210,11 @@ def test_the_profile_runs_the_largest_step_and_reads_the_device_counters(checkpo
     model.compute_logits = spy  # type: ignore[method-assign]
     memory = FakeMemory()
     try:
-        facts = profile_gpu_memory(model, engine.kv_spec, 50, 6, CPU, memory)
+        facts = profile_gpu_memory(model, engine.core.kv_spec, 50, 6, CPU, memory)
     finally:
         hook.remove()
         del model.compute_logits
     assert rows == [50] and head_rows == [6] and memory.resets == 1
-    assert facts.weights == model_bytes(model) > 0
+    assert facts.weights == weight_bytes(model) > 0
     assert facts.peak_activations == 3_000_000_000 and facts.total == 80_000_000_000
     assert facts.non_torch == 80_000_000_000 - 60_000_000_000 - 15_000_000_000

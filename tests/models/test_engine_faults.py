@@ -56,8 +56,8 @@ class PoisonedModel:
 
 
 def poison(engine: LLMEngine) -> PoisonedModel:
-    model = PoisonedModel(engine.runner.model, POISON)
-    engine.runner.model = model
+    model = PoisonedModel(engine.core.runner.model, POISON)
+    engine.core.runner.model = model
     return model
 
 
@@ -84,8 +84,8 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 
 def assert_whole(engine: LLMEngine) -> None:
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
-    assert not engine.kv_manager.req_blocks and not engine.scheduler.suspects
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
+    assert not engine.core.kv_manager.req_blocks and not engine.core.scheduler.suspects
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -124,8 +124,8 @@ def test_a_fault_while_decoding_spares_the_others_and_their_progress(model_dir):
     # Poison the token the model emits for r0 at decode position 3 (any id the model really produces).
     target = clean["r0"].outputs[0].token_ids[3]
     engine = make_engine(model_dir)
-    model = PoisonedModel(engine.runner.model, target)
-    engine.runner.model = model
+    model = PoisonedModel(engine.core.runner.model, target)
+    engine.core.runner.model = model
     # Whoever feeds `target` to the model fails too: a prompt holding it, or an output holding it before its
     # last token (the last one is sampled, never computed).
     holders = [
@@ -178,8 +178,8 @@ def test_a_fault_in_post_processing_fails_that_request_alone(model_dir):
     engine = make_engine(model_dir)
     for rid, (p, params) in {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}.items():
         engine.add_request(rid, p, params)
-    seq = engine.groups["r1"].sequences[0]
-    seq.detokenizer = BrokenDetokenizer(seq.detokenizer, fail_at=3)
+    sample = engine.output_processor.states["r1"].samples[0]  # detokenizing is the front end's
+    sample.detokenizer = BrokenDetokenizer(sample.detokenizer, fail_at=3)
     got = run(engine, {})
     assert got["r1"].outputs[0].finish_reason == "error" and "injected detokenizer fault" in got["r1"].error
     for rid in ("r0", "r2"):
@@ -191,7 +191,7 @@ def test_a_sampler_fault_is_isolated_like_a_model_fault(model_dir):
     prompts = healthy_prompts(3, seed=5)
     clean = run(make_engine(model_dir), {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)})
     engine = make_engine(model_dir)
-    inner = engine.sampler
+    inner = engine.core.sampler
     doomed = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, seed=1234)
 
     def sampler(logits: torch.Tensor, requests: list) -> list:
@@ -199,7 +199,7 @@ def test_a_sampler_fault_is_isolated_like_a_model_fault(model_dir):
             raise RuntimeError("injected sampler fault")
         return inner(logits, requests)
 
-    engine.sampler = sampler  # type: ignore[assignment]
+    engine.core.sampler = sampler  # type: ignore[assignment]
     requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)} | {"doomed": (prompts[0], doomed)}
     got = run(engine, requests)
     assert got["doomed"].outputs[0].finish_reason == "error"
@@ -245,7 +245,7 @@ def test_infinite_temperature_bypassing_validation_still_yields_real_tokens(mode
     engine = make_engine(model_dir)
     params = SamplingParams(temperature=1.0, min_tokens=1, max_tokens=1)
     engine.add_request("inf", healthy_prompts(1, seed=7)[0], params)
-    engine.groups["inf"].sequences[0].request.sampling_params.temperature = float("inf")
+    engine.core.requests.groups["inf"].sequences[0].request.sampling_params.temperature = float("inf")
     got = run(engine, {"next": (healthy_prompts(1, seed=8)[0], GREEDY)})
     assert 0 <= got["inf"].outputs[0].token_ids[0] < VOCAB and got["next"].outputs[0].finish_reason == "length"
     assert_whole(engine)
@@ -278,10 +278,10 @@ def test_request_ids_that_look_like_child_ids_do_not_collide(model_dir):
     engine.add_request("x", prompts[0], two)
     engine.add_request("x#0", prompts[1], GREEDY)
     engine.add_request("x#1", prompts[1], GREEDY)
-    internal = [s.request.request_id for g in engine.groups.values() for s in g.sequences]
-    assert len(set(internal)) == 4 and len(engine.sequences) == 4
+    internal = [s.request.request_id for g in engine.core.requests.groups.values() for s in g.sequences]
+    assert len(set(internal)) == 4 and len(engine.core.requests.sequences) == 4
     engine.step()
-    assert len(engine.kv_manager.req_blocks) == 4
+    assert len(engine.core.kv_manager.req_blocks) == 4
     got = run(engine, {})
     assert [c.token_ids for c in got["x"].outputs] == [c.token_ids for c in alone["x"].outputs]
     assert got["x#0"].outputs[0].token_ids == alone["x#0"].outputs[0].token_ids

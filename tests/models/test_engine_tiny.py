@@ -80,7 +80,7 @@ def test_greedy_generation_matches_hf(checkpoints, variant):
         assert len(c.token_ids) == 16 and c.finish_reason == "length"
         assert_logprobs_close(ref, ref_top, c.token_ids, tops_of(c), name=variant)
     llm.engine.check_invariants()
-    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_usable_blocks
+    assert llm.engine.core.pool.num_free_blocks == llm.engine.core.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize(
@@ -106,9 +106,9 @@ def test_batched_output_equals_alone(checkpoints, engine_kw):
         c = o.outputs[0]
         assert_logprobs_close(a.token_ids, tops_of(a), c.token_ids, tops_of(c), name=str(engine_kw))
     if "num_gpu_blocks_override" in engine_kw:
-        assert engine.scheduler.num_preemptions > 0
+        assert engine.core.scheduler.num_preemptions > 0
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
 
 
 def test_prefix_cache_hit_gives_same_output_and_counts_cached_tokens(checkpoints):
@@ -205,14 +205,14 @@ def test_abort_frees_blocks_and_bad_requests_are_rejected(checkpoints):
     engine.add_request("b", prompts(1, seed=1)[0], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.pool.num_free_blocks < engine.pool.num_usable_blocks
+    assert engine.core.pool.num_free_blocks < engine.core.pool.num_usable_blocks
     aborted = engine.abort_request("a")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert engine.abort_request("a") is None and engine.abort_request("never") is None
     engine.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
     with pytest.raises(ValueError, match="70 tokens.*64"):
         engine.add_request("long", [2] * 70, SamplingParams())
     with pytest.raises(ValueError, match="empty"):
@@ -255,9 +255,9 @@ def test_prefix_caching_on_and_off_give_the_same_output(checkpoints, preempt):
         if caching:
             assert many[0].num_cached_tokens > 0 and engine.stats().prefix_cache_hit_rate > 0
         if preempt:
-            assert engine.scheduler.num_preemptions > 0
+            assert engine.core.scheduler.num_preemptions > 0
         engine.check_invariants()
-        assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+        assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
     for on, off in zip(results[True], results[False]):
         a, b = off.outputs[0], on.outputs[0]
         assert_logprobs_close(a.token_ids, tops_of(a), b.token_ids, tops_of(b), name=f"preempt={preempt}")

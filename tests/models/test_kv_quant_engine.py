@@ -56,7 +56,7 @@ def test_greedy_close_to_float32_kv(checkpoints, float32_outputs, variant, kv_dt
         assert len(got.token_ids) == 16
         assert_logprobs_close(ref.token_ids, tops_of(ref), got.token_ids, tops_of(got), name=f"{variant} {kv_dtype}")
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize(
@@ -81,9 +81,9 @@ def test_quantized_output_independent_of_batching(checkpoints, kv_dtype, engine_
     for a, c in zip(alone, generate(engine, batch)):
         assert_logprobs_close(a.token_ids, tops_of(a), c.token_ids, tops_of(c), name=f"{kv_dtype} {engine_kw}")
     if "num_gpu_blocks_override" in engine_kw:
-        assert engine.scheduler.num_preemptions > 0
+        assert engine.core.scheduler.num_preemptions > 0
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
 
 
 def test_prefix_hit_equals_miss_with_int8(checkpoints):
@@ -102,7 +102,7 @@ def test_budget_buys_4x_blocks_and_startup_log_says_so(checkpoints, caplog):
         for kv_dtype in ("float32", "bfloat16", "fp8", "int8"):
             blocks[kv_dtype] = make_engine(
                 path, kv_cache_dtype=kv_dtype, num_gpu_blocks_override=None, kv_cache_memory_bytes=4 << 20
-            ).cache_plan.num_blocks
+            ).core.cache_plan.num_blocks
     # 2 layers x 2 KV heads x (K, V) x head_dim 16: 64 elements a token; 8-bit adds a 4-byte scale per head
     # vector, a fifth of it at head_dim 16 (1.6% at Gemma's 256), so 3.2x float32 here and 3.94x there.
     per_token = {"float32": 2 * 2 * 2 * 16 * 4, "bfloat16": 2 * 2 * 2 * 16 * 2, "fp8": 2 * 2 * 2 * (16 + 4)}
@@ -134,14 +134,14 @@ def test_checkpoint_static_fp8_scales_are_used(checkpoints, float32_outputs, tmp
     outs = generate(engine, prompts(6, seed=11))
     for ref, got in zip(float32_outputs["llama_gqa"], outs):
         assert_logprobs_close(ref.token_ids, tops_of(ref), got.token_ids, tops_of(got), name="static fp8")
-    cache = engine.runner.kv_caches[0]
+    cache = engine.core.runner.kv_caches[0]
     used = cache.key_scale.view(-1)[cache.key_scale.view(-1) != 1.0]  # slots written (scales start at 1)
     assert used.numel() > 0 and torch.all(used == 0.02)
     assert torch.all(cache.value_scale.view(-1)[cache.value_scale.view(-1) != 1.0] == 0.04)
     # Another 8-bit format computes its own per-token scales: the fp8 calibration does not apply to it.
     int8 = make_engine(path, kv_cache_dtype="int8")
     generate(int8, prompts(2, seed=12))
-    written = int8.runner.kv_caches[0].key_scale.view(-1)
+    written = int8.core.runner.kv_caches[0].key_scale.view(-1)
     assert len(set(written[written != 1.0].tolist())) > 1
 
 

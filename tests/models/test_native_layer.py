@@ -141,7 +141,7 @@ def test_engine_greedy_tokens_equal_torch_layers(variant: str, tiny_checkpoint) 
                 max_num_seqs=4,
             )
         )
-        model = engine.runner.model
+        model = engine.core.runner.model
         if not native:
             model.use_torch_layers()
         for i, p in enumerate(prompts):

@@ -103,7 +103,7 @@ def test_auto_is_gguf_blocks_for_gguf_on_cpu_only() -> None:
 def test_hf_checkpoint_keeps_float_weights_by_default(gemma_checkpoint: Path) -> None:
     engine = LLMEngine.from_config(EngineConfig(model=str(gemma_checkpoint), num_gpu_blocks_override=8))
     assert engine.config.quantization == "none"
-    assert not any(isinstance(m, Q8Linear) for m in engine.runner.model.modules())
+    assert not any(isinstance(m, Q8Linear) for m in engine.core.runner.model.modules())
 
 
 def test_unknown_method_is_a_clear_error() -> None:
@@ -135,7 +135,7 @@ def test_engine_q8_close_to_float_and_pool_whole(gemma_checkpoint: Path) -> None
         )
         outs = [o.outputs[0] for o in LLM(engine=engine).generate(prompts, params, use_tqdm=False)]
         engine.check_invariants()
-        assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+        assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
         return engine, outs
 
     def tops(c):  # type: ignore[no-untyped-def]

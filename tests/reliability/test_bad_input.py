@@ -87,7 +87,7 @@ def test_empty_prompts(guarded_server, auth):
 
 
 def test_prompt_of_max_model_len_plus_one_tokens(guarded_server, auth):
-    limit = guarded_server.engine.engine.max_model_len
+    limit = guarded_server.engine.core.max_model_len
     with guarded_server.client(headers=auth) as c:
         # the char tokenizer adds BOS: limit characters are limit + 1 tokens
         err = assert_openai_error(c.post(CMPL, json={"prompt": "x" * limit}), 400)

@@ -153,7 +153,7 @@ def test_trusted_request_templates_are_still_sandboxed(make_configured_server, t
 
 def test_operator_templates_render_in_the_sandbox(guarded_server):
     """--chat-template and checkpoint templates go through the same sandboxed renderer."""
-    tok = guarded_server.engine.engine.tokenizer
+    tok = guarded_server.engine.tokenizer
     assert "<start_of_turn>" in tok.apply_chat_template(USER, chat_template=GEMMA_CHAT_TEMPLATE)
     with pytest.raises(ValueError, match="unsafe"):
         tok.apply_chat_template(USER, chat_template="{{ ''.__class__.__mro__ }}")

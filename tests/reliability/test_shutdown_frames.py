@@ -73,7 +73,7 @@ def test_grace_period_end_sends_error_frames_and_503s(make_server):
         _assert_ends_with_shutdown_error(_frames(lines))
     error = plain["r"].json()["error"]
     assert plain["r"].status_code == 503 and error["code"] == "server_shutting_down", plain["r"].text
-    core = server.engine.engine
+    core = server.engine.core
     core.check_invariants()
     assert not core.has_unfinished_requests()
     assert core.pool.num_free_blocks == core.pool.num_usable_blocks

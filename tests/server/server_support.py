@@ -27,6 +27,7 @@ from tiny_tokenizer import write_char_tokenizer
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.core import EngineCore
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import build_app
 from kvserve.server.context import ServerSettings
@@ -63,11 +64,11 @@ def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(**kw))
 
 
-class HookedEngine:
-    """A real engine whose step() first runs `before_step` (which may block, sleep or raise): the way
+class HookedCore:
+    """A real engine core whose step() first runs `before_step` (which may block, sleep or raise): the way
     tests inject slowness, gates and faults through the app factory."""
 
-    def __init__(self, inner: LLMEngine, before_step: Callable[[], None]) -> None:
+    def __init__(self, inner: EngineCore, before_step: Callable[[], None]) -> None:
         self._inner = inner
         self._before_step = before_step
 
@@ -77,6 +78,12 @@ class HookedEngine:
     def step(self):
         self._before_step()
         return self._inner.step()
+
+
+def hook_steps(engine: LLMEngine, before_step: Callable[[], None], core: type[HookedCore] = HookedCore) -> LLMEngine:
+    """`engine` with its core's steps hooked: AsyncLLMEngine drives the core, so that is where a hook must sit."""
+    engine.core = core(engine.core, before_step)  # type: ignore[assignment]
+    return engine
 
 
 class RunningServer:
@@ -129,11 +136,12 @@ def make_server(tiny_model_dir: Path) -> Iterator[ServerFactory]:
         grace_s: float = 5.0,
         api_key: str | None = None,
         chat_history_policy: str = "reject",
+        core: type[HookedCore] = HookedCore,
         **engine_overrides: Any,
     ) -> RunningServer:
         engine: Any = make_engine(tiny_model_dir, **engine_overrides)
-        if before_step is not None:
-            engine = HookedEngine(engine, before_step)
+        if before_step is not None or core is not HookedCore:
+            engine = hook_steps(engine, before_step or (lambda: None), core)
         async_engine = AsyncLLMEngine(engine, max_queued_requests=max_queued_requests)
         settings = ServerSettings(served_model_names=(MODEL,), api_key=api_key, chat_history_policy=chat_history_policy)
         server = RunningServer(build_app(async_engine, settings), async_engine, grace_s).start()

@@ -9,7 +9,7 @@ from contextlib import aclosing
 from typing import Any
 
 import pytest
-from server_support import HookedEngine, make_engine
+from server_support import HookedCore, hook_steps, make_engine
 
 from kvserve.engine.async_engine import (
     AsyncLLMEngine,
@@ -35,9 +35,10 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def pool_is_free(e) -> bool:
-    e.check_invariants()
-    return e.pool.num_free_blocks == e.pool.num_usable_blocks and not e.has_unfinished_requests()
+def pool_is_free(core) -> bool:
+    """On the engine thread (async_engine.call) or after it stopped: every block back, no request left."""
+    core.check_invariants()
+    return core.pool.num_free_blocks == core.pool.num_usable_blocks and not core.has_unfinished_requests()
 
 
 def test_generate_streams_cumulative_outputs(engine):
@@ -62,7 +63,7 @@ def test_generate_streams_cumulative_outputs(engine):
 
 
 def test_leaving_a_stream_aborts_the_request(engine):
-    async_engine = AsyncLLMEngine(HookedEngine(engine, lambda: time.sleep(0.005)))
+    async_engine = AsyncLLMEngine(hook_steps(engine, lambda: time.sleep(0.005)))
     async_engine.start()
 
     async def go() -> None:
@@ -97,15 +98,14 @@ def test_validation_error_arrives_as_the_first_item(engine):
 
 
 def test_engine_fault_fails_in_flight_requests_and_refuses_new_ones(engine):
-    steps = 0
-
-    def fail_on_third_step() -> None:
-        nonlocal steps
-        steps += 1
-        if steps == 3:
+    class FaultOnceBothArrived(HookedCore):  # an event, not a step count: both requests are in flight when it fires
+        def step(self) -> list:
+            if len(self._inner.requests.groups) < 2:
+                time.sleep(0.001)
+                return []
             raise RuntimeError("injected fault")
 
-    async_engine = AsyncLLMEngine(HookedEngine(engine, fail_on_third_step))
+    async_engine = AsyncLLMEngine(hook_steps(engine, lambda: None, FaultOnceBothArrived))
     async_engine.start()
 
     async def consume(rid: str) -> None:
@@ -125,13 +125,13 @@ def test_engine_fault_fails_in_flight_requests_and_refuses_new_ones(engine):
 def test_idle_loop_sleeps_instead_of_polling(engine):
     calls = 0
 
-    class Counting(HookedEngine):
+    class Counting(HookedCore):
         def has_unfinished_requests(self) -> bool:
             nonlocal calls
             calls += 1
             return self._inner.has_unfinished_requests()
 
-    async_engine = AsyncLLMEngine(Counting(engine, lambda: None))
+    async_engine = AsyncLLMEngine(hook_steps(engine, lambda: None, Counting))
     async_engine.start()
     try:
 
@@ -149,7 +149,7 @@ def test_idle_loop_sleeps_instead_of_polling(engine):
 
 
 def test_shutdown_aborts_remaining_requests(engine):
-    async_engine = AsyncLLMEngine(HookedEngine(engine, lambda: time.sleep(0.005)))
+    async_engine = AsyncLLMEngine(hook_steps(engine, lambda: time.sleep(0.005)))
     async_engine.start()
 
     async def go() -> None:
@@ -159,7 +159,7 @@ def test_shutdown_aborts_remaining_requests(engine):
 
     with pytest.raises(ServerShuttingDownError):  # the stream says why it ends (an error frame, for a client)
         run(go())
-    assert pool_is_free(engine)
+    assert pool_is_free(engine.core)
     with pytest.raises(EngineDeadError):
         asyncio.run(_add(async_engine))
 

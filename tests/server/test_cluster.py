@@ -223,7 +223,7 @@ def test_kv_stream_of_replica_1_starts_with_its_snapshot(cluster) -> None:
         messages = sse_messages(stream)
         kind, first = next(messages)
         assert kind == "snapshot" and _kv_state(first) == _real_kv(engine, "replica-1")
-        assert len(ray.get(handle.__ray_call__.remote(lambda actor: actor.kv.watchers), timeout=30)) == 1
+        assert len(ray.get(handle.__ray_call__.remote(lambda actor: actor.kv_feed.watchers), timeout=30)) == 1
         _new_prefixes(server, 210, 2)  # one lands on replica-1: its deltas bring the stream to its new state
         want = _real_kv(engine, "replica-1")
         assert want["block_states"] != first["block_states"]
@@ -236,7 +236,7 @@ def test_kv_stream_of_replica_1_starts_with_its_snapshot(cluster) -> None:
         else:
             raise AssertionError("the stream ended before its deltas reached replica-1's state")
     deadline = time.monotonic() + 30  # the closed stream ends the replica's watch
-    while ray.get(handle.__ray_call__.remote(lambda actor: actor.kv.watchers), timeout=30):
+    while ray.get(handle.__ray_call__.remote(lambda actor: actor.kv_feed.watchers), timeout=30):
         assert time.monotonic() < deadline, "the replica's publisher is still watched"
         time.sleep(0.1)
 

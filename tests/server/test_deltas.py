@@ -15,8 +15,11 @@ import pytest
 from server_support import make_engine
 
 from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.core_outputs import EngineCoreOutput, SequenceDelta
 from kvserve.engine.llm import LLM
-from kvserve.outputs import CompletionOutput, RequestOutput, merge_deltas
+from kvserve.engine.output_processor import RequestState
+from kvserve.engine.stats import RequestMetrics
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server.tracker import DeltaTracker
 
@@ -132,14 +135,21 @@ def _delta(text: str, ids: list[int], finished: bool = False, index: int = 0, pr
     return RequestOutput("r", None, [2], prompt_lp, [c], finished)
 
 
+def _core(ids: list[int], finished: bool = False, prompt_lp: Any = None) -> EngineCoreOutput:
+    """A core output of request "r": sample 0's new token ids (its finish when `finished`)."""
+    delta = SequenceDelta(0, ids, None, "length" if finished else None, None)
+    return EngineCoreOutput("r", [delta], finished, 0, RequestMetrics(0.0, None, None, None, 0), prompt_lp)
+
+
 def _fill(stream: RequestStream, items: list[Any]) -> None:
     for item in items:
         stream._queue.put_nowait(item)
 
 
-def _drain(kind: RequestOutputKind, items: list[Any]) -> tuple[list[RequestOutput], BaseException | None]:
+def _drain(engine: Any, kind: RequestOutputKind, items: list[Any]) -> tuple[list[RequestOutput], BaseException | None]:
     async def go() -> tuple[list[RequestOutput], BaseException | None]:
-        stream = RequestStream("r", asyncio.get_running_loop(), lambda rid: None, kind)
+        state = RequestState(engine.tokenizer, "r", None, [2], SamplingParams(output_kind=kind, max_tokens=9))
+        stream = RequestStream(state, asyncio.get_running_loop(), lambda rid: None, lambda rid, index: None)
         _fill(stream, items)  # everything is queued before the consumer looks: it has fallen behind
         got: list[RequestOutput] = []
         try:
@@ -152,30 +162,25 @@ def _drain(kind: RequestOutputKind, items: list[Any]) -> tuple[list[RequestOutpu
     return asyncio.run(go())
 
 
-def test_a_stream_that_falls_behind_merges_deltas_instead_of_dropping_them():
-    items = [_delta("ab", [1, 2], prompt_lp=[None]), _delta("c", [3]), _delta("", [4]), _delta("de", [5], True)]
-    got, error = _drain(RequestOutputKind.DELTA, items)
+def test_a_stream_that_falls_behind_merges_deltas_instead_of_dropping_them(engine):
+    items = [_core([40, 41], prompt_lp=[None]), _core([42]), _core([43]), _core([44], True)]
+    got, error = _drain(engine, RequestOutputKind.DELTA, items)
     assert error is None and len(got) == 1 and got[0].finished
     (c,) = got[0].outputs
-    assert (c.text, c.token_ids, c.finish_reason) == ("abcde", [1, 2, 3, 4, 5], "length")
+    text = engine.tokenizer.decode([40, 41, 42, 43, 44])
+    assert (c.text, c.token_ids, c.finish_reason) == (text, [40, 41, 42, 43, 44], "length") and text
     assert got[0].prompt_logprobs == [None]
 
 
-def test_a_cumulative_stream_that_falls_behind_keeps_the_newest():
-    items = [_delta("a", [1]), _delta("ab", [1, 2], True)]
-    got, _ = _drain(RequestOutputKind.CUMULATIVE, items)
-    assert len(got) == 1 and got[0].outputs[0].text == "ab"
+def test_a_cumulative_stream_that_falls_behind_keeps_the_newest(engine):
+    got, _ = _drain(engine, RequestOutputKind.CUMULATIVE, [_core([40]), _core([41], True)])
+    assert len(got) == 1 and got[0].outputs[0].text == engine.tokenizer.decode([40, 41])
 
 
-def test_an_error_behind_queued_deltas_comes_after_them():
-    got, error = _drain(RequestOutputKind.DELTA, [_delta("a", [1]), _delta("b", [2]), RuntimeError("engine fault")])
-    assert [c.text for o in got for c in o.outputs] == ["ab"] and str(error) == "engine fault"
-
-
-def test_merge_deltas_keeps_samples_apart():
-    merged = merge_deltas([_delta("a", [1], index=0), _delta("x", [9], index=1), _delta("b", [2], True, index=0)])
-    assert {c.index: (c.text, c.token_ids) for c in merged.outputs} == {0: ("ab", [1, 2]), 1: ("x", [9])}
-    assert merged.finished
+def test_an_error_behind_queued_deltas_comes_after_them(engine):
+    got, error = _drain(engine, RequestOutputKind.DELTA, [_core([40]), _core([41]), RuntimeError("engine fault")])
+    texts = [c.text for o in got for c in o.outputs]
+    assert texts == [engine.tokenizer.decode([40, 41])] and str(error) == "engine fault"
 
 
 def test_tracker_reports_where_each_piece_starts():

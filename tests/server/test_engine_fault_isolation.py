@@ -14,6 +14,7 @@ import torch
 from server_support import MODEL, RunningServer, make_engine
 
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineFaultError
+from kvserve.engine.core import EngineCore
 from kvserve.engine.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.app import build_app
@@ -40,13 +41,14 @@ class PoisonedModel:
 
 def poisoned_engine(tiny_model_dir) -> LLMEngine:
     engine = make_engine(tiny_model_dir)
-    engine.runner.model = PoisonedModel(engine.runner.model)
+    engine.core.runner.model = PoisonedModel(engine.core.runner.model)
     return engine
 
 
-def whole(engine: LLMEngine) -> bool:
-    engine.check_invariants()
-    return engine.pool.num_free_blocks == engine.pool.num_usable_blocks and not engine.has_unfinished_requests()
+def whole(core: EngineCore) -> bool:
+    """On the engine thread (async_engine.call): every block back, no request left."""
+    core.check_invariants()
+    return core.pool.num_free_blocks == core.pool.num_usable_blocks and not core.has_unfinished_requests()
 
 
 def test_async_engine_fails_the_faulty_stream_only(tiny_model_dir):

@@ -85,13 +85,13 @@ def test_out_of_vocabulary_and_empty_token_prompts(http):
 
 
 def test_prompt_over_max_model_len_names_both_numbers(http, server):
-    limit = server.engine.engine.max_model_len
+    limit = server.engine.core.max_model_len
     prompt = "x" * (limit + 10)
     assert_error(http.post("/v1/completions", json={"prompt": prompt}), 400, str(limit + 11), str(limit))
 
 
 def test_max_tokens_that_cannot_fit(http, server):
-    limit = server.engine.engine.max_model_len
+    limit = server.engine.core.max_model_len
     err = assert_error(
         http.post("/v1/completions", json={"prompt": "abc", "max_tokens": limit}),
         400,
@@ -120,7 +120,7 @@ def test_chat_errors(http, server):
         400,
         "image_url",
     )
-    long_chat = [{"role": "user", "content": "y" * server.engine.engine.max_model_len}]
+    long_chat = [{"role": "user", "content": "y" * server.engine.core.max_model_len}]
     assert_error(http.post("/v1/chat/completions", json={"messages": long_chat}), 400, "max-model-len")
 
 

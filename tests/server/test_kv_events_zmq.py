@@ -45,7 +45,7 @@ def engine_cache(engine: LLMEngine) -> dict[int, tuple[int | None, tuple[int, ..
             None if b.key is None or b.key.parent is None else external_block_hash(b.key.parent.hex()),
             b.key.token_ids if b.key is not None else (),
         )
-        for h, b in engine.pool.cached.items()
+        for h, b in engine.core.pool.cached.items()
     }
 
 
@@ -84,10 +84,10 @@ def test_stream_replays_to_the_engine_cache(tiny_model_dir: Path, tmp_path: Path
         _run(engine, {"a": system + [50, 51, 52, 53, 54], "b": system + [60, 61]})
         _run(engine, {"c": system + [70, 71, 72, 73]})  # a prefix hit: nothing new stored for the prefix
         _run(engine, {"d": list(range(200, 200 + 13 * BS))})  # needs most of the pool: evicts cached blocks
-        engine.pool.reset_prefix_cache()  # AllBlocksCleared
+        engine.core.pool.reset_prefix_cache()  # AllBlocksCleared
         _run(engine, {"e": system + [80, 81, 82, 83, 84]})
         _run(engine, {"f": list(range(100, 100 + 6 * BS)), "g": system + [90]})
-        publisher = engine.kv_event_publisher
+        publisher = engine.core.kv_event_publisher
         assert publisher is not None and publisher.flush() and publisher.dropped == 0
 
         # Replay from 0 returns every batch, numbered without gaps.
@@ -137,7 +137,7 @@ def test_publisher_off_imports_no_zmq(tiny_model_dir: Path) -> None:
             engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=2, temperature=0.0))
             while engine.has_unfinished_requests():
                 engine.step()
-            assert engine.kv_event_publisher is None
+            assert engine.core.kv_event_publisher is None
         loaded = sorted(m for m in sys.modules
                         if m == "zmq" or m.startswith(("zmq.", "msgspec")) or m.endswith("event_publisher"))
         assert not loaded, loaded
@@ -157,8 +157,8 @@ def test_sibling_engine_does_not_publish(tiny_model_dir: Path, tmp_path: Path) -
         tiny_model_dir, kv_events_config={"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv.pub"}
     )
     try:
-        assert engine.kv_event_publisher is not None
-        assert engine.sibling().kv_event_publisher is None  # the address is taken by the first engine
+        assert engine.core.kv_event_publisher is not None
+        assert engine.sibling().core.kv_event_publisher is None  # the address is taken by the first engine
     finally:
         engine.close()
 
@@ -174,7 +174,7 @@ def test_replica_rank_offsets_the_address(tiny_model_dir: Path, tmp_path: Path) 
         for rank in (0, 1)
     ]
     try:
-        publishers = [e.kv_event_publisher for e in engines]
+        publishers = [e.core.kv_event_publisher for e in engines]
         assert publishers[0] is not None and publishers[1] is not None
         assert (publishers[0].endpoint, publishers[1].endpoint) == (
             f"ipc://{tmp_path}/kv.pub",

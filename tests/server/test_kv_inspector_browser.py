@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from kv_workload import random_snapshots
-from server_support import API_KEY, MODEL, RunningServer, make_engine
+from server_support import API_KEY, MODEL, RunningServer, hook_steps, make_engine
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.inspector_delta import diff_snapshots
@@ -39,24 +39,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class SlowEngine:
-    """A real engine whose steps take a little while, so that the page sees requests while they run."""
-
-    def __init__(self, inner: Any, delay_s: float) -> None:
-        self._inner, self._delay = inner, delay_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def step(self) -> Any:
-        time.sleep(self._delay)
-        return self._inner.step()
-
-
 def _serve(model_dir: Path, api_key: str | None = None, delay_s: float = 0.0, **overrides: Any) -> RunningServer:
     engine: Any = make_engine(model_dir, **overrides)
-    if delay_s:
-        engine = SlowEngine(engine, delay_s)
+    if delay_s:  # steps that take a little while, so that the page sees requests while they run
+        engine = hook_steps(engine, lambda: time.sleep(delay_s))
     async_engine = AsyncLLMEngine(engine)
     settings = ServerSettings(served_model_names=(MODEL,), api_key=api_key)
     return RunningServer(build_app(async_engine, settings), async_engine).start()

@@ -69,11 +69,17 @@ def test_snapshot_shows_a_running_requests_blocks(make_server: ServerFactory) ->
         after = client.get("/v1/kv/snapshot").json()
         assert after["requests"] == [] and set(after["block_states"][1:]) <= {"f", "c"}
         assert any(e["kind"] == "block_stored" for e in after["events"])
+        # A cached block's detail carries its text, decoded by the route (the engine thread decodes nothing).
+        cached = next(b for b in after["blocks"] if b["state"] == "c")
+        detail = client.get(f"/v1/kv/blocks/{cached['id']}").json()
+        assert detail["token_ids"] and detail["text"] == server.engine.tokenizer.decode(
+            detail["token_ids"], skip_special_tokens=False
+        )
 
 
 def test_stream_sends_a_snapshot_then_deltas(make_server: ServerFactory) -> None:
     server = make_server()
-    assert server.engine.kv.published.snapshot is None  # nobody watched: nothing was built
+    assert server.engine.kv_publisher.published.snapshot is None  # nobody watched: nothing was built
     with server.client() as client, client.stream("GET", "/v1/kv/stream") as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
         messages = sse_messages(stream)
@@ -101,7 +107,7 @@ def test_stream_sends_a_snapshot_then_deltas(make_server: ServerFactory) -> None
         assert state["block_states"] == fresh["block_states"]
         assert [{**b, "token_ids": None} for b in fresh["blocks"]] == state["blocks"]
         assert fresh["prefix_cache"] == state["prefix_cache"]
-    wait_until(lambda: server.engine.kv.num_watchers == 0)  # the closed stream stopped watching
+    wait_until(lambda: server.engine.kv_publisher.num_watchers == 0)  # the closed stream stopped watching
 
 
 def test_streams_share_one_watch(make_server: ServerFactory) -> None:
@@ -111,8 +117,8 @@ def test_streams_share_one_watch(make_server: ServerFactory) -> None:
         with b.stream("GET", "/v1/kv/stream") as sb:
             second = next(sse_messages(sb))
         assert first[0] == second[0] == "snapshot"
-        assert server.engine.kv.num_watchers == 1  # one watch for all streams (the hub's)
-    wait_until(lambda: server.engine.kv.num_watchers == 0)
+        assert server.engine.kv_publisher.num_watchers == 1  # one watch for all streams (the hub's)
+    wait_until(lambda: server.engine.kv_publisher.num_watchers == 0)
 
 
 def test_disable_ui_and_redact_text(make_server: ServerFactory, tiny_model_dir: Any) -> None:

@@ -21,7 +21,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 def _kinds(engine: LLMEngine) -> list[str]:
-    return [event.kind for _, _, event in engine.kv_events.drain()]
+    return [event.kind for _, _, event in engine.core.kv_events.drain()]
 
 
 def _block(snap: dict[str, Any], block_id: int) -> dict[str, Any]:
@@ -36,13 +36,13 @@ def test_snapshot_matches_pool_and_block_tables(tiny_model_dir: Path) -> None:
     engine.step()
     snap = engine.kv_snapshot()
     json.dumps(snap)  # JSON-ready
-    pool = engine.pool
+    pool = engine.core.pool
     assert len(snap["block_states"]) == pool.num_blocks
     assert snap["block_states"][0] == "n"
     assert snap["pool"]["num_free_blocks"] == pool.num_free_blocks
     tables = {r["request_id"]: r["block_ids"] for r in snap["requests"]}
-    for seq_id, blocks in engine.kv_manager.req_blocks.items():
-        assert tables[engine.sequences[seq_id].group_id] == [b.block_id for b in blocks]
+    for seq_id, blocks in engine.core.kv_manager.req_blocks.items():
+        assert tables[engine.core.requests.sequences[seq_id].group_id] == [b.block_id for b in blocks]
     shared = tables["a"][:3]
     assert tables["b"][:3] == shared  # the system prompt's blocks, shared
     for block_id in shared:
@@ -64,7 +64,7 @@ def test_snapshot_matches_pool_and_block_tables(tiny_model_dir: Path) -> None:
     assert nodes[first]["hits"] == 1
     by_req = {r["request_id"]: r for r in snap["requests"]}
     assert by_req["b"]["prefix_hit_tokens"] == 3 * BS and by_req["a"]["status"] == "running"
-    assert snap["capacity"]["num_blocks"] == engine.cache_plan.num_blocks
+    assert snap["capacity"]["num_blocks"] == engine.core.cache_plan.num_blocks
     assert snap["gauges"]["num_running"] == 2
 
 
@@ -73,12 +73,12 @@ def test_stored_events_carry_chained_hashes_and_tokens(tiny_model_dir: Path) -> 
     prompt = list(range(20, 20 + 2 * BS + 1))
     engine.add_request("a", prompt, _greedy(4))
     engine.step()
-    stored = [event_to_json(*item) for item in engine.kv_events.drain() if item[2].kind == "block_stored"]
+    stored = [event_to_json(*item) for item in engine.core.kv_events.drain() if item[2].kind == "block_stored"]
     assert [e["token_ids"] for e in stored] == [prompt[:BS], prompt[BS : 2 * BS]]
     assert stored[0]["parent_block_hash"] is None
     assert stored[1]["parent_block_hash"] == stored[0]["block_hash"]
     assert all(e["block_size"] == BS for e in stored)
-    table = engine.kv_manager.req_blocks[next(iter(engine.kv_manager.req_blocks))]
+    table = engine.core.kv_manager.req_blocks[next(iter(engine.core.kv_manager.req_blocks))]
     assert [e["block_id"] for e in stored] == [b.block_id for b in table[:2]]
 
 
@@ -90,7 +90,7 @@ def test_finished_blocks_become_cached_evictable_then_removed(tiny_model_dir: Pa
     snap = engine.kv_snapshot()
     cached = [b for b in snap["blocks"] if b["state"] == "c"]
     assert len(cached) == 2 and sorted(b["evict_rank"] for b in cached) == [0, 1]
-    engine.kv_events.drain()
+    engine.core.kv_events.drain()
     engine.add_request("b", list(range(100, 100 + 8 * BS - 1)), _greedy(1))  # needs every block: evicts both
     engine.step()
     assert _kinds(engine).count("block_removed") == 2
@@ -108,7 +108,7 @@ def test_preemption_and_abort_events(tiny_model_dir: Path) -> None:
         if not engine.has_unfinished_requests():
             break
         engine.step()
-        for item in engine.kv_events.drain():
+        for item in engine.core.kv_events.drain():
             kinds.append(item[2].kind)
             events.append(event_to_json(*item))
     preempted = [e for e in events if e["kind"] == "preempted"]
@@ -117,9 +117,9 @@ def test_preemption_and_abort_events(tiny_model_dir: Path) -> None:
     assert engine.kv_snapshot()["gauges"]["num_preemptions"] >= 1
     engine.add_request("c", list(range(70, 70 + 2 * BS)), _greedy(30))
     engine.step()
-    held = engine.kv_manager.num_blocks_held(engine.scheduler.running[0])
+    held = engine.core.kv_manager.num_blocks_held(engine.core.scheduler.running[0])
     engine.abort_request("c")
-    aborted = [event_to_json(*i) for i in engine.kv_events.drain() if i[2].kind == "aborted"]
+    aborted = [event_to_json(*i) for i in engine.core.kv_events.drain() if i[2].kind == "aborted"]
     assert aborted == [
         {
             "kind": "aborted",
@@ -139,7 +139,7 @@ def test_admission_refused_is_reported_once(tiny_model_dir: Path) -> None:
     engine.add_request("b", list(range(40, 40 + 4 * BS)), _greedy(3))
     engine.step()
     engine.step()
-    refused = [i[2] for i in engine.kv_events.drain() if i[2].kind == "admission_refused"]
+    refused = [i[2] for i in engine.core.kv_events.drain() if i[2].kind == "admission_refused"]
     assert len(refused) == 1 and refused[0].blocks_free < refused[0].blocks_needed
     assert refused[0].request_id == "b"
 
@@ -171,17 +171,16 @@ def test_block_detail_gives_ranges_tokens_and_text(tiny_model_dir: Path) -> None
     engine = make_engine(tiny_model_dir)
     engine.add_request("a", "abcdefghij", _greedy(3))
     engine.step()
-    seq_id = next(iter(engine.kv_manager.req_blocks))
-    table = engine.kv_manager.req_blocks[seq_id]
-    tokens = engine.sequences[seq_id].request.token_slice(BS, 2 * BS)
-    detail = block_detail(engine, table[1].block_id)
+    seq_id = next(iter(engine.core.kv_manager.req_blocks))
+    table = engine.core.kv_manager.req_blocks[seq_id]
+    tokens = engine.core.requests.sequences[seq_id].request.token_slice(BS, 2 * BS)
+    detail = block_detail(engine.core, table[1].block_id)
     assert detail["held"] == [{"request_id": "a", "start": BS, "end": 2 * BS}]
-    assert detail["token_ids"] == tokens
-    assert detail["text"] == engine.tokenizer.decode(tokens, skip_special_tokens=False)
-    hidden = block_detail(engine, table[1].block_id, include_text=False)
-    assert hidden["token_ids"] is None and hidden["text"] is None and hidden["held"] == detail["held"]
+    assert detail["token_ids"] == tokens and "text" not in detail  # the route decodes, off the engine thread
+    hidden = block_detail(engine.core, table[1].block_id, include_text=False)
+    assert hidden["token_ids"] is None and hidden["held"] == detail["held"]
     with pytest.raises(ValueError, match="out of range"):
-        block_detail(engine, engine.pool.num_blocks)
+        block_detail(engine.core, engine.core.pool.num_blocks)
 
 
 def test_publisher_publishes_only_while_watched_and_bounds_its_share(tiny_model_dir: Path) -> None:
@@ -189,7 +188,7 @@ def test_publisher_publishes_only_while_watched_and_bounds_its_share(tiny_model_
 
     engine = make_engine(tiny_model_dir)
     wakes: list[int] = []
-    publisher = KVPublisher(engine, lambda: wakes.append(1), interval_s=0.0, max_overhead=0.5)
+    publisher = KVPublisher(engine.core, lambda: wakes.append(1), interval_s=0.0, max_overhead=0.5)
     engine.add_request("a", list(range(10, 10 + 2 * BS + 1)), _greedy(2))
     engine.step()
     publisher.tick(True)
@@ -215,5 +214,5 @@ def test_waiting_for_the_token_budget_is_not_a_refusal(tiny_model_dir: Path) -> 
     engine.add_request("a", list(range(10, 30)), _greedy(2))
     engine.add_request("b", list(range(40, 60)), _greedy(2))
     engine.step()
-    assert engine.num_waiting == 1
+    assert engine.core.num_waiting == 1
     assert "admission_refused" not in _kinds(engine)

@@ -54,7 +54,7 @@ class StandInPublisher:
 
 class StandInEngine:
     def __init__(self) -> None:
-        self.kv = StandInPublisher()
+        self.kv_publisher = StandInPublisher()
         self.is_running = True
 
 
@@ -89,14 +89,14 @@ def _hub(history: int = 16) -> tuple[KVStreamHub, StandInEngine, asyncio.Event]:
 def test_streams_share_frames_and_rebuild_each_snapshot(snaps: list[dict[str, Any]]) -> None:
     async def run() -> None:
         hub, engine, closing = _hub()
-        engine.kv.publish(snaps[0])
+        engine.kv_publisher.publish(snaps[0])
         a, b = hub.stream(), hub.stream()
         first_a, first_b = await _next_frame(a), await _next_frame(b)
         assert first_a == first_b and first_a[0] == "snapshot"
-        assert hub.num_full_frames == 1 and engine.kv.watchers == 1
+        assert hub.num_full_frames == 1 and engine.kv_publisher.watchers == 1
         state_a, state_b = first_a[1], first_b[1]
         for snap in snaps[1:]:
-            engine.kv.publish(snap, num_events=1)
+            engine.kv_publisher.publish(snap, num_events=1)
             (kind_a, delta_a), (kind_b, delta_b) = await _next_frame(a), await _next_frame(b)
             assert kind_a == kind_b == "delta" and delta_a == delta_b and len(delta_a["events"]) == 1
             state_a, state_b = apply_delta(state_a, delta_a), apply_delta(state_b, delta_b)
@@ -106,7 +106,7 @@ def test_streams_share_frames_and_rebuild_each_snapshot(snaps: list[dict[str, An
         await a.aclose()
         await b.aclose()
         await asyncio.sleep(5 * POLL_S)
-        assert engine.kv.watchers == 0
+        assert engine.kv_publisher.watchers == 0
 
     asyncio.run(run())
 
@@ -114,14 +114,14 @@ def test_streams_share_frames_and_rebuild_each_snapshot(snaps: list[dict[str, An
 def test_a_stream_that_falls_behind_gets_a_fresh_snapshot(snaps: list[dict[str, Any]]) -> None:
     async def run() -> None:
         hub, engine, closing = _hub(history=2)
-        engine.kv.publish(snaps[0])
+        engine.kv_publisher.publish(snaps[0])
         slow, quick = hub.stream(), hub.stream()
         await _next_frame(slow)
         await _next_frame(quick)
-        engine.kv.publish(snaps[1])
+        engine.kv_publisher.publish(snaps[1])
         assert (await _next_frame(slow))[0] == "delta"  # one update behind: the history has it
         for snap in snaps[2:6]:
-            engine.kv.publish(snap)
+            engine.kv_publisher.publish(snap)
             await _settle(hub, hub.state.seq + 1 if hub.state else 1)
             assert (await _next_frame(quick))[0] == "delta"
         kind, data = await _next_frame(slow)  # four updates behind, history of two: a full snapshot
@@ -149,10 +149,10 @@ def test_large_pools_are_diffed_and_encoded_off_the_loop(
     async def run(large_from: int) -> None:
         monkeypatch.setattr(kv_stream, "LARGE_POOL", large_from)
         hub, engine, closing = _hub()
-        engine.kv.publish(snaps[0])
+        engine.kv_publisher.publish(snaps[0])
         stream = hub.stream()
         await _next_frame(stream)
-        engine.kv.publish(snaps[1])
+        engine.kv_publisher.publish(snaps[1])
         assert (await _next_frame(stream))[0] == "delta"
         closing.set()
         await stream.aclose()

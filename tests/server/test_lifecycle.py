@@ -81,11 +81,9 @@ def test_non_streaming_disconnect_aborts(make_server):
     srv = make_server(before_step=slow_steps(0.01))  # 200 tokens would take >= 2 s
     with srv.client(timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 200, "ignore_eos": True})
-    started = time.monotonic()
     with srv.client() as c:
         wait_until(lambda: metric_values(c)["kvserve:num_requests_running"] == 0, timeout=5)
-        assert metric_values(c)["kvserve:generation_tokens_total"] < 200
-    assert time.monotonic() - started < 2.0
+        assert metric_values(c)["kvserve:generation_tokens_total"] < 200  # aborted, not run to its end
     assert engine_is_clean(srv)
 
 
@@ -172,13 +170,13 @@ def test_shutdown_aborts_requests_after_the_grace_period(make_server):
         srv, {"prompt": "ab", "stream": True, "max_tokens": 200, "ignore_eos": True}, first
     )
     assert first.wait(10)
-    started = time.monotonic()
     srv.stop()
     reader.join(10)
-    assert time.monotonic() - started < 2.0
+    assert not reader.is_alive()
     frames = data_frames(lines)  # the stream was ended in-band, not cut (tests/reliability/test_shutdown_frames.py)
     assert frames[-1] == "[DONE]" and json.loads(frames[-2])["error"]["code"] == "server_shutting_down"
-    core = srv.engine.engine
+    assert len(frames) - 2 < 200  # aborted when the grace period ran out, before its 200 tokens
+    core = srv.engine.core
     assert not core.has_unfinished_requests() and core.pool.num_free_blocks == core.pool.num_usable_blocks
 
 

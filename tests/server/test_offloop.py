@@ -146,8 +146,8 @@ def test_handlers_hold_the_engine_facts_not_the_engine(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     assert not hasattr(ServerContext, "core") and not hasattr(ServerContext, "tokenizer")
     facts = engine.facts
-    assert isinstance(facts, EngineFacts) and facts.max_model_len == engine.max_model_len
-    assert facts.vocab_size == engine.model_config.vocab_size and facts.block_size == 4
+    assert isinstance(facts, EngineFacts) and facts.max_model_len == engine.core.max_model_len
+    assert facts.vocab_size == engine.core.model_config.vocab_size and facts.block_size == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         facts.max_model_len = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -197,14 +197,15 @@ class ThreadLog:
         return Snapshot()
 
 
-def test_no_tokenizer_object_is_used_by_two_threads(tiny_model_dir):
-    """The server snapshots the engine's tokenizer and builds its own copies: one used by the preparation thread
-    (prompts, /tokenize, /detokenize), one by the event loop (logprob texts); the engine's is used by the engine
-    thread alone. Before, the engine's own object served all three threads."""
+def test_the_engine_thread_runs_no_tokenizer_and_no_tokenizer_is_shared(tiny_model_dir):
+    """The engine core takes and emits token ids: the engine thread never encodes, decodes or renders text. The
+    front end's tokenizer (the engine's, handed over) serves the event loop alone (the streams' detokenizing, stop
+    strings, logprob texts); the server builds one copy from its snapshot for the preparation thread (prompts, chat
+    templates, /tokenize, /detokenize). Before, the engine thread detokenized every token with a third."""
     engine = make_engine(tiny_model_dir)
     copies: list[ThreadLog] = []
-    engine_tokenizer = ThreadLog(engine.tokenizer, copies)
-    engine.tokenizer = engine_tokenizer  # type: ignore[assignment]
+    front_tokenizer = ThreadLog(engine.tokenizer, copies)
+    engine.tokenizer = front_tokenizer  # type: ignore[assignment]
     async_engine = AsyncLLMEngine(engine)
     running = RunningServer(build_app(async_engine, ServerSettings((MODEL,))), async_engine).start()
     try:
@@ -212,6 +213,8 @@ def test_no_tokenizer_object_is_used_by_two_threads(tiny_model_dir):
             for body in (
                 {"prompt": "abc", "max_tokens": 3, "logprobs": 2, "echo": True},
                 {"prompt": "abc", "max_tokens": 3, "logprobs": 2, "stream": True},
+                {"prompt": "abc", "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 3, "stop": ["a", "b", "c"]},
+                {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True, "stop": ["x"], "ignore_eos": True},
             ):
                 assert http.post("/v1/completions", json=body).status_code == 200
             assert (
@@ -222,15 +225,14 @@ def test_no_tokenizer_object_is_used_by_two_threads(tiny_model_dir):
                 == 200
             )
             assert http.post("/detokenize", json={"tokens": [5, 6]}).status_code == 200
+            assert http.get("/v1/kv/blocks/1").status_code == 200
     finally:
         running.stop()
-    assert len(copies) == 2 and all(c._inner is not engine_tokenizer._inner for c in copies)
-    assert copies[0]._inner is not copies[1]._inner
-    used = [c.threads for c in (engine_tokenizer, *copies)]
-    assert all(len(threads) == 1 for threads in used), used
-    assert engine_tokenizer.threads == {"kvserve-engine"}
-    assert next(iter(copies[0].threads)).startswith("kvserve-prepare")
-    assert not any(t.startswith(("kvserve-prepare", "kvserve-engine")) for t in copies[1].threads)
+    assert len(copies) == 1 and copies[0]._inner is not front_tokenizer._inner
+    (prepare,) = copies
+    assert len(prepare.threads) == 1 and next(iter(prepare.threads)).startswith("kvserve-prepare")
+    assert front_tokenizer.threads and not any(t.startswith("kvserve-") for t in front_tokenizer.threads)
+    assert len(front_tokenizer.threads) == 1  # the serving loop's thread
 
 
 def test_a_tokenizer_copy_is_independent_and_identical(tiny_model_dir):

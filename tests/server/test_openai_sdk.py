@@ -29,7 +29,7 @@ def test_models_lists_served_names(client, server):
     assert ids == [MODEL, "tiny-alias"]
     card = models.data[0].model_dump()
     assert card["object"] == "model" and card["owned_by"] == "kvserve" and card["root"]
-    assert card["max_model_len"] == server.engine.engine.max_model_len
+    assert card["max_model_len"] == server.engine.core.max_model_len
 
 
 def test_completion_basic_usage_and_model_alias(client):

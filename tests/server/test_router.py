@@ -31,7 +31,7 @@ def _run(engine: LLMEngine, request_id: str, prompt: list[int], salt: str | None
 
 def _feed(router: Router, engines: dict[str, LLMEngine]) -> None:
     for name, engine in engines.items():
-        for _, _, event in engine.kv_events.drain():
+        for _, _, event in engine.core.kv_events.drain():
             router.index.apply(name, event)
 
 
@@ -61,9 +61,9 @@ def test_index_follows_evictions_and_clears(tiny_model_dir: Path) -> None:
     for i in range(6):
         _run(engine, f"r{i}", [30 * (i + 1) + t for t in range(4 * BS + 1)])
         _feed(router, {"r0": engine})
-        assert router.index.blocks_of.get("r0", set()) == {h.hex() for h in engine.pool.cached}
-    assert 0 < router.index.num_blocks("r0") == len(engine.pool.cached) < 6 * 4  # 24 blocks stored, some evicted
-    engine.pool.reset_prefix_cache()
+        assert router.index.blocks_of.get("r0", set()) == {h.hex() for h in engine.core.pool.cached}
+    assert 0 < router.index.num_blocks("r0") == len(engine.core.pool.cached) < 6 * 4  # 24 blocks stored, some evicted
+    engine.core.pool.reset_prefix_cache()
     _feed(router, {"r0": engine})
     assert router.index.num_blocks("r0") == 0 and not router.index.holders
 

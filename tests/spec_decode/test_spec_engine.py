@@ -61,7 +61,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks  # nothing leaked
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks  # nothing leaked
     return [done[str(i)] for i in range(len(prompts))]
 
 
@@ -92,7 +92,7 @@ def test_greedy_output_identical_with_and_without_speculation(checkpoint, engine
     assert stats.spec_decode_num_drafts > 0
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     if "num_gpu_blocks_override" in engine_kw:
-        assert engine.scheduler.num_preemptions > 0
+        assert engine.core.scheduler.num_preemptions > 0
 
 
 def test_stop_strings_and_max_tokens_end_inside_an_accepted_draft(checkpoint):
@@ -196,18 +196,18 @@ def _oracle_drafts(engine: LLMEngine, reference: list[list[int]]) -> dict[int, i
     def oracle(request, max_model_len):
         done = len(request.output_token_ids)
         room = request.sampling_params.max_tokens - done - 1
-        return reference[int(engine._user_request_id(request.request_id))][done : done + min(k, room)]
+        return reference[int(engine.core.requests.user_request_id(request.request_id))][done : done + min(k, room)]
 
-    real_record = engine.spec.record
+    real_record = engine.core.spec.record
 
     def record(request, num_drafted, num_accepted):
         real_record(request, num_drafted, num_accepted)
-        index = int(engine._user_request_id(request.request_id))
+        index = int(engine.core.requests.user_request_id(request.request_id))
         accepted[index] = accepted.get(index, 0) + num_accepted
         assert num_accepted == num_drafted  # the oracle is always right, if verification is exact
 
-    engine.spec._draft = oracle
-    engine.spec.record = record
+    engine.core.spec._draft = oracle
+    engine.core.spec.record = record
     return accepted
 
 

@@ -189,9 +189,9 @@ def test_engine_output_identical_and_state_released(checkpoint, engine_kw):  # n
     stats = engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     if engine_kw:
-        assert engine.scheduler.num_preemptions > 0  # a preempted request kept its trie and drafted on
-    assert engine.spec is not None
-    drafter = engine.spec.drafter
+        assert engine.core.scheduler.num_preemptions > 0  # a preempted request kept its trie and drafted on
+    assert engine.core.spec is not None
+    drafter = engine.core.spec.drafter
     assert isinstance(drafter, SuffixDrafter)
     assert drafter.num_live_requests == 0
     assert drafter.num_cached_requests == len(prompts)
@@ -205,4 +205,4 @@ def test_engine_output_identical_and_state_released(checkpoint, engine_kw):  # n
     engine.abort_request("gone")
     assert drafter.num_live_requests == 0
     engine.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+    assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks

@@ -109,7 +109,7 @@ def test_unconstrained_rows_are_bit_identical_next_to_constrained_ones(llm: LLM)
     constrained = [p.clone(structured_outputs=LONG) for p in plain_neighbours]
     runs = []
     for k, neighbours in enumerate((plain_neighbours, constrained)):
-        llm.engine.sampler._generator.manual_seed(0)  # the unseeded rows' batch draw
+        llm.engine.core.sampler._generator.manual_seed(0)  # the unseeded rows' batch draw
         params = [mine[0], neighbours[0], mine[1], neighbours[1], mine[2], neighbours[2]]
         # A salt per run: a prefix-cache hit would change the prefill's shapes, and so the last bits of the logits.
         runs.append(llm.generate(prompts, params, use_tqdm=False, cache_salt=f"run {k}"))
@@ -165,7 +165,7 @@ def test_preemption_keeps_constrained_outputs(engine: LLMEngine) -> None:
     roomy = LLM(engine=engine).generate(prompts, params, use_tqdm=False)
     tight = engine.sibling(num_gpu_blocks_override=30)
     small = LLM(engine=tight).generate(prompts, params, use_tqdm=False)
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in roomy]
     assert [o.outputs[0].finish_reason for o in small] == [o.outputs[0].finish_reason for o in roomy]
     tight.check_invariants()
@@ -209,7 +209,7 @@ def test_waiting_grammar_lets_others_pass_then_is_admitted(engine: LLMEngine, mo
     for _ in range(6):
         seen.update({o.request_id: o for o in engine.step() if o.finished})
     assert "plain" in seen and "slow" not in seen  # admitted past the compiling one, in FCFS order otherwise
-    assert engine.num_waiting == 1 and engine.num_running == 0
+    assert engine.core.num_waiting == 1 and engine.core.num_running == 0
     pending.set_result(engine.grammar.compile(JSON))
     outs = run_all(engine)
     jsonschema.validate(json.loads(outs["slow"].outputs[0].text), SCHEMA)
@@ -222,7 +222,7 @@ def test_abort_while_compiling(engine: LLMEngine, monkeypatch: pytest.MonkeyPatc
     assert engine.step() == []
     out = engine.abort_request("slow")
     assert out is not None and out.outputs[0].finish_reason == "abort"
-    assert not engine.scheduler.pending_grammars and not engine.has_unfinished_requests()
+    assert not engine.core.scheduler.pending_grammars and not engine.has_unfinished_requests()
     pending.set_result(engine.grammar.compile(JSON))
     assert engine.step() == []
 
@@ -278,7 +278,7 @@ def test_unconstrained_engine_never_builds_a_grammar_backend(checkpoint: Path) -
     fresh = LLMEngine.from_config(EngineConfig(model=str(checkpoint), num_gpu_blocks_override=64, block_size=4))
     LLM(engine=fresh).generate(["a", "b"], greedy(max_tokens=4), use_tqdm=False)
     assert not fresh.grammar.is_built
-    assert fresh.facts.grammar is fresh.grammar
+    assert fresh.core.grammar is fresh.grammar  # one service, shared by the core and its front end
 
 
 def test_guidance_backend_through_the_engine(engine: LLMEngine) -> None:

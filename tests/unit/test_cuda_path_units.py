@@ -30,7 +30,7 @@ def parse(*argv: str) -> EngineConfig:
 def test_graph_flags_reach_the_config() -> None:
     assert parse().enforce_eager is False and parse().cuda_graph_sizes is None
     config = parse("--enforce-eager", "--cuda-graph-sizes", "1", "2", "8")
-    assert config.enforce_eager is True and config.cuda_graph_sizes == [1, 2, 8]
+    assert config.enforce_eager is True and config.cuda_graph_sizes == (1, 2, 8)
     assert (
         parse().attention_backend is None and parse("--attention-backend", "reference").attention_backend == "reference"
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import plan_cache
+from kvserve.engine.build import plan_cache
 from kvserve.engine.memory_profile import GpuMemoryFacts, gpu_kv_budget
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.model.config import ModelConfig

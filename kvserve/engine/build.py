@@ -1,0 +1,191 @@
+"""Building an engine: load the model and tokenizer a config names, resolve what only loading decides, size the KV
+pool, and assemble the core (EngineCore) and its front end (LLMEngine). `sibling` builds another engine around an
+already loaded model, for comparing settings without loading it twice.
+
+Why apart from the engine: loading, sizing and resolving run once, before the first step; keeping them here leaves
+engine/core.py and engine/engine.py to what runs every step."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvserve.capacity import CachePlan, plan_kv_cache, resolve_quantization
+from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, resolve_attention_backend
+from kvserve.engine.core import EngineCore
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.memory_profile import CudaMemory, gpu_kv_budget, profile_gpu_memory
+from kvserve.kv.cache import KVCacheSpec, resolve_kv_cache_dtype
+from kvserve.structured.compiler import GrammarCompiler
+from kvserve.units import MiB
+
+if TYPE_CHECKING:
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.protocol import Model
+    from kvserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Settings a sibling cannot change: they are the loaded model's.
+_MODEL_SETTINGS = frozenset({"model", "dtype", "quantization", "device", "attention_backend", "lm_head_quantization"})
+
+
+def plan_cache(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    device_budget: Callable[[], int] | None = None,
+) -> CachePlan:
+    """Size the pool from the KV budget and check that one request of max-model-len fits. On CUDA without
+    --kv-cache-memory-bytes or --num-gpu-blocks-override, `device_budget()` (the profiled budget,
+    engine/memory_profile.py) is the budget."""
+    budget = config.kv_cache_memory_bytes
+    if config.num_gpu_blocks_override is None:
+        if budget is None:
+            if device.type != "cpu":
+                if device_budget is None:
+                    raise ValueError(
+                        f"on {device} the KV budget comes from a profile of the model: pass "
+                        "--kv-cache-memory-bytes or --num-gpu-blocks-override to plan without one"
+                    )
+                budget = device_budget()
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        if device.type == "cpu":
+            available = _available_memory_bytes()
+            if available is not None and budget > available:
+                raise ValueError(
+                    f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
+                    f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
+                )
+    return plan_kv_cache(
+        spec.bytes_per_block,
+        spec.block_size,
+        model_config.max_position_embeddings,
+        budget_bytes=budget,
+        num_blocks_override=config.num_gpu_blocks_override,
+        max_model_len=config.max_model_len,
+    )
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def build_core(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    model: Model,
+    tokenizer: Tokenizer,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    grammar: GrammarCompiler | None = None,
+) -> EngineCore:
+    """The core around a loaded model: the KV spec, the pool's plan (profiled on CUDA), the grammar compiler (built
+    over the tokenizer's vocabulary on its first use, never per request), the core."""
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, compute_dtype)
+    spec = KVCacheSpec(
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, kv_dtype
+    )
+
+    def profiled_budget() -> int:
+        """vLLM's GPU sizing: --gpu-memory-utilization of the device's memory less the weights, the peak of one
+        profiled step and non-torch memory (engine/memory_profile.py); logged like the CPU plan."""
+        facts = profile_gpu_memory(
+            model, spec, config.max_num_batched_tokens, config.max_num_seqs, device, CudaMemory(device)
+        )
+        budget = gpu_kv_budget(facts, config.gpu_memory_utilization, spec.bytes_per_block)
+        logger.info(budget.describe())
+        return budget.kv_bytes
+
+    plan = plan_cache(config, model_config, spec, device, profiled_budget)
+    if grammar is None:
+        grammar = GrammarCompiler(
+            tokenizer, model.num_logits, model_config.eos_token_ids, backend=config.structured_outputs_backend
+        )
+    return EngineCore(config, model_config, model, spec, plan, grammar, device)
+
+
+def build_engine(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    model: Model,
+    tokenizer: Tokenizer,
+    device: torch.device | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> LLMEngine:
+    """An engine around a model loaded elsewhere (one load shared by engines of different settings: tests,
+    benchmarks). `config`'s model settings must describe that model; the rest is resolved as load_engine does."""
+    device = device or torch.device(config.device)
+    resolved = dataclasses.replace(
+        config, attention_backend=resolve_attention_backend(config.attention_backend, device.type)
+    )
+    return LLMEngine(
+        build_core(resolved, model_config, model, tokenizer, device, compute_dtype), tokenizer, compute_dtype
+    )
+
+
+def load_engine(config: EngineConfig) -> LLMEngine:
+    """Load the model and tokenizer named by the config and build an engine around them. The engine's config is a
+    resolved copy (quantization, attention backend and served name as loading decided them); `config` is unchanged."""
+    from kvserve.model.loader import load_model, load_model_config, resolve_dtype
+    from kvserve.model.source import resolve_model
+    from kvserve.model.tokenizer import load_tokenizer
+
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    device = torch.device(config.device)
+    source = resolve_model(config.model)
+    # The tokenizer loads in a thread while the weights load: reading a cached tokenizer.json is Rust code
+    # that releases the GIL (about 1 s of a later start for Gemma's 262k vocabulary).
+    with ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer") as pool:
+        tokenizer_future = pool.submit(load_tokenizer, source, chat_template=config.chat_template)
+        model_config = load_model_config(source)
+        dtype = resolve_dtype(config.dtype, device, model_config)
+        resolved = dataclasses.replace(
+            config,
+            attention_backend=resolve_attention_backend(config.attention_backend, device.type),
+            quantization=resolve_quantization(config.quantization, device.type, source.format.value),
+            served_model_name=config.served_model_name or source.name,
+        )
+        loaded = load_model(
+            source,
+            dtype,
+            device,
+            attention_backend=resolved.attention_backend or "cpu",
+            quantization=resolved.quantization,
+            config=model_config,
+            lm_head_quantization=resolved.lm_head_quantization,
+        )
+        tokenizer = tokenizer_future.result()
+    core = build_core(resolved, loaded.config, loaded.model, tokenizer, device, dtype)
+    return LLMEngine(core, tokenizer, compute_dtype=dtype)
+
+
+def sibling(engine: LLMEngine, **changes: Any) -> LLMEngine:
+    """A new engine (own KV cache, scheduler and requests) sharing `engine`'s loaded model and tokenizer, with
+    `changes` applied to its config. The grammar compiler is shared too unless the change is its backend."""
+    fixed = _MODEL_SETTINGS & changes.keys()
+    if fixed:
+        raise ValueError(f"a sibling engine shares the loaded model, so it cannot change {', '.join(sorted(fixed))}")
+    core = engine.core
+    changes.setdefault("kv_events_config", None)  # one publisher per address: the sibling publishes none
+    config = dataclasses.replace(core.config, **changes)
+    grammar = core.grammar if config.structured_outputs_backend == core.config.structured_outputs_backend else None
+    new_core = build_core(
+        config, core.model_config, core.runner.model, engine.tokenizer, core.device, engine.compute_dtype, grammar
+    )
+    return LLMEngine(new_core, engine.tokenizer, compute_dtype=engine.compute_dtype)

@@ -1,0 +1,479 @@
+"""EngineCore: token ids in, token ids out, one scheduler step at a time (vLLM v1's EngineCore).
+
+A step is schedule -> run -> post-process, as nano-vllm's engine: the scheduler picks the flat batch, the runner
+runs one forward pass, and each sampled (or verified) token is appended with its stop checks. The core owns the
+KV cache, the scheduler, the model runner, the sampler and the per-sequence grammar matchers; it runs no tokenizer:
+prompts arrive as token ids and outputs leave as token ids (engine/core_outputs.py), and the front end
+(engine/output_processor.py: LLMEngine, AsyncLLMEngine's streams) detokenizes, applies stop strings and writes
+logprob text, handing a stop string's hit back as `abort_request(request_id, index)`. Single-threaded: whoever
+drives it (LLMEngine, or the async engine's thread) calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvserve.engine.core_outputs import EngineCoreOutput
+from kvserve.engine.cuda_graphs import build_decode_graphs
+from kvserve.engine.facts import EngineFacts, validate_request
+from kvserve.engine.inspector import EngineEventRecorder, build_snapshot
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.runner import ModelRunner
+from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.sequences import SequenceGroup, SequenceState, SequenceTable
+from kvserve.engine.stats import EngineStats
+from kvserve.engine.stop_checker import check_stop
+from kvserve.kv.cache import allocate_kv_cache, use_static_kv_scales
+from kvserve.kv.events import KVEventBuffer
+from kvserve.kv.events_config import start_kv_event_publisher
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pool import BlockPool
+from kvserve.kv.vllm_events import medium_for_device
+from kvserve.outputs import Logprob, logprob_entry
+from kvserve.spec_decode.gate import SpecDecoder
+from kvserve.spec_decode.verify import verify_draft
+
+if TYPE_CHECKING:
+    from kvserve.capacity import CachePlan
+    from kvserve.config import EngineConfig
+    from kvserve.kv.cache import KVCacheSpec
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.protocol import Model
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.compiler import GrammarCompiler
+    from kvserve.structured.matcher import GrammarMatcher
+
+logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for a grammar still compiling (instead of returning at once and being
+# called again in a busy loop that would take the GIL from the compile thread).
+_GRAMMAR_WAIT_S = 0.02
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """The salt joins the prefix-cache hashes as UTF-8 bytes, so a string that has none (a lone surrogate, from
+    a JSON "\\ud800") is bad input here, not a UnicodeEncodeError on the engine thread at the first lookup."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"cache_salt must be valid UTF-8 text: it holds an unpaired surrogate at position {e.start}"
+        ) from None
+
+
+class EngineCore:
+    """Owns the KV cache, the scheduler, the runner and the requests' engine-side state. Built by
+    engine/build.py (which loads the model and sizes the cache); `config` is the resolved, frozen config."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model: Model,
+        kv_spec: KVCacheSpec,
+        cache_plan: CachePlan,
+        grammar: GrammarCompiler,
+        device: torch.device,
+    ) -> None:
+        self.config, self.model_config, self.device = config, model_config, device
+        self.kv_spec, self.cache_plan = kv_spec, cache_plan
+        self.max_model_len = cache_plan.max_model_len
+        self.kv_events = KVEventBuffer()  # bounded: drained between steps by the async engine (the inspector)
+        self.pool = BlockPool(cache_plan.num_blocks, enable_caching=config.enable_prefix_caching, events=self.kv_events)
+        self.requests = SequenceTable()
+        self.event_recorder = EngineEventRecorder(self.kv_events, self.requests.user_request_id)
+        # vLLM's --kv-events-config: None (the default) imports no zmq; see kv/events_config.py.
+        self.kv_event_publisher = start_kv_event_publisher(
+            config.kv_events_config,
+            self.kv_events,
+            config.block_size,
+            medium_for_device(device.type),
+            config.enable_prefix_caching,
+            config.data_parallel_rank,
+        )
+        reserve = self.max_model_len if config.reserve_max_model_len else 0
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo, reserve)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        kv_caches = allocate_kv_cache(kv_spec, cache_plan.num_blocks, device)
+        use_static_kv_scales(kv_caches, model.static_kv_scales, kv_spec.dtype_name)
+        graphs = build_decode_graphs(config, model, kv_caches, self.max_model_len, device)
+        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs)
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.spec = None if config.speculative_config is None else SpecDecoder(config.speculative_config)
+        self.grammar = grammar  # shared with the front end, which compiles a request's grammar before sending it
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.facts = EngineFacts(
+            max_model_len=self.max_model_len,
+            vocab_size=model_config.vocab_size,
+            max_logprobs=config.max_logprobs,
+            max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
+            num_blocks=self.pool.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            kv_cache_dtype=kv_spec.dtype_name,
+            eos_token_ids=self.eos_token_ids,
+            generation_defaults=model_config.generation_defaults,
+            served_model_name=config.served_model_name,
+            logits_width=grammar.vocab_size,
+        )
+        logger.info(cache_plan.describe())
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
+        """Validate and queue a request of token ids; raises ValueError with a clear message for bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        check_cache_salt(cache_salt)
+        validate_request(self.facts, prompt_token_ids, params)
+        max_new = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is None or params.max_tokens > max_new:
+            params = params.clone(max_tokens=max_new)
+        group = self.requests.build(request_id, list(prompt_token_ids), params, cache_salt, None)
+        if params.structured_outputs is not None:  # compiled off this thread; the scheduler admits it when done
+            group.grammar = self.grammar.compile_async(params.structured_outputs)
+        self.requests.register(group)
+        for seq in group.sequences:
+            self.scheduler.add(seq.request, group.grammar)
+
+    def abort_request(self, request_id: str) -> EngineCoreOutput | None:
+        """Abort a request and free its blocks at once; returns its final output. An unknown or finished id does
+        nothing."""
+        group = self.requests.groups.get(request_id)
+        if group is None:
+            return None
+        held = sum(self.kv_manager.num_blocks_held(s.request) for s in group.sequences)
+        self.event_recorder.record_abort(request_id, held)
+        self._finish_group(group, RequestStatus.FINISHED_ABORTED)
+        self._drop(group)
+        return group.take_output()
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """End sample `index` of a request as stopped: the front end found a stop string in its text (vLLM's
+        OutputProcessor hands those back as aborts). Its blocks are freed at once; its siblings run on. The front end
+        has the sequence's final output already, so none is returned (a last one, if this ends the request, is
+        dropped)."""
+        group = self.requests.groups.get(request_id)
+        if group is None:
+            return
+        for seq in group.sequences:
+            if seq.index == index and not seq.request.is_finished:
+                self.scheduler.finish(seq.request, RequestStatus.FINISHED_STOPPED)
+        if group.finished:
+            self._drop(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        spec: dict[str, Any] = {}
+        if self.spec is not None:
+            totals = self.spec.stats
+            spec = {
+                "spec_decode_num_drafts": totals.num_drafts,
+                "spec_decode_num_draft_tokens": totals.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": totals.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": tuple(totals.num_accepted_tokens_per_pos),
+            }
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            block_size=self.config.block_size,
+            kv_cache_usage=self.pool.usage,
+            prefix_cache_queries_tokens=self.kv_manager.prefix_stats.queries_total,
+            prefix_cache_hits_tokens=self.kv_manager.prefix_stats.hits_total,
+            prefix_cache_hit_rate=self.kv_manager.prefix_stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.num_prompt_tokens_total,
+            generation_tokens_total=self.num_generation_tokens_total,
+            **spec,
+        )
+
+    # ---- the step: schedule, run, post-process ---------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run one forward pass, sample, and return the requests that advanced or finished. A fault in
+        the forward pass, the sampler or one request's post-processing fails one request, never the step's
+        caller (see _on_step_failed); only a fault outside any request (the scheduler's) raises."""
+        if self.spec is not None:
+            running = self.scheduler.running
+            grammars = {rid: self.requests.sequences[rid].matcher for rid in self.requests.constrained}
+            self.spec.propose(running, grammars, self.max_model_len, len(running))
+        out = self._schedule()
+        failed = self._grammar_failures(out)
+        if out.is_empty:
+            return failed
+        try:
+            result = self.runner.execute(out)
+            sampled = self._sample(result.logits, result.sample_requests) if result.sample_requests else []
+            verified = {
+                s.request.request_id: verify_draft(
+                    self.sampler,
+                    s.request,
+                    s.draft_token_ids,
+                    result.spec_logits[s.request.request_id],
+                    self.requests.sequences[s.request.request_id].matcher,
+                )
+                for s in out.scheduled
+                if s.request.request_id in result.spec_logits
+            }
+        except Exception as exc:  # noqa: BLE001 -- pinned on one request, not the engine (see _on_step_failed)
+            return failed + self._on_step_failed(out, exc)
+        except BaseException:
+            self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+            raise
+        self.scheduler.on_step_done(out)
+        self.num_prompt_tokens_total += sum(
+            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
+        )
+        touched: dict[str, SequenceGroup] = {}
+        for rid, (first, logits) in result.prompt_logits.items():
+            seq = self.requests.sequences[rid]
+            try:
+                self._add_prompt_logprobs(self.requests.group_of(seq), first, logits)
+            except Exception as exc:  # noqa: BLE001 -- this request's own fault: it fails alone
+                touched[seq.group_id] = self._fail(seq, exc)
+        now = time.monotonic()
+        drafted = {s.request.request_id: len(s.draft_token_ids) for s in out.scheduled}
+        for rid, tokens in verified.items():
+            self._apply_verified(self.requests.sequences[rid], tokens, drafted[rid], now, touched)
+        for request, token in zip(result.sample_requests, sampled):
+            seq = self.requests.sequences[request.request_id]
+            touched[seq.group_id] = self.requests.group_of(seq)
+            if not request.is_finished:  # else its request failed earlier in this step
+                self._append_tokens(seq, [token], now)
+        outputs = [group.take_output() for group in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                self._drop(group)
+        return failed + outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step; when nothing can run only because grammars are still compiling, wait a moment
+        for one (the caller would otherwise call again at once, in a busy loop)."""
+        before = self.event_recorder.before_schedule(self.scheduler, self.kv_manager)
+        out = self.scheduler.schedule()
+        if out.is_empty and not out.grammar_failed and self.scheduler.pending_grammars:
+            wait(self.scheduler.pending_grammar_futures(), timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+            out = self.scheduler.schedule()
+        self.event_recorder.after_schedule(out, before, self.scheduler, self.kv_manager)
+        return out
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """The sampler, given the rows' grammar matchers only when some live sequence has a grammar."""
+        if not self.requests.constrained:
+            return self.sampler(logits, requests)
+        return self.sampler(logits, requests, [self._matcher(self.requests.sequences[r.request_id]) for r in requests])
+
+    def _apply_verified(
+        self,
+        seq: SequenceState,
+        tokens: list[SampledToken],
+        num_drafted: int,
+        now: float,
+        touched: dict[str, SequenceGroup],
+    ) -> None:
+        """Count the verified draft (metrics, adaptive gate), append its tokens (EOS and max_tokens end it where a
+        one-token step would have), count the accepted drafts' K/V as computed, and roll back the rest."""
+        request = seq.request
+        touched[seq.group_id] = self.requests.group_of(seq)
+        if request.is_finished or self.spec is None:  # its request failed earlier in this step
+            return
+        self.spec.record(request, num_drafted, len(tokens) - 1)
+        if self._append_tokens(seq, tokens, now):
+            request.num_computed_tokens += len(tokens) - 1  # the accepted drafts; the last token is computed next
+            self.kv_manager.rollback(request)
+
+    def _append_tokens(self, seq: SequenceState, tokens: list[SampledToken], now: float) -> bool:
+        """Record sampled tokens in order, stopping at the first that ends the sequence. A fault here (a grammar
+        that refuses its own mask's token) fails this request alone. Returns whether the sequence runs on."""
+        request = seq.request
+        try:
+            for token in tokens:
+                tid = token.token_id
+                if seq.matcher is not None:
+                    _advance_grammar(seq.matcher, tid)  # first: a refused token is not recorded
+                request.output_token_ids.append(tid)
+                self.num_generation_tokens_total += 1
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if (  # all three are set together, when logprobs were asked
+                    seq.logprobs is not None
+                    and token.logprob is not None
+                    and token.rank is not None
+                    and token.top_logprobs is not None
+                ):
+                    seq.logprobs.append(logprob_entry(tid, token.logprob, token.rank, token.top_logprobs))
+                grammar_done = seq.matcher is not None and seq.matcher.is_terminated()
+                stop = check_stop(request, tid, self.eos_token_ids, self.max_model_len, grammar_done)
+                if stop is not None:
+                    request.stop_reason = stop[1]
+                    self.scheduler.finish(request, stop[0])
+                    return False
+        except Exception as exc:  # noqa: BLE001 -- e.g. the grammar or a stop check: it fails alone
+            self._fail(seq, exc)
+            return False
+        return True
+
+    def _add_prompt_logprobs(self, group: SequenceGroup, first: int, logits: torch.Tensor) -> None:
+        assert group.prompt_logprobs is not None
+        ids = group.prompt_token_ids
+        judged = ids[first + 1 : first + 1 + logits.shape[0]]
+        entries = prompt_logprobs(logits, judged, group.params.prompt_logprobs or 0)
+        for offset, entry in enumerate(entries):
+            if first + 1 + offset == len(group.prompt_logprobs):  # a recompute after preemption adds nothing twice
+                group.prompt_logprobs.append({tid: Logprob(lp.logprob, lp.rank) for tid, lp in entry.items()})
+
+    # ---- grammars -------------------------------------------------------------------------------
+
+    def _matcher(self, seq: SequenceState) -> GrammarMatcher | None:
+        """The sequence's grammar matcher (None: unconstrained), made when it first samples: its grammar is compiled
+        by then (the scheduler admitted it). One whose matcher cannot be made fails alone (its row is then sampled
+        unconstrained and dropped)."""
+        rid = seq.request.request_id
+        if seq.matcher is None and rid in self.requests.constrained and not seq.request.is_finished:
+            grammar = self.requests.group_of(seq).grammar
+            try:
+                if grammar is None or not grammar.done():
+                    raise RuntimeError("a constrained sequence was scheduled before its grammar compiled")
+                matcher = self.grammar.matcher(grammar.result())
+                for tid in seq.request.output_token_ids:  # the state of its output so far (after a preemption)
+                    _advance_grammar(matcher, tid)
+                seq.matcher = matcher
+            except Exception as exc:  # noqa: BLE001 -- this request's own fault: it fails alone
+                self._fail(seq, exc)
+        return seq.matcher
+
+    def _grammar_failures(self, out: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Outputs of the requests whose grammar failed to compile (the scheduler has finished them)."""
+        outputs = []
+        for request, error in out.grammar_failed:
+            seq = self.requests.sequences.get(request.request_id)
+            if seq is None:  # a sibling of a sequence reported before it in this list
+                continue
+            group = self.requests.group_of(seq)
+            group.error = f"the request's grammar failed to compile: {error}"
+            logger.info("request %r: %s", group.request_id, group.error)
+            self._finish_group(group, RequestStatus.FINISHED_ABORTED)
+            outputs.append(group.take_output())
+            self._drop(group)
+        return outputs
+
+    # ---- faults and endings ---------------------------------------------------------------------
+
+    def _on_step_failed(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """One request's fault must not end everyone's requests, nor the engine. The step's requests go back to
+        waiting (recomputed, as after a preemption: the step may have written partial K/V) as suspects that
+        the scheduler runs alone; a suspect that fails alone is the culprit and fails by itself, with an
+        error output. Requests the failed step did not touch keep their progress."""
+        self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+        culprits = self.scheduler.quarantine(out)
+        if not culprits:
+            logger.warning(
+                "a step of %d requests failed (%s: %s); running each alone to find the culprit",
+                len(out.scheduled),
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+            return []
+        outputs = []
+        for request in culprits:
+            group = self._fail(self.requests.sequences[request.request_id], exc)
+            outputs.append(group.take_output())
+            self._drop(group)
+        return outputs
+
+    def _fail(self, culprit: SequenceState, exc: Exception) -> SequenceGroup:
+        """Finish `culprit` with an error and its unfinished siblings as aborted (the request cannot complete
+        without it), freeing their blocks at once. Returns the group, now finished, for its output."""
+        group = self.requests.group_of(culprit)
+        logger.error(
+            "request %r failed and is ended alone: %s: %s",
+            group.request_id,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+        group.error = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        self.scheduler.finish(culprit.request, RequestStatus.FINISHED_ERROR)
+        self._finish_group(group, RequestStatus.FINISHED_ABORTED)
+        return group
+
+    def _finish_group(self, group: SequenceGroup, status: RequestStatus) -> None:
+        for seq in group.sequences:
+            if not seq.request.is_finished:
+                self.scheduler.finish(seq.request, status)
+
+    def _drop(self, group: SequenceGroup) -> None:
+        """Let go of a finished group's sequences, once (and the drafter of their per-request state)."""
+        for request in self.requests.drop(group):
+            if self.spec is not None:
+                self.spec.on_finished(request)
+
+    # ---- diagnosis ------------------------------------------------------------------------------
+
+    def kv_snapshot(self, include_tokens: bool = True) -> dict[str, Any]:
+        """The KV inspector's view of the pool, requests and prefix cache: fresh plain values sharing nothing with
+        the engine (call it on the engine thread; see engine/inspector.py for the schema)."""
+        return build_snapshot(self, include_tokens)
+
+    def check_invariants(self) -> None:
+        """The pool is whole: every block free or referenced, and references match requests' holdings.
+
+        A public debug API, kept in the package on purpose (the tests call it after every step, and a user chasing
+        a leak can too): raises AssertionError naming the first broken block. O(blocks); call it between steps on
+        the thread that steps the engine (behind a server: `async_engine.call(EngineCore.check_invariants)`)."""
+        self.pool.check_invariants()
+        counts: dict[int, int] = {}
+        for blocks in self.kv_manager.req_blocks.values():
+            for b in blocks:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != counts.get(block.block_id, 0):
+                raise AssertionError(f"{block} has ref_cnt {block.ref_cnt} but {counts.get(block.block_id, 0)} holders")
+
+
+def _advance_grammar(matcher: GrammarMatcher, token_id: int) -> None:
+    """Feed one sampled token to the sequence's grammar. The mask allowed it, so a refusal (or a matcher that hit
+    its own limit) is a fault of this request: raised, it fails the request alone."""
+    if not matcher.accept_token(token_id):
+        raise RuntimeError(f"the grammar refused token {token_id}, which its mask allowed")
+    error = matcher.error()
+    if error is not None:
+        raise RuntimeError(f"the grammar matcher failed: {error}")

@@ -1,0 +1,42 @@
+"""What the engine core emits each step: token ids and numbers, never text (vLLM v1's EngineCoreOutput).
+
+Why ids only: detokenizing, stop strings and logprob text are the front end's (engine/output_processor.py), so the
+engine thread runs no tokenizer and a server's text work happens beside its streams, not inside every step. Each
+output is a delta: per sequence, the tokens (and their logprobs) gained since the previous output of its request.
+A front end that needs the whole request keeps it (OutputProcessor, DeltaTracker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.engine.stats import RequestMetrics
+from kvserve.outputs import Logprob
+
+# One position's logprobs as vLLM lays them out (the chosen token first, then the top-n in rank order); in a core
+# output each Logprob's decoded_token is None: the front end fills it in.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class SequenceDelta:
+    """What one of a request's n sequences gained since the previous output (tokens, or only its finish)."""
+
+    index: int  # 0..n-1
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None  # one per token, when the request asked for logprobs
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; "stop" ends on a stop token (EOS, stop id)
+    stop_reason: int | None  # the stop token id that ended it (stop strings are the front end's)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's news from one step. `finished`: the core holds nothing of it any more (every sequence
+    finished, or the request was aborted or failed); its final output carries every sequence's finish."""
+
+    request_id: str
+    sequences: list[SequenceDelta]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, in the first output after the prompt
+    error: str | None = None  # why the request failed (finish_reason "error"), when it did

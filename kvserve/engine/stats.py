@@ -1,0 +1,39 @@
+"""What the engine core reports of itself and of each request: immutable values, safe to hand to any thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of what the engine is doing, for metrics and diagnosis."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    kv_cache_usage: float  # referenced blocks / usable blocks (not the null block; cached-but-free count as free)
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    prefix_cache_hit_rate: float  # over the last 1,000 lookups
+    num_preemptions: int
+    prompt_tokens_total: int  # prompt tokens computed (cache hits excluded; recomputes included)
+    generation_tokens_total: int
+    # Speculative decoding (vLLM's names): drafts verified, tokens drafted in them, drafted tokens accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Timestamps (time.monotonic) of one sequence's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int

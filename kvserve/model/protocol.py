@@ -1,0 +1,40 @@
+"""What the engine uses of a loaded model, as one typed contract (DecoderModel is the implementation).
+
+Why a Protocol: the engine's build, runner, CUDA graphs and memory profile each read a few members of the model; with
+them named here (instead of `getattr(model, "static_kv_scales", None)`), mypy checks every use and a new model
+class knows what it must offer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.attention.metadata import AttentionMetadata
+    from kvserve.kv.cache import LayerKVCache
+
+
+class Model(Protocol):
+    # A checkpoint's calibrated per-tensor (key, value) scales per layer for an fp8 KV cache; None when it has none.
+    static_kv_scales: list[tuple[float, float]] | None
+
+    @property
+    def num_logits(self) -> int:
+        """Columns of compute_logits (the LM head's rows; may exceed the tokenizer's vocabulary)."""
+        ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The hidden states of a flat batch, writing its K/V into `kv_caches` at meta.slot_mapping."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, num_logits] float32 (into `out` when it fits)."""
+        ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+    def buffers(self) -> Iterator[torch.Tensor]: ...
