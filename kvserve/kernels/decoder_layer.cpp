@@ -8,8 +8,8 @@
 // about 5 ms a step at batch 1), each moving almost nothing; here a layer is one ctypes call that runs the same
 // kernels back to back (kernels.h: the functions are called directly, not duplicated). The weights may be
 // q8_0 (Q8Linear), GGUF blocks (GGUFLinear, one run of blocks per fused part) or float32 (nn.Linear); the
-// caller (kvserve/model/native_layer.py) describes them and the step in the structs below, whose layout its
-// ctypes.Structure classes mirror field for field. Scratch memory comes from the caller (sized by
+// caller (kvserve/model/native_layer.py) describes them and the step in kernels.h's structs, whose layout its
+// ctypes.Structure classes (kernels/abi.py) mirror field for field. Scratch memory comes from the caller (sized by
 // kvserve_decoder_layer_scratch), so a layer allocates nothing beyond what the attention kernels do.
 #include <stdint.h>
 #include <string.h>
@@ -19,53 +19,6 @@
 
 #include "kernels.h"
 #include "widened_matmul.h"
-
-extern "C" {
-
-// y [m, out_features] = x [m, in_features] W^T (+ bias). Parts are stacked along the output axis (a fused QKV
-// or gate/up whose sources were stored in different GGUF types); q8_0 and float32 have one part.
-struct KvserveLinear {
-    const void* weight[3];  // per part: float32 [rows, k], int8 [rows, k] (q8_0) or uint8 GGUF blocks
-    const float* scales;    // q8_0: [out_features, in_features / 32]; else null
-    const float* bias;      // [out_features] or null
-    int64_t rows[3];        // output rows of each part
-    int64_t qtype[3];       // GGUF: ggml type of each part
-    int64_t in_features, out_features;
-    int64_t kind;           // 0 float32, 1 q8_0, 2 GGUF blocks
-    int64_t parts;
-};
-
-struct KvserveLayer {
-    KvserveLinear qkv, o, gate_up, down;
-    const float* input_norm;             // [hidden] each
-    const float* post_attention_norm;    // llama/qwen: before the MLP; gemma3: on the attention output
-    const float* pre_feedforward_norm;   // gemma3 only (sandwich), else null
-    const float* post_feedforward_norm;  // gemma3 only
-    const float* q_norm;                 // [head_dim] per-head norms (qwen3, gemma3), or both null
-    const float* k_norm;
-    int64_t hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t window;    // sliding window, 0: none
-    int64_t act;       // kvserve_gated_act's code: 0 tanh-GELU, 1 SiLU
-    int64_t sandwich;  // gemma3's norms around attention and MLP outputs
-    double eps, scale;
-};
-
-// One step's flat batch (AttentionMetadata): `tokens` rows of `seqs` sequences; sequence i owns rows
-// query_start_loc[i] .. query_start_loc[i + 1] - 1, the last positions of a context of seq_lens[i] tokens.
-struct KvserveStep {
-    float* scratch;                  // kvserve_decoder_layer_scratch(layer, tokens, decode_count) floats
-    const int64_t* slot_mapping;     // [tokens]
-    const int64_t* block_tables;     // [seqs, table_width]
-    const int64_t* seq_lens;         // [seqs]
-    const int64_t* query_start_loc;  // [seqs + 1]
-    // Mixed steps only (all_decode == 0): the sequences with one query row, for the decode kernel.
-    const int64_t* decode_rows;      // [decode_count] their row in the batch
-    const int64_t* decode_tables;    // [decode_count, table_width]
-    const int64_t* decode_lens;      // [decode_count]
-    int64_t tokens, seqs, table_width, block_size, all_decode, decode_count;
-};
-
-}
 
 namespace {
 
@@ -139,36 +92,35 @@ void quantize_int8_row(const float* x, int64_t dim, int8_t* q, float* scale_out)
 void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, const void* k_cache,
                const void* v_cache, const float* k_scales, const float* v_scales) {
     const int64_t q_size = l.heads * l.head_dim;
-    const float scale = static_cast<float>(l.scale);
-    if (k_scales != nullptr) {
-        kvserve_paged_decode_attention_i8(b.q, static_cast<const int8_t*>(k_cache),
-                                          static_cast<const int8_t*>(v_cache), k_scales, v_scales, s.block_tables,
-                                          s.table_width, s.seq_lens, s.seqs, l.heads, l.kv_heads, l.head_dim,
-                                          s.block_size, l.window, scale, b.attn);
+    // One decode call's arguments; a mixed step points them at its decode rows only.
+    KvserveDecodeAttention d{b.q,          k_cache,      v_cache, k_scales,   v_scales,   s.block_tables,
+                             s.seq_lens,   b.attn,       s.table_width, s.seqs, l.heads, l.kv_heads,
+                             l.head_dim,   s.block_size, l.window, l.scale};
+    if (k_scales != nullptr || s.all_decode) {
+        kvserve_paged_decode_attention(&d);
         return;
     }
     const float* kf = static_cast<const float*>(k_cache);
     const float* vf = static_cast<const float*>(v_cache);
-    if (s.all_decode) {
-        kvserve_paged_decode_attention(b.q, kf, vf, s.block_tables, s.table_width, s.seq_lens, s.seqs,
-                                       l.heads, l.kv_heads, l.head_dim, s.block_size, l.window, scale, b.attn);
-        return;
-    }
     if (s.decode_count > 0) {
         for (int64_t i = 0; i < s.decode_count; ++i)
             memcpy(b.qd + i * q_size, b.q + s.decode_rows[i] * q_size, q_size * sizeof(float));
-        kvserve_paged_decode_attention(b.qd, kf, vf, s.decode_tables, s.table_width, s.decode_lens,
-                                       s.decode_count, l.heads, l.kv_heads, l.head_dim, s.block_size, l.window,
-                                       scale, b.od);
+        d.q = b.qd;
+        d.block_tables = s.decode_tables;
+        d.seq_lens = s.decode_lens;
+        d.out = b.od;
+        d.batch = s.decode_count;
+        kvserve_paged_decode_attention(&d);
         for (int64_t i = 0; i < s.decode_count; ++i)
             memcpy(b.attn + s.decode_rows[i] * q_size, b.od + i * q_size, q_size * sizeof(float));
     }
     for (int64_t i = 0; i < s.seqs; ++i) {
         const int64_t start = s.query_start_loc[i], q_len = s.query_start_loc[i + 1] - start;
         if (q_len <= 1) continue;
-        kvserve_paged_prefill_attention(b.q + start * q_size, kf, vf, s.block_tables + i * s.table_width,
-                                        q_len, s.seq_lens[i], l.heads, l.kv_heads, l.head_dim, s.block_size,
-                                        l.window, scale, b.attn + start * q_size);
+        const KvservePrefillAttention p{b.q + start * q_size, kf, vf, s.block_tables + i * s.table_width,
+                                        b.attn + start * q_size, q_len, s.seq_lens[i], l.heads, l.kv_heads,
+                                        l.head_dim, s.block_size, l.window, l.scale};
+        kvserve_paged_prefill_attention(&p);
     }
 }
 
@@ -176,11 +128,13 @@ void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, co
 
 extern "C" {
 
-// sizeof of KvserveLinear, KvserveLayer and KvserveStep, so that the ctypes mirror can be checked against them.
-void kvserve_decoder_layer_abi(int64_t* sizes) {
+void kvserve_abi_sizes(int64_t* sizes) {
     sizes[0] = sizeof(KvserveLinear);
     sizes[1] = sizeof(KvserveLayer);
     sizes[2] = sizeof(KvserveStep);
+    sizes[3] = sizeof(KvserveDecodeAttention);
+    sizes[4] = sizeof(KvservePrefillAttention);
+    sizes[5] = sizeof(KvserveQkNormRope);
 }
 
 // rows x dim float32 -> int8 rows and a scale per row, by the layer's KV-write quantizer (for its tests).
@@ -214,8 +168,10 @@ void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, f
     kvserve_rms_norm(h, t, hidden, 1, hidden, l.input_norm, eps, b.xn, hidden);
     linear(l.qkv, b.xn, t, b.qkv);
     const bool qk_norm = l.q_norm != nullptr && l.k_norm != nullptr;
-    kvserve_qk_norm_rope(b.qkv, t, qkv_size, l.heads + l.kv_heads, l.heads, dim, qk_norm ? l.q_norm : nullptr,
-                         qk_norm ? l.k_norm : nullptr, qk_norm ? eps : 0.0f, cos, signed_sin, b.qk);
+    const KvserveQkNormRope rope{b.qkv,  qk_norm ? l.q_norm : nullptr, qk_norm ? l.k_norm : nullptr, cos,
+                                 signed_sin, b.qk, t, qkv_size, l.heads + l.kv_heads, l.heads, dim,
+                                 qk_norm ? l.eps : 0.0};
+    kvserve_qk_norm_rope(&rope);
     for (int64_t r = 0; r < t; ++r) {  // Q to its own rows; K (roped) and V into the cache
         const float* qk = b.qk + r * qk_size;
         const float* v = b.qkv + r * qkv_size + qk_size;

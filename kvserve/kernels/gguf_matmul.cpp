@@ -21,6 +21,8 @@
 //                     w = (d sc) (q - 32)
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <vector>
@@ -352,7 +354,9 @@ void dispatch(int32_t type, const Call& call) {
         case kQ4_K: call(Q4_K{}); break;
         case kQ5_K: call(Q5_K{}); break;
         case kQ6_K: call(Q6_K{}); break;
-        default: break;  // the caller (kvserve/kernels/ops.py) only passes the types above
+        default:  // callers pass only gguf_blocks.NATIVE_GGUF_TYPES: another type is a bug, not an unwritten output
+            fprintf(stderr, "kvserve: no GGUF kernel for ggml type %d; aborting\n", static_cast<int>(type));
+            abort();
     }
 }
 

@@ -1,35 +1,136 @@
-// The C entry points of the kernels in this folder, declared once: the sources that define them include this
-// header (so the compiler checks each definition against its declaration) and decoder_layer.cpp calls them
-// directly, in the same library, instead of duplicating them. kvserve/kernels/native.py keeps the ctypes side.
+// The C ABI of kvserve's CPU kernels, declared once. Everything else is checked against this file:
+// - the sources that define the entry points include it, so the compiler checks each definition against its
+//   declaration (two extern "C" functions of one name and different parameters do not compile);
+// - kvserve/kernels/native.py reads the declarations below to set each function's ctypes argument types;
+// - kvserve/kernels/abi.py mirrors the structs in ctypes, and kvserve_abi_sizes lets a test compare the sizes;
+// - tests/unit/test_kernel_contract.py checks that every definition is declared here and every declaration is
+//   defined and exported, and that the ctypes fields have the names and sizes of these fields.
+// An entry point with many arguments takes one struct of them (every integer int64 and every real a double, so
+// that no padding rule can differ between C++ and ctypes).
 #pragma once
 
 #include <stdint.h>
 
 extern "C" {
 
+// ---- structs --------------------------------------------------------------------------------------------
+
+// y [m, out_features] = x [m, in_features] W^T (+ bias). Parts are stacked along the output axis (a fused QKV
+// or gate/up whose sources were stored in different GGUF types); q8_0 and float32 have one part.
+struct KvserveLinear {
+    const void* weight[3];  // per part: float32 [rows, k], int8 [rows, k] (q8_0) or uint8 GGUF blocks
+    const float* scales;    // q8_0: [out_features, in_features / 32]; else null
+    const float* bias;      // [out_features] or null
+    int64_t rows[3];        // output rows of each part
+    int64_t qtype[3];       // GGUF: ggml type of each part
+    int64_t in_features, out_features;
+    int64_t kind;  // 0 float32, 1 q8_0, 2 GGUF blocks
+    int64_t parts;
+};
+
+// The weights and shape facts of one decoder layer (decoder_layer.cpp).
+struct KvserveLayer {
+    KvserveLinear qkv, o, gate_up, down;
+    const float* input_norm;             // [hidden] each
+    const float* post_attention_norm;    // llama/qwen: before the MLP; gemma3: on the attention output
+    const float* pre_feedforward_norm;   // gemma3 only (sandwich), else null
+    const float* post_feedforward_norm;  // gemma3 only
+    const float* q_norm;                 // [head_dim] per-head norms (qwen3, gemma3), or both null
+    const float* k_norm;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t window;    // sliding window, 0: none
+    int64_t act;       // kvserve_gated_act's code: 0 tanh-GELU, 1 SiLU
+    int64_t sandwich;  // gemma3's norms around attention and MLP outputs
+    double eps, scale;
+};
+
+// One step's flat batch (AttentionMetadata): `tokens` rows of `seqs` sequences; sequence i owns rows
+// query_start_loc[i] .. query_start_loc[i + 1] - 1, the last positions of a context of seq_lens[i] tokens.
+struct KvserveStep {
+    float* scratch;                  // kvserve_decoder_layer_scratch(layer, tokens, decode_count) floats
+    const int64_t* slot_mapping;     // [tokens]
+    const int64_t* block_tables;     // [seqs, table_width]
+    const int64_t* seq_lens;         // [seqs]
+    const int64_t* query_start_loc;  // [seqs + 1]
+    const int64_t* decode_rows;      // mixed steps: the rows that are decodes (one per such sequence), else null
+    const int64_t* decode_tables;    // their block tables [decode_count, table_width]
+    const int64_t* decode_lens;      // their seq_lens [decode_count]
+    int64_t tokens, seqs, table_width, block_size;
+    int64_t all_decode;    // every row is a decode: one decode-attention call for the whole step
+    int64_t decode_count;  // rows of decode_rows
+};
+
+// Paged decode attention: one query per sequence, at position seq_lens[i] - 1.
+struct KvserveDecodeAttention {
+    const float* q;               // [batch, heads, dim] contiguous
+    const void* k_cache;          // [blocks, block_size, kv_heads, dim] contiguous: float32, or int8 with scales
+    const void* v_cache;
+    const float* k_scales;        // int8 caches (kvserve/kv/quant.py's layout): [blocks, block_size, kv_heads];
+    const float* v_scales;        // null for a float32 cache
+    const int64_t* block_tables;  // [batch, table_width]
+    const int64_t* seq_lens;      // [batch]
+    float* out;                   // [batch, heads, dim] contiguous
+    int64_t table_width, batch, heads, kv_heads, dim, block_size;
+    int64_t window;  // <= 0: no sliding window; else keys at positions > seq_len - 1 - window only
+    double scale;
+};
+
+// Paged prefill attention of one sequence's chunk: queries at positions seq_len - q_len .. seq_len - 1, causal.
+struct KvservePrefillAttention {
+    const float* q;              // [q_len, heads, dim] contiguous
+    const float* k_cache;        // [blocks, block_size, kv_heads, dim] float32 contiguous
+    const float* v_cache;
+    const int64_t* block_table;  // covering seq_len
+    float* out;                  // [q_len, heads, dim] contiguous
+    int64_t q_len, seq_len, heads, kv_heads, dim, block_size;
+    int64_t window;  // <= 0: none; else a query at position p sees keys at positions in (p - window, p]
+    double scale;
+};
+
+// Per-head RMSNorm of Q and K heads, then NEOX rope.
+struct KvserveQkNormRope {
+    const float* qkv;         // [tokens, row_stride]: a row's first heads x dim values are the Q heads then the K
+    const float* q_weight;    // [dim] norm weights, or both null for no norm (eps is then unused)
+    const float* k_weight;
+    const float* cos;         // [tokens, dim] (cos over both halves)
+    const float* signed_sin;  // [tokens, dim] (sin negated on the first half)
+    float* out;               // [tokens, heads, dim] contiguous
+    int64_t tokens, row_stride, heads;
+    int64_t q_heads;  // how many of the heads are Q (they use q_weight; the rest use k_weight)
+    int64_t dim;
+    double eps;
+};
+
+// ---- entry points ---------------------------------------------------------------------------------------
+
+// q8_matmul.cpp: x [m, k] @ dequant(w int8 [n, k], scales [n, k / 32])^T -> y [m, n].
 void kvserve_q8_matmul(const float* x, int64_t m, int64_t k, const int8_t* w, const float* scales, int64_t n,
                        float* y);
-void kvserve_gguf_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
-                         float* y, int64_t ldy);
-void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t groups, int64_t dim,
-                      const float* w, float eps, float* out, int64_t out_stride);
+// gguf_matmul.cpp: x [m, k] @ W^T, W [n, k] as GGUF blocks of ggml `type` -> y [m, >= n], rows ldy apart. A type
+// it has no kernel for aborts the process with a message (callers check it first: gguf_blocks.NATIVE_GGUF_TYPES).
+void kvserve_gguf_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n, float* y,
+                         int64_t ldy);
+// rows of k weights stored as blocks of `type` -> out [rows, k] float32 (an embedding's looked-up rows).
+void kvserve_gguf_dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out);
+// rms_norm.cpp: RMSNorm over the last axis of x [tokens, groups, dim] (rows x_stride apart) times w.
+void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t groups, int64_t dim, const float* w,
+                      float eps, float* out, int64_t out_stride);
+// gated_act.cpp: act(gate) * up for gate_up [rows, 2 x inter] -> out [rows, inter]; act 0 tanh-GELU, 1 SiLU.
 void kvserve_gated_act(const float* gate_up, int64_t rows, int64_t inter, int32_t act, float* out);
-void kvserve_qk_norm_rope(const float* qkv, int64_t tokens, int64_t row_stride, int64_t heads, int64_t q_heads,
-                          int64_t dim, const float* q_weight, const float* k_weight, float eps, const float* cos,
-                          const float* signed_sin, float* out);
-void kvserve_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
-                                    const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
-                                    int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                                    int64_t block_size, int64_t window, float scale, float* out);
-void kvserve_paged_decode_attention_i8(const float* q, const int8_t* k_cache, const int8_t* v_cache,
-                                       const float* k_scales, const float* v_scales, const int64_t* block_tables,
-                                       int64_t table_width, const int64_t* seq_lens, int64_t batch, int64_t heads,
-                                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,
-                                       float scale, float* out);
+// qk_norm_rope.cpp
+void kvserve_qk_norm_rope(const KvserveQkNormRope* args);
+// paged_attention.cpp: float32 or int8 caches (k_scales null or not).
+void kvserve_paged_decode_attention(const KvserveDecodeAttention* args);
+// prefill_attention.cpp
+void kvserve_paged_prefill_attention(const KvservePrefillAttention* args);
+// decoder_layer.cpp: a whole decoder layer on the residual stream h [tokens, hidden], in place (k_scales /
+// v_scales: an int8 cache's, else null), the scratch floats it needs, and its KV-write int8 quantizer.
+void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
+                           const float* signed_sin, void* k_cache, void* v_cache, float* k_scales,
+                           float* v_scales);
+void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, int64_t decode_count,
+                                   int64_t* floats);
 void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales);
-void kvserve_paged_prefill_attention(const float* q, const float* k_cache, const float* v_cache,
-                                     const int64_t* block_table, int64_t q_len, int64_t seq_len, int64_t heads,
-                                     int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,
-                                     float scale, float* out);
-
+// sizeof each struct above, in their order here, so that the ctypes mirror can be checked against them.
+void kvserve_abi_sizes(int64_t* sizes);
 }

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,41 +31,31 @@ ISA_REQUIREMENTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     ),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ()),
 }
-_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-# Every exported function and its C signature; all return void.
-SIGNATURES: dict[str, list] = {
-    "kvserve_q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P],
-    "kvserve_gguf_matmul": [_P, _I64, _I64, _P, ctypes.c_int32, _I64, _P, _I64],
-    "kvserve_gguf_dequantize": [_P, ctypes.c_int32, _I64, _I64, _P],
-    "kvserve_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _I64],
-    "kvserve_gated_act": [_P, _I64, _I64, ctypes.c_int32, _P],
-    "kvserve_paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
-    "kvserve_paged_decode_attention_i8": [
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _F32,
-        _P,
-    ],
-    "kvserve_paged_prefill_attention": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P],
-    "kvserve_qk_norm_rope": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F32, _P, _P, _P],
-    # (layer, step) are the addresses of kernels/layer_abi.py's LayerDesc and StepDesc
-    "kvserve_decoder_layer": [_P, _P, _P, _P, _P, _P, _P, _P, _P],
-    "kvserve_decoder_layer_scratch": [_P, _I64, _I64, _P],
-    "kvserve_decoder_layer_abi": [_P],
-    "kvserve_quantize_int8_rows": [_P, _I64, _I64, _P, _P],
-}
+HEADER = Path(__file__).parent / "kernels.h"  # the one declaration of the library's entry points
+_C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float, "double": ctypes.c_double}
+_DECLARATION = re.compile(r"^void (kvserve_\w+)\(([^)]*)\);", re.MULTILINE)
+
+
+def declared_signatures(header: str) -> dict[str, list[type]]:
+    """Each entry point kernels.h declares (all return void) -> its ctypes argument types: a pointer of any type
+    is a void pointer (the caller passes addresses), a scalar its own width. Raises ValueError for a parameter
+    type this mapping does not know, so that a new kind of argument cannot be passed with the wrong width."""
+    signatures: dict[str, list[type]] = {}
+    for name, params in _DECLARATION.findall(header):
+        argtypes: list[type] = []
+        for param in " ".join(params.split()).split(","):
+            if "*" in param:
+                argtypes.append(ctypes.c_void_p)
+                continue
+            ctype = param.replace("const ", "").split()[0]
+            if ctype not in _C_TYPES:
+                raise ValueError(f"kernels.h: {name} takes a {ctype!r}, which native.py cannot pass")
+            argtypes.append(_C_TYPES[ctype])
+        signatures[name] = argtypes
+    return signatures
+
+
+SIGNATURES = declared_signatures(HEADER.read_text())
 
 
 def _cpu_flags() -> set[str]:

@@ -18,8 +18,15 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.abi import (
+    STRUCTS,
+    DecodeAttentionArgs,
+    LayerDesc,
+    PrefillAttentionArgs,
+    QkNormRopeArgs,
+    StepDesc,
+)
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_length
-from kvserve.kernels.layer_abi import LayerDesc, LinearDesc, StepDesc
 from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library, supported_isas
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
 
@@ -104,9 +111,12 @@ class Kernels(Protocol):
         seq_lens: torch.Tensor,
         window: int | None,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, H, D] (one token per sequence, at position seq_len - 1) over each sequence's context in the
-        paged cache [blocks, block_size, kv_heads, D], read through block_tables [B, W] -> [B, H, D]."""
+        paged cache [blocks, block_size, kv_heads, D], read through block_tables [B, W] -> [B, H, D]. With k_scales
+        and v_scales ([blocks, block_size, kv_heads]): an int8 cache (kvserve/kv/quant.py's layout), read in place."""
         ...
 
     def paged_prefill_attention(
@@ -200,6 +210,8 @@ class TorchKernels:
         seq_lens: torch.Tensor,
         window: int | None,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError("the torch kernels have no paged attention; check has_paged_attention first")
 
@@ -336,19 +348,22 @@ class NativeKernels:
             return self.fallback.qk_norm_rope(qk, q_heads, q_weight, k_weight, eps, cos, signed_sin)
         out = torch.empty(tokens, heads, dim, dtype=torch.float32)
         if tokens:
-            self.library.kvserve_qk_norm_rope(
+            q_ptr, k_ptr = (w.data_ptr() if w is not None else None for w in weights)
+            args = QkNormRopeArgs(
                 qk.data_ptr(),
+                q_ptr,
+                k_ptr,
+                cos.data_ptr(),
+                signed_sin.data_ptr(),
+                out.data_ptr(),
                 tokens,
                 qk.stride(0),
                 heads,
                 q_heads,
                 dim,
-                *(w.data_ptr() if w is not None else None for w in weights),
                 eps,
-                cos.data_ptr(),
-                signed_sin.data_ptr(),
-                out.data_ptr(),
             )
+            self.library.kvserve_qk_norm_rope(ctypes.addressof(args))
         return out
 
     def gated_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
@@ -378,7 +393,6 @@ class NativeKernels:
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """With k_scales / v_scales ([blocks, block_size, kv_heads]): an int8 cache, read in place."""
         batch, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         q = q.float().contiguous()
@@ -387,10 +401,20 @@ class NativeKernels:
         out = torch.empty(batch, heads, dim, dtype=torch.float32)
         if not batch:
             return out
-        rest = (
+        k_ptr = v_ptr = None  # a float32 cache; an int8 one comes with its scales
+        if k_scales is not None and v_scales is not None:
+            k_scales, v_scales = k_scales.contiguous(), v_scales.contiguous()
+            k_ptr, v_ptr = k_scales.data_ptr(), v_scales.data_ptr()
+        args = DecodeAttentionArgs(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_ptr,
+            v_ptr,
             tables.data_ptr(),
-            tables.shape[1],
             lens.data_ptr(),
+            out.data_ptr(),
+            tables.shape[1],
             batch,
             heads,
             kv_heads,
@@ -398,19 +422,8 @@ class NativeKernels:
             block_size,
             window or 0,
             scale,
-            out.data_ptr(),
         )
-        if k_scales is None or v_scales is None:
-            self.library.kvserve_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *rest)
-        else:
-            self.library.kvserve_paged_decode_attention_i8(
-                q.data_ptr(),
-                k_cache.data_ptr(),
-                v_cache.data_ptr(),
-                k_scales.contiguous().data_ptr(),
-                v_scales.contiguous().data_ptr(),
-                *rest,
-            )
+        self.library.kvserve_paged_decode_attention(ctypes.addressof(args))
         return out
 
     def paged_prefill_attention(
@@ -435,11 +448,12 @@ class NativeKernels:
         q = q.float().contiguous()
         direct = out is not None and out.is_contiguous() and out.dtype == torch.float32
         dst = out if out is not None and direct else torch.empty(q_len, heads, dim, dtype=torch.float32)
-        self.library.kvserve_paged_prefill_attention(
+        args = PrefillAttentionArgs(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             table.data_ptr(),
+            dst.data_ptr(),
             q_len,
             seq_len,
             heads,
@@ -448,8 +462,8 @@ class NativeKernels:
             block_size,
             window or 0,
             scale,
-            dst.data_ptr(),
         )
+        self.library.kvserve_paged_prefill_attention(ctypes.addressof(args))
         return dst if out is None or direct else out.copy_(dst)
 
     def decoder_layer(
@@ -488,11 +502,11 @@ class NativeKernels:
         self.library.kvserve_quantize_int8_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scales.data_ptr())
         return q, scales
 
-    def decoder_layer_abi_matches(self) -> bool:
-        """Whether the library's struct sizes are those of kernels/layer_abi.py's ctypes mirror."""
-        sizes = (ctypes.c_int64 * 3)()
-        self.library.kvserve_decoder_layer_abi(ctypes.addressof(sizes))
-        return list(sizes) == [ctypes.sizeof(LinearDesc), ctypes.sizeof(LayerDesc), ctypes.sizeof(StepDesc)]
+    def abi_matches(self) -> bool:
+        """Whether the library's struct sizes are those of kernels/abi.py's ctypes mirror (kernels.h's order)."""
+        sizes = (ctypes.c_int64 * len(STRUCTS))()
+        self.library.kvserve_abi_sizes(ctypes.addressof(sizes))
+        return list(sizes) == [ctypes.sizeof(struct) for struct in STRUCTS]
 
     def decoder_layer_scratch(self, layer: LayerDesc, tokens: int, decode_count: int) -> int:
         """Floats of scratch memory `decoder_layer` needs for a step of `tokens` rows (`decode_count`: the
@@ -529,6 +543,8 @@ def load_kernels(cache_dir: Path, native: bool = True, isa: str | None = None) -
         for candidate in [isa] if isa else supported_isas():
             try:
                 kernels = NativeKernels(load_native_library(build_native_library(cache_dir, candidate)), isa=candidate)
+                if not kernels.abi_matches():  # a build of other sources: its structs would be misread
+                    raise RuntimeError("the library's structs differ from kernels/abi.py's (kernels.h)")
                 log.info("kvserve's CPU kernels: the %s build", candidate)
                 return kernels
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:

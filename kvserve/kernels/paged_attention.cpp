@@ -206,25 +206,19 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
 
 extern "C" {
 
-// q, out: [batch, heads, dim] contiguous. k_cache, v_cache: [blocks, block_size, kv_heads, dim] contiguous.
-// block_tables: [batch, table_width] int64. seq_lens: [batch] int64 (the query is the last position).
-// window <= 0: no sliding window; else keys at positions > seq_len - 1 - window only.
-void kvserve_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
-                                    const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
-                                    int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                                    int64_t block_size, int64_t window, float scale, float* out) {
-    decode_attention<float>(q, k_cache, v_cache, nullptr, nullptr, block_tables, table_width, seq_lens, batch,
-                            heads, kv_heads, dim, block_size, window, scale, out);
-}
-
-// The same on an int8 cache (kvserve/kv/quant.py's layout): k_scales, v_scales [blocks, block_size, kv_heads].
-void kvserve_paged_decode_attention_i8(const float* q, const int8_t* k_cache, const int8_t* v_cache,
-                                       const float* k_scales, const float* v_scales, const int64_t* block_tables,
-                                       int64_t table_width, const int64_t* seq_lens, int64_t batch, int64_t heads,
-                                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,
-                                       float scale, float* out) {
-    decode_attention<int8_t>(q, k_cache, v_cache, k_scales, v_scales, block_tables, table_width, seq_lens, batch,
-                             heads, kv_heads, dim, block_size, window, scale, out);
+// The query of each sequence over its context (kernels.h: KvserveDecodeAttention); the cache's type is told by
+// its scales: a float32 cache has none, an int8 one (kvserve/kv/quant.py's layout) is read in place with them.
+void kvserve_paged_decode_attention(const KvserveDecodeAttention* a) {
+    const float scale = static_cast<float>(a->scale);
+    if (a->k_scales == nullptr) {
+        decode_attention<float>(a->q, static_cast<const float*>(a->k_cache), static_cast<const float*>(a->v_cache),
+                                nullptr, nullptr, a->block_tables, a->table_width, a->seq_lens, a->batch, a->heads,
+                                a->kv_heads, a->dim, a->block_size, a->window, scale, a->out);
+        return;
+    }
+    decode_attention<int8_t>(a->q, static_cast<const int8_t*>(a->k_cache), static_cast<const int8_t*>(a->v_cache),
+                             a->k_scales, a->v_scales, a->block_tables, a->table_width, a->seq_lens, a->batch,
+                             a->heads, a->kv_heads, a->dim, a->block_size, a->window, scale, a->out);
 }
 
 }

@@ -161,13 +161,16 @@ struct Tile {
 
 extern "C" {
 
-// q, out: [q_len, heads, dim] contiguous, the queries at positions seq_len - q_len .. seq_len - 1.
-// k_cache, v_cache: [blocks, block_size, kv_heads, dim] contiguous. block_table: int64, covering seq_len.
-// window <= 0: no sliding window; else a query at position p sees keys at positions in (p - window, p].
-void kvserve_paged_prefill_attention(const float* q, const float* k_cache, const float* v_cache,
-                                     const int64_t* block_table, int64_t q_len, int64_t seq_len, int64_t heads,
-                                     int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window,
-                                     float scale, float* out) {
+// One sequence's chunk of queries, causal over its context (kernels.h: KvservePrefillAttention).
+void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
+    const float* q = a->q;
+    const float* k_cache = a->k_cache;
+    const float* v_cache = a->v_cache;
+    const int64_t* block_table = a->block_table;
+    float* out = a->out;
+    const int64_t q_len = a->q_len, seq_len = a->seq_len, heads = a->heads, kv_heads = a->kv_heads, dim = a->dim;
+    const int64_t block_size = a->block_size, window = a->window;
+    const float scale = static_cast<float>(a->scale);
     const int64_t group = heads / kv_heads;
     const int64_t first_pos = seq_len - q_len;
     // Queries per item: rows up to kRowTile, but smaller tiles when a short chunk would leave threads idle.

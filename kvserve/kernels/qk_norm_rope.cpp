@@ -13,13 +13,14 @@
 
 extern "C" {
 
-// qkv: [tokens, row_stride] float32, the first (heads) x dim values of a row are the Q heads then the K heads.
-// q_weight / k_weight: [dim] norm weights, or null for no norm (then eps is unused). q_heads: how many of the
-// heads are Q (they use q_weight; the rest use k_weight). cos / signed_sin: [tokens, dim] (cos over both
-// halves; sin negated on the first half). out: [tokens, heads, dim] contiguous.
-void kvserve_qk_norm_rope(const float* qkv, int64_t tokens, int64_t row_stride, int64_t heads, int64_t q_heads,
-                          int64_t dim, const float* q_weight, const float* k_weight, float eps, const float* cos,
-                          const float* signed_sin, float* out) {
+// The per-head norms and NEOX rope of every Q and K head (kernels.h: KvserveQkNormRope).
+void kvserve_qk_norm_rope(const KvserveQkNormRope* args) {
+    const float *qkv = args->qkv, *q_weight = args->q_weight, *k_weight = args->k_weight;
+    const float *cos = args->cos, *signed_sin = args->signed_sin;
+    float* out = args->out;
+    const int64_t tokens = args->tokens, row_stride = args->row_stride, heads = args->heads;
+    const int64_t q_heads = args->q_heads, dim = args->dim;
+    const float eps = static_cast<float>(args->eps);
     const int64_t half = dim / 2;
 #pragma omp parallel for schedule(static) if (tokens * heads >= 64)
     for (int64_t item = 0; item < tokens * heads; ++item) {

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.layer_abi import (
+from kvserve.kernels.abi import (
     LINEAR_FLOAT32,
     LINEAR_GGUF,
     LINEAR_Q8_0,
@@ -28,6 +28,7 @@ from kvserve.kernels.layer_abi import (
     LinearDesc,
     StepDesc,
 )
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES
 from kvserve.kernels.ops import NATIVE_ACTIVATIONS, Kernels, NativeKernels
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.gguf_layers import GGUFLinear
@@ -72,6 +73,8 @@ def _describe_linear(module: nn.Module, what: str) -> LinearDesc:
             blocks = getattr(module, f"blocks{i}")
             if blocks.device.type != "cpu" or not blocks.is_contiguous():
                 raise NativeLayerUnsupported(f"{what}: GGUF blocks not contiguous on the CPU")
+            if qtype not in NATIVE_GGUF_TYPES:  # the library would abort on it
+                raise NativeLayerUnsupported(f"{what}: no native kernel for ggml type {qtype}")
             d.weight[i], d.qtype[i], d.rows[i] = blocks.data_ptr(), qtype, rows
     elif isinstance(module, nn.Linear):
         if module.in_features % 8:
@@ -137,8 +140,6 @@ class NativeLayerStack:
         """Raises NativeLayerUnsupported (saying why) for what decoder_layer.cpp does not compute."""
         if not isinstance(kernels, NativeKernels):
             raise NativeLayerUnsupported(f"the {kernels.name} kernels are in use")
-        if not kernels.decoder_layer_abi_matches():
-            raise NativeLayerUnsupported("the library's layer structs differ from kernels/layer_abi.py's")
         if dtype != torch.float32:
             raise NativeLayerUnsupported(f"the compute dtype is {dtype}, the native layer is float32")
         if attention_backend != "cpu":
