@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from kvserve.engine.engine import EngineStats
+    from kvserve.engine.stats import EngineStats
     from kvserve.outputs import RequestOutput
 
 PREFIX = "kvserve:"

@@ -190,7 +190,7 @@ class _Stop:
 @dataclass(slots=True)
 class _Call:
     fn: Callable[[EngineCore], Any]
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
 _Command = _Add | _Abort | _Stop | _Call
@@ -394,7 +394,7 @@ class AsyncLLMEngine:
             if self._error is None:
                 self._post(_Stop(request_id, index))
 
-    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future[Any]:
         """Run `fn(core)` on the engine thread between steps (for checks and diagnosis)."""
         command = _Call(fn)
         with self._cond:

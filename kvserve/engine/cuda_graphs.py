@@ -86,7 +86,7 @@ class CudaGraphCapture:
         self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, fn: Replay) -> Replay:
-        side = torch.cuda.Stream(self.device)
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch's stub is untyped
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             fn()

@@ -79,7 +79,7 @@ class HostToDevice:
         flat = torch.empty(total, dtype=torch.int64, device=self.device)
         flat.copy_(host[:total], non_blocking=self._pin)
         if self._pin:
-            self._copied = torch.cuda.Event()
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's stub is untyped
             self._copied.record()
         out, offset = [], 0
         for t in tensors:

@@ -43,7 +43,7 @@ class InspectedEngine(Protocol):
     def check_alive(self) -> None:
         """Raise EngineDeadError (or ServerShuttingDownError) when the engine cannot answer."""
 
-    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future[Any]:
         """Run `fn(engine)` on the engine thread between steps (`fn` must pickle for a replica)."""
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -12,6 +12,9 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.model.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -23,12 +26,12 @@ class LLM:
         self.engine = engine or LLMEngine.from_config(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt] | dict | Sequence[dict],
+        prompts: Prompt | Sequence[Prompt] | dict[str, Any] | Sequence[dict[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
@@ -114,7 +117,7 @@ def _normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
 
 
 def _render_chat(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool,
     chat_template: str | None,
@@ -125,7 +128,8 @@ def _render_chat(
     kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template}
     if tools is not None:
         kwargs["tools"] = tools
-    return tokenizer.apply_chat_template(conversation, **kwargs)
+    text: str = tokenizer.apply_chat_template(conversation, **kwargs)
+    return text
 
 
 def _normalize_prompts(prompts: Any) -> list[Prompt]:

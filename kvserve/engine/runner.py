@@ -101,7 +101,8 @@ class ModelRunner:
         ).float()
         logits = all_logits[: len(sample_rows)]
         spans = [b - a for a, b in spec_rows.values()]
-        spec_logits = dict(zip(spec_rows, all_logits[len(sample_rows) :].split(spans), strict=True))
+        spec_rows_logits: tuple[torch.Tensor, ...] = all_logits[len(sample_rows) :].split(spans)  # type: ignore[no-untyped-call]
+        spec_logits = dict(zip(spec_rows, spec_rows_logits, strict=True))
         prompt_logits = {
             rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
         }

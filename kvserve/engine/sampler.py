@@ -347,7 +347,8 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplerRow]) -> tor
 
     def keys(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         key = [i * vocab + t for i, s in zip(pen, seqs) for t in s]
-        return torch.unique(torch.tensor(key, dtype=torch.long, device=device), return_counts=True)
+        unique, counts = torch.unique(torch.tensor(key, dtype=torch.long, device=device), return_counts=True)
+        return unique, counts
 
     seen, _ = keys([requests[i].prompt_token_ids + requests[i].output_token_ids for i in pen])
     if seen.numel():

@@ -80,7 +80,7 @@ class ZmqKVEventPublisher:
             config.event_encoding,
         )
 
-    def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+    def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
         """Made here, on the caller's thread, so that a bad or taken address fails the engine's start; used only
         by the publisher thread from then on."""
         pub = self._ctx.socket(zmq.PUB)

@@ -7,6 +7,11 @@ from pathlib import Path
 
 import yaml
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ("ruff check", "ruff format", "mypy")
 
@@ -26,3 +31,24 @@ def test_pre_commit_hooks_are_the_ci_checks() -> None:
 def test_ci_checks_formatting_and_types() -> None:
     checks = _ci_checks()
     assert "ruff format --check kvserve tests scripts" in checks and "mypy" in checks
+
+
+# mypy --strict's per-module flags (mypy 2.4: `mypy --help`, "--strict"; `strict` itself is global only).
+STRICT_FLAGS = {
+    "disallow_any_generics",
+    "disallow_subclassing_any",
+    "disallow_untyped_calls",
+    "disallow_untyped_defs",
+    "disallow_incomplete_defs",
+    "disallow_untyped_decorators",
+    "warn_return_any",
+    "no_implicit_reexport",
+    "strict_equality",
+}
+
+
+def test_the_core_packages_are_type_checked_strictly() -> None:
+    mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    (strict,) = [o for o in mypy["overrides"] if set(o["module"]) >= {"kvserve.kv.*", "kvserve.engine.*"}]
+    assert set(strict["module"]) == {"kvserve.kv.*", "kvserve.engine.*", "kvserve.kernels.*"}
+    assert {flag for flag, on in strict.items() if on is True} == STRICT_FLAGS
