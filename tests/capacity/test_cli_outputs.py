@@ -102,7 +102,6 @@ def test_compare_contiguous(capsys) -> None:
 
 
 def test_plot(tmp_path: Path, capsys) -> None:
-    pytest.importorskip("matplotlib")
     png = tmp_path / "kv.png"
     assert main(["estimate", "--model", "mistral-7b-v0.1", "--kv-cache-dtype", "bfloat16,fp8", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,7 @@ from kvserve.cli import main
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    uvicorn = pytest.importorskip("uvicorn")
+    import uvicorn
     from tiny_models import build_tiny_hf_model
     from tiny_tokenizer import write_char_tokenizer
 

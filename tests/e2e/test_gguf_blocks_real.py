@@ -24,9 +24,9 @@ REFERENCE = Path(
 NEAR_TIE = 0.005
 
 
-def test_gguf_blocks_greedy_equals_hf_reference() -> None:
+def test_gguf_blocks_greedy_equals_hf_reference(default_engine) -> None:
     reference = json.loads(REFERENCE.read_text())["prompts"]
-    llm = LLM(kv_cache_memory_bytes=256 << 20)  # --quantization auto: the file's blocks, the default path
+    llm = LLM(engine=default_engine.sibling(kv_cache_memory_bytes=256 << 20))  # --quantization auto: the file's blocks
     assert llm.engine.config.quantization == "gguf"
     model = llm.engine.core.runner.model
     assert isinstance(model.embed_tokens, GGUFEmbedding)

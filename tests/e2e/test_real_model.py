@@ -12,16 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.build import build_engine
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.llm import LLM
-from kvserve.model.loader import load_model, resolve_dtype
-from kvserve.model.source import resolve_model
-from kvserve.model.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logprob_check import assert_logprobs_close
@@ -37,11 +33,8 @@ def reference() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    source = resolve_model(None)
-    device = torch.device("cpu")
-    loaded = load_model(source, resolve_dtype("auto", device, None), device)  # type: ignore[arg-type]
-    return loaded, load_tokenizer(source)
+def loaded(default_float32_model):
+    return default_float32_model
 
 
 def engine(loaded, **kw) -> LLMEngine:

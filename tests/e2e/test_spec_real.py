@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
 from kvserve.engine.llm import LLM
 
 pytestmark = pytest.mark.real_model
@@ -22,7 +20,7 @@ SPEC = {
 }
 
 
-def test_greedy_output_identical_with_and_without_speculation():
+def test_greedy_output_identical_with_and_without_speculation(default_engine):
     import inspect
 
     from kvserve.kv.pool import BlockPool
@@ -32,7 +30,7 @@ def test_greedy_output_identical_with_and_without_speculation():
         f"Here is a Python function:\n\n{code}\nThe same function, copied exactly:\n\n",
         "Once upon a time, in a small village by the sea, there lived",
     ]
-    plain = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=256 * 2**20))
+    plain = default_engine.sibling(kv_cache_memory_bytes=256 * 2**20)
     spec = plain.sibling(speculative_config=SPEC)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     off = [o.outputs[0].token_ids for o in LLM(engine=plain).generate(prompts, params, use_tqdm=False)]

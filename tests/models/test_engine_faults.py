@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import build_tiny_hf_model
+from tiny_models import build_tiny_hf_model, tiny_engine
 from tiny_tokenizer import write_char_tokenizer
 
-from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -31,9 +30,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def make_engine(path: Path, **kw: Any) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks_override", 128)
-    kw.setdefault("block_size", 4)
-    return LLMEngine.from_config(EngineConfig(model=str(path), **kw))
+    return tiny_engine(path, **{"num_gpu_blocks_override": 128, **kw})
 
 
 class PoisonedModel:

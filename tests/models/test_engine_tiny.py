@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_hf_model
+from tiny_models import build_tiny_hf_model, tiny_engine
 from tiny_tokenizer import write_char_tokenizer
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logprob_check import assert_logprobs_close
@@ -31,12 +29,6 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
         write_char_tokenizer(path)
         out[variant] = (path, model)
     return out
-
-
-def make_engine(path: Path, **kw) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks_override", 256)
-    kw.setdefault("block_size", 4)
-    return LLMEngine.from_config(EngineConfig(model=str(path), **kw))
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -71,7 +63,7 @@ def tops_of(completion) -> list[dict]:
 @pytest.mark.parametrize("variant", ["llama_gqa", "qwen3_gqa_tied", "gemma3_mqa_sliding"])
 def test_greedy_generation_matches_hf(checkpoints, variant):
     path, hf = checkpoints[variant]
-    llm = LLM(engine=make_engine(path))
+    llm = LLM(engine=tiny_engine(path))
     batch = prompts(6, seed=1)
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
     for ids, out in zip(batch, outs):
@@ -98,9 +90,9 @@ def test_batched_output_equals_alone(checkpoints, engine_kw):
     batch = prompts(16, seed=2)
     batch[5] = batch[3][:20] + batch[5]  # shared prefixes exercise prefix-cache hits
     batch[9] = batch[3][:25]
-    alone_engine = make_engine(path)
+    alone_engine = tiny_engine(path)
     alone = [LLM(engine=alone_engine).generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in batch]
-    engine = make_engine(path, **engine_kw)
+    engine = tiny_engine(path, **engine_kw)
     outs = LLM(engine=engine).generate(batch, GREEDY, use_tqdm=False)
     for a, o in zip(alone, outs):
         c = o.outputs[0]
@@ -113,7 +105,7 @@ def test_batched_output_equals_alone(checkpoints, engine_kw):
 
 def test_prefix_cache_hit_gives_same_output_and_counts_cached_tokens(checkpoints):
     path, _ = checkpoints["llama_gqa"]
-    llm = LLM(engine=make_engine(path))
+    llm = LLM(engine=tiny_engine(path))
     p = prompts(1, seed=3)[0] + list(range(10, 30))
     first = llm.generate([p], GREEDY, use_tqdm=False)[0]
     second = llm.generate([p], GREEDY, use_tqdm=False)[0]
@@ -124,7 +116,7 @@ def test_prefix_cache_hit_gives_same_output_and_counts_cached_tokens(checkpoints
 
 def test_seeded_sampling_is_reproducible_in_any_batch(checkpoints):
     path, _ = checkpoints["qwen3_gqa_tied"]
-    llm = LLM(engine=make_engine(path))
+    llm = LLM(engine=tiny_engine(path))
     p = prompts(1, seed=4)[0]
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([p], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -141,7 +133,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(checkpoints):
 
 def test_n_samples_share_the_prompt(checkpoints):
     path, _ = checkpoints["llama_gqa"]
-    llm = LLM(engine=make_engine(path))
+    llm = LLM(engine=tiny_engine(path))
     p = prompts(1, seed=6)[0]
     out = llm.generate(
         [p], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
@@ -157,7 +149,7 @@ def test_n_samples_share_the_prompt(checkpoints):
 
 def test_stop_conditions(checkpoints):
     path, _ = checkpoints["llama_gqa"]
-    llm = LLM(engine=make_engine(path))
+    llm = LLM(engine=tiny_engine(path))
     p = prompts(1, seed=8)[0]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     free = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
@@ -185,7 +177,7 @@ def test_stop_conditions(checkpoints):
 
 def test_prompt_logprobs_match_hf(checkpoints):
     path, hf = checkpoints["gemma3_mqa_sliding"]
-    engine = make_engine(path, max_num_batched_tokens=9)  # prompt logprobs gathered over chunks
+    engine = tiny_engine(path, max_num_batched_tokens=9)  # prompt logprobs gathered over chunks
     p = prompts(1, seed=9)[0] + list(range(50, 80))
     out = LLM(engine=engine).generate([p], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     with torch.no_grad():
@@ -200,7 +192,7 @@ def test_prompt_logprobs_match_hf(checkpoints):
 
 def test_abort_frees_blocks_and_bad_requests_are_rejected(checkpoints):
     path, _ = checkpoints["llama_gqa"]
-    engine = make_engine(path, max_model_len=64)
+    engine = tiny_engine(path, max_model_len=64)
     engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=40, ignore_eos=True))
     engine.add_request("b", prompts(1, seed=1)[0], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
@@ -228,12 +220,12 @@ def test_max_model_len_that_does_not_fit_fails_at_start(checkpoints):
     path, _ = checkpoints["llama_gqa"]
     # 10 blocks less the null block: 9 x 4 tokens
     with pytest.raises(ValueError, match="9 usable blocks .* largest max-model-len that fits is 36"):
-        make_engine(path, num_gpu_blocks_override=10, max_model_len=100)
+        tiny_engine(path, num_gpu_blocks_override=10, max_model_len=100)
 
 
 def test_token_id_prompt_is_used_verbatim_and_text_prompt_gets_bos(checkpoints):
     path, _ = checkpoints["llama_gqa"]
-    llm = LLM(engine=make_engine(path))
+    llm = LLM(engine=tiny_engine(path))
     by_text, by_ids = llm.generate(["Hi", [45, 78]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert by_text.prompt_token_ids == [2, 45, 78]
     assert by_ids.prompt_token_ids == [45, 78]
@@ -247,7 +239,7 @@ def test_prefix_caching_on_and_off_give_the_same_output(checkpoints, preempt):
     kw = dict(num_gpu_blocks_override=40, max_model_len=120) if preempt else {}
     results = {}
     for caching in (True, False):
-        engine = make_engine(path, enable_prefix_caching=caching, **kw)
+        engine = tiny_engine(path, enable_prefix_caching=caching, **kw)
         llm = LLM(engine=engine)
         single = llm.generate([batch[0]], GREEDY, use_tqdm=False)[0]
         many = llm.generate(batch, GREEDY, use_tqdm=False)

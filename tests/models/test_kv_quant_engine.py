@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_engine
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,12 +21,6 @@ from logprob_check import assert_logprobs_close
 TOP = 5
 QUANT = ["fp8_e4m3", "fp8_e5m2", "int8"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=TOP)
-
-
-def make_engine(path: Path, **kw) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks_override", 256)
-    kw.setdefault("block_size", 4)
-    return LLMEngine.from_config(EngineConfig(model=str(path), **kw))
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -45,13 +39,13 @@ def generate(engine: LLMEngine, batch: list[list[int]]) -> list:
 
 @pytest.fixture(scope="module")
 def float32_outputs(checkpoints) -> dict[str, list]:
-    return {v: generate(make_engine(p, kv_cache_dtype="float32"), prompts(6, seed=11)) for v, p in checkpoints.items()}
+    return {v: generate(tiny_engine(p, kv_cache_dtype="float32"), prompts(6, seed=11)) for v, p in checkpoints.items()}
 
 
 @pytest.mark.parametrize("kv_dtype", QUANT + ["bfloat16"])
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
 def test_greedy_close_to_float32_kv(checkpoints, float32_outputs, variant, kv_dtype):
-    engine = make_engine(checkpoints[variant], kv_cache_dtype=kv_dtype)
+    engine = tiny_engine(checkpoints[variant], kv_cache_dtype=kv_dtype)
     for ref, got in zip(float32_outputs[variant], generate(engine, prompts(6, seed=11))):
         assert len(got.token_ids) == 16
         assert_logprobs_close(ref.token_ids, tops_of(ref), got.token_ids, tops_of(got), name=f"{variant} {kv_dtype}")
@@ -75,9 +69,9 @@ def test_quantized_output_independent_of_batching(checkpoints, kv_dtype, engine_
     batch = prompts(10, seed=2)
     batch[5] = batch[3][:20] + batch[5]  # shared prefixes exercise prefix-cache hits
     batch[9] = batch[3][:25]
-    alone_engine = make_engine(path, kv_cache_dtype=kv_dtype)
+    alone_engine = tiny_engine(path, kv_cache_dtype=kv_dtype)
     alone = [generate(alone_engine, [p])[0] for p in batch]
-    engine = make_engine(path, kv_cache_dtype=kv_dtype, **engine_kw)
+    engine = tiny_engine(path, kv_cache_dtype=kv_dtype, **engine_kw)
     for a, c in zip(alone, generate(engine, batch)):
         assert_logprobs_close(a.token_ids, tops_of(a), c.token_ids, tops_of(c), name=f"{kv_dtype} {engine_kw}")
     if "num_gpu_blocks_override" in engine_kw:
@@ -87,7 +81,7 @@ def test_quantized_output_independent_of_batching(checkpoints, kv_dtype, engine_
 
 
 def test_prefix_hit_equals_miss_with_int8(checkpoints):
-    llm = LLM(engine=make_engine(checkpoints["llama_gqa"], kv_cache_dtype="int8"))
+    llm = LLM(engine=tiny_engine(checkpoints["llama_gqa"], kv_cache_dtype="int8"))
     p = prompts(1, seed=3)[0] + list(range(10, 30))
     first = llm.generate([p], GREEDY, use_tqdm=False)[0]
     second = llm.generate([p], GREEDY, use_tqdm=False)[0]
@@ -100,7 +94,7 @@ def test_budget_buys_4x_blocks_and_startup_log_says_so(checkpoints, caplog):
     blocks = {}
     with caplog.at_level(logging.INFO, logger="kvserve"):
         for kv_dtype in ("float32", "bfloat16", "fp8", "int8"):
-            blocks[kv_dtype] = make_engine(
+            blocks[kv_dtype] = tiny_engine(
                 path, kv_cache_dtype=kv_dtype, num_gpu_blocks_override=None, kv_cache_memory_bytes=4 << 20
             ).core.cache_plan.num_blocks
     # 2 layers x 2 KV heads x (K, V) x head_dim 16: 64 elements a token; 8-bit adds a 4-byte scale per head
@@ -130,7 +124,7 @@ def _with_static_kv_scales(src: Path, dst: Path, layers: range, scale: float) ->
 
 def test_checkpoint_static_fp8_scales_are_used(checkpoints, float32_outputs, tmp_path):
     path = _with_static_kv_scales(checkpoints["llama_gqa"], tmp_path / "static", range(2), 0.02)
-    engine = make_engine(path, kv_cache_dtype="fp8")
+    engine = tiny_engine(path, kv_cache_dtype="fp8")
     outs = generate(engine, prompts(6, seed=11))
     for ref, got in zip(float32_outputs["llama_gqa"], outs):
         assert_logprobs_close(ref.token_ids, tops_of(ref), got.token_ids, tops_of(got), name="static fp8")
@@ -139,7 +133,7 @@ def test_checkpoint_static_fp8_scales_are_used(checkpoints, float32_outputs, tmp
     assert used.numel() > 0 and torch.all(used == 0.02)
     assert torch.all(cache.value_scale.view(-1)[cache.value_scale.view(-1) != 1.0] == 0.04)
     # Another 8-bit format computes its own per-token scales: the fp8 calibration does not apply to it.
-    int8 = make_engine(path, kv_cache_dtype="int8")
+    int8 = tiny_engine(path, kv_cache_dtype="int8")
     generate(int8, prompts(2, seed=12))
     written = int8.core.runner.kv_caches[0].key_scale.view(-1)
     assert len(set(written[written != 1.0].tolist())) > 1
@@ -148,4 +142,4 @@ def test_checkpoint_static_fp8_scales_are_used(checkpoints, float32_outputs, tmp
 def test_partial_static_kv_scales_are_a_clear_error(checkpoints, tmp_path):
     path = _with_static_kv_scales(checkpoints["llama_gqa"], tmp_path / "partial", range(1), 0.02)
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_scale"):
-        make_engine(path, kv_cache_dtype="fp8")
+        tiny_engine(path, kv_cache_dtype="fp8")

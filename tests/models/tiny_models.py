@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tiny_tokenizer import write_char_tokenizer
@@ -12,6 +13,9 @@ from tiny_tokenizer import write_char_tokenizer
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.decoder import DecoderModel
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
 
 _COMMON = dict(
     vocab_size=256,
@@ -187,3 +191,14 @@ class PagedDriver:
             row += plan[i]
             self.done[i] += plan[i]
         return out
+
+
+def tiny_engine(path: Path, **overrides: Any) -> LLMEngine:
+    """An engine on a tiny checkpoint with the tests' usual pool (256 blocks of 4 tokens); `overrides` go to
+    EngineConfig. The one helper the engine tests share (it was copied into five files)."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import LLMEngine
+
+    kw: dict[str, Any] = {"num_gpu_blocks_override": 256, "block_size": 4}
+    kw.update(overrides)
+    return LLMEngine.from_config(EngineConfig(model=str(path), **kw))

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, settings
 from reliability_support import (
     assert_openai_error,
@@ -16,8 +17,6 @@ from reliability_support import (
     wait_drained,
 )
 from server_support import RunningServer
-
-schemathesis = pytest.importorskip("schemathesis")
 
 MAX_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "25"))
 

@@ -18,9 +18,7 @@ from reliability_support import leaked_blocks, rss_bytes, wait_drained
 from server_support import MODEL, RunningServer
 from soak_workload import SoakReport, SoakShape, make_specs, run_specs, summary_line
 
-from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import build_app
 from kvserve.server.context import ServerSettings
 
@@ -121,11 +119,11 @@ def test_soak_tiny_model(make_server, capsys):
 
 
 @pytest.fixture(scope="module")
-def gemma_soak_server() -> Iterator[RunningServer]:
+def gemma_soak_server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     if os.environ.get("KVSERVE_SOAK") != "real":
         pytest.skip("the real-model soak runs with KVSERVE_SOAK=real")
     # 48 blocks of 16 tokens: one 512-token request fits; 16 concurrent ones do not
-    engine = LLMEngine.from_config(EngineConfig(num_gpu_blocks_override=48, max_model_len=512))
+    engine = request.getfixturevalue("default_engine").sibling(num_gpu_blocks_override=48, max_model_len=512)
     async_engine = AsyncLLMEngine(engine)
     settings = ServerSettings(served_model_names=(MODEL,))
     server = RunningServer(build_app(async_engine, settings), async_engine, grace_s=5).start()

@@ -22,10 +22,9 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from tiny_models import build_tiny_hf_model
+from tiny_models import build_tiny_hf_model, tiny_engine
 from tiny_tokenizer import write_char_tokenizer
 
-from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.core import EngineCore
 from kvserve.engine.engine import LLMEngine
@@ -53,15 +52,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    kw: dict[str, Any] = {
-        "model": str(model_dir),
-        "num_gpu_blocks_override": 256,
-        "block_size": 4,
-        "chat_template": CHAT_TEMPLATE,
-        "cpu_threads": 1,
-    }
-    kw.update(overrides)
-    return LLMEngine.from_config(EngineConfig(**kw))
+    """tiny_engine with the server tests' chat template and one CPU thread."""
+    return tiny_engine(model_dir, **{"chat_template": CHAT_TEMPLATE, "cpu_threads": 1, **overrides})
 
 
 class HookedCore:

@@ -8,7 +8,6 @@ import openai
 import pytest
 from server_support import RunningServer
 
-from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import build_app
@@ -18,8 +17,8 @@ pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture(scope="module")
-def gemma_server() -> Iterator[RunningServer]:
-    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=64 << 20, max_model_len=512))
+def gemma_server(default_engine: LLMEngine) -> Iterator[RunningServer]:
+    engine = default_engine.sibling(kv_cache_memory_bytes=64 << 20, max_model_len=512)
     async_engine = AsyncLLMEngine(engine)
     settings = ServerSettings(served_model_names=(str(engine.config.served_model_name),))
     server = RunningServer(build_app(async_engine, settings), async_engine).start()

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_hf_model
+from tiny_models import build_tiny_hf_model, tiny_engine
 from tiny_tokenizer import write_char_tokenizer
 
 from kvserve import SamplingParams
-from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.metrics import EngineStatsCollector
 
@@ -35,9 +34,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def make_engine(path: Path, spec: dict | None, **kw) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks_override", 256)
-    kw.setdefault("block_size", 4)
-    return LLMEngine.from_config(EngineConfig(model=str(path), speculative_config=spec, **kw))
+    return tiny_engine(path, speculative_config=spec, **kw)
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+import langchain_core.messages as messages_mod
+import langchain_core.tools as tools_mod
+import langchain_openai
 import pytest
 from pydantic import BaseModel, Field
 from tool_server_support import COMPACT, MODEL
-
-langchain_openai = pytest.importorskip("langchain_openai")
-messages_mod = pytest.importorskip("langchain_core.messages")
-tools_mod = pytest.importorskip("langchain_core.tools")
 
 
 class Weather(BaseModel):

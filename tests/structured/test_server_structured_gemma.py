@@ -17,7 +17,6 @@ import pytest
 from pydantic import BaseModel, Field
 from tool_server_support import RunningServer
 
-from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import build_app
@@ -30,8 +29,8 @@ COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 
 
 @pytest.fixture(scope="module")
-def gemma_client() -> Iterator[openai.OpenAI]:
-    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=512 << 20, max_model_len=1024))
+def gemma_client(default_engine: LLMEngine) -> Iterator[openai.OpenAI]:
+    engine = default_engine.sibling(kv_cache_memory_bytes=512 << 20, max_model_len=1024)
     async_engine = AsyncLLMEngine(engine)
     settings = ServerSettings(served_model_names=(MODEL,), enable_auto_tool_choice=True, tool_call_parser="pythonic")
     server = RunningServer(build_app(async_engine, settings), async_engine).start()

@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("transformers")
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
