@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 def load_kvserve(args: argparse.Namespace) -> KVServeSystem:
@@ -39,11 +40,20 @@ def warm_up(system: System) -> None:
     system.timed_generate([[100 + i for i in range(8)]], 2)
 
 
-def alternate(systems: Sequence[System], repeats: int, run: Callable[[System, int], T]) -> dict[str, list[T]]:
-    """Run every system once per round, in turns, so that a slow spell on a shared machine hits all of them
-    rather than one; returns each system's results in round order."""
-    results: dict[str, list[T]] = {s.name: [] for s in systems}
+def alternate_rounds(
+    sides: Sequence[K], repeats: int, run: Callable[[K, int], T], flip: bool = False
+) -> dict[K, list[T]]:
+    """Run every side once per round, in turns, so that a slow spell on a shared machine hits all of them rather
+    than one; with `flip`, each round reverses the previous one's order, so that no side always runs first (into
+    caches the other warmed). Returns each side's results in round order."""
+    results: dict[K, list[T]] = {side: [] for side in sides}
     for round_index in range(repeats):
-        for system in systems:
-            results[system.name].append(run(system, round_index))
+        order = list(sides)[::-1] if flip and round_index % 2 else sides
+        for side in order:
+            results[side].append(run(side, round_index))
     return results
+
+
+def alternate(systems: Sequence[System], repeats: int, run: Callable[[System, int], T]) -> dict[str, list[T]]:
+    """alternate_rounds over systems, their results by system name."""
+    return {system.name: runs for system, runs in alternate_rounds(systems, repeats, run).items()}

@@ -6,6 +6,7 @@ cached; and the time to first token that a cached grammar adds."""
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -242,7 +243,7 @@ def _compile_times(engine: LLMEngine, count: int, compact: bool) -> dict[str, An
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.bench.common import warm_up
+    from kvserve.bench.common import alternate_rounds, warm_up
     from kvserve.bench.machine import machine_info
     from kvserve.bench.report import Report, Table, config_of, emit
     from kvserve.bench.stats import median, ratio
@@ -284,14 +285,17 @@ def run(args: argparse.Namespace) -> int:
         "Grammar mask per decode step (fill the bitmask + apply it to the logits), median",
         ["batch", "fill ms", "apply ms", "mask ms / step", "mask ms / row", "share of a decode step"],
     )
+    sides = ("unconstrained", "constrained")
+    round_prompts: dict[tuple[int, int], list[list[int]]] = {}  # both sides of a round run the same prompts
+
+    def decode_run(batch: int, side: str, r: int) -> _Run:
+        if (batch, r) not in round_prompts:
+            round_prompts[batch, r] = prompts(batch)
+        grammar = structured if side == "constrained" else None
+        return _generate(engine, round_prompts[batch, r], args.output_len, grammar, f"{side}-{batch}-{r}")
+
     for batch in args.batch_sizes:
-        runs: dict[str, list[_Run]] = {"unconstrained": [], "constrained": []}
-        for r in range(args.repeats):
-            batch_prompts = prompts(batch)
-            order = ("unconstrained", "constrained") if r % 2 == 0 else ("constrained", "unconstrained")
-            for side in order:
-                grammar = structured if side == "constrained" else None
-                runs[side].append(_generate(engine, batch_prompts, args.output_len, grammar, f"{side}-{batch}-{r}"))
+        runs = alternate_rounds(sides, args.repeats, functools.partial(decode_run, batch), flip=True)
         row = _decode_row(batch, runs, median)
         decode.append(row)
         t_decode.add(
@@ -313,12 +317,15 @@ def run(args: argparse.Namespace) -> int:
             ratio(mask["mask_ms_per_step"], row["unconstrained_step_ms"]),
         )
 
-    ttft_runs: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
-    for r in range(args.ttft_repeats):
-        prompt = prompts(1)[0]
-        for side in ("unconstrained", "constrained") if r % 2 == 0 else ("constrained", "unconstrained"):
-            grammar = structured if side == "constrained" else None
-            ttft_runs[side].append(_first_token_ms(engine, prompt, grammar, f"ttft-{side}-{r}"))
+    ttft_prompts: dict[int, list[int]] = {}
+
+    def ttft_run(side: str, r: int) -> float:
+        if r not in ttft_prompts:
+            ttft_prompts[r] = prompts(1)[0]
+        grammar = structured if side == "constrained" else None
+        return _first_token_ms(engine, ttft_prompts[r], grammar, f"ttft-{side}-{r}")
+
+    ttft_runs = alternate_rounds(sides, args.ttft_repeats, ttft_run, flip=True)
     plain_ms, constrained_ms = median(ttft_runs["unconstrained"]), median(ttft_runs["constrained"])
     ttft: dict[str, Any] = {
         "unconstrained_ms": plain_ms,

@@ -5,11 +5,12 @@ Pure Python (no torch import) so that capacity tools can use it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvserve.json_files import read_json_object
 
 if TYPE_CHECKING:
     from kvserve.model.gguf_reader import GGUFFile
@@ -99,9 +100,9 @@ class ModelConfig:
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         """Read config.json (+ generation_config.json when present) of an HF checkpoint directory."""
         path = Path(path)
-        cfg = _read_json(path / "config.json")
+        cfg = read_json_object(path / "config.json")
         gen_path = path / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else {}
+        gen = read_json_object(gen_path) if gen_path.is_file() else {}
         try:
             return cls.from_hf_dict(cfg, gen)
         except (KeyError, TypeError) as e:
@@ -245,18 +246,6 @@ class ModelConfig:
             query_pre_attn_scalar=256.0 if family == "gemma3" else None,
             torch_dtype=None,
         )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"{path}: file is missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _hf_layer_types(cfg: dict[str, Any], family: str, n_layers: int) -> list[str]:

@@ -215,10 +215,36 @@ def is_ebnf(grammar: str) -> bool:
     return "::=" in grammar
 
 
+class CachedBackend:
+    """What both grammar libraries share: compiles go through one GrammarCache keyed by the constraint, and a
+    matcher is made only for a grammar this backend compiled. A library supplies `_compile` and `_new_matcher`."""
+
+    name: str
+    vocab: GrammarVocab
+    _cache: GrammarCache
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        return self._cache.get_or_compile(params.key, lambda: self._compile(params))
+
+    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
+        return self._cache.get(params.key)
+
+    def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
+        if grammar.backend != self.name:
+            raise ValueError(f"a grammar compiled by {grammar.backend} cannot run on the {self.name} backend")
+        return self._new_matcher(grammar)
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        raise NotImplementedError
+
+    def _new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
+        raise NotImplementedError
+
+
 # -- xgrammar --------------------------------------------------------------------------------------------------
 
 
-class XgrammarBackend:
+class XgrammarBackend(CachedBackend):
     """xgrammar: grammars compiled ahead (masks for context-independent tokens precomputed), fast masks."""
 
     name = "xgrammar"
@@ -233,14 +259,7 @@ class XgrammarBackend:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
         self._cache = GrammarCache(cache_size, size_of=lambda g: int(g.handle.memory_size_bytes))
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        return self._cache.get_or_compile(params.key, lambda: self._compile(params))
-
-    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
-        return self._cache.get(params.key)
-
-    def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
-        _check_owner(self.name, grammar)
+    def _new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         return XgrammarMatcher(grammar.handle, self.vocab.stop_token_ids)
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -319,7 +338,7 @@ def decoder_vocab_type(raw: RawTokenizer) -> str:
 # -- llguidance ------------------------------------------------------------------------------------------------
 
 
-class GuidanceBackend:
+class GuidanceBackend(CachedBackend):
     """llguidance: grammars compiled lazily (an Earley parser over a lexer), masks computed per step."""
 
     name = "guidance"
@@ -329,14 +348,7 @@ class GuidanceBackend:
         self.ll_tokenizer = _guidance_tokenizer(vocab)
         self._cache = GrammarCache(cache_size)
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        return self._cache.get_or_compile(params.key, lambda: self._compile(params))
-
-    def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
-        return self._cache.get(params.key)
-
-    def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
-        _check_owner(self.name, grammar)
+    def _new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         return GuidanceMatcher(grammar.handle.deep_copy(), self.vocab.stop_token_ids, self.ll_tokenizer.vocab_size)
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -468,11 +480,6 @@ class AutoBackend:
             if self._fallback is None:
                 self._fallback = GuidanceBackend(self.vocab, self._cache_size)
             return self._fallback
-
-
-def _check_owner(name: str, grammar: CompiledGrammar) -> None:
-    if grammar.backend != name:
-        raise ValueError(f"a grammar compiled by {grammar.backend} cannot run on the {name} backend")
 
 
 def make_backend(name: str, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE) -> GrammarBackend:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvserve.capacity import KVShape
 from kvserve.capacity_catalog import CATALOG, find_entry
+from kvserve.json_files import read_json_object
 from kvserve.model.config import ModelConfig
 
 
@@ -62,7 +63,7 @@ def resolve_model_facts(model: str | None) -> ModelFacts:
 
     path = Path(model).expanduser() if model else None
     if path is not None and path.is_file() and path.suffix == ".json":
-        return _from_hf_config(_read_json(path), path.parent, str(path), path.parent.name or path.stem)
+        return _from_hf_config(read_json_object(path), path.parent, str(path), path.parent.name or path.stem)
     is_local = model is None or model in (DEFAULT_MODEL_NAME, "default") or (path is not None and path.exists())
     if model is not None and not is_local:  # is_local holds when model is None
         entry = find_entry(model)
@@ -77,7 +78,7 @@ def resolve_model_facts(model: str | None) -> ModelFacts:
     source = resolve_model(model)
     if source.format == ModelFormat.GGUF:
         return _from_gguf(source.path, source.name)
-    return _from_hf_config(_read_json(source.path / "config.json"), source.path, str(source.path), source.name)
+    return _from_hf_config(read_json_object(source.path / "config.json"), source.path, str(source.path), source.name)
 
 
 def kv_shape_from_hf_config(cfg: dict[str, Any]) -> tuple[KVShape, ModelConfig | None]:
@@ -197,13 +198,3 @@ def _safetensors_parameters(directory: Path) -> tuple[int, int] | None:
                 params += math.prod(info["shape"])
                 nbytes += info["data_offsets"][1] - info["data_offsets"][0]
     return params, nbytes
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
