@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import resource
 import sys
 import time
 from collections.abc import Sequence
 
 from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.outputs import RequestOutput
 from kvserve.units import KiB, format_gib
 
 
@@ -63,10 +65,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         for o in outputs
     ]
-    text = "\n".join(f"{o.prompt}{c.text}" if args.echo else c.text for o in outputs for c in o.outputs)
+    text = _generated_text(outputs, args.echo)
     emit(doc, text, args.json)
     print(f"{num_out} tokens in {elapsed:.2f} s ({num_out / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def _generated_text(outputs: Sequence[RequestOutput], echo: bool) -> str:
+    """One prompt and one completion: its text as it is. Several: each under a header naming its prompt (and its
+    sample, with --n), so that a batch's outputs are told apart."""
+    pieces = [(i, o, c) for i, o in enumerate(outputs, start=1) for c in o.outputs]
+    if len(pieces) == 1:
+        _, o, c = pieces[0]
+        return f"{o.prompt}{c.text}" if echo else c.text
+    lines = []
+    for i, o, c in pieces:
+        sample = f", completion {c.index + 1} of {len(o.outputs)}" if len(o.outputs) > 1 else ""
+        lines.append(f"=== prompt {i} of {len(outputs)}{sample}: {o.prompt!r} ===")
+        lines.append(f"{o.prompt}{c.text}" if echo else c.text)
+    return "\n".join(lines)
 
 
 # Modules that each define `add_parser(subparsers)`, registering one subcommand whose parser sets `func`
@@ -117,19 +134,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The (sub)command's own parser that `argv` selects: `kvserve serve ...` -> serve's, `kvserve bench serve ...`
+    -> bench serve's; so that its usage, not the top level's, comes with an error about its flags."""
+    for token in argv:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if actions and token in actions[0].choices:
+            parser = actions[0].choices[token]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would blame the top-level parser and print its usage
+        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         if getattr(args, "plot", None):
             from kvserve.bench.plot import check_plot_target
 
             check_plot_target(args.plot)
-        return args.func(args)
+        return int(args.func(args))
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (`kvserve estimate --list-models | head`): stop quietly, as a Unix tool does; what is
+        # still buffered goes nowhere instead of raising again when the interpreter flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Prometheus metrics under vLLM's names with a `kvserve:` prefix, so existing dashboards carry over.
 
+Every series carries vLLM's `model_name` label (the first served name), so that vLLM's Grafana dashboard, whose
+queries filter on it, works with the prefix changed (docs/CAPACITY.md, "Metrics and dashboards").
+
 Why a per-instance CollectorRegistry: the global registry would make two apps in one process (tests, or an
 embedding program) share and clash over counters. Engine-wide figures (queue sizes, KV usage, cumulative
 token counts) are read from the engine's stats snapshot at scrape time by a custom collector, so they can
@@ -19,12 +22,15 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS
 
 if TYPE_CHECKING:
     from kvserve.engine.stats import EngineStats
     from kvserve.outputs import RequestOutput
+    from kvserve.sampling_params import SamplingParams
 
 PREFIX = "kvserve:"
 _LATENCY_BUCKETS = (
@@ -73,14 +79,31 @@ _ITL_BUCKETS = (
 )
 
 
-class EngineStatsCollector:
-    """Gauges and counters computed from the engine's latest EngineStats at each scrape."""
+_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts up to max-model-len)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
+
+
+class EngineStatsCollector:
+    """Gauges, counters and the step-size histogram computed from the engine's latest EngineStats at each scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str = "") -> None:
         self._stats = stats
+        self._model = [model_name]
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
+        model = self._model
         gauges = [
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting for admission.", s.num_waiting),
@@ -92,7 +115,9 @@ class EngineStatsCollector:
             ),
         ]
         for name, doc, value in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric(model, value)
+            yield gauge
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries_tokens),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
@@ -104,84 +129,118 @@ class EngineStatsCollector:
             ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", s.spec_decode_num_accepted_tokens),
         ]
         for name, doc, value in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(model, value)
+            yield counter
         if s.spec_decode_num_accepted_tokens_per_pos:  # speculation on: one sample per draft position, as vLLM
             per_pos = CounterMetricFamily(
                 PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                 "Drafts whose token at this draft position (0-based) was accepted.",
-                labels=["position"],
+                labels=["model_name", "position"],
             )
             for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-                per_pos.add_metric([str(pos)], value)
+                per_pos.add_metric([*model, str(pos)], value)
             yield per_pos
+        if s.iteration_tokens_counts:
+            cumulative, buckets = 0, []
+            for bound, count in zip((*ITERATION_TOKEN_BUCKETS, float("inf")), s.iteration_tokens_counts):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+            steps = HistogramMetricFamily(
+                PREFIX + "iteration_tokens_total", "Tokens in each engine step.", labels=["model_name"]
+            )
+            steps.add_metric(model, buckets, sum_value=s.iteration_tokens_sum)
+            yield steps
 
 
 class ServerMetrics:
-    """All of the server's collectors, in a registry of their own."""
+    """All of the server's collectors, in a registry of their own, every series labelled with the model's name."""
 
-    def __init__(self, stats: Callable[[], EngineStats], cache_config: Mapping[str, object]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        cache_config: Mapping[str, object],
+        model_name: str,
+        max_model_len: int,
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(stats))
+        self.registry.register(EngineStatsCollector(stats, model_name))
         info = Info(PREFIX + "cache_config", "KV cache configuration.", registry=self.registry)
         info.info({k: str(v) for k, v in cache_config.items()})
-        self.request_success = Counter(
+        self.model_name = model_name
+        self._success = Counter(
             PREFIX + "request_success",
             "Requests finished, by finish reason.",
-            ["finished_reason"],
+            ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Arrival to first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between output tokens.",
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Arrival to finish.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
-            "Arrival to first scheduling.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.prefill_time = Histogram(
-            PREFIX + "request_prefill_time_seconds",
-            "First scheduling to first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        tokens = buckets_1_2_5(max_model_len)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+        families = {
+            "ttft": histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS),
+            "itl": histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS),
+            "e2e": histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS),
+            "queue_time": histogram("request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS),
+            "prefill_time": histogram(
+                "request_prefill_time_seconds", "First scheduling to first token.", _LATENCY_BUCKETS
+            ),
+            "decode_time": histogram("request_decode_time_seconds", "First token to finish.", _LATENCY_BUCKETS),
+            "inference_time": histogram(
+                "request_inference_time_seconds", "First scheduling to finish (prefill and decode).", _LATENCY_BUCKETS
+            ),
+            "tpot": histogram(
+                "request_time_per_output_token_seconds",
+                "Decode time over the output tokens after the first, per request.",
+                _ITL_BUCKETS,
+            ),
+            "prompt_tokens": histogram("request_prompt_tokens", "Prompt tokens of each finished request.", tokens),
+            "generation_tokens": histogram(
+                "request_generation_tokens", "Tokens generated for each finished request (all of its n).", tokens
+            ),
+            "params_n": histogram("request_params_n", "The n request parameter.", _PARAMS_N_BUCKETS),
+            "params_max_tokens": histogram(
+                "request_params_max_tokens", "The max_tokens request parameter, where a request set one.", tokens
+            ),
+        }
+        # The children for this model, observed directly (labels() looks the child up on every call).
+        child = {name: family.labels(model_name) for name, family in families.items()}
+        self.ttft, self.itl, self.e2e = child["ttft"], child["itl"], child["e2e"]
+        self.queue_time, self.prefill_time = child["queue_time"], child["prefill_time"]
+        self.decode_time, self.inference_time, self.tpot = child["decode_time"], child["inference_time"], child["tpot"]
+        self.prompt_tokens, self.generation_tokens = child["prompt_tokens"], child["generation_tokens"]
+        self.params_n, self.params_max_tokens = child["params_n"], child["params_max_tokens"]
+
+    def request_success(self, reason: str) -> Counter:
+        """The success counter of one finish reason, for this model."""
+        return self._success.labels(self.model_name, reason)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, params: SamplingParams | None = None) -> RequestTracker:
+        return RequestTracker(self, params)
 
 
 class RequestTracker:
     """Follows one request's outputs as the server receives them: inter-token gaps as they arrive,
     latencies and the finish reason once it is done. Aborted requests are not successes."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, params: SamplingParams | None = None) -> None:
         self._metrics = metrics
+        self._params = params
         self._last_time: float | None = None
         self._finish_reasons: list[str] = []
+        self._num_generated = 0
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
         # The server's outputs are deltas (RequestOutputKind.DELTA): each sample's tokens and finish arrive once.
         new = sum(len(c.token_ids) for c in output.outputs)
+        self._num_generated += new
         self._finish_reasons.extend(c.finish_reason for c in output.outputs if c.finish_reason is not None)
         if new > 0 and self._last_time is not None:
             gap = (now - self._last_time) / new  # outputs that arrive together share the gap evenly
@@ -196,15 +255,28 @@ class RequestTracker:
         reasons = self._finish_reasons
         if "abort" in reasons:
             return
+        metrics = self._metrics
         for reason in reasons:
-            self._metrics.request_success.labels(finished_reason=reason).inc()
+            metrics.request_success(reason).inc()
+        metrics.prompt_tokens.observe(len(output.prompt_token_ids))
+        metrics.generation_tokens.observe(self._num_generated)
+        if self._params is not None:
+            metrics.params_n.observe(self._params.n)
+            if self._params.max_tokens is not None:
+                metrics.params_max_tokens.observe(self._params.max_tokens)
         m = output.metrics
         if m is None:
             return
+        finished = m.finished_time or now
         if m.first_token_time is not None:
-            self._metrics.ttft.observe(m.first_token_time - m.arrival_time)
+            metrics.ttft.observe(m.first_token_time - m.arrival_time)
+            metrics.decode_time.observe(finished - m.first_token_time)
+            per_sample = self._num_generated / (self._params.n if self._params is not None else 1)
+            if per_sample > 1:
+                metrics.tpot.observe((finished - m.first_token_time) / (per_sample - 1))
         if m.first_scheduled_time is not None:
-            self._metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            metrics.inference_time.observe(finished - m.first_scheduled_time)
             if m.first_token_time is not None:  # TTFT = queue + prefill: doctor tells the two causes apart
-                self._metrics.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
-        self._metrics.e2e.observe((m.finished_time or now) - m.arrival_time)
+                metrics.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        metrics.e2e.observe(finished - m.arrival_time)

@@ -454,4 +454,8 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
             )
             for i in range(width)
         ),
+        iteration_tokens_counts=tuple(
+            sum(counts) for counts in zip(*(s.iteration_tokens_counts for s in stats if s.iteration_tokens_counts))
+        ),
+        iteration_tokens_sum=sum(s.iteration_tokens_sum for s in stats),
     )

@@ -11,6 +11,7 @@ drives it (LLMEngine, or the async engine's thread) calls it from one thread.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -27,7 +28,7 @@ from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequences import SequenceGroup, SequenceState, SequenceTable
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from kvserve.engine.stop_checker import check_stop
 from kvserve.kv.cache import allocate_kv_cache, use_static_kv_scales
 from kvserve.kv.events import KVEventBuffer
@@ -120,6 +121,8 @@ class EngineCore:
         self.grammar = grammar  # shared with the front end, which compiles a request's grammar before sending it
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.step_sizes = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # steps by their tokens (the stats' histogram)
+        self.step_tokens_total = 0
         self.facts = EngineFacts(
             max_model_len=self.max_model_len,
             vocab_size=model_config.vocab_size,
@@ -221,6 +224,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.num_prompt_tokens_total,
             generation_tokens_total=self.num_generation_tokens_total,
+            iteration_tokens_counts=tuple(self.step_sizes),
+            iteration_tokens_sum=self.step_tokens_total,
             **spec,
         )
 
@@ -258,6 +263,8 @@ class EngineCore:
             self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
             raise
         self.scheduler.on_step_done(out)
+        self.step_sizes[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, out.num_tokens)] += 1
+        self.step_tokens_total += out.num_tokens
         self.num_prompt_tokens_total += sum(
             max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
         )

@@ -95,6 +95,7 @@ class RequestState:
         params: SamplingParams,
     ) -> None:
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params = params
         self._tokenizer = tokenizer
         self._kind = params.output_kind
         self._include_stop = params.include_stop_str_in_output

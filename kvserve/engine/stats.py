@@ -26,6 +26,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
+    # Steps by their tokens (vLLM's iteration_tokens_total): counts per ITERATION_TOKEN_BUCKETS bound, then +Inf.
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +40,7 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int
+
+
+# The step-size histogram's bucket bounds (vLLM's iteration_tokens_total); the counts live in EngineStats.
+ITERATION_TOKEN_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

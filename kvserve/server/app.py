@@ -66,6 +66,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
             "enable_prefix_caching": facts.enable_prefix_caching,
             "max_model_len": facts.max_model_len,
         },
+        model_name=settings.served_model_names[0],
+        max_model_len=facts.max_model_len,
     )
     for collector in engine.metric_collectors():
         metrics.registry.register(collector)

@@ -83,7 +83,7 @@ async def merged(ctx: ServerContext, streams: Sequence[RequestStream]) -> AsyncI
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
-        tracker = ctx.metrics.tracker()
+        tracker = ctx.metrics.tracker(stream.state.params)
         try:
             async for output in stream:
                 tracker.observe(output)

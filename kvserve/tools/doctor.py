@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from kvserve.tools.doctor_checks import Evidence, Finding, ProbeResult, Thresholds, diagnose
 from kvserve.tools.metrics_snapshot import Snapshot
@@ -84,12 +87,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         client = Client(args.url, args.api_key, args.timeout)
         models = client.models()
-        snapshots = [client.snapshot()]
-        if args.probe:
-            probe = run_probe(client, models[0] if models else None, args.probe_prompt_lens, args.probe_concurrency)
-        for _ in range(max(args.scrapes, 1) - 1):
-            time.sleep(args.interval)
-            snapshots.append(client.snapshot())
+        scrapes = max(args.scrapes, 1)
+        # What it is doing and for how long (the scrapes alone take (scrapes - 1) x interval: 20 s by default).
+        print(
+            f"kvserve doctor: reading {args.url}/metrics {scrapes} times, {args.interval:g} s apart "
+            f"(about {(scrapes - 1) * args.interval:.0f} s{', after the probe' if args.probe else ''})",
+            file=sys.stderr,
+        )
+        with tqdm(total=scrapes, desc="scrapes", unit="scrape", file=sys.stderr) as bar:
+            snapshots = [client.snapshot()]
+            bar.update(1)
+            if args.probe:
+                bar.set_description("probe")
+                model = models[0] if models else None
+                probe = run_probe(client, model, args.probe_prompt_lens, args.probe_concurrency)
+                bar.set_description("scrapes")
+            for _ in range(scrapes - 1):
+                time.sleep(args.interval)
+                snapshots.append(client.snapshot())
+                bar.update(1)
         source = args.url
     ev = Evidence(snapshots, probe)
     findings = diagnose(ev, Thresholds())

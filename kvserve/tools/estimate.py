@@ -28,7 +28,8 @@ SCHEMA = (
     "{model: {name, kind (catalog|hf-config|gguf), source, attention (MHA|GQA|MQA|MLA), num_layers, "
     "num_attention_heads, num_kv_heads, head_dim, head_dim_note, kv_factor (2 = K and V, 1 = MLA latent), "
     "sliding_windows (per layer, null = global), context_len, checkpoint_dtype, num_parameters, "
-    "num_parameters_note, file_bytes}, device, dtype, block_size, weights: {bytes, formula}, "
+    "num_parameters_note, file_bytes}, device, dtype, quantization (none|q8_0|gguf, as serve resolves it), "
+    "block_size, weights: {bytes, formula}, "
     "budget: {kv_bytes, source (kv-cache-memory-bytes|memory|cpu-default), formula} | null, "
     "kv: [{kv_cache_dtype, bytes_per_token, formula, terms: {kv_factor, num_layers, num_kv_heads, head_dim, "
     "element_bytes, scale_bytes}, bytes_per_block, plan: {num_blocks (the null block included), num_usable_blocks "
@@ -242,7 +243,7 @@ def render_estimate(doc: dict[str, Any]) -> str:
         lines.append(f"  sliding window {', '.join(map(str, windows))} on {n_local} of {m['num_layers']} layers")
     weights = doc["weights"]
     lines.append(
-        f"Weights ({doc['dtype']} on {doc['device']}): "
+        f"Weights ({doc['dtype'] if doc['quantization'] == 'none' else doc['quantization']} on {doc['device']}): "
         + (f"{format_gib(weights['bytes'])} = {weights['formula']}" if weights["bytes"] else weights["formula"])
     )
     if doc["budget"]:

@@ -6,11 +6,13 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.capacity import Budget, budget_from_memory, resolve_compute_dtype
+from kvserve.capacity import Budget, budget_from_memory, resolve_compute_dtype, resolve_quantization
 from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from kvserve.tools.model_facts import ModelFacts
 from kvserve.tools.report import size_arg
-from kvserve.vocab import COMPUTE_DTYPES, KV_DTYPES
+from kvserve.vocab import COMPUTE_DTYPES, KV_DTYPES, QUANTIZATION_METHODS
+
+Q8_0_BYTES_PER_WEIGHT = 1 + 4 / 32  # int8, and a float32 scale per 32 weights (kvserve/kernels/q8.py)
 
 
 def add_sizing_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +59,14 @@ def add_sizing_args(parser: argparse.ArgumentParser) -> None:
         help="memory for activations and runtime, subtracted with --memory (vLLM profiles it)",
     )
     parser.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=["auto", *QUANTIZATION_METHODS],
+        help="the weights as `kvserve serve` would hold them: auto = the GGUF file's own blocks (gguf) for a GGUF "
+        "file on CPU, else the checkpoint's weights in --dtype (none); q8_0 = int8 plus a float32 scale per 32",
+    )
+    parser.add_argument(
         "--weights-bytes", type=size_arg, default=None, help="override the weights' size (e.g. for quantized weights)"
     )
 
@@ -67,6 +77,7 @@ class Setup:
 
     device: str
     dtype: str
+    quantization: str  # as `kvserve serve` would resolve --quantization
     block_size: int
     weights_bytes: int | None
     weights_formula: str
@@ -81,6 +92,7 @@ class Setup:
         return {
             "device": self.device,
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "block_size": self.block_size,
             "weights": {"bytes": self.weights_bytes, "formula": self.weights_formula},
             "budget": budget,
@@ -92,8 +104,18 @@ def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     device = args.device or ("cuda" if args.memory is not None else "cpu")
     dtype = resolve_compute_dtype(args.dtype, device, facts.checkpoint_dtype)
+    quantization = resolve_quantization(args.quantization, device, "gguf" if facts.kind == "gguf" else "hf")
     if args.weights_bytes is not None:
         weights, formula = args.weights_bytes, f"{args.weights_bytes} bytes (--weights-bytes)"
+    elif quantization == "gguf" and facts.file_bytes is not None:
+        weights = facts.file_bytes
+        formula = f"{weights} bytes: the GGUF file's own blocks, run as stored (--quantization gguf)"
+    elif quantization == "q8_0" and facts.num_parameters is not None:
+        weights = round(facts.num_parameters * Q8_0_BYTES_PER_WEIGHT)
+        formula = (
+            f"{facts.num_parameters} parameters ({facts.num_parameters_note}) x {Q8_0_BYTES_PER_WEIGHT} bytes "
+            f"(q8_0: int8 and a float32 scale per 32) = {weights} bytes"
+        )
     elif facts.num_parameters is not None:
         elem = KV_DTYPES[dtype].element_bytes
         weights = facts.num_parameters * elem
@@ -103,7 +125,7 @@ def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
         )
     else:
         weights, formula = None, f"unknown: {facts.num_parameters_note}"
-    return Setup(device, dtype, args.block_size, weights, formula, _budget(args, device, weights))
+    return Setup(device, dtype, quantization, args.block_size, weights, formula, _budget(args, device, weights))
 
 
 def _budget(args: argparse.Namespace, device: str, weights: int | None) -> Budget | None:

@@ -65,7 +65,10 @@ def test_doctor_reads_the_real_server_and_probes_it(server_url: str, capsys) -> 
             "--json",
         ]
     )
-    doc = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    # It says what it does and for how long before the scrapes' silence (20 s by default), and shows progress.
+    assert f"reading {server_url}/metrics 2 times, 0 s apart" in captured.err and "scrapes" in captured.err
     assert doc["models"] == ["tiny"]
     assert doc["cache_config"]["num_blocks"] == "256" and doc["cache_config"]["block_size"] == "4"
     assert [r["concurrency"] for r in doc["probe"]["latency_by_concurrency"]] == [1, 3]

@@ -31,6 +31,10 @@ class SoakShape:
     max_tokens: tuple[int, int]
     disconnect_share: float = 0.2
     words: tuple[str, ...] = ()  # draw prompts from these words if given, else from letters
+    # Requests after which the process's memory has stopped growing from warm-up alone (allocator pools, the
+    # largest batch and sequence lengths seen, lazily built kernels and caches): measured per shape
+    # (docs/RELIABILITY.md, "Soak"); RSS growth past it is judged by rss_verdict.
+    warmup_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,10 +227,59 @@ def _judge(spec: RequestSpec, choices: dict[int, tuple[str, str | None]], comple
     return Outcome(spec, "completed")
 
 
-def summary_line(report: SoakReport, preemptions: int, leaked: int, rss_growth_mib: float, seconds: float) -> str:
+# A per-request leak at least this big fails the soak: a request that kept its prompt's text, its output's
+# token list and a few objects would leak about 5-20 KiB; one that kept its logits row, a MiB.
+LEAK_BYTES_PER_REQUEST = 32 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class RssVerdict:
+    """Memory over a soak, from RSS samples taken with the server drained: the growth during warm-up, the growth
+    after it, and the median growth per request over the intervals between samples after it (what a per-request
+    leak shows in every interval)."""
+
+    warmup_growth_mib: float
+    growth_after_warmup_mib: float
+    kib_per_request: float
+    samples_after_warmup: int
+
+    @property
+    def ok(self) -> bool:
+        return self.kib_per_request * 1024 < LEAK_BYTES_PER_REQUEST
+
+    def __str__(self) -> str:
+        return (
+            f"rss_warmup_mib={self.warmup_growth_mib:.1f} rss_after_warmup_mib={self.growth_after_warmup_mib:.1f} "
+            f"rss_kib_per_request={self.kib_per_request:.1f}"
+        )
+
+
+def rss_verdict(samples: list[tuple[int, int]], warmup_requests: int) -> RssVerdict:
+    """The verdict on (requests done, RSS bytes) samples, judged from warmup_requests on (at least three samples).
+
+    Why the median of the intervals' growth and not first against last, nor a fitted line: warm-up growth
+    flattens (a fixed amount, however long the soak), and the allocator moves a drained process's RSS by tens of
+    MiB in single jumps, up or down (the default model: +31 MiB then back, +34 MiB in the last tenth), so any one
+    interval can jump; a leak grows in every interval by the same amount per request, so the median interval shows
+    it, and isolated jumps in under half of them do not move it."""
+    after = [(n, rss) for n, rss in samples if n >= warmup_requests]
+    if len(after) < 3:
+        raise ValueError(f"{len(after)} RSS samples after {warmup_requests} warm-up requests: the trend needs 3")
+    rates = sorted((b - a) / (m - n) for (n, a), (m, b) in zip(after, after[1:]))
+    middle = len(rates) // 2
+    median = rates[middle] if len(rates) % 2 else (rates[middle - 1] + rates[middle]) / 2
+    return RssVerdict(
+        (after[0][1] - samples[0][1]) / (1 << 20),
+        (after[-1][1] - after[0][1]) / (1 << 20),
+        median / 1024,
+        len(after),
+    )
+
+
+def summary_line(report: SoakReport, preemptions: int, leaked: int, memory: RssVerdict, seconds: float) -> str:
     """The one line the soak prints (and docs/RELIABILITY.md quotes)."""
     return (
         f"soak: requests={len(report.outcomes)} completed={report.count('completed')} "
         f"aborted={report.count('aborted')} failed={report.count('failed')} preemptions={preemptions} "
-        f"leaked_blocks={leaked} rss_growth_mib={rss_growth_mib:.1f} duration_s={seconds:.0f}"
+        f"leaked_blocks={leaked} {memory} duration_s={seconds:.0f}"
     )

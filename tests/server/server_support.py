@@ -163,7 +163,8 @@ def http(server: RunningServer) -> Iterator[httpx.Client]:
 
 
 def metric_values(client: httpx.Client) -> dict[str, float]:
-    """Sample name (with labels) -> value, from /metrics parsed by prometheus_client's parser."""
+    """Sample name (with labels, but the model_name every series carries) -> value, from /metrics parsed by
+    prometheus_client's parser (tests/server/test_metrics.py checks the model_name labels themselves)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     response = client.get("/metrics")
@@ -171,7 +172,7 @@ def metric_values(client: httpx.Client) -> dict[str, float]:
     values = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return values
 

@@ -22,6 +22,14 @@ HISTOGRAMS = [
     "kvserve:inter_token_latency_seconds",
     "kvserve:e2e_request_latency_seconds",
     "kvserve:request_queue_time_seconds",
+    "kvserve:request_prefill_time_seconds",
+    "kvserve:request_decode_time_seconds",
+    "kvserve:request_inference_time_seconds",
+    "kvserve:request_time_per_output_token_seconds",
+    "kvserve:request_prompt_tokens",
+    "kvserve:request_generation_tokens",
+    "kvserve:request_params_n",
+    "kvserve:request_params_max_tokens",
 ]
 
 
@@ -58,3 +66,31 @@ def test_metrics_names_and_values(make_server):
         assert m[f"{name}_count"] >= 3, name
         assert m[f"{name}_bucket{{le=+Inf}}"] == m[f"{name}_count"]
     assert m["kvserve:inter_token_latency_seconds_count"] <= 4 * 4  # at most one gap per token after the first
+    # vLLM's request-level series: 3 requests (one with n=2), 5 tokens per sample, max_tokens 5.
+    assert m["kvserve:request_generation_tokens_sum"] == 5 + 5 + 2 * 5
+    assert m["kvserve:request_params_n_sum"] == 1 + 1 + 2 and m["kvserve:request_params_max_tokens_sum"] == 15
+    assert m["kvserve:request_prompt_tokens_count"] == 3
+    # Steps by their tokens, from the engine: every token the engine computed is in some step.
+    assert m["kvserve:iteration_tokens_total_sum"] >= m["kvserve:generation_tokens_total"]
+    assert m["kvserve:iteration_tokens_total_bucket{le=+Inf}"] == m["kvserve:iteration_tokens_total_count"] > 0
+
+
+def test_every_series_carries_the_model_name(make_server):
+    """vLLM's dashboards filter every query on model_name: each kvserve series but the cache_config info has it,
+    set to the first served name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = make_server()
+    with srv.client() as c:
+        assert c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3}).status_code == 200
+        families = list(text_string_to_metric_families(c.get("/metrics").text))
+    samples = [
+        s
+        for f in families
+        for s in f.samples
+        if s.name.startswith("kvserve:") and s.name != "kvserve:cache_config_info"
+    ]
+    assert len(samples) > 50
+    assert all(s.labels.get("model_name") == "tiny" for s in samples), [
+        s for s in samples if "model_name" not in s.labels
+    ]
