@@ -97,7 +97,7 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
 class EngineStatsCollector:
     """Gauges, counters and the step-size histogram computed from the engine's latest EngineStats at each scrape."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str = "") -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self._stats = stats
         self._model = [model_name]
 

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvserve.json_flags import config_from_json_flag
+from kvserve.json_flags import check_field_types, config_from_json_flag
 
 if TYPE_CHECKING:
     from kvserve.kv.event_publisher import ZmqKVEventPublisher
@@ -46,23 +46,9 @@ class KVEventsConfig:
     event_encoding: str = "map"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "kv_events_config")
         if self.publisher is None:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
-        types: list[tuple[str, type | tuple[type, ...]]] = [
-            ("enable_kv_cache_events", bool),
-            ("publisher", str),
-            ("endpoint", str),
-            ("replay_endpoint", (str, type(None))),
-            ("buffer_steps", int),
-            ("hwm", int),
-            ("max_queue_size", int),
-            ("topic", str),
-            ("event_encoding", str),
-        ]
-        for name, kind in types:
-            value = getattr(self, name)
-            if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-                raise ValueError(f"kv_events_config {name} has the wrong type: {value!r}")
         checks = [
             (self.publisher in PUBLISHERS, "publisher", f"one of {', '.join(PUBLISHERS)}"),
             (self.endpoint.startswith(ENDPOINT_SCHEMES), "endpoint", f"a ZMQ address ({', '.join(ENDPOINT_SCHEMES)})"),

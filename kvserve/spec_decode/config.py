@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.json_flags import config_from_json_flag
+from kvserve.json_flags import check_field_types, config_from_json_flag
 
 # Methods vLLM has that kvserve does not (a second model or extra heads): named so the error can say so.
 _UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
@@ -47,6 +47,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
+        check_field_types(self, "speculative_config")
         if self.method in _UNSUPPORTED_METHODS:
             raise ValueError(
                 f'speculative method {self.method!r} is not supported by kvserve; use "ngram" '

@@ -118,7 +118,7 @@ def test_stop_strings_and_max_tokens_end_inside_an_accepted_draft(checkpoint):
 def test_acceptance_metrics_are_exported(checkpoint):
     engine = make_engine(checkpoint, SPEC)
     run(engine, repetitive_prompts(3, seed=5), [GREEDY] * 3)
-    families = {m.name: m.samples[0].value for m in EngineStatsCollector(engine.stats).collect()}
+    families = {m.name: m.samples[0].value for m in EngineStatsCollector(engine.stats, "m").collect()}
     stats = engine.stats()
     assert families["kvserve:spec_decode_num_drafts"] == stats.spec_decode_num_drafts > 0
     assert families["kvserve:spec_decode_num_draft_tokens"] == stats.spec_decode_num_draft_tokens
@@ -130,14 +130,16 @@ def test_acceptance_metrics_are_exported(checkpoint):
     assert per_pos[0] <= stats.spec_decode_num_drafts
     family = next(
         m
-        for m in EngineStatsCollector(engine.stats).collect()
+        for m in EngineStatsCollector(engine.stats, "m").collect()
         if m.name == "kvserve:spec_decode_num_accepted_tokens_per_pos"
     )
-    assert [(s.labels, s.value) for s in family.samples] == [({"position": str(i)}, v) for i, v in enumerate(per_pos)]
+    assert [(s.labels, s.value) for s in family.samples] == [
+        ({"model_name": "m", "position": str(i)}, v) for i, v in enumerate(per_pos)
+    ]
     plain = make_engine(checkpoint, None)
     assert plain.stats().spec_decode_num_accepted_tokens_per_pos == ()
     assert "kvserve:spec_decode_num_accepted_tokens_per_pos" not in {
-        m.name for m in EngineStatsCollector(plain.stats).collect()
+        m.name for m in EngineStatsCollector(plain.stats, "m").collect()
     }  # speculation off: no per-position family
 
 
