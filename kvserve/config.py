@@ -7,11 +7,12 @@ config (dataclasses.replace), so the caller's own object keeps what the caller a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.kv.events_config import KVEventsConfig, parse_kv_events_config
 from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from kvserve.structured.config import StructuredOutputsConfig, parse_structured_outputs_config
 from kvserve.units import GiB, parse_size
 from kvserve.vocab import (
     ATTENTION_BACKENDS,
@@ -69,6 +70,9 @@ class EngineConfig:
     chat_template: str | None = None
     # Grammar library for structured output (vLLM's flag): auto, xgrammar or guidance (llguidance).
     structured_outputs_backend: str = "auto"
+    # vLLM's --structured-outputs-config: kvserve's compile budgets (structured/config.py). JSON text, a dict or None
+    # (the defaults) are parsed here, once.
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Speculative decoding (vLLM's --speculative-config); None (the default): off. The offline API may pass the flag's
     # JSON text or a dict: __post_init__ parses it, once, so that every reader sees a SpeculativeConfig.
     speculative_config: SpeculativeConfig | None = None
@@ -84,6 +88,9 @@ class EngineConfig:
         raw: Any = self
         object.__setattr__(self, "speculative_config", parse_speculative_config(raw.speculative_config))
         object.__setattr__(self, "kv_events_config", parse_kv_events_config(raw.kv_events_config))
+        object.__setattr__(
+            self, "structured_outputs_config", parse_structured_outputs_config(raw.structured_outputs_config)
+        )
         if isinstance(raw.kv_cache_memory_bytes, str):
             object.__setattr__(self, "kv_cache_memory_bytes", parse_size(raw.kv_cache_memory_bytes))
         if isinstance(raw.cuda_graph_sizes, list):

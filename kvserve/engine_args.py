@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.config import EngineConfig
+from kvserve.structured.config import parse_structured_outputs_config
 from kvserve.units import parse_size
 from kvserve.vocab import (
     ATTENTION_BACKENDS,
@@ -145,6 +146,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(fast masks), guidance (llguidance: wider JSON-schema coverage, whitespace_pattern), or "
         "auto (default): xgrammar, falling back to llguidance for a request xgrammar refuses",
     )
+    o.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help="JSON, vLLM's flag with kvserve's compile budgets: max_compile_seconds (10: a compile past it is killed "
+        "and its request gets a 400), max_grammar_bytes (262144: a larger constraint is refused before compiling), "
+        "max_concurrent_compiles (1), max_queued_compiles (64: beyond them a 503), max_cache_bytes (256 MiB of "
+        "compiled grammars), compile_in_process (true: xgrammar compiles in worker processes); "
+        "docs/STRUCTURED_OUTPUT.md",
+    )
     d = parser.add_argument_group("speculative decoding")
     d.add_argument(
         "--speculative-config",
@@ -187,6 +197,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chat_template=args.chat_template,
         served_model_name=getattr(args, "served_model_name", None),
         structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
+        structured_outputs_config=parse_structured_outputs_config(getattr(args, "structured_outputs_config", None)),
         speculative_config=getattr(args, "speculative_config", None),
         kv_events_config=getattr(args, "kv_events_config", None),
     )

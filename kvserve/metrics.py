@@ -153,6 +153,22 @@ class EngineStatsCollector:
             yield steps
 
 
+class GrammarCollector:
+    """The grammar compile pool's load at each scrape (kvserve's own series: vLLM has none for it)."""
+
+    def __init__(self, in_flight: Callable[[], int], model_name: str) -> None:
+        self._in_flight, self._model = in_flight, [model_name]
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            PREFIX + "grammar_compiles_in_flight",
+            "Grammar compiles running or queued (--structured-outputs-config bounds them).",
+            labels=["model_name"],
+        )
+        gauge.add_metric(self._model, self._in_flight())
+        yield gauge
+
+
 class ServerMetrics:
     """All of the server's collectors, in a registry of their own, every series labelled with the model's name."""
 

@@ -79,8 +79,9 @@ def measure(backend_name: str, walks: int) -> dict:
     else:
         import llguidance  # noqa: F401
     import_s = time.perf_counter() - t0
-    from kvserve.structured import GrammarVocab, StructuredOutputsParams, make_backend
+    from kvserve.structured.backend import GrammarVocab, make_backend
     from kvserve.structured.matcher import allocate_token_bitmask, apply_token_bitmask_
+    from kvserve.structured.params import StructuredOutputsParams
 
     gc.collect()
     rss0 = rss_mib()

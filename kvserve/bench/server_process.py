@@ -74,12 +74,13 @@ class ServerProcess:
         raise ValueError(f"the server was not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def metrics(self) -> dict[MetricKey, float]:
-        """Every sample of /metrics, by name and labels."""
+        """Every sample of /metrics, by name and labels (but model_name, which every series has: one model a
+        server)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(self.base_url + "/metrics", timeout=30.0).text
         return {
-            (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): float(s.value)
             for family in text_string_to_metric_families(text)
             for s in family.samples
         }

@@ -16,7 +16,7 @@ from kvserve.bench.options import add_engine_args, add_output_args, add_repeats_
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import LLMEngine
-    from kvserve.structured import StructuredOutputsParams
+    from kvserve.structured.params import StructuredOutputsParams
 
 SCHEMA = """\
 results: {"workload": {"schema", "prompt_len", "output_len", "repeats", "backend"},
@@ -164,7 +164,7 @@ def _mask_cost(engine: LLMEngine, structured: StructuredOutputsParams, walks: li
     import torch
 
     from kvserve.bench.stats import median
-    from kvserve.structured import apply_token_bitmask_, fill_step_bitmask
+    from kvserve.structured.matcher import apply_token_bitmask_, fill_step_bitmask
 
     compiled = engine.grammar.compile(structured)
     matchers = [engine.grammar.matcher(compiled) for _ in walks]
@@ -202,7 +202,7 @@ def _cached_path_ms(engine: LLMEngine, structured: StructuredOutputsParams, repe
     import torch
 
     from kvserve.bench.stats import median
-    from kvserve.structured import apply_token_bitmask_, fill_step_bitmask
+    from kvserve.structured.matcher import apply_token_bitmask_, fill_step_bitmask
 
     width = engine.grammar.backend.vocab.vocab_size
     logits = torch.randn(1, width, generator=torch.Generator().manual_seed(1))
@@ -221,7 +221,7 @@ def _cached_path_ms(engine: LLMEngine, structured: StructuredOutputsParams, repe
 def _compile_times(engine: LLMEngine, count: int, compact: bool) -> dict[str, Any]:
     """Backend build (first use), then `count` distinct schemas compiled cold, then each again (cached)."""
     from kvserve.bench.stats import median
-    from kvserve.structured import StructuredOutputsParams
+    from kvserve.structured.params import StructuredOutputsParams
 
     start = time.perf_counter()
     _ = engine.grammar.backend
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench.stats import median, ratio
     from kvserve.bench.systems import KVServeSystem, build_engine, special_token_ids
     from kvserve.bench.workload import random_token_ids
-    from kvserve.structured import StructuredOutputsParams
+    from kvserve.structured.params import StructuredOutputsParams
 
     if args.plot:
         from kvserve.bench.plot import check_plot_target

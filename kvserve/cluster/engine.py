@@ -184,7 +184,11 @@ class ClusterEngine:
         facts = facts_list[0]
         tokenizer = load_tokenizer(resolve_model(config.model), chat_template=config.chat_template)
         grammar = GrammarCompiler(
-            tokenizer, facts.logits_width, facts.eos_token_ids, backend=config.structured_outputs_backend
+            tokenizer,
+            facts.logits_width,
+            facts.eos_token_ids,
+            backend=config.structured_outputs_backend,
+            config=config.structured_outputs_config,
         )
         # Replicas on different machines may fit different pools: the server promises what all of them hold.
         facts = dataclasses.replace(facts, num_blocks=min(f.num_blocks for f in facts_list))

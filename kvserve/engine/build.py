@@ -114,7 +114,11 @@ def build_core(
     plan = plan_cache(config, model_config, spec, device, profiled_budget)
     if grammar is None:
         grammar = GrammarCompiler(
-            tokenizer, model.num_logits, model_config.eos_token_ids, backend=config.structured_outputs_backend
+            tokenizer,
+            model.num_logits,
+            model_config.eos_token_ids,
+            backend=config.structured_outputs_backend,
+            config=config.structured_outputs_config,
         )
     return EngineCore(config, model_config, model, spec, plan, grammar, device)
 
@@ -177,14 +181,18 @@ def load_engine(config: EngineConfig) -> LLMEngine:
 
 def sibling(engine: LLMEngine, **changes: Any) -> LLMEngine:
     """A new engine (own KV cache, scheduler and requests) sharing `engine`'s loaded model and tokenizer, with
-    `changes` applied to its config. The grammar compiler is shared too unless the change is its backend."""
+    `changes` applied to its config. The grammar compiler is shared too unless the change is its backend or budgets."""
     fixed = _MODEL_SETTINGS & changes.keys()
     if fixed:
         raise ValueError(f"a sibling engine shares the loaded model, so it cannot change {', '.join(sorted(fixed))}")
     core = engine.core
     changes.setdefault("kv_events_config", None)  # one publisher per address: the sibling publishes none
     config = dataclasses.replace(core.config, **changes)
-    grammar = core.grammar if config.structured_outputs_backend == core.config.structured_outputs_backend else None
+    same = (config.structured_outputs_backend, config.structured_outputs_config) == (
+        core.config.structured_outputs_backend,
+        core.config.structured_outputs_config,
+    )
+    grammar = core.grammar if same else None
     new_core = build_core(
         config, core.model_config, core.runner.model, engine.tokenizer, core.device, engine.compute_dtype, grammar
     )

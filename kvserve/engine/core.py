@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.engine.core_outputs import EngineCoreOutput
+from kvserve.engine.core_outputs import GRAMMAR_DEAD_END, EngineCoreOutput
 from kvserve.engine.cuda_graphs import build_decode_graphs
 from kvserve.engine.facts import EngineFacts, validate_request
 from kvserve.engine.inspector import EngineEventRecorder, build_snapshot
@@ -140,9 +140,12 @@ class EngineCore:
         logger.info(cache_plan.describe())
 
     def close(self) -> None:
-        """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued)."""
+        """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued), and
+        the grammar compiler's threads and worker processes (a compile in flight is stopped, not waited for: at exit
+        a thread in a long compile held the process for tens of seconds; a sibling sharing it starts them again)."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
+        self.grammar.close()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -328,13 +331,20 @@ class EngineCore:
 
     def _append_tokens(self, seq: SequenceState, tokens: list[SampledToken], now: float) -> bool:
         """Record sampled tokens in order, stopping at the first that ends the sequence. A fault here (a grammar
-        that refuses its own mask's token) fails this request alone. Returns whether the sequence runs on."""
+        matcher past its own limits) fails this request alone. Returns whether the sequence runs on."""
         request = seq.request
         try:
             for token in tokens:
                 tid = token.token_id
-                if seq.matcher is not None:
-                    _advance_grammar(seq.matcher, tid)  # first: a refused token is not recorded
+                if seq.matcher is not None and not _advance_grammar(seq.matcher, tid):  # first: a refused token is not
+                    # recorded. The mask allowed it, so the grammar has no way on from here (a dead end): the sequence
+                    # ends cleanly with what it has, which the grammar allowed, never with a token it refuses.
+                    logger.info(
+                        "request %r: its grammar refused token %d, which its mask allowed: ended", seq.group_id, tid
+                    )
+                    request.stop_reason = GRAMMAR_DEAD_END
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                    return False
                 request.output_token_ids.append(tid)
                 self.num_generation_tokens_total += 1
                 if request.first_token_time is None:
@@ -350,6 +360,7 @@ class EngineCore:
                 stop = check_stop(request, tid, self.eos_token_ids, self.max_model_len, grammar_done)
                 if stop is not None:
                     request.stop_reason = stop[1]
+                    request.ends_on_stop_token = stop[0] is RequestStatus.FINISHED_STOPPED
                     self.scheduler.finish(request, stop[0])
                     return False
         except Exception as exc:  # noqa: BLE001 -- e.g. the grammar or a stop check: it fails alone
@@ -380,7 +391,8 @@ class EngineCore:
                     raise RuntimeError("a constrained sequence was scheduled before its grammar compiled")
                 matcher = self.grammar.matcher(grammar.result())
                 for tid in seq.request.output_token_ids:  # the state of its output so far (after a preemption)
-                    _advance_grammar(matcher, tid)
+                    if not _advance_grammar(matcher, tid):
+                        raise RuntimeError(f"the grammar refused token {tid} of the sequence's own output")
                 seq.matcher = matcher
             except Exception as exc:  # noqa: BLE001 -- this request's own fault: it fails alone
                 self._fail(seq, exc)
@@ -476,11 +488,12 @@ class EngineCore:
                 raise AssertionError(f"{block} has ref_cnt {block.ref_cnt} but {counts.get(block.block_id, 0)} holders")
 
 
-def _advance_grammar(matcher: GrammarMatcher, token_id: int) -> None:
-    """Feed one sampled token to the sequence's grammar. The mask allowed it, so a refusal (or a matcher that hit
-    its own limit) is a fault of this request: raised, it fails the request alone."""
+def _advance_grammar(matcher: GrammarMatcher, token_id: int) -> bool:
+    """Feed one sampled token to the sequence's grammar; False when it refuses the token. A matcher that hit its
+    own limit (llguidance's parser fuel) is a fault of this request: raised, it fails the request alone."""
     if not matcher.accept_token(token_id):
-        raise RuntimeError(f"the grammar refused token {token_id}, which its mask allowed")
+        return False
     error = matcher.error()
     if error is not None:
         raise RuntimeError(f"the grammar matcher failed: {error}")
+    return True

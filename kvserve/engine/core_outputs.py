@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from kvserve.engine.stats import RequestMetrics
 from kvserve.outputs import Logprob
 
+# The stop_reason of a sequence whose grammar refused a token its own mask allowed: no way on from there
+# (docs/STRUCTURED_OUTPUT.md).
+GRAMMAR_DEAD_END = "grammar_dead_end"
+
 # One position's logprobs as vLLM lays them out (the chosen token first, then the top-n in rank order); in a core
 # output each Logprob's decoded_token is None: the front end fills it in.
 PositionLogprobs = dict[int, Logprob]
@@ -24,8 +28,9 @@ class SequenceDelta:
     index: int  # 0..n-1
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None  # one per token, when the request asked for logprobs
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; "stop" ends on a stop token (EOS, stop id)
-    stop_reason: int | None  # the stop token id that ended it (stop strings are the front end's)
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None  # the stop token id that ended it, or GRAMMAR_DEAD_END (stop strings: the front end)
+    ends_on_stop_token: bool = False  # its last token is the stop token that ended it (kept out of the text)
 
 
 @dataclass(slots=True)

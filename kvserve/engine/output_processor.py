@@ -164,7 +164,7 @@ class RequestState:
                 entry = self._with_text(delta.logprobs[i])
                 sample.logprobs.append(entry)
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry[tid].logprob
-            ends_on_stop_token = i == last and delta.finish_reason == "stop"
+            ends_on_stop_token = i == last and delta.ends_on_stop_token
             if ends_on_stop_token and not self._include_stop:
                 continue  # the stop token itself stays out of the text
             result = sample.detokenizer.append(tid)

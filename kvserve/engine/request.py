@@ -46,6 +46,7 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    ends_on_stop_token: bool = False  # it finished on a stop token (EOS, a stop id, a complete grammar's), its last
     cache_salt: str | None = None  # joins the prefix-cache hash so tenants cannot share blocks
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     generator: torch.Generator | None = None

@@ -50,9 +50,9 @@ class SequenceState:
         if logprobs is not None:
             self.logprobs = []
         finish = request.status.value if request.is_finished else None
-        stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None
         self.num_emitted, self.finish_emitted = len(request.output_token_ids), request.is_finished
-        return SequenceDelta(self.index, tokens, logprobs, finish, stop_reason)
+        ends_on_stop = request.ends_on_stop_token and bool(tokens)
+        return SequenceDelta(self.index, tokens, logprobs, finish, request.stop_reason, ends_on_stop)
 
 
 @dataclass(slots=True)

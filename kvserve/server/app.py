@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve import __version__
 from kvserve.engine.client import EngineClient
-from kvserve.metrics import ServerMetrics
+from kvserve.metrics import GrammarCollector, ServerMetrics
 from kvserve.server.auth import APIKeyMiddleware, check_api_key
 from kvserve.server.body_limit import BodyLimitMiddleware
 from kvserve.server.chat import create_chat_completion
@@ -69,6 +69,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
         model_name=settings.served_model_names[0],
         max_model_len=facts.max_model_len,
     )
+    metrics.registry.register(GrammarCollector(lambda: engine.grammar.num_compiles_in_flight, metrics.model_name))
     for collector in engine.metric_collectors():
         metrics.registry.register(collector)
     # The front end's tokenizer serves the loop (the streams' text, logprob windows); the preparation thread builds

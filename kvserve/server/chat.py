@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,6 +46,7 @@ from kvserve.server.streaming import (
     SSE_DONE,
     ClientDisconnected,
     collect,
+    compile_for,
     merged,
     sse,
     sse_with_errors,
@@ -86,7 +89,10 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
     render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
     truncate = ctx.settings.chat_history_policy == "truncate"
-    await ctx.preparer.run(_compile, ctx, tools, constraint)
+    try:
+        await compile_for(ctx, raw, lambda caller: _compile(ctx, tools, constraint, caller))
+    except ClientDisconnected:
+        return Response(status_code=499)
     ids, dropped = await ctx.preparer.run(ctx.preparer.chat_prompt, messages, render, params, max_tokens, truncate)
     headers = {TRUNCATED_TURNS_HEADER: str(dropped)} if dropped else None
     chat_id, created = ctx.new_id("chatcmpl"), int(time.time())
@@ -111,11 +117,11 @@ def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Co
     return forced or requested
 
 
-def _compile(ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None) -> None:
-    """On the preparation thread: the tools' schemas and the constraint, so that a bad one is a 400 now."""
-    compile_tools(ctx.engine.grammar, tools)
+def _compile(ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None, caller: Future[Any]) -> None:
+    """On a compile thread: the tools' schemas and the constraint, so that a bad one is a 400 now."""
+    compile_tools(ctx.engine.grammar, tools, caller)
     if constraint is not None and constraint is not tools.constraint:
-        compile_constraint(ctx.engine.grammar, constraint)
+        compile_constraint(ctx.engine.grammar, constraint, caller)
 
 
 def _choice(

@@ -38,6 +38,7 @@ from kvserve.server.streaming import (
     SSE_DONE,
     ClientDisconnected,
     collect,
+    compile_for,
     merged,
     sse,
     sse_with_errors,
@@ -91,8 +92,9 @@ def _params(
     )
 
 
-async def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
-    """Cheap checks on the event loop; tokenizing and the prompt checks on the preparation thread."""
+async def _plan(ctx: ServerContext, request: CompletionRequest, raw: Request) -> _Plan:
+    """Cheap checks on the event loop; the constraint on the compile pool; tokenizing and the prompt checks on the
+    preparation thread."""
     model = ctx.resolve_model(request.model)
     reject_unsupported(request, {"suffix": request.suffix}, max_n=ctx.facts.max_num_seqs)
     check_num_prompts(request.num_prompts(), ctx.settings.max_prompts_per_request)
@@ -103,7 +105,8 @@ async def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
     constraint = request_constraint(request)
     params = _params(ctx, request, max_tokens, constraint)
     if constraint is not None:
-        await ctx.preparer.run(compile_constraint, ctx.engine.grammar, constraint)
+        grammar = ctx.engine.grammar
+        await compile_for(ctx, raw, lambda caller: compile_constraint(grammar, constraint, caller))
     prompts = await ctx.preparer.run(
         ctx.preparer.completion_prompts, items, params, request.max_tokens, request.skip_special_tokens
     )
@@ -111,7 +114,10 @@ async def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
 
 
 async def create_completion(ctx: ServerContext, request: CompletionRequest, raw: Request) -> Response:
-    plan = await _plan(ctx, request)
+    try:
+        plan = await _plan(ctx, request, raw)
+    except ClientDisconnected:
+        return Response(status_code=499)
     prompt_ids = [p.token_ids for p in plan.prompts]
     streams = submit(ctx, plan.id, prompt_ids, plan.params, request.cache_salt)
     if request.stream:

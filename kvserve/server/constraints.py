@@ -16,6 +16,7 @@ sends them with every request, plain ones too.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -140,11 +141,12 @@ def request_options(request: SamplingFields) -> dict[str, Any]:
     return _options(request)
 
 
-def compile_constraint(grammar: GrammarCompiler, constraint: Constraint) -> None:
-    """Compile now, on the preparation thread (cached, so the engine's own compile is a hit): a schema, regex or
-    grammar the backend refuses is a 400 naming the request field, before any response starts."""
+def compile_constraint(grammar: GrammarCompiler, constraint: Constraint, caller: Future[Any] | None = None) -> None:
+    """Compile now, on a compile thread (GrammarCompiler.run_async; cached, so the engine's own compile is a hit): a
+    schema, regex or grammar the backend refuses, or one over a compile budget, is a 400 naming the request field,
+    before any response starts."""
     try:
-        grammar.compile(constraint.params)
+        grammar.compile(constraint.params, caller)
     except GrammarCompileError as e:
         raise compile_failed(e.renamed(constraint.field)) from None
 

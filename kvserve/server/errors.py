@@ -24,6 +24,7 @@ from kvserve.engine.async_engine import (
     ServerShuttingDownError,
 )
 from kvserve.server.protocol import ErrorInfo, ErrorResponse
+from kvserve.structured.compiler import GrammarBusy
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ def from_exception(exc: BaseException) -> APIError:
         return bad_request(str(exc), param=first if first in _PARAM_NAMES else None)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), code="queue_full")
+    if isinstance(exc, GrammarBusy):
+        return APIError(503, str(exc), code="grammar_queue_full")
     if isinstance(exc, ServerShuttingDownError):
         return APIError(503, str(exc), code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
@@ -157,7 +160,7 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error while serving a request")
         return from_exception(exc).response()
 
-    for kind in (APIError, ValueError, QueueFullError, EngineDeadError, EngineFaultError):
+    for kind in (APIError, ValueError, QueueFullError, GrammarBusy, EngineDeadError, EngineFaultError):
         app.add_exception_handler(kind, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

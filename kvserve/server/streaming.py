@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
@@ -118,6 +119,17 @@ async def collect(
     async for index, output in merged(ctx, streams):
         trackers[index].add(output)
     return trackers
+
+
+async def compile_for(ctx: ServerContext, raw: Request, job: Callable[[Future[Any]], None]) -> None:
+    """A request's compiles (`job`, given its own future to pass to GrammarCompiler.compile) on the compile pool,
+    never the preparation thread, so that prompts and /tokenize never wait behind a compile. A client that leaves
+    meanwhile abandons them: the compile it is in is killed and its slot freed (ClientDisconnected is raised)."""
+    future = ctx.engine.grammar.run_async(job)  # GrammarBusy (a 503) when the compile queue is full
+    try:
+        await unless_disconnected(raw, asyncio.wrap_future(future))
+    finally:
+        future.cancel()  # done already, or abandoned: a running compile sees it and stops
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

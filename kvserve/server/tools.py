@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -106,15 +107,15 @@ def _choice(tool_choice: object, has_tools: bool) -> str:
     return "named"
 
 
-def compile_tools(grammar: GrammarCompiler, plan: ToolPlan) -> None:
-    """On the preparation thread: every tool's parameters schema (a refused one is a 400 naming its field), then the
-    forcing grammar (cached: the engine's compile is a hit)."""
+def compile_tools(grammar: GrammarCompiler, plan: ToolPlan, caller: Future[Any] | None = None) -> None:
+    """On a compile thread (GrammarCompiler.run_async; `caller` its job's future): every tool's parameters schema (a
+    refused one is a 400 naming its field), then the forcing grammar (cached: the engine's compile is a hit)."""
     if not plan.functions:
         return
     try:
-        check_tool_schemas(grammar.backend, plan.functions)
+        check_tool_schemas(lambda params: grammar.compile(params, caller), plan.functions)
         if plan.constraint is not None:
-            grammar.compile(plan.constraint.params)
+            grammar.compile(plan.constraint.params, caller)
     except GrammarCompileError as e:
         raise compile_failed(e if e.field.startswith("tools[") else e.renamed("tools")) from None
 

@@ -18,11 +18,21 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvserve.structured.matcher import GrammarMatcher, GuidanceMatcher, XgrammarMatcher
+from kvserve.structured.compile_workers import CompileTimeout, CompileWorkers
+from kvserve.structured.config import StructuredOutputsConfig
+from kvserve.structured.matcher import (
+    GrammarMatcher,
+    GuidanceMatcher,
+    XgrammarMatcher,
+    allocate_token_bitmask,
+    allowed_tokens,
+)
 from kvserve.structured.params import ConstraintKind, StructuredOutputsParams
+from kvserve.structured.schema_check import XGRAMMAR_UNSUPPORTED, first_unsupported
 from kvserve.vocab import STRUCTURED_OUTPUTS_BACKENDS
 
 if TYPE_CHECKING:
@@ -36,6 +46,7 @@ BACKEND_NAMES = STRUCTURED_OUTPUTS_BACKENDS  # declared once, in kvserve/vocab.p
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept
 DEFAULT_CACHE_BYTES = 256 << 20  # and their bytes, where the backend tells them (xgrammar)
 _MAX_REASON_CHARS = 600
+_ADMIT_PROBES = 16  # allowed first tokens tried before a grammar is called empty
 _WHAT_FAILED = {
     ConstraintKind.JSON: "invalid JSON schema",
     ConstraintKind.JSON_OBJECT: "cannot compile the JSON object grammar",
@@ -58,7 +69,12 @@ class GrammarCompileError(ValueError):
         super().__init__(f"{field}: {what}: {reason}")
 
     def renamed(self, field: str) -> GrammarCompileError:
-        return GrammarCompileError(field, self.what, self.reason)
+        return type(self)(field, self.what, self.reason)
+
+
+class GrammarCompileLimit(GrammarCompileError):
+    """A constraint over a compile budget of --structured-outputs-config (its source's size, its compile's time):
+    a 400 naming the limit. No other backend is tried for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +137,9 @@ class GrammarBackend(Protocol):
     name: str
     vocab: GrammarVocab
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar, from the cache when an equal constraint was compiled before."""
+    def compile(self, params: StructuredOutputsParams, caller: Future[Any] | None = None) -> CompiledGrammar:
+        """The compiled grammar, from the cache when an equal constraint was compiled before; `caller`: the future
+        of the job this compile is part of, whose cancellation abandons it (CompileAbandoned)."""
         ...
 
     def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
@@ -131,6 +148,10 @@ class GrammarBackend(Protocol):
 
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher (initial state) for one request or sequence."""
+        ...
+
+    def close(self) -> None:
+        """Stop what compiles run in (worker processes); a later compile starts it again."""
         ...
 
 
@@ -223,8 +244,21 @@ class CachedBackend:
     vocab: GrammarVocab
     _cache: GrammarCache
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        return self._cache.get_or_compile(params.key, lambda: self._compile(params))
+    def compile(self, params: StructuredOutputsParams, caller: Future[Any] | None = None) -> CompiledGrammar:
+        return self._cache.get_or_compile(params.key, lambda: self._admitting(params, self._compile(params, caller)))
+
+    def _admitting(self, params: StructuredOutputsParams, compiled: CompiledGrammar) -> CompiledGrammar:
+        """`compiled`, once it is known to admit some output (before the cache keeps it); GrammarCompileError if
+        not. A grammar whose language is empty (a schema that refers only to itself; a character class of no
+        character) has a mask whose every token its matcher then refuses: the engine could only end it at once.
+        Its first token is tried among those the mask allows (a few: a consistent grammar takes the first)."""
+        matcher = self._new_matcher(compiled)
+        bitmask = allocate_token_bitmask(1, self.vocab.vocab_size)
+        matcher.fill_bitmask(bitmask, 0)
+        for token_id in allowed_tokens(bitmask[0], self.vocab.vocab_size, limit=_ADMIT_PROBES):
+            if matcher.accept_token(token_id):
+                return compiled
+        raise GrammarCompileError(params.field_name, _WHAT_FAILED[params.kind], "no output can satisfy it")
 
     def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
         return self._cache.get(params.key)
@@ -234,7 +268,10 @@ class CachedBackend:
             raise ValueError(f"a grammar compiled by {grammar.backend} cannot run on the {self.name} backend")
         return self._new_matcher(grammar)
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def close(self) -> None:
+        pass
+
+    def _compile(self, params: StructuredOutputsParams, caller: Future[Any] | None) -> CompiledGrammar:
         raise NotImplementedError
 
     def _new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
@@ -249,44 +286,79 @@ class XgrammarBackend(CachedBackend):
 
     name = "xgrammar"
 
-    def __init__(self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE, max_threads: int = 1) -> None:
+    def __init__(
+        self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE, config: StructuredOutputsConfig | None = None
+    ) -> None:
         import xgrammar as xgr
 
         self.vocab = vocab
+        self.config = config or StructuredOutputsConfig()
         self.tokenizer_info = _xgrammar_tokenizer_info(vocab)
-        # max_threads: compilation runs on the engine's compile worker; 1 keeps it from competing with the forward
-        # pass for cores. xgrammar's own cache is off: ours keys on the request's constraint and returns one object.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
-        self._cache = GrammarCache(cache_size, size_of=lambda g: int(g.handle.memory_size_bytes))
+        # Compiles run in worker processes (structured/compile_workers.py), bounded in time; or, without
+        # compile_in_process... on the compile thread with this compiler (1 thread: no competing with the forward
+        # pass for cores). xgrammar's own cache is off: ours keys on the request's constraint and returns one object.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self._workers = CompileWorkers(self.tokenizer_info.serialize_json) if self.config.compile_in_process else None
+        self._cache = GrammarCache(
+            cache_size, self.config.max_cache_bytes, size_of=lambda g: int(g.handle.memory_size_bytes)
+        )
 
     def _new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         return XgrammarMatcher(grammar.handle, self.vocab.stop_token_ids)
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
+
+    def _compile(self, params: StructuredOutputsParams, caller: Future[Any] | None) -> CompiledGrammar:
         if params.whitespace_pattern is not None:
             raise GrammarCompileError(
                 "structured_outputs.whitespace_pattern",
                 "not supported by xgrammar",
                 "use --structured-outputs-backend guidance (or auto)",
             )
+        if params.kind is ConstraintKind.JSON:
+            found = first_unsupported(params.schema, XGRAMMAR_UNSUPPORTED)
+            if found is not None:  # xgrammar would compile it as if absent: the output would not follow it
+                raise GrammarCompileError(
+                    params.field_name,
+                    "not supported by xgrammar",
+                    f"{found[1]} at {found[0]} would not be enforced; use --structured-outputs-backend guidance "
+                    "(auto does), which enforces it or refuses the schema",
+                )
         try:
-            handle = self._compile_handle(params)
+            if self._workers is None:
+                handle = xgrammar_compile(self._compiler, params)
+            else:
+                import xgrammar as xgr
+
+                limit = self.config.max_compile_seconds
+                serialized = self._workers.compile(params, limit, caller)
+                handle = xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+        except CompileTimeout:
+            raise GrammarCompileLimit(
+                params.field_name,
+                "compile took too long",
+                f"stopped after max_compile_seconds {self.config.max_compile_seconds:g} (--structured-outputs-config)",
+            ) from None
         except (RuntimeError, ValueError, TypeError) as e:
             raise _compile_error(params, e) from e
         return CompiledGrammar(params.key, self.name, params.kind, handle)
 
-    def _compile_handle(self, params: StructuredOutputsParams) -> Any:
-        compiler = self._compiler
-        any_whitespace = not params.disable_any_whitespace
-        if params.kind in (ConstraintKind.JSON, ConstraintKind.JSON_OBJECT):
-            schema = json.dumps(params.schema)
-            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
-        if params.kind is ConstraintKind.REGEX:
-            return compiler.compile_regex(params.regex or "")
-        if params.kind is ConstraintKind.CHOICE:
-            return compiler.compile_grammar(choice_grammar_ebnf(params.choice or []))
-        grammar = params.grammar or ""
-        return compiler.compile_grammar(grammar) if is_ebnf(grammar) else compiler.compile_lark(grammar)
+
+def xgrammar_compile(compiler: Any, params: StructuredOutputsParams) -> Any:
+    """xgrammar's compiled grammar of one constraint (in this process, or a compile worker's: compile_workers.py).
+    Raises what xgrammar raises (RuntimeError, ValueError, TypeError) for a constraint it refuses."""
+    any_whitespace = not params.disable_any_whitespace
+    if params.kind in (ConstraintKind.JSON, ConstraintKind.JSON_OBJECT):
+        schema = json.dumps(params.schema)
+        return compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
+    if params.kind is ConstraintKind.REGEX:
+        return compiler.compile_regex(params.regex or "")
+    if params.kind is ConstraintKind.CHOICE:
+        return compiler.compile_grammar(choice_grammar_ebnf(params.choice or []))
+    grammar = params.grammar or ""
+    return compiler.compile_grammar(grammar) if is_ebnf(grammar) else compiler.compile_lark(grammar)
 
 
 def _xgrammar_tokenizer_info(vocab: GrammarVocab) -> Any:
@@ -343,15 +415,19 @@ class GuidanceBackend(CachedBackend):
 
     name = "guidance"
 
-    def __init__(self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE, config: StructuredOutputsConfig | None = None
+    ) -> None:
         self.vocab = vocab
         self.ll_tokenizer = _guidance_tokenizer(vocab)
-        self._cache = GrammarCache(cache_size)
+        # llguidance compiles lazily (fast: the work is in each step's mask, bounded by its own lexer fuel), so no
+        # worker process; the source-size budget applies (GrammarCompiler). Entry count bounds the cache.
+        self._cache = GrammarCache(cache_size, (config or StructuredOutputsConfig()).max_cache_bytes)
 
     def _new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         return GuidanceMatcher(grammar.handle.deep_copy(), self.vocab.stop_token_ids, self.ll_tokenizer.vocab_size)
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def _compile(self, params: StructuredOutputsParams, caller: Future[Any] | None) -> CompiledGrammar:
         import llguidance as llg
 
         try:
@@ -440,21 +516,30 @@ class AutoBackend:
 
     name = "auto"
 
-    def __init__(self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE, config: StructuredOutputsConfig | None = None
+    ) -> None:
         self.vocab = vocab
         self._cache_size = cache_size
-        self.primary = XgrammarBackend(vocab, cache_size)
+        self._config = config
+        self.primary = XgrammarBackend(vocab, cache_size, config)
         self._fallback: GuidanceBackend | None = None
         self._fallback_lock = threading.Lock()
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def close(self) -> None:
+        self.primary.close()
+
+    def compile(self, params: StructuredOutputsParams, caller: Future[Any] | None = None) -> CompiledGrammar:
         try:
-            return self.primary.compile(params)
+            return self.primary.compile(params, caller)
+        except GrammarCompileLimit:
+            raise  # over a budget: not a constraint the other library should try
         except GrammarCompileError as first:
             try:
-                compiled = self.fallback().compile(params)
-            except GrammarCompileError:
-                raise first from None
+                compiled = self.fallback().compile(params, caller)
+            except GrammarCompileError as second:
+                # Both refused: xgrammar's "not supported" only sent it on; llguidance's reason is the one to read.
+                raise (second if first.what == "not supported by xgrammar" else first) from None
             logger.info(
                 "structured output: xgrammar refused a %s constraint (%s); using llguidance",
                 params.kind.value,
@@ -478,16 +563,18 @@ class AutoBackend:
     def fallback(self) -> GuidanceBackend:
         with self._fallback_lock:
             if self._fallback is None:
-                self._fallback = GuidanceBackend(self.vocab, self._cache_size)
+                self._fallback = GuidanceBackend(self.vocab, self._cache_size, self._config)
             return self._fallback
 
 
-def make_backend(name: str, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE) -> GrammarBackend:
-    """The backend `--structured-outputs-backend` names."""
+def make_backend(
+    name: str, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE, config: StructuredOutputsConfig | None = None
+) -> GrammarBackend:
+    """The backend `--structured-outputs-backend` names, within `config`'s budgets (default: the flag's defaults)."""
     if name == "xgrammar":
-        return XgrammarBackend(vocab, cache_size)
+        return XgrammarBackend(vocab, cache_size, config)
     if name == "guidance":
-        return GuidanceBackend(vocab, cache_size)
+        return GuidanceBackend(vocab, cache_size, config)
     if name == "auto":
-        return AutoBackend(vocab, cache_size)
+        return AutoBackend(vocab, cache_size, config)
     raise ValueError(f"structured outputs backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")

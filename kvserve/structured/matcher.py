@@ -335,3 +335,18 @@ def _check_apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -
     bad = [r for r in rows if not 0 <= r < limit]
     if bad or len(set(rows)) != len(rows):
         raise IndexError(f"rows {rows} must be distinct and below {limit}")
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int, limit: int) -> list[int]:
+    """The first `limit` token ids a packed mask row ([ceil(vocab / 32)] int32, bit j of word i = token 32i + j)
+    allows, in id order."""
+    out: list[int] = []
+    for i in torch.nonzero(words).flatten().tolist():
+        word = int(words[i]) & 0xFFFFFFFF
+        for bit in range(32):
+            token = 32 * i + bit
+            if word >> bit & 1 and token < vocab_size:
+                out.append(token)
+                if len(out) == limit:
+                    return out
+    return out

@@ -36,7 +36,9 @@ class StructuredOutputsParams:
     disable_any_whitespace (compact JSON, which keeps a small model from wandering in whitespace) and
     whitespace_pattern (llguidance only). disable_additional_properties is accepted for vLLM's clients and
     changes nothing: both backends are strict already (an object takes only the properties its schema lists,
-    unless the schema sets additionalProperties). `key` hashes everything that changes the compiled grammar.
+    unless the schema sets additionalProperties). `key` hashes everything that changes the compiled grammar;
+    `source_bytes` is the size of that serialized constraint (what --structured-outputs-config's max_grammar_bytes
+    bounds).
     """
 
     json: str | dict[str, Any] | None = None
@@ -49,12 +51,15 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     key: str = field(init=False, repr=False)
     kind: ConstraintKind = field(init=False, repr=False)
+    source_bytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         kind = _the_one_constraint(self)
         _check_value(self, kind)
         object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "key", _key(self, kind))
+        key, size = _key(self, kind)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "source_bytes", size)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StructuredOutputsParams) and other.key == self.key
@@ -146,8 +151,8 @@ def _check_choice(name: str, choice: object) -> None:
             raise ValueError(f"{name}[{i}] must be a string, got {option!r}")
 
 
-def _key(p: StructuredOutputsParams, kind: ConstraintKind) -> str:
-    """A stable hash of everything that shapes the compiled grammar.
+def _key(p: StructuredOutputsParams, kind: ConstraintKind) -> tuple[str, int]:
+    """A stable hash of everything that shapes the compiled grammar, and the size in bytes of what it hashes.
 
     The schema is serialized without sorting keys: property order decides the order in which the grammar emits
     fields, so two schemas that differ only in order must not share a compiled grammar."""
@@ -157,5 +162,5 @@ def _key(p: StructuredOutputsParams, kind: ConstraintKind) -> str:
     if kind is ConstraintKind.CHOICE:
         value = list(value)  # type: ignore[call-overload]
     payload = [kind.value, value, p.disable_any_whitespace, p.whitespace_pattern]  # not the no-op option
-    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(data).hexdigest(), len(data)

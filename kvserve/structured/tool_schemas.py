@@ -14,7 +14,7 @@ Every bad input is a ValueError naming the request field (`tools[1].function.par
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +204,16 @@ def compile_tool_choice(
     try:
         return backend.compile(params)
     except GrammarCompileError as e:
-        check_tool_schemas(backend, parse_tools(tools))  # raises for the first tool at fault, if one alone is
+        check_tool_schemas(backend.compile, parse_tools(tools))  # raises for the first tool at fault, if one is
         raise e.renamed("tools") from None
 
 
-def check_tool_schemas(backend: GrammarBackend, tools: list[FunctionTool]) -> None:
-    """Compile each function's parameters schema alone; the first one refused raises, named by its field."""
+def check_tool_schemas(compile_one: Callable[[StructuredOutputsParams], object], tools: list[FunctionTool]) -> None:
+    """Compile each function's parameters schema alone (with `compile_one`: a backend's or a GrammarCompiler's
+    compile, within its budgets); the first one refused raises, named by its field."""
     for tool in tools:
         try:
-            backend.compile(StructuredOutputsParams(json=tool.parameters))
+            compile_one(StructuredOutputsParams(json=tool.parameters))
         except GrammarCompileError as e:
             raise e.renamed(tool.field) from None
 

@@ -216,7 +216,7 @@ def test_constrained_requests_draft_and_keep_their_output(checkpoint, pattern):
     each verified position is masked by the grammar's state after the drafts before it. n-gram drafts: the same
     output; oracle drafts (the run without drafts): every one accepted, which fails if a row is masked with the
     wrong state."""
-    from kvserve.structured import StructuredOutputsParams
+    from kvserve.structured.params import StructuredOutputsParams
 
     prompts = repetitive_prompts(4, seed=1)
     regex = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=pattern))

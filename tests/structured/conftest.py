@@ -15,7 +15,7 @@ from tiny_tokenizer import write_char_tokenizer
 from tool_server_support import tools_client, tools_model_dir, tools_server  # noqa: F401 (fixtures)
 
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.structured import GrammarBackend, GrammarVocab, make_backend
+from kvserve.structured.backend import GrammarBackend, GrammarVocab, make_backend
 
 
 @pytest.fixture(scope="session")

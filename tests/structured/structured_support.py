@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.structured import CompiledGrammar, GrammarBackend, apply_token_bitmask_, fill_step_bitmask
-from kvserve.structured.matcher import GrammarMatcher
+from kvserve.structured.backend import CompiledGrammar, GrammarBackend
+from kvserve.structured.matcher import GrammarMatcher, apply_token_bitmask_, fill_step_bitmask
 
 TINY_LOGITS_WIDTH = 320  # the tiny tokenizer has 256 ids; 256..319 are lm_head padding
 
@@ -36,7 +36,7 @@ def walk(
 
 def allowed_ids(matcher: GrammarMatcher, width: int) -> set[int]:
     """The token ids the matcher allows next."""
-    from kvserve.structured import allocate_token_bitmask
+    from kvserve.structured.matcher import allocate_token_bitmask
 
     bitmask = allocate_token_bitmask(1, width)
     matcher.fill_bitmask(bitmask, 0)

@@ -18,9 +18,11 @@ from tiny_tokenizer import write_char_tokenizer
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.core_outputs import GRAMMAR_DEAD_END
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import RequestOutput
-from kvserve.structured import GrammarCompileError, StructuredOutputsParams
+from kvserve.structured.backend import GrammarCompileError
+from kvserve.structured.params import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",
@@ -246,13 +248,17 @@ class _BrokenMatcher:
         return None
 
 
-def test_matcher_fault_fails_that_request_alone(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_grammar_dead_end_ends_that_request_cleanly(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar that refuses the token its own mask allowed has no way on: the request ends "stop" with
+    stop_reason grammar_dead_end and the output it had (here none), never a 500, never the refused token."""
     real = engine.grammar.matcher
     monkeypatch.setattr(engine.grammar, "matcher", lambda compiled: _BrokenMatcher(real(compiled)))
     engine.add_request("broken", "p", greedy(structured_outputs=JSON))
     engine.add_request("plain", "q", greedy(max_tokens=6, ignore_eos=True))
     outs = run_all(engine)
-    assert outs["broken"].outputs[0].finish_reason == "error" and "refused" in (outs["broken"].error or "")
+    broken = outs["broken"].outputs[0]
+    assert outs["broken"].error is None and broken.finish_reason == "stop"
+    assert broken.stop_reason == GRAMMAR_DEAD_END and broken.token_ids == [] and broken.text == ""
     assert outs["plain"].error is None and len(outs["plain"].outputs[0].token_ids) == 6
     engine.check_invariants()
 

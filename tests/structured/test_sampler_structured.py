@@ -10,7 +10,8 @@ from structured_support import TINY_LOGITS_WIDTH, allowed_ids
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured import GrammarBackend, StructuredOutputsParams
+from kvserve.structured.backend import GrammarBackend
+from kvserve.structured.params import StructuredOutputsParams
 
 EOS = 1
 DIGITS = StructuredOutputsParams(regex="[0-9]{3}")

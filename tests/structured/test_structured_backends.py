@@ -12,9 +12,16 @@ import pytest
 import torch
 from structured_support import TINY_LOGITS_WIDTH, allowed_ids, walk
 
-from kvserve.structured import GrammarBackend, GrammarCompileError, StructuredOutputsParams, make_backend
-from kvserve.structured.backend import GrammarCache, GuidanceBackend, XgrammarBackend
+from kvserve.structured.backend import (
+    GrammarBackend,
+    GrammarCache,
+    GrammarCompileError,
+    GuidanceBackend,
+    XgrammarBackend,
+    make_backend,
+)
 from kvserve.structured.matcher import validate_tokens
+from kvserve.structured.params import StructuredOutputsParams
 
 BACKENDS = ("xgrammar", "guidance")
 EOS = 1
@@ -327,7 +334,8 @@ def test_cache_is_lru_bounded(tiny_vocab) -> None:
 
 
 def test_cache_is_byte_bounded(tiny_vocab) -> None:
-    from kvserve.structured import CompiledGrammar, ConstraintKind
+    from kvserve.structured.backend import CompiledGrammar
+    from kvserve.structured.params import ConstraintKind
 
     cache = GrammarCache(max_size=10, max_bytes=250, size_of=lambda g: int(g.handle))
     made = {k: CompiledGrammar(k, "test", ConstraintKind.REGEX, 100) for k in "abcd"}

@@ -7,8 +7,14 @@ import pytest
 import torch
 from structured_support import TINY_LOGITS_WIDTH
 
-from kvserve.structured import StructuredOutputsParams, allocate_token_bitmask, apply_token_bitmask_, fill_step_bitmask
-from kvserve.structured.matcher import apply_token_bitmask_torch_, fill_only
+from kvserve.structured.matcher import (
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    apply_token_bitmask_torch_,
+    fill_only,
+    fill_step_bitmask,
+)
+from kvserve.structured.params import StructuredOutputsParams
 
 
 def random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:

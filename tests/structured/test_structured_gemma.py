@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from structured_support import allowed_ids, walk
 
-from kvserve.structured import StructuredOutputsParams
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.structured.tool_schemas import compile_tool_choice, parse_forced_tool_calls
 
 pytestmark = pytest.mark.real_model

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvserve.structured import ConstraintKind, StructuredOutputsParams
+from kvserve.structured.params import ConstraintKind, StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
 

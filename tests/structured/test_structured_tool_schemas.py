@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 from structured_support import walk
 
-from kvserve.structured import GrammarCompileError, StructuredOutputsParams
+from kvserve.structured.backend import GrammarCompileError
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.structured.tool_schemas import (
     ForcedToolCall,
     compile_tool_choice,

@@ -1,0 +1,160 @@
+"""What one slow grammar costs everyone else (#27, docs/RELIABILITY.md "One slow grammar holds up nobody").
+
+Starts `kvserve serve` on the default model, measures the latency of `POST /tokenize` and of an ordinary 4-token
+completion idle, then again while clients keep the grammar compile pool busy with maximal constraints (choices just
+under the default max_grammar_bytes: the slowest a request may ask for), and reports the ratios. Then it sends 50
+distinct heavy grammars and reports the server's RSS before and after (and the compile worker's), against the
+grammar cache's bound. Not run by CI (minutes on the default model).
+
+Usage: python scripts/measure_grammar_isolation.py [--port 8123] [--rounds 15] [--hogs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def timed(client: httpx.Client, path: str, body: dict) -> float:
+    start = time.perf_counter()
+    r = client.post(path, json=body)
+    r.raise_for_status()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def latencies(client: httpx.Client, rounds: int) -> dict[str, float]:
+    tok = [timed(client, "/tokenize", {"prompt": "hello there"}) for _ in range(rounds)]
+    gen = [
+        timed(client, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4}) for _ in range(rounds)
+    ]
+    return {"tokenize_ms": statistics.median(tok), "completion_ms": statistics.median(gen)}
+
+
+def max_choice(tag: str, budget: int = 262_144) -> list[str]:
+    """Distinct choices whose serialized constraint stays just under `budget` bytes."""
+    out, size = [], 40
+    i = 0
+    while True:
+        s = f"{tag} option {i} x{i * 7919 % 1000003}"
+        if size + len(s) + 4 > budget:
+            return out
+        out.append(s)
+        size += len(s) + 3
+        i += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--hogs", type=int, default=4, help="clients sending maximal grammars meanwhile")
+    args = parser.parse_args()
+    base = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            "--port",
+            str(args.port),
+            "--kv-cache-memory-bytes",
+            "1GiB",
+            "--uvicorn-log-level",
+            "warning",
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.5)
+        with httpx.Client(base_url=base, timeout=600) as client:
+            # Warm: the grammar backend and its compile worker exist before anything is timed.
+            client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_regex": "[ab]+"})
+            idle = latencies(client, args.rounds)
+            stop = threading.Event()
+            outcomes: list[int] = []
+
+            def hog(n: int) -> None:
+                with httpx.Client(base_url=base, timeout=600) as own:
+                    k = 0
+                    while not stop.is_set():
+                        body = {"prompt": "pick", "max_tokens": 2, "guided_choice": max_choice(f"hog{n}-{k}")}
+                        outcomes.append(own.post("/v1/completions", json=body).status_code)
+                        k += 1
+
+            hogs = [threading.Thread(target=hog, args=(n,), daemon=True) for n in range(args.hogs)]
+            for t in hogs:
+                t.start()
+            time.sleep(2.0)  # the pool is busy (and its queue filling) before anything is timed
+            busy = latencies(client, args.rounds)
+            stop.set()
+            for t in hogs:
+                t.join(600)
+            print(
+                json.dumps(
+                    {
+                        "idle": idle,
+                        "while_compiling": busy,
+                        "ratios": {k: busy[k] / idle[k] for k in idle},
+                        "hog_statuses": {str(s): outcomes.count(s) for s in sorted(set(outcomes))},
+                    }
+                )
+            )
+            rss_before = rss_mib(server.pid)
+            for i in range(50):
+                schema = {
+                    "type": "object",
+                    "properties": {
+                        f"field_{i}_{j}": {"type": "string", "enum": [f"value {i} {j} {k}" for k in range(20)]}
+                        for j in range(60)
+                    },
+                    "required": [f"field_{i}_0"],
+                }
+                client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_json": schema})
+            workers = children(server.pid)
+            print(
+                json.dumps(
+                    {
+                        "server_rss_mib_before": rss_before,
+                        "server_rss_mib_after_50": rss_mib(server.pid),
+                        "compile_worker_rss_mib": [rss_mib(w) for w in workers],
+                    }
+                )
+            )
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+if __name__ == "__main__":
+    main()
