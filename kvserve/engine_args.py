@@ -124,7 +124,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="JSON, vLLM's keys: publish BlockStored / BlockRemoved / AllBlocksCleared on ZMQ PUB in "
         'vLLM\'s msgpack schema, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; also buffer_steps, hwm, '
-        "max_queue_size, topic, event_encoding (docs/KV_EVENTS.md). Off by default",
+        "max_queue_size, topic, event_encoding, bind_host (docs/KV_EVENTS.md). A `*` binds --host (loopback by "
+        'default), not every interface; bind_host "*" for vLLM\'s every interface. Off by default',
     )
     s = parser.add_argument_group("scheduler")
     s.add_argument(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -251,13 +252,13 @@ def shared_ray(address: str | None, num_cpus: int) -> Iterator[str]:
     if address:
         yield address
         return
-    try:
-        import ray
-    except ImportError:
-        raise ValueError(
-            "the replicated configurations run on Ray, which is not installed: pip install -e '.[cluster]'"
-        ) from None
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("the replicated configurations run on Ray, which is not installed: pip install -e .[cluster]")
+    from kvserve.cluster.private_ray import connect_ray
+
+    connect_ray(None, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    import ray
+
     try:
         yield str(ray.get_runtime_context().gcs_address)
     finally:

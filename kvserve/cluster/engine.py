@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.kv_view import replica_views
+from kvserve.cluster.private_ray import connect_ray
 from kvserve.cluster.replica import EngineReplica, ReplicaReport
 from kvserve.cluster.router import ReplicaLoad, RequestHasher, RouteDecision, Router
 from kvserve.config import EngineConfig
@@ -129,10 +130,7 @@ class ClusterEngine:
 
         if num_replicas < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {num_replicas}")
-        owns_ray = not ray.is_initialized()
-        if owns_ray:
-            address = ray_address or os.environ.get("RAY_ADDRESS")
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        owns_ray = connect_ray(ray_address, include_dashboard=False, log_to_driver=True)
         threads = config.cpu_threads or 1
         # --device cuda: one GPU per replica, chosen by Ray (it sets the replica's CUDA_VISIBLE_DEVICES, so the
         # replica's own device is always cuda:0 of what it sees).

@@ -51,15 +51,30 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def bound_address(endpoint: str, bind_host: str | None) -> str:
+    """The address a bound endpoint opens: the `*` of `tcp://*:port` becomes bind_host (None: loopback; "*": every
+    interface, vLLM's meaning; an IPv6 address in brackets). Every other endpoint is opened as written."""
+    if not endpoint.startswith("tcp://*:"):
+        return endpoint
+    host = bind_host or "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return endpoint.replace("*", host, 1)
+
+
 class ZmqKVEventPublisher:
     def __init__(self, config: KVEventsConfig, block_size: int, medium: str, data_parallel_rank: int = 0) -> None:
         self.config = config
         self.block_size = block_size
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
-        self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
+        endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
+        self._bind = _binds(endpoint)
+        self.endpoint = bound_address(endpoint, config.bind_host) if self._bind else endpoint
         self.replay_endpoint = (
-            None if config.replay_endpoint is None else offset_endpoint(config.replay_endpoint, data_parallel_rank)
+            None
+            if config.replay_endpoint is None
+            else bound_address(offset_endpoint(config.replay_endpoint, data_parallel_rank), config.bind_host)
         )
         self.dropped = 0  # events the engine thread could not hand over (queue full); engine thread only
         self.published = 0  # batches sent; publisher thread only
@@ -87,9 +102,11 @@ class ZmqKVEventPublisher:
         replay = None
         try:
             pub.set_hwm(self.config.hwm)
-            (pub.bind if _binds(self.endpoint) else pub.connect)(self.endpoint)
+            pub.ipv6 = "[" in self.endpoint  # an IPv6 address (zmq opens IPv4 only unless asked)
+            (pub.bind if self._bind else pub.connect)(self.endpoint)
             if self.replay_endpoint is not None:
                 replay = self._ctx.socket(zmq.ROUTER)
+                replay.ipv6 = "[" in self.replay_endpoint
                 replay.bind(self.replay_endpoint)
         except zmq.ZMQError as e:
             pub.close(linger=0)

@@ -6,6 +6,7 @@ server without the flag pays nothing (not even the import). The wire format is i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,11 @@ class KVEventsConfig:
     when it has a wildcard (`*`, `::`) or is ipc:// / inproc://, and connects otherwise (vLLM's rule);
     replay_endpoint (a ROUTER socket, always bound) answers requests for missed batches from the last
     `buffer_steps` batches. hwm is the PUB socket's high-water mark; max_queue_size bounds the events waiting for
-    the publisher thread (beyond it they are dropped and counted, the engine thread never waits)."""
+    the publisher thread (beyond it they are dropped and counted, the engine thread never waits).
+
+    bind_host (kvserve's) is the interface that the `*` of a tcp endpoint binds. vLLM binds every interface there;
+    kvserve binds what the server listens on, so that the events are exactly as reachable as the HTTP API: None
+    means the server's `--host` (127.0.0.1 unless asked otherwise; loopback offline), "*" every interface."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None
@@ -44,6 +49,7 @@ class KVEventsConfig:
     max_queue_size: int = 100_000
     topic: str = ""
     event_encoding: str = "map"
+    bind_host: str | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "kv_events_config")
@@ -61,10 +67,15 @@ class KVEventsConfig:
             (self.hwm >= 0, "hwm", ">= 0 (0: no limit)"),
             (self.max_queue_size >= 1, "max_queue_size", ">= 1"),
             (self.event_encoding in EVENT_ENCODINGS, "event_encoding", f"one of {', '.join(EVENT_ENCODINGS)}"),
+            (self.bind_host is None or self.bind_host.strip() != "", "bind_host", "null or an interface address"),
         ]
         for ok, name, expected in checks:
             if not ok:
                 raise ValueError(f"kv_events_config {name} must be {expected}, got {getattr(self, name)!r}")
+
+    def listening_on(self, host: str) -> KVEventsConfig:
+        """This config as served on `host` (the server's --host): a bind_host not given is that host."""
+        return self if self.bind_host is not None else dataclasses.replace(self, bind_host=host)
 
     @property
     def enabled(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import sys
@@ -206,12 +207,10 @@ def resolve_api_key(flag: str | None) -> str | None:
 
 def launch_cluster(config: "EngineConfig", args: argparse.Namespace) -> "ClusterEngine":
     """--data-parallel-size N > 1: N replicas on Ray; a clear error when Ray is not installed."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("ray") is None:  # not imported here: kvserve sets Ray's auth mode before it is
         raise ValueError(
             "--data-parallel-size > 1 runs replicas on Ray, which is not installed: pip install -e '.[cluster]'"
-        ) from None
+        )
     from kvserve.cluster.engine import ClusterEngine
 
     return ClusterEngine.launch(
@@ -248,7 +247,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     names = tuple(args.served_model_names or ())
-    config = dataclasses.replace(engine_config_from_args(args), served_model_name=names[0] if names else None)
+    config = engine_config_from_args(args)
+    events = config.kv_events_config  # its `tcp://*` binds what the server listens on (--host), not every interface
+    config = dataclasses.replace(
+        config,
+        served_model_name=names[0] if names else None,
+        kv_events_config=None if events is None else events.listening_on(args.host),
+    )
     async_engine: EngineClient
     if args.data_parallel_size > 1:
         async_engine = launch_cluster(config, args)

@@ -6,11 +6,14 @@ no block on the survivor."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -20,6 +23,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import psutil
 import pytest
 import ray
 import zmq
@@ -35,6 +39,7 @@ from server_support import (
 )
 
 from kvserve.cluster.engine import ClusterEngine
+from kvserve.cluster.private_ray import connect_ray, token_path
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.engine import LLMEngine
@@ -82,7 +87,7 @@ def _kv_events_config(folder: Path) -> dict[str, Any]:
 def cluster(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RunningServer, ClusterEngine]]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    connect_ray(None, num_cpus=4, include_dashboard=False, log_to_driver=False)  # private, as kvserve's own
     try:
         events = _kv_events_config(tmp_path_factory.mktemp("kv-events"))
         engine = ClusterEngine.launch(_config(tiny_model_dir, kv_events_config=events), 2, router_policy="prefix_aware")
@@ -392,9 +397,39 @@ def test_killed_replica_loses_no_unstarted_request_and_leaks_nothing(cluster, ca
     assert engine.replicas[victim].stats.generation_tokens_total > 0  # the restarted replica serves again
 
 
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too (replica 1 publishes its KV events at the rank-offset port)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return int(port)
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _listening(root: psutil.Process) -> dict[int, tuple[str, list[tuple[str, int]]]]:
+    """pid -> (its title, as Ray sets it: `ray::EngineReplica...`; the (address, port) of each TCP socket it
+    listens on), for `root` and its descendants."""
+    found: dict[int, tuple[str, list[tuple[str, int]]]] = {}
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            connections = process.net_connections(kind="inet")
+            listens = [(c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN]
+            found[process.pid] = ((process.cmdline() or [""])[0], listens)
+    return found
+
+
 def test_serve_cli_with_two_replicas(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`kvserve serve --data-parallel-size 2`: a local Ray instance, both replicas used (round robin), SIGTERM
-    drains and exits 0."""
+    drains and exits 0. What it listens on, read from the OS: the HTTP port and the replicas' KV events (vLLM's
+    `tcp://*` endpoint) on loopback; beyond loopback only Ray's own servers (token-checked: the test above), one
+    core-worker port in each kvserve process (the ingress and the two replicas), nothing of kvserve's."""
+    events = _free_port_pair()
+    kv_events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}"}
     proc, base = serve_process(
         tiny_model_dir,
         tmp_path,
@@ -404,8 +439,20 @@ def test_serve_cli_with_two_replicas(tiny_model_dir: Path, tmp_path: Path) -> No
         "round_robin",
         "--uvicorn-log-level",
         "warning",
+        "--kv-events-config",
+        json.dumps(kv_events),
     )
     try:
+        http_port = int(base.rpartition(":")[2])
+        sockets = _listening(psutil.Process(proc.pid))
+        replicas = [pid for pid, (title, _) in sockets.items() if title.startswith("ray::EngineReplica")]
+        assert len(replicas) == 2, sockets
+        ours = (http_port, events, events + 1)
+        mine = {port: ip for _, listens in sockets.values() for ip, port in listens if port in ours}
+        assert mine == {http_port: "127.0.0.1", events: "127.0.0.1", events + 1: "127.0.0.1"}, sockets
+        for pid in (proc.pid, *replicas):  # Ray's core-worker gRPC, on the wildcard in Ray 2.60: one each, no more
+            beyond = [(ip, port) for ip, port in sockets[pid][1] if not ip.startswith("127.")]
+            assert len(beyond) == 1 and beyond[0][0] in ("::", "0.0.0.0"), (pid, sockets[pid])
         with httpx.Client(base_url=base, timeout=60) as c:
             for i in range(4):
                 r = c.post("/v1/completions", json={"model": MODEL, "prompt": [5 + i, 6], "max_tokens": 3})
@@ -425,6 +472,41 @@ def test_serve_cli_with_two_replicas(tiny_model_dir: Path, tmp_path: Path) -> No
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "2 replicas on Ray" in out
+
+
+def _ray_client(address: str, tmp_path: Path, **env: str | None) -> subprocess.Popen[str]:
+    """A Ray driver, in its own process, that tries to join the cluster at `address` with `env`'s changes."""
+    environ = {**os.environ, "HOME": str(tmp_path)}  # a home without Ray's token file
+    for key, value in env.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    code = f"import ray; ray.init(address={address!r}, log_to_driver=False); print('JOINED', ray.cluster_resources())"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_the_local_ray_cluster_refuses_a_client_without_its_token(cluster, tmp_path: Path) -> None:
+    """#27 item 4: Ray's ports listen on every interface, so its token is what keeps others out. The GCS address
+    Ray reports is the machine's interface address (not loopback): a driver with a wrong token, or none, is
+    refused there; one with the token joins (so the refusals are the token's doing). Ray retries a refused join
+    for about 20 s, so both run at once."""
+    address = ray.get_runtime_context().gcs_address
+    path = token_path(os.environ)
+    assert os.environ["RAY_AUTH_MODE"] == "token" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    refused = [
+        _ray_client(address, tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64, RAY_AUTH_TOKEN_PATH=None),
+        _ray_client(address, tmp_path, RAY_AUTH_MODE=None, RAY_AUTH_TOKEN=None, RAY_AUTH_TOKEN_PATH=None),
+    ]
+    joined = _ray_client(address, tmp_path, RAY_AUTH_TOKEN_PATH=str(path))
+    out, _ = joined.communicate(timeout=120)
+    assert joined.returncode == 0 and "JOINED" in out, out
+    for client in refused:
+        out, _ = client.communicate(timeout=120)
+        assert client.returncode != 0 and "JOINED" not in out, out
+        assert "token-auth" in out and f"Failed to connect to Ray cluster at {address}" in out, out
 
 
 def test_one_process_never_imports_ray() -> None:

@@ -5,6 +5,7 @@ empties) and compared with the engine's prefix cache after a run with shared pre
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import pytest
 import zmq
 from kv_events_reader import (
@@ -28,7 +30,7 @@ from server_support import make_engine
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine_args import add_engine_args, engine_config_from_args
-from kvserve.kv.event_publisher import ZmqKVEventPublisher, offset_endpoint
+from kvserve.kv.event_publisher import ZmqKVEventPublisher, bound_address, offset_endpoint
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv.events_config import KVEventsConfig, parse_kv_events_config
 from kvserve.kv.vllm_events import event_batch, external_block_hash
@@ -272,6 +274,7 @@ def test_config_follows_vllm() -> None:
         ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events must be true or false, got 1"),
         ('{"max_queue_size": 0}', "max_queue_size must be >= 1"),
         ('{"event_encoding": "json"}', "event_encoding must be one of map, array"),
+        ('{"bind_host": " "}', "bind_host must be null or an interface address"),
     ],
 )
 def test_config_errors_are_clear(value: str, message: str) -> None:
@@ -297,6 +300,68 @@ def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
         publisher.record(BlockRemoved(i, f"{i:064x}"))
     publisher.record(AllBlocksCleared())
     assert publisher.dropped == 3  # one queued, three dropped; the engine thread never waited
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bind_host", "opened"),
+    [
+        ("tcp://*:5557", None, "tcp://127.0.0.1:5557"),  # offline, or a server on the default --host
+        ("tcp://*:5557", "0.0.0.0", "tcp://0.0.0.0:5557"),  # --host 0.0.0.0
+        ("tcp://*:5557", "*", "tcp://*:5557"),  # vLLM's every interface, asked for
+        ("tcp://*:5557", "::1", "tcp://[::1]:5557"),
+        ("tcp://10.1.2.3:5557", None, "tcp://10.1.2.3:5557"),  # explicit: as written
+        ("ipc:///tmp/kv", "0.0.0.0", "ipc:///tmp/kv"),
+    ],
+)
+def test_a_wildcard_binds_what_the_server_listens_on(endpoint: str, bind_host: str | None, opened: str) -> None:
+    assert bound_address(endpoint, bind_host) == opened
+
+
+def test_serve_host_reaches_the_events_config() -> None:
+    assert KVEventsConfig().listening_on("0.0.0.0").bind_host == "0.0.0.0"
+    assert KVEventsConfig(bind_host="*").listening_on("127.0.0.1").bind_host == "*"  # the user's own choice stays
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_default_endpoint_listens_on_loopback_only() -> None:
+    """vLLM's default endpoint `tcp://*:5557` would listen on every interface; kvserve's server and offline engine
+    bind loopback unless --host (or bind_host) asks otherwise. The sockets are read from the OS (psutil), and a
+    subscriber on loopback receives (so the socket listed is the one that publishes)."""
+    port, replay_port = _free_port(), _free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}"
+    )
+    publisher = ZmqKVEventPublisher(config, block_size=2, medium="CPU")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        listening = {
+            c.laddr.port: c.laddr.ip
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in (port, replay_port)
+        }
+        assert listening == {port: "127.0.0.1", replay_port: "127.0.0.1"}
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.rcvtimeo = 200
+        received = None
+        for i in range(50):  # PUB drops what it sends before the subscription arrives: send until one lands
+            publisher.record(BlockRemoved(i, f"{i:064x}"))
+            try:
+                received = sub.recv_multipart()
+                break
+            except zmq.Again:
+                continue
+        assert received is not None and len(received) == 3
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        publisher.close(timeout=30)
 
 
 def test_a_taken_address_fails_at_start() -> None:
