@@ -153,7 +153,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="JSON, vLLM's flag with kvserve's compile budgets: max_compile_seconds (10: a compile past it is killed "
         "and its request gets a 400), max_grammar_bytes (262144: a larger constraint is refused before compiling), "
         "max_concurrent_compiles (1), max_queued_compiles (64: beyond them a 503), max_cache_bytes (256 MiB of "
-        "compiled grammars), compile_in_process (true: xgrammar compiles in worker processes); "
+        "compiled grammars), compile_in_workers (true: xgrammar compiles in worker processes, at low priority); "
         "docs/STRUCTURED_OUTPUT.md",
     )
     d = parser.add_argument_group("speculative decoding")

@@ -4,9 +4,10 @@ Starts `kvserve serve` on the default model, measures the latency of `POST /toke
 completion idle, then again while clients keep the grammar compile pool busy with maximal constraints (choices just
 under the default max_grammar_bytes: the slowest a request may ask for), and reports the ratios. Then it sends 50
 distinct heavy grammars and reports the server's RSS before and after (and the compile worker's), against the
-grammar cache's bound. Not run by CI (minutes on the default model).
+grammar cache's bound, and its RSS after each of `--maximal` more maximal choices. Not run by CI (minutes on
+the default model).
 
-Usage: python scripts/measure_grammar_isolation.py [--port 8123] [--rounds 15] [--hogs 4]
+Usage: python scripts/measure_grammar_isolation.py [--port 8123] [--rounds 15] [--hogs 4] [--maximal 12]
 """
 
 from __future__ import annotations
@@ -19,21 +20,18 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
+def workers_rss_mib(pid: int) -> list[float]:
+    """The compile workers' RSS (the server's child processes)."""
+    return [round(c.memory_info().rss / 2**20, 1) for c in psutil.Process(pid).children(recursive=True)]
 
 
 def timed(client: httpx.Client, path: str, body: dict) -> float:
@@ -69,6 +67,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--hogs", type=int, default=4, help="clients sending maximal grammars meanwhile")
+    parser.add_argument("--maximal", type=int, default=12, help="maximal grammars sent one by one at the end")
     args = parser.parse_args()
     base = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen(
@@ -100,7 +99,9 @@ def main() -> None:
         with httpx.Client(base_url=base, timeout=600) as client:
             # Warm: the grammar backend and its compile worker exist before anything is timed.
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_regex": "[ab]+"})
+            rss_start = rss_mib(server.pid)
             idle = latencies(client, args.rounds)
+            rss_after_idle = rss_mib(server.pid)
             stop = threading.Event()
             outcomes: list[int] = []
 
@@ -130,7 +131,8 @@ def main() -> None:
                     }
                 )
             )
-            rss_before = rss_mib(server.pid)
+            rss_after_hogs = rss_mib(server.pid)
+            statuses: list[int] = []
             for i in range(50):
                 schema = {
                     "type": "object",
@@ -140,14 +142,23 @@ def main() -> None:
                     },
                     "required": [f"field_{i}_0"],
                 }
-                client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_json": schema})
-            workers = children(server.pid)
+                body = {"prompt": "x", "max_tokens": 2, "guided_json": schema}
+                statuses.append(client.post("/v1/completions", json=body).status_code)
+            rss_per_maximal = []  # the bound: the cache keeps max_cache_bytes of them, whatever the count
+            for i in range(args.maximal):
+                body = {"prompt": "pick", "max_tokens": 2, "guided_choice": max_choice(f"seq{i}")}
+                statuses.append(client.post("/v1/completions", json=body).status_code)
+                rss_per_maximal.append(round(rss_mib(server.pid), 1))
             print(
                 json.dumps(
                     {
-                        "server_rss_mib_before": rss_before,
-                        "server_rss_mib_after_50": rss_mib(server.pid),
-                        "compile_worker_rss_mib": [rss_mib(w) for w in workers],
+                        "server_rss_mib_after_each_further_maximal_choice": rss_per_maximal,
+                        "server_rss_mib_start": round(rss_start, 1),
+                        "server_rss_mib_after_idle_latencies": round(rss_after_idle, 1),
+                        "server_rss_mib_after_maximal_choices": round(rss_after_hogs, 1),
+                        "server_rss_mib_after_50_schemas": round(rss_mib(server.pid), 1),
+                        "schema_statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
+                        "compile_worker_rss_mib": workers_rss_mib(server.pid),
                     }
                 )
             )

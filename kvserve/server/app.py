@@ -46,11 +46,6 @@ __all__ = ["ServerSettings", "build_app"]
 logger = logging.getLogger(__name__)
 
 
-def _log_failure(future: asyncio.Future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        logger.warning("could not prepare the chat-template renderer: %s", future.exception())
-
-
 def build_app(engine: EngineClient, settings: ServerSettings, transport: TransportLimits | None = None) -> FastAPI:
     """The app serving `engine`; `transport` sets the body read timeout (the same limits go to ServerConfig)."""
     transport = transport or TransportLimits()
@@ -80,9 +75,13 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        # In the background once serving: a chat request that comes first simply waits for the import.
-        warm = asyncio.ensure_future(preparer.run(preparer.warm))
-        warm.add_done_callback(_log_failure)
+        # Before serving, not beside it: transformers imported by two threads at once (this one, and the compile
+        # thread importing xgrammar for the first grammar request) failed with "cannot import name
+        # 'PreTrainedTokenizerBase' from 'transformers'", a 500 on a request that came within the first second.
+        try:
+            await preparer.run(preparer.warm)
+        except Exception as e:  # noqa: BLE001 - a failed warm-up is only a slower first chat request
+            logger.warning("could not prepare the chat-template renderer: %s", e)
         try:
             yield
         finally:

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine.async_engine import (
     EngineDeadError,
@@ -164,4 +164,41 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(kind, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(UnexpectedErrorMiddleware)  # the innermost middleware: what a route raises unhandled
+    app.add_exception_handler(Exception, on_unexpected)  # what the outer middlewares raise
+
+
+class UnexpectedErrorMiddleware:
+    """An exception no handler knows (a bug) answered with a 500 in OpenAI's shape, on a connection that lives on.
+
+    Why not Starlette's handler for Exception alone: its ServerErrorMiddleware sends that handler's 500 and then
+    raises the exception again, and uvicorn closes the connection after an application raised: a client's next
+    request on its kept-alive connection was reset (measured: the request after a 500 failed with ECONNRESET).
+    Caught here, the 500 is all that happens. A response already started (a stream) is ended instead; the stream
+    itself sends its error frame where it has one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            logger.exception("unhandled error while serving a request")
+            if not started:
+                await from_exception(exc).response()(scope, receive, send)
+            elif not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -12,6 +12,7 @@ request gets its own matcher from `backend.matcher(grammar)`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import re
@@ -295,10 +296,10 @@ class XgrammarBackend(CachedBackend):
         self.config = config or StructuredOutputsConfig()
         self.tokenizer_info = _xgrammar_tokenizer_info(vocab)
         # Compiles run in worker processes (structured/compile_workers.py), bounded in time; or, without
-        # compile_in_process... on the compile thread with this compiler (1 thread: no competing with the forward
+        # compile_in_workers false, on the compile thread with this compiler (1 thread: no competing with the forward
         # pass for cores). xgrammar's own cache is off: ours keys on the request's constraint and returns one object.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
-        self._workers = CompileWorkers(self.tokenizer_info.serialize_json) if self.config.compile_in_process else None
+        self._workers = CompileWorkers(self.tokenizer_info.serialize_json) if self.config.compile_in_workers else None
         self._cache = GrammarCache(
             cache_size, self.config.max_cache_bytes, size_of=lambda g: int(g.handle.memory_size_bytes)
         )
@@ -335,6 +336,9 @@ class XgrammarBackend(CachedBackend):
                 limit = self.config.max_compile_seconds
                 serialized = self._workers.compile(params, limit, caller)
                 handle = xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+                if len(serialized) > _TRIM_AFTER_CHARS:
+                    del serialized
+                    return_freed_heap()
         except CompileTimeout:
             raise GrammarCompileLimit(
                 params.field_name,
@@ -344,6 +348,19 @@ class XgrammarBackend(CachedBackend):
         except (RuntimeError, ValueError, TypeError) as e:
             raise _compile_error(params, e) from e
         return CompiledGrammar(params.key, self.name, params.kind, handle)
+
+
+# A compiled grammar arrives as JSON text (a maximal choice: tens of MB) parsed into C++ objects; glibc keeps the
+# freed pages of those transients in the compile thread's arena, so the server's RSS rose far past the cache's bound.
+_TRIM_AFTER_CHARS = 8 << 20
+
+
+def return_freed_heap() -> None:
+    """glibc's malloc_trim: freed heap pages back to the OS (a no-op where the C library has none)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def xgrammar_compile(compiler: Any, params: StructuredOutputsParams) -> Any:

@@ -17,14 +17,14 @@ from kvserve.json_flags import check_field_types, config_from_json_flag
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsConfig:
-    """The compile budgets (kvserve's keys of vLLM's flag). compile_in_process false compiles on threads of this
+    """The compile budgets (kvserve's keys of vLLM's flag). compile_in_workers false compiles on threads of this
     process instead (no time limit can then be enforced: a thread cannot be stopped; for embedding and tests)."""
 
     max_compile_seconds: float = 10.0
     max_grammar_bytes: int = 256 << 10
     max_concurrent_compiles: int = 1
     max_queued_compiles: int = 64
-    compile_in_process: bool = True
+    compile_in_workers: bool = True
     max_cache_bytes: int = 256 << 20  # the compiled grammars kept (their own size, as xgrammar reports it)
 
     def __post_init__(self) -> None:

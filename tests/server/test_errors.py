@@ -182,3 +182,90 @@ def test_chat_history_truncation(make_server):
         assert short.status_code == 200 and "X-Kvserve-Truncated-Turns" not in short.headers
         too_long = [system, {"role": "user", "content": "z" * 80}]
         assert_error(c.post("/v1/chat/completions", json={"messages": too_long}), 400)
+
+
+def test_a_bug_is_a_500_on_a_connection_that_lives_on(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception no handler knows (here: the import error a race once raised) is a 500 in OpenAI's shape, and
+    the client's kept-alive connection serves the next request: Starlette's own handler re-raised it, and uvicorn
+    then closed the connection, so the next request on it was reset."""
+    from kvserve.server import app as app_module
+
+    srv = make_server()
+
+    async def broken(*_: object) -> None:
+        raise ImportError("cannot import name 'PreTrainedTokenizerBase' from 'transformers'")
+
+    real = app_module.create_completion
+    monkeypatch.setattr(app_module, "create_completion", broken)
+    with srv.client() as c:
+        for _ in range(3):
+            error = assert_error(c.post("/v1/completions", json={"prompt": "x"}), 500, "ImportError")
+            assert error["type"] == "server_error"
+        assert c.get("/health").status_code == 200
+        monkeypatch.setattr(app_module, "create_completion", real)
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_bug_inside_a_started_response_ends_it_cleanly() -> None:
+    """Raised after the response started: the body is ended (what was sent stays sent), and the connection serves
+    the next request."""
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from kvserve.server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def chunks():
+            yield b"first "
+            await asyncio.sleep(0)
+            raise RuntimeError("a bug in the middle of a stream")
+
+        return StreamingResponse(chunks())
+
+    @app.get("/ok")
+    async def ok() -> dict[str, bool]:
+        return {"ok": True}
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            threading.Event().wait(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            for _ in range(2):
+                r = c.get("/stream")
+                assert r.status_code == 200 and r.content == b"first "
+                assert c.get("/ok").json() == {"ok": True}
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_the_server_serves_once_the_preparation_thread_has_its_imports(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chat-template renderer (transformers) is imported before the first request, not beside it: two threads
+    importing transformers at once (this one and the first grammar compile's xgrammar import) failed."""
+    from kvserve.server.prepare import PromptPreparer
+
+    warmed = threading.Event()
+    real = PromptPreparer.warm
+
+    def slow_warm(self: PromptPreparer) -> None:
+        threading.Event().wait(0.5)
+        real(self)
+        warmed.set()
+
+    monkeypatch.setattr(PromptPreparer, "warm", slow_warm)
+    make_server()
+    assert warmed.is_set()
