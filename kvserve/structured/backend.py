@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = STRUCTURED_OUTPUTS_BACKENDS  # declared once, in kvserve/vocab.py
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept
-DEFAULT_CACHE_BYTES = 256 << 20  # and their bytes, where the backend tells them (xgrammar)
 _MAX_REASON_CHARS = 600
 _ADMIT_PROBES = 16  # allowed first tokens tried before a grammar is called empty
 _WHAT_FAILED = {
@@ -166,7 +165,7 @@ class GrammarCache:
     def __init__(
         self,
         max_size: int = DEFAULT_CACHE_SIZE,
-        max_bytes: int = DEFAULT_CACHE_BYTES,
+        max_bytes: int = StructuredOutputsConfig().max_cache_bytes,  # counted where size_of is given
         size_of: Callable[[CompiledGrammar], int] | None = None,
     ) -> None:
         if max_size < 1:
@@ -295,11 +294,14 @@ class XgrammarBackend(CachedBackend):
         self.vocab = vocab
         self.config = config or StructuredOutputsConfig()
         self.tokenizer_info = _xgrammar_tokenizer_info(vocab)
-        # Compiles run in worker processes (structured/compile_workers.py), bounded in time; or, without
-        # compile_in_workers false, on the compile thread with this compiler (1 thread: no competing with the forward
-        # pass for cores). xgrammar's own cache is off: ours keys on the request's constraint and returns one object.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
-        self._workers = CompileWorkers(self.tokenizer_info.serialize_json) if self.config.compile_in_workers else None
+        # Compiles run in worker processes (structured/compile_workers.py), bounded in time; or, with
+        # compile_in_workers false, on the compile thread with this process's own compiler (1 thread: no competing
+        # with the forward pass for cores). xgrammar's own cache is off: ours keys on the request's constraint.
+        in_workers = self.config.compile_in_workers
+        self._workers = CompileWorkers(self.tokenizer_info.serialize_json) if in_workers else None
+        self._compiler = (
+            None if in_workers else xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        )
         self._cache = GrammarCache(
             cache_size, self.config.max_cache_bytes, size_of=lambda g: int(g.handle.memory_size_bytes)
         )
@@ -432,14 +434,13 @@ class GuidanceBackend(CachedBackend):
 
     name = "guidance"
 
-    def __init__(
-        self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE, config: StructuredOutputsConfig | None = None
-    ) -> None:
+    def __init__(self, vocab: GrammarVocab, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self.vocab = vocab
         self.ll_tokenizer = _guidance_tokenizer(vocab)
         # llguidance compiles lazily (fast: the work is in each step's mask, bounded by its own lexer fuel), so no
-        # worker process; the source-size budget applies (GrammarCompiler). Entry count bounds the cache.
-        self._cache = GrammarCache(cache_size, (config or StructuredOutputsConfig()).max_cache_bytes)
+        # worker process; the source-size budget applies (GrammarCompiler). It reports no grammar's size: the entry
+        # count bounds its cache.
+        self._cache = GrammarCache(cache_size)
 
     def _new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         return GuidanceMatcher(grammar.handle.deep_copy(), self.vocab.stop_token_ids, self.ll_tokenizer.vocab_size)
@@ -538,7 +539,6 @@ class AutoBackend:
     ) -> None:
         self.vocab = vocab
         self._cache_size = cache_size
-        self._config = config
         self.primary = XgrammarBackend(vocab, cache_size, config)
         self._fallback: GuidanceBackend | None = None
         self._fallback_lock = threading.Lock()
@@ -580,7 +580,7 @@ class AutoBackend:
     def fallback(self) -> GuidanceBackend:
         with self._fallback_lock:
             if self._fallback is None:
-                self._fallback = GuidanceBackend(self.vocab, self._cache_size, self._config)
+                self._fallback = GuidanceBackend(self.vocab, self._cache_size)
             return self._fallback
 
 
@@ -591,7 +591,7 @@ def make_backend(
     if name == "xgrammar":
         return XgrammarBackend(vocab, cache_size, config)
     if name == "guidance":
-        return GuidanceBackend(vocab, cache_size, config)
+        return GuidanceBackend(vocab, cache_size)
     if name == "auto":
         return AutoBackend(vocab, cache_size, config)
     raise ValueError(f"structured outputs backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -87,8 +88,9 @@ def test_sigterm_exits_at_once_with_a_compile_in_flight(tiny_model_dir: Path, tm
     """The hostile run's slow exit (25-31 s after SIGTERM, grace 2 s, once heavy grammars had run): a thread in a
     long compile, joined at interpreter exit. Now shutdown stops the compile pool (its worker process killed) and
     exits after its grace: with a compile in flight, the process exits 0 and leaves no compile worker behind (the
-    timeout below is only a hang guard; measured: 4.0 s after SIGTERM with the pool stopped, 8.8 s when it was left
-    to its compile, docs/RELIABILITY.md). That a close stops a compile at once: test_compile_budgets.py."""
+    timeout below is only a hang guard; the exit time is printed, not asserted: 4.0 s after SIGTERM with the pool
+    stopped, 8.8 s when it was left to its compile, docs/RELIABILITY.md). That a close stops a compile at once:
+    test_compile_budgets.py."""
     budgets = json.dumps({"max_compile_seconds": 600, "max_grammar_bytes": 4 << 20})
     proc, base = serve_process(
         tiny_model_dir, tmp_path, "--shutdown-grace-seconds", "2", "--structured-outputs-config", budgets
@@ -103,8 +105,10 @@ def test_sigterm_exits_at_once_with_a_compile_in_flight(tiny_model_dir: Path, tm
         sender.daemon = True
         sender.start()
         wait_until(lambda: metric_values(httpx.Client(base_url=base))["kvserve:grammar_compiles_in_flight"] == 1)
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        print(f"exited {time.monotonic() - signalled:.1f} s after SIGTERM")  # docs/RELIABILITY.md's figure (-s)
         assert not any(_alive(pid) for pid in workers)
     finally:
         if proc.poll() is None:
