@@ -122,8 +122,9 @@ def test_loop_answers_while_a_long_prompt_is_prepared(gated_server, kind):
             assert not long_request.done()
         tokenizer.release.set()
         response = long_request.result(timeout=GATE_TIMEOUT_S)
-    assert first and rest[-1] == "[DONE]"
-    assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+    frames = [*_frames([first]), *rest]  # a busy machine may send the whole stream in its first frame
+    assert frames[-1] == "[DONE]" and len(frames) >= 2
+    assert json.loads(frames[-2])["choices"][0]["finish_reason"] == "length"
     assert response.status_code == 400  # longer than max-model-len: prepared, then refused with both numbers
 
 
