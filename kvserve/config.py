@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.kv.events_config import KVEventsConfig, parse_kv_events_config
+from kvserve.kv.offload.config import KVOffloadConfig, make_offload_config
 from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from kvserve.structured.config import StructuredOutputsConfig, parse_structured_outputs_config
 from kvserve.units import GiB, parse_size
@@ -82,6 +83,12 @@ class EngineConfig:
     # This engine's index among --data-parallel-size replicas (set by the cluster launcher, as vLLM's): its KV
     # events go to the configured endpoint offset by it, so replicas on one host never share an address.
     data_parallel_rank: int = 0
+    # The KV offload tier (vLLM's --kv-offloading-size / --kv-offloading-backend; kvserve's --kv-offloading-path):
+    # None (the default): no tier. A bare number is GiB, as in vLLM (LLM(kv_offloading_size=16)); text may carry a
+    # unit ("512MiB"). A path puts the tier on disk (docs/KV_OFFLOAD.md).
+    kv_offloading_size: float | str | None = None
+    kv_offloading_backend: str | None = None
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
         # The flag-shaped inputs the offline API accepts (JSON text, dicts, "4GiB"), parsed once into their types.
@@ -93,6 +100,7 @@ class EngineConfig:
         )
         if isinstance(raw.kv_cache_memory_bytes, str):
             object.__setattr__(self, "kv_cache_memory_bytes", parse_size(raw.kv_cache_memory_bytes))
+        _ = self.kv_offload  # parsed and checked here, so that a bad value fails at once
         if isinstance(raw.cuda_graph_sizes, list):
             object.__setattr__(self, "cuda_graph_sizes", tuple(raw.cuda_graph_sizes))
         checks = [
@@ -135,6 +143,11 @@ class EngineConfig:
                     f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
                     f"({self.max_model_len}) with chunked prefill off: long prompts could never be scheduled"
                 )
+
+    @property
+    def kv_offload(self) -> KVOffloadConfig | None:
+        """The offload tier's settings, or None without one."""
+        return make_offload_config(self.kv_offloading_size, self.kv_offloading_path, self.kv_offloading_backend)
 
     @property
     def device_type(self) -> str:

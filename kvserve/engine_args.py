@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.config import EngineConfig
+from kvserve.kv.offload.config import OFFLOAD_BACKENDS
 from kvserve.structured.config import parse_structured_outputs_config
 from kvserve.units import parse_size
 from kvserve.vocab import (
@@ -127,6 +128,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "max_queue_size, topic, event_encoding, bind_host (docs/KV_EVENTS.md). A `*` binds --host (loopback by "
         'default), not every interface; bind_host "*" for vLLM\'s every interface. Off by default',
     )
+    c.add_argument(
+        "--kv-offloading-size",
+        default=None,
+        help="an offload tier under the KV pool, vLLM's flag: its size in GiB (a bare number, as in vLLM) or with a "
+        "unit (512MiB). Full prefix blocks are copied into it after the step that computed them, so a prefix the pool "
+        "evicts is restored instead of recomputed. In host memory unless --kv-offloading-path is given. Off by default "
+        "(docs/KV_OFFLOAD.md)",
+    )
+    c.add_argument(
+        "--kv-offloading-backend",
+        default=None,
+        choices=OFFLOAD_BACKENDS,
+        help="native (vLLM's default: kvserve's own tier); lmcache is vLLM's GPU-side library and not available here",
+    )
+    c.add_argument(
+        "--kv-offloading-path",
+        default=None,
+        metavar="DIR",
+        help="put the offload tier on disk in DIR (created 0700: it holds prompt-derived data); the size is then its "
+        "disk budget. It survives restarts and is shared by every process using DIR with the same model and settings",
+    )
     s = parser.add_argument_group("scheduler")
     s.add_argument(
         "--max-model-len",
@@ -201,4 +223,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         structured_outputs_config=parse_structured_outputs_config(getattr(args, "structured_outputs_config", None)),
         speculative_config=getattr(args, "speculative_config", None),
         kv_events_config=getattr(args, "kv_events_config", None),
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+        kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
+        kv_offloading_path=getattr(args, "kv_offloading_path", None),
     )

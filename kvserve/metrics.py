@@ -22,7 +22,13 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS
@@ -121,6 +127,12 @@ class EngineStatsCollector:
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries_tokens),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
+            (
+                "prefix_cache_evicted_misses",
+                "Prompt tokens that missed the prefix cache because the pool had evicted their blocks shortly before "
+                "(kept by an offload tier, --kv-offloading-size).",
+                s.prefix_cache_evicted_misses_tokens,
+            ),
             ("num_preemptions", "Preemptions (requests evicted to free KV blocks).", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
@@ -132,6 +144,8 @@ class EngineStatsCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric(model, value)
             yield counter
+        if s.offload is not None:
+            yield from _offload_metrics(s, model)
         if s.spec_decode_num_accepted_tokens_per_pos:  # speculation on: one sample per draft position, as vLLM
             per_pos = CounterMetricFamily(
                 PREFIX + "spec_decode_num_accepted_tokens_per_pos",
@@ -151,6 +165,71 @@ class EngineStatsCollector:
             )
             steps.add_metric(model, buckets, sum_value=s.iteration_tokens_sum)
             yield steps
+
+
+def _offload_metrics(s: EngineStats, model: list[str]) -> Iterator[Metric]:
+    """The KV offload tier's series (docs/KV_OFFLOAD.md): vLLM's external prefix cache counters (what a KV connector
+    restores), and kvserve's kv_offload_* for the tier itself, labelled with its medium (CPU or DISK)."""
+    o = s.offload
+    assert o is not None
+    labels = ["model_name", "medium"]
+    where = [*model, o.medium]
+    counters = [
+        (
+            "external_prefix_cache_queries",
+            "Prompt tokens looked up in the KV offload tier (past the pool's prefix hits).",
+            s.external_prefix_cache_queries_tokens,
+        ),
+        (
+            "external_prefix_cache_hits",
+            "Prompt tokens restored from the KV offload tier.",
+            s.external_prefix_cache_hits_tokens,
+        ),
+        ("kv_offload_stored_blocks", "Blocks this process wrote into the KV offload tier.", o.stored_blocks),
+        (
+            "kv_offload_dropped_blocks",
+            "Blocks not written into the tier: its writer's queue was full, or the tier had failed.",
+            o.dropped_blocks,
+        ),
+        ("kv_offload_restored_blocks", "Blocks restored from the tier instead of recomputed.", o.restored_blocks),
+        (
+            "kv_offload_restore_failures",
+            "Stored records refused on restore (checksum, length, fingerprint or content mismatch, gone): recomputed.",
+            o.restore_failures,
+        ),
+        ("kv_offload_io_errors", "Reads and writes of the tier that failed with an OS error.", o.io_errors),
+    ]
+    for name, doc, value in counters:
+        counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        counter.add_metric(where, value)
+        yield counter
+    gauges = [
+        (
+            "kv_offload_bytes",
+            "Bytes the KV offload tier holds (on disk: its directory, shared replicas included).",
+            o.bytes_used,
+        ),
+        (
+            "kv_offload_capacity_bytes",
+            "The KV offload tier's budget in bytes (--kv-offloading-size).",
+            o.capacity_bytes,
+        ),
+        ("kv_offload_blocks", "Blocks the KV offload tier holds.", o.num_blocks),
+        (
+            "kv_offload_available",
+            "1 while the tier stores blocks; 0 once it failed (a full or unwritable disk).",
+            float(o.available),
+        ),
+    ]
+    for name, doc, level in gauges:
+        gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        gauge.add_metric(where, level)
+        yield gauge
+    restore = SummaryMetricFamily(
+        PREFIX + "kv_offload_restore_seconds", "Time spent restoring blocks from the tier, per restore.", labels=labels
+    )
+    restore.add_metric(where, count_value=o.restores, sum_value=o.restore_seconds_total)
+    yield restore
 
 
 class GrammarCollector:

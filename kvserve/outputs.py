@@ -42,11 +42,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed: prefix-cache hits, the offload tier's restores included
     metrics: Any = None
     # Why the request failed (finish_reason "error"): its step failed even when run alone. Only this request
     # fails; the engine goes on serving the others.
     error: str | None = None
+    num_restored_tokens: int = 0  # of num_cached_tokens, those restored from the KV offload tier (docs/KV_OFFLOAD.md)
 
 
 def logprob_entry(

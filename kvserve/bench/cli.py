@@ -13,6 +13,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.kv_cache",
     "kvserve.bench.kv_dtype",
     "kvserve.bench.prefix",
+    "kvserve.bench.offload",
     "kvserve.bench.quantization",
     "kvserve.bench.memory",
     "kvserve.bench.structured",

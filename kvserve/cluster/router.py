@@ -58,7 +58,11 @@ class PrefixIndex:
     blocks_of: dict[str, set[str]] = field(default_factory=dict)  # replica -> its hashes, to forget it at once
 
     def apply(self, replica: str, event: KVEvent) -> None:
-        """One of `replica`'s KV events; events that are not about the prefix cache are ignored."""
+        """One of `replica`'s KV events; events that are not about the prefix cache are ignored, and so are an offload
+        tier's (a medium of their own): the index is of what each replica's pool holds. A shared disk tier holds the
+        same blocks for every replica, so it cannot tell them apart (docs/KV_OFFLOAD.md, "Replicas")."""
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.medium is not None:
+            return
         if isinstance(event, BlockStored):
             self.holders.setdefault(event.block_hash, set()).add(replica)
             self.blocks_of.setdefault(replica, set()).add(event.block_hash)

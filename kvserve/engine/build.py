@@ -25,6 +25,7 @@ from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
 if TYPE_CHECKING:
+    from kvserve.kv.offload.fingerprint import KVFingerprint
     from kvserve.model.config import ModelConfig
     from kvserve.model.protocol import Model
     from kvserve.model.tokenizer import Tokenizer
@@ -120,7 +121,39 @@ def build_core(
             backend=config.structured_outputs_backend,
             config=config.structured_outputs_config,
         )
-    return EngineCore(config, model_config, model, spec, plan, grammar, device)
+    fingerprint = offload_fingerprint(config, model, spec, device, compute_dtype) if config.kv_offload else None
+    return EngineCore(config, model_config, model, spec, plan, grammar, device, fingerprint)
+
+
+def offload_fingerprint(
+    config: EngineConfig, model: Model, spec: KVCacheSpec, device: torch.device, compute_dtype: torch.dtype
+) -> KVFingerprint:
+    """What the KV offload tier's blocks are computed under (kv/offload/fingerprint.py): the weights named by
+    config.model (the default model's file when None), and every setting that changes the K/V numbers."""
+    import kvserve
+    from kvserve.dtypes import dtype_name
+    from kvserve.kv.offload.fingerprint import KVFingerprint, weights_identity
+    from kvserve.model.source import resolve_model
+
+    scales = model.static_kv_scales if spec.dtype_name == "fp8_e4m3" else None
+    return KVFingerprint(
+        weights=weights_identity(resolve_model(config.model).path),
+        weight_quantization=config.quantization,
+        activation_quantization="none",
+        kernels=model.kernel_isa,
+        attention_backend=config.attention_backend or "auto",
+        device_type=device.type,
+        dtype=dtype_name(compute_dtype),
+        kv_cache_dtype=spec.dtype_name,
+        static_kv_scales="" if scales is None else repr([(float(k), float(v)) for k, v in scales]),
+        block_size=spec.block_size,
+        hash_algo=config.prefix_caching_hash_algo,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        torch_version=torch.__version__,
+        kvserve_version=kvserve.__version__,
+    )
 
 
 def build_engine(

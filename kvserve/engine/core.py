@@ -43,7 +43,9 @@ from kvserve.spec_decode.verify import verify_draft
 if TYPE_CHECKING:
     from kvserve.capacity import CachePlan
     from kvserve.config import EngineConfig
-    from kvserve.kv.cache import KVCacheSpec
+    from kvserve.kv.cache import KVCacheSpec, LayerKVCache
+    from kvserve.kv.offload.fingerprint import KVFingerprint
+    from kvserve.kv.offload.tier import OffloadTier
     from kvserve.model.config import ModelConfig
     from kvserve.model.protocol import Model
     from kvserve.sampling_params import SamplingParams
@@ -85,6 +87,7 @@ class EngineCore:
         cache_plan: CachePlan,
         grammar: GrammarCompiler,
         device: torch.device,
+        offload_fingerprint: KVFingerprint | None = None,
     ) -> None:
         self.config, self.model_config, self.device = config, model_config, device
         self.kv_spec, self.cache_plan = kv_spec, cache_plan
@@ -115,6 +118,7 @@ class EngineCore:
         use_static_kv_scales(kv_caches, model.static_kv_scales, kv_spec.dtype_name)
         graphs = build_decode_graphs(config, model, kv_caches, self.max_model_len, device)
         self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs)
+        self.offload = self._start_offload_tier(config, kv_caches, offload_fingerprint)
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.spec = None if config.speculative_config is None else SpecDecoder(config.speculative_config)
@@ -139,10 +143,31 @@ class EngineCore:
         )
         logger.info(cache_plan.describe())
 
+    def _start_offload_tier(
+        self, config: EngineConfig, kv_caches: list[LayerKVCache], fingerprint: KVFingerprint | None
+    ) -> OffloadTier | None:
+        """The KV offload tier under the pool, when one is configured (its modules are imported only then)."""
+        offload = config.kv_offload
+        if offload is None:
+            return None
+        if not config.enable_prefix_caching:
+            logger.warning("--kv-offloading-size has no effect without prefix caching: no tier is used")
+            return None
+        if fingerprint is None:
+            raise ValueError("a KV offload tier needs the fingerprint of the engine's settings")
+        from kvserve.kv.offload.tier import OffloadTier
+
+        tier = OffloadTier(offload, fingerprint, kv_caches, config.block_size, self.kv_events)
+        self.kv_manager.tier = tier
+        return tier
+
     def close(self) -> None:
-        """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued), and
-        the grammar compiler's threads and worker processes (a compile in flight is stopped, not waited for: at exit
-        a thread in a long compile held the process for tens of seconds; a sibling sharing it starts them again)."""
+        """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued), the
+        offload tier's writer (what is queued is written first), and the grammar compiler's threads and worker
+        processes (a compile in flight is stopped, not waited for: at exit a thread in a long compile held the
+        process for tens of seconds; a sibling sharing it starts them again)."""
+        if self.offload is not None:
+            self.offload.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
         self.grammar.close()
@@ -229,6 +254,10 @@ class EngineCore:
             generation_tokens_total=self.num_generation_tokens_total,
             iteration_tokens_counts=tuple(self.step_sizes),
             iteration_tokens_sum=self.step_tokens_total,
+            offload=None if self.offload is None else self.offload.stats(),
+            external_prefix_cache_queries_tokens=self.kv_manager.external_queries_tokens,
+            external_prefix_cache_hits_tokens=self.kv_manager.external_hits_tokens,
+            prefix_cache_evicted_misses_tokens=self.kv_manager.prefix_stats.evicted_misses_total,
             **spec,
         )
 
@@ -244,8 +273,11 @@ class EngineCore:
             self.spec.propose(running, grammars, self.max_model_len, len(running))
         out = self._schedule()
         failed = self._grammar_failures(out)
+        if self.offload is not None:
+            self.offload.poll_events()
         if out.is_empty:
             return failed
+        started = time.perf_counter()
         try:
             result = self.runner.execute(out)
             sampled = self._sample(result.logits, result.sample_requests) if result.sample_requests else []
@@ -261,16 +293,22 @@ class EngineCore:
                 if s.request.request_id in result.spec_logits
             }
         except Exception as exc:  # noqa: BLE001 -- pinned on one request, not the engine (see _on_step_failed)
+            self.kv_manager.take_offload()  # never stored: the step may have written partial K/V
             return failed + self._on_step_failed(out, exc)
         except BaseException:
+            self.kv_manager.take_offload()
             self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
             raise
+        prompt_tokens = sum(
+            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
+        )
+        if self.offload is not None:  # write-through: the blocks this step filled, before any can be reused
+            self.offload.store_blocks(self.kv_manager.take_offload())
+            self.offload.cost.observe_step(prompt_tokens, time.perf_counter() - started)
         self.scheduler.on_step_done(out)
         self.step_sizes[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, out.num_tokens)] += 1
         self.step_tokens_total += out.num_tokens
-        self.num_prompt_tokens_total += sum(
-            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
-        )
+        self.num_prompt_tokens_total += prompt_tokens
         touched: dict[str, SequenceGroup] = {}
         for rid, (first, logits) in result.prompt_logits.items():
             seq = self.requests.sequences[rid]
@@ -298,8 +336,9 @@ class EngineCore:
         for one (the caller would otherwise call again at once, in a busy loop)."""
         before = self.event_recorder.before_schedule(self.scheduler, self.kv_manager)
         out = self.scheduler.schedule()
-        if out.is_empty and not out.grammar_failed and self.scheduler.pending_grammars:
-            wait(self.scheduler.pending_grammar_futures(), timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        if out.is_empty and not out.grammar_failed and (self.scheduler.pending_grammars or self.kv_manager.loads):
+            futures = [*self.scheduler.pending_grammar_futures(), *self.kv_manager.load_futures()]
+            wait(futures, timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             out = self.scheduler.schedule()
         self.event_recorder.after_schedule(out, before, self.scheduler, self.kv_manager)
         return out
@@ -480,7 +519,8 @@ class EngineCore:
         the thread that steps the engine (behind a server: `async_engine.call(EngineCore.check_invariants)`)."""
         self.pool.check_invariants()
         counts: dict[int, int] = {}
-        for blocks in self.kv_manager.req_blocks.values():
+        loads = [*self.kv_manager.loads.values(), *self.kv_manager.orphan_loads]
+        for blocks in [*self.kv_manager.req_blocks.values(), *(load.held for load in loads)]:
             for b in blocks:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
         for block in self.pool.blocks:

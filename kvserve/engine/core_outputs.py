@@ -45,3 +45,4 @@ class EngineCoreOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, in the first output after the prompt
     error: str | None = None  # why the request failed (finish_reason "error"), when it did
+    num_restored_tokens: int = 0  # of num_cached_tokens, those restored from the KV offload tier

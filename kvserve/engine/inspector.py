@@ -173,6 +173,7 @@ def _request(engine: EngineCore, request: Request, now: float) -> dict[str, Any]
         "num_output_tokens": len(request.output_token_ids),
         "num_computed_tokens": request.num_computed_tokens,
         "prefix_hit_tokens": request.num_cached_tokens,
+        "restored_tokens": request.num_restored_tokens,  # of prefix_hit_tokens, from the KV offload tier
         "age_s": round(now - request.arrival_time, 3),
         "num_preemptions": request.num_preemptions,
     }

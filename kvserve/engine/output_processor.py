@@ -107,7 +107,7 @@ class RequestState:
             self.samples.append(sample)
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self._sent_prompt_logprobs = False
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = self.num_restored_tokens = 0
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
         self.core_finished = False  # the core holds nothing of it any more
@@ -123,6 +123,7 @@ class RequestState:
         raises) fails this request alone, as one in the core would: its sample ends in "error", the others in
         "abort", `error` says why, and the caller aborts it in the core (`failed`)."""
         self.num_cached_tokens, self.metrics = output.num_cached_tokens, output.metrics
+        self.num_restored_tokens = output.num_restored_tokens
         self.core_finished = self.core_finished or output.finished
         if output.error is not None:
             self.error = output.error
@@ -212,6 +213,7 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
             error=self.error,
+            num_restored_tokens=self.num_restored_tokens,
         )
 
 

@@ -49,6 +49,8 @@ class Request:
     ends_on_stop_token: bool = False  # it finished on a stop token (EOS, a stop id, a complete grammar's), its last
     cache_salt: str | None = None  # joins the prefix-cache hash so tenants cannot share blocks
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    # Of num_cached_tokens, those restored from the KV offload tier (the rest were in the block pool).
+    num_restored_tokens: int = 0
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

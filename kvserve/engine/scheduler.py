@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.block import KVCacheBlock
 from kvserve.kv.manager import KVCacheManager
 
 
@@ -78,6 +79,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.reap_orphan_loads()
         if self.suspects:
             suspect = self._next_suspect()
             if suspect is not None:
@@ -114,18 +116,39 @@ class Scheduler:
                 if not request.is_finished:  # still compiling: the requests behind it go first
                     i += 1
                 continue
+            restored, loaded = 0, False
+            if self.kv.loads and request.request_id in self.kv.loads:  # a restore from the offload tier in flight
+                load = self.kv.loads[request.request_id]
+                if not load.future.done():
+                    i += 1  # the requests behind it go first
+                    continue
+                restored, loaded = self.kv.finish_load(load), True
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if self.kv.tier is not None and not loaded:  # one restore per admission: a failed one is recomputed
+                outcome = self._restore(request, hit_blocks, budget)
+                if outcome is None:  # loading from disk: it waits, the others step
+                    i += 1
+                    continue
+                if outcome:
+                    restored = outcome
+                    hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
+            first = request.status is RequestStatus.WAITING  # not a retry after preemption
+            lost = self.kv.evicted_misses(request, num_hit) if first else 0
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             request.num_computed_tokens = num_hit
             del self.waiting[i]
-            if request.status is RequestStatus.WAITING:  # first admission: not a retry, not after preemption
+            if first:  # first admission: not a retry, not after preemption
                 request.num_cached_tokens = num_hit
-                self.kv.record_prefix_query(request, num_hit)
+                request.num_restored_tokens = min(restored * self.kv.block_size, num_hit)
+                self.kv.record_prefix_query(request, num_hit, lost)
+                if self.kv.tier is not None:  # vLLM's external prefix cache: what was looked up past the pool's hits
+                    self.kv.external_queries_tokens += request.num_tokens - (num_hit - request.num_restored_tokens)
+                    self.kv.external_hits_tokens += request.num_restored_tokens
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -133,6 +156,25 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
         return out
+
+    def _restore(self, request: Request, hit_blocks: list[KVCacheBlock], budget: int) -> int | None:
+        """Start restoring the blocks after the pool's hits that the offload tier holds, where that is cheaper than
+        recomputing them and the pool can take both them and the request's first chunk after them (else the restored
+        blocks could be evicted again before the request is admitted). Returns the blocks restored (0: none tried or
+        none restored), or None while a load from disk is running."""
+        assert self.kv.tier is not None
+        hits = self.kv.tier_hits(request, len(hit_blocks))
+        if not hits or not self.kv.tier.cost.worth_restoring(len(hits)):
+            return 0
+        after = request.num_tokens - (len(hit_blocks) + len(hits)) * self.kv.block_size
+        if not self.kv.can_fit(request, len(hits) * self.kv.block_size + min(after, budget), hit_blocks):
+            return 0
+        load = self.kv.start_load(request, hit_blocks, hits)
+        if load is None:
+            return 0
+        if not load.future.done():
+            return None
+        return self.kv.finish_load(load)
 
     @staticmethod
     def _drafts_that_fit(request: Request, num_new: int, budget: int) -> list[int]:

@@ -93,6 +93,7 @@ class SequenceGroup:
             ),
             prompt_logprobs=prompt_logprobs,
             error=self.error,
+            num_restored_tokens=min(s.request.num_restored_tokens for s in self.sequences),
         )
 
 

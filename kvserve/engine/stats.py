@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.kv.offload.tier import OffloadStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,14 @@ class EngineStats:
     # Steps by their tokens (vLLM's iteration_tokens_total): counts per ITERATION_TOKEN_BUCKETS bound, then +Inf.
     iteration_tokens_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # The KV offload tier (None: no tier). External prefix cache, vLLM's names: prompt tokens looked up past the pool's
+    # hits, and of them restored from the tier.
+    offload: OffloadStats | None = None
+    # Looked-up prompt tokens that missed because the pool had evicted their blocks shortly before (doctor's evidence
+    # that an offload tier, or a larger pool, would have kept them).
+    prefix_cache_evicted_misses_tokens: int = 0
+    external_prefix_cache_queries_tokens: int = 0
+    external_prefix_cache_hits_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,16 @@ from dataclasses import dataclass
 from kvserve.kv.hashing import BlockKey
 
 
+@dataclass(frozen=True, slots=True)
+class TierBlock:
+    """A full block as the KV offload tier sees it (kv/offload/): the pool block that holds it (or is being restored
+    into; -1 in a tier's KV events, where no pool block is meant), its chained hash and the content key a hit checks."""
+
+    block_id: int
+    block_hash: bytes
+    key: BlockKey
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """One block of `block_size` token slots in every layer's cache.

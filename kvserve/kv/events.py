@@ -26,6 +26,9 @@ class BlockStored:
     parent_block_hash: str | None  # hex; None for a sequence's first block
     token_ids: tuple[int, ...]
     block_size: int
+    # None: the engine's block pool. An offload tier's blocks (block_id -1: no pool block) carry its medium in vLLM's
+    # words, "CPU" (host memory) or "DISK", as vLLM's offloading connector marks them.
+    medium: str | None = None
     kind: str = "block_stored"
 
 
@@ -35,6 +38,7 @@ class BlockRemoved:
 
     block_id: int
     block_hash: str
+    medium: str | None = None  # as BlockStored's
     kind: str = "block_removed"
 
 

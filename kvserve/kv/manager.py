@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvserve.kv.block import KVCacheBlock
+from kvserve.kv.block import KVCacheBlock, TierBlock
 from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
 from kvserve.kv.pool import BlockPool
 from kvserve.units import cdiv
+
+if TYPE_CHECKING:
+    from kvserve.kv.offload.tier import OffloadTier
 
 
 class KVRequest(Protocol):
@@ -43,6 +48,8 @@ class PrefixCacheStats:
     window: int = 1000
     queries_total: int = 0
     hits_total: int = 0
+    # Looked-up tokens that missed because the pool had evicted their blocks shortly before (its ghost list).
+    evicted_misses_total: int = 0
     recent: deque[tuple[int, int]] = field(default_factory=deque)
     recent_queries: int = 0
     recent_hits: int = 0
@@ -61,6 +68,24 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.recent_hits / self.recent_queries if self.recent_queries else 0.0
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    """A restore from the offload tier in flight for a waiting request. It holds its blocks (the pool's hits before
+    the restored ones, and the fresh blocks being written), so that nothing evicts or reuses them meanwhile; when it
+    is done, the restored blocks join the prefix cache and every block is released, and the request's admission then
+    finds them all as ordinary prefix hits."""
+
+    request_id: str
+    held: list[KVCacheBlock]  # the pool hits (referenced), then the restore's targets
+    targets: list[TierBlock]
+    future: Future[int]
+    cancelled: threading.Event
+
+    @property
+    def target_blocks(self) -> list[KVCacheBlock]:
+        return self.held[len(self.held) - len(self.targets) :]
 
 
 class KVCacheManager:
@@ -82,6 +107,13 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_num_published: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
+        # The KV offload tier under the pool (kv/offload/tier.py), attached by the engine core; None: no tier.
+        self.tier: OffloadTier | None = None
+        self.loads: dict[str, PendingLoad] = {}  # restores in flight, by waiting request
+        self.orphan_loads: list[PendingLoad] = []  # restores whose request left: released once their copy ends
+        self.to_offload: list[TierBlock] = []  # blocks published this step, for the tier once the step succeeds
+        self.external_queries_tokens = 0  # prompt tokens looked up in the tier (past the pool's hits)
+        self.external_hits_tokens = 0  # of them, restored
 
     @property
     def enable_caching(self) -> bool:
@@ -120,13 +152,27 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def record_prefix_query(self, request: KVRequest, num_hit_tokens: int) -> None:
+    def evicted_misses(self, request: KVRequest, num_hit_tokens: int) -> int:
+        """The tokens after the request's hits whose blocks the pool evicted shortly before (its ghost list): hits
+        lost to eviction. Asked before the request's allocation, which re-publishes the blocks it computes."""
+        ghosts = self.pool.recently_evicted
+        if not ghosts or not self._reads_prefix_cache(request):
+            return 0
+        lost = 0
+        for block_hash in self._hashes(request, request.num_tokens - 1)[num_hit_tokens // self.block_size :]:
+            if block_hash not in ghosts:
+                break
+            lost += 1
+        return lost * self.block_size
+
+    def record_prefix_query(self, request: KVRequest, num_hit_tokens: int, num_evicted_misses: int = 0) -> None:
         """Count one prefix-cache query of request.num_tokens tokens, num_hit_tokens of them hits. The
         scheduler calls it once per request, when its first admission has its blocks; lookups retried while
         the request waits, and re-admissions after preemption, would otherwise inflate the queries and skew
         the hit rate exactly when the server is under pressure (vLLM fixed the same bug)."""
         if self._reads_prefix_cache(request):
             self.prefix_stats.record(request.num_tokens, num_hit_tokens)
+            self.prefix_stats.evicted_misses_total += num_evicted_misses
 
     def _blocks_for(self, num_tokens: int) -> int:
         """Blocks a request of num_tokens tokens holds: just enough, or its whole reservation."""
@@ -210,8 +256,77 @@ class KVCacheManager:
         hashes = self._hashes(request, num_full * self.block_size)
         blocks = self.req_blocks[rid]
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i], self._key(request, hashes, i))
+            key = self._key(request, hashes, i)
+            self.pool.cache_block(blocks[i], hashes[i], key)
+            if self.tier is not None:
+                self.to_offload.append(TierBlock(blocks[i].block_id, hashes[i], key))
         self.req_num_published[rid] = num_full
+
+    # ---- the offload tier ----------------------------------------------------------------------------
+
+    def tier_hits(self, request: KVRequest, num_pool_blocks: int) -> list[tuple[bytes, BlockKey]]:
+        """The blocks after the pool's `num_pool_blocks` hits that the tier holds, in order up to the first it lacks
+        (never the block of the last prompt token, as for the pool)."""
+        tier = self.tier
+        if tier is None or not tier.readable or not self._reads_prefix_cache(request):
+            return []
+        hashes = self._hashes(request, request.num_tokens - 1)
+        hits = []
+        for i in range(num_pool_blocks, len(hashes)):
+            if not tier.contains(hashes[i]):
+                break
+            hits.append((hashes[i], self._key(request, hashes, i)))
+        return hits
+
+    def start_load(
+        self, request: KVRequest, pool_blocks: list[KVCacheBlock], hits: list[tuple[bytes, BlockKey]]
+    ) -> PendingLoad | None:
+        """Take fresh blocks for `hits` (and a reference on the pool's hits before them) and start copying the tier's
+        blocks into them; None, changing nothing, when the pool cannot supply the blocks."""
+        tier = self.tier
+        assert tier is not None
+        revived = sum(1 for b in pool_blocks if b.ref_cnt == 0)
+        if revived + len(hits) > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(pool_blocks)
+        fresh = self.pool.allocate(len(hits))
+        targets = [TierBlock(b.block_id, h, k) for b, (h, k) in zip(fresh, hits)]
+        cancelled = threading.Event()
+        load = PendingLoad(
+            request.request_id, [*pool_blocks, *fresh], targets, tier.load(targets, cancelled), cancelled
+        )
+        self.loads[request.request_id] = load
+        return load
+
+    def finish_load(self, load: PendingLoad) -> int:
+        """A done restore: its restored blocks join the prefix cache, every block it held is released (hashed ones at
+        the free queue's tail, so the admission that follows revives them). Returns the blocks restored."""
+        try:
+            restored = load.future.result()
+        except Exception:  # noqa: BLE001 -- a failed copy restores nothing; the blocks are recomputed
+            restored = 0
+        for block, target in zip(load.target_blocks[:restored], load.targets):
+            self.pool.cache_block(block, target.block_hash, target.key)
+        self.pool.free(reversed(load.held))
+        if self.loads.get(load.request_id) is load:
+            del self.loads[load.request_id]
+        return restored
+
+    def reap_orphan_loads(self) -> None:
+        """Release the restores of requests that left while their copy ran, once the copy has stopped."""
+        if self.orphan_loads:
+            done = [load for load in self.orphan_loads if load.future.done()]
+            self.orphan_loads = [load for load in self.orphan_loads if not load.future.done()]
+            for load in done:
+                self.finish_load(load)
+
+    def load_futures(self) -> list[Future[int]]:
+        return [load.future for load in (*self.loads.values(), *self.orphan_loads)]
+
+    def take_offload(self) -> list[TierBlock]:
+        """The blocks published since the last call (the step that computed them succeeded: the tier may copy them)."""
+        blocks, self.to_offload = self.to_offload, []
+        return blocks
 
     def block_ids(self, request: KVRequest) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
@@ -221,7 +336,12 @@ class KVCacheManager:
 
     def free(self, request: KVRequest) -> None:
         """Return the request's blocks, last block first so that a sequence's tail is evicted before its
-        shareable head. Freeing an unknown or already freed request does nothing."""
+        shareable head. Freeing an unknown or already freed request does nothing. A restore in flight for it is
+        cancelled; its blocks are released once the copy into them has stopped (reap_orphan_loads)."""
+        load = self.loads.pop(request.request_id, None)
+        if load is not None:
+            load.cancelled.set()
+            self.orphan_loads.append(load)
         blocks = self.req_blocks.pop(request.request_id, None)
         self.req_num_published.pop(request.request_id, None)
         if blocks:

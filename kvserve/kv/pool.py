@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvserve.capacity import NULL_BLOCK_ID, usable_blocks
@@ -32,6 +33,10 @@ class BlockPool:
         # Prefix hits per cached hash since it was stored (for the inspector's prefix tree); dropped on eviction.
         self.hit_counts: dict[bytes, int] = {}
         self.events = events  # None: no one reads KV events, so none are made
+        # The hashes the pool evicted most recently (a ghost list, as ARC keeps): a later lookup that misses on one
+        # of them is a prefix hit lost to eviction, which `kvserve doctor` reports (an offload tier would keep it).
+        self.recently_evicted: OrderedDict[bytes, None] = OrderedDict()
+        self.recently_evicted_capacity = max(num_blocks, 1024)
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,6 +93,7 @@ class BlockPool:
             return  # an identical block (or a colliding one) is already cached; this one stays private
         block.block_hash, block.key = block_hash, key
         self.cached[block_hash] = block
+        self.recently_evicted.pop(block_hash, None)
         if self.events is not None:
             parent = key.parent.hex() if key.parent is not None else None
             self.events.append(BlockStored(block.block_id, block_hash.hex(), parent, key.token_ids, len(key.token_ids)))
@@ -97,6 +103,9 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self.hit_counts.pop(block.block_hash, None)
+                self.recently_evicted[block.block_hash] = None
+                if len(self.recently_evicted) > self.recently_evicted_capacity:
+                    self.recently_evicted.popitem(last=False)
                 if self.events is not None:
                     self.events.append(BlockRemoved(block.block_id, block.block_hash.hex()))
             block.block_hash = block.key = None

@@ -43,11 +43,13 @@ class _Stored:
     parent: int | None
     token_ids: list[int]
     block_size: int
+    medium: str | None = None  # None: the pool's (the batch's medium)
 
 
 @dataclass(slots=True)
 class _Removed:
     hashes: list[int] = field(default_factory=list)
+    medium: str | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ def _coalesce(events: Iterable[KVEvent]) -> list[_Stored | _Removed | _Cleared]:
                 isinstance(last, _Stored)
                 and event.parent_block_hash == last.last_hex
                 and event.block_size == last.block_size
+                and event.medium == last.medium
             ):
                 last.hashes.append(external_block_hash(event.block_hash))
                 last.token_ids.extend(event.token_ids)
@@ -78,11 +81,12 @@ def _coalesce(events: Iterable[KVEvent]) -> list[_Stored | _Removed | _Cleared]:
                         parent,
                         list(event.token_ids),
                         event.block_size,
+                        event.medium,
                     )
                 )
         elif isinstance(event, BlockRemoved):
-            if not isinstance(last, _Removed):
-                last = _Removed()
+            if not isinstance(last, _Removed) or last.medium != event.medium:
+                last = _Removed(medium=event.medium)
                 out.append(last)
             last.hashes.append(external_block_hash(event.block_hash))
         elif isinstance(event, AllBlocksCleared):
@@ -131,4 +135,10 @@ def event_batch(
     if not items:
         return None
     encode = _as_map if encoding == "map" else _as_array
-    return [ts, [encode(item, medium) for item in items], data_parallel_rank]
+    return [ts, [encode(item, _medium_of(item, medium)) for item in items], data_parallel_rank]
+
+
+def _medium_of(item: _Stored | _Removed | _Cleared, pool_medium: str) -> str:
+    """An offload tier's events carry their own medium; the pool's take the batch's (its device's)."""
+    own = item.medium if isinstance(item, (_Stored, _Removed)) else None
+    return own or pool_medium

@@ -14,7 +14,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.registry import get_attention_backend
-from kvserve.kernels.ops import TORCH_KERNELS, Kernels
+from kvserve.kernels.ops import TORCH_KERNELS, Kernels, NativeKernels
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.config import ModelConfig
 from kvserve.model.gguf_layers import GGUFLinear
@@ -175,6 +175,11 @@ class DecoderModel(nn.Module):
             cos, sin = tables[rope_i]
             h = layer(h, cos, sin, kv_cache, meta)
         return self.norm(h)
+
+    @property
+    def kernel_isa(self) -> str:
+        kernels = self.kernels
+        return kernels.isa if isinstance(kernels, NativeKernels) else kernels.name
 
     @property
     def num_logits(self) -> int:

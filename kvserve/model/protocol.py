@@ -21,6 +21,12 @@ class Model(Protocol):
     static_kv_scales: list[tuple[float, float]] | None
 
     @property
+    def kernel_isa(self) -> str:
+        """The kernels computing this model: "torch", or the native kernels' instruction set (avx2, avx512, ...). Part
+        of the KV offload tier's fingerprint: K/V computed by other kernels differs in its last bits."""
+        ...
+
+    @property
     def num_logits(self) -> int:
         """Columns of compute_logits (the LM head's rows; may exceed the tokenizer's vocabulary)."""
         ...

@@ -11,11 +11,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvserve.capacity import max_concurrent_requests, num_blocks_for_budget, resolve_kv_dtype
+from kvserve.kv.offload.config import parse_offloading_size
 from kvserve.tools.estimate import catalog_text
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
 from kvserve.tools.report import add_json_arg, emit, table
 from kvserve.tools.setup import Setup, add_sizing_args, resolve_setup
-from kvserve.units import format_gib
+from kvserve.units import GiB, format_gib
 from kvserve.vocab import KVDtype
 
 MAX_NUM_SEQS_CAP = 256  # kvserve serve's (and vLLM's) default --max-num-seqs
@@ -49,7 +50,8 @@ SCHEMA = (
     "formula}, scenario: {name, description, typical_len, needed_len, expected_concurrency}, "
     "candidates: [{max_model_len, kv_cache_dtype, num_blocks, max_concurrent_requests (all at max_model_len), "
     "concurrent_requests_at_typical_len}], recommendation: {max_model_len, max_num_seqs, kv_cache_dtype, "
-    "command}, warnings: [str], explanation: str}"
+    "command}, offload: {bytes, kv_cache_dtype, num_blocks, num_tokens, typical_requests} | null "
+    "(with --kv-offloading-size), warnings: [str], explanation: str}"
 )
 
 
@@ -74,6 +76,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--expected-concurrency", type=int, default=None, help="override the scenario's")
     p.add_argument("--typical-len", type=int, default=None, help="override: typical prompt + output tokens")
     p.add_argument("--needed-len", type=int, default=None, help="override: the longest request to accept")
+    p.add_argument(
+        "--kv-offloading-size",
+        type=parse_offloading_size,
+        default=None,
+        help="as for kvserve serve (GiB, or with a unit): also say how many tokens, and typical requests' "
+        "prefixes, an offload tier of this size keeps in the recommended KV dtype (docs/KV_OFFLOAD.md)",
+    )
     add_json_arg(p, SCHEMA)
     p.set_defaults(func=run)
 
@@ -96,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     scenario = replace(SCENARIOS[args.scenario], **overrides)
     if min(scenario.typical_len, scenario.needed_len, scenario.expected_concurrency) < 1:
         raise ValueError("--typical-len, --needed-len and --expected-concurrency must be >= 1")
-    doc = advise(facts, setup, scenario, args.model)
+    doc = advise(facts, setup, scenario, args.model, args.kv_offloading_size)
     emit(doc, render_advice(doc), args.json)
     return 0
 
@@ -108,7 +117,9 @@ def candidate_lengths(context_len: int, needed_len: int) -> list[int]:
     return sorted(lengths)
 
 
-def advise(facts: ModelFacts, setup: Setup, scenario: Scenario, model_arg: str | None) -> dict[str, Any]:
+def advise(
+    facts: ModelFacts, setup: Setup, scenario: Scenario, model_arg: str | None, offload_bytes: int | None = None
+) -> dict[str, Any]:
     if setup.budget is None:
         raise ValueError("advise needs a budget: --memory or --kv-cache-memory-bytes")
     bs = setup.block_size
@@ -164,6 +175,19 @@ def advise(facts: ModelFacts, setup: Setup, scenario: Scenario, model_arg: str |
         f"--max-model-len {chosen['max_model_len']} --max-num-seqs {max_num_seqs} "
         f"--kv-cache-dtype {chosen['kv_cache_dtype']} --kv-cache-memory-bytes {setup.budget.kv_bytes}"
     )
+    offload = None
+    if offload_bytes is not None:
+        kv_dtype = next(d for d in dtypes if d.name == chosen["kv_cache_dtype"])
+        tier_blocks = offload_bytes // (facts.shape.bytes_per_token(kv_dtype) * bs)
+        offload = {
+            "bytes": offload_bytes,
+            "kv_cache_dtype": kv_dtype.name,
+            "num_blocks": tier_blocks,
+            "num_tokens": tier_blocks * bs,
+            "typical_requests": tier_blocks * bs // scenario.typical_len,
+        }
+        size = f"{offload_bytes // GiB}" if offload_bytes % GiB == 0 else f"{offload_bytes}B"  # a bare number: GiB
+        command += f" --kv-offloading-size {size}"
     return {
         "model": facts.to_json(),
         **setup.to_json(),
@@ -175,6 +199,7 @@ def advise(facts: ModelFacts, setup: Setup, scenario: Scenario, model_arg: str |
             "kv_cache_dtype": chosen["kv_cache_dtype"],
             "command": command,
         },
+        "offload": offload,
         "warnings": warnings,
         "explanation": _explain(chosen, dtypes, candidates, scenario),
     }
@@ -257,5 +282,11 @@ def render_advice(doc: dict[str, Any]) -> str:
         f"  {r['command']}",
         f"Why: {doc['explanation']}",
     ]
+    if doc.get("offload"):
+        o = doc["offload"]
+        lines.append(
+            f"Offload tier: {format_gib(o['bytes'])} holds {o['num_tokens']} tokens of {o['kv_cache_dtype']} KV, the "
+            f"prefixes of {o['typical_requests']} typical requests, kept when the pool evicts them"
+        )
     lines += [f"Warning: {w}" for w in doc["warnings"]]
     return "\n".join(lines)

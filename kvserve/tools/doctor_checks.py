@@ -10,6 +10,7 @@ from itertools import pairwise
 from typing import Any
 
 from kvserve.tools.metrics_snapshot import Snapshot, Window, windows
+from kvserve.units import GiB
 from kvserve.vocab import is_8bit_kv_dtype
 
 
@@ -31,6 +32,11 @@ class Thresholds:
     # the break-even is 9% / 19% accepted; 30% leaves room for drafting's own overhead and the step-time noise.
     low_spec_acceptance: float = 0.3
     min_spec_draft_tokens: float = 200  # drafted tokens before an acceptance rate means anything
+    # Prompt tokens that missed only because the pool had just evicted them, as a share of those looked up: past it,
+    # an offload tier (or a larger one) would have kept a noticeable share of the prefill.
+    evicted_miss_share: float = 0.1
+    offload_full: float = 0.9  # kv_offload_bytes / kv_offload_capacity_bytes at or above this is a full tier
+    min_restored_blocks: float = 20  # restored blocks before a restore rate means anything
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +344,67 @@ def check_spec_acceptance(ev: Evidence, th: Thresholds) -> Finding | None:
     )
 
 
+def check_offload(ev: Evidence, th: Thresholds) -> Finding | None:
+    """Prefix hits lost to the pool's evictions (no tier, or a full one), and restores slower than recomputing."""
+    first = ev.snapshots[0] if len(ev.snapshots) > 1 else None
+
+    def delta(name: str) -> float:
+        return (ev.last.get(name) or 0.0) - ((first.get(name) or 0.0) if first is not None else 0.0)
+
+    capacity = ev.last.get("kv_offload_capacity_bytes")
+    block_size = ev.last.config_int("block_size") or 16
+    restored = delta("kv_offload_restored_blocks_total")
+    restore_s = delta("kv_offload_restore_seconds_sum")
+    computed = delta("prompt_tokens_total")
+    prefill_s = delta("request_prefill_time_seconds_sum")
+    if capacity and restored >= th.min_restored_blocks and computed > 0 and prefill_s > 0:
+        per_block = restore_s / restored
+        recompute = prefill_s / computed * block_size
+        if per_block > recompute:
+            return Finding(
+                "offload_restores_slow",
+                f"Restoring a block from the KV offload tier takes {1000 * per_block:.2f} ms, more than the "
+                f"{1000 * recompute:.2f} ms its {block_size} tokens take to recompute.",
+                {
+                    "restore_ms_per_block": round(1000 * per_block, 3),
+                    "recompute_ms_per_block": round(1000 * recompute, 3),
+                },
+                "Put the tier on faster storage: host memory (drop --kv-offloading-path) or a local SSD; a network "
+                "filesystem is the usual cause. The engine stops restoring where it measures restores to be slower.",
+            )
+    queries = delta("prefix_cache_queries_total")
+    lost = delta("prefix_cache_evicted_misses_total")
+    if queries < th.min_prefix_queries or lost / queries < th.evicted_miss_share:
+        return None
+    evidence: dict[str, Any] = {
+        "prefix_cache_queries": queries,
+        "evicted_misses": lost,
+        "evicted_miss_share": round(lost / queries, 4),
+    }
+    if not capacity:
+        return Finding(
+            "prefix_hits_lost_to_eviction",
+            f"{100 * lost / queries:.1f}% of the prompt tokens looked up ({lost:.0f} of {queries:.0f}) missed the "
+            "prefix cache only because the pool had evicted them shortly before: they were recomputed.",
+            evidence,
+            "Add a KV offload tier, which keeps evicted prefixes and restores them instead of recomputing: "
+            "--kv-offloading-size 16 (GiB of host memory), or with --kv-offloading-path DIR on disk, where it also "
+            "survives restarts (`kvserve estimate --kv-offloading-size` says how many tokens a size holds). A larger "
+            "--kv-cache-memory-bytes helps too.",
+        )
+    used = ev.last.get("kv_offload_bytes") or 0.0
+    evidence |= {"kv_offload_bytes": used, "kv_offload_capacity_bytes": capacity}
+    if used < th.offload_full * capacity:
+        return None
+    return Finding(
+        "offload_tier_too_small",
+        f"The KV offload tier is full ({100 * used / capacity:.0f}% of {capacity / GiB:.2f} GiB) and "
+        f"{100 * lost / queries:.1f}% of the prompt tokens looked up were still recomputed after an eviction.",
+        evidence,
+        "Raise --kv-offloading-size (`kvserve estimate --kv-offloading-size` says how many tokens a size holds).",
+    )
+
+
 CHECKS: tuple[Check, ...] = (
     check_growing_prompts,
     check_kv_pressure,
@@ -345,6 +412,7 @@ CHECKS: tuple[Check, ...] = (
     check_bandwidth_bound,
     check_prefix_hits,
     check_spec_acceptance,
+    check_offload,
 )
 
 

@@ -18,6 +18,7 @@ from kvserve.capacity import (
     resolve_kv_dtype,
 )
 from kvserve.capacity_catalog import CATALOG
+from kvserve.kv.offload.config import parse_offloading_size
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
 from kvserve.tools.report import add_json_arg, emit, int_list, table
 from kvserve.tools.setup import Setup, add_sizing_args, resolve_setup
@@ -37,7 +38,8 @@ SCHEMA = (
     "seq_lens: [{seq_len, within_context, blocks_per_request, bytes_per_request (allocated today: every layer "
     "keeps every token), window_capped_bytes_per_request (if sliding layers kept only their window's blocks), "
     "batches: [{batch, bytes, window_capped_bytes}], max_concurrent_requests, "
-    "max_concurrent_requests_window_capped}], max_model_len_at_concurrency: [{concurrency, max_model_len}]}], "
+    "max_concurrent_requests_window_capped}], max_model_len_at_concurrency: [{concurrency, max_model_len}], "
+    "offload: {bytes, num_blocks, num_tokens} | null (with --kv-offloading-size)}], "
     "compare_contiguous: {kv_cache_dtype, requests, avg_len, max_len, budget_bytes, contiguous: {allocated_bytes, "
     "used_bytes, waste_perc, requests_that_fit}, paged: {same keys}} | null}"
 )
@@ -71,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="as for kvserve serve: checked against the pool")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="as for kvserve serve")
+    p.add_argument(
+        "--kv-offloading-size",
+        type=parse_offloading_size,
+        default=None,
+        help="as for kvserve serve (GiB, or with a unit): how many blocks and tokens an offload tier of this size "
+        "holds, in each KV dtype (docs/KV_OFFLOAD.md)",
+    )
     c = p.add_argument_group("contiguous vs paged")
     c.add_argument(
         "--compare-contiguous",
@@ -93,7 +102,14 @@ def run(args: argparse.Namespace) -> int:
     setup = resolve_setup(args, facts)
     kv_dtypes = [resolve_kv_dtype(name.strip(), setup.dtype) for name in args.kv_cache_dtype.split(",")]
     doc = build_estimate(
-        facts, setup, kv_dtypes, args.seq_len, args.batch, args.max_model_len, args.num_gpu_blocks_override
+        facts,
+        setup,
+        kv_dtypes,
+        args.seq_len,
+        args.batch,
+        args.max_model_len,
+        args.num_gpu_blocks_override,
+        args.kv_offloading_size,
     )
     if args.compare_contiguous:
         doc["compare_contiguous"] = contiguous_section(doc, args.requests, args.avg_len, args.max_len)
@@ -116,12 +132,22 @@ def build_estimate(
     batches: list[int],
     max_model_len: int | None = None,
     num_blocks_override: int | None = None,
+    offload_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Everything estimate reports, as the JSON document; the table is rendered from it."""
     doc: dict[str, Any] = {"model": facts.to_json(), **setup.to_json(), "kv": [], "compare_contiguous": None}
     for kv_dtype in kv_dtypes:
-        doc["kv"].append(_dtype_section(facts, setup, kv_dtype, seq_lens, batches, max_model_len, num_blocks_override))
+        section = _dtype_section(facts, setup, kv_dtype, seq_lens, batches, max_model_len, num_blocks_override)
+        section["offload"] = None if offload_bytes is None else _offload_section(section, setup, offload_bytes)
+        doc["kv"].append(section)
     return doc
+
+
+def _offload_section(kv: dict[str, Any], setup: Setup, offload_bytes: int) -> dict[str, Any]:
+    """What an offload tier of `offload_bytes` holds: whole blocks in the cache's own dtype (as the tier stores them:
+    kvserve/kv/offload/tier.py's BlockLayout is exactly one pool block's bytes)."""
+    num_blocks = offload_bytes // kv["bytes_per_block"]
+    return {"bytes": offload_bytes, "num_blocks": num_blocks, "num_tokens": num_blocks * setup.block_size}
 
 
 def _dtype_section(
@@ -260,6 +286,12 @@ def render_estimate(doc: dict[str, Any]) -> str:
                 f"  budget holds {p['num_blocks']} blocks ({p['num_usable_blocks']} usable + 1 null) = "
                 f"{p['num_tokens']} tokens ({format_gib(p['bytes'])}); "
                 f"max-model-len {p['max_model_len']}"
+            )
+        if kv.get("offload"):
+            o = kv["offload"]
+            lines.append(
+                f"  an offload tier of {format_gib(o['bytes'])} holds {o['num_blocks']} blocks = {o['num_tokens']} "
+                "tokens (--kv-offloading-size)"
             )
         lines += ["", _seq_len_table(kv, windowed=bool(windows))]
         if kv["max_model_len_at_concurrency"]:

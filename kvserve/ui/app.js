@@ -343,7 +343,8 @@
       const tr = document.createElement("tr");
       tr.className = "req" + (state.selected && state.selected.seq_id === r.seq_id ? " selected" : "");
       tr.dataset.requestId = r.request_id;
-      const cells = [r.request_id, r.status, r.num_prompt_tokens + " / " + r.num_output_tokens, r.prefix_hit_tokens,
+      const cells = [r.request_id, r.status, r.num_prompt_tokens + " / " + r.num_output_tokens,
+                     r.restored_tokens ? r.prefix_hit_tokens + " (" + r.restored_tokens + " restored)" : r.prefix_hit_tokens,
                      r.age_s.toFixed(1) + "s", r.num_preemptions];
       for (const text of cells) { const td = document.createElement("td"); td.textContent = text; tr.appendChild(td); }
       const td = document.createElement("td");
@@ -400,9 +401,11 @@
   // ---- events ----
   function describeEvent(e) {
     switch (e.kind) {
-      case "block_stored": return "stored block " + e.block_id + " " + e.block_hash.slice(0, 8) +
+      case "block_stored": if (e.medium) return "offload tier (" + e.medium + ") stored " + e.block_hash.slice(0, 8);
+        return "stored block " + e.block_id + " " + e.block_hash.slice(0, 8) +
         (e.parent_block_hash ? " ← " + e.parent_block_hash.slice(0, 8) : " (first block)");
-      case "block_removed": return "evicted block " + e.block_id + " " + e.block_hash.slice(0, 8);
+      case "block_removed": if (e.medium) return "offload tier (" + e.medium + ") dropped " + e.block_hash.slice(0, 8);
+        return "evicted block " + e.block_id + " " + e.block_hash.slice(0, 8);
       case "all_blocks_cleared": return "prefix cache cleared";
       case "preempted": return "PREEMPTED " + e.request_id + ": " + e.tokens_lost + " tokens lost, " +
         e.blocks_freed + " blocks freed";

@@ -1,0 +1,334 @@
+"""`kvserve bench offload`: what the KV offload tier buys, measured on a small pool so that the working set outgrows it
+in minutes. Three scenarios, the tier on against the tier off in the same run (engines sharing one loaded model):
+(1) multi-round chat in LMCache's shape, users with a long system prompt each and a history growing every round,
+sized to several times the pool: TTFT p50/p90, throughput and hit rate per tier, for no tier, a host-memory tier,
+a disk tier, and a pool enlarged by the host tier's bytes (what the same memory buys without a tier); (2) a restart:
+TTFT of a long prompt on a fresh engine whose disk tier an earlier engine filled, with the files in the page cache
+and with them dropped from it (posix_fadvise DONTNEED, no root needed), against cold; (3) no reuse at all (random
+prompts in one batch): what the tier costs when it never hits."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvserve.bench.options import add_engine_args, add_output_args, add_repeats_arg, int_list, new_command
+from kvserve.units import MiB, parse_size
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
+
+SCHEMA = """\
+results: {"multi_round": {"users", "rounds", "system_tokens", "working_set_tokens", "pool_tokens",
+            "systems": {NAME: {"ttft_ms_p50", "ttft_ms_p90", "throughput_tok_s", "pool_hit_rate", "tier_hit_rate",
+                               "ttft_ms": [...]}}},
+          "restart": [{"prompt_tokens", "cold_ttft_ms", "page_cache_ttft_ms", "dropped_ttft_ms", "restored_tokens"}],
+          "no_reuse": {"requests", "prompt_tokens", "systems": {NAME: {"throughput_tok_s", "runs": [...]}}}}
+NAME: "no tier", "host tier", "disk tier", "pool + tier bytes".
+ratios: {"multi_round_ttft_p50_host_over_off", "multi_round_ttft_p50_disk_over_off",
+         "multi_round_throughput_host_over_off", "multi_round_throughput_disk_over_off",
+         "multi_round_ttft_p50_host_over_big_pool", "restart_page_cache_over_cold" (first prompt length),
+         "restart_dropped_over_cold", "no_reuse_throughput_host_over_off", "no_reuse_throughput_disk_over_off"}
+TTFT: from add_request to the step that produced the request's first token (the engine driven directly, no HTTP).
+throughput: prompt + generated tokens over the scenario's wall time on that engine."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = new_command(
+        sub, "offload", "the KV offload tier on against off: multi-round chat, restart, no reuse", __doc__, SCHEMA
+    )
+    p.add_argument("--pool-bytes", type=parse_size, default=128 * MiB, help="the KV pool of every engine but one")
+    p.add_argument("--tier-bytes", type=parse_size, default=1024 * MiB, help="the offload tier's size")
+    p.add_argument("--users", type=int, default=8, help="multi-round chat: users, each with a system prompt")
+    p.add_argument("--rounds", type=int, default=4, help="multi-round chat: rounds (every user asks once a round)")
+    p.add_argument("--system-tokens", type=int, default=1000, help="multi-round chat: tokens of each system prompt")
+    p.add_argument("--question-tokens", type=int, default=50, help="multi-round chat: tokens of each question")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
+    p.add_argument(
+        "--restart-tokens", type=int_list, default=[8192, 32768], help="restart: prompt lengths (comma-separated)"
+    )
+    p.add_argument("--no-reuse-requests", type=int, default=16, help="no reuse: random prompts in one batch")
+    p.add_argument("--no-reuse-tokens", type=int, default=512, help="no reuse: tokens of each prompt")
+    p.add_argument("--tier-dir", default=None, help="where the disk tiers go (default: a temporary directory)")
+    add_repeats_arg(p, 3)
+    add_output_args(p, "TTFT of every multi-round request, per system")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class _Done:
+    ttft_s: float
+    output_ids: list[int]
+    restored: int
+
+
+@dataclass(slots=True)
+class _Usage:
+    wall_s: float = 0.0
+    tokens: int = 0
+    ttfts_ms: list[float] = field(default_factory=list)
+
+
+def _one(engine: LLMEngine, prompt: list[int], output_len: int, rid: str) -> _Done:
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    ttft = None
+    while True:
+        for out in engine.step():
+            if ttft is None and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - start
+            if out.finished:
+                return _Done(ttft or 0.0, list(out.outputs[0].token_ids), out.num_restored_tokens)
+
+
+def _batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> float:
+    """Every prompt added at once, run to the end: the wall seconds."""
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def _drop_page_cache(directory: Path) -> int:
+    """Ask the kernel to drop every file under `directory` from the page cache (posix_fadvise DONTNEED: no root
+    needed, unlike /proc/sys/vm/drop_caches); returns the files dropped."""
+    count = 0
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                count += 1
+            finally:
+                os.close(fd)
+    return count
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.bench.common import warm_up
+    from kvserve.bench.machine import machine_info
+    from kvserve.bench.report import Report, Table, config_of, emit
+    from kvserve.bench.stats import median, percentile, ratio
+    from kvserve.bench.systems import KVServeSystem, build_engine, special_token_ids
+    from kvserve.bench.workload import random_token_ids
+
+    args.enable_prefix_caching = True
+    args.kv_offloading_size = args.kv_offloading_path = None
+    args.kv_cache_memory_bytes = args.pool_bytes
+    top = Path(args.tier_dir or tempfile.mkdtemp(prefix="kvserve-bench-offload-"))
+    tier = f"{args.tier_bytes}B"
+    base = build_engine(args)
+    engines: dict[str, LLMEngine] = {
+        "no tier": base,
+        "host tier": base.sibling(kv_offloading_size=tier),
+        "disk tier": base.sibling(kv_offloading_size=tier, kv_offloading_path=str(top / "multi-round")),
+        "pool + tier bytes": base.sibling(kv_cache_memory_bytes=args.pool_bytes + args.tier_bytes),
+    }
+    for engine in engines.values():
+        warm_up(KVServeSystem(engine))
+    model = base.core.model_config
+    vocab, exclude = model.vocab_size, special_token_ids(base)
+    bos = [model.bos_token_id] if model.bos_token_id is not None else []
+    rng = random.Random(args.seed)
+    bytes_per_token = base.core.kv_spec.bytes_per_token
+    pool_tokens = base.core.pool.num_usable_blocks * base.core.config.block_size
+
+    # 1. Multi-round chat: round by round, user by user, the systems alternating request by request.
+    # Every user has a system prompt of their own, the same on every system.
+    user_systems = [bos + random_token_ids(rng, args.system_tokens, vocab, exclude) for _ in range(args.users)]
+    histories = {name: [list(s) for s in user_systems] for name in engines}
+    usage = {name: _Usage() for name in engines}
+    before = {name: e.stats() for name, e in engines.items()}
+    names = list(engines)
+    for rnd in range(args.rounds):
+        for user in range(args.users):
+            question = random_token_ids(rng, args.question_tokens, vocab, exclude)
+            order = names[(rnd * args.users + user) % len(names) :] + names[: (rnd * args.users + user) % len(names)]
+            for name in order:
+                prompt = histories[name][user] + question
+                start = time.perf_counter()
+                done = _one(engines[name], prompt, args.output_len, f"chat-{rnd}-{user}")
+                u = usage[name]
+                u.wall_s += time.perf_counter() - start
+                u.tokens += len(prompt) + len(done.output_ids)
+                u.ttfts_ms.append(1e3 * done.ttft_s)
+                histories[name][user] = prompt + done.output_ids
+    working_set = sum(len(h) for h in histories["no tier"])
+    multi: dict[str, Any] = {
+        "users": args.users,
+        "rounds": args.rounds,
+        "system_tokens": args.system_tokens,
+        "working_set_tokens": working_set,
+        "pool_tokens": pool_tokens,
+        "systems": {},
+    }
+    t1 = Table(
+        f"Multi-round chat: {args.users} users x {args.rounds} rounds, {args.system_tokens}-token system prompts; "
+        f"working set {working_set:,} tokens, pool {pool_tokens:,} tokens ({working_set / pool_tokens:.1f}x)",
+        ["system", "TTFT p50 ms", "TTFT p90 ms", "throughput tok/s", "pool hit rate", "tier hit rate"],
+    )
+    for name, engine in engines.items():
+        s, b, u = engine.stats(), before[name], usage[name]
+        queries = s.prefix_cache_queries_tokens - b.prefix_cache_queries_tokens
+        tier_hits = s.external_prefix_cache_hits_tokens - b.external_prefix_cache_hits_tokens
+        pool_hits = s.prefix_cache_hits_tokens - b.prefix_cache_hits_tokens - tier_hits
+        row = {
+            "ttft_ms_p50": percentile(u.ttfts_ms, 50),
+            "ttft_ms_p90": percentile(u.ttfts_ms, 90),
+            "throughput_tok_s": u.tokens / u.wall_s,
+            "pool_hit_rate": pool_hits / queries if queries else 0.0,
+            "tier_hit_rate": tier_hits / queries if queries else 0.0,
+            "ttft_ms": u.ttfts_ms,
+        }
+        multi["systems"][name] = row
+        t1.add(
+            name,
+            row["ttft_ms_p50"],
+            row["ttft_ms_p90"],
+            row["throughput_tok_s"],
+            row["pool_hit_rate"],
+            row["tier_hit_rate"],
+        )
+    for engine in engines.values():
+        if engine is not base:
+            engine.core.close()
+
+    # 2. Restart: a long prompt cold on one engine that fills a disk tier, then on fresh engines reading it.
+    restart = []
+    t2 = Table(
+        "Restart: TTFT of a long prompt on a fresh engine with a disk tier an earlier engine filled",
+        ["prompt tokens", "cold ms", "page cache ms", "page cache / cold", "dropped ms", "dropped / cold", "restored"],
+    )
+    for length in args.restart_tokens:
+        prompt = bos + random_token_ids(rng, length - len(bos), vocab, exclude)
+        pool = (length + args.output_len + 64) * bytes_per_token
+        tier_path = top / f"restart-{length}"
+        tier_size = f"{max(args.tier_bytes, 2 * length * bytes_per_token)}B"
+
+        settings = dict(kv_cache_memory_bytes=pool, kv_offloading_size=tier_size, kv_offloading_path=str(tier_path))
+        cold_engine = base.sibling(**settings)
+        warm_up(KVServeSystem(cold_engine))  # its first step's one-time costs, outside the measurement
+        cold = _one(cold_engine, prompt, 1, f"cold-{length}")
+        cold_engine.core.close()  # writes what is queued
+        warm_engine = base.sibling(**settings)
+        warm_up(KVServeSystem(warm_engine))  # its first step's one-time costs, outside the measurement
+        warm = _one(warm_engine, prompt, 1, f"warm-{length}")
+        warm_engine.core.close()
+        _drop_page_cache(tier_path)
+        dropped_engine = base.sibling(**settings)
+        warm_up(KVServeSystem(dropped_engine))  # its first step's one-time costs, outside the measurement
+        dropped = _one(dropped_engine, prompt, 1, f"dropped-{length}")
+        dropped_engine.core.close()
+        row_r = {
+            "prompt_tokens": len(prompt),
+            "cold_ttft_ms": 1e3 * cold.ttft_s,
+            "page_cache_ttft_ms": 1e3 * warm.ttft_s,
+            "dropped_ttft_ms": 1e3 * dropped.ttft_s,
+            "restored_tokens": warm.restored,
+        }
+        restart.append(row_r)
+        t2.add(
+            len(prompt),
+            row_r["cold_ttft_ms"],
+            row_r["page_cache_ttft_ms"],
+            ratio(row_r["page_cache_ttft_ms"], row_r["cold_ttft_ms"]),
+            row_r["dropped_ttft_ms"],
+            ratio(row_r["dropped_ttft_ms"], row_r["cold_ttft_ms"]),
+            warm.restored,
+        )
+
+    # 3. No reuse: random prompts in one batch, never a hit; the systems alternate run by run.
+    no_reuse_engines = {
+        "no tier": base,
+        "host tier": base.sibling(kv_offloading_size=tier),
+        "disk tier": base.sibling(kv_offloading_size=tier, kv_offloading_path=str(top / "no-reuse")),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in no_reuse_engines}
+    total = args.no_reuse_requests * (args.no_reuse_tokens + args.output_len)
+    for rep in range(args.repeats):
+        prompts = [
+            bos + random_token_ids(rng, args.no_reuse_tokens, vocab, exclude) for _ in range(args.no_reuse_requests)
+        ]
+        for name, engine in no_reuse_engines.items():
+            runs[name].append(total / _batch(engine, prompts, args.output_len, f"nr-{rep}"))
+    no_reuse = {
+        "requests": args.no_reuse_requests,
+        "prompt_tokens": args.no_reuse_tokens,
+        "systems": {name: {"throughput_tok_s": median(r), "runs": r} for name, r in runs.items()},
+    }
+    t3 = Table(
+        f"No reuse: {args.no_reuse_requests} random {args.no_reuse_tokens}-token prompts in one batch, "
+        f"median of {args.repeats}",
+        ["system", "throughput tok/s", "/ no tier"],
+    )
+    off_tput = no_reuse["systems"]["no tier"]["throughput_tok_s"]
+    for name, row_n in no_reuse["systems"].items():
+        t3.add(name, row_n["throughput_tok_s"], ratio(row_n["throughput_tok_s"], off_tput))
+    for engine in no_reuse_engines.values():
+        if engine is not base:
+            engine.core.close()
+    if args.tier_dir is None:
+        shutil.rmtree(top, ignore_errors=True)
+
+    m = multi["systems"]
+    report = Report("offload", machine_info(), config_of(args))
+    report.results = {"multi_round": multi, "restart": restart, "no_reuse": no_reuse}
+    report.ratios = {
+        "multi_round_ttft_p50_host_over_off": ratio(m["host tier"]["ttft_ms_p50"], m["no tier"]["ttft_ms_p50"]),
+        "multi_round_ttft_p50_disk_over_off": ratio(m["disk tier"]["ttft_ms_p50"], m["no tier"]["ttft_ms_p50"]),
+        "multi_round_throughput_host_over_off": ratio(
+            m["host tier"]["throughput_tok_s"], m["no tier"]["throughput_tok_s"]
+        ),
+        "multi_round_throughput_disk_over_off": ratio(
+            m["disk tier"]["throughput_tok_s"], m["no tier"]["throughput_tok_s"]
+        ),
+        "multi_round_ttft_p50_host_over_big_pool": ratio(
+            m["host tier"]["ttft_ms_p50"], m["pool + tier bytes"]["ttft_ms_p50"]
+        ),
+        "restart_page_cache_over_cold": ratio(restart[0]["page_cache_ttft_ms"], restart[0]["cold_ttft_ms"])
+        if restart
+        else None,
+        "restart_dropped_over_cold": ratio(restart[0]["dropped_ttft_ms"], restart[0]["cold_ttft_ms"])
+        if restart
+        else None,
+        "no_reuse_throughput_host_over_off": ratio(no_reuse["systems"]["host tier"]["throughput_tok_s"], off_tput),
+        "no_reuse_throughput_disk_over_off": ratio(no_reuse["systems"]["disk tier"]["throughput_tok_s"], off_tput),
+    }
+    report.notes.append(
+        "The restart rows run fresh engines (a new pool and tier) in this process, sharing the loaded model; "
+        "'page cache' reads records the kernel still caches, 'dropped' after posix_fadvise(DONTNEED) on every file."
+    )
+    report.tables += [t1, t2, t3]
+    if args.plot:
+        from kvserve.bench.plot import Panel, Series, line_plot
+
+        line_plot(
+            args.plot,
+            [
+                Panel(
+                    "Multi-round chat: TTFT of each request",
+                    "request (round by round, user by user)",
+                    "TTFT (ms)",
+                    [Series(name, list(range(1, len(r["ttft_ms"]) + 1)), r["ttft_ms"]) for name, r in m.items()],
+                )
+            ],
+        )
+    emit(report, args.json)
+    return 0

@@ -1,0 +1,82 @@
+"""KVOffloadConfig: vLLM's `--kv-offloading-size` / `--kv-offloading-backend`, and kvserve's `--kv-offloading-path`.
+
+Why its own module: the flags are parsed and checked where the engine's config is built (kvserve/config.py), which
+must not import the tier's threads, files and torch code (kv/offload/tier.py) to do it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.units import GiB, MiB, parse_size
+
+# vLLM's backends: "native" (its own offloading connector, and the one kvserve implements) and "lmcache".
+OFFLOAD_BACKENDS: tuple[str, ...] = ("native", "lmcache")
+
+
+def parse_offloading_size(value: str | int | float) -> int:
+    """vLLM's meaning for a bare number, GiB (`16`, `0.5`); kvserve also takes a unit (`16GiB`, `512MiB`)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size = int(value * GiB)
+    else:
+        text = str(value).strip()
+        try:
+            size = int(float(text) * GiB)
+        except ValueError:
+            size = parse_size(text)
+    if size <= 0:
+        raise ValueError(f"--kv-offloading-size must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class KVOffloadConfig:
+    """The tier's settings. `path` None: the tier lives in this process's memory (lost at exit); a directory: on disk
+    there, shared by every process that uses it with the same model and settings, and kept across restarts.
+    `size_bytes` bounds what the tier holds (its memory, or its disk budget), least recently used first out."""
+
+    size_bytes: int
+    path: Path | None = None
+    backend: str = "native"
+    # Stored records waiting for the disk writer, at most; past it a block is dropped (counted), never waited for.
+    max_queued_bytes: int = 256 * MiB
+
+    def __post_init__(self) -> None:
+        if self.size_bytes <= 0:
+            raise ValueError(f"--kv-offloading-size must be positive, got {self.size_bytes}")
+        if self.backend not in OFFLOAD_BACKENDS:
+            raise ValueError(
+                f"--kv-offloading-backend must be one of {', '.join(OFFLOAD_BACKENDS)}, got {self.backend!r}"
+            )
+        if self.backend == "lmcache":
+            raise ValueError(
+                "--kv-offloading-backend lmcache is not available in kvserve: LMCache is a GPU-side library for vLLM; "
+                "use native (the default), kvserve's own tier in host memory or, with --kv-offloading-path, on disk"
+            )
+        if self.max_queued_bytes <= 0:
+            raise ValueError(f"max_queued_bytes must be positive, got {self.max_queued_bytes}")
+
+    @property
+    def medium(self) -> str:
+        """Where the tier keeps blocks, in vLLM's KV-event terms: "CPU" (host memory) or "DISK"."""
+        return "CPU" if self.path is None else "DISK"
+
+
+def make_offload_config(
+    size: str | int | float | None, path: str | Path | None = None, backend: str | None = None
+) -> KVOffloadConfig | None:
+    """The config of the three flags; None (no tier) without a size. A path or backend without a size is an error,
+    not a silent no-op."""
+    if size is None:
+        if path is not None:
+            raise ValueError(
+                "--kv-offloading-path needs --kv-offloading-size (the tier's disk budget, e.g. 16 for 16 GiB)"
+            )
+        if backend not in (None, "native"):
+            raise ValueError("--kv-offloading-backend needs --kv-offloading-size")
+        return None
+    return KVOffloadConfig(
+        size_bytes=parse_offloading_size(size),
+        path=None if path is None else Path(path).expanduser(),
+        backend=backend or "native",
+    )

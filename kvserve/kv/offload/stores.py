@@ -1,0 +1,269 @@
+"""Where the tier's blocks live: a dict in host memory, or files in a private directory that processes share.
+
+Both hold a block's payload (its K/V bytes, kv/offload/layout.py) under its chained hash, with the content key a
+prefix hit compares, least recently used first out once `capacity_bytes` is reached. The disk store is also a small
+storage engine: each record is written to a temporary name and renamed into place (a crash leaves nothing
+half-visible, only a temporary file that the next scan removes), read back through every check of record.py, and
+its directory's budget is enforced under a lock file by whichever process finds it exceeded."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.kv.hashing import BlockKey
+from kvserve.kv.offload.fingerprint import KVFingerprint
+from kvserve.kv.offload.record import RecordError, decode_record, encode_record
+
+logger = logging.getLogger(__name__)
+
+RECORD_SUFFIX = ".kvb"
+TMP_PREFIX = ".tmp-"
+# A temporary file older than this belongs to a writer that died (a write takes milliseconds): the next scan removes it.
+STALE_TMP_SECONDS = 600.0
+# Eviction frees down to this share of the budget, so that the directory is scanned once per tenth of it written.
+_EVICT_TO = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    num_blocks: int
+    bytes_used: int
+
+
+class HostMemoryStore:
+    """Payloads as uint8 tensors in this process's memory, in LRU order. Engine thread only."""
+
+    medium = "CPU"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._blocks: OrderedDict[bytes, tuple[BlockKey, torch.Tensor]] = OrderedDict()
+        self._bytes = 0
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def read(self, block_hash: bytes, key: BlockKey) -> torch.Tensor:
+        entry = self._blocks.get(block_hash)
+        if entry is None:
+            raise KeyError(block_hash.hex())
+        if entry[0] != key:
+            raise RecordError("holds another block (content key differs)")
+        self._blocks.move_to_end(block_hash)
+        return entry[1]
+
+    def write(self, block_hash: bytes, key: BlockKey, payload: torch.Tensor) -> list[bytes]:
+        """Keep the payload; returns the hashes evicted to make room (for KV events)."""
+        size = payload.numel()
+        if size > self.capacity_bytes or block_hash in self._blocks:
+            return []
+        evicted = []
+        while self._bytes + size > self.capacity_bytes:
+            old_hash, (_, old) = self._blocks.popitem(last=False)
+            self._bytes -= old.numel()
+            evicted.append(old_hash)
+        self._blocks[block_hash] = (key, payload)
+        self._bytes += size
+        return evicted
+
+    def usage(self) -> StoreUsage:
+        return StoreUsage(len(self._blocks), self._bytes)
+
+    def hashes(self) -> list[bytes]:
+        """Most recently used last."""
+        return list(self._blocks)
+
+
+class DiskStore:
+    """Records as files under DIR/<fingerprint>/blocks/<first two hex digits>/<hash>.kvb.
+
+    Thread-safe: the engine thread checks for records, a loader thread reads them, a writer thread writes them; other
+    processes may do all three in the same directory at once."""
+
+    medium = "DISK"
+
+    def __init__(self, root: Path, fingerprint: KVFingerprint, capacity_bytes: int) -> None:
+        self.fingerprint = fingerprint
+        self.capacity_bytes = capacity_bytes
+        self.top = root
+        self.dir = root / fingerprint.name
+        self.blocks_dir = self.dir / "blocks"
+        _make_private_dir(root)
+        _make_private_dir(self.dir)
+        _make_private_dir(self.blocks_dir)
+        self._describe_fingerprint()
+        self._lock_path = self.dir / "lock"
+        self._mutex = threading.Lock()  # guards the counters below between this process's threads
+        self._bytes_estimate = 0
+        self._num_blocks_estimate = 0
+        self._tmp_serial = 0
+        self.scan()
+
+    # ---- layout ------------------------------------------------------------------------------------
+
+    def path_for(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.blocks_dir / name[:2] / (name + RECORD_SUFFIX)
+
+    def _describe_fingerprint(self) -> None:
+        """fingerprint.json beside the blocks: what the subdirectory's KV was computed under, for a person."""
+        path = self.dir / "fingerprint.json"
+        if path.exists():
+            return
+        tmp = self.dir / f"{TMP_PREFIX}fingerprint-{os.getpid()}"
+        tmp.write_text(json.dumps(self.fingerprint.describe(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+    # ---- reads ---------------------------------------------------------------------------------------
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self.path_for(block_hash).is_file()
+
+    def read(self, block_hash: bytes, key: BlockKey) -> torch.Tensor:
+        """The verified payload (a writable uint8 tensor); RecordError for a bad record (removed, so that it is
+        recomputed and stored again), KeyError for a missing one. Touches the file: its mtime is its LRU age."""
+        path = self.path_for(block_hash)
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                got = f.readinto(data)
+        except FileNotFoundError:
+            raise KeyError(block_hash.hex()) from None
+        try:
+            if got != len(data):
+                raise RecordError(f"short read: {got} of {len(data)} bytes")
+            payload = decode_record(data, self.fingerprint.digest, block_hash, key)
+        except RecordError:
+            self._remove(path)
+            raise
+        try:
+            os.utime(path)
+        except OSError:
+            pass  # removed since, or a read-only directory: the LRU age is a hint only
+        start = len(data) - len(payload) - 8
+        return torch.frombuffer(data, dtype=torch.uint8, offset=start, count=len(payload))
+
+    # ---- writes --------------------------------------------------------------------------------------
+
+    def write(self, block_hash: bytes, key: BlockKey, payload: torch.Tensor) -> tuple[bool, list[bytes]]:
+        """Store one record (renamed into place whole): whether it was written (False: already there), and the hashes
+        evicted to keep the directory within its budget. OSError propagates."""
+        path = self.path_for(block_hash)
+        if path.exists():
+            return False, []
+        record = encode_record(self.fingerprint.digest, block_hash, key, payload.numpy().tobytes())
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        with self._mutex:
+            self._tmp_serial += 1
+            tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{self._tmp_serial}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(record)
+            os.replace(tmp, path)
+        except BaseException:
+            self._remove(tmp)
+            raise
+        with self._mutex:
+            self._bytes_estimate += len(record)
+            self._num_blocks_estimate += 1
+            over = self._bytes_estimate > self.capacity_bytes
+        return True, self.scan() if over else []
+
+    # ---- the budget ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The directory's lock file, held exclusively: one process at a time scans and evicts."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def scan(self) -> list[bytes]:
+        """Under the lock: count the records, remove dead writers' temporary files, and evict the least recently used
+        records while the directory holds more than its budget. Returns the evicted hashes."""
+        evicted: list[bytes] = []
+        with self._locked():
+            now = time.time()
+            records = []
+            for entry in _walk(self.blocks_dir):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith(TMP_PREFIX):
+                    if now - st.st_mtime > STALE_TMP_SECONDS:
+                        self._remove(Path(entry.path))
+                elif entry.name.endswith(RECORD_SUFFIX):
+                    records.append((st.st_mtime, st.st_size, entry.path, entry.name))
+            total = sum(r[1] for r in records)
+            if total > self.capacity_bytes:
+                records.sort()
+                target = self.capacity_bytes * _EVICT_TO
+                while records and total > target:
+                    _, size, path, name = records.pop(0)
+                    self._remove(Path(path))
+                    total -= size
+                    try:
+                        evicted.append(bytes.fromhex(name[: -len(RECORD_SUFFIX)]))
+                    except ValueError:
+                        pass
+            with self._mutex:
+                self._bytes_estimate, self._num_blocks_estimate = total, len(records)
+        return evicted
+
+    def usage(self) -> StoreUsage:
+        with self._mutex:
+            return StoreUsage(self._num_blocks_estimate, self._bytes_estimate)
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def _walk(blocks_dir: Path) -> Iterator[os.DirEntry[str]]:
+    try:
+        shards = list(os.scandir(blocks_dir))
+    except FileNotFoundError:
+        return
+    for shard in shards:
+        if shard.is_dir(follow_symlinks=False):
+            try:
+                yield from os.scandir(shard.path)
+            except FileNotFoundError:
+                continue
+
+
+def _make_private_dir(path: Path) -> None:
+    """Create `path` 0700 (it holds prompt-derived data); an existing one is used as it is, with a warning when other
+    users can read or enter it. A symlink is refused: the tier's files go where the user named, nowhere else."""
+    if path.is_symlink():
+        raise OSError(f"{path} is a symbolic link; the KV offload tier needs a real directory")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        logger.warning(
+            "the KV offload directory %s is open to other users (mode %o): it holds data derived from prompts; "
+            "chmod 700 it",
+            path,
+            mode,
+        )

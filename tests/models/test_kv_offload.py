@@ -1,0 +1,346 @@
+"""The KV offload tier through the whole engine on tiny random checkpoints (docs/KV_OFFLOAD.md): a prefix the pool
+evicted is restored (host memory and disk), a restarted engine restores what an earlier one stored, and whatever the
+tier holds or fails to hold (another fingerprint, corrupt, truncated or deleted records, a directory that cannot be
+written, a full disk, another tenant's salt, a request that leaves mid-restore) the greedy output equals a cold run's
+and every pool block is back: free + referenced == usable, checked after every scenario."""
+
+from __future__ import annotations
+
+import errno
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_engine
+
+from kvserve import SamplingParams
+from kvserve.engine.engine import LLMEngine
+from kvserve.kv.offload.stores import RECORD_SUFFIX, DiskStore
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# A pool of 31 usable blocks of 4 tokens: one 60-token prompt and its output take 17, so two fillers evict it.
+POOL = dict(num_gpu_blocks_override=32, block_size=4, max_model_len=96)
+
+
+def prompt(seed: int, n: int = 60) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(4, 256, (n - 1,), generator=g).tolist()
+
+
+PROMPT = prompt(0)
+FILLERS = [prompt(s) for s in (1, 2, 3)]
+
+
+def run(
+    engine: LLMEngine, ids: list[int], salt: str | None = None, request_id: str = "r"
+) -> tuple[list[int], int, int]:
+    """(greedy tokens, cached tokens, of them restored from the tier) of one request run to its end."""
+    engine.add_request(request_id, ids, GREEDY, cache_salt=salt)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            engine.check_invariants()
+            if out.finished:
+                final = out
+    assert final is not None
+    return list(final.outputs[0].token_ids), final.num_cached_tokens, final.num_restored_tokens
+
+
+def evict(engine: LLMEngine) -> None:
+    """Run prompts that need the whole pool, so that nothing of an earlier prompt stays in it."""
+    for i, ids in enumerate(FILLERS):
+        run(engine, ids, request_id=f"filler{i}")
+
+
+def assert_pool_whole(engine: LLMEngine) -> None:
+    engine.check_invariants()
+    pool = engine.core.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks, "a block was not returned to the pool"
+    assert not engine.core.kv_manager.loads and not engine.core.kv_manager.orphan_loads
+
+
+def flushed(engine: LLMEngine) -> LLMEngine:
+    assert engine.core.offload is not None
+    engine.core.offload.flush()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoints) -> Path:
+    return checkpoints["gemma3_mqa_sliding"]
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir) -> list[int]:
+    """The prompt's greedy output from an engine without a tier."""
+    engine = tiny_engine(model_dir, **POOL)
+    tokens, cached, restored = run(engine, PROMPT)
+    assert (cached, restored) == (0, 0)
+    return tokens
+
+
+def disk_engine(model_dir: Path, path: Path, **overrides) -> LLMEngine:
+    return tiny_engine(
+        model_dir, **{**POOL, "kv_offloading_size": "8MiB", "kv_offloading_path": str(path), **overrides}
+    )
+
+
+def records(path: Path) -> list[Path]:
+    return sorted(path.glob(f"*/blocks/*/*{RECORD_SUFFIX}"))
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
+def test_host_memory_tier_restores_what_the_pool_evicted(checkpoints, variant):
+    plain = tiny_engine(checkpoints[variant], **POOL)
+    want, _, _ = run(plain, PROMPT)
+    engine = tiny_engine(checkpoints[variant], **POOL, kv_offloading_size="8MiB")
+    assert run(engine, PROMPT)[0] == want
+    evict(engine)
+    tokens, cached, restored = run(engine, PROMPT, request_id="again")
+    assert tokens == want
+    assert restored == cached == 56  # every full block before the last prompt token's (60 // 4 - 1 blocks)
+    stats = engine.core.stats()
+    assert stats.offload is not None and stats.offload.restored_blocks == 14 and stats.offload.medium == "CPU"
+    assert stats.external_prefix_cache_hits_tokens == 56
+    # Evicting from the pool while the tier has room never drops a tier copy: the fillers' blocks are there too.
+    assert stats.offload.stored_blocks >= 4 * 14
+    assert_pool_whole(engine)
+
+
+def test_host_memory_tier_keeps_to_its_budget(model_dir):
+    engine = tiny_engine(model_dir, **POOL, kv_offloading_size="64KiB")
+    tier = engine.core.offload
+    assert tier is not None
+    for i, ids in enumerate([PROMPT, *FILLERS]):
+        run(engine, ids, request_id=str(i))
+    stats = tier.stats()
+    assert 0 < stats.bytes_used <= 64 * 1024 and stats.num_blocks == 64 * 1024 // stats.block_bytes
+    assert_pool_whole(engine)
+
+
+def test_disk_tier_survives_a_restart(model_dir, cold, tmp_path):
+    first = disk_engine(model_dir, tmp_path)
+    assert run(first, PROMPT)[0] == cold
+    flushed(first).core.close()
+    assert len(records(tmp_path)) == 16  # 67 computed tokens: the prompt and 7 outputs (the 8th is never computed)
+    second = disk_engine(model_dir, tmp_path)
+    tokens, cached, restored = run(second, PROMPT)  # its very first request
+    assert tokens == cold and restored == cached == 56
+    assert second.core.stats().offload.medium == "DISK"
+    assert_pool_whole(second)
+    second.core.close()
+
+
+def test_disk_tier_directory_is_private_and_describes_its_fingerprint(model_dir, tmp_path):
+    top = tmp_path / "tier"
+    engine = disk_engine(model_dir, top)
+    (sub,) = [p for p in top.iterdir() if p.is_dir()]
+    assert top.stat().st_mode & 0o777 == 0o700 and sub.stat().st_mode & 0o777 == 0o700
+    assert '"block_size": 4' in (sub / "fingerprint.json").read_text()
+    run(engine, PROMPT)
+    flushed(engine)
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in records(top))
+    engine.core.close()
+
+
+@pytest.mark.parametrize("change", [dict(kv_cache_dtype="bfloat16"), dict(prefix_caching_hash_algo="xxhash")])
+def test_a_changed_fingerprint_is_not_loaded(model_dir, cold, tmp_path, change):
+    first = disk_engine(model_dir, tmp_path)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    other = disk_engine(model_dir, tmp_path, **change)
+    _, cached, restored = run(other, PROMPT)
+    assert (cached, restored) == (0, 0)
+    flushed(other).core.close()
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2  # its own subdirectory; the first one's untouched
+    assert len(records(tmp_path)) == 32
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "swap"])
+def test_damaged_records_are_recomputed(model_dir, cold, tmp_path, damage):
+    first = disk_engine(model_dir, tmp_path)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    files = records(tmp_path)
+    # The records in chain order are unknown from their names; damage one in the middle of the directory's listing.
+    victim = files[len(files) // 2]
+    if damage == "flip":
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-100])
+    elif damage == "delete":
+        victim.unlink()
+    else:  # another block's (valid) record under this block's name
+        victim.write_bytes(files[0].read_bytes() if victim != files[0] else files[1].read_bytes())
+    second = disk_engine(model_dir, tmp_path)
+    tokens, cached, restored = run(second, PROMPT)
+    assert tokens == cold
+    assert restored == cached < 56  # the chain stops at the damaged block; the rest is computed
+    stats = second.core.stats().offload
+    assert stats.restore_failures == (0 if damage == "delete" else 1)
+    assert_pool_whole(second)
+    # The bad record was dropped and the recomputed block stored again: a third start restores everything.
+    flushed(second).core.close()
+    third = disk_engine(model_dir, tmp_path)
+    assert run(third, PROMPT)[2] == 56
+    third.core.close()
+
+
+def test_an_unusable_directory_serves_without_a_tier(model_dir, cold, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    engine = disk_engine(model_dir, blocker / "tier")  # cannot be created, even as root
+    assert "cannot be used" in caplog.text
+    assert run(engine, PROMPT)[0] == cold
+    evict(engine)
+    assert run(engine, PROMPT, request_id="again")[0] == cold
+    stats = engine.core.stats().offload
+    assert stats is not None and not stats.available and stats.stored_blocks == 0
+    assert_pool_whole(engine)
+
+
+def test_a_full_disk_stops_storing_and_keeps_serving(model_dir, cold, tmp_path, monkeypatch, caplog):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskStore, "write", full)
+    engine = disk_engine(model_dir, tmp_path)
+    assert run(engine, PROMPT)[0] == cold
+    flushed(engine)
+    evict(engine)
+    assert run(engine, PROMPT, request_id="again")[0] == cold
+    stats = engine.core.stats().offload
+    assert not stats.available and stats.io_errors == 1 and stats.dropped_blocks >= 14 and stats.stored_blocks == 0
+    assert "stops storing" in caplog.text
+    assert_pool_whole(engine)
+    engine.core.close()
+
+
+def test_a_read_only_tier_of_earlier_runs_is_still_read(model_dir, cold, tmp_path, monkeypatch):
+    first = disk_engine(model_dir, tmp_path)
+    run(first, PROMPT)
+    flushed(first).core.close()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(DiskStore, "write", read_only)
+    second = disk_engine(model_dir, tmp_path)
+    tokens, _, restored = run(second, PROMPT)
+    assert tokens == cold and restored == 56
+    run(second, FILLERS[0], request_id="f")
+    assert_pool_whole(flushed(second))
+    second.core.close()
+
+
+def test_cache_salts_never_restore_each_other(model_dir, tmp_path):
+    engine = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
+    want = run(engine, PROMPT, salt="tenant-a")[0]
+    evict(engine)
+    assert run(engine, PROMPT, salt="tenant-b", request_id="b")[2] == 0
+    evict(engine)
+    assert run(engine, PROMPT, request_id="unsalted")[2] == 0
+    evict(engine)
+    tokens, _, restored = run(engine, PROMPT, salt="tenant-a", request_id="a2")
+    assert tokens == want and restored == 56
+    assert_pool_whole(engine)
+
+
+def test_a_request_aborted_while_its_restore_runs_releases_every_block(model_dir, cold, tmp_path, monkeypatch):
+    first = disk_engine(model_dir, tmp_path)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    real_read = DiskStore.read
+
+    def slow_read(self, *args):
+        time.sleep(0.05)
+        return real_read(self, *args)
+
+    monkeypatch.setattr(DiskStore, "read", slow_read)
+    second = disk_engine(model_dir, tmp_path)
+    second.add_request("leaves", PROMPT, GREEDY)
+    second.step()  # starts the restore from disk; the request waits for it
+    kv = second.core.kv_manager
+    assert len(kv.loads) == 1
+    second.check_invariants()  # the restore's blocks are held, counted
+    second.abort_request("leaves")
+    assert kv.orphan_loads and not kv.loads
+    deadline = time.monotonic() + 30
+    while kv.orphan_loads and time.monotonic() < deadline:
+        second.step()
+        time.sleep(0.01)
+    assert_pool_whole(second)
+    # What the cancelled restore did copy joined the prefix cache; the rest comes from the tier again.
+    tokens, cached, _ = run(second, PROMPT, request_id="stays")
+    assert tokens == cold and cached == 56
+    assert_pool_whole(second)
+    second.core.close()
+
+
+def test_other_requests_step_while_one_waits_for_its_restore(model_dir, cold, tmp_path, monkeypatch):
+    first = disk_engine(model_dir, tmp_path)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    gate = __import__("threading").Event()
+    real_read = DiskStore.read
+
+    def held_read(self, *args):
+        gate.wait(30)
+        return real_read(self, *args)
+
+    monkeypatch.setattr(DiskStore, "read", held_read)
+    second = disk_engine(model_dir, tmp_path)
+    second.add_request("restoring", PROMPT, GREEDY)
+    second.add_request("other", FILLERS[0][:20], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finished = {}
+    for _ in range(40):
+        for out in second.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if "other" in finished:
+            break
+    assert "other" in finished and "restoring" not in finished  # the other request ran to its end meanwhile
+    gate.set()
+    while second.has_unfinished_requests():
+        for out in second.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert list(finished["restoring"].outputs[0].token_ids) == cold
+    assert finished["restoring"].num_restored_tokens == 56
+    assert_pool_whole(second)
+    second.core.close()
+
+
+def test_offloading_flags_are_checked():
+    from kvserve.config import EngineConfig
+
+    assert EngineConfig(kv_offloading_size=16).kv_offload.size_bytes == 16 << 30  # a bare number is GiB, as in vLLM
+    assert EngineConfig(kv_offloading_size="512MiB").kv_offload.size_bytes == 512 << 20
+    assert EngineConfig(kv_offloading_size=0.5, kv_offloading_backend="native").kv_offload.size_bytes == 1 << 29
+    assert EngineConfig().kv_offload is None
+    with pytest.raises(ValueError, match="lmcache is not available"):
+        EngineConfig(kv_offloading_size=1, kv_offloading_backend="lmcache")
+    with pytest.raises(ValueError, match="needs --kv-offloading-size"):
+        EngineConfig(kv_offloading_path="/tmp/x")
+    with pytest.raises(ValueError, match="invalid size"):
+        EngineConfig(kv_offloading_size="lots")
+    with pytest.raises(ValueError, match="must be positive"):
+        EngineConfig(kv_offloading_size=0)
+
+
+def test_hits_lost_to_eviction_are_counted_and_a_tier_keeps_them(model_dir):
+    """The pool's ghost list of recent evictions: without a tier the re-sent prompt's blocks count as lost to
+    eviction (doctor's evidence for a tier); with one they are restored and nothing is lost."""
+    plain = tiny_engine(model_dir, **POOL)
+    run(plain, PROMPT)
+    evict(plain)
+    assert run(plain, PROMPT, request_id="again")[1] == 0
+    assert plain.core.stats().prefix_cache_evicted_misses_tokens == 56
+    tiered = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
+    run(tiered, PROMPT)
+    evict(tiered)
+    assert run(tiered, PROMPT, request_id="again")[2] == 56
+    assert tiered.core.stats().prefix_cache_evicted_misses_tokens == 0
