@@ -89,6 +89,7 @@ class EngineConfig:
     kv_offloading_size: float | str | None = None
     kv_offloading_backend: str | None = None
     kv_offloading_path: str | None = None
+    kv_offloading_dtype: str = "auto"  # "int8": the tier stores 8 bits a value with scales (kv/offload/config.py)
 
     def __post_init__(self) -> None:
         # The flag-shaped inputs the offline API accepts (JSON text, dicts, "4GiB"), parsed once into their types.
@@ -147,7 +148,9 @@ class EngineConfig:
     @property
     def kv_offload(self) -> KVOffloadConfig | None:
         """The offload tier's settings, or None without one."""
-        return make_offload_config(self.kv_offloading_size, self.kv_offloading_path, self.kv_offloading_backend)
+        return make_offload_config(
+            self.kv_offloading_size, self.kv_offloading_path, self.kv_offloading_backend, self.kv_offloading_dtype
+        )
 
     @property
     def device_type(self) -> str:

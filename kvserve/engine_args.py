@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.config import EngineConfig
-from kvserve.kv.offload.config import OFFLOAD_BACKENDS
+from kvserve.kv.offload.config import OFFLOAD_BACKENDS, OFFLOAD_DTYPES
 from kvserve.structured.config import parse_structured_outputs_config
 from kvserve.units import parse_size
 from kvserve.vocab import (
@@ -149,6 +149,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="put the offload tier on disk in DIR (created 0700: it holds prompt-derived data); the size is then its "
         "disk budget. It survives restarts and is shared by every process using DIR with the same model and settings",
     )
+    c.add_argument(
+        "--kv-offloading-dtype",
+        default="auto",
+        choices=OFFLOAD_DTYPES,
+        help="how the offload tier stores blocks: auto (the KV cache's own dtype: restores are bit-exact) or int8 "
+        "(8 bits a value with a float32 scale per token and KV head, as --kv-cache-dtype int8: about 4x the blocks "
+        "of a float32 cache in the same size; restores are close, not exact; docs/KV_OFFLOAD.md)",
+    )
     s = parser.add_argument_group("scheduler")
     s.add_argument(
         "--max-model-len",
@@ -226,4 +234,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offloading_size=getattr(args, "kv_offloading_size", None),
         kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
         kv_offloading_path=getattr(args, "kv_offloading_path", None),
+        kv_offloading_dtype=getattr(args, "kv_offloading_dtype", "auto"),
     )

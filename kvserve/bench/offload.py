@@ -30,12 +30,18 @@ results: {"multi_round": {"users", "rounds", "system_tokens", "working_set_token
             "systems": {NAME: {"ttft_ms_p50", "ttft_ms_p90", "throughput_tok_s", "pool_hit_rate", "tier_hit_rate",
                                "ttft_ms": [...]}}},
           "restart": [{"prompt_tokens", "cold_ttft_ms", "page_cache_ttft_ms", "dropped_ttft_ms", "restored_tokens"}],
-          "no_reuse": {"requests", "prompt_tokens", "systems": {NAME: {"throughput_tok_s", "runs": [...]}}}}
+          "no_reuse": {"requests", "prompt_tokens", "systems": {NAME: {"throughput_tok_s", "runs": [...]}}},
+          "accuracy": {"prompts", "prompt_tokens", "output_tokens", "tiers": {"auto"|"int8": {"block_bytes",
+            "identical_continuations", "mean_first_divergence", "restored_tokens"}}},
+          "llama_server": null | {"kvserve_args", "llama_server_args", "systems": {"kvserve"|"llama-server":
+            {"ttft_ms_p50", "ttft_ms_p90", "throughput_tok_s", "cached_tokens_reported", "ttft_ms": [...]}}}}
 NAME: "no tier", "host tier", "disk tier", "pool + tier bytes".
 ratios: {"multi_round_ttft_p50_host_over_off", "multi_round_ttft_p50_disk_over_off",
          "multi_round_throughput_host_over_off", "multi_round_throughput_disk_over_off",
          "multi_round_ttft_p50_host_over_big_pool", "restart_page_cache_over_cold" (first prompt length),
-         "restart_dropped_over_cold", "no_reuse_throughput_host_over_off", "no_reuse_throughput_disk_over_off"}
+         "restart_dropped_over_cold", "no_reuse_throughput_host_over_off", "no_reuse_throughput_disk_over_off",
+         "llama_server_ttft_p50_kvserve_over_peer", "llama_server_throughput_kvserve_over_peer" (with --llama-server),
+         "int8_tier_blocks_over_exact"}
 TTFT: from add_request to the step that produced the request's first token (the engine driven directly, no HTTP).
 throughput: prompt + generated tokens over the scenario's wall time on that engine."""
 
@@ -56,6 +62,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-reuse-requests", type=int, default=16, help="no reuse: random prompts in one batch")
     p.add_argument("--no-reuse-tokens", type=int, default=512, help="no reuse: tokens of each prompt")
+    p.add_argument("--accuracy-prompts", type=int, default=8, help="restore accuracy: GPL-3 windows restored")
+    p.add_argument("--accuracy-tokens", type=int, default=512, help="restore accuracy: tokens of each window")
+    p.add_argument("--accuracy-output", type=int, default=32, help="restore accuracy: greedy tokens compared")
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="also run the multi-round chat over HTTP against `kvserve serve` with a host tier and this llama-server "
+        "with its prompt cache (--cache-ram of the tier's size, where the build has it; scripts/build_llama_cpp.sh)",
+    )
     p.add_argument("--tier-dir", default=None, help="where the disk tiers go (default: a temporary directory)")
     add_repeats_arg(p, 3)
     add_output_args(p, "TTFT of every multi-round request, per system")
@@ -119,6 +135,99 @@ def _drop_page_cache(directory: Path) -> int:
             finally:
                 os.close(fd)
     return count
+
+
+def _against_llama_server(base: LLMEngine, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """The multi-round chat's shape over HTTP: `kvserve serve` (the pool and a host tier of this run) against
+    llama-server with one slot, a context for the longest prompt, and its prompt cache in host memory."""
+    from kvserve.bench.offload_peer import ChatShape, chat_turns, compare_with_llama_server, has_flag
+    from kvserve.bench.report import Table
+    from kvserve.bench.systems import special_token_ids
+    from kvserve.model.source import resolve_model
+
+    model = base.core.model_config
+    bos = [model.bos_token_id] if model.bos_token_id is not None else []
+    shape = ChatShape(args.users, args.rounds, args.system_tokens, args.question_tokens, args.output_len, args.seed)
+    turns = chat_turns(shape, model.vocab_size, special_token_ids(base), bos)
+    longest = max(len(p) for row in turns for p in row) + args.output_len + 64
+    threads = str(args.cpu_threads or os.cpu_count() or 1)
+    kvserve_args = [
+        *(["--model", args.model] if args.model else []),
+        "--kv-cache-memory-bytes",
+        str(args.pool_bytes),
+        "--kv-offloading-size",
+        f"{args.tier_bytes}B",
+        "--cpu-threads",
+        threads,
+    ]
+    llama_args = ["-t", threads, "-np", "1", "-c", str(longest)]
+    if has_flag(args.llama_server, "--cache-ram"):
+        llama_args += ["--cache-ram", str(args.tier_bytes // MiB)]
+    log_dir = Path(tempfile.mkdtemp(prefix="kvserve-bench-offload-peer-"))
+    doc = compare_with_llama_server(
+        args.llama_server, resolve_model(args.model).path, kvserve_args, llama_args, turns, args.output_len, log_dir
+    )
+    shutil.rmtree(log_dir, ignore_errors=True)
+    table = Table(
+        f"Multi-round chat over HTTP against llama-server ({' '.join(llama_args)}); kvserve serve "
+        f"{' '.join(kvserve_args)}",
+        ["server", "TTFT p50 ms", "TTFT p90 ms", "throughput tok/s"],
+    )
+    for name, row in doc["systems"].items():
+        table.add(name, row["ttft_ms_p50"], row["ttft_ms_p90"], row["throughput_tok_s"])
+    return doc, table
+
+
+def _accuracy(base: LLMEngine, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """Each window's greedy continuation cold (no tier), then restored from a host tier storing the cache's own dtype
+    and from one storing int8: the pool's prefix cache is dropped between the store and the restore, so the whole
+    prefix (but its last block) comes from the tier."""
+    from kvserve.bench.kv_dtype import GPL3
+    from kvserve.bench.report import Table
+
+    body = base.tokenizer.encode(GPL3.read_text(), add_special_tokens=False)
+    bos = base.core.model_config.bos_token_id
+    n = args.accuracy_tokens
+    windows = [([] if bos is None else [bos]) + body[i * n : (i + 1) * n] for i in range(args.accuracy_prompts)]
+    windows = [w for w in windows if len(w) > n // 2]
+    pool = (n + args.accuracy_output + 64) * base.core.kv_spec.bytes_per_token
+    cold_engine = base.sibling(kv_cache_memory_bytes=pool)
+    cold = [_one(cold_engine, w, args.accuracy_output, f"cold-{i}").output_ids for i, w in enumerate(windows)]
+    tiers: dict[str, Any] = {}
+    for dtype in ("auto", "int8"):
+        engine = base.sibling(kv_cache_memory_bytes=pool, kv_offloading_size="1GiB", kv_offloading_dtype=dtype)
+        identical, divergences, restored = 0, [], 0
+        for i, window in enumerate(windows):
+            _one(engine, window, 1, f"store-{dtype}-{i}")
+            engine.core.pool.reset_prefix_cache()  # the pool forgets it: the restore comes from the tier
+            done = _one(engine, window, args.accuracy_output, f"restore-{dtype}-{i}")
+            restored += done.restored
+            same = next((k for k, (a, b) in enumerate(zip(cold[i], done.output_ids)) if a != b), len(cold[i]))
+            identical += same == len(cold[i])
+            divergences.append(same)
+        assert engine.core.offload is not None
+        tiers[dtype] = {
+            "block_bytes": engine.core.offload.layout.block_bytes,
+            "identical_continuations": identical,
+            "mean_first_divergence": sum(divergences) / len(divergences),
+            "restored_tokens": restored,
+        }
+        engine.core.close()
+    table = Table(
+        f"Restore accuracy: {len(windows)} GPL-3 windows of {n} tokens, {args.accuracy_output} greedy tokens "
+        "against cold",
+        ["tier stores", "bytes a block", "identical continuations", "mean first divergence", "restored tokens"],
+    )
+    for dtype, row in tiers.items():
+        table.add(
+            "the cache's dtype" if dtype == "auto" else "int8 + scales",
+            row["block_bytes"],
+            f"{row['identical_continuations']}/{len(windows)}",
+            row["mean_first_divergence"],
+            row["restored_tokens"],
+        )
+    doc = {"prompts": len(windows), "prompt_tokens": n, "output_tokens": args.accuracy_output, "tiers": tiers}
+    return doc, table
 
 
 def run(args: argparse.Namespace) -> int:
@@ -287,9 +396,24 @@ def run(args: argparse.Namespace) -> int:
     if args.tier_dir is None:
         shutil.rmtree(top, ignore_errors=True)
 
+    # 4. Restore accuracy: GPL-3 windows restored from an exact tier and from an int8 one, against cold greedy output.
+    accuracy, t4 = _accuracy(base, args)
+    peer = None
+    if args.llama_server:
+        peer, t5 = _against_llama_server(base, args)
+        report_tables_extra = [t5]
+    else:
+        report_tables_extra = []
+
     m = multi["systems"]
     report = Report("offload", machine_info(), config_of(args))
-    report.results = {"multi_round": multi, "restart": restart, "no_reuse": no_reuse}
+    report.results = {
+        "multi_round": multi,
+        "restart": restart,
+        "no_reuse": no_reuse,
+        "accuracy": accuracy,
+        "llama_server": peer,
+    }
     report.ratios = {
         "multi_round_ttft_p50_host_over_off": ratio(m["host tier"]["ttft_ms_p50"], m["no tier"]["ttft_ms_p50"]),
         "multi_round_ttft_p50_disk_over_off": ratio(m["disk tier"]["ttft_ms_p50"], m["no tier"]["ttft_ms_p50"]),
@@ -310,12 +434,21 @@ def run(args: argparse.Namespace) -> int:
         else None,
         "no_reuse_throughput_host_over_off": ratio(no_reuse["systems"]["host tier"]["throughput_tok_s"], off_tput),
         "no_reuse_throughput_disk_over_off": ratio(no_reuse["systems"]["disk tier"]["throughput_tok_s"], off_tput),
+        "llama_server_ttft_p50_kvserve_over_peer": None
+        if peer is None
+        else ratio(peer["systems"]["kvserve"]["ttft_ms_p50"], peer["systems"]["llama-server"]["ttft_ms_p50"]),
+        "llama_server_throughput_kvserve_over_peer": None
+        if peer is None
+        else ratio(peer["systems"]["kvserve"]["throughput_tok_s"], peer["systems"]["llama-server"]["throughput_tok_s"]),
+        "int8_tier_blocks_over_exact": ratio(
+            accuracy["tiers"]["auto"]["block_bytes"], accuracy["tiers"]["int8"]["block_bytes"]
+        ),
     }
     report.notes.append(
         "The restart rows run fresh engines (a new pool and tier) in this process, sharing the loaded model; "
         "'page cache' reads records the kernel still caches, 'dropped' after posix_fadvise(DONTNEED) on every file."
     )
-    report.tables += [t1, t2, t3]
+    report.tables += [t1, t2, t3, t4, *report_tables_extra]
     if args.plot:
         from kvserve.bench.plot import Panel, Series, line_plot
 

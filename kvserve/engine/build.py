@@ -145,6 +145,7 @@ def offload_fingerprint(
         device_type=device.type,
         dtype=dtype_name(compute_dtype),
         kv_cache_dtype=spec.dtype_name,
+        tier_dtype=config.kv_offloading_dtype,
         static_kv_scales="" if scales is None else repr([(float(k), float(v)) for k, v in scales]),
         block_size=spec.block_size,
         hash_algo=config.prefix_caching_hash_algo,

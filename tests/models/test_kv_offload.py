@@ -7,6 +7,7 @@ and every pool block is back: free + referenced == usable, checked after every s
 from __future__ import annotations
 
 import errno
+import sys
 import time
 from pathlib import Path
 
@@ -14,9 +15,12 @@ import pytest
 import torch
 from tiny_models import tiny_engine
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv.offload.stores import RECORD_SUFFIX, DiskStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from logprob_check import assert_logprobs_close
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # A pool of 31 usable blocks of 4 tokens: one 60-token prompt and its output take 17, so two fillers evict it.
@@ -344,3 +348,27 @@ def test_hits_lost_to_eviction_are_counted_and_a_tier_keeps_them(model_dir):
     evict(tiered)
     assert run(tiered, PROMPT, request_id="again")[2] == 56
     assert tiered.core.stats().prefix_cache_evicted_misses_tokens == 0
+
+
+def test_an_int8_tier_holds_4x_the_blocks_and_restores_close_to_cold(model_dir, tmp_path):
+    """--kv-offloading-dtype int8: about a quarter of a float32 block's bytes, restores dequantized, greedy output
+    within vLLM's check_logprobs_close rule of a cold run (exactness is what the option gives up)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+
+    def tops(out) -> list[dict]:
+        return [dict.fromkeys(sorted(e, key=lambda t: e[t].rank)[:6]) for e in out.logprobs]
+
+    plain = tiny_engine(model_dir, **POOL)
+    cold = LLM(engine=plain).generate([PROMPT], params, use_tqdm=False)[0]
+    exact = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
+    packed = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB", kv_offloading_dtype="int8")
+    full, small = exact.core.offload.layout.block_bytes, packed.core.offload.layout.block_bytes
+    assert 3.5 < full / small < 4.0  # int8 values plus a float32 scale per head vector of head_dim values
+    llm = LLM(engine=packed)
+    llm.generate([PROMPT], params, use_tqdm=False)
+    evict(packed)
+    again = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert again.num_restored_tokens == 56
+    c, a = cold.outputs[0], again.outputs[0]
+    assert_logprobs_close(c.token_ids, tops(c), a.token_ids, tops(a), name="int8 tier")
+    assert_pool_whole(packed)

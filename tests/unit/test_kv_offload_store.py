@@ -19,7 +19,8 @@ from kvserve.kv.offload.stores import STALE_TMP_SECONDS, TMP_PREFIX, DiskStore
 
 FP = KVFingerprint(
     weights="w", weight_quantization="none", activation_quantization="none", kernels="torch",
-    attention_backend="cpu", device_type="cpu", dtype="float32", kv_cache_dtype="float32", static_kv_scales="",
+    attention_backend="cpu", device_type="cpu", dtype="float32", kv_cache_dtype="float32", tier_dtype="auto",
+    static_kv_scales="",
     block_size=4, hash_algo="sha256", num_layers=2, num_kv_heads=1, head_dim=8, torch_version="t",
     kvserve_version="v",
 )  # fmt: skip

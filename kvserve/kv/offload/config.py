@@ -12,6 +12,9 @@ from kvserve.units import GiB, MiB, parse_size
 
 # vLLM's backends: "native" (its own offloading connector, and the one kvserve implements) and "lmcache".
 OFFLOAD_BACKENDS: tuple[str, ...] = ("native", "lmcache")
+# How the tier stores a block: "auto", the cache's own dtype (a restore is bit-exact), or "int8", 8 bits a value with
+# a float32 scale per token and KV head (about 4x the blocks of a float32 cache; a restore is close, not exact).
+OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "int8")
 
 
 def parse_offloading_size(value: str | int | float) -> int:
@@ -38,6 +41,7 @@ class KVOffloadConfig:
     size_bytes: int
     path: Path | None = None
     backend: str = "native"
+    dtype: str = "auto"
     # Stored records waiting for the disk writer, at most; past it a block is dropped (counted), never waited for.
     max_queued_bytes: int = 256 * MiB
 
@@ -53,6 +57,8 @@ class KVOffloadConfig:
                 "--kv-offloading-backend lmcache is not available in kvserve: LMCache is a GPU-side library for vLLM; "
                 "use native (the default), kvserve's own tier in host memory or, with --kv-offloading-path, on disk"
             )
+        if self.dtype not in OFFLOAD_DTYPES:
+            raise ValueError(f"--kv-offloading-dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {self.dtype!r}")
         if self.max_queued_bytes <= 0:
             raise ValueError(f"max_queued_bytes must be positive, got {self.max_queued_bytes}")
 
@@ -63,7 +69,7 @@ class KVOffloadConfig:
 
 
 def make_offload_config(
-    size: str | int | float | None, path: str | Path | None = None, backend: str | None = None
+    size: str | int | float | None, path: str | Path | None = None, backend: str | None = None, dtype: str = "auto"
 ) -> KVOffloadConfig | None:
     """The config of the three flags; None (no tier) without a size. A path or backend without a size is an error,
     not a silent no-op."""
@@ -74,9 +80,12 @@ def make_offload_config(
             )
         if backend not in (None, "native"):
             raise ValueError("--kv-offloading-backend needs --kv-offloading-size")
+        if dtype != "auto":
+            raise ValueError("--kv-offloading-dtype needs --kv-offloading-size")
         return None
     return KVOffloadConfig(
         size_bytes=parse_offloading_size(size),
         path=None if path is None else Path(path).expanduser(),
         backend=backend or "native",
+        dtype=dtype,
     )

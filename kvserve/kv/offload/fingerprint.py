@@ -54,6 +54,7 @@ class KVFingerprint:
     device_type: str
     dtype: str
     kv_cache_dtype: str
+    tier_dtype: str  # how the tier stores blocks: "auto" (the cache's own) or "int8"
     static_kv_scales: str
     block_size: int
     hash_algo: str

@@ -32,6 +32,13 @@ class RecordError(ValueError):
 
 def encode_record(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview) -> bytes:
     """The record's bytes: header, identity, payload, then the checksum of all of them."""
+    return b"".join(record_parts(fingerprint, block_hash, key, payload))
+
+
+def record_parts(
+    fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview
+) -> tuple[bytes, bytes | memoryview, bytes]:
+    """The record as (header and identity, payload, checksum), for a vectored write that copies the payload once."""
     parent = key.parent
     tokens = array("q", key.token_ids).tobytes()
     header = _HEADER.pack(
@@ -44,8 +51,10 @@ def encode_record(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload:
         len(key.extra_keys),
         len(key.token_ids),
     )
-    body = b"".join((header, block_hash, parent or b"", key.extra_keys, tokens, payload))
-    return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    head = b"".join((header, block_hash, parent or b"", key.extra_keys, tokens))
+    digest = xxhash.xxh3_64(head)
+    digest.update(payload)
+    return head, payload, _CHECKSUM.pack(digest.intdigest())
 
 
 def decode_record(

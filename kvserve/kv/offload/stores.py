@@ -25,7 +25,7 @@ import torch
 
 from kvserve.kv.hashing import BlockKey
 from kvserve.kv.offload.fingerprint import KVFingerprint
-from kvserve.kv.offload.record import RecordError, decode_record, encode_record
+from kvserve.kv.offload.record import RecordError, decode_record, record_parts
 
 logger = logging.getLogger(__name__)
 
@@ -164,21 +164,29 @@ class DiskStore:
         path = self.path_for(block_hash)
         if path.exists():
             return False, []
-        record = encode_record(self.fingerprint.digest, block_hash, key, payload.numpy().tobytes())
+        parts = record_parts(self.fingerprint.digest, block_hash, key, payload.numpy().data)
+        size = sum(len(p) for p in parts)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         with self._mutex:
             self._tmp_serial += 1
             tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{self._tmp_serial}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(record)
+            try:
+                written = os.writev(fd, parts)
+                if written != size:  # a short write (a full disk, a signal): finish it or fail
+                    rest = b"".join(bytes(p) for p in parts)[written:]
+                    while rest:
+                        n = os.write(fd, rest)
+                        rest = rest[n:]
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             self._remove(tmp)
             raise
         with self._mutex:
-            self._bytes_estimate += len(record)
+            self._bytes_estimate += size
             self._num_blocks_estimate += 1
             over = self._bytes_estimate > self.capacity_bytes
         return True, self.scan() if over else []

@@ -31,6 +31,7 @@ from kvserve.kv.offload.config import KVOffloadConfig
 from kvserve.kv.offload.fingerprint import KVFingerprint
 from kvserve.kv.offload.record import RecordError
 from kvserve.kv.offload.stores import DiskStore, HostMemoryStore
+from kvserve.kv.quant import KV_QUANT_FORMATS, compute_scales, dequantize, quantize
 from kvserve.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -57,21 +58,37 @@ class OffloadStats:
 
 class BlockLayout:
     """How one block's K/V (and 8-bit scales) across every layer is laid out as one flat payload of bytes: each
-    layer's key, value, key scales, value scales in turn, each that tensor's [block_size, ...] slice of the block."""
+    layer's key, value, key scales, value scales in turn, each that tensor's [block_size, ...] slice of the block.
 
-    def __init__(self, caches: Sequence[LayerKVCache]) -> None:
+    `compress` (--kv-offloading-dtype int8, for a cache that is not 8-bit already): each K and V slice is stored as
+    int8 with a float32 scale per token and KV head (kv/quant.py's int8 format, as --kv-cache-dtype int8 stores it),
+    about 4x fewer bytes than float32; a restore dequantizes into the cache's dtype, so it is close, not bit-exact."""
+
+    def __init__(self, caches: Sequence[LayerKVCache], compress: bool = False) -> None:
         tensors: list[torch.Tensor] = []
         for cache in caches:
             tensors += [cache.key, cache.value]
             if cache.key_scale is not None and cache.value_scale is not None:
                 tensors += [cache.key_scale, cache.value_scale]
         self.tensors = tensors
-        self.sizes = [t[0].numel() * t.element_size() for t in tensors]
+        self.compress = compress and not any(c.is_quantized for c in caches)
+        self.format = KV_QUANT_FORMATS["int8"]
+        # Compressed: per slice, its int8 values (one byte each) then a float32 scale per token and head.
+        self.sizes = [
+            t[0].numel() + 4 * t[0].numel() // t.shape[-1] if self.compress else t[0].numel() * t.element_size()
+            for t in tensors
+        ]
         self.block_bytes = sum(self.sizes)
 
     def gather(self, block_id: int) -> torch.Tensor:
         """A copy of the block as a uint8 tensor of block_bytes (on the host)."""
-        parts = [_bytes_of(t[block_id]).cpu() for t in self.tensors]
+        if not self.compress:
+            return torch.cat([_bytes_of(t[block_id]).cpu() for t in self.tensors])
+        parts = []
+        for t in self.tensors:
+            x = t[block_id].float().cpu()
+            scale = compute_scales(x, self.format)
+            parts += [_bytes_of(quantize(x, scale, self.format)), _bytes_of(scale.contiguous())]
         return torch.cat(parts)
 
     def scatter(self, block_id: int, payload: torch.Tensor) -> None:
@@ -80,7 +97,15 @@ class BlockLayout:
             raise RecordError(f"payload of {payload.numel()} bytes, a block holds {self.block_bytes}")
         offset = 0
         for t, size in zip(self.tensors, self.sizes):
-            _bytes_of(t[block_id]).copy_(payload[offset : offset + size])
+            part = payload[offset : offset + size]
+            if self.compress:
+                target = t[block_id]
+                values = target.numel()
+                q = part[:values].view(torch.int8).view(target.shape)
+                scale = part[values:].view(torch.float32).view(*target.shape[:-1], 1)
+                target.copy_(dequantize(q, scale, target.dtype))
+            else:
+                _bytes_of(t[block_id]).copy_(part)
             offset += size
 
 
@@ -136,7 +161,7 @@ class OffloadTier:
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
-        self.layout = BlockLayout(caches)
+        self.layout = BlockLayout(caches, compress=config.dtype == "int8")
         self.block_size = block_size
         self.events = events
         self.medium = config.medium

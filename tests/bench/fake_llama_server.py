@@ -1,0 +1,58 @@
+"""A stand-in for llama.cpp's llama-server in tests of `bench offload --llama-server`: `--help` lists --cache-ram, and
+it serves /health and streaming /v1/completions (one SSE frame per token, then usage and [DONE]) on --port, ignoring
+every other flag. It records the flags it was started with next to itself (args.json), for the test to read."""
+
+from __future__ import annotations
+
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = b'{"status": "ok"}'
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        n = int(request["max_tokens"])
+        for i in range(n):
+            self._frame({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]})
+        prompt = request["prompt"]
+        self._frame({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}})
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _frame(self, doc: dict) -> None:
+        self._chunk(f"data: {json.dumps(doc)}\n\n".encode())
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+def main(argv: list[str]) -> None:
+    if "--help" in argv:
+        print("usage: llama-server [options]\n  --cache-ram N   prompt cache in host RAM, MiB")
+        return
+    (Path(__file__).parent / "args.json").write_text(json.dumps(argv))
+    port = int(argv[argv.index("--port") + 1])
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
