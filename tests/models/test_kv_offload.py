@@ -372,3 +372,35 @@ def test_an_int8_tier_holds_4x_the_blocks_and_restores_close_to_cold(model_dir, 
     c, a = cold.outputs[0], again.outputs[0]
     assert_logprobs_close(c.token_ids, tops(c), a.token_ids, tops(a), name="int8 tier")
     assert_pool_whole(packed)
+
+
+def test_tier_kv_events_carry_their_medium(model_dir, tmp_path):
+    """Blocks stored into and dropped from the tier are KV events marked with the tier's medium (vLLM's words), in
+    kvserve's stream and in vLLM's wire batches, and the router's pool index ignores them."""
+    from kvserve.cluster.router import PrefixIndex
+    from kvserve.kv.events import BlockRemoved, BlockStored
+    from kvserve.kv.vllm_events import event_batch
+
+    engine = tiny_engine(model_dir, **POOL, kv_offloading_size="40KiB")  # about 20 blocks: the fillers evict some
+    run(engine, PROMPT)
+    evict(engine)
+    events = [e for _, _, e in engine.core.kv_events.drain()]
+    tier_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    tier_removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+    assert len(tier_stored) == engine.core.offload.stored_blocks and tier_removed
+    assert all(e.block_id == -1 for e in tier_stored + tier_removed)
+    batch = event_batch(events, 0.0, "GPU")
+    mediums = {(item["type"], item["medium"]) for item in batch[1] if item["type"] != "AllBlocksCleared"}
+    assert mediums == {("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU")}
+    index = PrefixIndex()
+    for event in events:
+        index.apply("r0", event)
+    pool_hashes = {b.block_hash.hex() for b in engine.core.pool.cached.values()}
+    assert set(index.holders) == pool_hashes  # exactly what the pool holds, not the tier
+
+    disk = disk_engine(model_dir, tmp_path)
+    run(disk, PROMPT)
+    flushed(disk).core.offload.poll_events()
+    stored = [e for _, _, e in disk.core.kv_events.drain() if isinstance(e, BlockStored) and e.medium == "DISK"]
+    assert len(stored) == 16
+    disk.core.close()

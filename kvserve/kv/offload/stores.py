@@ -65,11 +65,12 @@ class HostMemoryStore:
         self._blocks.move_to_end(block_hash)
         return entry[1]
 
-    def write(self, block_hash: bytes, key: BlockKey, payload: torch.Tensor) -> list[bytes]:
-        """Keep the payload; returns the hashes evicted to make room (for KV events)."""
+    def write(self, block_hash: bytes, key: BlockKey, payload: torch.Tensor) -> tuple[bool, list[bytes]]:
+        """Keep the payload: whether it was kept (not when already there, or larger than the whole tier), and the
+        hashes evicted to make room (for KV events)."""
         size = payload.numel()
         if size > self.capacity_bytes or block_hash in self._blocks:
-            return []
+            return False, []
         evicted = []
         while self._bytes + size > self.capacity_bytes:
             old_hash, (_, old) = self._blocks.popitem(last=False)
@@ -77,7 +78,7 @@ class HostMemoryStore:
             evicted.append(old_hash)
         self._blocks[block_hash] = (key, payload)
         self._bytes += size
-        return evicted
+        return True, evicted
 
     def usage(self) -> StoreUsage:
         return StoreUsage(len(self._blocks), self._bytes)

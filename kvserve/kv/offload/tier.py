@@ -241,9 +241,12 @@ class OffloadTier:
                 continue
             payload = self.layout.gather(block.block_id)
             if isinstance(self.store, HostMemoryStore):
-                evicted = self.store.write(block.block_hash, block.key, payload)
-                self.stored_blocks += 1
-                self._stored_event(block)
+                stored, evicted = self.store.write(block.block_hash, block.key, payload)
+                if stored:
+                    self.stored_blocks += 1
+                    self._stored_event(block)
+                else:
+                    self.dropped_blocks += 1
                 self._removed_events(evicted)
                 continue
             assert self._queue is not None
