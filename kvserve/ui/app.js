@@ -207,6 +207,16 @@
     d.lastChild.textContent = label;
     return d;
   }
+  function offloadGauges(g) {  // the KV offload tier (docs/KV_OFFLOAD.md), when the server has one
+    const o = g.offload;
+    if (!o) return [];
+    return [
+      gauge("offload tier (" + o.medium + ")" + (o.available ? "" : " FAILED"),
+            o.num_blocks + " blocks, " + (o.bytes_used / 1048576).toFixed(1) + " / " +
+            (o.capacity_bytes / 1048576).toFixed(0) + " MiB"),
+      gauge("restored blocks", o.restored_blocks),
+      gauge("tier hit tokens", g.external_prefix_cache_hits_tokens)];
+  }
   function renderGauges(snap) {
     const g = snap.gauges, c = snap.capacity;
     $("gauges").replaceChildren(
@@ -214,7 +224,8 @@
       gauge("prefix hit rate", (100 * g.prefix_cache_hit_rate).toFixed(1) + "%"),
       gauge("running", g.num_running), gauge("waiting", g.num_waiting),
       gauge("tokens/s", state.tokensPerS.toFixed(1)), gauge("preemptions", g.num_preemptions),
-      gauge("free blocks", snap.pool.num_free_blocks + " / " + snap.pool.num_usable_blocks));
+      gauge("free blocks", snap.pool.num_free_blocks + " / " + snap.pool.num_usable_blocks),
+      ...offloadGauges(g));
     $("capacity").replaceChildren(
       gauge("KV dtype", c.kv_cache_dtype), gauge("bytes / token", c.bytes_per_token),
       gauge("blocks (incl. null)", c.num_blocks), gauge("block size", c.block_size), gauge("tokens", c.num_tokens),

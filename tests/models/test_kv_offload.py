@@ -404,3 +404,33 @@ def test_tier_kv_events_carry_their_medium(model_dir, tmp_path):
     stored = [e for _, _, e in disk.core.kv_events.drain() if isinstance(e, BlockStored) and e.medium == "DISK"]
     assert len(stored) == 16
     disk.core.close()
+
+
+_CHILD = """
+import json, sys
+from kvserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], kv_offloading_size="8MiB", kv_offloading_path=sys.argv[2], num_gpu_blocks_override=32,
+          block_size=4, max_model_len=96)
+out = llm.generate([json.loads(sys.argv[3])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                   use_tqdm=False)[0]
+# no close(): what the disk writer has queued is written at exit all the same
+print(json.dumps({"tokens": list(out.outputs[0].token_ids), "restored": out.num_restored_tokens}))
+"""
+
+
+def test_a_second_process_restores_what_the_first_stored(model_dir, cold, tmp_path):
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def child() -> dict:
+        cmd = [sys.executable, "-c", _CHILD, str(model_dir), str(tmp_path), json.dumps(PROMPT)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = child(), child()
+    assert first == {"tokens": cold, "restored": 0}
+    assert second == {"tokens": cold, "restored": 56}  # its first and only request

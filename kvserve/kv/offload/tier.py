@@ -12,12 +12,14 @@ and a block that finds the queue full is dropped and counted, never waited for."
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -188,12 +190,18 @@ class OffloadTier:
         self._queue: queue.Queue[tuple[bytes, BlockKey, torch.Tensor] | None] | None = None
         self._writer: threading.Thread | None = None
         self._loader: ThreadPoolExecutor | None = None
+        self._at_exit: Callable[[], None] | None = None
         if isinstance(self.store, DiskStore):
             depth = max(4, config.max_queued_bytes // max(self.layout.block_bytes, 1))
             self._queue = queue.Queue(maxsize=depth)
             self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-offload-writer", daemon=True)
             self._writer.start()
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
+            # A program that never closes its engine (LLM(...) then exit) still gets its queued blocks written: the
+            # writer is a daemon thread, which exit would otherwise stop mid-queue. A weak reference, so that the
+            # hook keeps no engine alive.
+            self._at_exit = _close_at_exit(weakref.ref(self))
+            atexit.register(self._at_exit)
         self._log_start()
 
     # ---- what it holds ---------------------------------------------------------------------------------
@@ -373,6 +381,9 @@ class OffloadTier:
 
     def close(self) -> None:
         """Write what is queued, then stop the threads."""
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         if self._queue is not None and self._writer is not None:
             self.flush()
             self._queue.put(None)
@@ -381,3 +392,12 @@ class OffloadTier:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+
+
+def _close_at_exit(tier: weakref.ref[OffloadTier]) -> Callable[[], None]:
+    def close() -> None:
+        live = tier()
+        if live is not None:
+            live.close()
+
+    return close
