@@ -44,48 +44,57 @@ class StoreUsage:
 
 
 class HostMemoryStore:
-    """Payloads as uint8 tensors in this process's memory, in LRU order. Engine thread only."""
+    """Blocks in one slab of host memory, [capacity // block_bytes, block_bytes] uint8, allocated once (its pages are
+    touched as blocks first land in them), slots handed out least recently used first. A slab rather than a tensor a
+    block: storing or restoring then allocates nothing, and a step's blocks are copied in one batched call per cache
+    tensor. Engine thread only."""
 
     medium = "CPU"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, block_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._blocks: OrderedDict[bytes, tuple[BlockKey, torch.Tensor]] = OrderedDict()
-        self._bytes = 0
+        self.block_bytes = block_bytes
+        self.capacity_blocks = capacity_bytes // block_bytes
+        self.slab = torch.empty(self.capacity_blocks, block_bytes, dtype=torch.uint8)
+        self._entries: OrderedDict[bytes, tuple[int, BlockKey]] = OrderedDict()  # hash -> (slot, key), LRU first
+        self._free = list(range(self.capacity_blocks - 1, -1, -1))
 
     def contains(self, block_hash: bytes) -> bool:
-        return block_hash in self._blocks
+        return block_hash in self._entries
 
-    def read(self, block_hash: bytes, key: BlockKey) -> torch.Tensor:
-        entry = self._blocks.get(block_hash)
+    def locate(self, block_hash: bytes, key: BlockKey) -> int:
+        """The slot holding this block (now the most recently used); KeyError when absent, RecordError when the slot
+        holds another block under this hash (a collision)."""
+        entry = self._entries.get(block_hash)
         if entry is None:
             raise KeyError(block_hash.hex())
-        if entry[0] != key:
+        if entry[1] != key:
             raise RecordError("holds another block (content key differs)")
-        self._blocks.move_to_end(block_hash)
-        return entry[1]
+        self._entries.move_to_end(block_hash)
+        return entry[0]
 
-    def write(self, block_hash: bytes, key: BlockKey, payload: torch.Tensor) -> tuple[bool, list[bytes]]:
-        """Keep the payload: whether it was kept (not when already there, or larger than the whole tier), and the
-        hashes evicted to make room (for KV events)."""
-        size = payload.numel()
-        if size > self.capacity_bytes or block_hash in self._blocks:
-            return False, []
-        evicted = []
-        while self._bytes + size > self.capacity_bytes:
-            old_hash, (_, old) = self._blocks.popitem(last=False)
-            self._bytes -= old.numel()
-            evicted.append(old_hash)
-        self._blocks[block_hash] = (key, payload)
-        self._bytes += size
-        return True, evicted
+    def reserve(self, blocks: list[tuple[bytes, BlockKey]]) -> tuple[list[int], list[bytes]]:
+        """Slots for new blocks (none of them held yet; at most capacity_blocks of them), evicting the least recently
+        used: (their slots in order, the evicted hashes)."""
+        if len(blocks) > self.capacity_blocks:
+            raise ValueError(f"{len(blocks)} blocks exceed the tier's {self.capacity_blocks}")
+        slots, evicted = [], []
+        for block_hash, key in blocks:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                old_hash, (slot, _) = self._entries.popitem(last=False)
+                evicted.append(old_hash)
+            self._entries[block_hash] = (slot, key)
+            slots.append(slot)
+        return slots, evicted
 
     def usage(self) -> StoreUsage:
-        return StoreUsage(len(self._blocks), self._bytes)
+        return StoreUsage(len(self._entries), len(self._entries) * self.block_bytes)
 
     def hashes(self) -> list[bytes]:
         """Most recently used last."""
-        return list(self._blocks)
+        return list(self._entries)
 
 
 class DiskStore:

@@ -31,9 +31,9 @@ from kvserve.kv.events import BlockRemoved, BlockStored, KVEventBuffer
 from kvserve.kv.hashing import BlockKey
 from kvserve.kv.offload.config import KVOffloadConfig
 from kvserve.kv.offload.fingerprint import KVFingerprint
+from kvserve.kv.offload.layout import BlockLayout
 from kvserve.kv.offload.record import RecordError
 from kvserve.kv.offload.stores import DiskStore, HostMemoryStore
-from kvserve.kv.quant import KV_QUANT_FORMATS, compute_scales, dequantize, quantize
 from kvserve.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -56,64 +56,6 @@ class OffloadStats:
     io_errors: int
     restore_seconds_total: float
     restores: int  # restore operations (one per request admitted with tier hits)
-
-
-class BlockLayout:
-    """How one block's K/V (and 8-bit scales) across every layer is laid out as one flat payload of bytes: each
-    layer's key, value, key scales, value scales in turn, each that tensor's [block_size, ...] slice of the block.
-
-    `compress` (--kv-offloading-dtype int8, for a cache that is not 8-bit already): each K and V slice is stored as
-    int8 with a float32 scale per token and KV head (kv/quant.py's int8 format, as --kv-cache-dtype int8 stores it),
-    about 4x fewer bytes than float32; a restore dequantizes into the cache's dtype, so it is close, not bit-exact."""
-
-    def __init__(self, caches: Sequence[LayerKVCache], compress: bool = False) -> None:
-        tensors: list[torch.Tensor] = []
-        for cache in caches:
-            tensors += [cache.key, cache.value]
-            if cache.key_scale is not None and cache.value_scale is not None:
-                tensors += [cache.key_scale, cache.value_scale]
-        self.tensors = tensors
-        self.compress = compress and not any(c.is_quantized for c in caches)
-        self.format = KV_QUANT_FORMATS["int8"]
-        # Compressed: per slice, its int8 values (one byte each) then a float32 scale per token and head.
-        self.sizes = [
-            t[0].numel() + 4 * t[0].numel() // t.shape[-1] if self.compress else t[0].numel() * t.element_size()
-            for t in tensors
-        ]
-        self.block_bytes = sum(self.sizes)
-
-    def gather(self, block_id: int) -> torch.Tensor:
-        """A copy of the block as a uint8 tensor of block_bytes (on the host)."""
-        if not self.compress:
-            return torch.cat([_bytes_of(t[block_id]).cpu() for t in self.tensors])
-        parts = []
-        for t in self.tensors:
-            x = t[block_id].float().cpu()
-            scale = compute_scales(x, self.format)
-            parts += [_bytes_of(quantize(x, scale, self.format)), _bytes_of(scale.contiguous())]
-        return torch.cat(parts)
-
-    def scatter(self, block_id: int, payload: torch.Tensor) -> None:
-        """Write a payload of block_bytes into the block."""
-        if payload.numel() != self.block_bytes:
-            raise RecordError(f"payload of {payload.numel()} bytes, a block holds {self.block_bytes}")
-        offset = 0
-        for t, size in zip(self.tensors, self.sizes):
-            part = payload[offset : offset + size]
-            if self.compress:
-                target = t[block_id]
-                values = target.numel()
-                q = part[:values].view(torch.int8).view(target.shape)
-                scale = part[values:].view(torch.float32).view(*target.shape[:-1], 1)
-                target.copy_(dequantize(q, scale, target.dtype))
-            else:
-                _bytes_of(t[block_id]).copy_(part)
-            offset += size
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as a flat uint8 view."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 class RestoreCostModel:
@@ -163,14 +105,14 @@ class OffloadTier:
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
-        self.layout = BlockLayout(caches, compress=config.dtype == "int8")
         self.block_size = block_size
         self.events = events
         self.medium = config.medium
         self.store: HostMemoryStore | DiskStore | None
         self.error: str | None = None
+        self.layout = BlockLayout(caches, compress=config.dtype == "int8")
         if config.path is None:
-            self.store = HostMemoryStore(config.size_bytes)
+            self.store = HostMemoryStore(config.size_bytes, self.layout.block_bytes)
         else:
             try:
                 self.store = DiskStore(config.path, fingerprint, config.size_bytes)
@@ -240,24 +182,27 @@ class OffloadTier:
     # ---- stores ----------------------------------------------------------------------------------------
 
     def store_blocks(self, blocks: Sequence[TierBlock]) -> None:
-        """Engine thread, after the step that computed `blocks`: copy each one not yet in the tier out of the cache and
-        keep it (host memory) or queue it for the writer (disk; dropped and counted when the queue is full)."""
+        """Engine thread, after the step that computed `blocks`: copy those not yet in the tier out of the cache (one
+        batched gather) and keep them (host memory) or queue them for the writer (disk; a block that finds the queue
+        full is dropped and counted)."""
         if not self.available or self.store is None:
             return
-        for block in blocks:
-            if block.block_hash in self._queued or self.store.contains(block.block_hash):
-                continue
-            payload = self.layout.gather(block.block_id)
-            if isinstance(self.store, HostMemoryStore):
-                stored, evicted = self.store.write(block.block_hash, block.key, payload)
-                if stored:
-                    self.stored_blocks += 1
-                    self._stored_event(block)
-                else:
-                    self.dropped_blocks += 1
-                self._removed_events(evicted)
-                continue
-            assert self._queue is not None
+        todo = [b for b in blocks if b.block_hash not in self._queued and not self.store.contains(b.block_hash)]
+        if not todo:
+            return
+        if isinstance(self.store, HostMemoryStore):
+            fits = todo[-self.store.capacity_blocks :] if self.store.capacity_blocks else []
+            self.dropped_blocks += len(todo) - len(fits)  # more than the whole tier holds: the last ones are kept
+            slots, evicted = self.store.reserve([(b.block_hash, b.key) for b in fits])
+            self.layout.gather_into([b.block_id for b in fits], self.store.slab, slots)
+            self.stored_blocks += len(fits)
+            for block in fits:
+                self._stored_event(block)
+            self._removed_events(evicted)
+            return
+        assert self._queue is not None
+        payloads = self.layout.gather([b.block_id for b in todo])
+        for block, payload in zip(todo, payloads):
             try:
                 self._queue.put_nowait((block.block_hash, block.key, payload))
                 self._queued.add(block.block_hash)
@@ -326,15 +271,23 @@ class OffloadTier:
         return self._loader.submit(self._load, blocks, cancelled)
 
     def _load(self, blocks: Sequence[TierBlock], cancelled: threading.Event) -> int:
+        """Find (host memory) or read and check (disk) the blocks in order up to the first that fails, then copy the
+        good ones into their pool blocks in one batched scatter; returns how many were restored."""
         start = time.perf_counter()
-        done = 0
         store = self.store
+        found: list[int] = []  # host memory: slab slots
+        payloads: list[torch.Tensor] = []  # disk: checked payloads
         for block in blocks:
             if cancelled.is_set() or store is None:
                 break
             try:
+                if isinstance(store, HostMemoryStore):
+                    found.append(store.locate(block.block_hash, block.key))
+                    continue
                 payload = store.read(block.block_hash, block.key)
-                self.layout.scatter(block.block_id, payload)
+                if payload.numel() != self.layout.block_bytes:
+                    raise RecordError(f"payload of {payload.numel()} bytes, a block holds {self.layout.block_bytes}")
+                payloads.append(payload)
             except (RecordError, KeyError) as e:
                 self.restore_failures += 1
                 logger.info("KV offload: block %s not restored (%s); it is recomputed", block.block_hash.hex()[:16], e)
@@ -345,7 +298,14 @@ class OffloadTier:
                     "KV offload: reading block %s failed (%s); it is recomputed", block.block_hash.hex()[:16], e
                 )
                 break
-            done += 1
+        done = len(found) + len(payloads)
+        if cancelled.is_set():
+            done = 0
+        elif found:
+            assert isinstance(store, HostMemoryStore)
+            self.layout.scatter([b.block_id for b in blocks[:done]], store.slab, found)
+        elif payloads:
+            self.layout.scatter([b.block_id for b in blocks[:done]], torch.stack(payloads))
         seconds = time.perf_counter() - start
         self.cost.observe_restore(done, seconds)
         self.restored_blocks += done
