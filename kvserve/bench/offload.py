@@ -325,7 +325,9 @@ def run(args: argparse.Namespace) -> int:
         "Restart: TTFT of a long prompt on a fresh engine with a disk tier an earlier engine filled",
         ["prompt tokens", "cold ms", "page cache ms", "page cache / cold", "dropped ms", "dropped / cold", "restored"],
     )
-    for length in args.restart_tokens:
+    context = model.max_position_embeddings
+    for asked in args.restart_tokens:
+        length = min(asked, context - 1)  # one token is generated: 32768 becomes 32767 on a 32k-context model
         prompt = bos + random_token_ids(rng, length - len(bos), vocab, exclude)
         pool = (length + args.output_len + 64) * bytes_per_token
         tier_path = top / f"restart-{length}"

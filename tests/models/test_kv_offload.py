@@ -257,13 +257,13 @@ def test_a_request_aborted_while_its_restore_runs_releases_every_block(model_dir
     first = disk_engine(model_dir, tmp_path)
     run(first, PROMPT)
     flushed(first).core.close()
-    real_read = DiskStore.read
+    real_read = DiskStore.read_into
 
     def slow_read(self, *args):
         time.sleep(0.05)
         return real_read(self, *args)
 
-    monkeypatch.setattr(DiskStore, "read", slow_read)
+    monkeypatch.setattr(DiskStore, "read_into", slow_read)
     second = disk_engine(model_dir, tmp_path)
     second.add_request("leaves", PROMPT, GREEDY)
     second.step()  # starts the restore from disk; the request waits for it
@@ -289,13 +289,13 @@ def test_other_requests_step_while_one_waits_for_its_restore(model_dir, cold, tm
     run(first, PROMPT)
     flushed(first).core.close()
     gate = __import__("threading").Event()
-    real_read = DiskStore.read
+    real_read = DiskStore.read_into
 
     def held_read(self, *args):
         gate.wait(30)
         return real_read(self, *args)
 
-    monkeypatch.setattr(DiskStore, "read", held_read)
+    monkeypatch.setattr(DiskStore, "read_into", held_read)
     second = disk_engine(model_dir, tmp_path)
     second.add_request("restoring", PROMPT, GREEDY)
     second.add_request("other", FILLERS[0][:20], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -51,6 +51,10 @@ class BlockLayout:
             buffer = self._buffers[which] = torch.empty(n * size, dtype=torch.uint8, device=self.tensors[0].device)
         return buffer[: n * size].view(n, size)
 
+    def load_buffer(self, n: int) -> torch.Tensor:
+        """[n, block_bytes] uint8 kept between calls, for a disk tier's loader to read records into (its thread's)."""
+        return self._scratch("load", n, self.block_bytes)
+
     def _rows(self, block_ids: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
         """For each part of the payload in order: its offset and the blocks' bytes of it, [n, part size] uint8 on the
         host (valid until the next part is asked for: it may live in the scratch buffer)."""
@@ -111,7 +115,9 @@ class BlockLayout:
         for t, values, size in zip(self.tensors, self.values, self.sizes):
             part = payloads[:, offset : offset + size]
             staged = self._scratch("scatter", n, size)
-            if picked is None:
+            if picked is None and not self.compress and _aligned(part):
+                staged = part  # rows in order, word-aligned: copied from where they are
+            elif picked is None:
                 _copy(staged, part)
             elif _aligned(staged, part):
                 torch.index_select(_words(part), 0, picked, out=_words(staged))

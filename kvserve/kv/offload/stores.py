@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvserve.kv.hashing import BlockKey
@@ -116,6 +117,9 @@ class DiskStore:
         _make_private_dir(self.blocks_dir)
         self._describe_fingerprint()
         self._lock_path = self.dir / "lock"
+        self._digest = fingerprint.digest  # computed once: every record carries it
+        self._buffer = bytearray()  # records are read into it (see read_into)
+        self._reading = threading.Lock()  # guards the read buffer
         self._mutex = threading.Lock()  # guards the counters below between this process's threads
         self._bytes_estimate = 0
         self._num_blocks_estimate = 0
@@ -143,19 +147,37 @@ class DiskStore:
         return self.path_for(block_hash).is_file()
 
     def read(self, block_hash: bytes, key: BlockKey) -> torch.Tensor:
-        """The verified payload (a writable uint8 tensor); RecordError for a bad record (removed, so that it is
-        recomputed and stored again), KeyError for a missing one. Touches the file: its mtime is its LRU age."""
+        """The verified payload as a new uint8 tensor; RecordError for a bad record (removed, so that it is recomputed
+        and stored again), KeyError for a missing one. Touches the file: its mtime is its LRU age."""
+        with self._reading:
+            payload = self._read_verified(block_hash, key)
+            return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    def read_into(self, block_hash: bytes, key: BlockKey, out: torch.Tensor) -> None:
+        """As read, into `out` (a contiguous uint8 tensor of the payload's length: a row of the loader's staging
+        buffer), through a read buffer kept between calls, so that a restore allocates nothing a block."""
+        with self._reading:
+            payload = self._read_verified(block_hash, key)
+            if len(payload) != out.numel():
+                raise RecordError(f"payload of {len(payload)} bytes, a block holds {out.numel()}")
+            np.copyto(out.numpy(), np.frombuffer(payload, dtype=np.uint8))
+
+    def _read_verified(self, block_hash: bytes, key: BlockKey) -> memoryview:
+        """The checked payload, a view into the read buffer (hold self._reading while using it)."""
         path = self.path_for(block_hash)
         try:
             with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
+                size = os.fstat(f.fileno()).st_size
+                if len(self._buffer) < size:
+                    self._buffer = bytearray(size)
+                data = memoryview(self._buffer)[:size]
                 got = f.readinto(data)
         except FileNotFoundError:
             raise KeyError(block_hash.hex()) from None
         try:
-            if got != len(data):
-                raise RecordError(f"short read: {got} of {len(data)} bytes")
-            payload = decode_record(data, self.fingerprint.digest, block_hash, key)
+            if got != size:
+                raise RecordError(f"short read: {got} of {size} bytes")
+            payload = decode_record(data, self._digest, block_hash, key)
         except RecordError:
             self._remove(path)
             raise
@@ -163,8 +185,7 @@ class DiskStore:
             os.utime(path)
         except OSError:
             pass  # removed since, or a read-only directory: the LRU age is a hint only
-        start = len(data) - len(payload) - 8
-        return torch.frombuffer(data, dtype=torch.uint8, offset=start, count=len(payload))
+        return payload
 
     # ---- writes --------------------------------------------------------------------------------------
 
@@ -174,7 +195,7 @@ class DiskStore:
         path = self.path_for(block_hash)
         if path.exists():
             return False, []
-        parts = record_parts(self.fingerprint.digest, block_hash, key, payload.numpy().data)
+        parts = record_parts(self._digest, block_hash, key, payload.numpy().data)
         size = sum(len(p) for p in parts)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         with self._mutex:

@@ -276,7 +276,8 @@ class OffloadTier:
         start = time.perf_counter()
         store = self.store
         found: list[int] = []  # host memory: slab slots
-        payloads: list[torch.Tensor] = []  # disk: checked payloads
+        staging = None if isinstance(store, HostMemoryStore) else self.layout.load_buffer(len(blocks))
+        read = 0  # disk: checked payloads in staging's first rows
         for block in blocks:
             if cancelled.is_set() or store is None:
                 break
@@ -284,10 +285,9 @@ class OffloadTier:
                 if isinstance(store, HostMemoryStore):
                     found.append(store.locate(block.block_hash, block.key))
                     continue
-                payload = store.read(block.block_hash, block.key)
-                if payload.numel() != self.layout.block_bytes:
-                    raise RecordError(f"payload of {payload.numel()} bytes, a block holds {self.layout.block_bytes}")
-                payloads.append(payload)
+                assert staging is not None
+                store.read_into(block.block_hash, block.key, staging[read])
+                read += 1
             except (RecordError, KeyError) as e:
                 self.restore_failures += 1
                 logger.info("KV offload: block %s not restored (%s); it is recomputed", block.block_hash.hex()[:16], e)
@@ -298,14 +298,15 @@ class OffloadTier:
                     "KV offload: reading block %s failed (%s); it is recomputed", block.block_hash.hex()[:16], e
                 )
                 break
-        done = len(found) + len(payloads)
+        done = len(found) + read
         if cancelled.is_set():
             done = 0
         elif found:
             assert isinstance(store, HostMemoryStore)
             self.layout.scatter([b.block_id for b in blocks[:done]], store.slab, found)
-        elif payloads:
-            self.layout.scatter([b.block_id for b in blocks[:done]], torch.stack(payloads))
+        elif read:
+            assert staging is not None
+            self.layout.scatter([b.block_id for b in blocks[:done]], staging[:read])
         seconds = time.perf_counter() - start
         self.cost.observe_restore(done, seconds)
         self.restored_blocks += done
