@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
             warm.restored,
         )
 
-    # 3. No reuse: random prompts in one batch, never a hit; the systems alternate run by run.
+    # 3. No reuse: random prompts in one batch, never a hit; the systems alternate run by run, in a rotating order.
     no_reuse_engines = {
         "no tier": base,
         "host tier": base.sibling(kv_offloading_size=tier),
@@ -377,8 +377,9 @@ def run(args: argparse.Namespace) -> int:
         prompts = [
             bos + random_token_ids(rng, args.no_reuse_tokens, vocab, exclude) for _ in range(args.no_reuse_requests)
         ]
-        for name, engine in no_reuse_engines.items():
-            runs[name].append(total / _batch(engine, prompts, args.output_len, f"nr-{rep}"))
+        names = list(no_reuse_engines)
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each system first in turn
+            runs[name].append(total / _batch(no_reuse_engines[name], prompts, args.output_len, f"nr-{rep}"))
     no_reuse = {
         "requests": args.no_reuse_requests,
         "prompt_tokens": args.no_reuse_tokens,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -213,6 +214,7 @@ class OffloadTier:
         """The disk writer: records out of the queue into files, until close() queues None. The first OSError (a full
         disk, a read-only or vanished directory) turns the tier's stores off, logged once; reads go on."""
         assert self._queue is not None and isinstance(self.store, DiskStore)
+        _lower_this_threads_priority()
         while True:
             item = self._queue.get()
             if item is None:
@@ -362,3 +364,13 @@ def _close_at_exit(tier: weakref.ref[OffloadTier]) -> Callable[[], None]:
             live.close()
 
     return close
+
+
+def _lower_this_threads_priority() -> None:
+    """Run the disk writer at nice 10 (Linux: a thread's own niceness): it then takes a core when the engine's
+    threads leave one idle instead of preempting one mid-step, which stalls the whole parallel step (the grammar
+    compile workers run at nice 10 for the same reason, docs/RELIABILITY.md). Elsewhere it runs as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
