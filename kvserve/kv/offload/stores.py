@@ -93,10 +93,6 @@ class HostMemoryStore:
     def usage(self) -> StoreUsage:
         return StoreUsage(len(self._entries), len(self._entries) * self.block_bytes)
 
-    def hashes(self) -> list[bytes]:
-        """Most recently used last."""
-        return list(self._entries)
-
 
 class DiskStore:
     """Records as files under DIR/<fingerprint>/blocks/<first two hex digits>/<hash>.kvb.
