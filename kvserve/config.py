@@ -16,9 +16,11 @@ from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_conf
 from kvserve.structured.config import StructuredOutputsConfig, parse_structured_outputs_config
 from kvserve.units import GiB, parse_size
 from kvserve.vocab import (
+    ACTIVATION_QUANTIZATIONS,
     ATTENTION_BACKENDS,
     COMPUTE_DTYPES,
     HASH_ALGOS,
+    KERNEL_ISAS,
     KV_DTYPES,
     LM_HEAD_QUANTIZATIONS,
     QUANTIZATION_METHODS,
@@ -45,6 +47,9 @@ class EngineConfig:
     quantization: str = "auto"
     # The LM head's own weights (kvserve/model/lm_head.py): None (as the rest) or "q4_0" (opt-in, lossy; needs gguf)
     lm_head_quantization: str | None = None
+    # Activations of the GGUF matmuls: "none" (float32, exact) or "int8" (opt-in, lossy: integer dot products)
+    activation_quantization: str = "none"
+    kernel_isa: str = "auto"  # the CPU kernels' instruction set (kvserve.vocab.KERNEL_ISAS): A/B runs and tests
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length, capped by what the cache holds
     max_num_seqs: int = 256
@@ -119,6 +124,8 @@ class EngineConfig:
             _one_of(self.dtype, "dtype", ("auto", *COMPUTE_DTYPES)),
             _one_of(self.quantization, "quantization", ("auto", *QUANTIZATION_METHODS)),
             _one_of(self.lm_head_quantization or "none", "lm_head_quantization", ("none", *LM_HEAD_QUANTIZATIONS)),
+            _one_of(self.activation_quantization, "activation_quantization", ACTIVATION_QUANTIZATIONS),
+            _one_of(self.kernel_isa, "kernel_isa", KERNEL_ISAS),
             _one_of(self.kv_cache_dtype, "kv_cache_dtype", ("auto", *KV_DTYPES)),
             _one_of(self.attention_backend or "auto", "attention_backend", ("auto", *ATTENTION_BACKENDS)),
             (_DEVICE.fullmatch(self.device) is not None, "device", "cpu or cuda[:N]"),

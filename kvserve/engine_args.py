@@ -13,9 +13,11 @@ from kvserve.kv.offload.config import OFFLOAD_BACKENDS, OFFLOAD_DTYPES
 from kvserve.structured.config import parse_structured_outputs_config
 from kvserve.units import parse_size
 from kvserve.vocab import (
+    ACTIVATION_QUANTIZATIONS,
     ATTENTION_BACKENDS,
     COMPUTE_DTYPES,
     HASH_ALGOS,
+    KERNEL_ISAS,
     KV_DTYPES,
     LM_HEAD_QUANTIZATIONS,
     QUANTIZATION_METHODS,
@@ -57,6 +59,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "keeps the file's): fewer bytes a decode step (Gemma 3 270M: 178 -> 94 MB of its 247), at "
         "a perplexity cost docs/BENCHMARKS.md reports; needs --quantization gguf (auto on a GGUF "
         "file on CPU)",
+    )
+    g.add_argument(
+        "--activation-quantization",
+        default="none",
+        choices=list(ACTIVATION_QUANTIZATIONS),
+        help="opt-in, lossy: int8 quantizes the activations of every GGUF matmul (decoder layers and LM head) "
+        "to 8 bits per run of 32, as llama.cpp does, and multiplies integers (VNNI or AVX2); none (default) "
+        "keeps float32 activations, the exact path; needs --quantization gguf",
+    )
+    g.add_argument(
+        "--kernel-isa",
+        default="auto",
+        choices=list(KERNEL_ISAS),
+        help="the instruction set kvserve's CPU kernels are built for; auto (default): the best this CPU has; "
+        "a named one for A/B runs (refused when the CPU lacks it)",
     )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
@@ -207,6 +224,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         quantization=args.quantization,
         lm_head_quantization=getattr(args, "lm_head_quantization", None),
+        activation_quantization=getattr(args, "activation_quantization", "none"),
+        kernel_isa=getattr(args, "kernel_isa", "auto"),
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

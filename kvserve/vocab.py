@@ -50,6 +50,11 @@ KV_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 QUANTIZATION_METHODS: tuple[str, ...] = ("none", "q8_0", "gguf")
 # --lm-head-quantization: the LM head re-quantized to these GGUF block types (kvserve/model/lm_head.py)
 LM_HEAD_QUANTIZATIONS: tuple[str, ...] = ("q4_0",)
+# `--activation-quantization`: none (float32 activations, the exact path) or int8 (8 bits per run of 32 before each
+# GGUF matmul: integer dot products, kernels/gguf_int8_matmul.cpp; opt-in, lossy).
+ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
+# `--kernel-isa`: the instruction set the CPU kernels are built for (kernels/native.py); auto: the best the CPU has.
+KERNEL_ISAS: tuple[str, ...] = ("auto", "avx512vnni", "avx512", "avxvnni", "avx2")
 # `--prefix-caching-hash-algo`: sha256 is collision-resistant; xxhash (xxh3-128) is faster (kv/hashing.py).
 HASH_ALGOS: tuple[str, ...] = ("sha256", "xxhash")
 # `--attention-backend`: "cpu" is the fast CPU path, "reference" the plain torch truth, "triton" the paged

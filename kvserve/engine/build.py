@@ -33,7 +33,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Settings a sibling cannot change: they are the loaded model's.
-_MODEL_SETTINGS = frozenset({"model", "dtype", "quantization", "device", "attention_backend", "lm_head_quantization"})
+_MODEL_SETTINGS = frozenset(
+    {
+        "model",
+        "dtype",
+        "quantization",
+        "device",
+        "attention_backend",
+        "lm_head_quantization",
+        "activation_quantization",
+        "kernel_isa",
+    }
+)
 
 
 def plan_cache(
@@ -139,7 +150,7 @@ def offload_fingerprint(
     return KVFingerprint(
         weights=weights_identity(resolve_model(config.model).path),
         weight_quantization=config.quantization,
-        activation_quantization="none",
+        activation_quantization=config.activation_quantization,
         kernels=model.kernel_isa,
         attention_backend=config.attention_backend or "auto",
         device_type=device.type,
@@ -207,6 +218,8 @@ def load_engine(config: EngineConfig) -> LLMEngine:
             quantization=resolved.quantization,
             config=model_config,
             lm_head_quantization=resolved.lm_head_quantization,
+            activation_quantization=resolved.activation_quantization,
+            kernel_isa=None if resolved.kernel_isa == "auto" else resolved.kernel_isa,
         )
         tokenizer = tokenizer_future.result()
     core = build_core(resolved, loaded.config, loaded.model, tokenizer, device, dtype)

@@ -28,6 +28,7 @@ class LinearDesc(ctypes.Structure):
         ("out_features", _I64),
         ("kind", _I64),
         ("parts", _I64),
+        ("int8_activations", _I64),
     ]
 
 

@@ -58,6 +58,9 @@ void linear(const KvserveLinear& lin, const float* x, int64_t m, float* y) {
         for (int64_t p = 0; p < lin.parts; ++p) {
             if (lin.kind == kFloat32)
                 f32_matmul(x, m, k, static_cast<const float*>(lin.weight[p]), lin.rows[p], y + start, n);
+            else if (lin.int8_activations)
+                kvserve_gguf_matmul_int8(x, m, k, static_cast<const uint8_t*>(lin.weight[p]),
+                                         static_cast<int32_t>(lin.qtype[p]), lin.rows[p], y + start, n);
             else
                 kvserve_gguf_matmul(x, m, k, static_cast<const uint8_t*>(lin.weight[p]),
                                     static_cast<int32_t>(lin.qtype[p]), lin.rows[p], y + start, n);

@@ -26,6 +26,7 @@ struct KvserveLinear {
     int64_t in_features, out_features;
     int64_t kind;  // 0 float32, 1 q8_0, 2 GGUF blocks
     int64_t parts;
+    int64_t int8_activations;  // GGUF blocks: 1 multiplies with 8-bit activations (kvserve_gguf_matmul_int8)
 };
 
 // The weights and shape facts of one decoder layer (decoder_layer.cpp).
@@ -110,6 +111,12 @@ void kvserve_q8_matmul(const float* x, int64_t m, int64_t k, const int8_t* w, co
 // it has no kernel for aborts the process with a message (callers check it first: gguf_blocks.NATIVE_GGUF_TYPES).
 void kvserve_gguf_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n, float* y,
                          int64_t ldy);
+// gguf_int8_matmul.cpp: as kvserve_gguf_matmul with x quantized to 8 bits per run of 32 (--activation-quantization
+// int8), integer dot products against the blocks; the quantization alone (for tests); the dot product built in.
+void kvserve_gguf_matmul_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
+                              float* y, int64_t ldy);
+void kvserve_quantize_int8_activations(const float* x, int64_t m, int64_t k, int8_t* q, float* d);
+void kvserve_int8_dot_isa(int64_t* isa);
 // rows of k weights stored as blocks of `type` -> out [rows, k] float32 (an embedding's looked-up rows).
 void kvserve_gguf_dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out);
 // rms_norm.cpp: RMSNorm over the last axis of x [tokens, groups, dim] (rows x_stride apart) times w.

@@ -24,11 +24,14 @@ COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fP
 # The instruction sets the library can be built for, best first, with the CPU flags each needs and the compiler
 # flags it adds. The library is built on the machine that runs it, for the best set its CPU has: AVX-512 doubles
 # the float32 FLOPs per instruction of the blocked matmul (widened_matmul.h), which bounds a step at batch >= 8.
+# The VNNI sets add integer dot products (`vpdpbusd`) for --activation-quantization int8
+# (gguf_int8_matmul.cpp); without them its dot products use AVX2's vpmaddubsw.
+_AVX512 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 ISA_REQUIREMENTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    "avx512": (
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}),
-        ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"),
-    ),
+    "avx512vnni": (_AVX512 | {"avx512_vnni"}, (*_AVX512_FLAGS, "-mavx512vnni")),
+    "avx512": (_AVX512, _AVX512_FLAGS),
+    "avxvnni": (frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-mavxvnni",)),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ()),
 }
 HEADER = Path(__file__).parent / "kernels.h"  # the one declaration of the library's entry points

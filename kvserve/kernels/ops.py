@@ -26,6 +26,7 @@ from kvserve.kernels.abi import (
     QkNormRopeArgs,
     StepDesc,
 )
+from kvserve.kernels.activation_quant import fake_quantize_activations
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_length
 from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library, supported_isas
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
@@ -51,6 +52,12 @@ class Kernels(Protocol):
         """ "torch" or "native" (read-only, so that the frozen dataclasses below satisfy the protocol)."""
         ...
 
+    @property
+    def activation_quantization(self) -> str:
+        """ "none" (float32 activations) or "int8" (kvserve.vocab.ACTIVATION_QUANTIZATIONS): how gguf_matmul
+        takes its activations (kernels/activation_quant.py)."""
+        ...
+
     def q8_matmul(
         self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -63,7 +70,8 @@ class Kernels(Protocol):
     ) -> torch.Tensor:
         """x [M, K] @ W^T with W [N, K] held as GGUF blocks of ggml type `qtype` (uint8 [N, row_bytes], see
         kernels/gguf_blocks.py) -> [M, N] float32; into `out` ([M, N] float32 whose rows may be a column slice of
-        a wider buffer) when given, and then `out` is returned."""
+        a wider buffer) when given, and then `out` is returned. With activation_quantization "int8", x is first
+        quantized to 8 bits per run of 32 (kernels/activation_quant.py)."""
         ...
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -142,6 +150,7 @@ class TorchKernels:
 
     slab_rows: int = 16384
     name: str = "torch"
+    activation_quantization: str = "none"
 
     def q8_matmul(
         self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
@@ -160,6 +169,8 @@ class TorchKernels:
         self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = x.float()
+        if self.activation_quantization == "int8":
+            x = fake_quantize_activations(x.reshape(-1, x.shape[-1]))
         if out is None:
             out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32, device=x.device)
         for start in range(0, blocks.shape[0], self.slab_rows):
@@ -237,6 +248,7 @@ class NativeKernels:
     fallback: TorchKernels = TorchKernels()
     name: str = "native"
     isa: str = "avx2"  # the instruction set the library was built for (kvserve.kernels.native.ISA_REQUIREMENTS)
+    activation_quantization: str = "none"  # "int8": gguf_matmul through kernels/gguf_int8_matmul.cpp
 
     def q8_matmul(
         self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
@@ -281,7 +293,12 @@ class NativeKernels:
             )
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m and n:
-            self.library.kvserve_gguf_matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(), y.stride(0))
+            matmul = (
+                self.library.kvserve_gguf_matmul_int8
+                if self.activation_quantization == "int8"
+                else self.library.kvserve_gguf_matmul
+            )
+            matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(), y.stride(0))
         return y
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -502,6 +519,23 @@ class NativeKernels:
         self.library.kvserve_quantize_int8_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scales.data_ptr())
         return q, scales
 
+    def quantize_int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 -> (int8 [M, K], float32 [M, K / 32]): the int8 matmul's activation quantization
+        (tested against kernels/activation_quant.py's)."""
+        x = x.float().contiguous()
+        q = torch.empty(x.shape, dtype=torch.int8)
+        d = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
+        if x.numel():
+            rows, k = x.shape
+            self.library.kvserve_quantize_int8_activations(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr())
+        return q, d
+
+    def int8_dot_product(self) -> str:
+        """The integer dot product this build's int8 matmul uses: "avx512vnni", "avxvnni" or "avx2"."""
+        code = ctypes.c_int64()
+        self.library.kvserve_int8_dot_isa(ctypes.addressof(code))
+        return ("avx2", "avxvnni", "avx512vnni")[code.value]
+
     def abi_matches(self) -> bool:
         """Whether the library's struct sizes are those of kernels/abi.py's ctypes mirror (kernels.h's order)."""
         sizes = (ctypes.c_int64 * len(STRUCTS))()
@@ -530,25 +564,43 @@ def _rows_layout(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
-def load_kernels(cache_dir: Path, native: bool = True, isa: str | None = None) -> Kernels:
+def load_kernels(
+    cache_dir: Path, native: bool = True, isa: str | None = None, activation_quantization: str = "none"
+) -> Kernels:
     """The native kernels when this machine can build and run them, else the torch ones (with a warning).
 
     isa: build for this key of kvserve.kernels.native.ISA_REQUIREMENTS instead of the best the CPU has (tests
-    and A/B measurements). Without it, a set whose build fails (a compiler too old for AVX-512) gives way to the
-    next one the CPU has, with a warning."""
+    and A/B measurements: `--kernel-isa`). Without it, a set whose build fails (a compiler too old for AVX-512)
+    gives way to the next one the CPU has, with a warning. activation_quantization: "int8" quantizes the GGUF
+    matmuls' activations (kernels/activation_quant.py), on either implementation."""
+    fallback = TorchKernels(activation_quantization=activation_quantization)
     if not native:
-        return TorchKernels()
+        return fallback
     ok, why = cpu_supports_native()
+    if ok and isa is not None and isa not in supported_isas():
+        raise ValueError(f"--kernel-isa {isa}: this CPU lacks it (it has: {', '.join(supported_isas())})")
     if ok:
         for candidate in [isa] if isa else supported_isas():
             try:
-                kernels = NativeKernels(load_native_library(build_native_library(cache_dir, candidate)), isa=candidate)
+                kernels = NativeKernels(
+                    load_native_library(build_native_library(cache_dir, candidate)),
+                    fallback=fallback,
+                    isa=candidate,
+                    activation_quantization=activation_quantization,
+                )
                 if not kernels.abi_matches():  # a build of other sources: its structs would be misread
                     raise RuntimeError("the library's structs differ from kernels/abi.py's (kernels.h)")
-                log.info("kvserve's CPU kernels: the %s build", candidate)
+                if activation_quantization == "int8":
+                    log.info(
+                        "kvserve's CPU kernels: the %s build, int8 activations on %s dot products",
+                        candidate,
+                        kernels.int8_dot_product(),
+                    )
+                else:
+                    log.info("kvserve's CPU kernels: the %s build", candidate)
                 return kernels
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 why = str(e)
                 log.warning("the %s build of kvserve's CPU kernels failed: %s", candidate, why)
     log.warning("using the slower torch kernels: %s", why)
-    return TorchKernels()
+    return fallback

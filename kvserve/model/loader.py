@@ -75,13 +75,18 @@ def load_model(
     quantization: str = "none",
     config: ModelConfig | None = None,
     lm_head_quantization: str | None = None,
+    activation_quantization: str = "none",
+    kernel_isa: str | None = None,
 ) -> LoadedModel:
     """Build the model for `source`, fill its weights, then quantize them as `quantization` says;
     `cache_dir` holds dequantized GGUF tensors and quantized weights. The compiled kernels always live in the
     kvserve cache (default_cache_dir() / "kernels"): they depend on the machine, the compiler and the sources,
     not on the model, so one build (named by a digest of all three) serves every model and every cache_dir.
     `config`, when the caller has already read it (load_model_config), saves parsing the checkpoint's metadata
-    again. `lm_head_quantization` (kvserve/model/lm_head.py) needs the GGUF blocks path."""
+    again. `lm_head_quantization` (kvserve/model/lm_head.py) needs the GGUF blocks path, and so does
+    `activation_quantization` "int8" (kernels/activation_quant.py), which runs on the torch kernels too (slowly:
+    the blocks are dequantized at every matmul) where the native ones cannot be built, so that the numbers are the
+    same. `kernel_isa`: build the native kernels for this instruction set (kernels/native.py), not the best."""
     start = time.perf_counter()
     if quantization == "gguf" and source.format != ModelFormat.GGUF:
         raise ValueError(
@@ -89,11 +94,22 @@ def load_model(
             f"{source.format.value} checkpoint (use none or q8_0)"
         )
     # The compiled kernels are CPU code: on a GPU nothing would call them, so nothing is compiled there.
-    kernels = load_kernels(default_cache_dir().expanduser() / "kernels") if device.type == "cpu" else TORCH_KERNELS
+    if activation_quantization != "none" and (quantization != "gguf" or device.type != "cpu"):
+        raise ValueError(
+            f"--activation-quantization {activation_quantization} quantizes the activations of a GGUF file's block "
+            f"matmuls: it needs --quantization gguf on the CPU (here: --quantization {quantization} on {device.type})"
+        )
+    kernels_dir = default_cache_dir().expanduser() / "kernels"
+    kernels = (
+        load_kernels(kernels_dir, isa=kernel_isa, activation_quantization=activation_quantization)
+        if device.type == "cpu"
+        else TORCH_KERNELS
+    )
     config = config or load_model_config(source)
     model = DecoderModel(config, dtype, device, attention_backend, kernels)
     quantized_file: Path | None = None
-    if quantization == "gguf" and kernels.name == "native" and device.type == "cpu":
+    blocks_path = kernels.name == "native" or activation_quantization != "none"
+    if quantization == "gguf" and blocks_path and device.type == "cpu":
         _load_gguf_blocks(model, source, config, kernels, device)
         if lm_head_quantization is not None:
             quantize_lm_head(model, lm_head_quantization, kernels)
@@ -146,13 +162,14 @@ def _load_gguf_blocks(
     any tensor whose type has no native kernel here) dequantized to float32, with a log line."""
     from gguf.constants import GGMLQuantizationType
 
-    native = kernels.name == "native" and device.type == "cpu"
+    # Torch kernels keep the blocks only for int8 activations (the same numbers as the native kernels' int8 path).
+    as_blocks = (kernels.name == "native" or kernels.activation_quantization != "none") and device.type == "cpu"
     with GGUFFile(source.path) as f:
         names = {gguf_canonical_name(g, config): g for g in f.tensors}
         blocks = {
             name: (f.tensors[g].ggml_type, _canonical_rows(name, torch.from_numpy(f.tensor_blocks(g)), config))
             for name, g in names.items()
-            if native and f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2
+            if as_blocks and f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2
         }
         used = use_gguf_blocks(model, blocks, kernels)
         rest = [name for name in names if name not in used]

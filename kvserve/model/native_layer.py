@@ -76,6 +76,7 @@ def _describe_linear(module: nn.Module, what: str) -> LinearDesc:
             if qtype not in NATIVE_GGUF_TYPES:  # the library would abort on it
                 raise NativeLayerUnsupported(f"{what}: no native kernel for ggml type {qtype}")
             d.weight[i], d.qtype[i], d.rows[i] = blocks.data_ptr(), qtype, rows
+        d.int8_activations = int(module.kernels.activation_quantization == "int8")
     elif isinstance(module, nn.Linear):
         if module.in_features % 8:
             raise NativeLayerUnsupported(f"{what}: float32 input size {module.in_features} is not a multiple of 8")

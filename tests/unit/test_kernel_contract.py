@@ -32,7 +32,16 @@ DEFINITION = re.compile(r'^(?:extern "C" )?void (kvserve_\w+)\([^;{]*\{', re.MUL
 STRUCT = re.compile(r"^struct (Kvserve\w+) \{(.*?)^\};", re.MULTILINE | re.DOTALL)
 C_SIZES = {"int64_t": 8, "double": 8, "float": 4, "int32_t": 4}
 # NativeKernels' members beyond the protocol: the native decoder layer's (model/native_layer.py) and the ABI check.
-NATIVE_ONLY = {"decoder_layer", "decoder_layer_scratch", "quantize_int8_rows", "abi_matches", "library", "fallback"}
+NATIVE_ONLY = {
+    "decoder_layer",
+    "decoder_layer_scratch",
+    "quantize_int8_rows",
+    "quantize_int8_activations",
+    "int8_dot_product",
+    "abi_matches",
+    "library",
+    "fallback",
+}
 
 
 def _definitions() -> dict[str, Path]:
@@ -112,7 +121,7 @@ def test_the_built_library_exports_the_header_and_agrees_on_struct_sizes() -> No
 
 
 def test_the_gguf_kernel_takes_exactly_the_types_python_routes_to_it() -> None:
-    enum = re.search(r"enum : int32_t \{([^}]*)\}", (KERNELS / "gguf_matmul.cpp").read_text())
+    enum = re.search(r"enum : int32_t \{([^}]*)\}", (KERNELS / "gguf_formats.h").read_text())
     assert enum is not None
     assert {int(v) for v in re.findall(r"= (\d+)", enum.group(1))} == set(NATIVE_GGUF_TYPES)
 

@@ -1,0 +1,195 @@
+// The GGUF weight formats kvserve's kernels read, as one table: each struct is a row of type traits (ggml's
+// type_traits_cpu is the model): its block size and bytes, whether it has a min (K-quants) or a scale per 16
+// weights (Q6_K), and `visit`, which decodes a block into runs of 32 small signed integers. Two matmuls use the
+// rows: gguf_matmul.cpp (float32 activations: the integers widened to float32) and gguf_int8_matmul.cpp
+// (`--activation-quantization int8`: the integers dotted with 8-bit activations by integer instructions).
+// Block layouts (ggml-common.h; gguf-py's quants.py): sizes in bytes per block of 32 or 256 weights.
+//   Q4_0 (18 / 32):   f16 d, 16 B nibbles (low: weights 0-15, high: 16-31);              w = d (q - 8)
+//   Q5_0 (22 / 32):   f16 d, u32 fifth bits, 16 B nibbles as Q4_0;                       w = d (q - 16)
+//   Q8_0 (34 / 32):   f16 d, 32 int8;                                                      w = d q
+//   Q4_K (144 / 256): f16 d, f16 dmin, 12 B of 6-bit (scale, min) x 8, 128 B nibbles; per 32-weight
+//                     sub-block j: w = (d sc_j) q - (dmin m_j), nibbles of chunk j/2 (low for even j)
+//   Q5_K (176 / 256): as Q4_K plus 32 B of fifth bits (bit j of byte l for weight 32 j + l)
+//   Q6_K (210 / 256): 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales (one per 16), f16 d;
+//                     w = (d sc) (q - 32)
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+namespace kvserve::gguf {
+
+inline float f16(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 8 int8 at q -> float32.
+inline __m256 cvt8(const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+// 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones.
+inline __m256i nibbles32(__m128i b) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+// Byte j of the result is 0x10 where bit j of `bits` is set, else 0.
+inline __m256i bits_to_0x10(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+inline void store32(int8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
+
+// Each format's `visit(block, tmp, run)` decodes one block into runs of 32 small integers and calls
+// run(offset, q, s_lo, s_hi, min) for each: weight offset + i is s * q[i] (- min, for formats with kMin), with
+// s = s_lo for i < 16 and s_hi after (kSplitScale: Q6_K has a scale per 16; elsewhere s_lo == s_hi). q points
+// into the block (Q8_0) or at tmp[32].
+
+struct Q4_0 {
+    static constexpr int64_t kBlock = 32, kBytes = 18;
+    static constexpr bool kMin = false, kSplitScale = false;
+    template <typename Run>
+    static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
+        store32(tmp, _mm256_sub_epi8(nibbles32(load16(b + 2)), _mm256_set1_epi8(8)));
+        const float d = f16(b);
+        run(0, tmp, d, d, 0.0f);
+    }
+};
+
+struct Q5_0 {
+    static constexpr int64_t kBlock = 32, kBytes = 22;
+    static constexpr bool kMin = false, kSplitScale = false;
+    template <typename Run>
+    static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
+        uint32_t bits;
+        memcpy(&bits, b + 2, 4);
+        const __m256i q = _mm256_or_si256(nibbles32(load16(b + 6)), bits_to_0x10(bits));
+        store32(tmp, _mm256_sub_epi8(q, _mm256_set1_epi8(16)));
+        const float d = f16(b);
+        run(0, tmp, d, d, 0.0f);
+    }
+};
+
+struct Q8_0 {
+    static constexpr int64_t kBlock = 32, kBytes = 34;
+    static constexpr bool kMin = false, kSplitScale = false;
+    template <typename Run>
+    static void visit(const uint8_t* b, int8_t*, const Run& run) {
+        const float d = f16(b);
+        run(0, reinterpret_cast<const int8_t*>(b + 2), d, d, 0.0f);
+    }
+};
+
+// The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K block, as float32 products with d and dmin.
+inline void k_scales(const uint8_t* b, float* scale, float* min) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* s = b + 4;
+    for (int j = 0; j < 4; ++j) {
+        scale[j] = d * static_cast<float>(s[j] & 63);
+        min[j] = dmin * static_cast<float>(s[j + 4] & 63);
+        scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+        min[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+struct Q4_K {
+    static constexpr int64_t kBlock = 256, kBytes = 144;
+    static constexpr bool kMin = true, kSplitScale = false;
+    template <typename Run>
+    static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
+        float scale[8], min[8];
+        k_scales(b, scale, min);
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        for (int j = 0; j < 8; ++j) {
+            const __m256i q = load32(b + 16 + 32 * (j / 2));
+            store32(tmp, _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, mask));
+            run(32 * j, tmp, scale[j], scale[j], min[j]);
+        }
+    }
+};
+
+struct Q5_K {
+    static constexpr int64_t kBlock = 256, kBytes = 176;
+    static constexpr bool kMin = true, kSplitScale = false;
+    template <typename Run>
+    static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
+        float scale[8], min[8];
+        k_scales(b, scale, min);
+        const __m256i mask = _mm256_set1_epi8(0x0F), high = load32(b + 16), five = _mm256_set1_epi8(0x10);
+        for (int j = 0; j < 8; ++j) {
+            const __m256i q = load32(b + 48 + 32 * (j / 2));
+            const __m256i low = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, mask);
+            const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+            const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit), five);
+            store32(tmp, _mm256_or_si256(low, fifth));
+            run(32 * j, tmp, scale[j], scale[j], min[j]);
+        }
+    }
+};
+
+struct Q6_K {
+    static constexpr int64_t kBlock = 256, kBytes = 210;
+    static constexpr bool kMin = false, kSplitScale = true;
+    template <typename Run>
+    static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
+        const float d = f16(b + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+        const __m256i mask = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i la = load32(b + 64 * h), lb = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
+            // The four runs of 32 weights of this half: low nibbles of la / lb, then their high nibbles, each
+            // with its pair of high bits (bits 0-1, 2-3, 4-5, 6-7 of hb) as bits 4-5.
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(la, mask),
+                                _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)),
+                _mm256_or_si256(_mm256_and_si256(lb, mask),
+                                _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), mask),
+                                _mm256_and_si256(hb, _mm256_set1_epi8(0x30))),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), mask),
+                                _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(static_cast<char>(0xC0))), 2)),
+            };
+            for (int s = 0; s < 4; ++s) {
+                store32(tmp, _mm256_sub_epi8(q[s], bias));
+                const int i = 8 * h + 2 * s;  // one scale per 16 weights
+                run(128 * h + 32 * s, tmp, d * static_cast<float>(sc[i]), d * static_cast<float>(sc[i + 1]), 0.0f);
+            }
+        }
+    }
+};
+
+// ggml's type ids (GGMLQuantizationType).
+enum : int32_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// call(Format{}) for a type id; another type is a bug in the caller (callers pass only
+// gguf_blocks.NATIVE_GGUF_TYPES), never an unwritten output: the process aborts with a message.
+template <typename Call>
+void dispatch(int32_t type, const Call& call) {
+    switch (type) {
+        case kQ4_0: call(Q4_0{}); break;
+        case kQ5_0: call(Q5_0{}); break;
+        case kQ8_0: call(Q8_0{}); break;
+        case kQ4_K: call(Q4_K{}); break;
+        case kQ5_K: call(Q5_K{}); break;
+        case kQ6_K: call(Q6_K{}); break;
+        default:
+            fprintf(stderr, "kvserve: no GGUF kernel for ggml type %d; aborting\n", static_cast<int>(type));
+            abort();
+    }
+}
+
+}  // namespace kvserve::gguf

@@ -1,0 +1,376 @@
+// Matmul on GGUF quantized blocks with 8-bit activations (`--activation-quantization int8`):
+//
+// y[m, n] = sum_k x8[m, k] * W[n, k]        (x8: x quantized per run of 32 values; W the file's blocks)
+//
+// Why: the float32 path (gguf_matmul.cpp) widens every weight to float32 and multiplies float32 activations,
+// so its speed is bounded by the float32 FMA rate (prefill, batches) or by the instructions spent widening
+// each block (decode). Here each row of activations is quantized once per call as llama.cpp's Q8_0 activation
+// blocks are (per run of 32: d = max|x| / 127, q = round(x / d), rounding half to even), and each run of 32
+// weights is dotted with it as integers: products of 8-bit values summed in 32-bit lanes, one scale multiply per
+// run instead of one per weight. The result equals the float32 matmul of the dequantized weights with the
+// dequantized activations (d q) up to summation order; kernels/ops.py's torch path computes exactly that, and
+// is what this file is tested against. The K-quants' mins are applied as min * d * sum(q) per run.
+//
+// Two shapes, chosen by the number of activation rows:
+// - up to 4 rows (decode): each weight row's runs decoded to signed integers (gguf_formats.h's visit) and
+//   dotted with each activation row in registers, |w| (unsigned) times x with w's sign (signed): `vpdpbusd`
+//   where the CPU has VNNI (AVX-512 VNNI on 256-bit registers, or AVX-VNNI), else `vpmaddubsw` + `vpmaddwd`
+//   (AVX2; |w| <= 128 and |x| <= 127 keep its 16-bit pair sums from saturating);
+// - more rows, with AVX-512 VNNI: weights packed 32 rows at a time in an L2-resident panel whose 16 lanes are
+//   16 weight rows (each 32-bit lane 4 consecutive weights of its row, offset to unsigned by +128), so that one
+//   `vpdpbusd` multiplies 16 rows by 4 broadcast activation bytes and a run's scales are applied to 16 outputs
+//   per instruction; the +128 is taken back as -128 * sum(q) per run of the activation row. Without AVX-512 VNNI
+//   the rows go through the first shape four at a time (correct, not fast: an AVX2 host's figures are reported
+//   against its own floors).
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "gguf_formats.h"
+#include "kernels.h"
+#include "simd.h"
+
+namespace {
+
+using kvserve::hsum;
+using namespace kvserve::gguf;
+
+// The activation rows, quantized: q [m, k] int8, per run of 32 its scale d and, for the corrections below, the
+// sums of q over each half-run of 16 (sums16 [m, k / 16]) and d * sum(q) over each run (dsum [m, k / 32]).
+struct Q8Rows {
+    std::vector<int8_t> q;
+    std::vector<float> d, dsum;
+    std::vector<int32_t> sums16;
+    int64_t m = 0, k = 0;
+};
+
+inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// One run of 32 floats -> 32 int8 at q; returns d. q = round_half_even(x * (1 / d)), d = max|x| / 127 (0: all 0).
+inline float quantize_run(const float* x, int8_t* q, int32_t* sums16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    const float d = hmax(amax) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // MXCSR: half to even
+    sums16[0] = hsum_i32(_mm256_add_epi32(i32[0], i32[1]));
+    sums16[1] = hsum_i32(_mm256_add_epi32(i32[2], i32[3]));
+    // packs interleave the 128-bit lanes: dwords come out as (0, 2, 4, 6, 1, 3, 5, 7) of the wanted order
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return d;
+}
+
+void quantize_rows(const float* x, int64_t m, int64_t k, Q8Rows& a) {
+    const int64_t runs = k / 32;
+    a.m = m;
+    a.k = k;
+    a.q.resize(m * k);
+    a.d.resize(m * runs);
+    a.dsum.resize(m * runs);
+    a.sums16.resize(m * 2 * runs);
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < runs; ++j) {
+            const int64_t at = r * runs + j;
+            int32_t* sums = a.sums16.data() + 2 * at;
+            const float d = quantize_run(x + r * k + 32 * j, a.q.data() + r * k + 32 * j, sums);
+            a.d[at] = d;
+            a.dsum[at] = d * static_cast<float>(sums[0] + sums[1]);
+        }
+}
+
+// 8 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned bytes, s signed).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+template <typename F>
+inline void prefetch_block(const uint8_t* p) {
+    for (int64_t o = 0; o < F::kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+
+// R weight rows against C activation rows (rows c0 .. c0 + C - 1 of a), in registers; see gguf_matmul.cpp's
+// gemv_rows for the R x C accumulator layout. Lanes 0-3 of a run's dot hold its first 16 weights, lanes 4-7 the
+// rest, so a format with a scale per 16 (Q6_K) scales the halves apart.
+template <typename F, int R, int C>
+inline void gemv_rows(const Q8Rows& a, int64_t c0, const uint8_t* rows, int64_t row_bytes, bool prefetch, float* y,
+                      int64_t ldy) {
+    alignas(32) int8_t tmp[32];
+    const int64_t k = a.k, runs = k / 32;
+    __m256 acc[R][C];
+    float mins[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            acc[r][c] = _mm256_setzero_ps();
+            mins[r][c] = 0.0f;
+        }
+    for (int64_t b = 0; b < k / F::kBlock; ++b) {
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
+            if (prefetch) prefetch_block<F>(block + R * row_bytes);
+            F::visit(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
+                const int64_t run = (b * F::kBlock + offset) / 32;
+                const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+                const __m256i wabs = _mm256_abs_epi8(w);
+                for (int c = 0; c < C; ++c) {
+                    const int64_t row = c0 + c;
+                    const __m256i x =
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * k + 32 * run));
+                    const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wabs, _mm256_sign_epi8(x, w)));
+                    const float dx = a.d[row * runs + run];
+                    if constexpr (F::kSplitScale) {
+                        const __m256 s = _mm256_set_m128(_mm_set1_ps(s_hi * dx), _mm_set1_ps(s_lo * dx));
+                        acc[r][c] = _mm256_fmadd_ps(dot, s, acc[r][c]);
+                    } else {
+                        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s_lo * dx), acc[r][c]);
+                    }
+                    if constexpr (F::kMin) mins[r][c] += min * a.dsum[row * runs + run];
+                }
+            });
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        float* out = y + c * ldy;
+        for (int r = 0; r < R; ++r) out[r] = hsum(acc[r][c]) - mins[r][c];
+    }
+}
+
+// Activation rows [c0, c0 + C) against all n weight rows, four weight rows at a time.
+template <typename F, int C>
+void gemv(const Q8Rows& a, int64_t c0, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+    constexpr int R = 4;
+    const int64_t row_bytes = a.k / F::kBlock * F::kBytes, groups = n / R;
+    float* yc = y + c0 * ldy;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g)
+        gemv_rows<F, R, C>(a, c0, w + g * R * row_bytes, row_bytes, g + 1 < groups, yc + g * R, ldy);
+    for (int64_t r = groups * R; r < n; ++r) gemv_rows<F, 1, C>(a, c0, w + r * row_bytes, row_bytes, false, yc + r, ldy);
+}
+
+template <typename F>
+void gemv_all(const Q8Rows& a, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+    int64_t c0 = 0;
+    for (; c0 + 4 <= a.m; c0 += 4) gemv<F, 4>(a, c0, w, n, y, ldy);
+    switch (a.m - c0) {
+        case 3: gemv<F, 3>(a, c0, w, n, y, ldy); break;
+        case 2: gemv<F, 2>(a, c0, w, n, y, ldy); break;
+        case 1: gemv<F, 1>(a, c0, w, n, y, ldy); break;
+        default: break;
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr int kLanes = 16;             // weight rows per panel: one 512-bit vector of 32-bit lanes
+constexpr int kPanelRows = 2 * kLanes;  // two panels per micro-kernel call
+constexpr int kMicroRows = 4;          // activation rows per micro-kernel call: 8 + 8 accumulators
+
+// 32 weight rows of the whole k, repacked: for run j, panel p, quad t (weights 4t .. 4t + 3 of the run) and lane
+// l, the 4 bytes q[((j * 2 + p) * 8 + t) * 64 + 4 l ...] are row 16 p + l's weights + 128; its scales per half
+// run (the same twice unless kSplitScale) and its min per run in s_lo / s_hi / mins[(j * 2 + p) * 16 + l].
+struct Panel {
+    std::vector<uint8_t> q;
+    std::vector<float> s_lo, s_hi, mins;
+    void size_for(int64_t runs) {
+        q.resize(runs * 2 * 8 * 64);
+        s_lo.resize(runs * 2 * kLanes);
+        s_hi.resize(runs * 2 * kLanes);
+        mins.resize(runs * 2 * kLanes);
+    }
+};
+
+template <typename F>
+void pack_panel(const uint8_t* w, int64_t k, int64_t n, int64_t n0, Panel& p) {
+    alignas(32) int8_t tmp[32];
+    alignas(32) uint8_t u[32];
+    const int64_t row_bytes = k / F::kBlock * F::kBytes, runs = k / 32;
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int i = 0; i < kPanelRows; ++i) {
+        const int64_t panel = i / kLanes, lane = i % kLanes;
+        if (n0 + i >= n) {  // past the last row: weights 0 (stored as 128) and scales 0
+            for (int64_t j = 0; j < runs; ++j) {
+                for (int t = 0; t < 8; ++t) memset(&p.q[((j * 2 + panel) * 8 + t) * 64 + 4 * lane], 0x80, 4);
+                const int64_t s = (j * 2 + panel) * kLanes + lane;
+                p.s_lo[s] = p.s_hi[s] = p.mins[s] = 0.0f;
+            }
+            continue;
+        }
+        const uint8_t* row = w + (n0 + i) * row_bytes;
+        if (n0 + i + kPanelRows < n) prefetch_block<F>(row + kPanelRows * row_bytes);
+        for (int64_t b = 0; b < k / F::kBlock; ++b) {
+            F::visit(row + b * F::kBytes, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
+                const int64_t j = (b * F::kBlock + offset) / 32;
+                _mm256_store_si256(reinterpret_cast<__m256i*>(u),
+                                   _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), flip));
+                uint8_t* dst = &p.q[(j * 2 + panel) * 8 * 64 + 4 * lane];
+                for (int t = 0; t < 8; ++t) memcpy(dst + t * 64, u + 4 * t, 4);
+                const int64_t s = (j * 2 + panel) * kLanes + lane;
+                p.s_lo[s] = s_lo;
+                p.s_hi[s] = s_hi;
+                p.mins[s] = min;
+            });
+        }
+    }
+}
+
+inline int32_t load_i32(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+// Activation rows [m0, m0 + M) against the 32 rows of a panel -> y[m0 + i, n0 .. n0 + 31] (the first `valid`).
+template <typename F, int M>
+inline void panel_micro(const Panel& p, const Q8Rows& a, int64_t m0, float* y, int64_t ldy, int64_t n0, int valid) {
+    const int64_t k = a.k, runs = k / 32;
+    __m512 acc[M][2];
+    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    constexpr int kHalves = F::kSplitScale ? 2 : 1, kQuads = 8 / kHalves;
+    for (int64_t j = 0; j < runs; ++j) {
+        const uint8_t* qj = &p.q[j * 2 * 8 * 64];
+        for (int h = 0; h < kHalves; ++h) {
+            __m512i dot[M][2];
+            for (int i = 0; i < M; ++i) {
+                const int32_t* sums = &a.sums16[((m0 + i) * runs + j) * 2];
+                const int32_t sum = kHalves == 2 ? sums[h] : sums[0] + sums[1];
+                dot[i][0] = dot[i][1] = _mm512_set1_epi32(-128 * sum);  // the +128 of the packed weights
+            }
+            for (int t = h * kQuads; t < (h + 1) * kQuads; ++t) {
+                const __m512i w0 = _mm512_loadu_si512(qj + t * 64), w1 = _mm512_loadu_si512(qj + (8 + t) * 64);
+                for (int i = 0; i < M; ++i) {
+                    const __m512i x = _mm512_set1_epi32(load_i32(a.q.data() + (m0 + i) * k + 32 * j + 4 * t));
+                    dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], w0, x);
+                    dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], w1, x);
+                }
+            }
+            const float* sv = h == 0 ? p.s_lo.data() : p.s_hi.data();
+            const __m512 s0 = _mm512_loadu_ps(sv + j * 2 * kLanes), s1 = _mm512_loadu_ps(sv + (j * 2 + 1) * kLanes);
+            for (int i = 0; i < M; ++i) {
+                const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * runs + j]);
+                acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), _mm512_mul_ps(s0, dx), acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), _mm512_mul_ps(s1, dx), acc[i][1]);
+            }
+        }
+        if constexpr (F::kMin) {
+            const __m512 n0v = _mm512_loadu_ps(&p.mins[j * 2 * kLanes]);
+            const __m512 n1v = _mm512_loadu_ps(&p.mins[(j * 2 + 1) * kLanes]);
+            for (int i = 0; i < M; ++i) {
+                const __m512 xs = _mm512_set1_ps(a.dsum[(m0 + i) * runs + j]);
+                acc[i][0] = _mm512_fnmadd_ps(n0v, xs, acc[i][0]);
+                acc[i][1] = _mm512_fnmadd_ps(n1v, xs, acc[i][1]);
+            }
+        }
+    }
+    const __mmask16 lo = valid >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 hi = valid >= kPanelRows ? 0xFFFF
+                         : valid <= kLanes   ? 0
+                                             : static_cast<__mmask16>((1u << (valid - kLanes)) - 1);
+    for (int i = 0; i < M; ++i) {
+        float* out = y + (m0 + i) * ldy + n0;
+        _mm512_mask_storeu_ps(out, lo, acc[i][0]);
+        _mm512_mask_storeu_ps(out + kLanes, hi, acc[i][1]);
+    }
+}
+
+template <typename F>
+void panel_gemm(const Q8Rows& a, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+    const int64_t k = a.k, m = a.m, panels = (n + kPanelRows - 1) / kPanelRows;
+    // Activation rows in tiles whose int8 rows stay in a core's L2 while a tile runs against every panel; a panel
+    // is repacked once per tile (k * 32 bytes against 2 * k * 32 * tile multiply-adds).
+    const int64_t tile = std::max<int64_t>(kMicroRows, (512 * 1024 / k) / kMicroRows * kMicroRows);
+#pragma omp parallel
+    {
+        Panel p;
+        p.size_for(k / 32);
+        for (int64_t m_lo = 0; m_lo < m; m_lo += tile) {
+            const int64_t m_hi = std::min(m, m_lo + tile);
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < panels; ++g) {
+                const int64_t n0 = g * kPanelRows;
+                const int valid = static_cast<int>(std::min<int64_t>(kPanelRows, n - n0));
+                pack_panel<F>(w, k, n, n0, p);
+                int64_t m0 = m_lo;
+                for (; m0 + kMicroRows <= m_hi; m0 += kMicroRows) panel_micro<F, kMicroRows>(p, a, m0, y, ldy, n0, valid);
+                switch (m_hi - m0) {
+                    case 3: panel_micro<F, 3>(p, a, m0, y, ldy, n0, valid); break;
+                    case 2: panel_micro<F, 2>(p, a, m0, y, ldy, n0, valid); break;
+                    case 1: panel_micro<F, 1>(p, a, m0, y, ldy, n0, valid); break;
+                    default: break;
+                }
+            }
+        }
+    }
+}
+constexpr bool kPanelPath = true;
+#else
+constexpr bool kPanelPath = false;
+template <typename F>
+void panel_gemm(const Q8Rows&, const uint8_t*, int64_t, float*, int64_t) {}
+#endif
+
+template <typename F>
+void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+    Q8Rows a;
+    quantize_rows(x, m, k, a);
+    if (kPanelPath && m > 4) panel_gemm<F>(a, w, n, y, ldy);
+    else gemv_all<F>(a, w, n, y, ldy);
+}
+
+}  // namespace
+
+extern "C" {
+
+// As kvserve_gguf_matmul, with x quantized to 8 bits per run of 32 (see the top of this file).
+void kvserve_gguf_matmul_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
+                              float* y, int64_t ldy) {
+    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, n, y, ldy); });
+}
+
+// x [m, k] (k a multiple of 32) -> q [m, k] int8 and d [m, k / 32]: the activation quantization above, exposed
+// so that the torch path can be tested against it.
+void kvserve_quantize_int8_activations(const float* x, int64_t m, int64_t k, int8_t* q, float* d) {
+    Q8Rows a;
+    quantize_rows(x, m, k, a);
+    memcpy(q, a.q.data(), m * k);
+    memcpy(d, a.d.data(), m * (k / 32) * sizeof(float));
+}
+
+// Which integer dot product this build uses: 2 AVX-512 VNNI (with the 32-row panels), 1 AVX-VNNI, 0 AVX2.
+void kvserve_int8_dot_isa(int64_t* isa) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    *isa = 2;
+#elif defined(__AVXVNNI__)
+    *isa = 1;
+#else
+    *isa = 0;
+#endif
+}
+}
