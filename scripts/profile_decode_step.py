@@ -8,6 +8,7 @@ body's too: the native layer path calls the kernel from C++), averaged over deco
 rounds in one process, so that a noisy machine's drift hits both alike; the minimum over rounds is printed last.
 
 Usage: python scripts/profile_decode_step.py [BATCH] [--quantization none|q8_0|gguf] [--layers native,torch]
+       [--activation-quantization none|int8]
 """
 
 from __future__ import annotations
@@ -29,9 +30,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", default="native", help="comma-separated: native, torch (alternated)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--activation-quantization", default="none")
     args = parser.parse_args()
     modes = args.layers.split(",")
-    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=1 << 30, quantization=args.quantization))
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            kv_cache_memory_bytes=1 << 30,
+            quantization=args.quantization,
+            activation_quantization=args.activation_quantization,
+        )
+    )
     total = (args.steps + 1) * len(modes) * args.rounds  # each round's steps and its untimed first one
     params = SamplingParams(max_tokens=total + 10, ignore_eos=True, temperature=0)
     for i in range(args.batch):
@@ -76,7 +84,8 @@ def main() -> None:
             best[mode] = min(best.get(mode, step_ms), step_ms)
             path = "native layers" if model.native_layers is not None else "torch layers"
             print(
-                f"batch {args.batch}, {args.quantization}, {path}: step {step_ms:.1f} ms "
+                f"batch {args.batch}, {args.quantization}, {args.activation_quantization} activations, {path}: "
+                f"step {step_ms:.1f} ms "
                 f"(engine core {core_ms:.1f} ms, front end {step_ms - core_ms:.1f} ms); "
                 f"forward {1e3 * spent['forward'] / n:.1f} ms, LM head {1e3 * spent['logits'] / n:.1f} ms, "
                 f"q8_0 kernel called from Python {1e3 * spent['kernel'] / n:.1f} ms",

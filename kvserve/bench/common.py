@@ -23,6 +23,29 @@ def load_kvserve(args: argparse.Namespace) -> KVServeSystem:
     return system
 
 
+INT8_PEER = "kvserve-int8"  # --peer kvserve-int8: kvserve again, with --activation-quantization int8
+
+
+def load_int8_activation_peer(args: argparse.Namespace) -> KVServeSystem:
+    """kvserve on the same flags with --activation-quantization int8: the exact path and int8 activations
+    measured side by side in one run (the command's own kvserve is the exact one)."""
+    from dataclasses import replace
+
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine_args import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    if config.activation_quantization != "none":
+        raise SystemExit(
+            f"--peer {INT8_PEER} sets the int8 activations on the peer; run kvserve itself with "
+            "--activation-quantization none (the default)"
+        )
+    system = KVServeSystem(LLMEngine.from_config(replace(config, activation_quantization="int8")))
+    system.name = INT8_PEER
+    warm_up(system)
+    return system
+
+
 def load_hf_peer(args: argparse.Namespace, kvserve: KVServeSystem) -> HFPeer:
     """HF transformers on the very file kvserve loaded, in kvserve's compute dtype."""
     from kvserve.bench.peers.hf import HFPeer

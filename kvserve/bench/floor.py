@@ -50,14 +50,28 @@ class ModelCost:
         body = self.matmul_params - self.lm_head_params
         return 2.0 * (body * prompt_len + self.lm_head_params) + 4.0 * self.num_heads * self.head_dim * attention
 
-    def decode_floor_ms(self, ceilings: Ceilings, batch: int, context: int) -> float:
-        """A step can be no faster than its bytes over bandwidth, nor its FLOPs over the matmul rate."""
+    def _compute_s(self, ceilings: Ceilings, flops: float, matmul_flops: float, int8: bool) -> float:
+        """With int8 activations the matmuls' share of the FLOPs runs at the int8 rate, the rest (attention) at
+        the float32 one."""
+        if not int8:
+            return flops / (ceilings.matmul_gflops * 1e9)
+        if ceilings.int8_matmul_gops is None:
+            raise ValueError("an int8 floor needs ceilings measured with int8=True")
+        return matmul_flops / (ceilings.int8_matmul_gops * 1e9) + (flops - matmul_flops) / (
+            ceilings.matmul_gflops * 1e9
+        )
+
+    def decode_floor_ms(self, ceilings: Ceilings, batch: int, context: int, int8: bool = False) -> float:
+        """A step can be no faster than its bytes over bandwidth, nor its FLOPs over the matmul rate (`int8`:
+        the matmuls' at the int8 rate, as --activation-quantization int8 runs them)."""
         memory_s = self.decode_bytes(batch, context) / (ceilings.bandwidth_gbps * 1e9)
-        compute_s = batch * self.decode_flops(context) / (ceilings.matmul_gflops * 1e9)
+        compute_s = batch * self._compute_s(ceilings, self.decode_flops(context), 2.0 * self.matmul_params, int8)
         return 1e3 * max(memory_s, compute_s)
 
-    def prefill_floor_ms(self, ceilings: Ceilings, prompt_len: int) -> float:
-        compute_s = self.prefill_flops(prompt_len) / (ceilings.matmul_gflops * 1e9)
+    def prefill_floor_ms(self, ceilings: Ceilings, prompt_len: int, int8: bool = False) -> float:
+        body = self.matmul_params - self.lm_head_params
+        matmul_flops = 2.0 * (body * prompt_len + self.lm_head_params)
+        compute_s = self._compute_s(ceilings, self.prefill_flops(prompt_len), matmul_flops, int8)
         memory_s = self.weight_bytes_per_step / (ceilings.bandwidth_gbps * 1e9)
         return 1e3 * max(memory_s, compute_s)
 

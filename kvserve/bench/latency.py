@@ -31,12 +31,14 @@ results: {
               "decode_ms_per_token_runs", "decode_tokens_per_s", "prefill_floor_ms", "decode_floor_ms"}],
   "batch": [{"system", "batch_size", "prompt_len", "output_len", "ms_per_step", "ms_per_step_runs",
              "ms_per_token", "tokens_per_s", "floor_ms_per_step"}],
-  "ceilings": {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "bandwidth_gbps_used"},
+  "ceilings": {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "int8_matmul_gops" (null unless
+               an int8 system ran), "bandwidth_gbps_used"},
   "model_cost": {"weight_bytes_per_step", "matmul_params", "lm_head_params", "kv_bytes_per_token", "num_layers",
                  "num_heads", "head_dim", "sliding_windows"}}
 ratios: {"prefill_speed@prompt<L>:kvserve/<peer>", "decode_speed@prompt<L>:kvserve/<peer>",
          "decode_speed@batch<B>:kvserve/<peer>", "floor/kvserve decode@batch<B>"} (> 1: kvserve is faster;
-         the floor ratio is the share of the floor's speed that kvserve reaches)
+         the floor ratio is the share of the floor's speed that kvserve reaches); with --peer kvserve-int8 the same
+         keys with kvserve-int8 in kvserve's place, against every other system (kvserve, the exact path, included)
 Times are medians over --repeats runs; floors are max(bytes read / bandwidth, FLOPs / matmul rate) with
 both rates measured in the same run. llama.cpp rows come from llama-bench (pp and tg at empty context)."""
 
@@ -69,9 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument(
         "--peer",
         action="append",
-        choices=["hf", "llama-cpp"],
+        choices=["hf", "llama-cpp", "kvserve-int8"],
         default=[],
-        help="peers measured in the same run (repeatable)",
+        help="peers measured in the same run (repeatable); kvserve-int8 is kvserve on the same flags with "
+        "--activation-quantization int8",
     )
     w.add_argument(
         "--llama-bench",
@@ -97,7 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvserve.bench.common import load_hf_peer, load_kvserve
+    from kvserve.bench.common import INT8_PEER, load_hf_peer, load_int8_activation_peer, load_kvserve
     from kvserve.bench.floor import model_cost
     from kvserve.bench.machine import machine_info, measure_ceilings
     from kvserve.bench.report import Report, config_of, emit
@@ -116,24 +119,30 @@ def run(args: argparse.Namespace) -> int:
     systems: list[System] = [kvserve]
     if "hf" in args.peer:
         systems.append(load_hf_peer(args, kvserve))
+    if INT8_PEER in args.peer:
+        systems.append(load_int8_activation_peer(args))
+    int8 = {INT8_PEER} | ({"kvserve"} if args.activation_quantization == "int8" else set())
     report = Report("latency", machine_info(), config_of(args))
-    ceilings = measure_ceilings(device=str(engine.core.device))
+    device = str(engine.core.device)
+    ceilings = measure_ceilings(device=device, int8=bool(int8 & {s.name for s in systems}))
     model = engine.core.runner.model
     assert isinstance(model, torch.nn.Module), "the floor is counted over a loaded torch module's tensors"
     cost = model_cost(model, engine.core.model_config, engine.core.kv_spec.bytes_per_token)
     single, batch = measure(systems, plan, engine)
     # Measured again afterwards: on a shared machine the ceilings drift too, and a floor must be the best case.
-    ceilings = ceilings.best_of(measure_ceilings(device=str(engine.core.device)))
+    ceilings = ceilings.best_of(measure_ceilings(device=device, int8=ceilings.int8_matmul_gops is not None))
     if "llama-cpp" in args.peer:
         llama_rows = llama_cpp_rows(args, plan, report)
         single += llama_rows[0]
         batch += llama_rows[1]
+    # Each system's rows against its own floor: int8 activations' matmuls at the int8 rate, the others' at float32's.
     for row in single:
-        row["prefill_floor_ms"] = cost.prefill_floor_ms(ceilings, row["prompt_len"])
-        row["decode_floor_ms"] = cost.decode_floor_ms(ceilings, 1, row["prompt_len"] + row["output_len"] // 2)
+        i8 = row["system"] in int8
+        row["prefill_floor_ms"] = cost.prefill_floor_ms(ceilings, row["prompt_len"], i8)
+        row["decode_floor_ms"] = cost.decode_floor_ms(ceilings, 1, row["prompt_len"] + row["output_len"] // 2, i8)
     for row in batch:
         row["floor_ms_per_step"] = cost.decode_floor_ms(
-            ceilings, row["batch_size"], row["prompt_len"] + row["output_len"] // 2
+            ceilings, row["batch_size"], row["prompt_len"] + row["output_len"] // 2, row["system"] in int8
         )
     report.results = {"single": single, "batch": batch, "ceilings": ceilings.to_json(), "model_cost": cost.to_json()}
     report.ratios = ratios(single, batch)
@@ -143,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         f"{ceilings.bandwidth_gbps:.1f} GB/s (measured: copy {ceilings.copy_bandwidth_gbps:.1f}, read "
         f"{ceilings.read_bandwidth_gbps:.1f}), {2 * cost.matmul_params / 1e6:.0f} MFLOP per token at "
         f"{ceilings.matmul_gflops:.0f} GFLOP/s (fp32 matmul, measured)"
+        + (
+            f"; int8 activations' matmuls at {ceilings.int8_matmul_gops:.0f} GOP/s (torch._int_mm, measured)"
+            if ceilings.int8_matmul_gops is not None
+            else ""
+        )
     )
     if args.plot:
         plot(args.plot, single, batch)
@@ -260,26 +274,35 @@ def llama_cpp_rows(args: argparse.Namespace, plan: LatencyPlan, report: Report) 
 
 
 def ratios(single: list[dict], batch: list[dict]) -> dict[str, float | None]:
-    """kvserve's speed over each peer's (inverse time ratios), and kvserve's share of the floor's speed."""
+    """kvserve's speed over each peer's (inverse time ratios), and kvserve's share of the floor's speed. With the
+    kvserve-int8 peer, its speed over every other system's too (kvserve's exact path included)."""
+    from kvserve.bench.common import INT8_PEER
     from kvserve.bench.stats import ratio
 
     out: dict[str, float | None] = {}
-    mine = {(r["prompt_len"]): r for r in single if r["system"] == "kvserve"}
-    for r in single:
-        if r["system"] != "kvserve" and r["prompt_len"] in mine:
-            k = mine[r["prompt_len"]]
-            out[f"prefill_speed@prompt{r['prompt_len']}:kvserve/{r['system']}"] = ratio(r["ttft_ms"], k["ttft_ms"])
-            out[f"decode_speed@prompt{r['prompt_len']}:kvserve/{r['system']}"] = ratio(
-                r["decode_ms_per_token"], k["decode_ms_per_token"]
-            )
-    mine_b = {r["batch_size"]: r for r in batch if r["system"] == "kvserve"}
-    for r in batch:
-        if r["system"] != "kvserve" and r["batch_size"] in mine_b:
-            out[f"decode_speed@batch{r['batch_size']}:kvserve/{r['system']}"] = ratio(
-                r["ms_per_step"], mine_b[r["batch_size"]]["ms_per_step"]
-            )
-    for b, r in mine_b.items():
-        out[f"floor/kvserve decode@batch{b}"] = ratio(r["floor_ms_per_step"], r["ms_per_step"])
+    names = list(dict.fromkeys(r["system"] for r in single + batch))
+    pairs = [("kvserve", other) for other in names if other != "kvserve"]
+    if INT8_PEER in names:
+        pairs += [(INT8_PEER, other) for other in names if other != INT8_PEER]
+    for mine, other in pairs:
+        a = {r["prompt_len"]: r for r in single if r["system"] == mine}
+        for r in single:
+            if r["system"] == other and r["prompt_len"] in a:
+                k = a[r["prompt_len"]]
+                out[f"prefill_speed@prompt{r['prompt_len']}:{mine}/{other}"] = ratio(r["ttft_ms"], k["ttft_ms"])
+                out[f"decode_speed@prompt{r['prompt_len']}:{mine}/{other}"] = ratio(
+                    r["decode_ms_per_token"], k["decode_ms_per_token"]
+                )
+        b = {r["batch_size"]: r for r in batch if r["system"] == mine}
+        for r in batch:
+            if r["system"] == other and r["batch_size"] in b:
+                out[f"decode_speed@batch{r['batch_size']}:{mine}/{other}"] = ratio(
+                    r["ms_per_step"], b[r["batch_size"]]["ms_per_step"]
+                )
+    for mine in ("kvserve", INT8_PEER):
+        for r in batch:
+            if r["system"] == mine:
+                out[f"floor/{mine} decode@batch{r['batch_size']}"] = ratio(r["floor_ms_per_step"], r["ms_per_step"])
     return out
 
 

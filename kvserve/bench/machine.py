@@ -77,6 +77,9 @@ class Ceilings:
     copy_bandwidth_gbps: float  # STREAM convention: (bytes read + bytes written) / time
     read_bandwidth_gbps: float  # a sum over a large tensor: bytes read / time
     matmul_gflops: float  # square matmul, in measure_ceilings' matmul_dtype (float32 by default)
+    # int8 x int8 -> int32 square matmul (torch._int_mm: oneDNN's VNNI kernels where the CPU has them), 2 ops a
+    # multiply-add; measured only for figures of --activation-quantization int8 (None: not measured)
+    int8_matmul_gops: float | None = None
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -88,10 +91,12 @@ class Ceilings:
 
     def best_of(self, other: Ceilings) -> Ceilings:
         """Each rate at its best over two measurements (e.g. before and after a benchmark on a shared machine)."""
+        int8 = [r for r in (self.int8_matmul_gops, other.int8_matmul_gops) if r is not None]
         return Ceilings(
             max(self.copy_bandwidth_gbps, other.copy_bandwidth_gbps),
             max(self.read_bandwidth_gbps, other.read_bandwidth_gbps),
             max(self.matmul_gflops, other.matmul_gflops),
+            max(int8) if int8 else None,
         )
 
 
@@ -125,6 +130,20 @@ def _bandwidths(buffer_mib: int, repeats: int, device: torch.device) -> tuple[fl
     return 2 * nbytes / _best_seconds(copy, repeats) / 1e9, nbytes / _best_seconds(read, repeats) / 1e9
 
 
+def _int8_matmul_gops(n: int, repeats: int) -> float:
+    """The machine's int8 matmul rate, from a library kernel rather than kvserve's own (a floor measured with the
+    code it floors would say nothing)."""
+    import torch
+
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+
+    def matmul() -> None:
+        torch._int_mm(a, b)
+
+    return 2 * n**3 / _best_seconds(matmul, repeats) / 1e9
+
+
 def _matmul_gflops(n: int, repeats: int, device: torch.device, dtype: torch.dtype | None = None) -> float:
     import torch
 
@@ -140,10 +159,15 @@ def _matmul_gflops(n: int, repeats: int, device: torch.device, dtype: torch.dtyp
 
 
 def measure_ceilings(
-    buffer_mib: int = 256, matmul_n: int = 2048, repeats: int = 5, device: str = "cpu", matmul_dtype: str = "float32"
+    buffer_mib: int = 256,
+    matmul_n: int = 2048,
+    repeats: int = 5,
+    device: str = "cpu",
+    matmul_dtype: str = "float32",
+    int8: bool = False,
 ) -> Ceilings:
     """`matmul_dtype`: the compute dtype of the figures these ceilings floor (a GPU's bfloat16 matmul rate is
-    an order of magnitude above its float32 one)."""
+    an order of magnitude above its float32 one). `int8`: measure the int8 matmul rate too (CPU)."""
     import torch
 
     from kvserve.dtypes import torch_dtype
@@ -154,4 +178,5 @@ def measure_ceilings(
         copy_bandwidth_gbps=copy_gbps,
         read_bandwidth_gbps=read_gbps,
         matmul_gflops=_matmul_gflops(matmul_n, repeats, dev, torch_dtype(matmul_dtype)),
+        int8_matmul_gops=_int8_matmul_gops(matmul_n, repeats) if int8 and dev.type == "cpu" else None,
     )

@@ -16,6 +16,7 @@ from kvserve.bench.options import add_engine_args, add_output_args, add_repeats_
 from kvserve.units import GiB
 
 if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
     from kvserve.engine.engine import LLMEngine
 
 BASELINE = "none"
@@ -27,7 +28,9 @@ results: {"methods": [{"quantization", "weight_bytes", "start_s", "perplexity", 
                        "decode_tokens_per_s": {"<batch>": tok/s}}],
           "ppl_tokens", "greedy_prompts", "greedy_tokens", "prefill_len", "decode_batches", "decode_context"}
 ratios: {"weight_bytes@<method>": bytes / none's, "ppl_delta_perc@<method>", "prefill@<method>": speed vs none,
-         "decode@<method>,batch<B>": speed vs none} (> 1: faster)
+         "decode@<method>,batch<B>": speed vs none} (> 1: faster); for a METHOD+act-int8 whose METHOD also ran, the
+         same against METHOD (float32 activations on the same weights): "act_int8_ppl_delta_perc@<method>",
+         "act_int8_prefill@<method>", "act_int8_decode@<method>,batch<B>"
 Times are medians over --repeats runs, the methods alternating within each repeat. start_s: building the engine
 (a later start: caches already on disk). Greedy columns as in `bench kv-dtype`."""
 
@@ -43,8 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--methods",
         default="none,q8_0",
-        help="comma-separated --quantization values (none runs first); METHOD+lm-head-TYPE adds "
-        "--lm-head-quantization TYPE, e.g. gguf+lm-head-q4_0",
+        help="comma-separated --quantization values (none runs first), each optionally followed by "
+        "+lm-head-TYPE (adds --lm-head-quantization TYPE, e.g. gguf+lm-head-q4_0) and +act-int8 (adds "
+        "--activation-quantization int8, e.g. gguf,gguf+act-int8)",
     )
     add_accuracy_args(p, greedy_tokens=32)
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill figure")
@@ -55,6 +59,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_output_args(p, "(no plot for this command)")
     add_engine_args(p)
     p.set_defaults(func=run, kv_cache_memory_bytes=GiB, max_num_batched_tokens=512, enable_prefix_caching=False)
+
+
+ACT_INT8 = "+act-int8"
+
+
+def method_config(base: EngineConfig, name: str) -> EngineConfig:
+    """METHOD[+lm-head-TYPE][+act-int8] -> `base` with the --quantization, --lm-head-quantization and
+    --activation-quantization it names."""
+    activation = "int8" if name.endswith(ACT_INT8) else "none"
+    quantization, _, head = name.removesuffix(ACT_INT8).partition("+lm-head-")
+    return replace(
+        base, quantization=quantization, lm_head_quantization=head or None, activation_quantization=activation
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
     engines: dict[str, LLMEngine] = {}
     rows: dict[str, dict] = {}
     for name in names:
-        quantization, _, head = name.partition("+lm-head-")
-        config = replace(base_config, quantization=quantization, lm_head_quantization=head or None)
+        config = method_config(base_config, name)
         LLMEngine.from_config(replace(config))  # first start fills the caches, untimed
         start = time.perf_counter()
         engines[name] = LLMEngine.from_config(replace(config))
@@ -119,6 +135,14 @@ def run(args: argparse.Namespace) -> int:
         report.ratios[f"prefill@{name}"] = ratio(base["prefill_ms"], row["prefill_ms"])
         for b, ms in row["decode_ms_per_step"].items():
             report.ratios[f"decode@{name},batch{b}"] = ratio(base["decode_ms_per_step"].get(b), ms)
+    for name in names:  # int8 activations against float32 ones on the same weights, where both ran
+        row, exact = rows[name], rows.get(name.removesuffix(ACT_INT8))
+        if not name.endswith(ACT_INT8) or exact is None:
+            continue
+        report.ratios[f"act_int8_ppl_delta_perc@{name}"] = 100.0 * (row["perplexity"] / exact["perplexity"] - 1.0)
+        report.ratios[f"act_int8_prefill@{name}"] = ratio(exact["prefill_ms"], row["prefill_ms"])
+        for b, ms in row["decode_ms_per_step"].items():
+            report.ratios[f"act_int8_decode@{name},batch{b}"] = ratio(exact["decode_ms_per_step"].get(b), ms)
     report.results = {
         "methods": list(rows.values()),
         "ppl_tokens": len(ppl_ids) - 1,

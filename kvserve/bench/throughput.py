@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 SCHEMA = """\
 results: {
   "workload": {"num_requests", "input_len": "LOW-HIGH", "output_len": "LOW-HIGH", "seed"},
-  "systems": [{"system": "kvserve" | "hf", "runs": [{"elapsed_s", "prompt_tokens", "output_tokens",
+  "systems": [{"system": "kvserve" | "hf" | "kvserve-int8", "runs": [{"elapsed_s", "prompt_tokens", "output_tokens",
                "generated_tokens"}], "elapsed_s", "output_tokens_per_s", "total_tokens_per_s",
                "requests_per_s" (medians over runs), "batch_size": int | null (hf's static batch)}],
   "hf_batch_probes": [{"batch_size", "projected_tokens_per_s"}]}
-ratios: {"output_tokens_per_s:kvserve/hf", "total_tokens_per_s:kvserve/hf"} (> 1: kvserve is faster)
+ratios: {"output_tokens_per_s:kvserve/<peer>", "total_tokens_per_s:kvserve/<peer>"} (> 1: kvserve is faster); with
+         --peer kvserve-int8 the same with kvserve-int8 in kvserve's place, against every other system
 Output tokens count what the requests asked for; hf's padding waste is in generated_tokens only."""
 
 
@@ -55,9 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument(
         "--peer",
         action="append",
-        choices=["hf"],
+        choices=["hf", "kvserve-int8"],
         default=[],
-        help="run the same requests through HF transformers generate in the same run",
+        help="run the same requests through HF transformers generate (hf) or kvserve on the same flags with "
+        "--activation-quantization int8 (kvserve-int8) in the same run (repeatable)",
     )
     w.add_argument(
         "--hf-batch-size",
@@ -73,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.bench.common import alternate, load_hf_peer, load_kvserve
+    from kvserve.bench.common import INT8_PEER, alternate, load_hf_peer, load_int8_activation_peer, load_kvserve
     from kvserve.bench.machine import machine_info
     from kvserve.bench.report import Report, Table, config_of, emit
     from kvserve.bench.stats import median, ratio
@@ -106,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             candidates = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
             probes = peer.choose_batch_size(workload(0), candidates)
         systems.append(peer)
+    if INT8_PEER in args.peer:
+        systems.append(load_int8_activation_peer(args))
     runs: dict[str, list[ThroughputRun]] = alternate(systems, args.repeats, lambda s, r: s.run_requests(workload(r)))
 
     report = Report("throughput", machine_info(), config_of(args))
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             "output_tokens_per_s": median([r.output_tokens / r.elapsed_s for r in rs]),
             "total_tokens_per_s": median([(r.output_tokens + r.prompt_tokens) / r.elapsed_s for r in rs]),
             "requests_per_s": median([args.num_requests / r.elapsed_s for r in rs]),
-            "batch_size": getattr(system, "batch_size", None) if system.name != "kvserve" else None,
+            "batch_size": getattr(system, "batch_size", None),
         }
         rows.append(row)
         table.add(
@@ -149,9 +153,12 @@ def run(args: argparse.Namespace) -> int:
     }
     report.tables.append(table)
     by_name = {r["system"]: r for r in rows}
-    for peer_row in rows[1:]:
+    pairs = [("kvserve", r["system"]) for r in rows[1:]]
+    if INT8_PEER in by_name:  # int8 activations against every other system, kvserve's exact path included
+        pairs += [(INT8_PEER, r["system"]) for r in rows if r["system"] != INT8_PEER]
+    for mine, other in pairs:
         for key in ("output_tokens_per_s", "total_tokens_per_s"):
-            report.ratios[f"{key}:kvserve/{peer_row['system']}"] = ratio(by_name["kvserve"][key], peer_row[key])
+            report.ratios[f"{key}:{mine}/{other}"] = ratio(by_name[mine][key], by_name[other][key])
     if probes:
         report.notes.append(
             "HF batch size chosen by probing: "

@@ -192,4 +192,18 @@ void dispatch(int32_t type, const Call& call) {
     }
 }
 
+// Prefetch one block's bytes (every cache line it touches) into L1: the matmuls stream weights that are far too
+// large for the caches, and the hardware prefetchers alone keep too few lines in flight while each block costs
+// tens of instructions to decode (the LM head at one activation row ran at ~4 GB/s per core).
+template <typename F>
+inline void prefetch_block(const uint8_t* p) {
+    for (int64_t o = 0; o < F::kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+
+// How many groups of weight rows ahead the gemvs (1-4 activation rows, 4 weight rows a group) prefetch. One
+// group ahead ran the Q8_0 LM head at one row at ~20 GB/s (float32 activations) and ~26 GB/s (int8) on 2 cores
+// of a Zen 5 host whose measured read bandwidth is ~53; four groups (~11 KB ahead at k = 640) took them to ~37
+// and ~52 GB/s (eight: a little slower than four).
+constexpr int kPrefetchGroups = 4;
+
 }  // namespace kvserve::gguf

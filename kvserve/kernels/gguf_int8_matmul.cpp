@@ -113,11 +113,6 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-template <typename F>
-inline void prefetch_block(const uint8_t* p) {
-    for (int64_t o = 0; o < F::kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
-
 // R weight rows against C activation rows (rows c0 .. c0 + C - 1 of a), in registers; see gguf_matmul.cpp's
 // gemv_rows for the R x C accumulator layout. Lanes 0-3 of a run's dot hold its first 16 weights, lanes 4-7 the
 // rest, so a format with a scale per 16 (Q6_K) scales the halves apart.
@@ -136,7 +131,7 @@ inline void gemv_rows(const Q8Rows& a, int64_t c0, const uint8_t* rows, int64_t 
     for (int64_t b = 0; b < k / F::kBlock; ++b) {
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
-            if (prefetch) prefetch_block<F>(block + R * row_bytes);
+            if (prefetch) prefetch_block<F>(block + kPrefetchGroups * R * row_bytes);
             F::visit(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
                 const int64_t run = (b * F::kBlock + offset) / 32;
                 const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -172,7 +167,7 @@ void gemv(const Q8Rows& a, int64_t c0, const uint8_t* w, int64_t n, float* y, in
     float* yc = y + c0 * ldy;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g)
-        gemv_rows<F, R, C>(a, c0, w + g * R * row_bytes, row_bytes, g + 1 < groups, yc + g * R, ldy);
+        gemv_rows<F, R, C>(a, c0, w + g * R * row_bytes, row_bytes, g + kPrefetchGroups < groups, yc + g * R, ldy);
     for (int64_t r = groups * R; r < n; ++r) gemv_rows<F, 1, C>(a, c0, w + r * row_bytes, row_bytes, false, yc + r, ldy);
 }
 
@@ -198,46 +193,86 @@ constexpr int kMicroRows = 4;          // activation rows per micro-kernel call:
 // run (the same twice unless kSplitScale) and its min per run in s_lo / s_hi / mins[(j * 2 + p) * 16 + l].
 struct Panel {
     std::vector<uint8_t> q;
+    std::vector<int8_t> rows;  // the 32 rows decoded row-major [32, k], before the transpose into q
     std::vector<float> s_lo, s_hi, mins;
-    void size_for(int64_t runs) {
+    void size_for(int64_t k) {
+        const int64_t runs = k / 32;
         q.resize(runs * 2 * 8 * 64);
+        rows.resize(kPanelRows * k);
         s_lo.resize(runs * 2 * kLanes);
         s_hi.resize(runs * 2 * kLanes);
         mins.resize(runs * 2 * kLanes);
     }
 };
 
+// 16 rows of 8 quads (32 bytes at src + r * stride) -> out[t * 64 + 4 r ...] = quad t of row r, + 128: an 8 x 8
+// transpose of 32-bit quads in each 256-bit half (rows r and r + 8 share a register), with unpacks and one
+// cross-lane permute. Gathers did the same at ~20 cycles each, 8 a run, and were the packing's bottleneck.
+inline void transpose_quads(const int8_t* src, int64_t stride, uint8_t* out) {
+    __m512i a[8], t[8], u[8];
+    for (int r = 0; r < 8; ++r) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * stride));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (r + 8) * stride));
+        a[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm512_unpacklo_epi32(a[r], a[r + 1]);      // quads 0 1 (4 5) of rows r, r + 1
+        t[r + 1] = _mm512_unpackhi_epi32(a[r], a[r + 1]);  // quads 2 3 (6 7)
+    }
+    for (int g = 0; g < 8; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);          // quad 0 (4) of rows g .. g + 3
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);      // quad 1 (5)
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);  // quad 2 (6)
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);  // quad 3 (7)
+    }
+    // u[q] (rows 0-3) and u[4 + q] (rows 4-7): 128-bit lane 0 quad q, lane 1 quad q + 4, lanes 2-3 the same
+    // for rows 8-15. Quad q of rows 0-15 is lanes 0 of u[q], u[4 + q], then lanes 2 of them.
+    const __m512i first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int q = 0; q < 4; ++q) {
+        _mm512_storeu_si512(out + q * 64, _mm512_xor_si512(_mm512_permutex2var_epi64(u[q], first, u[4 + q]), flip));
+        _mm512_storeu_si512(out + (q + 4) * 64,
+                            _mm512_xor_si512(_mm512_permutex2var_epi64(u[q], second, u[4 + q]), flip));
+    }
+}
+
+// Two passes: each row's blocks decoded into p.rows (one 32-byte store a run, scales into place), then per run
+// and panel the 16 rows' 4-byte quads transposed into the lane order above (transpose_quads). Storing the quads
+// one by one straight from the decode (4-byte scatters) packed at ~6 GB/s of blocks and dominated the LM head
+// at batch 32.
 template <typename F>
 void pack_panel(const uint8_t* w, int64_t k, int64_t n, int64_t n0, Panel& p) {
     alignas(32) int8_t tmp[32];
-    alignas(32) uint8_t u[32];
     const int64_t row_bytes = k / F::kBlock * F::kBytes, runs = k / 32;
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     for (int i = 0; i < kPanelRows; ++i) {
         const int64_t panel = i / kLanes, lane = i % kLanes;
-        if (n0 + i >= n) {  // past the last row: weights 0 (stored as 128) and scales 0
+        int8_t* dst = p.rows.data() + i * k;
+        if (n0 + i >= n) {  // past the last row: weights 0 and scales 0
+            memset(dst, 0, k);
             for (int64_t j = 0; j < runs; ++j) {
-                for (int t = 0; t < 8; ++t) memset(&p.q[((j * 2 + panel) * 8 + t) * 64 + 4 * lane], 0x80, 4);
                 const int64_t s = (j * 2 + panel) * kLanes + lane;
                 p.s_lo[s] = p.s_hi[s] = p.mins[s] = 0.0f;
             }
             continue;
         }
         const uint8_t* row = w + (n0 + i) * row_bytes;
-        if (n0 + i + kPanelRows < n) prefetch_block<F>(row + kPanelRows * row_bytes);
+        const bool prefetch = n0 + i + kPanelRows < n;  // the same row of the next panel, block by block
         for (int64_t b = 0; b < k / F::kBlock; ++b) {
+            if (prefetch) prefetch_block<F>(row + kPanelRows * row_bytes + b * F::kBytes);
             F::visit(row + b * F::kBytes, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
-                const int64_t j = (b * F::kBlock + offset) / 32;
-                _mm256_store_si256(reinterpret_cast<__m256i*>(u),
-                                   _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), flip));
-                uint8_t* dst = &p.q[(j * 2 + panel) * 8 * 64 + 4 * lane];
-                for (int t = 0; t < 8; ++t) memcpy(dst + t * 64, u + 4 * t, 4);
-                const int64_t s = (j * 2 + panel) * kLanes + lane;
+                const int64_t at = b * F::kBlock + offset, s = (at / 32 * 2 + panel) * kLanes + lane;
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + at),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
                 p.s_lo[s] = s_lo;
                 p.s_hi[s] = s_hi;
                 p.mins[s] = min;
             });
         }
+    }
+    for (int64_t j = 0; j < runs; ++j) {
+        for (int panel = 0; panel < 2; ++panel) transpose_quads(p.rows.data() + panel * kLanes * k + 32 * j, k,
+                                                                &p.q[(j * 2 + panel) * 8 * 64]);
     }
 }
 
@@ -309,7 +344,7 @@ void panel_gemm(const Q8Rows& a, const uint8_t* w, int64_t n, float* y, int64_t 
 #pragma omp parallel
     {
         Panel p;
-        p.size_for(k / 32);
+        p.size_for(k);
         for (int64_t m_lo = 0; m_lo < m; m_lo += tile) {
             const int64_t m_hi = std::min(m, m_lo + tile);
 #pragma omp for schedule(static)

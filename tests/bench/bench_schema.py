@@ -45,7 +45,7 @@ LATENCY_BATCH = {
     "tokens_per_s",
     "floor_ms_per_step",
 }
-CEILINGS = {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "bandwidth_gbps_used"}
+CEILINGS = {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "int8_matmul_gops", "bandwidth_gbps_used"}
 MODEL_COST = {
     "weight_bytes_per_step",
     "matmul_params",

@@ -115,6 +115,18 @@ def test_model_cost_counts_what_a_step_must_read(tied):
     bytes_s = cost.decode_bytes(1, 10) / 2e9
     flops_s = cost.decode_flops(10) / 1e9
     assert cost.decode_floor_ms(ceilings, 1, 10) == pytest.approx(1e3 * max(bytes_s, flops_s))
+    # int8 activations: the matmuls' FLOPs at the int8 rate, attention's at float32's; refused when not measured.
+    with pytest.raises(ValueError, match="int8"):
+        cost.decode_floor_ms(ceilings, 1, 10, int8=True)
+    int8 = Ceilings(copy_bandwidth_gbps=1e-3, read_bandwidth_gbps=1e-3, matmul_gflops=1.0, int8_matmul_gops=4.0)
+    compute_s = 2 * 864 / 4e9 + 4 * 2 * 4 * 14 / 1e9
+    assert cost.decode_floor_ms(int8, 2, 10, int8=True) == pytest.approx(
+        1e3 * max(cost.decode_bytes(2, 10) / 1e6, 2 * compute_s)
+    )
+    prefill_s = 2 * (64 * 3 + 800) / 4e9 + 4 * 2 * 4 * 12 / 1e9
+    assert cost.prefill_floor_ms(int8, 3, int8=True) == pytest.approx(
+        1e3 * max(cost.weight_bytes_per_step / 1e6, prefill_s)
+    )
 
 
 def test_llama_bench_json_parsing():

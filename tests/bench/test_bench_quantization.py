@@ -66,3 +66,16 @@ def test_bench_quantization(tiny_model_dir, tmp_path, capsys):
     assert set(q8["decode_ms_per_step"]) == {"1", "3"}
     assert {"weight_bytes@q8_0", "ppl_delta_perc@q8_0", "prefill@q8_0", "decode@q8_0,batch1"} <= set(doc["ratios"])
     assert "q8_0" in capsys.readouterr().out
+
+
+def test_method_names_set_weights_head_and_activations():
+    from kvserve.bench.quantization import method_config
+    from kvserve.config import EngineConfig
+
+    base = EngineConfig(model="m")
+    plain = method_config(base, "q8_0")
+    assert (plain.quantization, plain.lm_head_quantization, plain.activation_quantization) == ("q8_0", None, "none")
+    both = method_config(base, "gguf+lm-head-q4_0+act-int8")
+    assert (both.quantization, both.lm_head_quantization, both.activation_quantization) == ("gguf", "q4_0", "int8")
+    act = method_config(base, "gguf+act-int8")
+    assert (act.quantization, act.lm_head_quantization, act.activation_quantization) == ("gguf", None, "int8")

@@ -65,10 +65,12 @@ def _gguf_name(hf_name: str, gemma: bool) -> str:
     return f"blk.{idx}.{kind}.{suffix}"
 
 
-def write_gguf(hf: torch.nn.Module, path: Path, arch: str) -> None:
+def write_gguf(hf: torch.nn.Module, path: Path, arch: str, with_vocab: bool = False) -> None:
     """Write `hf` the way llama.cpp would: Q8_0 matrices, gemma norms with the 1 added, llama Q/K permuted.
 
     The HF model's matrices are replaced by their Q8_0 round trip so both sides hold identical weights.
+    `with_vocab`: add a placeholder SPM vocabulary (<unk> <s> </s>, then one made-up piece an id), so that the
+    engine can load the file by itself (the tests that drive it with token ids: benches).
     """
     c = hf.config
     gemma = arch == "gemma3"
@@ -82,6 +84,11 @@ def write_gguf(hf: torch.nn.Module, path: Path, arch: str) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
+    if with_vocab:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"p{i}" for i in range(3, c.vocab_size)])
+        w.add_token_scores([0.0] * c.vocab_size)
+        w.add_token_types([2, 3, 3] + [1] * (c.vocab_size - 3))
     if gemma:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
