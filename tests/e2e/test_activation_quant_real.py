@@ -1,7 +1,8 @@
 """`--activation-quantization int8` on the default model (Gemma 3 270M Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K
 blocks): the engine's guarantees hold with the flag on (a request's greedy output does not depend on the batch,
-on chunked prefill or on prefix-cache hits; every block returns to the pool), and its greedy output agrees with
-HF transformers' stored reference up to near-ties (vLLM's check_logprobs_close rule, tests/logprob_check.py).
+on chunked prefill, on prefix-cache hits, on preemption or on n-gram speculation, and an int8 KV cache keeps
+it; every block returns to the pool), and its greedy output agrees with HF transformers' stored reference up to
+near-ties (vLLM's check_logprobs_close rule, tests/logprob_check.py).
 The accuracy cost itself (perplexity, greedy agreement over 32 tokens) is measured by `kvserve bench
 quantization --methods gguf,gguf+act-int8` (docs/BENCHMARKS.md)."""
 
@@ -25,6 +26,14 @@ pytestmark = pytest.mark.real_model
 REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "gemma3_270m_reference.json"
 TOP = 5
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP)
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": 64,
+    "min_acceptance_rate": 0.0,
+}
 
 
 def tops(completion) -> list[dict]:
@@ -53,6 +62,9 @@ def test_int8_engine_agrees_with_hf_and_with_itself_under_batching(int8_engine) 
         "alone": None,
         "chunked-96": dict(max_num_batched_tokens=96),
         "prefix-cache": dict(enable_prefix_caching=True),
+        "preempt": dict(num_gpu_blocks_override=60, max_model_len=800),  # 60 x 16 tokens cannot hold them all
+        "spec-ngram": dict(speculative_config=SPEC),
+        "int8-kv": dict(kv_cache_dtype="int8"),
     }
     for name, changes in variants.items():
         if changes is None:
@@ -66,5 +78,9 @@ def test_int8_engine_agrees_with_hf_and_with_itself_under_batching(int8_engine) 
             assert_logprobs_close(base.token_ids, tops(base), got.token_ids, tops(got), name=f"{name} prompt {i}")
         if name == "prefix-cache":
             assert engine.stats().prefix_cache_hits_tokens > 0
+        if name == "preempt":
+            assert engine.core.scheduler.num_preemptions > 0
+        if name == "spec-ngram":
+            assert engine.stats().spec_decode_num_draft_tokens > 0
         engine.check_invariants()
         assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
