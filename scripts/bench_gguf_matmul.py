@@ -6,7 +6,10 @@ same machine. Not run by CI.
 `--cold` times each call over the same projection of all 18 layers (one timing per type the file uses for it), so
 that, as in a decode step, the weights come from memory rather than from a cache that the previous call warmed.
 
-Usage: python scripts/bench_gguf_matmul.py [--rows 1,8,32,512] [--cold]
+`--against int8` times the GGUF matmul with int8 activations (`--activation-quantization int8`) in q8_0's place:
+the same blocks, float32 activations against 8-bit ones.
+
+Usage: python scripts/bench_gguf_matmul.py [--rows 1,8,32,512] [--cold] [--against q8_0|int8]
 """
 
 from __future__ import annotations
@@ -62,20 +65,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32,512")
     parser.add_argument("--cold", action="store_true", help="every layer's copy of each projection per timing")
+    parser.add_argument("--against", choices=["q8_0", "int8"], default="q8_0", help="the other side of each timing")
     args = parser.parse_args()
     kernels = load_kernels(default_cache_dir() / "kernels")
     if not isinstance(kernels, NativeKernels):
         raise SystemExit("the native kernels did not build here")
+    int8 = load_kernels(default_cache_dir() / "kernels", activation_quantization="int8")
+    other = args.against
     with GGUFFile(resolve_model(None).path) as f:
         for label, qtype, names in weight_sets(f, args.cold):
             blocks = [torch.from_numpy(f.tensor_blocks(name)) for name in names]
-            q8 = [quantize_q8(torch.from_numpy(f.tensor_float32(name))) for name in names]
-            n, k = q8[0][0].shape
+            q8 = [quantize_q8(torch.from_numpy(f.tensor_float32(name))) for name in names] if other == "q8_0" else []
+            n, k = f.tensors[names[0]].shape
             for m in map(int, args.rows.split(",")):
                 if n > 100_000 and m > 64:
                     continue  # the LM head runs on sampled rows only
                 x, out = torch.randn(m, k), torch.empty(m, n)
-                times = {"gguf": float("inf"), "q8_0": float("inf")}
+                times = {"gguf": float("inf"), other: float("inf")}
                 for _ in range(3 if n > 100_000 else 15):
                     start = time.perf_counter()
                     for b in blocks:
@@ -83,15 +89,17 @@ def main() -> None:
                     middle = time.perf_counter()
                     for q, s in q8:
                         kernels.q8_matmul(x, q, s, out)
+                    for b in blocks if other == "int8" else []:
+                        int8.gguf_matmul(x, b, qtype, out)
                     end = time.perf_counter()
                     times["gguf"] = min(times["gguf"], middle - start)
-                    times["q8_0"] = min(times["q8_0"], end - middle)
+                    times[other] = min(times[other], end - middle)
                 name = NATIVE_GGUF_TYPES[qtype].name
                 flops = 2e-9 * m * n * k * len(names)
                 print(
                     f"{label:9} {name} {n:>6} x {k:<4} rows {m:>3}: gguf "
-                    f"{1e3 * times['gguf']:7.3f} ms  q8_0 {1e3 * times['q8_0']:7.3f} ms  "
-                    f"ratio {times['q8_0'] / times['gguf']:.2f}  ({flops / times['gguf']:5.1f} GFLOP/s)"
+                    f"{1e3 * times['gguf']:7.3f} ms  {other} {1e3 * times[other]:7.3f} ms  "
+                    f"ratio {times[other] / times['gguf']:.2f}  ({flops / times['gguf']:5.1f} GFLOP/s)"
                 )
 
 

@@ -108,6 +108,7 @@ def load_model(
     config = config or load_model_config(source)
     model = DecoderModel(config, dtype, device, attention_backend, kernels)
     quantized_file: Path | None = None
+    # The torch kernels keep the blocks only for int8 activations (the same numbers as the native int8 path).
     blocks_path = kernels.name == "native" or activation_quantization != "none"
     if quantization == "gguf" and blocks_path and device.type == "cpu":
         _load_gguf_blocks(model, source, config, kernels, device)
@@ -162,14 +163,12 @@ def _load_gguf_blocks(
     any tensor whose type has no native kernel here) dequantized to float32, with a log line."""
     from gguf.constants import GGMLQuantizationType
 
-    # Torch kernels keep the blocks only for int8 activations (the same numbers as the native kernels' int8 path).
-    as_blocks = (kernels.name == "native" or kernels.activation_quantization != "none") and device.type == "cpu"
     with GGUFFile(source.path) as f:
         names = {gguf_canonical_name(g, config): g for g in f.tensors}
         blocks = {
             name: (f.tensors[g].ggml_type, _canonical_rows(name, torch.from_numpy(f.tensor_blocks(g)), config))
             for name, g in names.items()
-            if as_blocks and f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2
+            if f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2
         }
         used = use_gguf_blocks(model, blocks, kernels)
         rest = [name for name in names if name not in used]

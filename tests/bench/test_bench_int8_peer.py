@@ -31,14 +31,11 @@ def quick_ceilings(monkeypatch):
 def tiny_gguf(tmp_path_factory) -> Path:
     sys.path.insert(0, str(MODELS_TESTS))
     try:
-        from test_gguf import GGUF_VARIANTS, write_gguf
-        from tiny_models import build_tiny_hf_model
+        from test_gguf import tiny_gguf
     finally:
         sys.path.remove(str(MODELS_TESTS))
-    variant, overrides = GGUF_VARIANTS["llama"]
-    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
-    write_gguf(build_tiny_hf_model(variant, **overrides), path, "llama", with_vocab=True)
-    return path
+    _, source = tiny_gguf("llama", tmp_path_factory.mktemp("gguf"), with_vocab=True)
+    return source.path
 
 
 def bench(command: list[str], model: Path, tmp_path: Path) -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gguf import ATOL, GGUF_VARIANTS, RTOL, write_gguf
-from tiny_models import PagedDriver, build_tiny_hf_model, hf_logits
+from test_gguf import ATOL, GGUF_VARIANTS, RTOL, tiny_gguf
+from tiny_models import PagedDriver, hf_logits
 
 from kvserve.config import EngineConfig
 from kvserve.kernels.native import cpu_supports_native
@@ -31,12 +31,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant_name", sorted(GGUF_VARIANTS))
 def test_int8_activations_native_equal_torch_and_stay_near_hf(variant_name: str, tmp_path: Path) -> None:
-    variant, overrides = GGUF_VARIANTS[variant_name]
-    arch = variant_name.split("_")[0]
-    hf = build_tiny_hf_model(variant, **overrides)
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(hf, path, arch)
-    source = ModelSource(ModelFormat.GGUF, path, path.stem)
+    hf, source = tiny_gguf(variant_name, tmp_path)
     model = loader.load_model(
         source,
         torch.float32,

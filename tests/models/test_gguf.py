@@ -125,6 +125,16 @@ def write_gguf(hf: torch.nn.Module, path: Path, arch: str, with_vocab: bool = Fa
     w.close()
 
 
+def tiny_gguf(variant_name: str, directory: Path, with_vocab: bool = False) -> tuple[torch.nn.Module, ModelSource]:
+    """A tiny HF model of GGUF_VARIANTS[variant_name] and its GGUF file (write_gguf) in `directory`."""
+    variant, overrides = GGUF_VARIANTS[variant_name]
+    arch = variant_name.split("_")[0]
+    hf = build_tiny_hf_model(variant, **overrides)
+    path = directory / f"tiny-{arch}.gguf"
+    write_gguf(hf, path, arch, with_vocab)
+    return hf, ModelSource(ModelFormat.GGUF, path, path.stem)
+
+
 GGUF_VARIANTS = {
     # The GGUF carries no layer pattern / local rope base / query_pre_attn_scalar: HF's defaults
     # (every 6th layer global, 1e4, 256) must hold, so the HF model uses them too.
@@ -149,12 +159,8 @@ GGUF_VARIANTS = {
 def test_gguf_matches_hf_and_cache_is_reused(
     variant_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    variant, overrides = GGUF_VARIANTS[variant_name]
+    hf, source = tiny_gguf(variant_name, tmp_path)
     arch = variant_name.split("_")[0]
-    hf = build_tiny_hf_model(variant, **overrides)
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(hf, path, arch)
-    source = ModelSource(ModelFormat.GGUF, path, path.stem)
     cache = tmp_path / "cache"
 
     config = loader.load_model_config(source)

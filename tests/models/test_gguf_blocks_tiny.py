@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gguf import ATOL, GGUF_VARIANTS, RTOL, write_gguf
-from tiny_models import PagedDriver, build_tiny_hf_model, hf_logits
+from test_gguf import ATOL, GGUF_VARIANTS, RTOL, tiny_gguf
+from tiny_models import PagedDriver, hf_logits
 
 from kvserve.bench.floor import model_cost
 from kvserve.kernels.native import cpu_supports_native
@@ -22,12 +22,7 @@ from kvserve.model.source import ModelFormat, ModelSource
 
 @pytest.mark.parametrize("variant_name", sorted(GGUF_VARIANTS))
 def test_gguf_blocks_match_hf(variant_name: str, tmp_path: Path) -> None:
-    variant, overrides = GGUF_VARIANTS[variant_name]
-    arch = variant_name.split("_")[0]
-    hf = build_tiny_hf_model(variant, **overrides)
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(hf, path, arch)
-    source = ModelSource(ModelFormat.GGUF, path, path.stem)
+    hf, source = tiny_gguf(variant_name, tmp_path)
     loaded = loader.load_model(
         source, torch.float32, torch.device("cpu"), cache_dir=tmp_path / "cache", quantization="gguf"
     )

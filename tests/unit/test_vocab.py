@@ -70,6 +70,13 @@ def test_every_backend_name_has_an_implementation() -> None:
     assert all(callable(get_attention_backend(name)) for name in ATTENTION_BACKENDS)
 
 
+def test_every_kernel_isa_name_is_a_build() -> None:
+    from kvserve.kernels.native import ISA_REQUIREMENTS
+    from kvserve.vocab import KERNEL_ISAS
+
+    assert KERNEL_ISAS == ("auto", *ISA_REQUIREMENTS)
+
+
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 def test_every_hash_name_hashes(algo: str) -> None:
     hasher = BlockHasher(algo)
