@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from kvserve.model.packaged import PACKAGED_MODELS, packaged_model_path
+
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ def _gguf_name(path: Path) -> str:
     default = package.default_output_path()
     if path.resolve() == Path(default).resolve():
         return DEFAULT_MODEL_NAME
+    for packaged in PACKAGED_MODELS.values():
+        if path.name == packaged.file_name:
+            return packaged.name
     return path.stem
 
 
@@ -69,6 +74,11 @@ def resolve_model(model: str | None) -> ModelSource:
     """Turn `--model` into a ModelSource, or raise a clear error; nothing is ever downloaded."""
     if model is None or model in (DEFAULT_MODEL_NAME, "default"):
         return ModelSource(ModelFormat.GGUF, default_model_path(), DEFAULT_MODEL_NAME)
+    if model in PACKAGED_MODELS:
+        from kvserve.model.tokenizer import default_cache_dir
+
+        packaged = PACKAGED_MODELS[model]
+        return ModelSource(ModelFormat.GGUF, packaged_model_path(packaged, default_cache_dir()), packaged.name)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -83,5 +93,6 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(ModelFormat.HF, path.resolve(), path.name)
     raise ValueError(
         f"model {model!r} not found: pass a .gguf file, a Hugging Face checkpoint directory, "
+        f"a packaged model's name ({', '.join(PACKAGED_MODELS)}), "
         f"or omit --model for the default ({DEFAULT_MODEL_NAME}); kvserve never downloads from a hub"
     )

@@ -134,7 +134,7 @@ def _choice(
         index=c.index,
         message=message,
         logprobs=_logprobs(ctx, request, prompt, c.token_ids, 0, c.token_ids, c.logprobs),
-        finish_reason=finish_reason(c.finish_reason, bool(reply.tool_calls)),
+        finish_reason=finish_reason(tools, c.finish_reason, bool(reply.tool_calls)),
         stop_reason=c.stop_reason,
     )
 
@@ -199,7 +199,7 @@ async def _stream(
             if tools.extractor is not None:
                 if d.index not in calls:
                     calls[d.index] = StreamedCalls(tools)
-                for frame in _tool_chunks(calls[d.index], d, logprobs):
+                for frame in _tool_chunks(tools, calls[d.index], d, logprobs):
                     yield chunk([frame])
             elif d.finish_reason is not None:
                 delta = DeltaMessage(content=d.text) if d.text else DeltaMessage()
@@ -222,7 +222,7 @@ async def _stream(
 
 
 def _tool_chunks(
-    streamed: StreamedCalls, d: ChoiceDelta, logprobs: ChatChoiceLogprobs | None
+    tools: ToolPlan, streamed: StreamedCalls, d: ChoiceDelta, logprobs: ChatChoiceLogprobs | None
 ) -> list[ChatStreamChoice]:
     """A piece of a reply read for tool calls: its content and call pieces in one chunk, then (at the end) the finish
     reason in a chunk of its own, "tool_calls" when it called any."""
@@ -237,7 +237,7 @@ def _tool_chunks(
             ChatStreamChoice(
                 index=d.index,
                 delta=DeltaMessage(),
-                finish_reason=finish_reason(d.finish_reason, streamed.has_calls),
+                finish_reason=finish_reason(tools, d.finish_reason, streamed.has_calls),
                 stop_reason=d.stop_reason,
             )
         )

@@ -60,6 +60,7 @@ class ToolPlan:
     constraint: Constraint | None = None  # required / named: the forcing grammar
     extractor: Callable[[], ToolCallExtractor] | None = None  # one per choice; None: the reply is plain text
     parallel: bool = True
+    whole_calls: bool = False  # the extractor reports complete calls only (finish_reason "tool_calls" at length too)
 
 
 def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
@@ -83,7 +84,8 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
         parser = settings.tool_parser
         if not settings.enable_auto_tool_choice or parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
-        return ToolPlan(tools, functions, choice, None, parser.extractor, parallel)
+        names = frozenset(f.name for f in functions)
+        return ToolPlan(tools, functions, choice, None, partial(parser.extractor, names), parallel, parser.whole_calls)
     constraint = Constraint(
         make_params("tools", {"json": schema, **_FORCED_OPTIONS, **request_options(request)}), "tools"
     )
@@ -147,9 +149,12 @@ def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
     )
 
 
-def finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    """ "tool_calls" when a reply that ended by itself called tools (a call cut by max_tokens stays "length")."""
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def finish_reason(plan: ToolPlan, reason: str | None, has_calls: bool) -> str | None:
+    """ "tool_calls" when the reply called tools: whenever calls were parsed for an extractor that reports complete
+    calls only (as vLLM), else when it ended by itself (a forced call cut by max_tokens stays "length")."""
+    if has_calls and (reason == "stop" or (plan.whole_calls and reason == "length")):
+        return "tool_calls"
+    return reason
 
 
 class StreamedCalls:

@@ -38,7 +38,7 @@ from kvserve.structured.backend import (
 from kvserve.structured.compile_workers import CompileAbandoned
 from kvserve.structured.config import StructuredOutputsConfig
 from kvserve.structured.matcher import GrammarMatcher
-from kvserve.structured.params import ConstraintKind, StructuredOutputsParams
+from kvserve.structured.params import ConstraintKind, StructuredOutputsParams, with_whitespace_default
 from kvserve.structured.schema_check import outside_reference
 from kvserve.vocab import STRUCTURED_OUTPUTS_BACKENDS, check_choice
 
@@ -116,6 +116,7 @@ class GrammarCompiler:
         future of the job this compile is part of) is cancelled."""
         if not isinstance(params, StructuredOutputsParams):
             raise TypeError(f"expected StructuredOutputsParams, got {type(params).__name__}")
+        params = self.resolve(params)
         limit = self.config.max_grammar_bytes
         if params.source_bytes > limit:
             raise GrammarCompileLimit(
@@ -143,7 +144,11 @@ class GrammarCompiler:
     def lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
         """The compiled grammar if cached already, else None. Never builds the backend nor compiles."""
         backend = self._backend
-        return None if backend is None else backend.lookup(params)
+        return None if backend is None else backend.lookup(self.resolve(params))
+
+    def resolve(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """`params` with the server's whitespace default applied where the request left it open."""
+        return with_whitespace_default(params, self.config.disable_any_whitespace)
 
     def run_async(self, job: Callable[[Future[T]], T]) -> Future[T]:
         """`job(its own future)` on the compile pool (a server's compiles for one request: each tool's schema, the
@@ -176,6 +181,7 @@ class GrammarCompiler:
     def compile_async(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """`compile` on the compile pool; a cached grammar comes back as a future that is done already, so that
         a request whose grammar the server compiled is admitted at the next step without waiting for a thread."""
+        params = self.resolve(params)  # here, so that the compile thread goes straight to its compile
         cached = self.lookup(params)
         if cached is not None:
             done: Future[CompiledGrammar] = Future()

@@ -18,7 +18,8 @@ from kvserve.json_flags import check_field_types, config_from_json_flag
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsConfig:
     """The compile budgets (kvserve's keys of vLLM's flag). compile_in_workers false compiles on threads of this
-    process instead (no time limit can then be enforced: a thread cannot be stopped; for embedding and tests)."""
+    process instead (no time limit can then be enforced: a thread cannot be stopped; for embedding and tests).
+    disable_any_whitespace: the default of requests that do not say (docs/STRUCTURED_OUTPUT.md)."""
 
     max_compile_seconds: float = 10.0
     max_grammar_bytes: int = 256 << 10
@@ -26,6 +27,9 @@ class StructuredOutputsConfig:
     max_queued_compiles: int = 64
     compile_in_workers: bool = True
     max_cache_bytes: int = 256 << 20  # the compiled grammars kept (their own size, as xgrammar reports it)
+    # vLLM's key, with kvserve's default flipped: JSON constraints are compact unless a request says otherwise, so a
+    # small model cannot run away into whitespace (llama.cpp bounds it in its grammars too); false lifts it
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self, "structured_outputs_config")

@@ -11,7 +11,7 @@ import enum
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 _FIELD_PREFIX = "structured_outputs"
@@ -31,12 +31,13 @@ class ConstraintKind(enum.Enum):
 class StructuredOutputsParams:
     """One request's output constraint, immutable once built (so that its key can be cached with it).
 
-    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex; choice: one of these strings;
-    grammar: GBNF/EBNF (`::=` rules) or Lark, both backends. The options shape JSON output:
-    disable_any_whitespace (compact JSON, which keeps a small model from wandering in whitespace) and
-    whitespace_pattern (llguidance only). disable_additional_properties is accepted for vLLM's clients and
-    changes nothing: both backends are strict already (an object takes only the properties its schema lists,
-    unless the schema sets additionalProperties). `key` hashes everything that changes the compiled grammar;
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex; choice: one of these strings; grammar:
+    GBNF/EBNF (`::=` rules) or Lark, both backends. The options shape JSON output: disable_any_whitespace (compact JSON,
+    which keeps a small model from wandering in whitespace; None, the default: the server's
+    `--structured-outputs-config` disable_any_whitespace, true unless lifted, a difference from vLLM) and
+    whitespace_pattern (llguidance only; it lifts the compact default). disable_additional_properties is accepted for
+    vLLM's clients and changes nothing: both backends are strict already (an object takes only the properties its schema
+    lists, unless the schema sets additionalProperties). `key` hashes everything that changes the compiled grammar;
     `source_bytes` is the size of that serialized constraint (what --structured-outputs-config's max_grammar_bytes
     bounds).
     """
@@ -46,7 +47,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     key: str = field(init=False, repr=False)
@@ -122,7 +123,9 @@ def _check_value(p: StructuredOutputsParams, kind: ConstraintKind) -> None:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     elif kind is ConstraintKind.CHOICE:
         _check_choice(name, p.choice)
-    for option in ("disable_any_whitespace", "disable_additional_properties"):
+    if p.disable_any_whitespace is not None and not isinstance(p.disable_any_whitespace, bool):
+        raise ValueError(f"{_FIELD_PREFIX}.disable_any_whitespace must be a boolean, got {p.disable_any_whitespace!r}")
+    for option in ("disable_additional_properties",):
         if not isinstance(getattr(p, option), bool):
             raise ValueError(f"{_FIELD_PREFIX}.{option} must be a boolean, got {getattr(p, option)!r}")
     if p.whitespace_pattern is not None and (not isinstance(p.whitespace_pattern, str) or not p.whitespace_pattern):
@@ -164,3 +167,11 @@ def _key(p: StructuredOutputsParams, kind: ConstraintKind) -> tuple[str, int]:
     payload = [kind.value, value, p.disable_any_whitespace, p.whitespace_pattern]  # not the no-op option
     data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return hashlib.sha256(data).hexdigest(), len(data)
+
+
+def with_whitespace_default(params: StructuredOutputsParams, compact: bool) -> StructuredOutputsParams:
+    """`params` with disable_any_whitespace decided: its own value if it set one, else False under a
+    whitespace_pattern (the pattern rules whitespace), else the server's default `compact`."""
+    if params.disable_any_whitespace is not None:
+        return params
+    return replace(params, disable_any_whitespace=compact and params.whitespace_pattern is None)

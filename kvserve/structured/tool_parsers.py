@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -38,7 +38,6 @@ from kvserve.structured.tool_calls import (
     ParsedDelta,
     StrippedText,
     ToolCallExtractor,
-    drop_char,
     report_call_object,
 )
 from kvserve.structured.tool_prompts import HERMES_END, HERMES_START, HermesStyle, PythonicStyle
@@ -47,20 +46,34 @@ from kvserve.structured.tool_prompts import HERMES_END, HERMES_START, HermesStyl
 
 
 class HermesExtractor:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text outside them is content. A block
-    whose JSON names no function (malformed) is content, markers included."""
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text outside them is content.
+
+    Two rules of kvserve's own (docs/AGENTS.md):
+    - a call is reported whole, once its JSON object closes (name and arguments in one piece), so that a stream
+      never carries half a call: a block that is malformed, names no function, or is cut by max_tokens is content,
+      its markers included, streamed or not (vLLM returns a cut call as content too);
+    - given the request's tool names, a reply that *opens* with a bare call object (`{"name": "get_weather",
+      "arguments": {...}}`) or with one in a ```json fence is read as calls as well, when the name is one of the
+      request's tools; several such objects in a row are parallel calls. Qwen2.5-Coder-0.5B-Instruct writes its
+      calls that way: the `<tool_call>` token is about e^-23 likely after its own template's prompt (HF transformers
+      agrees), so vLLM's hermes parser returns its calls as content.
+    """
 
     argument_keys = ("arguments", "parameters")
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
+        self._names = frozenset(tool_names)
         self._content = ContentText()
         self._calls = CallNumbering()
         self._start = Marker(HERMES_START)
         self._end = Marker(HERMES_END)
-        self._state = "outside"  # outside, call, after_call, skip
+        self._fence_end = Marker(_FENCE)
+        # lead (nothing but whitespace yet, or only calls: a bare or fenced call may open), outside, fence_open,
+        # object (a call object being read), after_tag (before </tool_call>), after_fence (before the closing ```)
+        self._state = "lead" if self._names else "outside"
+        self._form = ""  # the open call's wrapping: tag, bare, fence
         self._object: CallObjectScanner | None = None
-        self._raw: list[str] = []  # the block's text while its call has not started (content if it never does)
-        self._started = False
+        self._raw: list[str] = []  # the open call's text, content if it turns out not to be a call
 
     def feed(self, text: str) -> ParsedDelta:
         for c in text:
@@ -68,8 +81,8 @@ class HermesExtractor:
         return self._take()
 
     def finish(self) -> ParsedDelta:
-        if self._state == "call" and not self._started:
-            self._give_back_block()
+        if self._state in ("object", "fence_open"):
+            self._give_back()
         elif self._state == "outside":
             self._start.flush(self._content.char)
         self._calls.close()
@@ -79,60 +92,105 @@ class HermesExtractor:
         return ParsedDelta(self._content.take(), self._calls.take())
 
     def _char(self, c: str) -> None:
-        if self._state == "outside":
+        state = self._state
+        if state == "object":
+            self._object_char(c)
+        elif state == "outside":
             if self._start.char(c, self._content.char):
                 self._content.drop_held()
-                self._open_block()
-        elif self._state == "call":
-            self._call_char(c)
-        elif self._state == "skip":  # a call that broke off: the rest of its block is dropped
-            if self._end.char(c, drop_char):
-                self._state = "outside"
-        else:  # after_call: whitespace, then </tool_call>; anything else is content again
-            self._after_call_char(c)
+                self._open("tag", HERMES_START)
+        elif state == "lead":
+            self._lead_char(c)
+        elif state == "fence_open":
+            self._fence_open_char(c)
+        elif state == "after_tag":
+            self._after_call_char(c, self._end)
+        else:  # after_fence
+            self._after_call_char(c, self._fence_end)
 
-    def _open_block(self) -> None:
-        self._state = "call"
+    def _lead_char(self, c: str) -> None:
+        if c.isspace():
+            return
+        if c == "{":
+            self._open("bare", "")
+            self._object_char(c)
+        elif c == "`":
+            self._state, self._raw = "fence_open", [c]
+        else:
+            self._state = "outside"
+            self._char(c)
+
+    def _fence_open_char(self, c: str) -> None:
+        """```, an optional `json` tag, whitespace, then the object's `{`; anything else is content."""
+        self._raw.append(c)
+        opening = "".join(self._raw)
+        ticks = len(_FENCE)
+        if len(opening) <= ticks:
+            if c != "`":
+                self._give_back()
+        elif c == "{":
+            if opening[ticks:-1].strip().lower() not in ("", "json"):
+                self._give_back()
+                return
+            raw = self._raw
+            self._open("fence", "")
+            self._raw = raw[:-1]
+            self._object_char(c)
+        elif not (c.isspace() or _FENCE_TAG.startswith(opening[ticks:].lower())):
+            self._give_back()
+
+    def _open(self, form: str, raw: str) -> None:
+        self._state, self._form = "object", form
         self._object = CallObjectScanner(self.argument_keys)
-        self._raw = [HERMES_START]
-        self._started = False
+        self._raw = [raw] if raw else []
 
-    def _call_char(self, c: str) -> None:
+    def _object_char(self, c: str) -> None:
         obj = self._object
         assert obj is not None
         self._raw.append(c)
         obj.char(c)
-        if obj.invalid and not self._started:
-            self._give_back_block()
-            return
-        self._report()
-        if obj.done or obj.invalid:
+        if obj.invalid or (self._form != "tag" and not self._may_be_call(obj)):
+            self._give_back()
+        elif obj.done:
+            if obj.name is None:
+                self._give_back()
+                return
+            self._calls.start(obj.name, obj.take_arguments() if obj.saw_arguments else "{}")
             self._calls.close()
-            self._state = "after_call" if obj.done else "skip"
+            self._state = {"tag": "after_tag", "fence": "after_fence"}.get(self._form, "lead")
+            self._raw = []
 
-    def _report(self) -> None:
-        assert self._object is not None
-        self._started = report_call_object(self._object, self._calls, self._started)
+    def _may_be_call(self, obj: CallObjectScanner) -> bool:
+        """A bare or fenced object stays a candidate while its keys are a call's and its name a requested tool's."""
+        if obj.name is not None and obj.name not in self._names:
+            return False
+        return obj.state not in ("colon", "value") or obj.key in (_NAME_KEY, *self.argument_keys)
 
-    def _after_call_char(self, c: str) -> None:
-        if self._end.pending == "" and c.isspace():
+    def _after_call_char(self, c: str, end: Marker) -> None:
+        """Whitespace, then the call's closing marker; anything else is content again (a missing marker)."""
+        if end.pending == "" and c.isspace():
             return
         leftover: list[str] = []
-        if self._end.char(c, leftover.append):
-            self._state = "outside"
+        if end.char(c, leftover.append):
+            self._state = "lead" if self._names else "outside"
             return
-        if leftover:  # not the end marker (a missing one): back to content from here
+        if leftover:
             self._state = "outside"
-            self._end.pending = ""
+            end.pending = ""
             for x in leftover:
                 self._char(x)
 
-    def _give_back_block(self) -> None:
-        """The block names no call: its text (the marker included) is content."""
+    def _give_back(self) -> None:
+        """The open text names no call after all: it is content (the marker included)."""
         self._state = "outside"
         self._object = None
         raw, self._raw = self._raw, []
         self._content.text("".join(raw))
+
+
+_FENCE = "```"
+_FENCE_TAG = "json"
+_NAME_KEY = "name"
 
 
 # -- pythonic ---------------------------------------------------------------------------------------------------
@@ -199,9 +257,10 @@ class PythonicExtractor:
     """`[f(a=1, b="x"), g()]`: the whole output one Python list of calls with keyword arguments (as vLLM's pythonic
     parser); anything else is content. The arguments are built as JSON, one keyword at a time:
     `{"a": 1`, then `, "b": "x"`, then `}`. A call that breaks off (a positional argument, a value that is no
-    literal, max_tokens) keeps the arguments it had, closed."""
+    literal, max_tokens) keeps the arguments it had, closed. `tool_names` is accepted for the common signature (a
+    call list is recognised by its shape, whatever it names)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
         self._content = ContentText()
         self._calls = CallNumbering()
         self._state = "lead"  # lead, name, open_paren, key, equals, value, after_value, between, tail, content, dead
@@ -420,14 +479,15 @@ class ToolParserSpec:
     """One `--tool-call-parser`: how to read its calls and how to ask for them."""
 
     name: str
-    extractor: Callable[[], ToolCallExtractor]
+    extractor: Callable[[Collection[str]], ToolCallExtractor]  # given the request's tool names
     style: ToolPromptStyle
+    whole_calls: bool  # calls are reported only once complete (a cut one is content), so "tool_calls" even at length
 
 
 TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType(
     {
-        "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle()),
-        "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle()),
+        "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle(), whole_calls=True),
+        "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle(), whole_calls=False),
     }
 )
 # kvserve's own name for the parser that reads Gemma 3's style (not a vLLM name)

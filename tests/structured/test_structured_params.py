@@ -95,3 +95,26 @@ def test_params_are_immutable() -> None:
     params = StructuredOutputsParams(regex="a")
     with pytest.raises(AttributeError):
         params.regex = "b"  # type: ignore[misc]
+
+
+def test_json_is_compact_unless_a_request_or_the_server_lifts_it():
+    """kvserve's default (a difference from vLLM): a request that leaves disable_any_whitespace open gets the
+    server's --structured-outputs-config value, true unless lifted; a request's own value or a whitespace_pattern
+    wins. The decided params are what the compile cache is keyed by."""
+    from kvserve.structured.config import StructuredOutputsConfig, parse_structured_outputs_config
+    from kvserve.structured.params import with_whitespace_default
+
+    assert StructuredOutputsConfig().disable_any_whitespace is True
+    assert parse_structured_outputs_config('{"disable_any_whitespace": false}').disable_any_whitespace is False
+    open_ = StructuredOutputsParams(json=SCHEMA)
+    assert open_.disable_any_whitespace is None
+    assert with_whitespace_default(open_, True).disable_any_whitespace is True
+    assert with_whitespace_default(open_, False).disable_any_whitespace is False
+    assert (
+        with_whitespace_default(open_, True).key
+        == StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True).key
+    )
+    explicit = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=False)
+    assert with_whitespace_default(explicit, True) is explicit
+    pattern = StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ ]?")
+    assert with_whitespace_default(pattern, True).disable_any_whitespace is False

@@ -31,6 +31,11 @@ HERMES_TWO_CALLS = (
     '</tool_call>\n<tool_call>\n{"arguments": {}, "name": "now"}\n</tool_call>'
 )
 
+
+def WEATHER():  # an extractor factory, named like the classes beside it
+    return HermesExtractor(("get_weather", "now"))
+
+
 # (extractor factory, text, expected content, expected calls)
 CASES = [
     (HermesExtractor, "Just text, no call.", "Just text, no call.", []),
@@ -62,13 +67,49 @@ CASES = [
     (HermesExtractor, "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
     (HermesExtractor, "a <tool_c b <toolbox> <tool_call", "a <tool_c b <toolbox> <tool_call", []),
     (HermesExtractor, '<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [ToolCall("f", '{"a": 1}')]),
-    (HermesExtractor, '<tool_call>{"name": "f", "arguments": {"a": [1, {"b"', None, [ToolCall("f", '{"a": [1, {"b"')]),
+    # cut by max_tokens, or malformed after the name: content, markers included (a call is reported whole)
+    (
+        HermesExtractor,
+        '<tool_call>{"name": "f", "arguments": {"a": [1, {"b"',
+        '<tool_call>{"name": "f", "arguments": {"a": [1, {"b"',
+        [],
+    ),
     (
         HermesExtractor,
         '<tool_call>{"name": "f", "arguments": {}, oops}</tool_call>after',
-        "after",
-        [ToolCall("f", "{}")],
+        '<tool_call>{"name": "f", "arguments": {}, oops}</tool_call>after',
+        [],
     ),
+    # Qwen2.5-Coder's bare and fenced calls, read when they name one of the request's tools
+    (
+        WEATHER,
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        None,
+        [ToolCall("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        WEATHER,
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Tokyo"\n  }\n}\n```',
+        None,
+        [ToolCall("get_weather", '{\n    "city": "Tokyo"\n  }')],
+    ),
+    (
+        WEATHER,
+        '{"name": "get_weather", "arguments": {"city": "A"}}\n{"name": "now", "arguments": {}} Checking both.',
+        "Checking both.",
+        [ToolCall("get_weather", '{"city": "A"}'), ToolCall("now", "{}")],
+    ),
+    (
+        WEATHER,
+        '```json\n{"name": "reverse_string", "arguments": {"s": "x"}}\n```',
+        '```json\n{"name": "reverse_string", "arguments": {"s": "x"}}\n```',
+        [],
+    ),
+    (WEATHER, '{"city": "Paris", "name": "get_weather"}', '{"city": "Paris", "name": "get_weather"}', []),
+    (WEATHER, "```python\ndef f(): pass\n```", "```python\ndef f(): pass\n```", []),
+    (WEATHER, '{"name": "get_weather", "arguments": {"ci', '{"name": "get_weather", "arguments": {"ci', []),
+    (WEATHER, 'It is {"name": "get_weather"} maybe', 'It is {"name": "get_weather"} maybe', []),
+    (HermesExtractor, '{"name": "get_weather", "arguments": {}}', '{"name": "get_weather", "arguments": {}}', []),
     (
         PythonicExtractor,
         '[get_weather(city="Paris", days=[1, 2], metric=True), now()]',
@@ -135,12 +176,15 @@ def test_any_cut_gives_the_whole(case, data):
         seen.add(piece.index)
 
 
-def test_arguments_stream_in_pieces():
-    """A long arguments object arrives in several pieces as its text comes, not at the end."""
+def test_hermes_holds_a_call_until_its_json_closes():
+    """A hermes call is one piece, sent when its object closes: a stream never carries half a call, so a call that
+    max_tokens cuts is content in a stream as in a whole reply (docs/AGENTS.md)."""
     text = '<tool_call>{"name": "f", "arguments": {"text": "' + "word " * 20 + '"}}</tool_call>'
-    _, pieces = _streamed(HermesExtractor, text, list(range(0, len(text), 7)))
-    assert pieces[0].name == "f"
-    assert len([p for p in pieces if p.arguments]) > 5
+    cuts = list(range(0, len(text), 7))
+    _, pieces = _streamed(HermesExtractor, text, cuts)
+    assert [(p.name, json.loads(p.arguments)) for p in pieces] == [("f", {"text": "word " * 20})]
+    acc, pieces = _streamed(HermesExtractor, text[:-20], cuts)
+    assert pieces == [] and acc.result().content == text[:-20].rstrip()  # trailing whitespace is never content
 
 
 def test_pythonic_arguments_stream_per_keyword():
