@@ -39,6 +39,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.server.responses import ResponsesRequest, create_response
 from kvserve.server.transport import TransportLimits
 
 __all__ = ["ServerSettings", "build_app"]
@@ -160,6 +161,11 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         ctx.engine.check_alive()
         return await create_chat_completion(ctx, body, raw)
+
+    @router.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        ctx.engine.check_alive()
+        return await create_response(ctx, body, raw)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:

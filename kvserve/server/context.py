@@ -7,11 +7,12 @@ apps in one process (tests, embedding) never share state through module globals.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.server.errors import APIError
+from kvserve.server.response_store import ResponseStore
 from kvserve.structured.tool_parsers import DEFAULT_STYLE, TOOL_PARSER_NAMES, ToolParserSpec, tool_parser
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class ServerContext:
     facts: EngineFacts
     preparer: PromptPreparer
     texts: TokenTexts
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store (previous_response_id)
 
     @property
     def max_model_len(self) -> int:

@@ -1,0 +1,420 @@
+"""POST /v1/responses: OpenAI's Responses API, as a translation onto the chat path.
+
+Why a translation and not a second engine path: a Responses request is a chat request in other clothes (`input` items
+are messages, `instructions` a system message, `text.format` a response_format, function tools the same tools), so
+it goes through the one chat handler, whose tool parsing, constraints, prefix caching and errors are tested, and
+its reply (or its stream of chunks) is rewritten into Responses objects and typed events:
+`response.created`, `response.in_progress`, per output item `response.output_item.added`, for text
+`response.content_part.added`, `response.output_text.delta`..., `response.output_text.done`,
+`response.content_part.done`, for a call `response.function_call_arguments.delta`...,
+`response.function_call_arguments.done`, then `response.output_item.done`, and `response.completed`, each with its
+`sequence_number`.
+
+`store` defaults to true, as OpenAI's does (vLLM's is off unless an environment variable turns it on): clients
+written for OpenAI chain turns with `previous_response_id`. Stored responses (the conversation so far, prompt
+derived) live in this process's memory only, in an LRU of `max_stored_responses` (256); an evicted or unknown id is
+a 404 naming it. Fields clients send routinely (`include`, `truncation`, `metadata`, `user`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest change nothing.
+What kvserve does not have is a 400 naming the field: built-in tools (web search, file search, code interpreter,
+computer use, MCP, image generation), `background: true`, non-text input parts (images, files, audio).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.server.chat import create_chat_completion
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.response_store import ResponseStore
+from kvserve.server.streaming import SSE_DONE, sse
+
+
+class ResponsesRequest(BaseModel):
+    """The request body; unknown fields are ignored (new SDK fields must not break old servers)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    background: bool | None = None
+    metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    seed: int | None = None  # kvserve's (as vLLM's): reproducible sampling
+
+
+# -- request: Responses -> chat ---------------------------------------------------------------------------------
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"{where}.content[{j}]: only text parts (input_text, output_text) are supported, got {kind!r}",
+                param=f"{where}.content[{j}]",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: text is one user message; messages keep their role (developer is system);
+    function_call items become an assistant's tool_calls, function_call_output items tool messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
+            content = _content_text(item.get("content"), where)
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "function_call":
+            call = {
+                "id": str(item.get("call_id") or item.get("id") or ""),
+                "type": "function",
+                "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
+        elif kind == "reasoning":
+            continue  # a reasoning model's item sent back by a client; this model has none to read
+        else:
+            raise bad_request(f"{where}.type {kind!r} is not supported", param=f"{where}.type")
+    return messages
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise bad_request(
+                f"tools[{i}]: built-in tool {kind!r} is not supported by kvserve; only function tools are",
+                param=f"tools[{i}].type",
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request(
+        f"tool_choice {choice!r}: only 'none', 'auto', 'required' or a function are supported", param="tool_choice"
+    )
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object with a type", param="text.format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.get("name", "output"),
+                "schema": fmt.get("schema"),
+                "strict": fmt.get("strict"),
+            },
+        }
+    raise bad_request(f"text.format.type {fmt.get('type')!r} is not supported", param="text.format.type")
+
+
+def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], stream: bool) -> ChatCompletionRequest:
+    if body.background:
+        raise bad_request("background mode is not supported by kvserve", param="background")
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    messages += history + input_messages(body.input)
+    if not messages:
+        raise bad_request("input must not be empty", param="input")
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tools": _chat_tools(body.tools),
+        "tool_choice": _chat_tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": _response_format(body.text),
+        "seed": body.seed,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+    }
+    return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+
+
+# -- reply: chat -> Responses -----------------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens", 0)
+    prompt = usage.get("prompt_tokens", 0)
+    return {
+        "input_tokens": prompt,
+        # cache_write_tokens: the prompt tokens computed by this request (their full blocks join the prefix cache)
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached},
+        "output_tokens": usage.get("completion_tokens", 0),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.get("total_tokens", 0),
+    }
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+@dataclass(slots=True)
+class ResponseShell:
+    """What every Responses object of one request carries besides its output, status and usage."""
+
+    response_id: str
+    created_at: int
+    model: str
+    body: ResponsesRequest
+
+    def build(
+        self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None, finish: str | None = None
+    ) -> dict[str, Any]:
+        b = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" and finish == "length" else None
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": self.model,
+            "status": status,
+            "output": output,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "metadata": b.metadata or {},
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": b.previous_response_id,
+            "store": b.store,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
+            "tools": b.tools or [],
+            "text": b.text or {"format": {"type": "text"}},
+            "truncation": b.truncation or "disabled",
+            "usage": usage,
+            "user": b.user,
+        }
+
+
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Request) -> Response:
+    store: ResponseStore = ctx.responses
+    history = store.get(body.previous_response_id) if body.previous_response_id else []
+    request = chat_request(body, history, body.stream)
+    conversation = history + input_messages(body.input)
+    shell = ResponseShell(_new_id("resp"), int(time.time()), ctx.resolve_model(body.model), body)
+    reply = await create_chat_completion(ctx, request, raw)
+    if isinstance(reply, StreamingResponse):
+        events = _events(ctx, shell, reply.body_iterator, conversation)
+        return StreamingResponse(events, media_type="text/event-stream")
+    if not isinstance(reply, JSONResponse):
+        return reply  # 499: the client went away
+    chat = json.loads(bytes(reply.body))
+    choice = chat["choices"][0]
+    output: list[dict[str, Any]] = []
+    message = choice["message"]
+    if message.get("content"):
+        output.append(message_item(_new_id("msg"), message["content"], _status(choice["finish_reason"])))
+    for call in message.get("tool_calls") or []:
+        f = call["function"]
+        output.append(call_item(_new_id("fc"), call["id"], f["name"], f["arguments"]))
+    result = shell.build(output, _status(choice["finish_reason"]), _usage(chat.get("usage")), choice["finish_reason"])
+    if body.store:
+        store.put(shell.response_id, conversation + input_messages(output))
+    return JSONResponse(result)
+
+
+class _EventWriter:
+    """Numbers the events of one stream."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> str:
+        frame = sse({"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return f"event: {kind}\n{frame}"
+
+
+async def _chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
+    """The chat stream's JSON chunks (the SSE frames' data), [DONE] excluded."""
+    async for frame in body:
+        text = frame.decode() if isinstance(frame, bytes) else str(frame)
+        for line in text.splitlines():
+            if line.startswith("data: ") and line != SSE_DONE.strip():
+                yield json.loads(line[len("data: ") :])
+
+
+async def _events(
+    ctx: ServerContext,
+    shell: ResponseShell,
+    body: AsyncIterable[Any],
+    conversation: list[dict[str, Any]],
+) -> AsyncIterator[str]:
+    w = _EventWriter()
+    yield w.event("response.created", response=shell.build([], "in_progress", None))
+    yield w.event("response.in_progress", response=shell.build([], "in_progress", None))
+    output: list[dict[str, Any]] = []
+    text_item: dict[str, Any] | None = None  # the message item being streamed
+    text_index = -1
+    calls: dict[int, tuple[int, dict[str, Any]]] = {}  # chat call index -> (output index, item)
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+
+    def close_text() -> list[str]:
+        nonlocal text_item
+        if text_item is None:
+            return []
+        item, text_item = text_item, None
+        part = item["content"][0]
+        item["status"] = _status(finish)
+        ids = {"item_id": item["id"], "output_index": text_index}
+        return [
+            w.event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=[]),
+            w.event("response.content_part.done", **ids, content_index=0, part=part),
+            w.event("response.output_item.done", output_index=text_index, item=item),
+        ]
+
+    async for chunk in _chunks(body):
+        if "error" in chunk:
+            yield w.event("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"), param=None)
+            return
+        if chunk.get("usage"):
+            usage = _usage(chunk["usage"])
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if text_item is None:
+                    text_item = message_item(_new_id("msg"), "", "in_progress")
+                    text_index = len(output)
+                    output.append(text_item)
+                    ids = {"item_id": text_item["id"], "output_index": text_index}
+                    yield w.event("response.output_item.added", output_index=text_index, item=text_item)
+                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                    yield w.event("response.content_part.added", **ids, content_index=0, part=part)
+                text_item["content"][0]["text"] += delta["content"]
+                ids = {"item_id": text_item["id"], "output_index": text_index}
+                yield w.event("response.output_text.delta", **ids, content_index=0, delta=delta["content"], logprobs=[])
+            for piece in delta.get("tool_calls") or []:
+                index = piece["index"]
+                f = piece.get("function") or {}
+                if index not in calls:
+                    for frame in close_text():
+                        yield frame
+                    item = call_item(_new_id("fc"), piece.get("id", ""), f.get("name", ""), "", "in_progress")
+                    calls[index] = (len(output), item)
+                    output.append(item)
+                    yield w.event("response.output_item.added", output_index=calls[index][0], item=item)
+                out_index, item = calls[index]
+                if f.get("arguments"):
+                    item["arguments"] += f["arguments"]
+                    yield w.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=out_index,
+                        delta=f["arguments"],
+                    )
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+    for frame in close_text():
+        yield frame
+    for out_index, item in calls.values():
+        item["status"] = "completed"
+        yield w.event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=out_index,
+            arguments=item["arguments"],
+            name=item["name"],
+        )
+        yield w.event("response.output_item.done", output_index=out_index, item=item)
+    status = _status(finish)
+    final = shell.build(output, status, usage, finish)
+    if shell.body.store:
+        ctx.responses.put(shell.response_id, conversation + input_messages(output))
+    # Always response.completed, its response's status saying "incomplete" when max_output_tokens ended it (as vLLM
+    # does): the openai SDK's stream helper gives a final response only after that event.
+    yield w.event("response.completed", response=final)

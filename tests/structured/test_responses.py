@@ -1,0 +1,225 @@
+"""POST /v1/responses through the openai SDK (its own types parse every object and event) on the tiny tools server:
+text and message input, instructions, the typed event stream, function tools with forced calls (a tiny random model
+never calls under `auto`) and the call / output loop, text.format json_schema, previous_response_id, usage with cached
+tokens, and clear 400s for what kvserve does not have."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from tool_server_support import MODEL, WEATHER_TOOL
+
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat function tool
+NAMED = {"type": "function", "name": "get_weather"}
+
+
+def test_text_input_and_usage(tools_client):
+    kw = dict(model=MODEL, input="hello there", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    first = tools_client.responses.create(**kw)
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    assert first.output[0].type == "message" and first.output[0].role == "assistant"
+    assert first.output_text == first.output[0].content[0].text != ""
+    assert first.usage.output_tokens == 8
+    assert first.usage.total_tokens == first.usage.input_tokens + 8
+    again = tools_client.responses.create(**kw)
+    assert again.output_text == first.output_text  # greedy
+    assert again.usage.input_tokens_details.cached_tokens > 0  # the prompt's prefix, from the KV cache
+
+
+def test_stream_events_are_typed_numbered_and_equal_the_whole(tools_client):
+    kw = dict(model=MODEL, input=[{"role": "user", "content": "hi"}], max_output_tokens=12, temperature=0)
+    whole = tools_client.responses.create(**kw)
+    with tools_client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"  # also when incomplete (as vLLM; the SDK helper needs it)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.status == whole.status == "incomplete"
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_function_calls_streamed_and_whole(tools_client, tool_choice):
+    kw = dict(model=MODEL, input="weather?", tools=[WEATHER], tool_choice=tool_choice, temperature=0)
+    whole = tools_client.responses.create(**kw)
+    calls = [o for o in whole.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome", "Oslo")
+    with tools_client.responses.stream(**kw) as stream:
+        events = list(stream)
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert pieces == "".join(d.arguments for d in done) == "".join(c.arguments for c in calls)
+
+
+def test_the_call_output_loop(tools_client):
+    """A function_call item and its function_call_output go back as input (the assistant's call, the tool result)."""
+    first = tools_client.responses.create(
+        model=MODEL, input="weather?", tools=[WEATHER], tool_choice=NAMED, temperature=0
+    )
+    call = next(o for o in first.output if o.type == "function_call")
+    loop = [
+        {"role": "user", "content": "weather?"},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'},
+    ]
+    second = tools_client.responses.create(
+        model=MODEL, input=loop, tools=[WEATHER], tool_choice="none", max_output_tokens=5
+    )
+    assert second.output[0].type == "message"
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result are in the prompt
+
+
+def test_previous_response_id_carries_the_conversation(tools_client):
+    first = tools_client.responses.create(model=MODEL, input="one", max_output_tokens=4, temperature=0)
+    chained = tools_client.responses.create(
+        model=MODEL, input="two", previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
+    alone = tools_client.responses.create(model=MODEL, input="two", max_output_tokens=4, temperature=0)
+    assert chained.previous_response_id == first.id
+    assert chained.usage.input_tokens > alone.usage.input_tokens
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        tools_client.responses.create(model=MODEL, input="x", previous_response_id="resp_unknown")
+
+
+def test_text_format_json_schema(tools_client):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    r = tools_client.responses.create(
+        model=MODEL,
+        input="a number",
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema}},
+        max_output_tokens=40,
+        temperature=0,
+    )
+    assert isinstance(json.loads(r.output_text)["n"], int)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"background": True}, "background"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ],
+)
+def test_what_kvserve_lacks_is_a_clear_400(tools_client, extra, param):
+    kw = {"model": MODEL, "input": "x", "max_output_tokens": 2, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        tools_client.responses.create(**kw)
+    assert e.value.body["param"] == param
+
+
+def test_routine_fields_are_accepted(tools_client):
+    r = tools_client.responses.create(
+        model=MODEL,
+        input="x",
+        max_output_tokens=2,
+        store=False,
+        include=["message.output_text.logprobs"],
+        truncation="disabled",
+        metadata={"k": "v"},
+        user="u1",
+        parallel_tool_calls=False,
+    )
+    assert r.metadata == {"k": "v"} and r.store is False
+    with pytest.raises(openai.NotFoundError):  # not stored
+        tools_client.responses.create(model=MODEL, input="y", previous_response_id=r.id, max_output_tokens=2)
+
+
+def test_objects_and_events_validate_strictly_against_the_sdk_types(tools_server):
+    """The SDK builds its objects without validating; here pydantic validates the raw JSON against its types."""
+    import httpx
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    url = f"{tools_server.base_url}/v1/responses"
+    body = {"model": MODEL, "input": "weather?", "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 60}
+    Response.model_validate(httpx.post(url, json=body, timeout=60).json())
+    events = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        frames = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert {f["type"] for f in frames} >= {"response.function_call_arguments.done", "response.completed"}
+    for frame in frames:
+        events.validate_python(frame)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": "x", "text": {"format": "json"}},
+        {"input": "x", "text": {"format": {"type": "yaml"}}},
+        {"input": [{"type": "message", "role": "user", "content": [1]}]},
+        {"input": [{"type": "message", "role": "robot", "content": "x"}]},
+        {"input": [{"type": "computer_call"}]},
+        {"input": [], "max_output_tokens": 2},
+        {"input": "x", "max_output_tokens": 0},
+        {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}},
+    ],
+)
+def test_malformed_bodies_are_400s(tools_server, body):
+    import httpx
+
+    r = httpx.post(f"{tools_server.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_openai_agents_sdk_runs_a_tool_and_a_streamed_turn(tools_server):
+    """The OpenAI Agents SDK unchanged on /v1/responses: an agent whose forced call runs a Python tool (a tiny random
+    model never calls under `auto`), and a streamed turn with a structured output type (text.format json_schema, which
+    ends the tiny model's reply where the object closes)."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    class Verdict(BaseModel):
+        ok: Literal["yes", "no"]
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"], unit: Literal["c", "f"], days: Literal[1, 2]) -> str:
+        """The weather in a city (closed types: a random model's strings would run on)."""
+        seen.append(city)
+        return f"18 {unit} in {city} for {days} days"
+
+    async def run() -> tuple[object, object]:
+        client = openai.AsyncOpenAI(base_url=f"{tools_server.base_url}/v1", api_key="unused", max_retries=0)
+        model = OpenAIResponsesModel(model=MODEL, openai_client=client)
+        settings = ModelSettings(temperature=0, tool_choice="get_weather", max_tokens=80)
+        agent = Agent(
+            name="weather",
+            tools=[get_weather],
+            model=model,
+            model_settings=settings,
+            tool_use_behavior="stop_on_first_tool",
+        )
+        called = await Runner.run(agent, "weather?")
+        plain = Agent(name="plain", model=model, model_settings=ModelSettings(temperature=0), output_type=Verdict)
+        streamed = Runner.run_streamed(plain, "hello")
+        async for _ in streamed.stream_events():
+            pass
+        await client.close()
+        return called.final_output, streamed.final_output
+
+    called, streamed = asyncio.run(run())
+    assert seen and called == f"18 {called.split()[1]} in {seen[0]} for {called.split()[-2]} days"
+    assert isinstance(streamed, Verdict)
