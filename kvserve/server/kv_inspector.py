@@ -18,6 +18,7 @@ All are read-only and, with --api-key, need the key (the API-key middleware guar
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 from collections.abc import Mapping
 from importlib import resources
@@ -115,13 +116,30 @@ def _asset(name: str) -> str:
     return resources.files("kvserve.ui").joinpath(name).read_text(encoding="utf-8")
 
 
+def model_note(model_name: str) -> str:
+    """The playground's line on the loaded model (HTML): its name, and on the default base model, which cannot
+    follow a chat (it echoes the system prompt back), the instruct model to serve instead."""
+    from kvserve.model.packaged import INSTRUCT_EXTRA, INSTRUCT_MODEL_NAME
+    from kvserve.model.source import DEFAULT_MODEL_NAME
+
+    line = f"Model: <code>{html.escape(model_name)}</code>"
+    if model_name != DEFAULT_MODEL_NAME:
+        return line
+    return (
+        f"{line}, a base (pretrained) model: it continues text rather than answering a chat. For chat and tools, "
+        f"serve the instruct model: <code>pip install -e '.[{INSTRUCT_EXTRA}]' &amp;&amp; kvserve serve --model "
+        f"{INSTRUCT_MODEL_NAME} --enable-auto-tool-choice --tool-call-parser hermes</code>"
+    )
+
+
 def ui_routes(ctx: ServerContext) -> APIRouter:
     """The page and its assets (open: the page asks for the key and sends it with each data request)."""
     router = APIRouter()
     auth = "true" if ctx.settings.api_key is not None else "false"
+    note = model_note(ctx.model_name)
 
     async def page() -> HTMLResponse:
-        html = _asset("index.html").replace("{{REQUIRES_KEY}}", auth)
+        html = _asset("index.html").replace("{{REQUIRES_KEY}}", auth).replace("{{MODEL_NOTE}}", note)
         return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
     router.add_api_route("/", page, methods=["GET"], include_in_schema=False)

@@ -21,6 +21,7 @@ def test_page_is_open_and_data_needs_the_key(make_server: ServerFactory) -> None
             page = client.get(path)
             assert page.status_code == 200 and 'src="ui/assets/app.js"' in page.text  # relative asset URLs
             assert 'data-requires-key="true"' in page.text
+            assert "Model: <code>" in page.text and "{{" not in page.text  # the playground names the model
         assert client.get("/ui/assets/app.js").status_code == 200
         assert client.get("/ui/assets/app.css").headers["content-type"].startswith("text/css")
         assert client.get("/ui/assets/nope.js").status_code == 404
@@ -154,3 +155,12 @@ def test_serve_flags_parse() -> None:
     assert args.disable_ui and args.ui_redact_text
     defaults = build_parser().parse_args(["serve"])
     assert not defaults.disable_ui and not defaults.ui_redact_text
+
+
+def test_the_playground_suggests_the_instruct_model_on_the_base_model() -> None:
+    from kvserve.server.kv_inspector import model_note
+
+    base = model_note("gemma-3-270m")
+    assert "a base (pretrained) model" in base and "--model qwen2.5-coder-0.5b-instruct" in base
+    assert model_note("qwen2.5-coder-0.5b-instruct") == "Model: <code>qwen2.5-coder-0.5b-instruct</code>"
+    assert model_note("<b>") == "Model: <code>&lt;b&gt;</code>"
