@@ -97,7 +97,9 @@ def test_sigterm_exits_at_once_with_a_compile_in_flight(tiny_model_dir: Path, tm
     )
     slow = {"prompt": "pick", "max_tokens": 2, "guided_choice": [f"option {i} x{i * 7919}" for i in range(40_000)]}
     try:
-        warm = httpx.post(f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 2, "guided_regex": "[ab]+"})
+        # the first grammar builds the backend and its worker: seconds on a slow host (httpx's default is 5 s)
+        warm_body = {"prompt": "a", "max_tokens": 2, "guided_regex": "[ab]+"}
+        warm = httpx.post(f"{base}/v1/completions", json=warm_body, timeout=60)
         assert warm.status_code == 200
         workers = _children(proc.pid)
         assert workers  # the compile worker
