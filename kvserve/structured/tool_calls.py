@@ -246,7 +246,7 @@ class JSONValueScanner:
         return True
 
 
-_NAME_KEY = "name"
+NAME_KEY = "name"  # the key of a call object that holds the function's name
 
 
 class CallObjectScanner:
@@ -331,13 +331,13 @@ class CallObjectScanner:
         return True
 
     def _keep(self, c: str) -> None:
-        if self.key == _NAME_KEY:
+        if self.key == NAME_KEY:
             self.name_chars.append(c)
         elif self.key in self.argument_keys:
             self.arguments.append(c)
 
     def _end_value(self) -> None:
-        if self.key != _NAME_KEY or self.name is not None:
+        if self.key != NAME_KEY or self.name is not None:
             return
         try:
             name = json.loads("".join(self.name_chars))

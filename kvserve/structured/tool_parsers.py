@@ -31,6 +31,7 @@ from typing import Any
 
 from kvserve.model.chat_template import JSONToolStyle, ToolPromptStyle
 from kvserve.structured.tool_calls import (
+    NAME_KEY,
     CallNumbering,
     CallObjectScanner,
     ContentText,
@@ -164,7 +165,7 @@ class HermesExtractor:
         """A bare or fenced object stays a candidate while its keys are a call's and its name a requested tool's."""
         if obj.name is not None and obj.name not in self._names:
             return False
-        return obj.state not in ("colon", "value") or obj.key in (_NAME_KEY, *self.argument_keys)
+        return obj.state not in ("colon", "value") or obj.key in (NAME_KEY, *self.argument_keys)
 
     def _after_call_char(self, c: str, end: Marker) -> None:
         """Whitespace, then the call's closing marker; anything else is content again (a missing marker)."""
@@ -190,7 +191,6 @@ class HermesExtractor:
 
 _FENCE = "```"
 _FENCE_TAG = "json"
-_NAME_KEY = "name"
 
 
 # -- pythonic ---------------------------------------------------------------------------------------------------
