@@ -147,6 +147,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "also the format in which tools are described to a chat template that lacks tool support",
     )
     s.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='render a request with tool_choice "none" without its tools (vLLM\'s flag): a small model then '
+        "answers from a tool result instead of calling again; the prompt no longer shares the tool turns' prefix",
+    )
+    s.add_argument(
         "--disable-ui",
         action="store_true",
         help="do not serve the KV inspector page at / and /ui (its data routes /v1/kv/* stay)",
@@ -274,6 +280,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_prompts_per_request=args.max_prompts_per_request,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         disable_ui=args.disable_ui,
         ui_redact_text=args.ui_redact_text,
     )

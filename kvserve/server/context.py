@@ -49,6 +49,7 @@ class ServerSettings:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completions prompt list beyond it: 400
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is a 400 without it (vLLM)
     tool_call_parser: str | None = None  # reads "auto" replies' calls; its style writes tools for template-less chats
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the prompt carries no tools (vLLM's flag)
     disable_ui: bool = False  # --disable-ui: no KV inspector page (its data routes stay, behind the key)
     ui_redact_text: bool = False  # --ui-redact-text: the KV inspector's data carries no token ids
 

@@ -79,7 +79,9 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
         raise bad_request(str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from e
     tools = list(request.tools) if request.tools else None
     if choice == "none":
-        return ToolPlan(tools, functions)
+        # the tools are still checked above (a bad schema is a 400 either way); only the prompt leaves them out
+        excluded = settings.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
+        return ToolPlan(None if excluded else tools, functions)
     if choice == "auto":
         parser = settings.tool_parser
         if not settings.enable_auto_tool_choice or parser is None:

@@ -55,9 +55,9 @@ class HermesExtractor:
       its markers included, streamed or not (vLLM returns a cut call as content too);
     - given the request's tool names, a reply that *opens* with a bare call object (`{"name": "get_weather",
       "arguments": {...}}`) or with one in a ```json fence is read as calls as well, when the name is one of the
-      request's tools; several such objects in a row are parallel calls. Qwen2.5-Coder-0.5B-Instruct writes its
-      calls that way: the `<tool_call>` token is about e^-23 likely after its own template's prompt (HF transformers
-      agrees), so vLLM's hermes parser returns its calls as content.
+      request's tools; several such objects in a row (bare, or one after another in one fence) are parallel calls.
+      Qwen2.5-Coder-0.5B-Instruct writes its calls that way: the `<tool_call>` token is about e^-23 likely after its
+      own template's prompt (HF transformers agrees), so vLLM's hermes parser returns its calls as content.
     """
 
     argument_keys = ("arguments", "parameters")
@@ -168,8 +168,13 @@ class HermesExtractor:
         return obj.state not in ("colon", "value") or obj.key in (NAME_KEY, *self.argument_keys)
 
     def _after_call_char(self, c: str, end: Marker) -> None:
-        """Whitespace, then the call's closing marker; anything else is content again (a missing marker)."""
+        """Whitespace, then the call's closing marker; anything else is content again (a missing marker). Inside a
+        fence another call object may follow first: the model's parallel calls, one per line in one fence."""
         if end.pending == "" and c.isspace():
+            return
+        if end.pending == "" and c == "{" and self._state == "after_fence":
+            self._open("fence", "")
+            self._object_char(c)
             return
         leftover: list[str] = []
         if end.char(c, leftover.append):

@@ -111,3 +111,25 @@ def test_hermes_reads_the_calls_this_model_writes(reference):
     assert [c.name for c in again.calls] == ["get_weather"] and again.content is not None
     # vLLM's hermes parser (tags only) reads none of these: neither does kvserve's without the request's tool names
     assert all(extract_all(HermesExtractor(), replies[n]).calls == [] for n in ("tool_weather", "tool_result"))
+
+
+def test_hermes_reads_the_parallel_calls_this_model_writes():
+    """Sampled, the model writes two calls in one reply: one object per line in one ```json fence, or bare
+    objects one per line (stored by scripts/make_instruct_tool_replies.py). Both are two calls and no content; cut by
+    the token budget inside the second, the first call stands and the cut rest is content."""
+    stored = json.loads((REFERENCE.parent / "qwen25_coder_tool_replies.json").read_text())
+    replies = {r["name"]: r for r in stored["replies"]}
+    assert set(replies) == {"parallel_fenced", "parallel_bare"}
+    for reply in replies.values():
+        names = [t["function"]["name"] for t in reply["tools"]]
+        parsed = extract_all(HermesExtractor(names), reply["text"])
+        assert parsed.content is None, reply["name"]
+        assert [(c.name, json.loads(c.arguments)["city"]) for c in parsed.calls] == [
+            ("get_weather", "Paris"),
+            ("get_weather", "London"),
+        ], reply["name"]
+        text = reply["text"]
+        cut = text[: text.index("London")]
+        partial = extract_all(HermesExtractor(names), cut)
+        assert [c.name for c in partial.calls] == ["get_weather"], reply["name"]
+        assert partial.content is not None and partial.content.endswith('"city": "'), reply["name"]

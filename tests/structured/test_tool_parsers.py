@@ -99,6 +99,19 @@ CASES = [
         "Checking both.",
         [ToolCall("get_weather", '{"city": "A"}'), ToolCall("now", "{}")],
     ),
+    # parallel calls one per line in one fence (the model's sampled reply); a second object that is no call is content
+    (
+        WEATHER,
+        '```json\n{"name": "get_weather", "arguments": {"city": "A"}}\n{"name": "now", "arguments": {}}\n```',
+        None,
+        [ToolCall("get_weather", '{"city": "A"}'), ToolCall("now", "{}")],
+    ),
+    (
+        WEATHER,
+        '```json\n{"name": "now", "arguments": {}}\n{"city": "B"}\n```',
+        '{"city": "B"}\n```',
+        [ToolCall("now", "{}")],
+    ),
     (
         WEATHER,
         '```json\n{"name": "reverse_string", "arguments": {"s": "x"}}\n```',

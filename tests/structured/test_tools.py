@@ -336,6 +336,32 @@ def test_auto_needs_the_server_flags(tools_model_dir):
         server.stop()
 
 
+def test_exclude_tools_when_tool_choice_none(tools_model_dir):
+    """--exclude-tools-when-tool-choice-none (vLLM's flag): an explicit tool_choice none renders the prompt without
+    the tools (so a small model answers from a tool result); auto still renders them; a bad tool is still a 400."""
+    server = start_server(
+        tools_model_dir,
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+        exclude_tools_when_tool_choice_none=True,
+    )
+    try:
+        client = sdk(server)
+        plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, temperature=0)
+        none = client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice="none", max_tokens=5, temperature=0
+        )
+        auto = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=5, temperature=0)
+        assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+        assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 200
+        assert none.choices[0].message.content == plain.choices[0].message.content
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=USER, tools=bad, tool_choice="none", max_tokens=5)
+    finally:
+        server.stop()
+
+
 def test_tool_flags_are_checked_at_start():
     from kvserve.server.context import ServerSettings
 
