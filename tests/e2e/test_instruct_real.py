@@ -19,7 +19,7 @@ from kvserve import SamplingParams
 from kvserve.engine.llm import LLM
 from kvserve.model.packaged import QWEN25_CODER_05B_INSTRUCT, file_sha256
 from kvserve.model.source import resolve_model
-from kvserve.structured.tool_calls import extract_all
+from kvserve.structured.tool_calls import ToolCallAccumulator, extract_all
 from kvserve.structured.tool_parsers import HermesExtractor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -115,8 +115,8 @@ def test_hermes_reads_the_calls_this_model_writes(reference):
 
 def test_hermes_reads_the_parallel_calls_this_model_writes():
     """Sampled, the model writes two calls in one reply: one object per line in one ```json fence, or bare
-    objects one per line (stored by scripts/make_instruct_tool_replies.py). Both are two calls and no content; cut by
-    the token budget inside the second, the first call stands and the cut rest is content."""
+    objects one per line (stored by scripts/make_instruct_tool_replies.py). Both are two calls and no content, whole
+    and streamed; cut by the token budget inside the second, the first call stands and the cut rest is content."""
     stored = json.loads((REFERENCE.parent / "qwen25_coder_tool_replies.json").read_text())
     replies = {r["name"]: r for r in stored["replies"]}
     assert set(replies) == {"parallel_fenced", "parallel_bare"}
@@ -129,6 +129,13 @@ def test_hermes_reads_the_parallel_calls_this_model_writes():
             ("get_weather", "London"),
         ], reply["name"]
         text = reply["text"]
+        streamed, acc = HermesExtractor(names), ToolCallAccumulator()
+        for c in text:  # streamed a character at a time: each call arrives whole, nothing leaks into content
+            delta = streamed.feed(c)
+            assert all(json.loads(piece.arguments) for piece in delta.calls) and not delta.content.strip()
+            acc.add(delta)
+        acc.add(streamed.finish())
+        assert acc.result() == parsed, reply["name"]
         cut = text[: text.index("London")]
         partial = extract_all(HermesExtractor(names), cut)
         assert [c.name for c in partial.calls] == ["get_weather"], reply["name"]
