@@ -6,6 +6,7 @@ preemption and freeing need to know nothing about quantization."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     """Caches for every layer (scales of 1 beside 8-bit data); logs the dtype and the block count.
 
     The data is not zero-filled: attention never reads a slot before it is written (decode padding re-reads
-    the sequence's last token), and filling 1 GiB costs 0.3 s of every start. Pages are touched on first use."""
+    the sequence's last token), and filling 1 GiB costs 0.3 s of every start. Pages are touched on first use,
+    except under a KV offload tier, which touches them at start (touch_pages)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
     def scales() -> torch.Tensor | None:
@@ -120,6 +122,20 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
         "8-bit with a float32 scale per token and KV head" if spec.is_quantized else "unquantized",
     )
     return caches
+
+
+def touch_pages(tensors: Sequence[torch.Tensor]) -> int:
+    """Zero the host-memory tensors among `tensors`, so that the OS maps their pages now instead of on first use;
+    returns the bytes touched. Why: a page's first touch is a fault, and on these VMs a fresh page costs as much as
+    the copy into it several times over (restoring 8,176 tokens of Gemma 3 270M from page-cached files took 0.09 s
+    into touched cache memory and 0.5-0.9 s into fresh pages), so a tier pays it once at start, not in a request's
+    time to first token. Device tensors are left as they are."""
+    touched = 0
+    for t in tensors:
+        if t.device.type == "cpu":
+            t.zero_()
+            touched += t.numel() * t.element_size()
+    return touched
 
 
 def use_static_kv_scales(caches: list[LayerKVCache], scales: list[tuple[float, float]] | None, dtype_name: str) -> None:

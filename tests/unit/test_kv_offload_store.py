@@ -153,3 +153,98 @@ def test_a_symlinked_directory_is_refused(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "real")
     with pytest.raises(OSError, match="symbolic link"):
         DiskStore(tmp_path / "link", FP, capacity_bytes=1 << 20)
+
+
+def _parts(sizes: list[int]) -> list[memoryview]:
+    return [memoryview(bytearray(n)) for n in sizes]
+
+
+def test_read_into_fills_several_buffers_and_refuses_every_bad_record(tmp_path):
+    """A disk restore reads a record straight into a block's slices of the cache (one buffer per layer tensor): the
+    payload lands split across them in order, and every check still refuses a bad record, naming why, and removes it."""
+    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30)
+    h, key, payload = block(5)
+    store.write(h, key, payload)
+    sizes = [BLOCK_BYTES // 4, BLOCK_BYTES // 2, BLOCK_BYTES // 4]
+    parts = _parts(sizes)
+    store.read_into(h, key, parts)
+    assert b"".join(bytes(p) for p in parts) == payload.numpy().tobytes()
+
+    path = store.path_for(h)
+    good = path.read_bytes()
+    cases = {
+        "checksum mismatch": good[:-100] + bytes([good[-100] ^ 1]) + good[-99:],  # a flipped payload byte
+        "truncated": good[:10],
+        "length": good[:-1],
+        "bad magic": b"X" + good[1:],
+        "another fingerprint": good[:12] + b"\x01" * 16 + good[28:],
+    }
+    for reason, bad in cases.items():
+        path.write_bytes(bad)
+        with pytest.raises(RecordError, match=reason):
+            store.read_into(h, key, _parts(sizes))
+        assert not path.exists()  # removed: it is recomputed and stored again
+    path.write_bytes(good)
+    with pytest.raises(RecordError, match="another block"):
+        store.read_into(h, BlockKey(None, key.token_ids, b"salt"), _parts(sizes))
+    path.write_bytes(good)
+    with pytest.raises(RecordError, match="a block holds"):
+        store.read_into(h, key, _parts([BLOCK_BYTES // 2]))
+    with pytest.raises(KeyError):
+        store.read_into(h, key, _parts(sizes))  # refused and removed above: a miss now
+
+
+def _tier_on(tmp_path: Path, queued_blocks: int):
+    """An OffloadTier on disk over a small two-layer float32 cache whose blocks hold distinct values, its writer's ring
+    `queued_blocks` deep."""
+    from kvserve.kv.cache import LayerKVCache
+    from kvserve.kv.offload.config import KVOffloadConfig
+    from kvserve.kv.offload.tier import OffloadTier
+
+    shape = (16, 4, 1, 8)  # blocks, block size, KV heads, head dim: 128 bytes a tensor's block, 512 a block
+    caches = [
+        LayerKVCache(torch.randn(shape), torch.randn(shape)),
+        LayerKVCache(torch.randn(shape), torch.randn(shape)),
+    ]
+    config = KVOffloadConfig(size_bytes=1 << 20, path=tmp_path, max_queued_bytes=queued_blocks * 512)
+    snapshot = [(c.key.clone(), c.value.clone()) for c in caches]
+    return OffloadTier(config, FP, caches, block_size=4), caches, snapshot
+
+
+def test_the_disk_writers_ring_drops_what_finds_it_full_and_reuses_its_slots(tmp_path, monkeypatch):
+    """Stores never wait for the writer: with the writer held and its ring (4 slots) full, further blocks are dropped
+    and counted; once it runs, each written record holds its block's bytes and the slots serve new stores."""
+    import threading
+
+    from kvserve.kv.block import TierBlock
+
+    gate = threading.Event()
+    real_write = DiskStore.write
+
+    def held_write(self, *args):
+        gate.wait(30)
+        return real_write(self, *args)
+
+    monkeypatch.setattr(DiskStore, "write", held_write)
+    tier, caches, snapshot = _tier_on(tmp_path, queued_blocks=4)
+    blocks = [TierBlock(i, *block(100 + i)[:2]) for i in range(10)]
+    # The pool's memory was touched at start (zeroed): give the blocks their values back.
+    for cache, (k, v) in zip(caches, snapshot):
+        cache.key.copy_(k)
+        cache.value.copy_(v)
+    tier.store_blocks(blocks[:7])
+    assert tier.dropped_blocks == 3  # 4 queued in the ring, 3 found it full
+    gate.set()
+    tier.flush()
+    tier.store_blocks(blocks[7:])  # the slots came back: all three are queued
+    tier.flush()
+    assert tier.stored_blocks == 7 and tier.dropped_blocks == 3
+    stored = [b for b in blocks if tier.store is not None and tier.store.contains(b.block_hash)]
+    assert [b.block_id for b in stored] == [0, 1, 2, 3, 7, 8, 9]
+    assert tier.store is not None
+    for b in stored:
+        parts = [memoryview(bytearray(128)) for _ in range(4)]
+        tier.store.read_into(b.block_hash, b.key, parts)
+        want = [t[b.block_id].numpy().tobytes() for k, v in snapshot for t in (k, v)]
+        assert [bytes(p) for p in parts] == want
+    tier.close()

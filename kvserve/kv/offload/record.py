@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Sequence
 
 import xxhash
 
@@ -39,22 +40,41 @@ def record_parts(
     fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview
 ) -> tuple[bytes, bytes | memoryview, bytes]:
     """The record as (header and identity, payload, checksum), for a vectored write that copies the payload once."""
+    head = record_head(fingerprint, block_hash, key, len(payload))
+    digest = xxhash.xxh3_64(head)
+    digest.update(payload)
+    return head, payload, _CHECKSUM.pack(digest.intdigest())
+
+
+def record_head(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_len: int) -> bytes:
+    """The header and identity that open the record of this block under this fingerprint: the same bytes for every
+    good record of it, so a reader that knows which block it wants can compare them whole (read_parts)."""
     parent = key.parent
     tokens = array("q", key.token_ids).tobytes()
     header = _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
         fingerprint,
-        len(payload),
+        payload_len,
         len(block_hash),
         _NO_PARENT if parent is None else len(parent),
         len(key.extra_keys),
         len(key.token_ids),
     )
-    head = b"".join((header, block_hash, parent or b"", key.extra_keys, tokens))
-    digest = xxhash.xxh3_64(head)
-    digest.update(payload)
-    return head, payload, _CHECKSUM.pack(digest.intdigest())
+    return b"".join((header, block_hash, parent or b"", key.extra_keys, tokens))
+
+
+CHECKSUM_BYTES = _CHECKSUM.size
+
+
+def checksum_matches(parts: Sequence[bytes | bytearray | memoryview], stored: bytes | bytearray) -> bool:
+    """Whether the xxh3-64 of `parts` in turn (the record's head and its payload, wherever they were read to) is the
+    stored checksum."""
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    stored_value: int = _CHECKSUM.unpack(stored)[0]
+    return digest.intdigest() == stored_value
 
 
 def decode_record(

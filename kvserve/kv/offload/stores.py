@@ -16,17 +16,23 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvserve.kv.hashing import BlockKey
 from kvserve.kv.offload.fingerprint import KVFingerprint
-from kvserve.kv.offload.record import RecordError, decode_record, record_parts
+from kvserve.kv.offload.record import (
+    CHECKSUM_BYTES,
+    RecordError,
+    checksum_matches,
+    decode_record,
+    record_head,
+    record_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +120,7 @@ class DiskStore:
         self._describe_fingerprint()
         self._lock_path = self.dir / "lock"
         self._digest = fingerprint.digest  # computed once: every record carries it
-        self._buffer = bytearray()  # records are read into it (see read_into)
+        self._buffer = bytearray()  # records are read into it (see read)
         self._reading = threading.Lock()  # guards the read buffer
         self._mutex = threading.Lock()  # guards the counters below between this process's threads
         self._bytes_estimate = 0
@@ -149,14 +155,41 @@ class DiskStore:
             payload = self._read_verified(block_hash, key)
             return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
-    def read_into(self, block_hash: bytes, key: BlockKey, out: torch.Tensor) -> None:
-        """As read, into `out` (a contiguous uint8 tensor of the payload's length: a row of the loader's staging
-        buffer), through a read buffer kept between calls, so that a restore allocates nothing a block."""
-        with self._reading:
-            payload = self._read_verified(block_hash, key)
-            if len(payload) != out.numel():
-                raise RecordError(f"payload of {len(payload)} bytes, a block holds {out.numel()}")
-            np.copyto(out.numpy(), np.frombuffer(payload, dtype=np.uint8))
+    def read_into(self, block_hash: bytes, key: BlockKey, parts: Sequence[memoryview]) -> None:
+        """Read the block's checked payload into `parts`: writable byte views whose concatenation is the payload (a row
+        of the loader's staging buffer, or the block's own slices of the KV cache, so that a restore copies each byte
+        once, from the file straight to where attention reads it). One vectored read; the record's head is compared
+        whole with the head this block's record must have (magic, version, fingerprint, lengths, hash and content
+        key at once) and the checksum is computed over the bytes where they landed. A bad record raises RecordError
+        naming the check it failed (and is removed, as by read), a missing one KeyError; after either, `parts` hold
+        garbage the caller must not use."""
+        payload_len = sum(p.nbytes for p in parts)
+        head = record_head(self._digest, block_hash, key, payload_len)
+        expected = len(head) + payload_len + CHECKSUM_BYTES
+        path = self.path_for(block_hash)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise KeyError(block_hash.hex()) from None
+        try:
+            size = os.fstat(fd).st_size
+            good = False
+            if size == expected:
+                got_head, checksum = bytearray(len(head)), bytearray(CHECKSUM_BYTES)
+                got = os.preadv(fd, [got_head, *parts, checksum], 0)
+                good = got == expected and got_head == head and checksum_matches([got_head, *parts], checksum)
+            if not good:
+                try:
+                    _refusal(os.pread(fd, size, 0), self._digest, block_hash, key, payload_len)
+                except RecordError:
+                    self._remove(path)
+                    raise
+        finally:
+            os.close(fd)
+        try:
+            os.utime(path)
+        except OSError:
+            pass  # removed since, or a read-only directory: the LRU age is a hint only
 
     def _read_verified(self, block_hash: bytes, key: BlockKey) -> memoryview:
         """The checked payload, a view into the read buffer (hold self._reading while using it)."""
@@ -273,6 +306,16 @@ class DiskStore:
             path.unlink()
         except OSError:
             pass
+
+
+def _refusal(data: bytes, fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_len: int) -> None:
+    """Raise the RecordError that says why `data`, a record that did not check out, must not be used: decode_record's
+    reason, or that its payload does not fit a block, or (all checks passing on a second read) that it changed while
+    it was read."""
+    payload = decode_record(data, fingerprint, block_hash, key)
+    if len(payload) != payload_len:
+        raise RecordError(f"payload of {len(payload)} bytes, a block holds {payload_len}")
+    raise RecordError("the record changed while it was read")
 
 
 def _walk(blocks_dir: Path) -> Iterator[os.DirEntry[str]]:

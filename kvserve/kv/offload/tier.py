@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv.block import TierBlock
-from kvserve.kv.cache import LayerKVCache
+from kvserve.kv.cache import LayerKVCache, touch_pages
 from kvserve.kv.events import BlockRemoved, BlockStored, KVEventBuffer
 from kvserve.kv.hashing import BlockKey
 from kvserve.kv.offload.config import KVOffloadConfig
@@ -130,13 +130,21 @@ class OffloadTier:
         # What the writer thread stored and evicted since the engine thread last looked (poll_events).
         self._written: deque[TierBlock] = deque()
         self._evicted: deque[bytes] = deque()
-        self._queue: queue.Queue[tuple[bytes, BlockKey, torch.Tensor] | None] | None = None
+        # Disk: the writer's queue holds (hash, key, slot) of payloads copied into the ring, a slab of max_queued_bytes
+        # allocated (and touched) once, so that a step's stores allocate nothing; a block that finds no free slot is
+        # dropped and counted. The writer hands each slot back once its record is written.
+        self._queue: queue.Queue[tuple[bytes, BlockKey, int] | None] | None = None
+        self._ring: torch.Tensor | None = None
+        self._free_slots: list[int] = []
+        self._slots_lock = threading.Lock()
         self._writer: threading.Thread | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._at_exit: Callable[[], None] | None = None
         if isinstance(self.store, DiskStore):
             depth = max(4, config.max_queued_bytes // max(self.layout.block_bytes, 1))
-            self._queue = queue.Queue(maxsize=depth)
+            self._ring = torch.empty(depth, self.layout.block_bytes, dtype=torch.uint8)
+            self._free_slots = list(range(depth - 1, -1, -1))
+            self._queue = queue.Queue()
             self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-offload-writer", daemon=True)
             self._writer.start()
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
@@ -145,7 +153,24 @@ class OffloadTier:
             # hook keeps no engine alive.
             self._at_exit = _close_at_exit(weakref.ref(self))
             atexit.register(self._at_exit)
+        if self.store is not None:
+            self._touch_memory(caches)
         self._log_start()
+
+    def _touch_memory(self, caches: Sequence[LayerKVCache]) -> None:
+        """Map the pool's K/V memory, the host tier's slab and the disk writer's ring now (kv/cache.py touch_pages):
+        restores write into fresh pool blocks and stores into fresh slots, and their pages' first-touch faults would
+        otherwise land in requests (a restart's first restore, the tier's first fill). vLLM likewise allocates its KV
+        cache zeroed and its host tier pinned, up front."""
+        start = time.perf_counter()
+        tensors = [t for cache in caches for t in (cache.key, cache.value)]
+        tensors += [t for t in (getattr(self.store, "slab", None), self._ring) if t is not None]
+        touched = touch_pages(tensors)
+        logger.info(
+            "KV offload tier: %s of cache and tier memory mapped at start in %.2f s",
+            format_bytes(touched),
+            time.perf_counter() - start,
+        )
 
     # ---- what it holds ---------------------------------------------------------------------------------
 
@@ -201,28 +226,29 @@ class OffloadTier:
                 self._stored_event(block)
             self._removed_events(evicted)
             return
-        assert self._queue is not None
-        payloads = self.layout.gather([b.block_id for b in todo])
-        for block, payload in zip(todo, payloads):
-            try:
-                self._queue.put_nowait((block.block_hash, block.key, payload))
-                self._queued.add(block.block_hash)
-            except queue.Full:
-                self.dropped_blocks += 1
+        assert self._queue is not None and self._ring is not None
+        with self._slots_lock:
+            slots = [self._free_slots.pop() for _ in range(min(len(todo), len(self._free_slots)))]
+        self.dropped_blocks += len(todo) - len(slots)  # the writer is that far behind: dropped, never waited for
+        kept = todo[: len(slots)]
+        self.layout.gather_into([b.block_id for b in kept], self._ring, slots)
+        for block, slot in zip(kept, slots):
+            self._queued.add(block.block_hash)
+            self._queue.put_nowait((block.block_hash, block.key, slot))
 
     def _write_loop(self) -> None:
         """The disk writer: records out of the queue into files, until close() queues None. The first OSError (a full
         disk, a read-only or vanished directory) turns the tier's stores off, logged once; reads go on."""
-        assert self._queue is not None and isinstance(self.store, DiskStore)
+        assert self._queue is not None and self._ring is not None and isinstance(self.store, DiskStore)
         _lower_this_threads_priority()
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            block_hash, key, payload = item
+            block_hash, key, slot = item
             try:
                 if self.error is None:
-                    written, evicted = self.store.write(block_hash, key, payload)
+                    written, evicted = self.store.write(block_hash, key, self._ring[slot])
                     if written:
                         self.stored_blocks += 1
                         self._written.append(TierBlock(-1, block_hash, key))
@@ -238,6 +264,8 @@ class OffloadTier:
                         "the KV offload tier stops storing blocks (%s); requests are served as without it", self.error
                     )
             finally:
+                with self._slots_lock:
+                    self._free_slots.append(slot)
                 self._queued.discard(block_hash)
 
     def poll_events(self) -> None:
@@ -273,13 +301,17 @@ class OffloadTier:
         return self._loader.submit(self._load, blocks, cancelled)
 
     def _load(self, blocks: Sequence[TierBlock], cancelled: threading.Event) -> int:
-        """Find (host memory) or read and check (disk) the blocks in order up to the first that fails, then copy the
-        good ones into their pool blocks in one batched scatter; returns how many were restored."""
+        """Find (host memory) or read and check (disk) the blocks in order up to the first that fails, and copy the
+        good ones into their pool blocks (a disk record read in place is there already; the others in one batched
+        scatter); returns how many were restored."""
         start = time.perf_counter()
         store = self.store
         found: list[int] = []  # host memory: slab slots
-        staging = None if isinstance(store, HostMemoryStore) else self.layout.load_buffer(len(blocks))
-        read = 0  # disk: checked payloads in staging's first rows
+        # Disk: records are read straight into their blocks' slices of the cache where the payload is the cache's own
+        # bytes (BlockLayout.reads_in_place), else into staging rows, then scattered (dequantized) into the blocks.
+        in_place = self.layout.reads_in_place
+        staging = None if in_place or isinstance(store, HostMemoryStore) else self.layout.load_buffer(len(blocks))
+        read = staged = 0  # disk: checked records, and how many of them are in staging's first rows
         for block in blocks:
             if cancelled.is_set() or store is None:
                 break
@@ -287,8 +319,12 @@ class OffloadTier:
                 if isinstance(store, HostMemoryStore):
                     found.append(store.locate(block.block_hash, block.key))
                     continue
-                assert staging is not None
-                store.read_into(block.block_hash, block.key, staging[read])
+                if in_place:
+                    store.read_into(block.block_hash, block.key, self.layout.block_views(block.block_id))
+                else:
+                    assert staging is not None
+                    store.read_into(block.block_hash, block.key, [staging[read].numpy().data])
+                    staged += 1
                 read += 1
             except (RecordError, KeyError) as e:
                 self.restore_failures += 1
@@ -306,9 +342,9 @@ class OffloadTier:
         elif found:
             assert isinstance(store, HostMemoryStore)
             self.layout.scatter([b.block_id for b in blocks[:done]], store.slab, found)
-        elif read:
+        elif staged:
             assert staging is not None
-            self.layout.scatter([b.block_id for b in blocks[:done]], staging[:read])
+            self.layout.scatter([b.block_id for b in blocks[:done]], staging[:staged])
         seconds = time.perf_counter() - start
         self.cost.observe_restore(done, seconds)
         self.restored_blocks += done
