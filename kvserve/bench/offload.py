@@ -30,7 +30,8 @@ results: {"multi_round": {"users", "rounds", "system_tokens", "working_set_token
             "systems": {NAME: {"ttft_ms_p50", "ttft_ms_p90", "throughput_tok_s", "pool_hit_rate", "tier_hit_rate",
                                "ttft_ms": [...]}}},
           "restart": [{"prompt_tokens", "cold_ttft_ms", "page_cache_ttft_ms", "dropped_ttft_ms", "restored_tokens"}],
-          "no_reuse": {"requests", "prompt_tokens", "systems": {NAME: {"throughput_tok_s", "runs": [...]}}},
+          "no_reuse": {"requests", "prompt_tokens",
+                       "systems": {NAME: {"throughput_tok_s", "runs": [...], "stored_blocks", "dropped_blocks"}}},
           "accuracy": {"prompts", "prompt_tokens", "output_tokens", "tiers": {"auto"|"int8": {"block_bytes",
             "identical_continuations", "mean_first_divergence", "restored_tokens"}}},
           "llama_server": null | {"kvserve_args", "llama_server_args", "systems": {"kvserve"|"llama-server":
@@ -119,6 +120,15 @@ def _batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: st
     while engine.has_unfinished_requests():
         engine.step()
     return time.perf_counter() - start
+
+
+def _offload_counts(engine: LLMEngine) -> tuple[int, int]:
+    """(blocks stored, blocks dropped) by the engine's offload tier so far; (0, 0) without one."""
+    tier = engine.core.offload
+    if tier is None:
+        return 0, 0
+    stats = tier.stats()
+    return stats.stored_blocks, stats.dropped_blocks
 
 
 def _drop_page_cache(directory: Path) -> int:
@@ -373,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
     }
     runs: dict[str, list[float]] = {name: [] for name in no_reuse_engines}
     total = args.no_reuse_requests * (args.no_reuse_tokens + args.output_len)
+    offload_before = {name: _offload_counts(engine) for name, engine in no_reuse_engines.items()}
     for rep in range(args.repeats):
         prompts = [
             bos + random_token_ids(rng, args.no_reuse_tokens, vocab, exclude) for _ in range(args.no_reuse_requests)
@@ -380,19 +391,36 @@ def run(args: argparse.Namespace) -> int:
         names = list(no_reuse_engines)
         for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each system first in turn
             runs[name].append(total / _batch(no_reuse_engines[name], prompts, args.output_len, f"nr-{rep}"))
-    no_reuse = {
-        "requests": args.no_reuse_requests,
-        "prompt_tokens": args.no_reuse_tokens,
-        "systems": {name: {"throughput_tok_s": median(r), "runs": r} for name, r in runs.items()},
-    }
+    for engine in no_reuse_engines.values():
+        if engine.core.offload is not None:
+            engine.core.offload.flush(120)  # what is queued counts as stored, not as dropped
+    no_reuse_systems: dict[str, dict[str, Any]] = {}
+    for name, r in runs.items():
+        (stored_now, dropped_now), (stored_then, dropped_then) = (
+            _offload_counts(no_reuse_engines[name]),
+            offload_before[name],
+        )
+        no_reuse_systems[name] = {
+            "throughput_tok_s": median(r),
+            "runs": r,
+            "stored_blocks": stored_now - stored_then,
+            "dropped_blocks": dropped_now - dropped_then,
+        }
+    no_reuse = {"requests": args.no_reuse_requests, "prompt_tokens": args.no_reuse_tokens, "systems": no_reuse_systems}
     t3 = Table(
         f"No reuse: {args.no_reuse_requests} random {args.no_reuse_tokens}-token prompts in one batch, "
         f"median of {args.repeats}",
-        ["system", "throughput tok/s", "/ no tier"],
+        ["system", "throughput tok/s", "/ no tier", "blocks stored", "blocks dropped"],
     )
     off_tput = no_reuse["systems"]["no tier"]["throughput_tok_s"]
     for name, row_n in no_reuse["systems"].items():
-        t3.add(name, row_n["throughput_tok_s"], ratio(row_n["throughput_tok_s"], off_tput))
+        t3.add(
+            name,
+            row_n["throughput_tok_s"],
+            ratio(row_n["throughput_tok_s"], off_tput),
+            row_n["stored_blocks"],
+            row_n["dropped_blocks"],
+        )
     for engine in no_reuse_engines.values():
         if engine is not base:
             engine.core.close()

@@ -37,7 +37,11 @@ def test_bench_offload_reports_every_scenario(tiny_model_dir, tmp_path, capsys):
     assert all(len(s["ttft_ms"]) == 9 for s in systems.values())
     (restart,) = doc["results"]["restart"]
     assert restart["prompt_tokens"] == 60 and restart["restored_tokens"] == 56
-    assert set(doc["results"]["no_reuse"]["systems"]) == {"no tier", "host tier", "disk tier"}
+    no_reuse = doc["results"]["no_reuse"]["systems"]
+    assert set(no_reuse) == {"no tier", "host tier", "disk tier"}
+    assert no_reuse["no tier"]["stored_blocks"] == no_reuse["no tier"]["dropped_blocks"] == 0
+    for name in ("host tier", "disk tier"):  # every full block of every run is stored or dropped, counted
+        assert no_reuse[name]["stored_blocks"] + no_reuse[name]["dropped_blocks"] > 0
     accuracy = doc["results"]["accuracy"]["tiers"]
     assert accuracy["auto"]["identical_continuations"] == 2 and accuracy["auto"]["restored_tokens"] > 0
     assert 3.0 < doc["ratios"]["int8_tier_blocks_over_exact"] < 4.0  # head_dim 16: 4 x 16 / (16 + 4)
