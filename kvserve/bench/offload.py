@@ -169,6 +169,7 @@ def _against_llama_server(base: LLMEngine, args: argparse.Namespace) -> tuple[di
         f"{args.tier_bytes}B",
         "--cpu-threads",
         threads,
+        *_numerics_flags(args),
     ]
     llama_args = ["-t", threads, "-np", "1", "-c", str(longest)]
     if has_flag(args.llama_server, "--cache-ram"):
@@ -186,6 +187,28 @@ def _against_llama_server(base: LLMEngine, args: argparse.Namespace) -> tuple[di
     for name, row in doc["systems"].items():
         table.add(name, row["ttft_ms_p50"], row["ttft_ms_p90"], row["throughput_tok_s"])
     return doc, table
+
+
+# The settings that change kvserve's arithmetic, as `kvserve serve` flags with their defaults: the server the HTTP
+# comparison starts computes as the in-process engines of the same run do.
+_NUMERICS_FLAGS = {
+    "dtype": ("--dtype", "auto"),
+    "quantization": ("--quantization", "auto"),
+    "lm_head_quantization": ("--lm-head-quantization", None),
+    "activation_quantization": ("--activation-quantization", "none"),
+    "kernel_isa": ("--kernel-isa", "auto"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "auto"),
+    "block_size": ("--block-size", 16),
+}
+
+
+def _numerics_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    for attr, (flag, default) in _NUMERICS_FLAGS.items():
+        value = getattr(args, attr, default)
+        if value is not None and value != default:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _accuracy(base: LLMEngine, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:

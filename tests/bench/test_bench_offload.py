@@ -64,3 +64,15 @@ def test_bench_offload_against_llama_server(tiny_model_dir, tmp_path):
     assert peer["systems"]["kvserve"]["cached_tokens_reported"] > 0  # the tier and the pool served prefixes
     started = json.loads((tmp_path / "args.json").read_text())
     assert started[started.index("--cache-ram") + 1] == "16" and "-np" in started
+
+
+def test_the_http_comparison_serves_with_the_runs_numerics():
+    """The `kvserve serve` of the llama-server comparison computes as the run's in-process engines: the flags that
+    change kvserve's arithmetic are passed on, defaults are not spelled out."""
+    from kvserve.bench.offload import _numerics_flags
+    from kvserve.cli import build_parser
+
+    parser = build_parser()
+    assert _numerics_flags(parser.parse_args(["bench", "offload"])) == []
+    args = parser.parse_args(["bench", "offload", "--activation-quantization", "int8", "--kv-cache-dtype", "int8"])
+    assert _numerics_flags(args) == ["--activation-quantization", "int8", "--kv-cache-dtype", "int8"]
