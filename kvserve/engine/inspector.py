@@ -16,6 +16,10 @@ Schema (version 1; the JSON of GET /v1/kv/snapshot, documented in docs/UI.md):
   num_output_tokens, num_computed_tokens, prefix_hit_tokens, age_s, num_preemptions
 - prefix_cache: nodes, one per cached block: hash, parent (hash prefix or null), block_id, hits, ref_cnt, evict_rank
 - gauges: the EngineStats fields; capacity: the cache plan (kvserve estimate's figures for this server)
+- offload_tier: null without a KV offload tier; else medium, available, num_blocks, bytes_used, capacity_bytes,
+  indexed_blocks (those this process knows, kv/offload/index.py) and prefixes: the largest 64 prefixes it holds,
+  each root (hash prefix), blocks, tokens, in_pool (of its blocks, also in the pool), token_ids (the root block's;
+  null when redacted)
 """
 
 from __future__ import annotations
@@ -241,6 +245,9 @@ def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str,
         "prefix_cache": _prefix_cache(engine, ranks),
         "gauges": dataclasses.asdict(engine.stats()),
         "capacity": _capacity(engine),
+        "offload_tier": None
+        if engine.offload is None
+        else engine.offload.view(lambda h: h in pool.cached, include_tokens),
         "redacted": not include_tokens,
         "events_dropped": engine.kv_events.dropped,
     }

@@ -196,6 +196,7 @@
     renderMap();
     renderRequests(snap);
     renderPrefix(snap);
+    renderTier(snap);
     if (state.pinned !== null) showDetail(state.pinned);
   }
 
@@ -407,6 +408,31 @@
       (snap.prefix_cache.length > MAX_TREE_NODES ? " (first " + MAX_TREE_NODES + " shown)" : "")));
     root.appendChild(build(roots));
     $("prefix").replaceChildren(root);
+  }
+
+  // ---- the offload tier's prefixes (docs/KV_OFFLOAD.md) ----
+  function renderTier(snap) {
+    const t = snap.offload_tier;
+    $("tier-panel").hidden = !t;
+    if (!t) return;
+    const head = document.createElement("p");
+    head.textContent = t.num_blocks + " blocks in the tier (" + t.medium + "), " + t.indexed_blocks +
+      " of them known to this server (stored or restored here), in " + t.prefixes.length +
+      (t.prefixes.length === 64 ? "+" : "") + " prefixes:";
+    const table = document.createElement("table");
+    table.innerHTML = "<thead><tr><th>prefix</th><th>blocks</th><th>tokens</th><th>also in the pool</th></tr></thead>";
+    const body = document.createElement("tbody");
+    for (const p of t.prefixes) {
+      const tr = document.createElement("tr");
+      for (const v of [p.root.slice(0, 8), p.blocks, p.tokens, p.in_pool]) {
+        const td = document.createElement("td");
+        td.textContent = v;
+        tr.appendChild(td);
+      }
+      body.appendChild(tr);
+    }
+    table.appendChild(body);
+    $("tier").replaceChildren(head, table);
   }
 
   // ---- events ----

@@ -434,3 +434,33 @@ def test_a_second_process_restores_what_the_first_stored(model_dir, cold, tmp_pa
     first, second = child(), child()
     assert first == {"tokens": cold, "restored": 0}
     assert second == {"tokens": cold, "restored": 56}  # its first and only request
+
+
+def test_the_inspector_shows_which_prefixes_the_tier_holds(model_dir, cold, tmp_path):
+    """The KV inspector's snapshot lists the tier's prefixes: a prompt's full blocks as one prefix, whether the pool
+    still holds them, its first tokens unless redacted; a restarted disk tier knows an earlier run's records once it
+    has restored them; no tier, no section."""
+    plain = tiny_engine(model_dir, **POOL)
+    assert plain.kv_snapshot()["offload_tier"] is None
+    engine = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
+    run(engine, PROMPT)
+    view = engine.kv_snapshot()["offload_tier"]
+    assert view["medium"] == "CPU" and view["num_blocks"] == view["indexed_blocks"] == 16  # 60 + 8 tokens: 17 blocks,
+    (prefix,) = view["prefixes"]  # the last not full
+    assert prefix["blocks"] == 16 and prefix["tokens"] == 64 and prefix["in_pool"] == 16
+    assert prefix["token_ids"] == PROMPT[:4]
+    evict(engine)
+    view = engine.kv_snapshot(include_tokens=False)["offload_tier"]
+    ours = next(p for p in view["prefixes"] if p["blocks"] == 16)
+    assert ours["in_pool"] == 0 and ours["token_ids"] is None and len(view["prefixes"]) == 1 + len(FILLERS)
+
+    first = disk_engine(model_dir, tmp_path)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    second = disk_engine(model_dir, tmp_path)
+    view = second.kv_snapshot()["offload_tier"]
+    assert view["medium"] == "DISK" and view["num_blocks"] == 16 and view["indexed_blocks"] == 0
+    assert run(second, PROMPT)[0] == cold
+    view = second.kv_snapshot()["offload_tier"]
+    assert view["indexed_blocks"] == 16 and [p["blocks"] for p in view["prefixes"]] == [16]  # 14 restored, 2 stored
+    second.core.close()

@@ -245,3 +245,27 @@ def test_api_key_guards_the_data_not_the_page(page: Any, tiny_model_dir: Path) -
         assert API_KEY not in page.url
     finally:
         server.stop()
+
+
+def test_the_offload_tier_panel_lists_the_prefixes_it_holds(page: Any, tiny_model_dir: Path, artifacts: Path) -> None:
+    import httpx
+
+    plain = _serve(tiny_model_dir)
+    try:
+        _live(page, plain.base_url + "/")
+        assert page.locator("#tier-panel").is_hidden()  # no tier, no panel
+    finally:
+        plain.stop()
+    server = _serve(tiny_model_dir, kv_offloading_size="8MiB")
+    try:
+        errors = _watch_errors(page)
+        body = {"model": MODEL, "prompt": list(range(10, 10 + 40)), "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+        _live(page, server.base_url + "/")
+        page.wait_for_selector("#tier-panel:not([hidden]) tbody tr")
+        cells = page.inner_text("#tier tbody tr").split("\t")
+        assert cells[1:] == ["10", "40", "10"]  # 40 prompt + 4 output tokens: 10 full blocks, all in the pool too
+        page.screenshot(path=str(artifacts / "kv-inspector-tier.png"), full_page=True)
+        assert errors == []
+    finally:
+        server.stop()

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ from kvserve.kv.events import BlockRemoved, BlockStored, KVEventBuffer
 from kvserve.kv.hashing import BlockKey
 from kvserve.kv.offload.config import KVOffloadConfig
 from kvserve.kv.offload.fingerprint import KVFingerprint
+from kvserve.kv.offload.index import TierIndex
 from kvserve.kv.offload.layout import BlockLayout
 from kvserve.kv.offload.record import RecordError
 from kvserve.kv.offload.stores import DiskStore, HostMemoryStore
@@ -130,6 +132,8 @@ class OffloadTier:
         # What the writer thread stored and evicted since the engine thread last looked (poll_events).
         self._written: deque[TierBlock] = deque()
         self._evicted: deque[bytes] = deque()
+        self._restored: deque[TierBlock] = deque()  # by the loader, for the index
+        self.index = TierIndex()  # what this process knows the tier holds: the inspector's view (kv/offload/index.py)
         # Disk: the writer's queue holds (hash, key, slot) of payloads copied into the ring, a slab of max_queued_bytes
         # allocated (and touched) once, so that a step's stores allocate nothing; a block that finds no free slot is
         # dropped and counted. The writer hands each slot back once its record is written.
@@ -213,7 +217,12 @@ class OffloadTier:
         full is dropped and counted)."""
         if not self.available or self.store is None:
             return
-        todo = [b for b in blocks if b.block_hash not in self._queued and not self.store.contains(b.block_hash)]
+        todo = []
+        for b in blocks:
+            if self.store.contains(b.block_hash):
+                self.index.add(b.block_hash, b.key)  # stored already (by an earlier run, another replica): known now
+            elif b.block_hash not in self._queued:
+                todo.append(b)
         if not todo:
             return
         if isinstance(self.store, HostMemoryStore):
@@ -271,7 +280,11 @@ class OffloadTier:
                 self._queued.discard(block_hash)
 
     def poll_events(self) -> None:
-        """Engine thread: publish the writer's stores and evictions as KV events (the buffer is the engine thread's)."""
+        """Engine thread: publish the writer's stores and evictions as KV events (the buffer is the engine thread's),
+        and index them and the blocks restored since (records of other processes become known here)."""
+        while self._restored:
+            block = self._restored.popleft()
+            self.index.add(block.block_hash, block.key)
         while self._written:
             self._stored_event(self._written.popleft())
         evicted = []
@@ -280,12 +293,15 @@ class OffloadTier:
         self._removed_events(evicted)
 
     def _stored_event(self, block: TierBlock) -> None:
+        self.index.add(block.block_hash, block.key)
         if self.events is not None:
             parent = block.key.parent.hex() if block.key.parent is not None else None
             tokens = block.key.token_ids
             self.events.append(BlockStored(-1, block.block_hash.hex(), parent, tokens, len(tokens), self.medium))
 
     def _removed_events(self, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            self.index.remove(block_hash)
         if self.events is not None:
             for block_hash in hashes:
                 self.events.append(BlockRemoved(-1, block_hash.hex(), self.medium))
@@ -349,6 +365,7 @@ class OffloadTier:
             self.layout.scatter([b.block_id for b in blocks[:done]], staging[:staged])
         seconds = time.perf_counter() - start
         self.cost.observe_restore(done, seconds)
+        self._restored.extend(blocks[:done])
         self.restored_blocks += done
         self.restore_seconds_total += seconds
         self.restores += 1
@@ -373,6 +390,21 @@ class OffloadTier:
             restore_seconds_total=self.restore_seconds_total,
             restores=self.restores,
         )
+
+    def view(self, in_pool: Callable[[bytes], bool], include_tokens: bool, limit: int = 64) -> dict[str, Any]:
+        """The KV inspector's view of the tier (engine thread): what it holds, and which prefixes as far as this
+        process knows them (TierIndex)."""
+        self.poll_events()
+        stats = self.stats()
+        return {
+            "medium": stats.medium,
+            "available": stats.available,
+            "num_blocks": stats.num_blocks,
+            "bytes_used": stats.bytes_used,
+            "capacity_bytes": stats.capacity_bytes,
+            "indexed_blocks": len(self.index),
+            "prefixes": self.index.prefixes(self.block_size, in_pool, limit, include_tokens),
+        }
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until the writer has written what is queued (tests, and a clean shutdown)."""
