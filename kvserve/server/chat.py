@@ -164,7 +164,9 @@ def _usage(tracker: DeltaTracker) -> UsageInfo:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=tracker.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=tracker.num_cached_tokens, restored_tokens=tracker.num_restored_tokens
+        ),
     )
 
 

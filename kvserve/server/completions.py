@@ -176,11 +176,12 @@ def _usage(plan: _Plan, trackers: Sequence[DeltaTracker]) -> UsageInfo:
     prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     completion_tokens = 0 if plan.max_tokens == 0 else sum(t.num_generated_tokens for t in trackers)
     cached = sum(t.num_cached_tokens for t in trackers)
+    restored = sum(t.num_restored_tokens for t in trackers)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, restored_tokens=restored),
     )
 
 

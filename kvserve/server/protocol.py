@@ -175,7 +175,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not computed: prefix-cache hits, from the pool or the KV offload tier
+    # kvserve's own: of cached_tokens, those restored from the KV offload tier (docs/KV_OFFLOAD.md); the rest were in
+    # the pool. 0 without a tier.
+    restored_tokens: int = 0
 
 
 class UsageInfo(BaseModel):

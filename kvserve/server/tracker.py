@@ -88,6 +88,7 @@ class DeltaTracker:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_logprobs: list[LogprobEntry | None] | None = None
         self.num_cached_tokens = 0
+        self.num_restored_tokens = 0  # of num_cached_tokens, from the KV offload tier
         self.finished = False
         self._samples: dict[int, _Sample] = {}
         self._last: RequestOutput | None = None
@@ -98,6 +99,7 @@ class DeltaTracker:
         if output.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = output.prompt_logprobs
         self.num_cached_tokens = output.num_cached_tokens
+        self.num_restored_tokens = output.num_restored_tokens
         self.finished = output.finished
         self._last = output
         return [self._samples.setdefault(c.index, _Sample(c.index)).add(c) for c in output.outputs]
@@ -125,4 +127,5 @@ class DeltaTracker:
             self.finished,
             self.num_cached_tokens,
             self._last.metrics,
+            num_restored_tokens=self.num_restored_tokens,
         )

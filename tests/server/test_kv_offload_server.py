@@ -33,6 +33,8 @@ def test_a_restarted_server_restores_its_first_request_from_disk(make_server, tm
     prompt_tokens = warm["usage"]["prompt_tokens"]
     cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == (prompt_tokens - 1) // 4 * 4 > 0  # every full block before the last prompt token's
+    assert warm["usage"]["prompt_tokens_details"]["restored_tokens"] == cached  # all of them from the tier
+    assert cold["usage"]["prompt_tokens_details"]["restored_tokens"] == 0
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
     with second.client() as c:
         m = metric_values(c)
@@ -42,3 +44,5 @@ def test_a_restarted_server_restores_its_first_request_from_disk(make_server, tm
     assert m["kvserve:kv_offload_restore_seconds_count{medium=DISK}"] == 1
     assert m["kvserve:kv_offload_restore_failures_total{medium=DISK}"] == 0
     assert m["kvserve:kv_offload_blocks{medium=DISK}"] >= cached // 4
+    again = complete(second)["usage"]["prompt_tokens_details"]  # now in the pool: cached, none restored
+    assert again["cached_tokens"] == cached and again["restored_tokens"] == 0
