@@ -134,14 +134,16 @@ class OffloadTier:
         self._evicted: deque[bytes] = deque()
         self._restored: deque[TierBlock] = deque()  # by the loader, for the index
         self.index = TierIndex()  # what this process knows the tier holds: the inspector's view (kv/offload/index.py)
-        # Disk: the writer's queue holds (hash, key, slot) of payloads copied into the ring, a slab of max_queued_bytes
+        # Disk: the writers' queue holds (hash, key, slot) of payloads copied into the ring, a slab of max_queued_bytes
         # allocated (and touched) once, so that a step's stores allocate nothing; a block that finds no free slot is
-        # dropped and counted. The writer hands each slot back once its record is written.
+        # dropped and counted. A writer hands each slot back once its record is written. Two writers (_write_loop):
+        # one that runs only on an idle core, and one that joins it while the ring is more than half full (_behind).
         self._queue: queue.Queue[tuple[bytes, BlockKey, int] | None] | None = None
         self._ring: torch.Tensor | None = None
         self._free_slots: list[int] = []
-        self._slots_lock = threading.Lock()
-        self._writer: threading.Thread | None = None
+        self._lock = threading.Lock()  # the free slots, and the counters the writers update
+        self._behind = threading.Event()
+        self._writers: list[threading.Thread] = []
         self._loader: ThreadPoolExecutor | None = None
         self._at_exit: Callable[[], None] | None = None
         if isinstance(self.store, DiskStore):
@@ -149,8 +151,11 @@ class OffloadTier:
             self._ring = torch.empty(depth, self.layout.block_bytes, dtype=torch.uint8)
             self._free_slots = list(range(depth - 1, -1, -1))
             self._queue = queue.Queue()
-            self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-offload-writer", daemon=True)
-            self._writer.start()
+            for idle in (True, False):
+                name = "kvserve-kv-offload-writer" + ("" if idle else "-catch-up")
+                writer = threading.Thread(target=self._write_loop, args=(idle,), name=name, daemon=True)
+                writer.start()
+                self._writers.append(writer)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
             # A program that never closes its engine (LLM(...) then exit) still gets its queued blocks written: the
             # writer is a daemon thread, which exit would otherwise stop mid-queue. A weak reference, so that the
@@ -236,47 +241,61 @@ class OffloadTier:
             self._removed_events(evicted)
             return
         assert self._queue is not None and self._ring is not None
-        with self._slots_lock:
+        with self._lock:
             slots = [self._free_slots.pop() for _ in range(min(len(todo), len(self._free_slots)))]
-        self.dropped_blocks += len(todo) - len(slots)  # the writer is that far behind: dropped, never waited for
+            self.dropped_blocks += len(todo) - len(slots)  # the writers are that far behind: dropped, never waited for
         kept = todo[: len(slots)]
         self.layout.gather_into([b.block_id for b in kept], self._ring, slots)
         for block, slot in zip(kept, slots):
             self._queued.add(block.block_hash)
             self._queue.put_nowait((block.block_hash, block.key, slot))
+        if len(self._free_slots) < len(self._ring) // 2:
+            self._behind.set()
 
-    def _write_loop(self) -> None:
-        """The disk writer: records out of the queue into files, until close() queues None. The first OSError (a full
-        disk, a read-only or vanished directory) turns the tier's stores off, logged once; reads go on."""
+    def _write_loop(self, idle: bool) -> None:
+        """A disk writer: records out of the queue into files, until close() queues None. The idle writer runs
+        SCHED_IDLE, taking a core only when nothing else wants one, so it never preempts one of the engine's compute
+        threads mid-step, which stalls the whole parallel step (on the no-reuse benchmark, where every block is written
+        and none read: 0.93x tier-off with one writer at nice 10, 0.98x so). The catch-up writer, at nice 10, takes
+        records only while the ring is more than half full, so that under steps that leave no core idle the tier still
+        keeps up instead of dropping blocks. Two threads, not one changing its policy: an unprivileged thread cannot
+        leave SCHED_IDLE. The first OSError (a full disk, a read-only or vanished directory) turns the tier's stores
+        off, logged once; reads go on."""
         assert self._queue is not None and self._ring is not None and isinstance(self.store, DiskStore)
-        priority = _WriterPriority()
-        depth = len(self._ring)
+        _set_writer_priority(idle)
+        half = len(self._ring) // 2
         while True:
+            if not idle:
+                self._behind.wait()
             item = self._queue.get()
             if item is None:
                 return
-            priority.set(idle=len(self._free_slots) > depth // 2)
             block_hash, key, slot = item
             try:
                 if self.error is None:
                     written, evicted = self.store.write(block_hash, key, self._ring[slot])
                     if written:
-                        self.stored_blocks += 1
+                        with self._lock:
+                            self.stored_blocks += 1
                         self._written.append(TierBlock(-1, block_hash, key))
                     self._evicted.extend(evicted)
                 else:
-                    self.dropped_blocks += 1
+                    with self._lock:
+                        self.dropped_blocks += 1
             except OSError as e:
-                self.io_errors += 1
-                self.dropped_blocks += 1
+                with self._lock:
+                    self.io_errors += 1
+                    self.dropped_blocks += 1
                 if self.error is None:
                     self.error = f"{type(e).__name__}: {e}"
                     logger.error(
                         "the KV offload tier stops storing blocks (%s); requests are served as without it", self.error
                     )
             finally:
-                with self._slots_lock:
+                with self._lock:
                     self._free_slots.append(slot)
+                    if not idle and len(self._free_slots) > half:
+                        self._behind.clear()
                 self._queued.discard(block_hash)
 
     def poll_events(self) -> None:
@@ -417,10 +436,14 @@ class OffloadTier:
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
             self._at_exit = None
-        if self._queue is not None and self._writer is not None:
+        if self._queue is not None and self._writers:
             self.flush()
-            self._queue.put(None)
-            self._writer.join(timeout=30)
+            for _ in self._writers:
+                self._queue.put(None)
+            self._behind.set()  # the catch-up writer waits for it before it reads the queue
+            for writer in self._writers:
+                writer.join(timeout=30)
+            self._writers = []
             self._queue = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
@@ -436,27 +459,17 @@ def _close_at_exit(tier: weakref.ref[OffloadTier]) -> Callable[[], None]:
     return close
 
 
-class _WriterPriority:
-    """The disk writer's scheduling, chosen by how far behind it is (Linux; elsewhere it runs as it is). With room in
-    its ring it runs SCHED_IDLE: it takes a core only when nothing else wants one, never preempting one of the engine's
-    compute threads mid-step, which would stall the whole parallel step (measured on the no-reuse benchmark, where
-    every block is written and none read: 0.93x tier-off at nice 10, 0.96-0.99x idle). Once the ring is more than
-    half full it runs at nice 10, so that under a step that never pauses it still keeps up rather than dropping
-    blocks (the grammar compile workers run at nice 10 for the same reason, docs/RELIABILITY.md)."""
-
-    def __init__(self) -> None:
-        self.tid = threading.get_native_id()
-        self.idle: bool | None = None
-
-    def set(self, idle: bool) -> None:
-        if idle is self.idle:
-            return
-        self.idle = idle
-        try:
-            if idle:
-                os.sched_setscheduler(self.tid, os.SCHED_IDLE, os.sched_param(0))
-            else:
-                os.sched_setscheduler(self.tid, os.SCHED_OTHER, os.sched_param(0))
-                os.setpriority(os.PRIO_PROCESS, self.tid, 10)
-        except (AttributeError, OSError):
-            pass
+def _set_writer_priority(idle: bool) -> None:
+    """This thread's scheduling, for a disk writer (see OffloadTier._write_loop): SCHED_IDLE (where it is refused,
+    nice 19), or nice 10. Linux, where a thread has its own; elsewhere the thread runs as it is."""
+    tid = threading.get_native_id()
+    try:
+        if idle:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                return
+            except OSError:
+                pass
+        os.setpriority(os.PRIO_PROCESS, tid, 19 if idle else 10)
+    except (AttributeError, OSError):
+        pass
