@@ -248,3 +248,36 @@ def test_the_disk_writers_ring_drops_what_finds_it_full_and_reuses_its_slots(tmp
         want = [t[b.block_id].numpy().tobytes() for k, v in snapshot for t in (k, v)]
         assert [bytes(p) for p in parts] == want
     tier.close()
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [3, 4, 5, 6],  # one run of consecutive slots: sliced copies
+        [9, 10, 2, 3],  # two runs
+        [11, 7, 5, 3, 1, 13, 0, 8, 6],  # more runs than the fast path takes: through the staging buffer
+    ],
+)
+@pytest.mark.parametrize("targets", ["consecutive", "scattered"])
+def test_the_layout_restores_slab_rows_into_their_blocks_whatever_their_order(slots, targets):
+    """BlockLayout.scatter from the host tier's slab (rows `slots`) gives every target block exactly the bytes its
+    source block had, whichever path the slots' order takes (runs of consecutive slots, or the staging gather)."""
+    from kvserve.kv.cache import LayerKVCache
+    from kvserve.kv.offload.layout import BlockLayout
+
+    shape = (32, 4, 2, 8)
+    caches = [LayerKVCache(torch.randn(shape), torch.randn(shape)) for _ in range(3)]
+    layout = BlockLayout(caches)
+    sources = list(range(1, 1 + len(slots)))
+    slab = torch.zeros(16, layout.block_bytes, dtype=torch.uint8)
+    layout.gather_into(sources, slab, slots)
+    want = [[t[b].clone() for b in sources] for t in layout.tensors]
+    dest = (
+        list(range(20, 20 + len(slots)))
+        if targets == "consecutive"
+        else [31, 12, 18, 25, 14, 29, 16, 23, 27][: len(slots)]
+    )
+    layout.scatter(dest, slab, slots)
+    for t, blocks in zip(layout.tensors, want):
+        for d, block in zip(dest, blocks):
+            assert torch.equal(t[d], block)

@@ -126,6 +126,11 @@ class BlockLayout:
         if n == 0:
             return
         device = self.tensors[0].device
+        if rows is not None and not self.compress and device == payloads.device:
+            runs = _runs(rows)
+            if len(runs) <= _MAX_RUNS:
+                self._scatter_runs(block_ids, payloads, rows, runs)
+                return
         ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
         picked = None if rows is None else torch.tensor(rows, dtype=torch.int64)
         offset = 0
@@ -153,6 +158,43 @@ class BlockLayout:
             else:
                 _bytes(target).index_copy_(0, ids, source.to(device))
             offset += size
+
+    def _scatter_runs(
+        self, block_ids: Sequence[int], payloads: torch.Tensor, rows: Sequence[int], runs: list[tuple[int, int]]
+    ) -> None:
+        """scatter's one copy for rows that lie in few runs of consecutive slab rows (a chain stored in one step sits
+        in consecutive slots): each run's part of each tensor is copied from where it lies in the slab, a slice copy
+        where the blocks are consecutive too, else an index copy, with no staging copy in between (a 67-block
+        restore of Gemma 3 270M: 1.8 or 2.7 ms, against 3.5-4.7 through staging)."""
+        offset = 0
+        for t, values, size in zip(self.tensors, self.values, self.sizes):
+            target = t.view(t.shape[0], values)
+            for start, length in runs:
+                source = payloads[rows[start] : rows[start] + length, offset : offset + size]
+                ids = block_ids[start : start + length]
+                words = _aligned(_bytes(target), source)
+                dst, src = (_words(target), _words(source)) if words else (_bytes(target), source)
+                if all(ids[i + 1] == ids[i] + 1 for i in range(length - 1)):
+                    dst[ids[0] : ids[0] + length].copy_(src)
+                else:
+                    dst.index_copy_(0, torch.tensor(ids, dtype=torch.int64, device=t.device), src)
+            offset += size
+
+
+# Past this many runs of consecutive rows, scatter gathers the rows into a staging buffer first (one gather and one
+# index copy per tensor, however scattered the rows are).
+_MAX_RUNS = 8
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of consecutive values in `rows`, in order."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    return runs
 
 
 # How many buffers one vectored read (os.preadv) may fill.
