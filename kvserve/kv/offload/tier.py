@@ -218,8 +218,8 @@ class OffloadTier:
 
     def store_blocks(self, blocks: Sequence[TierBlock]) -> None:
         """Engine thread, after the step that computed `blocks`: copy those not yet in the tier out of the cache (one
-        batched gather) and keep them (host memory) or queue them for the writer (disk; a block that finds the queue
-        full is dropped and counted)."""
+        batched gather) and keep them (host memory) or copy them into the writers' ring (disk; a block that finds the
+        ring full is dropped and counted). Blocks the tier holds already are only indexed (TierIndex)."""
         if not self.available or self.store is None:
             return
         todo = []
