@@ -237,6 +237,8 @@ def _paged_prompt(seq_len: int, q_len: int, block_size: int, heads: int, kv_head
         (130, 35, 5, 8, 2, 40, 50),  # a later chunk in a window, GQA 4, head_dim 40 (8 x 5)
         (200, 199, 3, 3, 3, 24, 1),  # window 1: each query sees only itself
         (90, 90, 7, 2, 1, 20, 33),  # head_dim 20: no multiple of 8
+        (1485, 85, 16, 4, 1, 256, None),  # a chat turn after a prefix hit: one tall item a thread, many key tiles
+        (1485, 85, 16, 4, 1, 256, 512),  # the same on a sliding-window layer
     ],
 )
 def test_native_paged_prefill_attention_matches_reference(
