@@ -127,9 +127,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
 def touch_pages(tensors: Sequence[torch.Tensor]) -> int:
     """Zero the host-memory tensors among `tensors`, so that the OS maps their pages now instead of on first use;
     returns the bytes touched. Why: a page's first touch is a fault, and on these VMs a fresh page costs as much as
-    the copy into it several times over (restoring 8,176 tokens of Gemma 3 270M from page-cached files took 0.09 s
-    into touched cache memory and 0.5-0.9 s into fresh pages), so a tier pays it once at start, not in a request's
-    time to first token. Device tensors are left as they are."""
+    the copy into it several times over (docs/KV_OFFLOAD.md, "Memory touched at start"), so a tier pays it once at
+    start, not in a request's time to first token. Device tensors are left as they are."""
     touched = 0
     for t in tensors:
         if t.device.type == "cpu":

@@ -95,11 +95,9 @@ class BlockLayout:
                 yield offset, rows
             offset += size
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copies of the blocks as [len(block_ids), block_bytes] uint8 on the host (one row a block): into `out` when
-        given (contiguous, that shape), else a new tensor."""
-        if out is None:
-            out = torch.empty(len(block_ids), self.block_bytes, dtype=torch.uint8)
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+        """Copies of the blocks into `out`, [len(block_ids), block_bytes] uint8 on the host (one row a block,
+        contiguous)."""
         if block_ids:
             for offset, rows in self._rows(block_ids):
                 _copy(out[:, offset : offset + rows.shape[1]], rows)

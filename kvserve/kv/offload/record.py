@@ -48,7 +48,7 @@ def record_parts(
 
 def record_head(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_len: int) -> bytes:
     """The header and identity that open the record of this block under this fingerprint: the same bytes for every
-    good record of it, so a reader that knows which block it wants can compare them whole (read_parts)."""
+    good record of it, so a reader that knows which block it wants can compare them whole (DiskStore.read_into)."""
     parent = key.parent
     tokens = array("q", key.token_ids).tobytes()
     header = _HEADER.pack(

@@ -120,8 +120,6 @@ class DiskStore:
         self._describe_fingerprint()
         self._lock_path = self.dir / "lock"
         self._digest = fingerprint.digest  # computed once: every record carries it
-        self._buffer = bytearray()  # records are read into it (see read)
-        self._reading = threading.Lock()  # guards the read buffer
         self._mutex = threading.Lock()  # guards the counters below between this process's threads
         self._bytes_estimate = 0
         self._num_blocks_estimate = 0
@@ -149,11 +147,21 @@ class DiskStore:
         return self.path_for(block_hash).is_file()
 
     def read(self, block_hash: bytes, key: BlockKey) -> torch.Tensor:
-        """The verified payload as a new uint8 tensor; RecordError for a bad record (removed, so that it is recomputed
-        and stored again), KeyError for a missing one. Touches the file: its mtime is its LRU age."""
-        with self._reading:
-            payload = self._read_verified(block_hash, key)
-            return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        """The verified payload as a new uint8 tensor (for inspection and tests; restores use read_into); RecordError
+        for a bad record (removed, so that it is recomputed and stored again), KeyError for a missing one. Touches the
+        file: its mtime is its LRU age."""
+        path = self.path_for(block_hash)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise KeyError(block_hash.hex()) from None
+        try:
+            payload = decode_record(data, self._digest, block_hash, key)
+        except RecordError:
+            self._remove(path)
+            raise
+        _touch(path)
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     def read_into(self, block_hash: bytes, key: BlockKey, parts: Sequence[memoryview]) -> None:
         """Read the block's checked payload into `parts`: writable byte views whose concatenation is the payload (a row
@@ -186,35 +194,7 @@ class DiskStore:
                     raise
         finally:
             os.close(fd)
-        try:
-            os.utime(path)
-        except OSError:
-            pass  # removed since, or a read-only directory: the LRU age is a hint only
-
-    def _read_verified(self, block_hash: bytes, key: BlockKey) -> memoryview:
-        """The checked payload, a view into the read buffer (hold self._reading while using it)."""
-        path = self.path_for(block_hash)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if len(self._buffer) < size:
-                    self._buffer = bytearray(size)
-                data = memoryview(self._buffer)[:size]
-                got = f.readinto(data)
-        except FileNotFoundError:
-            raise KeyError(block_hash.hex()) from None
-        try:
-            if got != size:
-                raise RecordError(f"short read: {got} of {size} bytes")
-            payload = decode_record(data, self._digest, block_hash, key)
-        except RecordError:
-            self._remove(path)
-            raise
-        try:
-            os.utime(path)
-        except OSError:
-            pass  # removed since, or a read-only directory: the LRU age is a hint only
-        return payload
+        _touch(path)
 
     # ---- writes --------------------------------------------------------------------------------------
 
@@ -306,6 +286,15 @@ class DiskStore:
             path.unlink()
         except OSError:
             pass
+
+
+def _touch(path: Path) -> None:
+    """A record was used: its mtime is its LRU age (a hint only: it may have been removed since, or the directory be
+    read-only)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _refusal(data: bytes, fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_len: int) -> None:
