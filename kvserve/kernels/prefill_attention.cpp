@@ -14,6 +14,10 @@
 //   6 keys (Q is packed transposed, so each step broadcasts a key element against two vectors of rows and no
 //   horizontal sums are needed), and 4 rows x 24 output columns over the keys. Scores and probabilities stay
 //   transposed ([key][row]), so the online softmax runs 8 rows per vector.
+// - Where the library is built for AVX-512 (kvserve/kernels/native.py builds for the best set the CPU has), the
+//   scores, the softmax and the output run on 16-float vectors: the same operations on each value in the same
+//   order, so the results are bit-identical to the AVX2 build's, at 1.4-1.5x its speed on Gemma 3's shapes
+//   (85 queries x 1,485 keys: 1.96 against 2.93 ms on 2 Sapphire Rapids-class cores, old and new alternated).
 // - The packed tiles' strides avoid multiples of 256 bytes, which map a column walk onto a few L1 sets; the
 //   V tile is copied for that reason (its rows lie kv_heads x dim floats apart in the cache, often 1 KB).
 // - Work items are handed out dynamically, heaviest (latest queries, most keys) first, so that the two ends
@@ -28,6 +32,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <new>
 #include <vector>
 
 namespace {
@@ -144,6 +149,87 @@ inline void output_columns(const float* pt, int64_t ld, const float* const* v, c
     }
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 build's versions of the two GEMMs: the same sums in the same order (each score a sequence of fused
+// multiply-adds over d from zero, each output column one over the keys from alpha x O), so the results are
+// bit-identical to the AVX2 ones, with twice the floats per instruction. The scores step takes 32 rows (two
+// vectors) by kKeys512 keys, 24 accumulators, so that its loads (two of Q, one broadcast per key) stay under
+// its FMAs; 16 rows where fewer are left. The output step takes 4 rows x 64 columns.
+constexpr int kKeys512 = 12;
+
+template <int C, int N>
+inline void scores_micro512(const float* qt, int64_t ld, const float* const* k, int64_t dim, float* st) {
+    __m512 acc[C][N];
+    for (int c = 0; c < C; ++c)
+        for (int n = 0; n < N; ++n) acc[c][n] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+        __m512 qv[N];
+        for (int n = 0; n < N; ++n) qv[n] = _mm512_loadu_ps(qt + d * ld + 16 * n);
+        for (int c = 0; c < C; ++c) {
+            const __m512 kc = _mm512_set1_ps(k[c][d]);
+            for (int n = 0; n < N; ++n) acc[c][n] = _mm512_fmadd_ps(kc, qv[n], acc[c][n]);
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int n = 0; n < N; ++n) _mm512_storeu_ps(st + c * ld + 16 * n, acc[c][n]);
+}
+
+// The last fewer-than-kKeys512 keys: scores_micro512 for exactly `left` of them.
+template <int C, int N>
+inline void scores_tail512(int64_t left, const float* qt, int64_t ld, const float* const* k, int64_t dim,
+                           float* st) {
+    if (left == C) scores_micro512<C, N>(qt, ld, k, dim, st);
+    else if constexpr (C > 1) scores_tail512<C - 1, N>(left, qt, ld, k, dim, st);
+}
+
+// Scores of 16 N rows against keys [j0, j1).
+template <int N>
+inline void scores_block512(const float* qt, int64_t ld, const float* const* k, int64_t j0, int64_t j1,
+                            int64_t dim, float* st) {
+    int64_t j = j0;
+    for (; j + kKeys512 <= j1; j += kKeys512) scores_micro512<kKeys512, N>(qt, ld, k + j, dim, st + j * ld);
+    if (j < j1) scores_tail512<kKeys512 - 1, N>(j1 - j, qt, ld, k + j, dim, st + j * ld);
+}
+
+template <int R, int V>
+inline void output_micro512(const float* pt, int64_t ld, const float* const* v, int64_t j0, int64_t j1,
+                            int64_t d0, const float* alpha, float* o, int64_t dim) {
+    __m512 acc[R][V];
+    for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int n = 0; n < V; ++n) acc[r][n] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + d0 + 16 * n), a);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+        __m512 vv[V];
+        for (int n = 0; n < V; ++n) vv[n] = _mm512_loadu_ps(v[j] + d0 + 16 * n);
+        for (int r = 0; r < R; ++r) {
+            const __m512 pr = _mm512_set1_ps(pt[j * ld + r]);
+            for (int n = 0; n < V; ++n) acc[r][n] = _mm512_fmadd_ps(pr, vv[n], acc[r][n]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int n = 0; n < V; ++n) _mm512_storeu_ps(o + r * dim + d0 + 16 * n, acc[r][n]);
+}
+
+// output_columns for columns [d0, d0 + 64).
+inline void output_columns512(const float* pt, int64_t ld, const float* const* v, const int64_t* j0,
+                              const int64_t* j1, int64_t rows, int64_t d0, const float* alpha, float* o,
+                              int64_t dim) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+        const int64_t b = r0 / kRows;
+        if (j1[b] <= j0[b]) continue;
+        const float* p = pt + r0;
+        float* orow = o + r0 * dim;
+        switch (std::min<int64_t>(kRows, rows - r0)) {
+            case 4: output_micro512<4, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            case 3: output_micro512<3, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            case 2: output_micro512<2, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            default: output_micro512<1, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+        }
+    }
+}
+#endif
+
 // The key range [lo, hi) that any of rows [r0, r1) sees; empty rows (hi <= lo) count for nothing.
 inline void key_union(const float* lo, const float* hi, int64_t r0, int64_t r1, int64_t* j0, int64_t* j1) {
     float a = INFINITY, b = -INFINITY;
@@ -154,12 +240,28 @@ inline void key_union(const float* lo, const float* hi, int64_t r0, int64_t r1, 
 }
 
 // Per-thread scratch of one work item; ld: rows padded (see kvserve_paged_prefill_attention).
+// Cache-line-aligned storage for the packed tiles: the AVX-512 build's 16-float loads then never split a line.
+template <typename T>
+struct LineAligned {
+    using value_type = T;
+    LineAligned() = default;
+    template <typename U>
+    LineAligned(const LineAligned<U>&) {}
+    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+    template <typename U>
+    bool operator==(const LineAligned<U>&) const { return true; }
+    template <typename U>
+    bool operator!=(const LineAligned<U>&) const { return false; }
+};
+using Floats = std::vector<float, LineAligned<float>>;
+
 struct Tile {
-    std::vector<float> qt, st, o;       // Q^T [dim, ld] (scaled); scores, then probabilities, [kKeyTile, ld];
+    Floats qt, st, o;                   // Q^T [dim, ld] (scaled); scores, then probabilities, [kKeyTile, ld];
                                         // O [ld, dim]
     std::vector<float> m, l, alpha;     // running max, running sum, this step's rescale; per row
     std::vector<float> lo, hi;          // each row's visible keys [lo, hi) in the current key tile
-    std::vector<float> vp;              // the key tile's V rows [kKeyTile, vld]
+    Floats vp;                          // the key tile's V rows [kKeyTile, vld]
     std::vector<const float*> src;      // each row's query in q
     std::vector<const float*> k, v;     // the key tile's K rows (in the cache) and V rows (in vp)
     std::vector<int64_t> j0, j1;        // per block of kRows rows: the keys any of its rows sees
@@ -193,10 +295,16 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
                                ? one_each
                                : std::max<int64_t>(1, std::min(kRowTile / group, fill));
     const int64_t q_tiles = (q_len + tile_q - 1) / tile_q;
-    // Row vectors padded to 16 rows, plus 8 so that the transposed tiles' stride is no multiple of 256 bytes:
+    // Row vectors padded to 16 rows, and then so that the transposed tiles' stride is no multiple of 256 bytes:
     // a power-of-two stride maps the 16-row column of Q^T walked in the scores step onto a quarter of L1's
-    // sets, and it thrashes.
-    const int64_t ld = (tile_q * group + 15) / 16 * 16 + 8;
+    // sets, and it thrashes. AVX2: 8 more rows. AVX-512: an odd number of cache lines per row (whole lines,
+    // so that its 16-row loads stay aligned).
+    const int64_t rows16 = (tile_q * group + 15) / 16 * 16;
+#if defined(__AVX512F__)
+    const int64_t ld = rows16 / 16 % 2 == 0 ? rows16 + 16 : rows16;
+#else
+    const int64_t ld = rows16 + 8;
+#endif
     // The V tile is copied to rows of dim + 16 floats, for the same reason: the output step walks one slice of
     // columns down all 64 V rows, and the cache's stride (kv_heads x dim floats) is often a power of two.
     const int64_t vld = dim + 16;
@@ -251,14 +359,59 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
                     t.hi[r] = r < rows ? std::clamp<int64_t>(pos + 1 - k0, 0, nk) : 0;
                 }
                 int64_t j0, j1;
-                // Scores, per 16 rows over the keys any of them sees.
+                // Scores, per 16 rows (32 with AVX-512) over the keys any of them sees.
+#if defined(__AVX512F__)
+                for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+                    key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + 32), &j0, &j1);
+                    if (rows - r0 > 16)
+                        scores_block512<2>(t.qt.data() + r0, ld, t.k.data(), j0, j1, dim, t.st.data() + r0);
+                    else
+                        scores_block512<1>(t.qt.data() + r0, ld, t.k.data(), j0, j1, dim, t.st.data() + r0);
+                }
+#else
                 for (int64_t r0 = 0; r0 < rows; r0 += 16) {
                     key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + 16), &j0, &j1);
                     scores_block(t.qt.data() + r0, ld, t.k.data(), j0, j1, dim, t.st.data() + r0);
                 }
-                // Online softmax, 8 rows at a time: scores -> probabilities in place (0 where masked, across
-                // the whole range the output step reads), and the rescale of what came before.
-                for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+#endif
+                // Online softmax, 8 rows at a time (16 with AVX-512): scores -> probabilities in place (0 where
+                // masked, across the whole range the output step reads), and the rescale of what came before.
+                int64_t r_soft = 0;
+#if defined(__AVX512F__)
+                for (; r_soft + 16 <= rows; r_soft += 16) {
+                    const int64_t r0 = r_soft;
+                    key_union(t.lo.data(), t.hi.data(), r0, r0 + 16, &j0, &j1);
+                    const __m512 lo = _mm512_loadu_ps(&t.lo[r0]), hi = _mm512_loadu_ps(&t.hi[r0]);
+                    const __m512 neg_inf16 = _mm512_set1_ps(-INFINITY);
+                    float* st = t.st.data() + r0;
+                    __m512 mx = neg_inf16;
+                    for (int64_t j = j0; j < j1; ++j) {
+                        const __m512 jv = _mm512_set1_ps(static_cast<float>(j));
+                        const __mmask16 seen =
+                            _mm512_cmp_ps_mask(jv, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(jv, hi, _CMP_LT_OQ);
+                        mx = _mm512_mask_max_ps(mx, seen, mx, _mm512_loadu_ps(st + j * ld));
+                    }
+                    const __m512 m_old = _mm512_loadu_ps(&t.m[r0]);
+                    const __m512 m_new = _mm512_max_ps(m_old, mx);
+                    const __m512 alpha =
+                        _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf16, _CMP_EQ_OQ),
+                                             kvserve::exp512(_mm512_sub_ps(m_old, m_new)), _mm512_set1_ps(1.0f));
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int64_t j = j0; j < j1; ++j) {
+                        const __m512 jv = _mm512_set1_ps(static_cast<float>(j));
+                        const __mmask16 seen =
+                            _mm512_cmp_ps_mask(jv, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(jv, hi, _CMP_LT_OQ);
+                        const __m512 e = kvserve::exp512(_mm512_sub_ps(_mm512_loadu_ps(st + j * ld), m_new));
+                        const __m512 p = _mm512_maskz_mov_ps(seen, e);
+                        _mm512_storeu_ps(st + j * ld, p);
+                        sum = _mm512_add_ps(sum, p);
+                    }
+                    _mm512_storeu_ps(&t.m[r0], m_new);
+                    _mm512_storeu_ps(&t.alpha[r0], alpha);
+                    _mm512_storeu_ps(&t.l[r0], _mm512_fmadd_ps(_mm512_loadu_ps(&t.l[r0]), alpha, sum));
+                }
+#endif
+                for (int64_t r0 = r_soft; r0 < rows; r0 += 8) {
                     key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + 8), &j0, &j1);
                     const __m256 lo = _mm256_loadu_ps(&t.lo[r0]), hi = _mm256_loadu_ps(&t.hi[r0]);
                     float* st = t.st.data() + r0;
@@ -294,6 +447,11 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
                               &t.j1[r0 / kRows]);
                 const int64_t dv = dim & ~int64_t{7};
                 int64_t d = 0;
+#if defined(__AVX512F__)
+                for (; d + 64 <= dv; d += 64)
+                    output_columns512(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
+                                      t.alpha.data(), t.o.data(), dim);
+#endif
                 for (; d + 8 * kVecs <= dv; d += 8 * kVecs)
                     output_columns<kVecs>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
                                           t.alpha.data(), t.o.data(), dim);

@@ -239,6 +239,7 @@ def _paged_prompt(seq_len: int, q_len: int, block_size: int, heads: int, kv_head
         (90, 90, 7, 2, 1, 20, 33),  # head_dim 20: no multiple of 8
         (1485, 85, 16, 4, 1, 256, None),  # a chat turn after a prefix hit: one tall item a thread, many key tiles
         (1485, 85, 16, 4, 1, 256, 512),  # the same on a sliding-window layer
+        (300, 70, 16, 8, 1, 96, 100),  # head_dim 96: AVX-512's 64-column output step, then AVX2's
     ],
 )
 def test_native_paged_prefill_attention_matches_reference(
