@@ -258,6 +258,21 @@ def test_native_paged_prefill_attention_matches_reference(
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif("avx512" not in supported_isas(), reason="the CPU has no AVX-512")
+@pytest.mark.parametrize("window", [None, 512])
+def test_avx512_prefill_attention_is_bit_identical_to_avx2(window: int | None) -> None:
+    """The AVX-512 build runs each value's sums in the AVX2 build's order (prefill_attention.cpp), so a chat turn's
+    prefill attends to the same bits whichever of the two the host has."""
+    q, kc, vc, meta = _paged_prompt(1485, 85, 16, 4, 1, 256, seed=3)
+    outs = [
+        load_kernels(default_cache_dir() / "kernels", isa=isa).paged_prefill_attention(
+            q, kc, vc, meta.block_tables[0], 1485, window, 0.0625
+        )
+        for isa in ("avx512", "avx2")
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
 @needs_native
 def test_native_paged_prefill_attention_writes_into_out(native: NativeKernels) -> None:
     """Into a contiguous `out` in place; a strided one gets a copy."""
