@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 DEFAULT_EVENT_CAPACITY = 4096
@@ -114,8 +114,12 @@ class KVEventBuffer:
 
 
 def event_to_json(seq: int, at: float, event: KVEvent) -> dict[str, Any]:
-    """One event as a JSON-ready dict: its fields plus `seq` (gap-free unless events were dropped) and `time`."""
-    data = asdict(event)
+    """One event as a JSON-ready dict: its fields plus `seq` (gap-free unless events were dropped) and `time`.
+
+    Every field is a plain value (token_ids a tuple of ints), so the dict is built field by field: dataclasses.asdict
+    copies each token id recursively, which cost the engine thread about 2 ms a step when a restore or a long
+    prefill published some 70 blocks (every step converts its events, watched or not)."""
+    data = {f.name: getattr(event, f.name) for f in fields(event)}
     if "token_ids" in data:
         data["token_ids"] = list(data["token_ids"])
     data["seq"], data["time"] = seq, at
