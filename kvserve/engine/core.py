@@ -157,7 +157,9 @@ class EngineCore:
             raise ValueError("a KV offload tier needs the fingerprint of the engine's settings")
         from kvserve.kv.offload.tier import OffloadTier
 
-        tier = OffloadTier(offload, fingerprint, kv_caches, config.block_size, self.kv_events)
+        tier = OffloadTier(
+            offload, fingerprint, kv_caches, config.block_size, self.kv_events, self.runner.model.row_copy
+        )
         self.kv_manager.tier = tier
         return tier
 

@@ -126,6 +126,11 @@ void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t 
 void kvserve_gated_act(const float* gate_up, int64_t rows, int64_t inter, int32_t act, float* out);
 // qk_norm_rope.cpp
 void kvserve_qk_norm_rope(const KvserveQkNormRope* args);
+// copy_rows.cpp: for each part p and row i, part_bytes[p] bytes from row src_row[i] of src[p] (an address) to row
+// dst_row[i] of dst[p], rows src_stride[p] / dst_stride[p] bytes apart; the caller checks every row is in range.
+void kvserve_copy_rows(int64_t parts, const int64_t* dst, const int64_t* dst_stride, const int64_t* src,
+                       const int64_t* src_stride, const int64_t* part_bytes, int64_t rows, const int64_t* dst_row,
+                       const int64_t* src_row);
 // paged_attention.cpp: float32 or int8 caches (k_scales null or not).
 void kvserve_paged_decode_attention(const KvserveDecodeAttention* args);
 // prefill_attention.cpp

@@ -10,11 +10,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -300,6 +301,54 @@ class NativeKernels:
             )
             matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(), y.stride(0))
         return y
+
+    def copy_rows(
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        dst_rows: Sequence[int],
+        src_rows: Sequence[int],
+    ) -> None:
+        """Row dst_rows[i] of each dst[p] <- row src_rows[i] of src[p], in one call across the threads: the offload
+        tier's copies between the KV cache and its host memory (kv/offload/layout.py). Each part is a pair of 2-D
+        uint8 host tensors with contiguous rows of equal length; rows may be any distance apart. Raises ValueError
+        for a part it cannot take or a row out of range (nothing is copied then)."""
+        if len(dst) != len(src) or len(dst_rows) != len(src_rows):
+            raise ValueError(f"copy_rows: {len(dst)} destinations for {len(src)} sources, or rows of unequal counts")
+        for d, s in zip(dst, src):
+            if not all(t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 2 for t in (d, s)):
+                raise ValueError("copy_rows takes 2-D uint8 host tensors")
+            if d.shape[1] != s.shape[1] or d.stride(1) != 1 or s.stride(1) != 1:
+                raise ValueError(f"copy_rows: rows of {d.shape[1]} and {s.shape[1]} bytes, or not contiguous")
+        if not dst_rows or not dst:
+            return
+        for wanted, tensors in ((dst_rows, dst), (src_rows, src)):
+            if min(wanted) < 0 or max(wanted) >= min(t.shape[0] for t in tensors):
+                raise ValueError(f"copy_rows: a row of {min(wanted)}..{max(wanted)} is out of range")
+        table = np.array(
+            [
+                [t.data_ptr() for t in dst],
+                [t.stride(0) for t in dst],
+                [t.data_ptr() for t in src],
+                [t.stride(0) for t in src],
+                [t.shape[1] for t in dst],
+            ],
+            dtype=np.int64,
+        )
+        rows = np.array([dst_rows, src_rows], dtype=np.int64)
+        address = table.ctypes.data
+        step = table.strides[0]
+        self.library.kvserve_copy_rows(
+            len(dst),
+            address,
+            address + step,
+            address + 2 * step,
+            address + 3 * step,
+            address + 4 * step,
+            rows.shape[1],
+            rows.ctypes.data,
+            rows.ctypes.data + rows.strides[0],
+        )
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         if qtype not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from kvserve.model.native_layer import NativeLayerStack, NativeLayerUnsupported
 from kvserve.model.quantization import Q8Linear, TiedEmbedding
+
+if TYPE_CHECKING:
+    from kvserve.kv.offload.layout import RowCopy
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +184,11 @@ class DecoderModel(nn.Module):
     def kernel_isa(self) -> str:
         kernels = self.kernels
         return kernels.isa if isinstance(kernels, NativeKernels) else kernels.name
+
+    @property
+    def row_copy(self) -> RowCopy | None:
+        kernels = self.kernels
+        return kernels.copy_rows if isinstance(kernels, NativeKernels) else None
 
     @property
     def num_logits(self) -> int:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from kvserve.attention.metadata import AttentionMetadata
     from kvserve.kv.cache import LayerKVCache
+    from kvserve.kv.offload.layout import RowCopy
 
 
 class Model(Protocol):
@@ -24,6 +25,12 @@ class Model(Protocol):
     def kernel_isa(self) -> str:
         """The kernels computing this model: "torch", or the native kernels' instruction set (avx2, avx512, ...). Part
         of the KV offload tier's fingerprint: K/V computed by other kernels differs in its last bits."""
+        ...
+
+    @property
+    def row_copy(self) -> RowCopy | None:
+        """The native kernels' one-call row copy (NativeKernels.copy_rows), which the KV offload tier copies blocks
+        between the cache and host memory with; None on the torch kernels (the tier then copies with torch)."""
         ...
 
     @property

@@ -31,8 +31,11 @@ SOURCES = sorted(KERNELS.glob("*.cpp"))
 DEFINITION = re.compile(r'^(?:extern "C" )?void (kvserve_\w+)\([^;{]*\{', re.MULTILINE)
 STRUCT = re.compile(r"^struct (Kvserve\w+) \{(.*?)^\};", re.MULTILINE | re.DOTALL)
 C_SIZES = {"int64_t": 8, "double": 8, "float": 4, "int32_t": 4}
-# NativeKernels' members beyond the protocol: the native decoder layer's (model/native_layer.py) and the ABI check.
+# NativeKernels' members beyond the protocol: the native decoder layer's (model/native_layer.py), the ABI check, and
+# the offload tier's row copy (the engine hands it to the tier where the model runs on the native kernels; the tier
+# keeps torch paths for the rest).
 NATIVE_ONLY = {
+    "copy_rows",
     "decoder_layer",
     "decoder_layer_scratch",
     "quantize_int8_rows",

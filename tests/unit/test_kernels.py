@@ -379,3 +379,22 @@ def test_native_int8_kv_quantizer_equals_the_torch_one(native: NativeKernels) ->
     q, scales = native.quantize_int8_rows(x)
     assert torch.equal(scales, scale.squeeze(-1))
     assert torch.equal(q, quantize(x, scale, fmt))
+
+
+@needs_native
+def test_native_copy_rows_moves_each_part_row_and_refuses_rows_out_of_range(native: NativeKernels) -> None:
+    """The offload tier's one-call copy (layout.py): parts of different widths, rows strided and out of order."""
+    g = torch.Generator().manual_seed(0)
+    slab = torch.randint(0, 256, (9, 40), dtype=torch.uint8, generator=g)
+    parts = [torch.zeros(6, 16, dtype=torch.uint8), torch.zeros(6, 24, dtype=torch.uint8)]
+    src = [slab[:, :16], slab[:, 16:]]
+    native.copy_rows(parts, src, [4, 0, 5], [8, 2, 3])
+    for part, s in zip(parts, src):
+        assert torch.equal(part[[4, 0, 5]], s[[8, 2, 3]])
+        assert not part[[1, 2, 3]].any()  # untouched rows
+    with pytest.raises(ValueError, match="out of range"):
+        native.copy_rows(parts, src, [6], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        native.copy_rows(parts, src, [0], [9])
+    with pytest.raises(ValueError, match="bytes"):
+        native.copy_rows(parts, [slab[:, :16], slab[:, :16]], [0], [0])

@@ -34,7 +34,7 @@ from kvserve.kv.hashing import BlockKey
 from kvserve.kv.offload.config import KVOffloadConfig
 from kvserve.kv.offload.fingerprint import KVFingerprint
 from kvserve.kv.offload.index import TierIndex
-from kvserve.kv.offload.layout import BlockLayout
+from kvserve.kv.offload.layout import BlockLayout, RowCopy
 from kvserve.kv.offload.record import RecordError
 from kvserve.kv.offload.stores import DiskStore, HostMemoryStore
 from kvserve.units import format_bytes
@@ -105,6 +105,7 @@ class OffloadTier:
         caches: Sequence[LayerKVCache],
         block_size: int,
         events: KVEventBuffer | None = None,
+        copy_rows: RowCopy | None = None,
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
@@ -113,7 +114,7 @@ class OffloadTier:
         self.medium = config.medium
         self.store: HostMemoryStore | DiskStore | None
         self.error: str | None = None
-        self.layout = BlockLayout(caches, compress=config.dtype == "int8")
+        self.layout = BlockLayout(caches, compress=config.dtype == "int8", copy_rows=copy_rows)
         if config.path is None:
             self.store = HostMemoryStore(config.size_bytes, self.layout.block_bytes)
         else:
