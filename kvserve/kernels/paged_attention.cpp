@@ -34,46 +34,73 @@ inline __m256 load8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// scores[g * n] = scale * (q_g . k) for G query heads (q rows dim apart) sharing one key: k is read once.
-template <int G, typename T>
-inline void group_dots(const float* q, const T* k, int64_t dim, float scale, float* scores, int64_t n) {
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+// Keys per group_dots call and V columns per weighted_columns pass, sized to the vector registers: AVX-512's 32
+// hold 4 heads x 4 keys (or x 32 columns) of sums plus the operands, AVX2's 16 half that.
+#if defined(__AVX512F__)
+constexpr int64_t kDotKeys = 4;
+constexpr int kWideColumns = 4;
+#else
+constexpr int64_t kDotKeys = 2;
+constexpr int kWideColumns = 2;
+#endif
+
+// scores[g * n + c] = scale_c * (q_g . k_c) for G query heads (q rows dim apart) and C keys: each key is read
+// once, and each query vector loaded once serves C keys, so the loop issues fewer loads than FMAs (one key at a
+// time it was load-bound: G + 1 loads for G FMAs). Each dot product is summed in the same order whatever C is
+// (8-lane partial sums over d, then hsum), so the results do not depend on how keys are grouped.
+template <int G, int C, typename T>
+inline void group_dots(const float* q, const T* const* k, int64_t dim, const float* scale, float* scores, int64_t n) {
+    __m256 acc[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8) {
-        const __m256 kv = load8(k + i);
-        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), kv, acc[g]);
+        __m256 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load8(k[c] + i);
+        for (int g = 0; g < G; ++g) {
+            const __m256 qv = _mm256_loadu_ps(q + g * dim + i);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(qv, kv[c], acc[g][c]);
+        }
     }
-    for (int g = 0; g < G; ++g) {
-        float r = kvserve::hsum(acc[g]);
-        for (int64_t j = i; j < dim; ++j) r += q[g * dim + j] * static_cast<float>(k[j]);
-        scores[g * n] = r * scale;
-    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) {
+            float r = kvserve::hsum(acc[g][c]);
+            for (int64_t j = i; j < dim; ++j) r += q[g * dim + j] * static_cast<float>(k[c][j]);
+            scores[g * n + c] = r * scale[c];
+        }
 }
 
 // out[g] (dim floats each, `stride` apart) = sum over the n keys of w[g * n + p] * V row p, for G query heads.
 // Columns are taken 16 at a time with all G x 16 sums in registers across the keys, instead of adding each V
 // row into memory once per head: the V rows of a sequence stay in L2 between the column passes.
+// Columns [c, c + 8V) of out for G heads: V vectors of each V row, G x V sums in registers.
+template <int G, int V, typename T>
+inline void weighted_columns(const T* const* v_rows, int64_t n, const float* w, int64_t c, float* out,
+                             int64_t stride) {
+    __m256 acc[G][V];
+    for (int g = 0; g < G; ++g)
+        for (int x = 0; x < V; ++x) acc[g][x] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n; ++p) {
+        __m256 vv[V];
+        for (int x = 0; x < V; ++x) vv[x] = load8(v_rows[p] + c + 8 * x);
+        for (int g = 0; g < G; ++g) {
+            const __m256 wv = _mm256_broadcast_ss(w + g * n + p);
+            for (int x = 0; x < V; ++x) acc[g][x] = _mm256_fmadd_ps(wv, vv[x], acc[g][x]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int x = 0; x < V; ++x) _mm256_storeu_ps(out + g * stride + c + 8 * x, acc[g][x]);
+}
+
 template <int G, typename T>
 inline void group_weighted_sum(const T* const* v_rows, int64_t n, const float* w, int64_t dim, float* out,
                                int64_t stride) {
+    // 8 x kWideColumns columns a pass where the sums fit the registers, else 16; each column's sum runs over the
+    // keys in order either way.
+    constexpr int kWide = G <= 4 ? kWideColumns : 2;
     int64_t c = 0;
-    for (; c + 16 <= dim; c += 16) {
-        __m256 acc[G][2];
-        for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-        for (int64_t p = 0; p < n; ++p) {
-            const __m256 v0 = load8(v_rows[p] + c), v1 = load8(v_rows[p] + c + 8);
-            for (int g = 0; g < G; ++g) {
-                const __m256 wv = _mm256_broadcast_ss(w + g * n + p);
-                acc[g][0] = _mm256_fmadd_ps(wv, v0, acc[g][0]);
-                acc[g][1] = _mm256_fmadd_ps(wv, v1, acc[g][1]);
-            }
-        }
-        for (int g = 0; g < G; ++g) {
-            _mm256_storeu_ps(out + g * stride + c, acc[g][0]);
-            _mm256_storeu_ps(out + g * stride + c + 8, acc[g][1]);
-        }
-    }
+    for (; c + 8 * kWide <= dim; c += 8 * kWide) weighted_columns<G, kWide>(v_rows, n, w, c, out, stride);
+    for (; c + 16 <= dim; c += 16) weighted_columns<G, 2>(v_rows, n, w, c, out, stride);
     for (; c < dim; ++c)  // a head size that is not a multiple of 16
         for (int g = 0; g < G; ++g) {
             float sum = 0.0f;
@@ -133,8 +160,9 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
 #pragma omp parallel
     {
         std::vector<float> scores;
-        std::vector<const T*> rows;  // each key's V row
-        std::vector<float> v_scale;  // each key's V scale (scaled caches)
+        std::vector<const T*> keys, rows;  // each key's K and V row
+        std::vector<float> k_scale;        // each key's softmax scale (times its K scale in a scaled cache)
+        std::vector<float> v_scale;        // each key's V scale (scaled caches)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < pairs * splits; ++item) {
             const int64_t pair = item / splits, part = item % splits;
@@ -147,19 +175,29 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
             const int64_t* table = block_tables + b * table_width;
             float* acc = partial.data() + item * group * stride;
             scores.assign(static_cast<size_t>(group * n), 0.0f);
-            rows.resize(static_cast<size_t>(n));
+            keys.resize(static_cast<size_t>(n)), rows.resize(static_cast<size_t>(n));
+            k_scale.resize(static_cast<size_t>(n));
             if (kScaled) v_scale.resize(static_cast<size_t>(n));
             const float* q_pair = q + (b * heads + h * group) * dim;
             for (int64_t p = 0; p < n; ++p) {
                 const int64_t pos = first + p;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                const T* k = k_cache + (slot * kv_heads + h) * dim;
+                keys[p] = k_cache + (slot * kv_heads + h) * dim;
                 rows[p] = v_cache + (slot * kv_heads + h) * dim;
-                const float key_scale = kScaled ? scale * k_scales[slot * kv_heads + h] : scale;
+                k_scale[p] = kScaled ? scale * k_scales[slot * kv_heads + h] : scale;
                 if (kScaled) v_scale[p] = v_scales[slot * kv_heads + h];
+            }
+            for (int64_t p = 0; p < n; p += kDotKeys) {
                 by_heads(group, [&](int64_t g0, auto heads_here) {
-                    group_dots<decltype(heads_here)::value>(q_pair + g0 * dim, k, dim, key_scale,
-                                                             scores.data() + g0 * n + p, n);
+                    constexpr int G = decltype(heads_here)::value;
+                    const float* qg = q_pair + g0 * dim;
+                    float* sg = scores.data() + g0 * n + p;
+                    switch (std::min<int64_t>(kDotKeys, n - p)) {
+                        case 4: group_dots<G, 4>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
+                        case 3: group_dots<G, 3>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
+                        case 2: group_dots<G, 2>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
+                        default: group_dots<G, 1>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
+                    }
                 });
             }
             for (int64_t g = 0; g < group; ++g) {
