@@ -120,7 +120,8 @@ class EngineCore:
         self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs)
         self.offload = self._start_offload_tier(config, kv_caches, offload_fingerprint)
         self.eos_token_ids = tuple(model_config.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        native = model.native_kernels
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, row_max=None if native is None else native.row_max)
         self.spec = None if config.speculative_config is None else SpecDecoder(config.speculative_config)
         self.grammar = grammar  # shared with the front end, which compiles a request's grammar before sending it
         self.num_prompt_tokens_total = 0
@@ -157,9 +158,9 @@ class EngineCore:
             raise ValueError("a KV offload tier needs the fingerprint of the engine's settings")
         from kvserve.kv.offload.tier import OffloadTier
 
-        tier = OffloadTier(
-            offload, fingerprint, kv_caches, config.block_size, self.kv_events, self.runner.model.row_copy
-        )
+        native = self.runner.model.native_kernels
+        copy_rows = None if native is None else native.copy_rows
+        tier = OffloadTier(offload, fingerprint, kv_caches, config.block_size, self.kv_events, copy_rows)
         self.kv_manager.tier = tier
         return tier
 

@@ -39,7 +39,7 @@ reductions the sampler makes anyway (argmax, the row max); only a row that needs
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,9 @@ from kvserve.structured.matcher import apply_token_bitmask_, fill_step_bitmask
 if TYPE_CHECKING:
     from kvserve.sampling_params import SamplerRow, SamplingParams
     from kvserve.structured.matcher import MaskSource
+
+# max(dim=-1) of a [rows, V] float32 tensor: (values, indices), the first maximum's index, NaN preferred.
+RowMax = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 _NEG_INF = float("-inf")
 # Width of the first topk window used to find top-p cut-offs.
@@ -73,8 +76,11 @@ class SampledToken:
 class Sampler:
     """Samples one token per row. Holds only a generator for unseeded rows (seeded by `seed`)."""
 
-    def __init__(self, eos_token_ids: Sequence[int], seed: int | None = None) -> None:
+    def __init__(self, eos_token_ids: Sequence[int], seed: int | None = None, row_max: RowMax | None = None) -> None:
         self.eos_token_ids = list(eos_token_ids)
+        # The native kernels' max(dim=-1) (NativeKernels.row_max: the same values and indices, the rows across the
+        # threads) for greedy rows on the CPU; None: torch's.
+        self.row_max = row_max
         self._generator = torch.Generator()  # for unseeded rows; seeded requests bring their own
         if seed is None:
             self._generator.seed()
@@ -108,7 +114,7 @@ class Sampler:
         rand = [i for i, p in enumerate(params) if not p.is_greedy]
         parts = []
         if greedy:
-            parts.append((greedy, _greedy(_rows(logits, greedy), _rows(raw, greedy))))
+            parts.append((greedy, _greedy(_rows(logits, greedy), _rows(raw, greedy), self.row_max)))
         if rand:
             parts.append(
                 (
@@ -290,15 +296,16 @@ def _raw_argmax(raw: torch.Tensor) -> torch.Tensor:
     return _sanitize_(raw.clone()).argmax(dim=-1)
 
 
-def _greedy(logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+def _greedy(logits: torch.Tensor, raw: torch.Tensor, row_max: RowMax | None = None) -> torch.Tensor:
     """Argmax per row. torch's argmax prefers NaN, and a row of -inf gives index 0 whatever it means, so
     rows whose chosen value is NaN or -inf are redone on sanitized copies (or the raw fallback). On a GPU,
-    `_greedy_sync_free` does the same without asking the device which rows are bad."""
+    `_greedy_sync_free` does the same without asking the device which rows are bad. row_max: a replacement for
+    max(dim=-1) giving the same values and indices (the native kernels', 0.7 against 1.9 ms on 32 x 262,144)."""
     if _sync_free(logits.device):
         return _greedy_sync_free(logits, raw)
     # max(dim) gives argmax's index (the first maximum; NaN preferred) with its value, and on CPU it is ~4x
     # faster than argmax (2.7 against 10.2 ms on a 32 x 262,144 step: a tenth of the step)
-    chosen, ids = logits.max(dim=-1)
+    chosen, ids = logits.max(dim=-1) if row_max is None else row_max(logits)
     bad = (torch.isnan(chosen) | torch.isneginf(chosen)).nonzero().flatten()
     if bad.numel():
         fixed = _sanitize_(logits[bad])  # fancy indexing copies: the caller's tensor is untouched

@@ -126,6 +126,9 @@ void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t 
 void kvserve_gated_act(const float* gate_up, int64_t rows, int64_t inter, int32_t act, float* out);
 // qk_norm_rope.cpp
 void kvserve_qk_norm_rope(const KvserveQkNormRope* args);
+// row_max.cpp: each row of x [rows, cols] (rows `stride` floats apart, cols >= 1): its largest value and the index
+// of its first occurrence; a row holding NaN gives NaN and its first NaN's index (torch's max(dim=-1)).
+void kvserve_row_max(const float* x, int64_t rows, int64_t cols, int64_t stride, float* values, int64_t* ids);
 // copy_rows.cpp: for each part p and row i, part_bytes[p] bytes from row src_row[i] of src[p] (an address) to row
 // dst_row[i] of dst[p], rows src_stride[p] / dst_stride[p] bytes apart; the caller checks every row is in range.
 void kvserve_copy_rows(int64_t parts, const int64_t* dst, const int64_t* dst_stride, const int64_t* src,

@@ -302,6 +302,22 @@ class NativeKernels:
             matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(), y.stride(0))
         return y
 
+    def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x.max(dim=-1) of a 2-D float32 tensor, (values, indices): each row's largest value and its first index,
+        NaN preferred as torch's CPU max gives them, with the rows split across the threads (greedy sampling of
+        a batch; engine/sampler.py). Other tensors go to torch."""
+        if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] > 0) or (
+            x.stride(1) != 1
+        ):
+            values, ids = x.max(dim=-1)
+            return values, ids
+        rows = x.shape[0]
+        values = torch.empty(rows, dtype=torch.float32)
+        ids = torch.empty(rows, dtype=torch.int64)
+        if rows:
+            self.library.kvserve_row_max(x.data_ptr(), rows, x.shape[1], x.stride(0), values.data_ptr(), ids.data_ptr())
+        return values, ids
+
     def copy_rows(
         self,
         dst: Sequence[torch.Tensor],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,9 +21,6 @@ from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from kvserve.model.native_layer import NativeLayerStack, NativeLayerUnsupported
 from kvserve.model.quantization import Q8Linear, TiedEmbedding
-
-if TYPE_CHECKING:
-    from kvserve.kv.offload.layout import RowCopy
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +182,9 @@ class DecoderModel(nn.Module):
         return kernels.isa if isinstance(kernels, NativeKernels) else kernels.name
 
     @property
-    def row_copy(self) -> RowCopy | None:
+    def native_kernels(self) -> NativeKernels | None:
         kernels = self.kernels
-        return kernels.copy_rows if isinstance(kernels, NativeKernels) else None
+        return kernels if isinstance(kernels, NativeKernels) else None
 
     @property
     def num_logits(self) -> int:

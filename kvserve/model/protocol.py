@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.attention.metadata import AttentionMetadata
+    from kvserve.kernels.ops import NativeKernels
     from kvserve.kv.cache import LayerKVCache
-    from kvserve.kv.offload.layout import RowCopy
 
 
 class Model(Protocol):
@@ -28,9 +28,9 @@ class Model(Protocol):
         ...
 
     @property
-    def row_copy(self) -> RowCopy | None:
-        """The native kernels' one-call row copy (NativeKernels.copy_rows), which the KV offload tier copies blocks
-        between the cache and host memory with; None on the torch kernels (the tier then copies with torch)."""
+    def native_kernels(self) -> NativeKernels | None:
+        """The compiled kernels this model runs on (None on the torch kernels): the engine borrows their row copy
+        for the KV offload tier's copies and their row max for greedy sampling."""
         ...
 
     @property

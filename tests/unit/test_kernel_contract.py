@@ -32,10 +32,11 @@ DEFINITION = re.compile(r'^(?:extern "C" )?void (kvserve_\w+)\([^;{]*\{', re.MUL
 STRUCT = re.compile(r"^struct (Kvserve\w+) \{(.*?)^\};", re.MULTILINE | re.DOTALL)
 C_SIZES = {"int64_t": 8, "double": 8, "float": 4, "int32_t": 4}
 # NativeKernels' members beyond the protocol: the native decoder layer's (model/native_layer.py), the ABI check, and
-# the offload tier's row copy (the engine hands it to the tier where the model runs on the native kernels; the tier
-# keeps torch paths for the rest).
+# the two the engine borrows through Model.native_kernels where the model runs on them (the offload tier's row copy,
+# greedy sampling's row max; their callers keep torch paths for the rest).
 NATIVE_ONLY = {
     "copy_rows",
+    "row_max",
     "decoder_layer",
     "decoder_layer_scratch",
     "quantize_int8_rows",

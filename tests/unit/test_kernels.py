@@ -398,3 +398,20 @@ def test_native_copy_rows_moves_each_part_row_and_refuses_rows_out_of_range(nati
         native.copy_rows(parts, src, [0], [9])
     with pytest.raises(ValueError, match="bytes"):
         native.copy_rows(parts, [slab[:, :16], slab[:, :16]], [0], [0])
+
+
+@needs_native
+@pytest.mark.parametrize("cols", [1, 7, 8, 9, 1000])
+def test_native_row_max_is_torch_max(native: NativeKernels, cols: int) -> None:
+    """Values and first indices as torch's max(dim=-1), NaN preferred, on rows shorter or longer than a vector and
+    on strided rows; a float64 tensor goes to torch."""
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(cols))
+    x[1] = -float("inf")
+    x[2, cols // 2] = float("nan")
+    x[3] = 0.5
+    for t in (x, x[:, : max(1, cols - 1)], x[::2]):
+        values, ids = native.row_max(t)
+        want_values, want_ids = t.max(dim=-1)
+        assert torch.equal(ids, want_ids) and torch.equal(values.isnan(), want_values.isnan())
+        assert torch.equal(values.nan_to_num(), want_values.nan_to_num())
+    assert torch.equal(native.row_max(x.double())[1], x.double().max(dim=-1)[1])

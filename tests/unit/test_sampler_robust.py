@@ -118,3 +118,30 @@ def test_finite_float32_extremes_are_accepted():
     SamplingParams(temperature=3.0e38, repetition_penalty=1e-45, top_p=1e-40, min_p=1e-45)
     SamplingParams(temperature=2, repetition_penalty=3.0e38, top_p=1, min_p=0)
     assert math.isfinite(SamplingParams(temperature=3.0e38).temperature)
+
+
+def test_greedy_with_the_native_row_max_chooses_what_torch_does():
+    """The engine's sampler takes the native kernels' row max for greedy rows (kernels/row_max.cpp): on hostile rows
+    (some NaN, all NaN, all -inf, +inf, ties, a huge vocabulary) it picks the ids torch's max(dim=-1) leads to."""
+    from kvserve.kernels.native import cpu_supports_native
+    from kvserve.kernels.ops import NativeKernels, load_kernels
+    from kvserve.model.tokenizer import default_cache_dir
+
+    if not cpu_supports_native()[0]:
+        pytest.skip("no native kernels on this CPU")
+    native = load_kernels(default_cache_dir() / "kernels")
+    assert isinstance(native, NativeKernels)
+    for vocab in (VOCAB, 262_147):
+        rows = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab))
+        rows[0, 11] = NAN
+        rows[1] = NAN
+        rows[2] = -INF
+        rows[3, 7] = INF
+        rows[4] = 2.0  # a tie everywhere: the first index
+        rows[5, [9, 40]] = 99.0  # a tie of two: the first
+        rows[6, -1] = 1e30  # the last column
+        requests = [req(temperature=0.0) for _ in range(8)]
+        want = [t.token_id for t in Sampler([EOS], seed=0)(rows.clone(), requests)]
+        got = [t.token_id for t in Sampler([EOS], seed=0, row_max=native.row_max)(rows.clone(), requests)]
+        assert got == want
+        assert got[4] == 0 and got[5] == 9 and got[6] == vocab - 1
