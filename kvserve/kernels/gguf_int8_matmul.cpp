@@ -191,6 +191,16 @@ constexpr int kMicroRows = 4;          // activation rows per micro-kernel call:
 // 32 weight rows of the whole k, repacked: for run j, panel p, quad t (weights 4t .. 4t + 3 of the run) and lane
 // l, the 4 bytes q[((j * 2 + p) * 8 + t) * 64 + 4 l ...] are row 16 p + l's weights + 128; its scales per half
 // run (the same twice unless kSplitScale) and its min per run in s_lo / s_hi / mins[(j * 2 + p) * 16 + l].
+// A packed panel as the micro-kernel reads it: in a Panel's buffers, or in weights packed once ahead of time
+// (kvserve_gguf_pack_panels_int8). s_hi is read only by formats with two scales a run, mins only by formats with a
+// min; elsewhere they may be null.
+struct PanelView {
+    const uint8_t* q;
+    const float* s_lo;
+    const float* s_hi;
+    const float* mins;
+};
+
 struct Panel {
     std::vector<uint8_t> q;
     std::vector<int8_t> rows;  // the 32 rows decoded row-major [32, k], before the transpose into q
@@ -203,7 +213,24 @@ struct Panel {
         s_hi.resize(runs * 2 * kLanes);
         mins.resize(runs * 2 * kLanes);
     }
+    PanelView view() const { return {q.data(), s_lo.data(), s_hi.data(), mins.data()}; }
 };
+
+// Bytes of one panel packed ahead of time: its quads, then s_lo, then s_hi and mins where the format reads them.
+template <typename F>
+int64_t packed_panel_bytes(int64_t k) {
+    const int64_t runs = k / 32, scales = runs * 2 * kLanes * static_cast<int64_t>(sizeof(float));
+    return runs * 2 * 8 * 64 + scales * (1 + (F::kSplitScale ? 1 : 0) + (F::kMin ? 1 : 0));
+}
+
+template <typename F>
+PanelView packed_view(const uint8_t* base, int64_t k) {
+    const int64_t runs = k / 32, quads = runs * 2 * 8 * 64, scales = runs * 2 * kLanes;
+    const float* s = reinterpret_cast<const float*>(base + quads);
+    const float* s_hi = F::kSplitScale ? s + scales : nullptr;
+    const float* mins = F::kMin ? s + scales * (F::kSplitScale ? 2 : 1) : nullptr;
+    return {base, s, s_hi, mins};
+}
 
 // 16 rows of 8 quads (32 bytes at src + r * stride) -> out[t * 64 + 4 r ...] = quad t of row r, + 128: an 8 x 8
 // transpose of 32-bit quads in each 256-bit half (rows r and r + 8 share a register), with unpacks and one
@@ -284,13 +311,13 @@ inline int32_t load_i32(const int8_t* p) {
 
 // Activation rows [m0, m0 + M) against the 32 rows of a panel -> y[m0 + i, n0 .. n0 + 31] (the first `valid`).
 template <typename F, int M>
-inline void panel_micro(const Panel& p, const Q8Rows& a, int64_t m0, float* y, int64_t ldy, int64_t n0, int valid) {
+inline void panel_micro(const PanelView& p, const Q8Rows& a, int64_t m0, float* y, int64_t ldy, int64_t n0, int valid) {
     const int64_t k = a.k, runs = k / 32;
     __m512 acc[M][2];
     for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     constexpr int kHalves = F::kSplitScale ? 2 : 1, kQuads = 8 / kHalves;
     for (int64_t j = 0; j < runs; ++j) {
-        const uint8_t* qj = &p.q[j * 2 * 8 * 64];
+        const uint8_t* qj = p.q + j * 2 * 8 * 64;
         for (int h = 0; h < kHalves; ++h) {
             __m512i dot[M][2];
             for (int i = 0; i < M; ++i) {
@@ -306,7 +333,7 @@ inline void panel_micro(const Panel& p, const Q8Rows& a, int64_t m0, float* y, i
                     dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], w1, x);
                 }
             }
-            const float* sv = h == 0 ? p.s_lo.data() : p.s_hi.data();
+            const float* sv = h == 0 ? p.s_lo : p.s_hi;
             const __m512 s0 = _mm512_loadu_ps(sv + j * 2 * kLanes), s1 = _mm512_loadu_ps(sv + (j * 2 + 1) * kLanes);
             for (int i = 0; i < M; ++i) {
                 const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * runs + j]);
@@ -315,8 +342,8 @@ inline void panel_micro(const Panel& p, const Q8Rows& a, int64_t m0, float* y, i
             }
         }
         if constexpr (F::kMin) {
-            const __m512 n0v = _mm512_loadu_ps(&p.mins[j * 2 * kLanes]);
-            const __m512 n1v = _mm512_loadu_ps(&p.mins[(j * 2 + 1) * kLanes]);
+            const __m512 n0v = _mm512_loadu_ps(p.mins + j * 2 * kLanes);
+            const __m512 n1v = _mm512_loadu_ps(p.mins + (j * 2 + 1) * kLanes);
             for (int i = 0; i < M; ++i) {
                 const __m512 xs = _mm512_set1_ps(a.dsum[(m0 + i) * runs + j]);
                 acc[i][0] = _mm512_fnmadd_ps(n0v, xs, acc[i][0]);
@@ -335,32 +362,58 @@ inline void panel_micro(const Panel& p, const Q8Rows& a, int64_t m0, float* y, i
     }
 }
 
+// packed: the weights packed ahead of time (kvserve_gguf_pack_panels_int8), read in place; null: each panel is
+// packed here, once per activation tile.
 template <typename F>
-void panel_gemm(const Q8Rows& a, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+void panel_gemm(const Q8Rows& a, const uint8_t* w, const uint8_t* packed, int64_t n, float* y, int64_t ldy) {
     const int64_t k = a.k, m = a.m, panels = (n + kPanelRows - 1) / kPanelRows;
     // Activation rows in tiles whose int8 rows stay in a core's L2 while a tile runs against every panel; a panel
     // is repacked once per tile (k * 32 bytes against 2 * k * 32 * tile multiply-adds).
     const int64_t tile = std::max<int64_t>(kMicroRows, (512 * 1024 / k) / kMicroRows * kMicroRows);
+    const int64_t panel_bytes = packed_panel_bytes<F>(k);
 #pragma omp parallel
     {
         Panel p;
-        p.size_for(k);
+        if (packed == nullptr) p.size_for(k);
         for (int64_t m_lo = 0; m_lo < m; m_lo += tile) {
             const int64_t m_hi = std::min(m, m_lo + tile);
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < panels; ++g) {
                 const int64_t n0 = g * kPanelRows;
                 const int valid = static_cast<int>(std::min<int64_t>(kPanelRows, n - n0));
-                pack_panel<F>(w, k, n, n0, p);
+                if (packed == nullptr) pack_panel<F>(w, k, n, n0, p);
+                const PanelView v = packed == nullptr ? p.view() : packed_view<F>(packed + g * panel_bytes, k);
                 int64_t m0 = m_lo;
-                for (; m0 + kMicroRows <= m_hi; m0 += kMicroRows) panel_micro<F, kMicroRows>(p, a, m0, y, ldy, n0, valid);
+                for (; m0 + kMicroRows <= m_hi; m0 += kMicroRows) panel_micro<F, kMicroRows>(v, a, m0, y, ldy, n0, valid);
                 switch (m_hi - m0) {
-                    case 3: panel_micro<F, 3>(p, a, m0, y, ldy, n0, valid); break;
-                    case 2: panel_micro<F, 2>(p, a, m0, y, ldy, n0, valid); break;
-                    case 1: panel_micro<F, 1>(p, a, m0, y, ldy, n0, valid); break;
+                    case 3: panel_micro<F, 3>(v, a, m0, y, ldy, n0, valid); break;
+                    case 2: panel_micro<F, 2>(v, a, m0, y, ldy, n0, valid); break;
+                    case 1: panel_micro<F, 1>(v, a, m0, y, ldy, n0, valid); break;
                     default: break;
                 }
             }
+        }
+    }
+}
+
+// Every panel of w [n, k] packed into out, panel after panel (packed_panel_bytes each).
+template <typename F>
+void pack_panels(const uint8_t* w, int64_t k, int64_t n, uint8_t* out) {
+    const int64_t panels = (n + kPanelRows - 1) / kPanelRows, bytes = packed_panel_bytes<F>(k);
+    const int64_t runs = k / 32, quads = runs * 2 * 8 * 64, scales = runs * 2 * kLanes * sizeof(float);
+#pragma omp parallel
+    {
+        Panel p;
+        p.size_for(k);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < panels; ++g) {
+            pack_panel<F>(w, k, n, g * kPanelRows, p);
+            uint8_t* dst = out + g * bytes;
+            memcpy(dst, p.q.data(), quads);
+            memcpy(dst + quads, p.s_lo.data(), scales);
+            int64_t at = quads + scales;
+            if (F::kSplitScale) memcpy(dst + at, p.s_hi.data(), scales), at += scales;
+            if (F::kMin) memcpy(dst + at, p.mins.data(), scales);
         }
     }
 }
@@ -368,14 +421,19 @@ constexpr bool kPanelPath = true;
 #else
 constexpr bool kPanelPath = false;
 template <typename F>
-void panel_gemm(const Q8Rows&, const uint8_t*, int64_t, float*, int64_t) {}
+void panel_gemm(const Q8Rows&, const uint8_t*, const uint8_t*, int64_t, float*, int64_t) {}
+template <typename F>
+int64_t packed_panel_bytes(int64_t) { return 0; }
+template <typename F>
+void pack_panels(const uint8_t*, int64_t, int64_t, uint8_t*) {}
 #endif
 
 template <typename F>
-void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy,
+            const uint8_t* packed = nullptr) {
     Q8Rows a;
     quantize_rows(x, m, k, a);
-    if (kPanelPath && m > 4) panel_gemm<F>(a, w, n, y, ldy);
+    if (kPanelPath && m > 4) panel_gemm<F>(a, w, packed, n, y, ldy);
     else gemv_all<F>(a, w, n, y, ldy);
 }
 
@@ -387,6 +445,26 @@ extern "C" {
 void kvserve_gguf_matmul_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
                               float* y, int64_t ldy) {
     dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, n, y, ldy); });
+}
+
+// Bytes of w [n, k] of `type` packed into panels ahead of time (kvserve_gguf_pack_panels_int8); 0 where this
+// build has no panel path (it needs AVX-512 VNNI).
+void kvserve_gguf_packed_panels_bytes(int32_t type, int64_t n, int64_t k, int64_t* bytes) {
+    dispatch(type, [&](auto format) {
+        *bytes = kPanelPath ? (n + 31) / 32 * packed_panel_bytes<decltype(format)>(k) : 0;
+    });
+}
+
+// w's panels, as kvserve_gguf_matmul_int8 packs them at every call above 4 rows, packed once into out (the LM head's
+// at batch 32 took about as long to pack as to multiply).
+void kvserve_gguf_pack_panels_int8(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8_t* out) {
+    dispatch(type, [&](auto format) { pack_panels<decltype(format)>(w, k, n, out); });
+}
+
+// kvserve_gguf_matmul_int8 with w's panels packed ahead of time (read in place above 4 rows; w below).
+void kvserve_gguf_matmul_int8_packed(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint8_t* packed,
+                                     int32_t type, int64_t n, float* y, int64_t ldy) {
+    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, n, y, ldy, packed); });
 }
 
 // x [m, k] (k a multiple of 32) -> q [m, k] int8 and d [m, k / 32]: the activation quantization above, exposed

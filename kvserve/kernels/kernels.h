@@ -116,6 +116,11 @@ void kvserve_gguf_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w,
 void kvserve_gguf_matmul_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
                               float* y, int64_t ldy);
 void kvserve_quantize_int8_activations(const float* x, int64_t m, int64_t k, int8_t* q, float* d);
+// Weights packed once into the int8 matmul's panels (AVX-512 VNNI builds; bytes 0 elsewhere), and the matmul on them.
+void kvserve_gguf_packed_panels_bytes(int32_t type, int64_t n, int64_t k, int64_t* bytes);
+void kvserve_gguf_pack_panels_int8(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8_t* out);
+void kvserve_gguf_matmul_int8_packed(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint8_t* packed,
+                                     int32_t type, int64_t n, float* y, int64_t ldy);
 void kvserve_int8_dot_isa(int64_t* isa);
 // rows of k weights stored as blocks of `type` -> out [rows, k] float32 (an embedding's looked-up rows).
 void kvserve_gguf_dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out);

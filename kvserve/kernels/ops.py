@@ -302,6 +302,55 @@ class NativeKernels:
             matmul(x.data_ptr(), m, k, blocks.data_ptr(), qtype, n, y.data_ptr(), y.stride(0))
         return y
 
+    def pack_int8_panels(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor | None:
+        """GGUF blocks [n, row bytes] packed once into the int8 matmul's 32-row panels (gguf_int8_matmul.cpp), for
+        gguf_matmul_packed; None where that matmul has no panel path (builds without AVX-512 VNNI, float32
+        activations, types it has no kernel for). About the bytes of the weights as int8 plus float32 scales: 1.0x
+        Q8_0's for the tied LM head."""
+        if self.activation_quantization != "int8" or qtype not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":
+            return None
+        blocks = blocks.contiguous()
+        n, k = blocks.shape[0], row_length(qtype, blocks.shape[1])
+        size = ctypes.c_int64(0)
+        self.library.kvserve_gguf_packed_panels_bytes(qtype, n, k, ctypes.addressof(size))
+        if size.value == 0 or n == 0:
+            return None
+        packed = torch.empty(size.value, dtype=torch.uint8)
+        self.library.kvserve_gguf_pack_panels_int8(blocks.data_ptr(), qtype, n, k, packed.data_ptr())
+        return packed
+
+    def gguf_matmul_packed(
+        self,
+        x: torch.Tensor,
+        blocks: torch.Tensor,
+        packed: torch.Tensor,
+        qtype: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """gguf_matmul with int8 activations on weights pack_int8_panels packed from these `blocks` (read in place
+        above 4 rows; the blocks themselves at 1-4). Raises ValueError for a packing of other sizes."""
+        x = x.float().contiguous()
+        m, k = x.shape
+        n = blocks.shape[0]
+        size = ctypes.c_int64(0)
+        self.library.kvserve_gguf_packed_panels_bytes(qtype, n, k, ctypes.addressof(size))
+        if self.activation_quantization != "int8" or packed.dtype != torch.uint8 or packed.numel() != size.value:
+            raise ValueError(f"packed panels of {packed.numel()} bytes do not fit [{n}, {k}] (expected {size.value})")
+        if x.device.type != "cpu" or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+            raise ValueError("gguf_matmul_packed takes host tensors and contiguous uint8 blocks")
+        if row_length(qtype, blocks.shape[1]) != k:
+            raise ValueError(f"gguf matmul shapes do not fit: x {tuple(x.shape)}, blocks {tuple(blocks.shape)}")
+        if out is not None and (
+            out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1 or (m > 1 and out.stride(0) < n)
+        ):
+            raise ValueError(f"gguf matmul output must be float32 [{m}, {n}] with unit column stride")
+        y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+        if m and n:
+            self.library.kvserve_gguf_matmul_int8_packed(
+                x.data_ptr(), m, k, blocks.data_ptr(), packed.data_ptr(), qtype, n, y.data_ptr(), y.stride(0)
+            )
+        return y
+
     def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x.max(dim=-1) of a 2-D float32 tensor, (values, indices): each row's largest value and its first index,
         NaN preferred as torch's CPU max gives them, with the rows split across the threads (greedy sampling of

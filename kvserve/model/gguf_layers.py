@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, row_length
-from kvserve.kernels.ops import Kernels
+from kvserve.kernels.ops import Kernels, NativeKernels
 
 
 class GGUFLinear(nn.Module):
@@ -84,6 +84,10 @@ class GGUFEmbedding(nn.Module):
         self.register_buffer("head_qweight", None)  # bench/floor.py counts it as the LM head, when set
         self.dtype = dtype
         self.kernels = kernels
+        # (kernels, blocks, their int8 panels): the LM head's weights packed once for int8 activations above 4 rows
+        # (NativeKernels.pack_int8_panels), made at the first such call; packing them at every call took about as
+        # long as the multiply at 32 rows. Not a buffer: derived, and dropped when the kernels or blocks change.
+        self._panels: tuple[Kernels, torch.Tensor, torch.Tensor] | None = None
 
     def set_head_blocks(self, qtype: int, blocks: torch.Tensor) -> None:
         """`attend` (the tied LM head) reads these blocks of the same rows; lookups keep the file's."""
@@ -103,7 +107,21 @@ class GGUFEmbedding(nn.Module):
 
     def attend(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         blocks = self.qweight if self.head_qweight is None else self.head_qweight
-        return self.kernels.gguf_matmul(hidden.reshape(-1, self.embedding_dim), blocks, self.head_qtype, out)
+        x = hidden.reshape(-1, self.embedding_dim)
+        kernels = self.kernels
+        if isinstance(kernels, NativeKernels) and kernels.activation_quantization == "int8" and x.shape[0] > 4:
+            panels = self._int8_panels(kernels, blocks)
+            if panels is not None:
+                return kernels.gguf_matmul_packed(x, blocks, panels, self.head_qtype, out)
+        return kernels.gguf_matmul(x, blocks, self.head_qtype, out)
+
+    def _int8_panels(self, kernels: NativeKernels, blocks: torch.Tensor) -> torch.Tensor | None:
+        if self._panels is None or self._panels[0] is not kernels or self._panels[1] is not blocks:
+            packed = kernels.pack_int8_panels(blocks, self.head_qtype)
+            if packed is None:
+                return None
+            self._panels = (kernels, blocks, packed)
+        return self._panels[2]
 
     def extra_repr(self) -> str:
         name = NATIVE_GGUF_TYPES[self.qtype].name

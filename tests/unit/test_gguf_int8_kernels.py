@@ -92,3 +92,48 @@ def test_int8_activations_cost_what_8_bits_per_value_cost() -> None:
     assert torch.all(err <= bound) and float(err.max()) > 0
     with pytest.raises(ValueError, match="runs of 32"):
         quantize_activations(torch.zeros(1, 40))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[NATIVE_GGUF_TYPES[t].name for t in TYPES])
+def test_weights_packed_once_give_the_same_bits(native, qtype: int) -> None:
+    """Panels packed ahead of time (the LM head's, model/gguf_layers.py) are the panels the matmul packs at each
+    call: the same bits at every row count, into a wider output too; a packing of other sizes is refused. Builds
+    without the panel path pack nothing."""
+    packed_any = False
+    for i, (m, n, k) in enumerate(shapes(qtype)):
+        blocks = random_blocks(qtype, n, k, seed=100 * qtype + i)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(i))
+        packed = native.pack_int8_panels(blocks, qtype)
+        if packed is None:
+            assert native.int8_dot_product() != "avx512vnni"
+            continue
+        packed_any = True
+        assert torch.equal(native.gguf_matmul_packed(x, blocks, packed, qtype), native.gguf_matmul(x, blocks, qtype))
+        wide = torch.full((m, n + 3), 7.0)
+        native.gguf_matmul_packed(x, blocks, packed, qtype, out=wide[:, 2 : 2 + n])
+        assert torch.equal(wide[:, 2 : 2 + n], native.gguf_matmul(x, blocks, qtype))
+        assert torch.all(wide[:, :2] == 7.0) and torch.all(wide[:, 2 + n :] == 7.0)
+        with pytest.raises(ValueError, match="do not fit"):
+            native.gguf_matmul_packed(x, blocks, packed[:-1], qtype)
+    assert packed_any == (native.int8_dot_product() == "avx512vnni")
+
+
+def test_the_tied_lm_head_packs_its_panels_once(native) -> None:
+    """GGUFEmbedding.attend with int8 activations above 4 rows multiplies panels packed at its first such call and
+    kept (the same bits as packing at every call); 4 rows and fewer read the blocks; new kernels pack anew."""
+    from kvserve.model.gguf_layers import GGUFEmbedding
+
+    blocks = random_blocks(8, 70, 64, seed=9)
+    head = GGUFEmbedding(8, blocks, torch.float32, native)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(head.attend(x), native.gguf_matmul(x, blocks, 8))
+    assert torch.equal(head.attend(x[:3]), native.gguf_matmul(x[:3], blocks, 8))
+    if native.int8_dot_product() != "avx512vnni":
+        assert head._panels is None
+        return
+    assert head._panels is not None
+    first = head._panels[2]
+    head.attend(x)
+    assert head._panels[2] is first  # kept
+    head.kernels = load_kernels(default_cache_dir() / "kernels", isa=native.isa, activation_quantization="int8")
+    assert torch.equal(head.attend(x), native.gguf_matmul(x, blocks, 8)) and head._panels[2] is not first

@@ -33,10 +33,13 @@ STRUCT = re.compile(r"^struct (Kvserve\w+) \{(.*?)^\};", re.MULTILINE | re.DOTAL
 C_SIZES = {"int64_t": 8, "double": 8, "float": 4, "int32_t": 4}
 # NativeKernels' members beyond the protocol: the native decoder layer's (model/native_layer.py), the ABI check, and
 # the two the engine borrows through Model.native_kernels where the model runs on them (the offload tier's row copy,
-# greedy sampling's row max; their callers keep torch paths for the rest).
+# greedy sampling's row max; their callers keep torch paths for the rest), and the LM head's int8 panels packed once
+# (model/gguf_layers.py).
 NATIVE_ONLY = {
     "copy_rows",
     "row_max",
+    "pack_int8_panels",
+    "gguf_matmul_packed",
     "decoder_layer",
     "decoder_layer_scratch",
     "quantize_int8_rows",
