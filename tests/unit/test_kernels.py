@@ -415,3 +415,20 @@ def test_native_row_max_is_torch_max(native: NativeKernels, cols: int) -> None:
         assert torch.equal(ids, want_ids) and torch.equal(values.isnan(), want_values.isnan())
         assert torch.equal(values.nan_to_num(), want_values.nan_to_num())
     assert torch.equal(native.row_max(x.double())[1], x.double().max(dim=-1)[1])
+
+
+@needs_native
+def test_native_row_max_of_one_long_row_split_across_threads(native: NativeKernels) -> None:
+    """At batch 1 a row's columns are split across the threads (row_max.cpp): ties across the parts give the first,
+    a NaN in a later part beats an earlier maximum, an all -inf row gives index 0, as torch's max(dim=-1)."""
+    x = torch.randn(1, 262_147, generator=torch.Generator().manual_seed(2))
+    cases = [x.clone() for _ in range(5)]
+    cases[1][0, [5, 262_140]] = 1e9
+    cases[2][0, 3] = 1e9
+    cases[2][0, 200_001] = float("nan")
+    cases[3][0] = -float("inf")
+    cases[4][0] = 2.0
+    for t in cases:
+        values, ids = native.row_max(t)
+        want_values, want_ids = t.max(dim=-1)
+        assert torch.equal(ids, want_ids) and torch.equal(values.nan_to_num(7.0), want_values.nan_to_num(7.0))
