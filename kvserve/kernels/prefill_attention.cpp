@@ -42,7 +42,7 @@ using kvserve::exp256;
 constexpr int64_t kRowTile = 64;  // query rows per work item: Q and O tiles of 64 KB each at head_dim 256
 constexpr int64_t kKeyTile = 64;  // keys per online-softmax step: the K and V tiles stay in L2 (64 KB each)
 constexpr int kRows = 4;          // output micro-kernel rows (one query's 4 heads for Gemma 3)
-constexpr int kKeys = 6;          // scores micro-kernel: 6 keys x 16 rows = 12 accumulators
+constexpr int kKeys = 6;          // AVX2 scores micro-kernel: 6 keys x 16 rows = 12 accumulators
 constexpr int kVecs = 3;          // output micro-kernel width in 8-float vectors: 4 x 3 accumulators
 // Rows per item for a short chunk taken whole by each thread (see kvserve_paged_prefill_attention): its Q and O
 // tiles are ~200 KB each at head_dim 256, so only where a core's L2 holds 1 MiB or more (the AVX-512 hosts here:
@@ -71,68 +71,95 @@ inline void transpose8(__m256 r[8]) {
     }
 }
 
-// st[c * ld + r] = q_r . k_c for 16 query rows, stored transposed (qt[d * ld + r]), and C keys (row
-// pointers): each step broadcasts one element of each key against two vectors of 8 rows, so the sums build up
+// The float vectors the two GEMMs run on: AVX2's 8 lanes, and AVX-512's 16 where the library is built for it.
+// Both GEMMs are written once over these; each value's sums are the same operations in the same order at either
+// width (each score a sequence of fused multiply-adds over d from zero, each output column one over the keys from
+// alpha x O), so the AVX-512 build's results are bit-identical to the AVX2 build's.
+struct F32x8 {
+    using V = __m256;
+    static constexpr int kWidth = 8;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#if defined(__AVX512F__)
+struct F32x16 {
+    using V = __m512;
+    static constexpr int kWidth = 16;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static V set1(float x) { return _mm512_set1_ps(x); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#endif
+
+// st[c * ld + r] = q_r . k_c for N vectors of query rows, stored transposed (qt[d * ld + r]), and C keys (row
+// pointers): each step broadcasts one element of each key against the N vectors of rows, so the sums build up
 // in place, without horizontal reductions, whatever head_dim is.
-template <int C>
+template <typename L, int C, int N>
 inline void scores_micro(const float* qt, int64_t ld, const float* const* k, int64_t dim, float* st) {
-    __m256 acc[C][2];
-    for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+    typename L::V acc[C][N];
+    for (int c = 0; c < C; ++c)
+        for (int n = 0; n < N; ++n) acc[c][n] = L::zero();
     for (int64_t d = 0; d < dim; ++d) {
-        const __m256 q0 = _mm256_loadu_ps(qt + d * ld), q1 = _mm256_loadu_ps(qt + d * ld + 8);
+        typename L::V qv[N];
+        for (int n = 0; n < N; ++n) qv[n] = L::load(qt + d * ld + L::kWidth * n);
         for (int c = 0; c < C; ++c) {
-            const __m256 kc = _mm256_broadcast_ss(k[c] + d);
-            acc[c][0] = _mm256_fmadd_ps(kc, q0, acc[c][0]);
-            acc[c][1] = _mm256_fmadd_ps(kc, q1, acc[c][1]);
+            const typename L::V kc = L::set1(k[c][d]);
+            for (int n = 0; n < N; ++n) acc[c][n] = L::fmadd(kc, qv[n], acc[c][n]);
         }
     }
-    for (int c = 0; c < C; ++c) {
-        _mm256_storeu_ps(st + c * ld, acc[c][0]);
-        _mm256_storeu_ps(st + c * ld + 8, acc[c][1]);
-    }
+    for (int c = 0; c < C; ++c)
+        for (int n = 0; n < N; ++n) L::store(st + c * ld + L::kWidth * n, acc[c][n]);
 }
 
-// Scores of 16 rows against keys [j0, j1).
-inline void scores_block(const float* qt, int64_t ld, const float* const* k, int64_t j0, int64_t j1,
-                         int64_t dim, float* st) {
+// scores_micro for exactly `left` keys (fewer than C + 1).
+template <typename L, int C, int N>
+inline void scores_tail(int64_t left, const float* qt, int64_t ld, const float* const* k, int64_t dim, float* st) {
+    if (left == C) scores_micro<L, C, N>(qt, ld, k, dim, st);
+    else if constexpr (C > 1) scores_tail<L, C - 1, N>(left, qt, ld, k, dim, st);
+}
+
+// Scores of N vectors of rows against keys [j0, j1), C keys a micro-kernel call.
+template <typename L, int C, int N>
+inline void scores_block(const float* qt, int64_t ld, const float* const* k, int64_t j0, int64_t j1, int64_t dim,
+                         float* st) {
     int64_t j = j0;
-    for (; j + kKeys <= j1; j += kKeys) scores_micro<kKeys>(qt, ld, k + j, dim, st + j * ld);
-    switch (j1 - j) {
-        case 5: scores_micro<5>(qt, ld, k + j, dim, st + j * ld); break;
-        case 4: scores_micro<4>(qt, ld, k + j, dim, st + j * ld); break;
-        case 3: scores_micro<3>(qt, ld, k + j, dim, st + j * ld); break;
-        case 2: scores_micro<2>(qt, ld, k + j, dim, st + j * ld); break;
-        case 1: scores_micro<1>(qt, ld, k + j, dim, st + j * ld); break;
-        default: break;
-    }
+    for (; j + C <= j1; j += C) scores_micro<L, C, N>(qt, ld, k + j, dim, st + j * ld);
+    if (j < j1) scores_tail<L, C - 1, N>(j1 - j, qt, ld, k + j, dim, st + j * ld);
 }
 
-// o_r[d0 : d0 + 8V] = alpha_r o_r[...] + sum_{j in [j0, j1)} pt[j * ld + r] v_j[d0 : ...] for R rows of o
+// o_r[d0 : d0 + V lanes] = alpha_r o_r[...] + sum_{j in [j0, j1)} pt[j * ld + r] v_j[d0 : ...] for R rows of o
 // (stride dim): the online-softmax rescale rides on the load of the accumulators.
-template <int R, int V>
+template <typename L, int R, int V>
 inline void output_micro(const float* pt, int64_t ld, const float* const* v, int64_t j0, int64_t j1, int64_t d0,
                          const float* alpha, float* o, int64_t dim) {
-    __m256 acc[R][V];
+    typename L::V acc[R][V];
     for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_set1_ps(alpha[r]);
-        for (int n = 0; n < V; ++n) acc[r][n] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dim + d0 + 8 * n), a);
+        const typename L::V a = L::set1(alpha[r]);
+        for (int n = 0; n < V; ++n) acc[r][n] = L::mul(L::load(o + r * dim + d0 + L::kWidth * n), a);
     }
     for (int64_t j = j0; j < j1; ++j) {
-        __m256 vv[V];
-        for (int n = 0; n < V; ++n) vv[n] = _mm256_loadu_ps(v[j] + d0 + 8 * n);
+        typename L::V vv[V];
+        for (int n = 0; n < V; ++n) vv[n] = L::load(v[j] + d0 + L::kWidth * n);
         for (int r = 0; r < R; ++r) {
-            const __m256 pr = _mm256_broadcast_ss(pt + j * ld + r);
-            for (int n = 0; n < V; ++n) acc[r][n] = _mm256_fmadd_ps(pr, vv[n], acc[r][n]);
+            const typename L::V pr = L::set1(pt[j * ld + r]);
+            for (int n = 0; n < V; ++n) acc[r][n] = L::fmadd(pr, vv[n], acc[r][n]);
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int n = 0; n < V; ++n) _mm256_storeu_ps(o + r * dim + d0 + 8 * n, acc[r][n]);
+        for (int n = 0; n < V; ++n) L::store(o + r * dim + d0 + L::kWidth * n, acc[r][n]);
 }
 
-// Output columns [d0, d0 + 8V) of every row: each block of kRows rows over the keys any of them sees
-// (j0[b], j1[b]). The columns are the outer loop so that this slice of the V tile (64 keys x 8V floats) and
-// the probabilities stay in L1 while every row block uses them.
-template <int V>
+// Output columns [d0, d0 + V vectors) of every row: each block of kRows rows over the keys any of them sees
+// (j0[b], j1[b]). The columns are the outer loop so that this slice of the V tile (64 keys x V vectors) and the
+// probabilities stay in L1 while every row block uses them.
+template <typename L, int V>
 inline void output_columns(const float* pt, int64_t ld, const float* const* v, const int64_t* j0,
                            const int64_t* j1, int64_t rows, int64_t d0, const float* alpha, float* o, int64_t dim) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
@@ -141,94 +168,18 @@ inline void output_columns(const float* pt, int64_t ld, const float* const* v, c
         const float* p = pt + r0;
         float* orow = o + r0 * dim;
         switch (std::min<int64_t>(kRows, rows - r0)) {
-            case 4: output_micro<4, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 3: output_micro<3, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 2: output_micro<2, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            default: output_micro<1, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            case 4: output_micro<L, 4, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            case 3: output_micro<L, 3, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            case 2: output_micro<L, 2, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            default: output_micro<L, 1, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
         }
     }
 }
 
-#if defined(__AVX512F__)
-// The AVX-512 build's versions of the two GEMMs: the same sums in the same order (each score a sequence of fused
-// multiply-adds over d from zero, each output column one over the keys from alpha x O), so the results are
-// bit-identical to the AVX2 ones, with twice the floats per instruction. The scores step takes 32 rows (two
-// vectors) by kKeys512 keys, 24 accumulators, so that its loads (two of Q, one broadcast per key) stay under
-// its FMAs; 16 rows where fewer are left. The output step takes 4 rows x 64 columns.
+// The AVX-512 build's scores step takes 32 rows (two vectors) by 12 keys, 24 accumulators, so that its loads (two
+// of Q, one broadcast per key) stay under its FMAs; 16 rows where fewer are left. Its output step takes 4 rows x
+// 64 columns.
 constexpr int kKeys512 = 12;
-
-template <int C, int N>
-inline void scores_micro512(const float* qt, int64_t ld, const float* const* k, int64_t dim, float* st) {
-    __m512 acc[C][N];
-    for (int c = 0; c < C; ++c)
-        for (int n = 0; n < N; ++n) acc[c][n] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; ++d) {
-        __m512 qv[N];
-        for (int n = 0; n < N; ++n) qv[n] = _mm512_loadu_ps(qt + d * ld + 16 * n);
-        for (int c = 0; c < C; ++c) {
-            const __m512 kc = _mm512_set1_ps(k[c][d]);
-            for (int n = 0; n < N; ++n) acc[c][n] = _mm512_fmadd_ps(kc, qv[n], acc[c][n]);
-        }
-    }
-    for (int c = 0; c < C; ++c)
-        for (int n = 0; n < N; ++n) _mm512_storeu_ps(st + c * ld + 16 * n, acc[c][n]);
-}
-
-// The last fewer-than-kKeys512 keys: scores_micro512 for exactly `left` of them.
-template <int C, int N>
-inline void scores_tail512(int64_t left, const float* qt, int64_t ld, const float* const* k, int64_t dim,
-                           float* st) {
-    if (left == C) scores_micro512<C, N>(qt, ld, k, dim, st);
-    else if constexpr (C > 1) scores_tail512<C - 1, N>(left, qt, ld, k, dim, st);
-}
-
-// Scores of 16 N rows against keys [j0, j1).
-template <int N>
-inline void scores_block512(const float* qt, int64_t ld, const float* const* k, int64_t j0, int64_t j1,
-                            int64_t dim, float* st) {
-    int64_t j = j0;
-    for (; j + kKeys512 <= j1; j += kKeys512) scores_micro512<kKeys512, N>(qt, ld, k + j, dim, st + j * ld);
-    if (j < j1) scores_tail512<kKeys512 - 1, N>(j1 - j, qt, ld, k + j, dim, st + j * ld);
-}
-
-template <int R, int V>
-inline void output_micro512(const float* pt, int64_t ld, const float* const* v, int64_t j0, int64_t j1,
-                            int64_t d0, const float* alpha, float* o, int64_t dim) {
-    __m512 acc[R][V];
-    for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        for (int n = 0; n < V; ++n) acc[r][n] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + d0 + 16 * n), a);
-    }
-    for (int64_t j = j0; j < j1; ++j) {
-        __m512 vv[V];
-        for (int n = 0; n < V; ++n) vv[n] = _mm512_loadu_ps(v[j] + d0 + 16 * n);
-        for (int r = 0; r < R; ++r) {
-            const __m512 pr = _mm512_set1_ps(pt[j * ld + r]);
-            for (int n = 0; n < V; ++n) acc[r][n] = _mm512_fmadd_ps(pr, vv[n], acc[r][n]);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int n = 0; n < V; ++n) _mm512_storeu_ps(o + r * dim + d0 + 16 * n, acc[r][n]);
-}
-
-// output_columns for columns [d0, d0 + 64).
-inline void output_columns512(const float* pt, int64_t ld, const float* const* v, const int64_t* j0,
-                              const int64_t* j1, int64_t rows, int64_t d0, const float* alpha, float* o,
-                              int64_t dim) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int64_t b = r0 / kRows;
-        if (j1[b] <= j0[b]) continue;
-        const float* p = pt + r0;
-        float* orow = o + r0 * dim;
-        switch (std::min<int64_t>(kRows, rows - r0)) {
-            case 4: output_micro512<4, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 3: output_micro512<3, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 2: output_micro512<2, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            default: output_micro512<1, 4>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-        }
-    }
-}
-#endif
 
 // The key range [lo, hi) that any of rows [r0, r1) sees; empty rows (hi <= lo) count for nothing.
 inline void key_union(const float* lo, const float* hi, int64_t r0, int64_t r1, int64_t* j0, int64_t* j1) {
@@ -363,15 +314,15 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
 #if defined(__AVX512F__)
                 for (int64_t r0 = 0; r0 < rows; r0 += 32) {
                     key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + 32), &j0, &j1);
-                    if (rows - r0 > 16)
-                        scores_block512<2>(t.qt.data() + r0, ld, t.k.data(), j0, j1, dim, t.st.data() + r0);
-                    else
-                        scores_block512<1>(t.qt.data() + r0, ld, t.k.data(), j0, j1, dim, t.st.data() + r0);
+                    const float* qt = t.qt.data() + r0;
+                    float* st = t.st.data() + r0;
+                    if (rows - r0 > 16) scores_block<F32x16, kKeys512, 2>(qt, ld, t.k.data(), j0, j1, dim, st);
+                    else scores_block<F32x16, kKeys512, 1>(qt, ld, t.k.data(), j0, j1, dim, st);
                 }
 #else
                 for (int64_t r0 = 0; r0 < rows; r0 += 16) {
                     key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + 16), &j0, &j1);
-                    scores_block(t.qt.data() + r0, ld, t.k.data(), j0, j1, dim, t.st.data() + r0);
+                    scores_block<F32x8, kKeys, 2>(t.qt.data() + r0, ld, t.k.data(), j0, j1, dim, t.st.data() + r0);
                 }
 #endif
                 // Online softmax, 8 rows at a time (16 with AVX-512): scores -> probabilities in place (0 where
@@ -449,17 +400,17 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
                 int64_t d = 0;
 #if defined(__AVX512F__)
                 for (; d + 64 <= dv; d += 64)
-                    output_columns512(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
+                    output_columns<F32x16, 4>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
                                       t.alpha.data(), t.o.data(), dim);
 #endif
                 for (; d + 8 * kVecs <= dv; d += 8 * kVecs)
-                    output_columns<kVecs>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
+                    output_columns<F32x8, kVecs>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
                                           t.alpha.data(), t.o.data(), dim);
                 if (dv - d == 16)
-                    output_columns<2>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
+                    output_columns<F32x8, 2>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
                                       t.alpha.data(), t.o.data(), dim);
                 else if (dv - d == 8)
-                    output_columns<1>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
+                    output_columns<F32x8, 1>(t.st.data(), ld, t.v.data(), t.j0.data(), t.j1.data(), rows, d,
                                       t.alpha.data(), t.o.data(), dim);
                 for (d = dv; d < dim; ++d)  // head_dim not a multiple of 8
                     for (int64_t r = 0; r < rows; ++r) {
