@@ -277,22 +277,9 @@ class NativeKernels:
     ) -> torch.Tensor:
         if qtype not in NATIVE_GGUF_TYPES or x.device.type != "cpu" or blocks.device.type != "cpu":
             return self.fallback.gguf_matmul(x, blocks, qtype, out)
-        x = x.float().contiguous()
+        x, y = _gguf_matmul_operands(x, blocks, qtype, out)
         m, k = x.shape
         n = blocks.shape[0]
-        if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_length(qtype, blocks.shape[1]) != k:
-            raise ValueError(
-                f"gguf matmul shapes do not fit: x {tuple(x.shape)}, {NATIVE_GGUF_TYPES[qtype].name} "
-                f"blocks {blocks.dtype} {tuple(blocks.shape)}"
-            )
-        if out is not None and (
-            out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1 or (m > 1 and out.stride(0) < n)
-        ):
-            raise ValueError(
-                f"gguf matmul output must be float32 [{m}, {n}] with unit column stride, got "
-                f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
-            )
-        y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m and n:
             matmul = (
                 self.library.kvserve_gguf_matmul_int8
@@ -311,13 +298,17 @@ class NativeKernels:
             return None
         blocks = blocks.contiguous()
         n, k = blocks.shape[0], row_length(qtype, blocks.shape[1])
-        size = ctypes.c_int64(0)
-        self.library.kvserve_gguf_packed_panels_bytes(qtype, n, k, ctypes.addressof(size))
-        if size.value == 0 or n == 0:
+        size = self._packed_panels_bytes(qtype, n, k)
+        if size == 0 or n == 0:
             return None
-        packed = torch.empty(size.value, dtype=torch.uint8)
+        packed = torch.empty(size, dtype=torch.uint8)
         self.library.kvserve_gguf_pack_panels_int8(blocks.data_ptr(), qtype, n, k, packed.data_ptr())
         return packed
+
+    def _packed_panels_bytes(self, qtype: int, n: int, k: int) -> int:
+        size = ctypes.c_int64(0)
+        self.library.kvserve_gguf_packed_panels_bytes(qtype, n, k, ctypes.addressof(size))
+        return size.value
 
     def gguf_matmul_packed(
         self,
@@ -329,22 +320,14 @@ class NativeKernels:
     ) -> torch.Tensor:
         """gguf_matmul with int8 activations on weights pack_int8_panels packed from these `blocks` (read in place
         above 4 rows; the blocks themselves at 1-4). Raises ValueError for a packing of other sizes."""
-        x = x.float().contiguous()
+        if x.device.type != "cpu" or blocks.device.type != "cpu":
+            raise ValueError("gguf_matmul_packed takes host tensors")
+        x, y = _gguf_matmul_operands(x, blocks, qtype, out)
         m, k = x.shape
         n = blocks.shape[0]
-        size = ctypes.c_int64(0)
-        self.library.kvserve_gguf_packed_panels_bytes(qtype, n, k, ctypes.addressof(size))
-        if self.activation_quantization != "int8" or packed.dtype != torch.uint8 or packed.numel() != size.value:
-            raise ValueError(f"packed panels of {packed.numel()} bytes do not fit [{n}, {k}] (expected {size.value})")
-        if x.device.type != "cpu" or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
-            raise ValueError("gguf_matmul_packed takes host tensors and contiguous uint8 blocks")
-        if row_length(qtype, blocks.shape[1]) != k:
-            raise ValueError(f"gguf matmul shapes do not fit: x {tuple(x.shape)}, blocks {tuple(blocks.shape)}")
-        if out is not None and (
-            out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1 or (m > 1 and out.stride(0) < n)
-        ):
-            raise ValueError(f"gguf matmul output must be float32 [{m}, {n}] with unit column stride")
-        y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+        size = self._packed_panels_bytes(qtype, n, k)
+        if self.activation_quantization != "int8" or packed.dtype != torch.uint8 or packed.numel() != size:
+            raise ValueError(f"packed panels of {packed.numel()} bytes do not fit [{n}, {k}] (expected {size})")
         if m and n:
             self.library.kvserve_gguf_matmul_int8_packed(
                 x.data_ptr(), m, k, blocks.data_ptr(), packed.data_ptr(), qtype, n, y.data_ptr(), y.stride(0)
@@ -355,9 +338,8 @@ class NativeKernels:
         """x.max(dim=-1) of a 2-D float32 tensor, (values, indices): each row's largest value and its first index,
         NaN preferred as torch's CPU max gives them, with the rows split across the threads (greedy sampling of
         a batch; engine/sampler.py). Other tensors go to torch."""
-        if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] > 0) or (
-            x.stride(1) != 1
-        ):
+        native = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+        if not (native and x.shape[1] > 0 and x.stride(1) == 1):
             values, ids = x.max(dim=-1)
             return values, ids
         rows = x.shape[0]
@@ -667,6 +649,29 @@ class NativeKernels:
 
 
 TORCH_KERNELS = TorchKernels()  # stateless: the default of every module until the loader hands out its kernels
+
+
+def _gguf_matmul_operands(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native GGUF matmuls' operands checked: x as contiguous float32 [m, k], and the output [m, n] (`out`, or a
+    new tensor). Raises ValueError for blocks or an output that do not fit."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = blocks.shape[0]
+    if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_length(qtype, blocks.shape[1]) != k:
+        raise ValueError(
+            f"gguf matmul shapes do not fit: x {tuple(x.shape)}, {NATIVE_GGUF_TYPES[qtype].name} "
+            f"blocks {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    if out is not None and (
+        out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1 or (m > 1 and out.stride(0) < n)
+    ):
+        raise ValueError(
+            f"gguf matmul output must be float32 [{m}, {n}] with unit column stride, got "
+            f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
+    return x, torch.empty(m, n, dtype=torch.float32) if out is None else out
 
 
 def _rows_layout(t: torch.Tensor) -> bool:

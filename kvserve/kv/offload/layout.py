@@ -47,6 +47,7 @@ class BlockLayout:
             n + 4 * (n // t.shape[-1]) if self.compress else n * t.element_size() for t, n in zip(tensors, self.values)
         ]
         self.block_bytes = sum(self.sizes)
+        self.offsets = np.cumsum([0, *self.sizes[:-1]]).tolist()  # each part's first byte in a payload
         self._buffers: dict[str, torch.Tensor] = {}  # see _scratch
         self._host_rows: list[np.ndarray] | None = None  # see block_views
         # The native kernels' one-call copy (NativeKernels.copy_rows) where the cache is in host memory and stored as
@@ -175,8 +176,7 @@ class BlockLayout:
 
     def _payload_parts(self, payloads: torch.Tensor) -> list[torch.Tensor]:
         """Each part's columns of payload rows [n, block_bytes] uint8, in the payload's order."""
-        offsets = np.cumsum([0, *self.sizes[:-1]]).tolist()
-        return [payloads[:, o : o + size] for o, size in zip(offsets, self.sizes)]
+        return [payloads[:, o : o + size] for o, size in zip(self.offsets, self.sizes)]
 
     def _scatter_runs(
         self, block_ids: Sequence[int], payloads: torch.Tensor, rows: Sequence[int], runs: list[tuple[int, int]]
