@@ -3,9 +3,9 @@
 // first NaN's index).
 //
 // Why: torch's max over the logits of a batch-32 step (32 x 262,144 floats for Gemma 3) runs on one thread at
-// about 4 GB/s, 1.9 ms of a ~55 ms step; this one splits the rows across the threads (a single row's columns, at
-// batch 1) and takes 8 floats an instruction, reading each row twice (the maximum, then its first index, the row
-// still in L2).
+// about 4 GB/s, ~2 ms of a ~50 ms step (scripts/ab_kernel_shapes.py); this one splits the rows across the threads
+// (a single row's columns, at batch 1) and takes 8 floats an instruction, reading each row twice (the maximum,
+// then its first index, the row still in L2).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>

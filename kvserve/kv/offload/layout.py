@@ -6,8 +6,9 @@ Copied one block at a time, each of those slices is a few torch calls (about 1.7
 prefill's 32 blocks would have cost the engine thread 50 ms). Copied for all of a step's blocks at once, it is one
 gather per tensor whatever the number of blocks, plus one copy a block. Where the model runs on the native kernels
 and the cache is stored as it is, one call copies every part of every block between the cache and the payload rows,
-across the threads (NativeKernels.copy_rows: a 70-block restore of Gemma 3 270M in about 3 ms against 7 through torch's
-index copies); the torch paths below are for the rest (int8 records, other devices, the torch kernels)."""
+across the threads (NativeKernels.copy_rows: a 70-block restore of Gemma 3 270M in 1.8 ms against 4.5 on the torch
+path below, scripts/ab_kernel_shapes.py); the torch paths are for the rest (int8 records, other devices, the torch
+kernels)."""
 
 from __future__ import annotations
 
