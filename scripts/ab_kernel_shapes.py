@@ -1,12 +1,12 @@
-"""The kernel figures of docs/PERFORMANCE_NOTES.md attempts 46-50, on Gemma 3 270M's shapes: prefill attention of a
+"""The kernel figures of docs/PERFORMANCE_NOTES.md attempts 46-51, on Gemma 3 270M's shapes: prefill attention of a
 chat turn after a prefix hit, decode attention, greedy sampling's row max against torch's, the offload tier's block
-copy against torch's index copies, and the int8 LM head with its panels packed once against packed at every call.
-The attention kernels are also timed on the AVX2 build (the prefill kernel's AVX-512 path, attempt 46, against the
-AVX2 one; outputs compared bit for bit) and, with OLD.so, on an older build: a library built from an earlier commit
-(check it out, run `pytest tests/unit/test_kernels.py -k prefill` once, and take the newest
-~/.cache/kvserve/kernels/kvserve_kernels_*.so; e.g. the commit before 18107ee for attempts 46 and 48). Only its
-attention entry points are bound, so a build that lacks later kernels loads. Minimum of alternated repeats. Not run
-by CI.
+copy against torch's index copies, the int8 LM head with its panels packed once against packed at every call, and
+the decoder layers' int8 matmuls at one row on the default model's own weights. The attention kernels are also
+timed on the AVX2 build (the prefill kernel's AVX-512 path, attempt 46, against the AVX2 one; outputs compared bit
+for bit) and, with OLD.so, on an older build: a library built from an earlier commit (check it out, run `pytest
+tests/unit/test_kernels.py -k prefill` once, and take the newest ~/.cache/kvserve/kernels/kvserve_kernels_*.so;
+e.g. the commit before 18107ee for attempts 46 and 48). Only its attention entry points and the int8 matmul are
+bound, so a build that lacks later kernels loads. Minimum of alternated repeats. Not run by CI.
 
 Usage: python scripts/ab_kernel_shapes.py [--old OLD.so] [--repeats 20]
 """
@@ -20,12 +20,14 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 
+import gguf
 import torch
 
 from kvserve.kernels.native import SIGNATURES
 from kvserve.kernels.ops import NativeKernels, load_kernels
 from kvserve.kv.cache import LayerKVCache
 from kvserve.kv.offload.layout import BlockLayout
+from kvserve.model.source import default_model_path
 from kvserve.model.tokenizer import default_cache_dir
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 1, 256, 16  # Gemma 3 270M's attention
@@ -33,13 +35,14 @@ VOCAB, HIDDEN, LAYERS = 262_144, 640, 18
 Q8_0 = 8  # ggml's type id
 
 
-def attention_only(path: Path) -> NativeKernels:
-    """An older build with only its attention entry points bound (their signatures are today's)."""
+def older_build(path: Path, activation_quantization: str = "none") -> NativeKernels:
+    """An older build with only its attention entry points and the int8 matmul bound (their signatures are
+    today's)."""
     library = ctypes.CDLL(str(path))
-    for name in ("kvserve_paged_prefill_attention", "kvserve_paged_decode_attention"):
+    for name in ("kvserve_paged_prefill_attention", "kvserve_paged_decode_attention", "kvserve_gguf_matmul_int8"):
         function = getattr(library, name)
         function.argtypes, function.restype = SIGNATURES[name], None
-    return NativeKernels(library)
+    return NativeKernels(library, activation_quantization=activation_quantization)
 
 
 def best_ms(fns: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -85,7 +88,7 @@ def main() -> None:
     assert isinstance(new, NativeKernels) and isinstance(int8, NativeKernels), "needs the native kernels"
     builds = {"new": new, "avx2": load_kernels(default_cache_dir() / "kernels", isa="avx2")}
     if args.old:
-        builds["old"] = attention_only(args.old)
+        builds["old"] = older_build(args.old)
     g = torch.Generator().manual_seed(0)
     print(f"kernels built for {new.isa}; {args.repeats} alternated repeats, the fastest of each")
 
@@ -113,6 +116,7 @@ def main() -> None:
         )
         print_row(f"greedy row max, {rows} x {VOCAB}", ms, "torch", "native", f"(same ids: {same})")
 
+    body_int8({"new": int8} | ({"old": older_build(args.old, "int8")} if args.old else {}), g, args.repeats)
     lm_head(int8, g, args.repeats)  # before the restore: on these VMs a freshly written GiB slows the next seconds
     restore(new, g, args.repeats)
 
@@ -140,6 +144,36 @@ def lm_head(int8: NativeKernels, g: torch.Generator, repeats: int) -> None:
             "once",
             f"(same bits: {same})",
         )
+
+
+def body_int8(builds: Mapping[str, NativeKernels], g: torch.Generator, repeats: int) -> None:
+    """Each decoder-layer matmul of the default model at one row (decode at batch 1) with int8 activations, on the
+    file's own blocks: one call a layer, the 18 layers' tensors in turn (about 4 MB a layer, so the weights come
+    from the shared cache, not a core's own). Outputs of two builds agree up to float32 summation order."""
+    reader = gguf.GGUFReader(default_model_path())
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        tensors = [t for t in reader.tensors if t.name.endswith(f".{name}.weight")]
+        weights = [
+            (int(t.tensor_type), torch.from_numpy(t.data.copy()).view(torch.uint8).view(int(t.shape[1]), -1))
+            for t in tensors
+        ]
+        x = torch.randn(1, int(tensors[0].shape[0]), generator=g)
+        types = "/".join(sorted({t.tensor_type.name for t in tensors}))
+
+        outs = {n: every_layer(b, x, weights) for n, b in builds.items()}
+        calls = {n: partial(every_layer, b, x, weights) for n, b in builds.items()}
+        ms = {n: t / len(weights) for n, t in best_ms(calls, repeats).items()}
+        kb = sum(blocks.numel() for _, blocks in weights) / len(weights) / 1024
+        what = f"int8 matmul at 1 row, {name} ({types}, {kb:.0f} KiB a layer)"
+        if "old" in builds:
+            diff = float((outs["old"] - outs["new"]).abs().max() / outs["old"].abs().max())
+            print_row(what, ms, "old", "new", f"(largest difference {diff:.1e} of the largest output)")
+        else:
+            print(f"{what}: {ms['new']:.3f} ms")
+
+
+def every_layer(kernels: NativeKernels, x: torch.Tensor, weights: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    return torch.stack([kernels.gguf_matmul(x, blocks, qtype) for qtype, blocks in weights])
 
 
 def restore(new: NativeKernels, g: torch.Generator, repeats: int) -> None:

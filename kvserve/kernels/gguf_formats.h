@@ -36,10 +36,11 @@ inline __m256 cvt8(const int8_t* q) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
 
-// 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones.
-inline __m256i nibbles32(__m128i b) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+// 16 bytes of nibbles at p -> 32 bytes: the low nibbles, then the high ones (the bytes loaded into both halves,
+// the upper half shifted by 4: two operations where a shift, two ands and an insert took four).
+inline __m256i nibbles32(const uint8_t* p) {
+    const __m256i b = _mm256_broadcastsi128_si256(load16(p));
+    return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // Byte j of the result is 0x10 where bit j of `bits` is set, else 0.
@@ -58,13 +59,19 @@ inline void store32(int8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_ca
 // run(offset, q, s_lo, s_hi, min) for each: weight offset + i is s * q[i] (- min, for formats with kMin), with
 // s = s_lo for i < 16 and s_hi after (kSplitScale: Q6_K has a scale per 16; elsewhere s_lo == s_hi). q points
 // into the block (Q8_0) or at tmp[32].
+// `visit<true>` passes the stored codes instead, unsigned, before the format's offset kZero is taken off
+// (q = code - kZero): an integer dot product can multiply the codes as unsigned bytes and take kZero * sum(x) off
+// once per run, where signed values cost it two more operations (gguf_int8_matmul.cpp). Q8_0 stores signed bytes
+// (kSigned): its visit<true> is its visit.
 
 struct Q4_0 {
     static constexpr int64_t kBlock = 32, kBytes = 18;
-    static constexpr bool kMin = false, kSplitScale = false;
-    template <typename Run>
+    static constexpr bool kMin = false, kSplitScale = false, kSigned = false;
+    static constexpr int kZero = 8;
+    template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
-        store32(tmp, _mm256_sub_epi8(nibbles32(load16(b + 2)), _mm256_set1_epi8(8)));
+        const __m256i q = nibbles32(b + 2);
+        store32(tmp, kCodes ? q : _mm256_sub_epi8(q, _mm256_set1_epi8(kZero)));
         const float d = f16(b);
         run(0, tmp, d, d, 0.0f);
     }
@@ -72,13 +79,21 @@ struct Q4_0 {
 
 struct Q5_0 {
     static constexpr int64_t kBlock = 32, kBytes = 22;
-    static constexpr bool kMin = false, kSplitScale = false;
-    template <typename Run>
+    static constexpr bool kMin = false, kSplitScale = false, kSigned = false;
+    static constexpr int kZero = 16;
+    template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         uint32_t bits;
         memcpy(&bits, b + 2, 4);
-        const __m256i q = _mm256_or_si256(nibbles32(load16(b + 6)), bits_to_0x10(bits));
-        store32(tmp, _mm256_sub_epi8(q, _mm256_set1_epi8(16)));
+        const __m256i low = nibbles32(b + 6), zero = _mm256_set1_epi8(kZero);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        // the fifth bits as a byte mask: code = low + 16 where set; the value, low - 16 where clear
+        store32(tmp, kCodes ? _mm256_mask_add_epi8(low, _cvtu32_mask32(bits), low, zero)
+                            : _mm256_mask_sub_epi8(low, _cvtu32_mask32(~bits), low, zero));
+#else
+        const __m256i q = _mm256_or_si256(low, bits_to_0x10(bits));
+        store32(tmp, kCodes ? q : _mm256_sub_epi8(q, zero));
+#endif
         const float d = f16(b);
         run(0, tmp, d, d, 0.0f);
     }
@@ -86,30 +101,37 @@ struct Q5_0 {
 
 struct Q8_0 {
     static constexpr int64_t kBlock = 32, kBytes = 34;
-    static constexpr bool kMin = false, kSplitScale = false;
-    template <typename Run>
+    static constexpr bool kMin = false, kSplitScale = false, kSigned = true;
+    static constexpr int kZero = 0;
+    template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t*, const Run& run) {
         const float d = f16(b);
         run(0, reinterpret_cast<const int8_t*>(b + 2), d, d, 0.0f);
     }
 };
 
-// The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K block, as float32 products with d and dmin.
+// The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K block, as float32 products with d and dmin. The 12 bytes hold,
+// byte-wise, scale j (j < 4) in the low 6 bits of byte j, min j in those of byte j + 4, and for j >= 4 the low 4
+// bits in byte j + 4's nibbles (scale low, min high) with the top 2 bits in bits 6-7 of bytes j - 4 (scale) and j
+// (min): unpacked four at a time in 32-bit words, then converted and scaled 8 at a time.
 inline void k_scales(const uint8_t* b, float* scale, float* min) {
-    const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t* s = b + 4;
-    for (int j = 0; j < 4; ++j) {
-        scale[j] = d * static_cast<float>(s[j] & 63);
-        min[j] = dmin * static_cast<float>(s[j + 4] & 63);
-        scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
-        min[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-    }
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x03030303;
+    const uint64_t sc = (u[0] & low6) | static_cast<uint64_t>((u[2] & low4) | ((u[0] >> 6) & top2) << 4) << 32;
+    const uint64_t mn = (u[1] & low6) | static_cast<uint64_t>(((u[2] >> 4) & low4) | ((u[1] >> 6) & top2) << 4) << 32;
+    const auto widen = [](uint64_t bytes) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes))));
+    };
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(f16(b)), widen(sc)));
+    _mm256_storeu_ps(min, _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), widen(mn)));
 }
 
 struct Q4_K {
     static constexpr int64_t kBlock = 256, kBytes = 144;
-    static constexpr bool kMin = true, kSplitScale = false;
-    template <typename Run>
+    static constexpr bool kMin = true, kSplitScale = false, kSigned = false;
+    static constexpr int kZero = 0;  // the codes are the values; the min is taken off apart
+    template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         float scale[8], min[8];
         k_scales(b, scale, min);
@@ -124,8 +146,9 @@ struct Q4_K {
 
 struct Q5_K {
     static constexpr int64_t kBlock = 256, kBytes = 176;
-    static constexpr bool kMin = true, kSplitScale = false;
-    template <typename Run>
+    static constexpr bool kMin = true, kSplitScale = false, kSigned = false;
+    static constexpr int kZero = 0;  // the codes are the values; the min is taken off apart
+    template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         float scale[8], min[8];
         k_scales(b, scale, min);
@@ -143,12 +166,13 @@ struct Q5_K {
 
 struct Q6_K {
     static constexpr int64_t kBlock = 256, kBytes = 210;
-    static constexpr bool kMin = false, kSplitScale = true;
-    template <typename Run>
+    static constexpr bool kMin = false, kSplitScale = true, kSigned = false;
+    static constexpr int kZero = 32;
+    template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         const float d = f16(b + 208);
         const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-        const __m256i mask = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(32);
+        const __m256i mask = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(kZero);
         for (int h = 0; h < 2; ++h) {
             const __m256i la = load32(b + 64 * h), lb = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
             // The four runs of 32 weights of this half: low nibbles of la / lb, then their high nibbles, each
@@ -164,7 +188,7 @@ struct Q6_K {
                                 _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(static_cast<char>(0xC0))), 2)),
             };
             for (int s = 0; s < 4; ++s) {
-                store32(tmp, _mm256_sub_epi8(q[s], bias));
+                store32(tmp, kCodes ? q[s] : _mm256_sub_epi8(q[s], bias));
                 const int i = 8 * h + 2 * s;  // one scale per 16 weights
                 run(128 * h + 32 * s, tmp, d * static_cast<float>(sc[i]), d * static_cast<float>(sc[i + 1]), 0.0f);
             }

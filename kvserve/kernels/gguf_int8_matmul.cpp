@@ -12,10 +12,12 @@
 // is what this file is tested against. The K-quants' mins are applied as min * d * sum(q) per run.
 //
 // Two shapes, chosen by the number of activation rows:
-// - up to 4 rows (decode): each weight row's runs decoded to signed integers (gguf_formats.h's visit) and
-//   dotted with each activation row in registers, |w| (unsigned) times x with w's sign (signed): `vpdpbusd`
-//   where the CPU has VNNI (AVX-512 VNNI on 256-bit registers, or AVX-VNNI), else `vpmaddubsw` + `vpmaddwd`
-//   (AVX2; |w| <= 128 and |x| <= 127 keep its 16-bit pair sums from saturating);
+// - up to 4 rows (decode): each weight row's runs decoded to their stored unsigned codes (gguf_formats.h's
+//   visit<true>) and dotted with each activation row in registers, codes (unsigned) times x (signed), the
+//   format's offset taken back as kZero * sum(x) in the integer sum's initial value; Q8_0's signed bytes as |w|
+//   times x with w's sign: `vpdpbusd` where the CPU has VNNI (AVX-512 VNNI on 256-bit registers, or AVX-VNNI),
+//   else `vpmaddubsw` + `vpmaddwd` (AVX2; codes and |w| <= 128, |x| <= 127 keep its 16-bit pair sums from
+//   saturating);
 // - more rows, with AVX-512 VNNI: weights packed 32 rows at a time in an L2-resident panel whose 16 lanes are
 //   16 weight rows (each 32-bit lane 4 consecutive weights of its row, offset to unsigned by +128), so that one
 //   `vpdpbusd` multiplies 16 rows by 4 broadcast activation bytes and a run's scales are applied to 16 outputs
@@ -102,23 +104,40 @@ void quantize_rows(const float* x, int64_t m, int64_t k, Q8Rows& a) {
         }
 }
 
-// 8 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned bytes, s signed).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+// acc + 8 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned bytes, s signed).
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
+}
+
+// For a format storing codes q + kZero (gguf_formats.h), each activation row's -kZero * sum(x) per half run as the
+// initial value of that run's integer dot product: lane 0 the first half's, lane 4 the second's (the lanes a
+// format with a scale per 16 scales apart), the rest 0; [m, runs, 8]. The dot of the codes plus this is the dot
+// of the values, exactly.
+template <typename F>
+std::vector<int32_t> zero_offsets(const Q8Rows& a) {
+    const int64_t runs = a.k / 32;
+    std::vector<int32_t> out(a.m * runs * 8, 0);
+    for (int64_t i = 0; i < a.m * runs; ++i) {
+        out[i * 8] = -F::kZero * a.sums16[2 * i];
+        out[i * 8 + 4] = -F::kZero * a.sums16[2 * i + 1];
+    }
+    return out;
 }
 
 // R weight rows against C activation rows (rows c0 .. c0 + C - 1 of a), in registers; see gguf_matmul.cpp's
 // gemv_rows for the R x C accumulator layout. Lanes 0-3 of a run's dot hold its first 16 weights, lanes 4-7 the
-// rest, so a format with a scale per 16 (Q6_K) scales the halves apart.
+// rest, so a format with a scale per 16 (Q6_K) scales the halves apart. Signed weights (Q8_0) go in as |w| against
+// x with w's sign; the other formats' unsigned codes go in as they are, their offset taken off by `offsets`
+// (zero_offsets, null where kZero is 0).
 template <typename F, int R, int C>
-inline void gemv_rows(const Q8Rows& a, int64_t c0, const uint8_t* rows, int64_t row_bytes, bool prefetch, float* y,
-                      int64_t ldy) {
+inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* rows, int64_t row_bytes,
+                      bool prefetch, float* y, int64_t ldy) {
     alignas(32) int8_t tmp[32];
     const int64_t k = a.k, runs = k / 32;
     __m256 acc[R][C];
@@ -128,23 +147,50 @@ inline void gemv_rows(const Q8Rows& a, int64_t c0, const uint8_t* rows, int64_t 
             acc[r][c] = _mm256_setzero_ps();
             mins[r][c] = 0.0f;
         }
+    // Formats of one run a block (Q4_0, Q5_0, Q8_0: an f16 d first) have the four rows' scale products s * dx made
+    // in one vector a block, then broadcast from memory: a third of the operations a row's scalar product and
+    // register broadcast took.
+    constexpr bool kScaleVector = F::kBlock == 32 && R == 4;
+    alignas(16) float sdx[C][4];
     for (int64_t b = 0; b < k / F::kBlock; ++b) {
+        if constexpr (kScaleVector) {
+            __m128i d = _mm_setzero_si128();
+            for (int r = 0; r < R; ++r) {
+                uint16_t h;
+                memcpy(&h, rows + r * row_bytes + b * F::kBytes, 2);
+                d = _mm_insert_epi16(d, h, r);
+            }
+            const __m128 s = _mm_cvtph_ps(d);
+            for (int c = 0; c < C; ++c) _mm_store_ps(sdx[c], _mm_mul_ps(s, _mm_set1_ps(a.d[(c0 + c) * runs + b])));
+        }
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
             if (prefetch) prefetch_block<F>(block + kPrefetchGroups * R * row_bytes);
-            F::visit(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
+            F::template visit<true>(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi,
+                                                      float min) {
                 const int64_t run = (b * F::kBlock + offset) / 32;
                 const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-                const __m256i wabs = _mm256_abs_epi8(w);
+                const __m256i wabs = F::kSigned ? _mm256_abs_epi8(w) : w;
                 for (int c = 0; c < C; ++c) {
                     const int64_t row = c0 + c;
                     const __m256i x =
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * k + 32 * run));
-                    const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wabs, _mm256_sign_epi8(x, w)));
+                    __m256i dot_i;
+                    if constexpr (F::kSigned)
+                        dot_i = dot_u8s8(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
+                    else if constexpr (F::kZero != 0)
+                        dot_i = dot_u8s8(
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + (row * runs + run) * 8)),
+                            w, x);
+                    else
+                        dot_i = dot_u8s8(_mm256_setzero_si256(), w, x);
+                    const __m256 dot = _mm256_cvtepi32_ps(dot_i);
                     const float dx = a.d[row * runs + run];
                     if constexpr (F::kSplitScale) {
                         const __m256 s = _mm256_set_m128(_mm_set1_ps(s_hi * dx), _mm_set1_ps(s_lo * dx));
                         acc[r][c] = _mm256_fmadd_ps(dot, s, acc[r][c]);
+                    } else if constexpr (kScaleVector) {
+                        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&sdx[c][r]), acc[r][c]);
                     } else {
                         acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s_lo * dx), acc[r][c]);
                     }
@@ -161,24 +207,28 @@ inline void gemv_rows(const Q8Rows& a, int64_t c0, const uint8_t* rows, int64_t 
 
 // Activation rows [c0, c0 + C) against all n weight rows, four weight rows at a time.
 template <typename F, int C>
-void gemv(const Q8Rows& a, int64_t c0, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
     constexpr int R = 4;
     const int64_t row_bytes = a.k / F::kBlock * F::kBytes, groups = n / R;
     float* yc = y + c0 * ldy;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g)
-        gemv_rows<F, R, C>(a, c0, w + g * R * row_bytes, row_bytes, g + kPrefetchGroups < groups, yc + g * R, ldy);
-    for (int64_t r = groups * R; r < n; ++r) gemv_rows<F, 1, C>(a, c0, w + r * row_bytes, row_bytes, false, yc + r, ldy);
+        gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, row_bytes, g + kPrefetchGroups < groups,
+                           yc + g * R, ldy);
+    for (int64_t r = groups * R; r < n; ++r)
+        gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, false, yc + r, ldy);
 }
 
 template <typename F>
 void gemv_all(const Q8Rows& a, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+    const std::vector<int32_t> offsets = F::kSigned || F::kZero == 0 ? std::vector<int32_t>() : zero_offsets<F>(a);
+    const int32_t* o = offsets.data();
     int64_t c0 = 0;
-    for (; c0 + 4 <= a.m; c0 += 4) gemv<F, 4>(a, c0, w, n, y, ldy);
+    for (; c0 + 4 <= a.m; c0 += 4) gemv<F, 4>(a, o, c0, w, n, y, ldy);
     switch (a.m - c0) {
-        case 3: gemv<F, 3>(a, c0, w, n, y, ldy); break;
-        case 2: gemv<F, 2>(a, c0, w, n, y, ldy); break;
-        case 1: gemv<F, 1>(a, c0, w, n, y, ldy); break;
+        case 3: gemv<F, 3>(a, o, c0, w, n, y, ldy); break;
+        case 2: gemv<F, 2>(a, o, c0, w, n, y, ldy); break;
+        case 1: gemv<F, 1>(a, o, c0, w, n, y, ldy); break;
         default: break;
     }
 }
