@@ -131,6 +131,8 @@ struct Q4_K {
     static constexpr int64_t kBlock = 256, kBytes = 144;
     static constexpr bool kMin = true, kSplitScale = false, kSigned = false;
     static constexpr int kZero = 0;  // the codes are the values; the min is taken off apart
+    // The block's 8 run scales and mins as visit passes them, at once (gguf_int8_matmul.cpp scales 8 runs a vector).
+    static void block_scales(const uint8_t* b, float* scale, float* min) { k_scales(b, scale, min); }
     template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         float scale[8], min[8];
@@ -148,6 +150,8 @@ struct Q5_K {
     static constexpr int64_t kBlock = 256, kBytes = 176;
     static constexpr bool kMin = true, kSplitScale = false, kSigned = false;
     static constexpr int kZero = 0;  // the codes are the values; the min is taken off apart
+    // The block's 8 run scales and mins as visit passes them, at once (gguf_int8_matmul.cpp scales 8 runs a vector).
+    static void block_scales(const uint8_t* b, float* scale, float* min) { k_scales(b, scale, min); }
     template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         float scale[8], min[8];
@@ -168,6 +172,13 @@ struct Q6_K {
     static constexpr int64_t kBlock = 256, kBytes = 210;
     static constexpr bool kMin = false, kSplitScale = true, kSigned = false;
     static constexpr int kZero = 32;
+    // The block's 16 half-run scales as visit passes them (s_lo, s_hi of run j: scale[2 j], scale[2 j + 1]).
+    static void block_scales(const uint8_t* b, float* scale, float*) {
+        const __m256 d = _mm256_set1_ps(f16(b + 208));
+        const __m128i sc = load16(b + 192);
+        _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    }
     template <bool kCodes = false, typename Run>
     static void visit(const uint8_t* b, int8_t* tmp, const Run& run) {
         const float d = f16(b + 208);

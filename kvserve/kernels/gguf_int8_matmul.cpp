@@ -119,13 +119,26 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 // initial value of that run's integer dot product: lane 0 the first half's, lane 4 the second's (the lanes a
 // format with a scale per 16 scales apart), the rest 0; [m, runs, 8]. The dot of the codes plus this is the dot
 // of the values, exactly.
+//
+// Where vpdpbusd exists, signed bytes (Q8_0) go in the same way: w + 128 (w with its top bit flipped) as codes,
+// 128 their offset; one operation a run where |w| and x with w's sign took two. vpmaddubsw cannot take them so: its
+// 16-bit pair sums of 255 x 127 would saturate.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+constexpr bool kFlipSigned = true;
+#else
+constexpr bool kFlipSigned = false;
+#endif
+
+template <typename F>
+constexpr int kOffset = F::kSigned ? (kFlipSigned ? 128 : 0) : F::kZero;
+
 template <typename F>
 std::vector<int32_t> zero_offsets(const Q8Rows& a) {
     const int64_t runs = a.k / 32;
-    std::vector<int32_t> out(a.m * runs * 8, 0);
-    for (int64_t i = 0; i < a.m * runs; ++i) {
-        out[i * 8] = -F::kZero * a.sums16[2 * i];
-        out[i * 8 + 4] = -F::kZero * a.sums16[2 * i + 1];
+    std::vector<int32_t> out(kOffset<F> == 0 ? 0 : a.m * runs * 8, 0);
+    for (int64_t i = 0; i < static_cast<int64_t>(out.size()) / 8; ++i) {
+        out[i * 8] = -kOffset<F> * a.sums16[2 * i];
+        out[i * 8 + 4] = -kOffset<F> * a.sums16[2 * i + 1];
     }
     return out;
 }
@@ -140,20 +153,18 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
                       bool prefetch, float* y, int64_t ldy) {
     alignas(32) int8_t tmp[32];
     const int64_t k = a.k, runs = k / 32;
-    __m256 acc[R][C];
-    float mins[R][C];
+    constexpr bool kSignTrick = F::kSigned && !kFlipSigned;
+    // The runs' scale products s * dx are made a block at a time in vectors and broadcast from memory into the
+    // runs' FMAs (a scalar product and a register broadcast each run took two to five operations more): for
+    // one-run blocks (Q4_0, Q5_0, Q8_0: an f16 d first) the R rows' at once; for K-quants a row's 8 runs (16 half
+    // runs for Q6_K) at once, and its mins' products with the runs' d * sum(q) as one FMA a block.
+    constexpr int kScales = F::kBlock == 32 ? 4 : F::kSplitScale ? 16 : 8;  // one-run blocks: R <= 4 rows
+    alignas(32) float sdx[C][kScales];
+    __m256 acc[R][C], min_acc[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) {
-            acc[r][c] = _mm256_setzero_ps();
-            mins[r][c] = 0.0f;
-        }
-    // Formats of one run a block (Q4_0, Q5_0, Q8_0: an f16 d first) have the four rows' scale products s * dx made
-    // in one vector a block, then broadcast from memory: a third of the operations a row's scalar product and
-    // register broadcast took.
-    constexpr bool kScaleVector = F::kBlock == 32 && R == 4;
-    alignas(16) float sdx[C][4];
+        for (int c = 0; c < C; ++c) acc[r][c] = min_acc[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / F::kBlock; ++b) {
-        if constexpr (kScaleVector) {
+        if constexpr (F::kBlock == 32) {
             __m128i d = _mm_setzero_si128();
             for (int r = 0; r < R; ++r) {
                 uint16_t h;
@@ -166,42 +177,57 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
             if (prefetch) prefetch_block<F>(block + kPrefetchGroups * R * row_bytes);
-            F::template visit<true>(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi,
-                                                      float min) {
-                const int64_t run = (b * F::kBlock + offset) / 32;
+            if constexpr (F::kBlock != 32) {
+                alignas(32) float s[16], mn[8];
+                F::block_scales(block, s, mn);
+                for (int c = 0; c < C; ++c) {
+                    const int64_t at = (c0 + c) * runs + b * (F::kBlock / 32);
+                    const __m256 dx = _mm256_loadu_ps(a.d.data() + at);
+                    if constexpr (F::kSplitScale) {
+                        const __m256 lo = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+                        const __m256 hi = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+                        _mm256_store_ps(sdx[c], _mm256_mul_ps(_mm256_load_ps(s), lo));
+                        _mm256_store_ps(sdx[c] + 8, _mm256_mul_ps(_mm256_load_ps(s + 8), hi));
+                    } else {
+                        _mm256_store_ps(sdx[c], _mm256_mul_ps(_mm256_load_ps(s), dx));
+                    }
+                    if constexpr (F::kMin)
+                        min_acc[r][c] = _mm256_fmadd_ps(_mm256_load_ps(mn), _mm256_loadu_ps(a.dsum.data() + at),
+                                                        min_acc[r][c]);
+                }
+            }
+            F::template visit<true>(block, tmp, [&](int64_t offset, const int8_t* q, float, float, float) {
+                const int64_t j = offset / 32, run = b * (F::kBlock / 32) + j;
                 const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-                const __m256i wabs = F::kSigned ? _mm256_abs_epi8(w) : w;
+                const __m256i wabs = kSignTrick ? _mm256_abs_epi8(w) : w;
                 for (int c = 0; c < C; ++c) {
                     const int64_t row = c0 + c;
                     const __m256i x =
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * k + 32 * run));
-                    __m256i dot_i;
-                    if constexpr (F::kSigned)
-                        dot_i = dot_u8s8(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
-                    else if constexpr (F::kZero != 0)
-                        dot_i = dot_u8s8(
+                    __m256i dot;
+                    if constexpr (kSignTrick)
+                        dot = dot_u8s8(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
+                    else if constexpr (kOffset<F> != 0)
+                        dot = dot_u8s8(
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + (row * runs + run) * 8)),
-                            w, x);
+                            F::kSigned ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : w, x);
                     else
-                        dot_i = dot_u8s8(_mm256_setzero_si256(), w, x);
-                    const __m256 dot = _mm256_cvtepi32_ps(dot_i);
-                    const float dx = a.d[row * runs + run];
-                    if constexpr (F::kSplitScale) {
-                        const __m256 s = _mm256_set_m128(_mm_set1_ps(s_hi * dx), _mm_set1_ps(s_lo * dx));
-                        acc[r][c] = _mm256_fmadd_ps(dot, s, acc[r][c]);
-                    } else if constexpr (kScaleVector) {
-                        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&sdx[c][r]), acc[r][c]);
-                    } else {
-                        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s_lo * dx), acc[r][c]);
-                    }
-                    if constexpr (F::kMin) mins[r][c] += min * a.dsum[row * runs + run];
+                        dot = dot_u8s8(_mm256_setzero_si256(), w, x);
+                    __m256 scale;
+                    if constexpr (F::kBlock == 32)
+                        scale = _mm256_broadcast_ss(&sdx[c][r]);
+                    else if constexpr (F::kSplitScale)  // lanes 0-3 the run's first 16 weights, 4-7 the rest
+                        scale = _mm256_set_m128(_mm_broadcast_ss(&sdx[c][2 * j + 1]), _mm_broadcast_ss(&sdx[c][2 * j]));
+                    else
+                        scale = _mm256_broadcast_ss(&sdx[c][j]);
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][c]);
                 }
             });
         }
     }
     for (int c = 0; c < C; ++c) {
         float* out = y + c * ldy;
-        for (int r = 0; r < R; ++r) out[r] = hsum(acc[r][c]) - mins[r][c];
+        for (int r = 0; r < R; ++r) out[r] = F::kMin ? hsum(acc[r][c]) - hsum(min_acc[r][c]) : hsum(acc[r][c]);
     }
 }
 
@@ -221,7 +247,7 @@ void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w,
 
 template <typename F>
 void gemv_all(const Q8Rows& a, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
-    const std::vector<int32_t> offsets = F::kSigned || F::kZero == 0 ? std::vector<int32_t>() : zero_offsets<F>(a);
+    const std::vector<int32_t> offsets = zero_offsets<F>(a);
     const int32_t* o = offsets.data();
     int64_t c0 = 0;
     for (; c0 + 4 <= a.m; c0 += 4) gemv<F, 4>(a, o, c0, w, n, y, ldy);
