@@ -150,7 +150,7 @@ std::vector<int32_t> zero_offsets(const Q8Rows& a) {
 // (zero_offsets, null where kZero is 0).
 template <typename F, int R, int C>
 inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* rows, int64_t row_bytes,
-                      bool prefetch, float* y, int64_t ldy) {
+                      int64_t groups_after, float* y, int64_t ldy) {
     alignas(32) int8_t tmp[32];
     const int64_t k = a.k, runs = k / 32;
     constexpr bool kSignTrick = F::kSigned && !kFlipSigned;
@@ -176,7 +176,7 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
         }
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
-            if (prefetch) prefetch_block<F>(block + kPrefetchGroups * R * row_bytes);
+            prefetch_ahead<F>(block, R * row_bytes, groups_after);
             if constexpr (F::kBlock != 32) {
                 alignas(32) float s[16], mn[8];
                 F::block_scales(block, s, mn);
@@ -239,10 +239,9 @@ void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w,
     float* yc = y + c0 * ldy;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g)
-        gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, row_bytes, g + kPrefetchGroups < groups,
-                           yc + g * R, ldy);
+        gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, row_bytes, groups - 1 - g, yc + g * R, ldy);
     for (int64_t r = groups * R; r < n; ++r)
-        gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, false, yc + r, ldy);
+        gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, 0, yc + r, ldy);
 }
 
 template <typename F>

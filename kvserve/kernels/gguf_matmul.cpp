@@ -71,12 +71,12 @@ inline void widen_blocks(const uint8_t* w, int64_t k, int64_t n, int64_t n0, int
 
 // Each weight row's dot products with C activation rows in registers. Weight rows are taken R at a time
 // (interleaved block by block: R * C independent accumulator chains, so that no chain of FMAs through one
-// register bounds the speed) while the rows kPrefetchGroups groups ahead are prefetched. Each run of 32 integers
+// register bounds the speed) while the rows ahead are prefetched (prefetch_ahead). Each run of 32 integers
 // is converted in registers and dotted with x; its scale is applied to the partial sum (s * sum(q x) instead of sum((s q) x):
 // the same terms, rounded in another order), and a K-quant's min as min * sum(x) over the run, with the runs'
 // sums of x computed once per call (xsum).
 template <typename F, int R, int C>
-inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, bool prefetch,
+inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, int64_t groups_after,
                       const float* xsum, float* y, int64_t ldy) {
     alignas(32) int8_t tmp[32];
     __m256 acc[R][C];
@@ -90,7 +90,7 @@ inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t ro
     for (int64_t b = 0; b < k / F::kBlock; ++b) {
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
-            if (prefetch) prefetch_block<F>(block + kPrefetchGroups * R * row_bytes);
+            prefetch_ahead<F>(block, R * row_bytes, groups_after);
             F::visit(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
                 const __m256 q0 = cvt8(q), q1 = cvt8(q + 8), q2 = cvt8(q + 16), q3 = cvt8(q + 24);
                 const int64_t at = b * F::kBlock + offset;
@@ -150,9 +150,9 @@ void gemv(const float* x, int64_t k, const uint8_t* w, int64_t n, float* y, int6
     const float* xs = xsum.data();
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g)
-        gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, row_bytes, g + kPrefetchGroups < groups, xs, y + g * R, ldy);
+        gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, row_bytes, groups - 1 - g, xs, y + g * R, ldy);
     for (int64_t r = groups * R; r < n; ++r)
-        gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, false, xs, y + r, ldy);
+        gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, 0, xs, y + r, ldy);
 }
 
 template <typename F>

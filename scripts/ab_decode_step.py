@@ -1,0 +1,69 @@
+"""A decode step of one engine on two kernel builds, alternated: OLD.so (a library built from an earlier commit; see
+scripts/ab_kernel_shapes.py for how to get one) against the current sources' build, swapped under the same model,
+KV cache and requests, so that the drift of a noisy VM hits both alike. Each round runs fresh requests (a 32-token
+prompt, as `kvserve bench latency`'s batched decode) through their prefill and two steps untimed, then STEPS timed
+decode steps, then aborts them, so the context stays short. Prints each build's median and fastest round. The
+step figures of docs/PERFORMANCE_NOTES.md attempts 51-52. Not run by CI.
+
+The two builds must share kernels.h's structs (the engine's layer descriptions are built once).
+
+Usage: python scripts/ab_decode_step.py OLD.so [--batch 1] [--activation-quantization int8] [--rounds 12]
+       [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.kernels.native import load_native_library
+from kvserve.kernels.ops import NativeKernels
+from kvserve.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old", type=Path)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--activation-quantization", default="int8")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            kv_cache_memory_bytes=1 << 30, quantization="auto", activation_quantization=args.activation_quantization
+        )
+    )
+    kernels = engine.core.runner.model.kernels
+    assert isinstance(kernels, NativeKernels), "needs the native kernels"
+    builds = {"old": load_native_library(args.old), "new": kernels.library}
+    params = SamplingParams(max_tokens=args.steps + 10, ignore_eos=True, temperature=0)
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    for round_ in range(args.rounds):
+        for name, library in builds.items():
+            object.__setattr__(kernels, "library", library)  # the one object every layer and the LM head call
+            ids = [f"{round_}-{name}-{i}" for i in range(args.batch)]
+            for i, request_id in enumerate(ids):
+                engine.add_request(request_id, list(range(100 + i, 132 + i)), params)
+            for _ in range(3):  # the prefill and two decode steps
+                engine.step()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            times[name].append(1e3 * (time.perf_counter() - start) / args.steps)
+            for request_id in ids:
+                engine.abort_request(request_id)
+            engine.step()
+    object.__setattr__(kernels, "library", builds["new"])
+    print(f"decode step at batch {args.batch}, {args.activation_quantization} activations, {args.rounds} rounds:")
+    for name, ms in times.items():
+        print(f"  {name}: median {statistics.median(ms):.2f} ms, fastest round {min(ms):.2f} ms")
+    print(f"  old / new: {statistics.median(times['old']) / statistics.median(times['new']):.3f}x")
+
+
+if __name__ == "__main__":
+    main()
