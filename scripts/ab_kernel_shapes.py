@@ -1,4 +1,4 @@
-"""The kernel figures of docs/PERFORMANCE_NOTES.md attempts 46-51, on Gemma 3 270M's shapes: prefill attention of a
+"""The kernel figures of docs/PERFORMANCE_NOTES.md attempts 46-52, on Gemma 3 270M's shapes: prefill attention of a
 chat turn after a prefix hit, decode attention, greedy sampling's row max against torch's, the offload tier's block
 copy against torch's index copies, the int8 LM head with its panels packed once against packed at every call, and
 the decoder layers' int8 matmuls at one row on the default model's own weights. The attention kernels are also

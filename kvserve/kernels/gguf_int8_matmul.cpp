@@ -14,10 +14,10 @@
 // Two shapes, chosen by the number of activation rows:
 // - up to 4 rows (decode): each weight row's runs decoded to their stored unsigned codes (gguf_formats.h's
 //   visit<true>) and dotted with each activation row in registers, codes (unsigned) times x (signed), the
-//   format's offset taken back as kZero * sum(x) in the integer sum's initial value; Q8_0's signed bytes as |w|
-//   times x with w's sign: `vpdpbusd` where the CPU has VNNI (AVX-512 VNNI on 256-bit registers, or AVX-VNNI),
-//   else `vpmaddubsw` + `vpmaddwd` (AVX2; codes and |w| <= 128, |x| <= 127 keep its 16-bit pair sums from
-//   saturating);
+//   format's offset taken back as kZero * sum(x) in the integer sum's initial value, Q8_0's signed bytes as
+//   w + 128 with offset 128: `vpdpbusd` where the CPU has VNNI (AVX-512 VNNI on 256-bit registers, or
+//   AVX-VNNI); else `vpmaddubsw` + `vpmaddwd` (AVX2), Q8_0 as |w| times x with w's sign (codes <= 63,
+//   |w| <= 128 and |x| <= 127 keep its 16-bit pair sums from saturating);
 // - more rows, with AVX-512 VNNI: weights packed 32 rows at a time in an L2-resident panel whose 16 lanes are
 //   16 weight rows (each 32-bit lane 4 consecutive weights of its row, offset to unsigned by +128), so that one
 //   `vpdpbusd` multiplies 16 rows by 4 broadcast activation bytes and a run's scales are applied to 16 outputs
@@ -115,23 +115,22 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// For a format storing codes q + kZero (gguf_formats.h), each activation row's -kZero * sum(x) per half run as the
-// initial value of that run's integer dot product: lane 0 the first half's, lane 4 the second's (the lanes a
-// format with a scale per 16 scales apart), the rest 0; [m, runs, 8]. The dot of the codes plus this is the dot
-// of the values, exactly.
-//
-// Where vpdpbusd exists, signed bytes (Q8_0) go in the same way: w + 128 (w with its top bit flipped) as codes,
-// 128 their offset; one operation a run where |w| and x with w's sign took two. vpmaddubsw cannot take them so: its
-// 16-bit pair sums of 255 x 127 would saturate.
+// Where vpdpbusd exists, signed bytes (Q8_0) go in as codes too: w + 128 (w with its top bit flipped), 128 their
+// offset; one operation a run where |w| and x with w's sign took two. vpmaddubsw cannot take them so: its 16-bit
+// pair sums of 255 x 127 would saturate.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
 constexpr bool kFlipSigned = true;
 #else
 constexpr bool kFlipSigned = false;
 #endif
 
+// The offset a format's codes are stored above their values (gguf_formats.h's kZero; 128 for flipped signed bytes).
 template <typename F>
 constexpr int kOffset = F::kSigned ? (kFlipSigned ? 128 : 0) : F::kZero;
 
+// Each activation row's -kOffset * sum(x) per half run as the initial value of that run's integer dot product:
+// lane 0 the first half's, lane 4 the second's (the lanes a format with a scale per 16 scales apart), the rest 0;
+// [m, runs, 8], empty where the offset is 0. The dot of the codes plus this is the dot of the values, exactly.
 template <typename F>
 std::vector<int32_t> zero_offsets(const Q8Rows& a) {
     const int64_t runs = a.k / 32;
@@ -145,9 +144,9 @@ std::vector<int32_t> zero_offsets(const Q8Rows& a) {
 
 // R weight rows against C activation rows (rows c0 .. c0 + C - 1 of a), in registers; see gguf_matmul.cpp's
 // gemv_rows for the R x C accumulator layout. Lanes 0-3 of a run's dot hold its first 16 weights, lanes 4-7 the
-// rest, so a format with a scale per 16 (Q6_K) scales the halves apart. Signed weights (Q8_0) go in as |w| against
-// x with w's sign; the other formats' unsigned codes go in as they are, their offset taken off by `offsets`
-// (zero_offsets, null where kZero is 0).
+// rest, so a format with a scale per 16 (Q6_K) scales the halves apart. The weights' codes go in as they are,
+// their offset taken off by `offsets` (zero_offsets); without VNNI, Q8_0's signed bytes as |w| against x with w's
+// sign.
 template <typename F, int R, int C>
 inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* rows, int64_t row_bytes,
                       int64_t groups_after, float* y, int64_t ldy) {

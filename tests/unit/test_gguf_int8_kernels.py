@@ -75,6 +75,43 @@ def test_native_int8_matmul_matches_its_definition(native, qtype: int) -> None:
         )
 
 
+# Each type's weight bytes (outside its scales) and the bytes that give its largest codes: all 1 bits (Q4_0 15,
+# Q5_0 31, Q4_K 15, Q5_K 31, Q6_K 63); Q8_0's -128 (|w| 128 in the sign trick) and 127 (code 255 where it goes in
+# as w + 128).
+EXTREME_BYTES = {
+    2: (2, 18, (0xFF,)),
+    6: (2, 22, (0xFF,)),
+    8: (2, 34, (0x80, 0x7F)),
+    12: (16, 144, (0xFF,)),
+    13: (16, 176, (0xFF,)),
+    14: (0, 192, (0xFF,)),
+}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[NATIVE_GGUF_TYPES[t].name for t in TYPES])
+def test_int8_matmul_at_its_extremes(native, qtype: int) -> None:
+    """The largest codes against activations of the largest magnitude, all one sign: the AVX2 path's 16-bit pair
+    sums (63 x 127 x 2, and Q8_0's 128 x 127 x 2) stay below saturation, and the offsets taken back (up to 128 x
+    sum(x)) are exact. Random blocks rarely put such values side by side. Tolerance: relative 1e-5 (summation
+    order, on outputs of order k x 127)."""
+    block = NATIVE_GGUF_TYPES[qtype].block
+    k = 2 * block
+    start, end, values = EXTREME_BYTES[qtype]
+    for value in values:
+        blocks = random_blocks(qtype, 7, k, seed=qtype)
+        blocks.view(-1, blocks.shape[1] * block // k)[:, start:end] = value
+        for m in (1, 4, 5):
+            for sign in (1.0, -1.0):
+                x = torch.full((m, k), sign)
+                torch.testing.assert_close(
+                    native.gguf_matmul(x, blocks, qtype).double(),
+                    REFERENCE.gguf_matmul(x, blocks, qtype).double(),
+                    rtol=1e-5,
+                    atol=1e-3,
+                    msg=lambda e, m=m, value=value: f"M={m}, bytes {value:#x}: {e}",
+                )
+
+
 def test_int8_writes_only_its_columns_of_a_wider_output(native) -> None:
     blocks = random_blocks(8, 40, 64, seed=3)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
