@@ -6,10 +6,11 @@ same functions, so an estimate agrees with what `kvserve serve` allocates, to th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
 from kvserve.units import GiB, cdiv
 from kvserve.vocab import COMPUTE_DTYPES, KV_DTYPES, QUANTIZATION_METHODS, KVDtype, check_choice
 
@@ -104,8 +105,16 @@ class KVShape:
         return self.kv_factor * self.num_kv_heads * (self.head_dim * dtype.element_bytes + dtype.scale_bytes)
 
     def bytes_per_token(self, dtype: KVDtype) -> int:
-        """What the engine's uniform pool stores per token: every layer keeps every token."""
+        """What a uniform layout stores per token: every layer keeps every token."""
         return self.num_layers * self.layer_bytes_per_token(dtype)
+
+    def layout(self, hybrid: bool = True) -> KVCacheLayout:
+        """The engine's KV cache groups for these layers (kv/groups.py); hybrid=False: the uniform layout."""
+        return make_kv_cache_layout(self.sliding_windows, hybrid)
+
+    def bytes_per_block(self, layout: KVCacheLayout, dtype: KVDtype, block_size: int) -> int:
+        """One block id's bytes: block_size tokens of each of the layout's per-layer cache tensors."""
+        return layout.tensors_per_block * self.layer_bytes_per_token(dtype) * block_size
 
     def formula(self, dtype: KVDtype) -> str:
         factor = "2 (K and V)" if self.kv_factor == 2 else "1 (joint latent)"
@@ -146,16 +155,25 @@ def blocks_per_request(seq_len: int, block_size: int) -> int:
     return cdiv(seq_len, block_size)
 
 
+def _uniform(num_tokens: int, block_size: int) -> int:
+    return blocks_per_request(num_tokens, block_size)
+
+
 @dataclass(frozen=True, slots=True)
 class CachePlan:
     """How many blocks the KV budget buys, and the context length that follows. `num_blocks` is what the cache
     tensors hold (and what the budget pays for); one of them is the null block, so requests share
-    `num_usable_blocks` = num_blocks - 1, and `num_tokens` counts only those."""
+    `num_usable_blocks` = num_blocks - 1. With a hybrid layout (kv/groups.py) a request's blocks depend on its length
+    in no simple proportion: a sliding group holds its window's blocks whatever the length, so capacity is counted
+    in requests of max-model-len, never in tokens."""
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    layout: KVCacheLayout | None = None  # None: one group of every layer, each keeping every token
+    # The step's token budget: a sliding group holds its window plus the chunk while a prefill chunk runs.
+    max_num_batched_tokens: int = 2048
 
     @property
     def num_usable_blocks(self) -> int:
@@ -163,19 +181,60 @@ class CachePlan:
 
     @property
     def num_tokens(self) -> int:
+        """Token slots of the usable blocks (with a hybrid layout, a token takes a slot in every group)."""
         return self.num_usable_blocks * self.block_size
+
+    def blocks_per_request(self, num_tokens: int) -> int:
+        """Blocks of all groups a request of num_tokens holds once computed (kv/groups.py)."""
+        if self.layout is None:
+            return _uniform(num_tokens, self.block_size)
+        return self.layout.blocks_per_request(num_tokens, self.block_size)
+
+    @property
+    def prefill_reserve(self) -> int:
+        """Blocks kept for one request's prefill chunk beyond what it holds once done (sliding groups only)."""
+        return (
+            0
+            if self.layout is None
+            else prefill_reserve(self.layout, self.max_model_len, self.max_num_batched_tokens, self.block_size)
+        )
 
     @property
     def max_concurrency(self) -> float:
-        return self.num_tokens / self.max_model_len
+        """Requests of max-model-len that fit at once, with room for one prefill chunk beside them."""
+        return (self.num_usable_blocks - self.prefill_reserve) / self.blocks_per_request(self.max_model_len)
 
     def describe(self) -> str:
         gib = self.num_blocks * self.bytes_per_block / GiB
-        return (
-            f"KV cache: {self.num_blocks} blocks ({self.num_usable_blocks} usable + 1 null) x {self.block_size} = "
-            f"{self.num_tokens} tokens ({gib:.2f} GiB); "
-            f"max concurrency at max-model-len {self.max_model_len}: {self.max_concurrency:.2f}x"
+        head = f"KV cache: {self.num_blocks} blocks ({self.num_usable_blocks} usable + 1 null) x {self.block_size}"
+        tail = f"max concurrency at max-model-len {self.max_model_len}: {self.max_concurrency:.2f}x"
+        if self.layout is None or self.layout.num_groups == 1 and not self.layout.is_hybrid:
+            return f"{head} = {self.num_tokens} tokens ({gib:.2f} GiB); {tail}"
+        layout = self.layout
+        terms = " + ".join(
+            f"{n} x {held}" if n > 1 else str(held)
+            for held, n in _group_terms(layout, self.max_model_len, self.block_size)
         )
+        return (
+            f"{head} tokens x {layout.tensors_per_block} layers ({gib:.2f} GiB) in {layout.describe()}; "
+            f"a {self.max_model_len}-token request holds {terms} = {self.blocks_per_request(self.max_model_len)} "
+            f"blocks; {tail}"
+        )
+
+
+def _group_terms(layout: KVCacheLayout, num_tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """(blocks one group holds, how many groups hold that many) for a request of num_tokens, full groups first."""
+    terms: dict[tuple[bool, int], int] = {}
+    for g in layout.groups:
+        key = (g.spec.is_sliding, g.spec.blocks_held(num_tokens, block_size))
+        terms[key] = terms.get(key, 0) + 1
+    return [(held, n) for (_, held), n in terms.items()]
+
+
+def prefill_reserve(layout: KVCacheLayout, max_model_len: int, max_num_batched_tokens: int, block_size: int) -> int:
+    """Blocks a request up to max_model_len may hold beyond its final count while a prefill chunk of up to
+    max_num_batched_tokens runs: the sliding groups' window before the chunk plus the chunk."""
+    return layout.prefill_extra_blocks(max_model_len, max_num_batched_tokens, block_size)
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -196,6 +255,28 @@ def _check_has_usable_block(num_blocks: int, what: str) -> None:
         )
 
 
+def request_fits(
+    num_usable: int, num_tokens: int, block_size: int, layout: KVCacheLayout | None, max_num_batched_tokens: int
+) -> bool:
+    """Whether one request of num_tokens (its prefill chunks included) fits in num_usable blocks."""
+    if layout is None:
+        return _uniform(num_tokens, block_size) <= num_usable
+    held = layout.blocks_per_request(num_tokens, block_size)
+    return held + prefill_reserve(layout, num_tokens, max_num_batched_tokens, block_size) <= num_usable
+
+
+def longest_fitting(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest n in [0, upper] with fits(n), for a monotone `fits` (true up to some n, false after)."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def plan_kv_cache(
     bytes_per_block: int,
     block_size: int,
@@ -203,9 +284,12 @@ def plan_kv_cache(
     budget_bytes: int | None = None,
     num_blocks_override: int | None = None,
     max_model_len: int | None = None,
+    layout: KVCacheLayout | None = None,
+    max_num_batched_tokens: int = 2048,
 ) -> CachePlan:
     """The engine's sizing rule: blocks from the override or the budget; max-model-len defaults to the model's
-    context capped by the pool, and an explicit one must fit both."""
+    context capped by what one request (with its prefill chunks) can hold in the pool, and an explicit one must fit
+    both."""
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
         _check_has_usable_block(num_blocks, f"--num-gpu-blocks-override is {num_blocks}")
@@ -213,32 +297,76 @@ def plan_kv_cache(
         num_blocks = num_blocks_for_budget(budget_bytes, bytes_per_block)
     else:
         raise ValueError("plan_kv_cache needs a KV budget or a block count")
-    capacity = usable_blocks(num_blocks) * block_size
+    usable = usable_blocks(num_blocks)
+
+    def fits(n: int) -> bool:
+        return request_fits(usable, n, block_size, layout, max_num_batched_tokens)
+
+    def plan(length: int) -> CachePlan:
+        return CachePlan(num_blocks, block_size, bytes_per_block, length, layout, max_num_batched_tokens)
+
     if max_model_len is None:
-        return CachePlan(num_blocks, block_size, bytes_per_block, min(model_context_len, capacity))
+        longest = longest_fitting(fits, model_context_len)
+        if longest < 1:
+            raise ValueError(f"the KV cache's {usable} usable blocks do not hold one token's blocks in every group")
+        return plan(longest)
     if max_model_len > model_context_len:
         raise ValueError(
             f"--max-model-len {max_model_len} is larger than the model's context length ({model_context_len})"
         )
-    if max_model_len > capacity:
-        raise ValueError(
-            f"--max-model-len {max_model_len} does not fit in the KV cache: {usable_blocks(num_blocks)} usable blocks "
-            f"x {block_size} = {capacity} tokens; the largest max-model-len that fits is {capacity} "
-            f"(or raise --kv-cache-memory-bytes)"
+    if not fits(max_model_len):
+        longest = longest_fitting(fits, model_context_len)
+        what = (
+            f"{usable} usable blocks x {block_size} = {usable * block_size} tokens"
+            if layout is None or not layout.is_hybrid
+            else f"{usable} usable blocks, and a {max_model_len}-token request needs "
+            f"{layout.blocks_per_request(max_model_len, block_size)} blocks of its groups plus "
+            f"{prefill_reserve(layout, max_model_len, max_num_batched_tokens, block_size)} for a prefill chunk"
         )
-    return CachePlan(num_blocks, block_size, bytes_per_block, max_model_len)
+        raise ValueError(
+            f"--max-model-len {max_model_len} does not fit in the KV cache: {what}; the largest max-model-len that "
+            f"fits is {longest} (or raise --kv-cache-memory-bytes)"
+        )
+    return plan(max_model_len)
 
 
-def max_concurrent_requests(num_blocks: int, seq_len: int, block_size: int) -> int:
-    """Requests of seq_len tokens that a pool of num_blocks (null block included) holds at once (each rounds up
-    to whole blocks)."""
-    return usable_blocks(num_blocks) // blocks_per_request(seq_len, block_size)
+def tier_prefix_tokens(num_blocks: int, block_size: int, layout: KVCacheLayout | None) -> int:
+    """Tokens of long prefixes an offload tier of num_blocks holds: each full-attention group stores a block per
+    block_size tokens; a sliding group only its window at the points a later request hits (kv/manager.py), a few
+    blocks a request, left out here. Without a full-attention group (every layer windowed), a block per group."""
+    groups = 1 if layout is None else len(layout.full_groups) or layout.num_groups
+    return num_blocks // groups * block_size
 
 
-def max_model_len_for_concurrency(num_blocks: int, block_size: int, concurrency: int, model_context_len: int) -> int:
+def max_concurrent_requests(
+    num_blocks: int,
+    seq_len: int,
+    block_size: int,
+    layout: KVCacheLayout | None = None,
+    max_num_batched_tokens: int = 2048,
+) -> int:
+    """Requests of seq_len tokens that a pool of num_blocks (null block included) holds at once (each rounds up to
+    whole blocks; with sliding groups, room for one prefill chunk is kept beside them)."""
+    plan = CachePlan(num_blocks, block_size, 1, seq_len, layout, max_num_batched_tokens)
+    return max(0, int((plan.num_usable_blocks - plan.prefill_reserve) // plan.blocks_per_request(seq_len)))
+
+
+def max_model_len_for_concurrency(
+    num_blocks: int,
+    block_size: int,
+    concurrency: int,
+    model_context_len: int,
+    layout: KVCacheLayout | None = None,
+    max_num_batched_tokens: int = 2048,
+) -> int:
     """The longest max-model-len at which `concurrency` full-length requests still fit together in a pool of
     num_blocks (null block included)."""
-    return min(model_context_len, usable_blocks(num_blocks) // concurrency * block_size)
+    if layout is None:
+        return min(model_context_len, usable_blocks(num_blocks) // concurrency * block_size)
+    return longest_fitting(
+        lambda n: max_concurrent_requests(num_blocks, n, block_size, layout, max_num_batched_tokens) >= concurrency,
+        model_context_len,
+    )
 
 
 @dataclass(frozen=True, slots=True)

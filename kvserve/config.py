@@ -60,6 +60,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's --disable-hybrid-kv-cache-manager: every layer keeps every token (one KV cache group of all layers), as
+    # before sliding-window groups (kv/groups.py); for A/B runs.
+    disable_hybrid_kv_cache_manager: bool = False
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; hits still compare block contents)
     enable_chunked_prefill: bool = True
     # Emulate a contiguous cache: each request reserves blocks for max-model-len at admission (bench memory).

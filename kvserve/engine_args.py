@@ -131,6 +131,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="share KV blocks of common prompt prefixes",
     )
     c.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="vLLM's flag: one KV cache group in which every layer keeps every token, instead of giving a sliding "
+        "window's out-of-window blocks back (Gemma 3: ~5x the KV a long request holds); for A/B runs "
+        "(docs/KV_CACHE.md)",
+    )
+    c.add_argument(
         "--prefix-caching-hash-algo",
         default="sha256",
         choices=HASH_ALGOS,
@@ -236,6 +243,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,

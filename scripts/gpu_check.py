@@ -75,6 +75,8 @@ from gpu_check_models import ARCHS, Arch, Checkpoint, build_checkpoint
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
+from kvserve.model.config import ModelConfig
 from kvserve.vocab import ATTENTION_BACKENDS
 
 # Packages the GPU machine does not have: kvserve's engine path must never import them.
@@ -438,7 +440,8 @@ def _check_dtype(run: Run, arch: Arch, ck: Checkpoint, dtype: str, phase_end: fl
     )
     greedy_prompts = random_prompts([8 + 7 * i for i in range(plan.greedy_requests)], ck.vocab_size, seed=12)
     max_len = _round_up(prompt + 5 + plan.logits_continuation, plan.block_size)
-    blocks = sum(_blocks(len(p) + plan.logits_continuation, plan.block_size) for p in case.prompts) + 16
+    layout = make_kv_cache_layout(ModelConfig.from_hf_dir(ck.path).sliding_windows)  # the engine's KV cache groups
+    blocks = 16 + sum(_pool_blocks(layout, len(p) + plan.logits_continuation, 1, plan) for p in case.prompts)
     engine: LLMEngine | None = report.run(
         name.format("engine"), lambda: _engine(run, ck, dtype, max_len=max_len, num_blocks=blocks), 5, phase_end
     )
@@ -496,9 +499,10 @@ def _engine(run: Run, ck: Checkpoint, dtype: str, max_len: int, num_blocks: int)
 def _greedy(run: Run, engine: LLMEngine, ck: Checkpoint, prompts: list[list[int]]) -> Outcome:
     """A sibling engine (same weights) whose cache holds two of the requests at most."""
     plan = run.plan
-    longest = max(len(p) for p in prompts) + plan.greedy_tokens
-    per_request = _blocks(longest, plan.block_size)
-    small = engine.sibling(num_gpu_blocks_override=1 + 2 * per_request, max_model_len=per_request * plan.block_size)
+    longest = _round_up(max(len(p) for p in prompts) + plan.greedy_tokens, plan.block_size)
+    small = engine.sibling(
+        num_gpu_blocks_override=_pool_blocks(engine.core.layout, longest, 2, plan), max_model_len=longest
+    )
     try:
         return Outcome(check_greedy(engine, small, prompts, plan.greedy_tokens, ck.reference))
     finally:
@@ -510,16 +514,16 @@ def _speed(run: Run, arch: Arch, ck: Checkpoint, engine: LLMEngine, phase_end: f
     from kvserve.bench.floor import model_cost
 
     report, plan = run.report, run.plan
-    length = plan.speed_prompt + plan.speed_new_tokens
-    per_request = _blocks(length + 8, plan.block_size)
+    length = _round_up(plan.speed_prompt + plan.speed_new_tokens + 8, plan.block_size)
     biggest = max(plan.speed_batches)
 
     def make() -> Outcome:
+        blocks = _pool_blocks(engine.core.layout, length, biggest, plan, plan.speed_batched_tokens) + 32
         fast = engine.sibling(
-            num_gpu_blocks_override=biggest * per_request + 32,
+            num_gpu_blocks_override=blocks,
             max_num_seqs=biggest,
             max_num_batched_tokens=plan.speed_batched_tokens,
-            max_model_len=per_request * plan.block_size,
+            max_model_len=length,
         )
         return Outcome({"num_blocks": fast.core.pool.num_blocks}, fast)
 
@@ -530,7 +534,7 @@ def _speed(run: Run, arch: Arch, ck: Checkpoint, engine: LLMEngine, phase_end: f
     if fast is None:
         return report.skip_all(rows, f"needs {arch.name}.speed_engine")
     floors = Floors(
-        model_cost(fast.core.runner.model, fast.core.model_config, fast.core.kv_spec.bytes_per_token), run.ceilings
+        model_cost(fast.core.runner.model, fast.core.model_config, fast.core.kv_config.bytes_per_token), run.ceilings
     )
     report.data["sections"][f"{arch.name}.speed_engine"]["model_cost"] = floors.cost.to_json()
     hf_model = ck.hf_bf16 if plan.speed_dtype == "bfloat16" else ck.reference
@@ -613,6 +617,13 @@ def targets(report: Report, tiny: bool) -> dict[str, Any]:
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
+
+
+def _pool_blocks(layout: KVCacheLayout, tokens: int, requests: int, plan: Plan, chunk: int | None = None) -> int:
+    """Blocks (the null block included) that hold `requests` requests of `tokens` at once and one prefill chunk: the
+    engine's own capacity rule for its KV cache groups (a sliding window's group holds its window, kv/groups.py)."""
+    bs, chunk = plan.block_size, chunk or plan.chunk_tokens
+    return 1 + requests * layout.blocks_per_request(tokens, bs) + layout.prefill_extra_blocks(tokens, chunk, bs)
 
 
 def _round_up(tokens: int, block_size: int) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,3 +72,17 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             block_size=block_size,
         )
+
+
+# What a model's forward is told: one AttentionMetadata for every layer (a single KV cache group), or one per layer
+# (each layer its group's: with KV cache groups, kv/groups.py, every group has its own block tables and slot mapping).
+StepMetadata = AttentionMetadata | Sequence[AttentionMetadata]
+
+
+def per_layer(meta: StepMetadata, num_layers: int) -> Sequence[AttentionMetadata]:
+    """Each layer's metadata."""
+    if isinstance(meta, AttentionMetadata):
+        return [meta] * num_layers
+    if len(meta) != num_layers:
+        raise ValueError(f"{len(meta)} attention metadata for {num_layers} layers")
+    return meta

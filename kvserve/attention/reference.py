@@ -26,21 +26,26 @@ def reference_attention(
     layer: AttentionLayerSpec,
     kernels: Kernels = TORCH_KERNELS,
 ) -> torch.Tensor:
-    """Per sequence: gather (and dequantize) the context, repeat KV heads, masked softmax in float32."""
+    """Per sequence: gather (and dequantize) the context, repeat KV heads, masked softmax in float32. With a sliding
+    window the context starts at the first key any of the chunk's queries sees: the blocks before it may already be
+    given back (their table entries are the null block, kv/groups.py), so they are never read."""
     group = q.shape[1] // cache.num_kv_heads
     out = torch.empty_like(q)
     start = 0
+    window = layer.sliding_window
     for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-        k, v = cache.read(context_slots(meta.block_tables[i], seq_len, cache.block_size), torch.float32)
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        slots = context_slots(meta.block_tables[i], seq_len, cache.block_size)[first:]
+        k, v = cache.read(slots, torch.float32)
         k = k.repeat_interleave(group, dim=1)  # [S, H, D]
         v = v.repeat_interleave(group, dim=1)
         qi = q[start : start + q_len].float()  # [L, H, D]
         scores = torch.einsum("lhd,shd->hls", qi, k) * layer.scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        k_pos = torch.arange(first, seq_len, device=q.device)[None, :]
         allowed = k_pos <= q_pos
-        if layer.sliding_window is not None:
-            allowed &= k_pos > q_pos - layer.sliding_window
+        if window is not None:
+            allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start : start + q_len] = torch.einsum("hls,shd->lhd", scores.softmax(dim=-1), v).to(q.dtype)
         start += q_len

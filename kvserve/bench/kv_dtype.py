@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
         greedy = greedy_outputs(engine, prompts, args.greedy_tokens)
         baseline_greedy = baseline_greedy or greedy
         row = {
-            "kv_cache_dtype": engine.core.kv_spec.dtype_name,
-            "bytes_per_token": engine.core.kv_spec.bytes_per_token,
-            "blocks_at_budget": num_blocks_for_budget(args.budget, engine.core.kv_spec.bytes_per_block),
+            "kv_cache_dtype": engine.core.kv_config.dtype_name,
+            "bytes_per_token": engine.core.kv_config.bytes_per_token,
+            "blocks_at_budget": num_blocks_for_budget(args.budget, engine.core.kv_config.bytes_per_block),
             "perplexity": perplexity(engine, ppl_ids),
             **agreement(baseline_greedy, greedy),
             "decode_tokens_per_s": decode_throughput(engine, decode_prompts, args.decode_tokens),

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings(device=device, int8=bool(int8 & {s.name for s in systems}))
     model = engine.core.runner.model
     assert isinstance(model, torch.nn.Module), "the floor is counted over a loaded torch module's tensors"
-    cost = model_cost(model, engine.core.model_config, engine.core.kv_spec.bytes_per_token)
+    cost = model_cost(model, engine.core.model_config, engine.core.kv_config.bytes_per_token)
     single, batch = measure(systems, plan, engine)
     # Measured again afterwards: on a shared machine the ceilings drift too, and a floor must be the best case.
     ceilings = ceilings.best_of(measure_ceilings(device=device, int8=ceilings.int8_matmul_gops is not None))

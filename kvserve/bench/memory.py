@@ -206,7 +206,7 @@ def analyze(engine: LLMEngine, w: Workload, lengths: list[int]) -> dict:
     from kvserve.bench.stats import summarize
     from kvserve.capacity import compare_layouts, plan_kv_cache
 
-    spec = engine.core.kv_spec
+    spec = engine.core.kv_config
     plan = plan_kv_cache(
         spec.bytes_per_block,
         spec.block_size,

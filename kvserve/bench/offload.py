@@ -223,7 +223,7 @@ def _accuracy(base: LLMEngine, args: argparse.Namespace) -> tuple[dict[str, Any]
     n = args.accuracy_tokens
     windows = [([] if bos is None else [bos]) + body[i * n : (i + 1) * n] for i in range(args.accuracy_prompts)]
     windows = [w for w in windows if len(w) > n // 2]
-    pool = (n + args.accuracy_output + 64) * base.core.kv_spec.bytes_per_token
+    pool = (n + args.accuracy_output + 64) * base.core.kv_config.bytes_per_token
     cold_engine = base.sibling(kv_cache_memory_bytes=pool)
     cold = [_one(cold_engine, w, args.accuracy_output, f"cold-{i}").output_ids for i, w in enumerate(windows)]
     tiers: dict[str, Any] = {}
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     vocab, exclude = model.vocab_size, special_token_ids(base)
     bos = [model.bos_token_id] if model.bos_token_id is not None else []
     rng = random.Random(args.seed)
-    bytes_per_token = base.core.kv_spec.bytes_per_token
+    bytes_per_token = base.core.kv_config.bytes_per_token
     pool_tokens = base.core.pool.num_usable_blocks * base.core.config.block_size
 
     # 1. Multi-round chat: round by round, user by user, the systems alternating request by request.

@@ -58,7 +58,11 @@ class EngineReplica:
         self.engine.start()
 
     def _on_event(self, event: KVEvent) -> None:
-        """On the engine thread: keep prefix-cache events for the next report (bounded)."""
+        """On the engine thread: keep prefix-cache events for the next report (bounded). The router indexes KV cache
+        group 0's blocks (a full-attention group where the model has one: each prefix's whole chain), so the other
+        groups' events are not sent (docs/SCALE_OUT.md)."""
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.group_idx != 0:
+            return
         if isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
             if len(self._events) >= EVENT_BACKLOG:
                 self._dropped = True
@@ -113,4 +117,4 @@ class EngineReplica:
 
 
 def _cached_hashes(engine: EngineCore) -> list[str]:
-    return [block_hash.hex() for block_hash in engine.pool.cached]
+    return [block_hash.hex() for block_hash in engine.pool.cached[0]]

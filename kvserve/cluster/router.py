@@ -60,8 +60,10 @@ class PrefixIndex:
     def apply(self, replica: str, event: KVEvent) -> None:
         """One of `replica`'s KV events; events that are not about the prefix cache are ignored, and so are an offload
         tier's (a medium of their own): the index is of what each replica's pool holds. A shared disk tier holds the
-        same blocks for every replica, so it cannot tell them apart (docs/KV_OFFLOAD.md, "Replicas")."""
-        if isinstance(event, (BlockStored, BlockRemoved)) and event.medium is not None:
+        same blocks for every replica, so it cannot tell them apart (docs/KV_OFFLOAD.md, "Replicas"). Of a model with
+        several KV cache groups, the index follows group 0's blocks (a full-attention group where the model has one:
+        each prefix's whole chain, kv/groups.py); the other groups' events are ignored."""
+        if isinstance(event, (BlockStored, BlockRemoved)) and (event.medium is not None or event.group_idx != 0):
             return
         if isinstance(event, BlockStored):
             self.holders.setdefault(event.block_hash, set()).add(replica)

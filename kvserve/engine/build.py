@@ -20,7 +20,8 @@ from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, resolve_att
 from kvserve.engine.core import EngineCore
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.memory_profile import CudaMemory, gpu_kv_budget, profile_gpu_memory
-from kvserve.kv.cache import KVCacheSpec, resolve_kv_cache_dtype
+from kvserve.kv.cache import KVCacheConfig, resolve_kv_cache_dtype
+from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
@@ -50,7 +51,7 @@ _MODEL_SETTINGS = frozenset(
 def plan_cache(
     config: EngineConfig,
     model_config: ModelConfig,
-    spec: KVCacheSpec,
+    spec: KVCacheConfig,
     device: torch.device,
     device_budget: Callable[[], int] | None = None,
 ) -> CachePlan:
@@ -83,6 +84,8 @@ def plan_cache(
         budget_bytes=budget,
         num_blocks_override=config.num_gpu_blocks_override,
         max_model_len=config.max_model_len,
+        layout=spec.groups,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
 
 
@@ -109,8 +112,17 @@ def build_core(
     """The core around a loaded model: the KV spec, the pool's plan (profiled on CUDA), the grammar compiler (built
     over the tokenizer's vocabulary on its first use, never per request), the core."""
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, compute_dtype)
-    spec = KVCacheSpec(
-        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.block_size, kv_dtype
+    spec = KVCacheConfig(
+        model_config.num_layers,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        config.block_size,
+        kv_dtype,
+        # A contiguous cache's emulation (bench memory) keeps every layer's max-model-len: the uniform layout.
+        make_kv_cache_layout(
+            model_config.sliding_windows,
+            hybrid=not (config.disable_hybrid_kv_cache_manager or config.reserve_max_model_len),
+        ),
     )
 
     def profiled_budget() -> int:
@@ -137,7 +149,7 @@ def build_core(
 
 
 def offload_fingerprint(
-    config: EngineConfig, model: Model, spec: KVCacheSpec, device: torch.device, compute_dtype: torch.dtype
+    config: EngineConfig, model: Model, spec: KVCacheConfig, device: torch.device, compute_dtype: torch.dtype
 ) -> KVFingerprint:
     """What the KV offload tier's blocks are computed under (kv/offload/fingerprint.py): the weights named by
     config.model (the default model's file when None), and every setting that changes the K/V numbers."""
@@ -163,6 +175,7 @@ def offload_fingerprint(
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
+        kv_cache_groups=spec.groups.signature(),
         torch_version=torch.__version__,
         kvserve_version=kvserve.__version__,
     )

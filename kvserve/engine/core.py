@@ -43,7 +43,8 @@ from kvserve.spec_decode.verify import verify_draft
 if TYPE_CHECKING:
     from kvserve.capacity import CachePlan
     from kvserve.config import EngineConfig
-    from kvserve.kv.cache import KVCacheSpec, LayerKVCache
+    from kvserve.kv.cache import KVCacheConfig, LayerKVCache
+    from kvserve.kv.offload.connector import OffloadConnector
     from kvserve.kv.offload.fingerprint import KVFingerprint
     from kvserve.kv.offload.tier import OffloadTier
     from kvserve.model.config import ModelConfig
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 # How long a step with nothing to run waits for a grammar still compiling (instead of returning at once and being
 # called again in a busy loop that would take the GIL from the compile thread).
 _GRAMMAR_WAIT_S = 0.02
+# How long after a KV snapshot was asked for the engine keeps making KV events (for the next snapshot's list).
+_EVENT_LEASE_S = 300.0
 
 
 def check_cache_salt(cache_salt: str | None) -> None:
@@ -83,17 +86,23 @@ class EngineCore:
         config: EngineConfig,
         model_config: ModelConfig,
         model: Model,
-        kv_spec: KVCacheSpec,
+        kv_config: KVCacheConfig,
         cache_plan: CachePlan,
         grammar: GrammarCompiler,
         device: torch.device,
         offload_fingerprint: KVFingerprint | None = None,
     ) -> None:
         self.config, self.model_config, self.device = config, model_config, device
-        self.kv_spec, self.cache_plan = kv_spec, cache_plan
+        self.kv_config, self.cache_plan = kv_config, cache_plan
         self.max_model_len = cache_plan.max_model_len
         self.kv_events = KVEventBuffer()  # bounded: drained between steps by the async engine (the inspector)
-        self.pool = BlockPool(cache_plan.num_blocks, enable_caching=config.enable_prefix_caching, events=self.kv_events)
+        self.layout = kv_config.groups  # the KV cache groups (kv/groups.py)
+        self.pool = BlockPool(
+            cache_plan.num_blocks,
+            enable_caching=config.enable_prefix_caching,
+            events=self.kv_events,
+            num_groups=self.layout.num_groups,
+        )
         self.requests = SequenceTable()
         self.event_recorder = EngineEventRecorder(self.kv_events, self.requests.user_request_id)
         # vLLM's --kv-events-config: None (the default) imports no zmq; see kv/events_config.py.
@@ -104,21 +113,26 @@ class EngineCore:
             medium_for_device(device.type),
             config.enable_prefix_caching,
             config.data_parallel_rank,
+            [g.spec for g in self.layout.groups],
         )
         reserve = self.max_model_len if config.reserve_max_model_len else 0
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, config.prefix_caching_hash_algo, reserve)
+        self.kv_manager = KVCacheManager(
+            self.pool, config.block_size, config.prefix_caching_hash_algo, reserve, self.layout
+        )
+        kv_caches = allocate_kv_cache(kv_config, cache_plan.num_blocks, device)
+        use_static_kv_scales(kv_caches, model.static_kv_scales, kv_config.dtype_name)
+        graphs = build_decode_graphs(config, model, kv_caches, self.layout, self.max_model_len, device)
+        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs)
+        tier = self._start_offload_tier(config, kv_caches, offload_fingerprint, model)
+        self.offload = None if tier is None else tier[0]
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            offload=None if tier is None else tier[1],
         )
-        kv_caches = allocate_kv_cache(kv_spec, cache_plan.num_blocks, device)
-        use_static_kv_scales(kv_caches, model.static_kv_scales, kv_spec.dtype_name)
-        graphs = build_decode_graphs(config, model, kv_caches, self.max_model_len, device)
-        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs)
-        self.offload = self._start_offload_tier(config, kv_caches, offload_fingerprint)
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         native = model.native_kernels
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, row_max=None if native is None else native.row_max)
@@ -136,18 +150,23 @@ class EngineCore:
             block_size=config.block_size,
             num_blocks=self.pool.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            kv_cache_dtype=kv_spec.dtype_name,
+            kv_cache_dtype=kv_config.dtype_name,
             eos_token_ids=self.eos_token_ids,
             generation_defaults=model_config.generation_defaults,
             served_model_name=config.served_model_name,
             logits_width=grammar.vocab_size,
+            kv_cache_groups=self.layout.describe(),
+            hybrid_kv_cache_manager=self.layout.is_hybrid,
+            sliding_window_layers=sum(w is not None for w in model_config.sliding_windows),
+            max_concurrency=round(cache_plan.max_concurrency, 2),
         )
         logger.info(cache_plan.describe())
 
     def _start_offload_tier(
-        self, config: EngineConfig, kv_caches: list[LayerKVCache], fingerprint: KVFingerprint | None
-    ) -> OffloadTier | None:
-        """The KV offload tier under the pool, when one is configured (its modules are imported only then)."""
+        self, config: EngineConfig, kv_caches: list[LayerKVCache], fingerprint: KVFingerprint | None, model: Model
+    ) -> tuple[OffloadTier, OffloadConnector] | None:
+        """The KV offload tier under the pool, when one is configured (its modules are imported only then), and its
+        scheduler side."""
         offload = config.kv_offload
         if offload is None:
             return None
@@ -156,13 +175,14 @@ class EngineCore:
             return None
         if fingerprint is None:
             raise ValueError("a KV offload tier needs the fingerprint of the engine's settings")
+        from kvserve.kv.offload.connector import OffloadConnector, RestoreCostModel
         from kvserve.kv.offload.tier import OffloadTier
 
-        native = self.runner.model.native_kernels
+        native = model.native_kernels
         copy_rows = None if native is None else native.copy_rows
-        tier = OffloadTier(offload, fingerprint, kv_caches, config.block_size, self.kv_events, copy_rows)
-        self.kv_manager.tier = tier
-        return tier
+        tier = OffloadTier(offload, fingerprint, kv_caches, config.block_size, copy_rows)
+        cost = RestoreCostModel(tier.is_async, lambda: tier.seconds_per_restored_block)
+        return tier, OffloadConnector(self.kv_manager, tier, cost)
 
     def close(self) -> None:
         """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued), the
@@ -233,6 +253,7 @@ class EngineCore:
         return len(self.scheduler.waiting)
 
     def stats(self) -> EngineStats:
+        connector = self.scheduler.offload
         spec: dict[str, Any] = {}
         if self.spec is not None:
             totals = self.spec.stats
@@ -258,8 +279,8 @@ class EngineCore:
             iteration_tokens_counts=tuple(self.step_sizes),
             iteration_tokens_sum=self.step_tokens_total,
             offload=None if self.offload is None else self.offload.stats(),
-            external_prefix_cache_queries_tokens=self.kv_manager.external_queries_tokens,
-            external_prefix_cache_hits_tokens=self.kv_manager.external_hits_tokens,
+            external_prefix_cache_queries_tokens=0 if connector is None else connector.external_queries_tokens,
+            external_prefix_cache_hits_tokens=0 if connector is None else connector.external_hits_tokens,
             prefix_cache_evicted_misses_tokens=self.kv_manager.prefix_stats.evicted_misses_total,
             **spec,
         )
@@ -277,7 +298,10 @@ class EngineCore:
         out = self._schedule()
         failed = self._grammar_failures(out)
         if self.offload is not None:
-            self.offload.poll_events()
+            tier_events = self.offload.take_events()
+            if self.kv_events.enabled:
+                for event in tier_events:
+                    self.kv_events.append(event)
         if out.is_empty:
             return failed
         started = time.perf_counter()
@@ -305,9 +329,8 @@ class EngineCore:
         prompt_tokens = sum(
             max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
         )
-        if self.offload is not None:  # write-through: the blocks this step filled, before any can be reused
-            self.offload.store_blocks(self.kv_manager.take_offload())
-            self.offload.cost.observe_step(prompt_tokens, time.perf_counter() - started)
+        if self.scheduler.offload is not None:  # write-through: the blocks this step filled, before any is reused
+            self.scheduler.offload.on_step_done(prompt_tokens, time.perf_counter() - started)
         self.scheduler.on_step_done(out)
         self.step_sizes[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, out.num_tokens)] += 1
         self.step_tokens_total += out.num_tokens
@@ -337,13 +360,14 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step; when nothing can run only because grammars are still compiling, wait a moment
         for one (the caller would otherwise call again at once, in a busy loop)."""
-        before = self.event_recorder.before_schedule(self.scheduler, self.kv_manager)
         out = self.scheduler.schedule()
-        if out.is_empty and not out.grammar_failed and (self.scheduler.pending_grammars or self.kv_manager.loads):
-            futures = [*self.scheduler.pending_grammar_futures(), *self.kv_manager.load_futures()]
+        connector = self.scheduler.offload
+        loads = connector is not None and bool(connector.loads)
+        if out.is_empty and not out.grammar_failed and (self.scheduler.pending_grammars or loads):
+            futures = [*self.scheduler.pending_grammar_futures(), *(connector.load_futures() if connector else [])]
             wait(futures, timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             out = self.scheduler.schedule()
-        self.event_recorder.after_schedule(out, before, self.scheduler, self.kv_manager)
+        self.event_recorder.after_schedule(out, self.scheduler)
         return out
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
@@ -511,7 +535,9 @@ class EngineCore:
 
     def kv_snapshot(self, include_tokens: bool = True) -> dict[str, Any]:
         """The KV inspector's view of the pool, requests and prefix cache: fresh plain values sharing nothing with
-        the engine (call it on the engine thread; see engine/inspector.py for the schema)."""
+        the engine (call it on the engine thread; see engine/inspector.py for the schema). Whoever asks gets the KV
+        events of the next minutes too (KVEventBuffer.lease): none are made while nobody reads them."""
+        self.kv_events.lease(_EVENT_LEASE_S)
         return build_snapshot(self, include_tokens)
 
     def check_invariants(self) -> None:
@@ -520,15 +546,27 @@ class EngineCore:
         A public debug API, kept in the package on purpose (the tests call it after every step, and a user chasing
         a leak can too): raises AssertionError naming the first broken block. O(blocks); call it between steps on
         the thread that steps the engine (behind a server: `async_engine.call(EngineCore.check_invariants)`)."""
-        self.pool.check_invariants()
-        counts: dict[int, int] = {}
-        loads = [*self.kv_manager.loads.values(), *self.kv_manager.orphan_loads]
-        for blocks in [*self.kv_manager.req_blocks.values(), *(load.held for load in loads)]:
-            for b in blocks:
-                counts[b.block_id] = counts.get(b.block_id, 0) + 1
-        for block in self.pool.blocks:
-            if block.ref_cnt != counts.get(block.block_id, 0):
-                raise AssertionError(f"{block} has ref_cnt {block.ref_cnt} but {counts.get(block.block_id, 0)} holders")
+        check_kv_invariants(self.kv_manager, self.scheduler.offload)
+
+
+def check_kv_invariants(kv: KVCacheManager, offload: OffloadConnector | None = None) -> None:
+    """The pool is whole (BlockPool.check_invariants), every block's references are its holders (requests' tables in
+    every group, restores in flight), each held block sits in the table of the group that allocated it, and free +
+    referenced == usable (raises AssertionError naming the first broken block)."""
+    kv.pool.check_invariants()
+    counts: dict[int, int] = {}
+    for rid, group, block in kv.held_blocks():
+        counts[block.block_id] = counts.get(block.block_id, 0) + 1
+        if block.group_id != group:
+            raise AssertionError(f"{block} sits in request {rid}'s table of group {group}")
+    for block in offload.held_blocks() if offload is not None else []:
+        counts[block.block_id] = counts.get(block.block_id, 0) + 1
+    for block in kv.pool.blocks:
+        if block.ref_cnt != counts.get(block.block_id, 0):
+            raise AssertionError(f"{block} has ref_cnt {block.ref_cnt} but {counts.get(block.block_id, 0)} holders")
+    referenced = sum(1 for b in kv.pool.blocks if b.ref_cnt > 0)
+    if kv.pool.num_free_blocks + referenced != kv.pool.num_usable_blocks:
+        raise AssertionError(f"{kv.pool.num_free_blocks} free + {referenced} referenced != {kv.pool.num_usable_blocks}")
 
 
 def _advance_grammar(matcher: GrammarMatcher, token_id: int) -> bool:

@@ -2,9 +2,10 @@
 
 Why: a decode step of a small model on a GPU is hundreds of tiny kernels, each launched from Python; replaying a
 recorded graph launches them all at once. A graph replays fixed tensor addresses and shapes, so:
-- The model reads its inputs from static buffers (ids, positions, slot mapping, block tables padded to
-  max-model-len / block-size columns, seq lens, query start locs) sized for the largest captured batch; a step
-  copies its real rows in and runs the graph of the next captured size up.
+- The model reads its inputs from static buffers (ids, positions, and per KV cache group a slot mapping and block
+  tables padded to max-model-len / block-size columns; seq lens, query start locs) sized for the largest captured
+  batch; a step copies its real rows in and runs the graph of the next captured size up. Each layer reads its own
+  group's tables (kv/groups.py), as in an eager step.
 - Padding rows are harmless: their token is id 0 at position 0, their one slot is slot 0 of the null block
   (capacity.NULL_BLOCK_ID, never allocated, so no request's K/V is touched), their block table is all null
   blocks and their context is 1 token (the slot they just wrote). Their outputs are dropped.
@@ -34,6 +35,7 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.capacity import NULL_BLOCK_ID
 from kvserve.kv.cache import LayerKVCache
+from kvserve.kv.groups import KVCacheLayout
 from kvserve.units import cdiv
 
 if TYPE_CHECKING:
@@ -104,18 +106,19 @@ class CudaGraphCapture:
 
 @dataclass(slots=True)
 class DecodeBuffers:
-    """The static inputs every captured graph reads, sized for the largest captured batch."""
+    """The static inputs every captured graph reads, sized for the largest captured batch; slot mappings and block
+    tables one per KV cache group."""
 
     input_ids: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B]
-    slot_mapping: torch.Tensor  # [B]
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq]
+    slot_mapping: torch.Tensor  # [G, B]
+    block_tables: torch.Tensor  # [G, B, max_blocks_per_seq]
     seq_lens: torch.Tensor  # [B]
     query_start_loc: torch.Tensor  # [B + 1]: 0, 1, ..., B (decode: one token per sequence), never rewritten
 
     @classmethod
     def allocate(
-        cls, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+        cls, max_batch: int, max_blocks_per_seq: int, block_size: int, num_groups: int, device: torch.device
     ) -> "DecodeBuffers":
         """Buffers holding a batch of padding rows (see the module docstring)."""
 
@@ -125,23 +128,46 @@ class DecodeBuffers:
         return cls(
             full(0, max_batch),
             full(0, max_batch),
-            full(NULL_BLOCK_ID * block_size, max_batch),
-            full(NULL_BLOCK_ID, max_batch, max_blocks_per_seq),
+            full(NULL_BLOCK_ID * block_size, num_groups, max_batch),
+            full(NULL_BLOCK_ID, num_groups, max_batch, max_blocks_per_seq),
             full(1, max_batch),
             torch.arange(max_batch + 1, dtype=torch.int64, device=device),
         )
 
-    def metadata(self, size: int, block_size: int) -> AttentionMetadata:
-        """The metadata a graph of `size` rows is captured with: views of the buffers; lists frozen at 1s."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens_cpu=[1] * size,
-            query_lens_cpu=[1] * size,
-            block_size=block_size,
-        )
+    def metadata(self, size: int, block_size: int) -> list[AttentionMetadata]:
+        """Per group, the metadata a graph of `size` rows is captured with: views of the buffers; lists frozen at
+        1s."""
+        return [
+            AttentionMetadata(
+                slot_mapping=self.slot_mapping[g, :size],
+                block_tables=self.block_tables[g, :size],
+                seq_lens=self.seq_lens[:size],
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens_cpu=[1] * size,
+                query_lens_cpu=[1] * size,
+                block_size=block_size,
+            )
+            for g in range(self.slot_mapping.shape[0])
+        ]
+
+
+@dataclass(slots=True)
+class PaddedDecode:
+    """A decode batch padded to a captured size (module docstring), as tensors to copy into DecodeBuffers."""
+
+    input_ids: torch.Tensor  # [size]
+    positions: torch.Tensor  # [size]
+    slot_mapping: torch.Tensor  # [G, size]
+    block_tables: torch.Tensor  # [G, size, width]
+    seq_lens: torch.Tensor  # [size]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.seq_lens]
+
+    @staticmethod
+    def from_tensors(tensors: Sequence[torch.Tensor]) -> PaddedDecode:
+        """The inverse of tensors() (after a move to the device)."""
+        return PaddedDecode(*tensors)
 
 
 def pad_decode_inputs(
@@ -149,11 +175,10 @@ def pad_decode_inputs(
     block_size: int,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> list[torch.Tensor]:
-    """A decode batch of n <= size rows (host tensors) padded to `size` rows of padding (module docstring)."""
+    metas: Sequence[AttentionMetadata],
+) -> PaddedDecode:
+    """A decode batch of n <= size rows (host tensors; one metadata per KV cache group) padded to `size` rows of
+    padding (module docstring)."""
     n = input_ids.shape[0]
     if n > size:
         raise ValueError(f"a decode batch of {n} rows does not fit a graph of {size}")
@@ -161,13 +186,13 @@ def pad_decode_inputs(
     def pad(t: torch.Tensor, value: int) -> torch.Tensor:
         return torch.cat([t, torch.full((size - n, *t.shape[1:]), value, dtype=t.dtype)])
 
-    return [
+    return PaddedDecode(
         pad(input_ids, 0),
         pad(positions, 0),
-        pad(slot_mapping, NULL_BLOCK_ID * block_size),
-        pad(block_tables, NULL_BLOCK_ID),
-        pad(seq_lens, 1),
-    ]
+        torch.stack([pad(m.slot_mapping, NULL_BLOCK_ID * block_size) for m in metas]),
+        torch.stack([pad(m.block_tables, NULL_BLOCK_ID) for m in metas]),
+        pad(metas[0].seq_lens, 1),
+    )
 
 
 class DecodeGraphs:
@@ -182,6 +207,7 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         capture: GraphCapture,
+        layout: KVCacheLayout | None = None,
     ) -> None:
         if not sizes:
             raise ValueError("DecodeGraphs needs at least one capture size")
@@ -189,7 +215,11 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.block_size = block_size
-        self.buffers = DecodeBuffers.allocate(self.sizes[-1], cdiv(max_model_len, block_size), block_size, device)
+        self.layer_group = layout.layer_group if layout is not None else (0,) * len(kv_caches)
+        num_groups = layout.num_groups if layout is not None else 1
+        self.buffers = DecodeBuffers.allocate(
+            self.sizes[-1], cdiv(max_model_len, block_size), block_size, num_groups, device
+        )
         self._replays: dict[int, Replay] = {}
         start = time.perf_counter()
         with torch.inference_mode():
@@ -204,11 +234,13 @@ class DecodeGraphs:
 
     def _forward_fn(self, size: int) -> Replay:
         b = self.buffers
-        meta = b.metadata(size, self.block_size)
+        metas = b.metadata(size, self.block_size)
+        layer_metas = [metas[g] for g in self.layer_group]
 
         def forward() -> torch.Tensor:
-            meta.derived.clear()  # a backend's per-step memo: recomputed from the buffers, as a replay would
-            return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, meta)
+            for meta in metas:
+                meta.derived.clear()  # a backend's per-step memo: recomputed from the buffers, as a replay would
+            return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, layer_metas)
 
         return forward
 
@@ -217,28 +249,25 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def replay(
-        self,
-        size: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-    ) -> torch.Tensor:
+    def replay(self, size: int, padded: PaddedDecode) -> torch.Tensor:
         """Copy a padded batch (device tensors of `size` rows; tables as wide as this step needs) into the buffers
         and replay; returns the graph's output ([size, hidden], overwritten by the next replay)."""
         b = self.buffers
-        b.input_ids[:size].copy_(input_ids)
-        b.positions[:size].copy_(positions)
-        b.slot_mapping[:size].copy_(slot_mapping)
-        b.block_tables[:size, : block_tables.shape[1]].copy_(block_tables)
-        b.seq_lens[:size].copy_(seq_lens)
+        b.input_ids[:size].copy_(padded.input_ids)
+        b.positions[:size].copy_(padded.positions)
+        b.slot_mapping[:, :size].copy_(padded.slot_mapping)
+        b.block_tables[:, :size, : padded.block_tables.shape[2]].copy_(padded.block_tables)
+        b.seq_lens[:size].copy_(padded.seq_lens)
         return self._replays[size]()
 
 
 def build_decode_graphs(
-    config: EngineConfig, model: Model, kv_caches: list[LayerKVCache], max_model_len: int, device: torch.device
+    config: EngineConfig,
+    model: Model,
+    kv_caches: list[LayerKVCache],
+    layout: KVCacheLayout,
+    max_model_len: int,
+    device: torch.device,
 ) -> DecodeGraphs | None:
     """The engine's graphs: on CUDA, unless --enforce-eager, with a backend that can be captured; else None (and
     a log line saying why, where graphs were possible)."""
@@ -255,4 +284,6 @@ def build_decode_graphs(
     sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs, config.max_num_batched_tokens)
     if not sizes:
         return None
-    return DecodeGraphs(model, kv_caches, sizes, max_model_len, config.block_size, device, CudaGraphCapture(device))
+    return DecodeGraphs(
+        model, kv_caches, sizes, max_model_len, config.block_size, device, CudaGraphCapture(device), layout
+    )

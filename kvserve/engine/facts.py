@@ -37,6 +37,13 @@ class EngineFacts:
     # token masks cover, so a front end can build a grammar compiler of its own (the cluster's ingress does).
     logits_width: int
     served_model_name: str | None = None
+    # The KV cache groups (kv/groups.py) as one line, whether sliding windows give their blocks back (False:
+    # --disable-hybrid-kv-cache-manager, or a model without them), how many of its layers are windowed, and the
+    # start-up line's max concurrency at max-model-len.
+    kv_cache_groups: str = ""
+    hybrid_kv_cache_manager: bool = False
+    sliding_window_layers: int = 0
+    max_concurrency: float = 0.0
 
     def __post_init__(self) -> None:
         # A read-only view of a private copy: nobody can change the defaults behind a handler's back.

@@ -6,15 +6,21 @@ a reader on another thread (the server's loop) must never walk them. The engine 
 values (str, int, float, lists, dicts) that shares nothing with its own objects, and the async engine publishes it
 between steps. The cost is O(num_blocks + tokens of block tables) per call, paid only while someone is watching.
 
-Schema (version 1; the JSON of GET /v1/kv/snapshot, documented in docs/UI.md):
+Schema (version 2; the JSON of GET /v1/kv/snapshot, documented in docs/UI.md):
 - pool: num_blocks, num_usable_blocks, num_free_blocks, block_size, null_block_id, enable_prefix_caching
+- kv_cache_groups: one entry per KV cache group (kv/groups.py): group_id, kind (full_attention | sliding_window),
+  sliding_window (null for full attention), layers, blocks_held (referenced blocks of the group), blocks_cached
 - block_states: one character per block id: "n" null, "f" free (no hash), "c" cached and evictable (free, hashed),
   "u" used by one request, "s" shared by several. Blocks in state "f" and "n" appear nowhere else.
-- blocks: one entry per block in states c / u / s: id, state, ref_cnt, hash (first 16 hex digits or null),
-  evict_rank (c only: 0 = the next cached block to be reused), holders (request ids), token_ids (null when redacted)
-- requests: request_id, seq_id, status (running / waiting / preempted), block_ids, num_prompt_tokens,
-  num_output_tokens, num_computed_tokens, prefix_hit_tokens, age_s, num_preemptions
-- prefix_cache: nodes, one per cached block: hash, parent (hash prefix or null), block_id, hits, ref_cnt, evict_rank
+- blocks: one entry per block in states c / u / s: id, group (its KV cache group), state, ref_cnt, hash (first 16 hex
+  digits or null), evict_rank (c only: 0 = the next cached block to be reused), holders (request ids), token_ids
+  (null when redacted)
+- requests: request_id, seq_id, status (running / waiting / preempted), block_ids (group 0's table), group_block_ids
+  (every group's table, in group order; a sliding group's entries before its window are the null block's id),
+  num_prompt_tokens, num_output_tokens, num_computed_tokens, prefix_hit_tokens, age_s, num_preemptions
+- prefix_cache: nodes, one per cached block of group 0 (a full-attention group where the model has one: every
+  prefix's whole chain): hash, parent (hash prefix or null), block_id, hits, ref_cnt, evict_rank, groups (how many
+  groups hold this hash's block)
 - gauges: the EngineStats fields; capacity: the cache plan (kvserve estimate's figures for this server)
 - offload_tier: null without a KV offload tier; else medium, available, num_blocks, bytes_used, capacity_bytes,
   indexed_blocks (those this process knows, kv/offload/index.py) and prefixes: the largest 64 prefixes it holds,
@@ -32,16 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.capacity import NULL_BLOCK_ID
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kv.events import Aborted, AdmissionRefused, KVEventBuffer, Preempted
-from kvserve.units import cdiv
+from kvserve.kv.events import Aborted, KVEventBuffer, Preempted
 
 if TYPE_CHECKING:
     from kvserve.engine.core import EngineCore
     from kvserve.engine.scheduler import Scheduler, SchedulerOutput
     from kvserve.kv.block import KVCacheBlock
-    from kvserve.kv.manager import KVCacheManager
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
 HASH_PREFIX_HEX = 16
 
 
@@ -64,47 +68,27 @@ class EngineEventRecorder:
     name: Callable[[str], str] = str
     refused: set[str] = field(default_factory=set)
 
-    def before_schedule(self, scheduler: Scheduler, kv: KVCacheManager) -> dict[str, tuple[int, int]]:
-        """The running requests' computed tokens and blocks, to tell what a preemption in this schedule lost."""
-        return {r.request_id: (r.num_computed_tokens, kv.num_blocks_held(r)) for r in scheduler.running}
-
-    def after_schedule(
-        self, out: SchedulerOutput, before: dict[str, tuple[int, int]], scheduler: Scheduler, kv: KVCacheManager
-    ) -> None:
+    def after_schedule(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
+        """What the schedule decided, as events: its preemptions (with what each lost) and a refused admission (once
+        per stretch of refusals of the same request, as the scheduler reported it). Nothing is made while no one
+        reads the events."""
+        if not self.events.enabled:
+            return
         for request in out.preempted:
-            tokens, blocks = before.get(request.request_id, (0, 0))
+            tokens, blocks = out.preempted_held.get(request.request_id, (0, 0))
             self.events.append(Preempted(self.name(request.request_id), tokens, blocks))
-        self._check_refused(out, scheduler, kv)
-
-    def _check_refused(self, out: SchedulerOutput, scheduler: Scheduler, kv: KVCacheManager) -> None:
-        """The first waiting request stayed waiting though the batch had room (sequences and tokens), nothing was
-        preempted, and the pool cannot hold its next chunk (after its prefix hits): refused for lack of blocks.
-        Checked only in that case, so a step that admits everything pays one comparison."""
         if not scheduler.waiting:
             self.refused.clear()
+        refusal = out.refused
+        if refusal is None or refusal.request_id in self.refused:
             return
-        head = scheduler.waiting[0]
-        budget = scheduler.max_num_batched_tokens - out.num_tokens
-        room = (
-            len(scheduler.running) < scheduler.max_num_seqs
-            and budget > 0
-            and not out.preempted
-            and not scheduler.suspects
-            and head.request_id not in scheduler.pending_grammars
-        )
-        if not room or head.request_id in self.refused:
-            return
-        hit_blocks, num_hit = kv.get_computed_blocks(head)
-        num_new = min(head.num_tokens - num_hit, budget)
-        if kv.can_fit(head, num_new, hit_blocks):
-            return  # waiting for another reason (e.g. a whole prompt over the budget without chunked prefill)
         self.refused = {r for r in self.refused if any(w.request_id == r for w in scheduler.waiting)}
-        self.refused.add(head.request_id)
-        needed = cdiv(num_hit + num_new, kv.block_size) - len(hit_blocks)
-        self.events.append(AdmissionRefused(self.name(head.request_id), needed, kv.pool.num_free_blocks))
+        self.refused.add(refusal.request_id)
+        self.events.append(dataclasses.replace(refusal, request_id=self.name(refusal.request_id)))
 
     def record_abort(self, request_id: str, blocks_freed: int) -> None:
-        self.events.append(Aborted(request_id, blocks_freed))
+        if self.events.enabled:
+            self.events.append(Aborted(request_id, blocks_freed))
 
 
 def _short(block_hash: bytes | None) -> str | None:
@@ -123,11 +107,9 @@ def _evict_ranks(engine: EngineCore) -> dict[int, int]:
 def _holders(engine: EngineCore) -> dict[int, list[str]]:
     """Block id -> the user request ids holding it (a request with n > 1 appears once per sequence)."""
     holders: dict[int, list[str]] = {}
-    for seq_id, blocks in engine.kv_manager.req_blocks.items():
+    for seq_id, _, block in engine.kv_manager.held_blocks():
         seq = engine.requests.sequences.get(seq_id)
-        name = seq.group_id if seq is not None else seq_id
-        for block in blocks:
-            holders.setdefault(block.block_id, []).append(name)
+        holders.setdefault(block.block_id, []).append(seq.group_id if seq is not None else seq_id)
     return holders
 
 
@@ -155,6 +137,7 @@ def _blocks(engine: EngineCore, include_tokens: bool) -> tuple[str, list[dict[st
         detail.append(
             {
                 "id": block.block_id,
+                "group": block.group_id,
                 "state": state,
                 "ref_cnt": block.ref_cnt,
                 "hash": _short(block.block_hash),
@@ -173,6 +156,9 @@ def _request(engine: EngineCore, request: Request, now: float) -> dict[str, Any]
         "seq_id": request.request_id,
         "status": request.status.value,
         "block_ids": engine.kv_manager.block_ids(request),
+        "group_block_ids": [
+            [b.block_id for b in table] for table in engine.kv_manager.group_tables(request.request_id)
+        ],
         "num_prompt_tokens": request.num_prompt_tokens,
         "num_output_tokens": len(request.output_token_ids),
         "num_computed_tokens": request.num_computed_tokens,
@@ -193,19 +179,39 @@ def _prefix_cache(engine: EngineCore, ranks: dict[int, int]) -> list[dict[str, A
     """The cached blocks as tree nodes linked by parent hash (a node whose parent is gone was evicted first)."""
     pool = engine.pool
     nodes = []
-    for block_hash, block in pool.cached.items():
+    for block_hash, block in pool.cached[0].items():
         parent = block.key.parent if block.key is not None else None
         nodes.append(
             {
                 "hash": _short(block_hash),
                 "parent": _short(parent),
                 "block_id": block.block_id,
-                "hits": pool.hit_counts.get(block_hash, 0),
+                "hits": pool.hit_counts[0].get(block_hash, 0),
                 "ref_cnt": block.ref_cnt,
                 "evict_rank": ranks.get(block.block_id),
+                "groups": sum(1 for cached in pool.cached if block_hash in cached),
             }
         )
     return nodes
+
+
+def _groups(engine: EngineCore) -> list[dict[str, Any]]:
+    """The KV cache groups, and how many blocks each holds now (referenced) and keeps cached."""
+    held = [0] * engine.layout.num_groups
+    for block in engine.pool.blocks:
+        if block.ref_cnt > 0:
+            held[block.group_id] += 1
+    return [
+        {
+            "group_id": g.group_id,
+            "kind": g.spec.kind,
+            "sliding_window": g.spec.window,
+            "layers": list(g.layers),
+            "blocks_held": held[g.group_id],
+            "blocks_cached": len(engine.pool.cached[g.group_id]),
+        }
+        for g in engine.layout.groups
+    ]
 
 
 def _capacity(engine: EngineCore) -> dict[str, Any]:
@@ -219,7 +225,9 @@ def _capacity(engine: EngineCore) -> dict[str, Any]:
         "num_tokens": plan.num_tokens,
         "max_model_len": plan.max_model_len,
         "max_concurrency": round(plan.max_concurrency, 3),
-        "kv_cache_dtype": engine.kv_spec.dtype_name,
+        "blocks_per_request": plan.blocks_per_request(plan.max_model_len),
+        "tensors_per_block": engine.layout.tensors_per_block,
+        "kv_cache_dtype": engine.kv_config.dtype_name,
         "total_bytes": plan.num_blocks * plan.bytes_per_block,
     }
 
@@ -239,6 +247,7 @@ def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str,
             "null_block_id": NULL_BLOCK_ID,
             "enable_prefix_caching": pool.enable_caching,
         },
+        "kv_cache_groups": _groups(engine),
         "block_states": states,
         "blocks": blocks,
         "requests": _requests(engine),
@@ -247,7 +256,7 @@ def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str,
         "capacity": _capacity(engine),
         "offload_tier": None
         if engine.offload is None
-        else engine.offload.view(lambda h: h in pool.cached, include_tokens),
+        else engine.offload.view(lambda h: pool.is_cached(h, 0), include_tokens),
         "redacted": not include_tokens,
         "events_dropped": engine.kv_events.dropped,
     }
@@ -263,10 +272,11 @@ def block_detail(engine: EngineCore, block_id: int, include_text: bool = True) -
     bs = engine.config.block_size
     spans = []
     token_ids: list[int] | None = list(block.key.token_ids) if block.key is not None else None
-    for seq_id, blocks in engine.kv_manager.req_blocks.items():
-        if block not in blocks:
+    for seq_id, state in engine.kv_manager.requests.items():
+        table = state.tables[block.group_id]
+        if block not in table:
             continue
-        index = blocks.index(block)
+        index = table.index(block)
         seq = engine.requests.sequences.get(seq_id)
         request = seq.request if seq is not None else None
         start, end = index * bs, (index + 1) * bs
@@ -277,6 +287,7 @@ def block_detail(engine: EngineCore, block_id: int, include_text: bool = True) -
         spans.append({"request_id": seq.group_id if seq is not None else seq_id, "start": start, "end": end})
     detail: dict[str, Any] = {
         "id": block_id,
+        "group": block.group_id,
         "state": _state(block),
         "ref_cnt": block.ref_cnt,
         "hash": _short(block.block_hash),

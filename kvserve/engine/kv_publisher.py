@@ -76,9 +76,11 @@ class KVPublisher:
 
     @contextmanager
     def watch(self) -> Iterator[None]:
-        """While inside, the engine thread publishes snapshots (the first one at once)."""
+        """While inside, the engine thread publishes snapshots (the first one at once) and the engine makes KV events
+        (KVEventBuffer.enabled: none are made while nobody watches)."""
         with self._lock:
             self._watchers += 1
+            self.engine.kv_events.open_reader()
         self._dirty = True
         self._wake()
         try:
@@ -86,6 +88,7 @@ class KVPublisher:
         finally:
             with self._lock:
                 self._watchers -= 1
+                self.engine.kv_events.close_reader()
 
     async def latest(self) -> KVPublication:
         """The latest publication (here at once; the KVSource protocol's proxy of a replica's publisher asks it)."""

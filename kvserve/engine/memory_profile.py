@@ -23,7 +23,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.capacity import NULL_BLOCK_ID
-from kvserve.kv.cache import KVCacheSpec, allocate_kv_cache
+from kvserve.kv.cache import KVCacheConfig, allocate_kv_cache
 from kvserve.model.quantization import weight_bytes
 from kvserve.units import cdiv, format_gib
 
@@ -116,7 +116,7 @@ class CudaMemory:
 
 
 @torch.inference_mode()
-def dummy_step(model: Model, spec: KVCacheSpec, num_tokens: int, num_logit_rows: int, device: torch.device) -> None:
+def dummy_step(model: Model, spec: KVCacheConfig, num_tokens: int, num_logit_rows: int, device: torch.device) -> None:
     """One forward of `num_tokens` tokens as one sequence (into a scratch KV cache just big enough), then the LM
     head on `num_logit_rows` rows: the largest step the scheduler can make, for the activation peak."""
     blocks = cdiv(num_tokens, spec.block_size)
@@ -131,7 +131,7 @@ def dummy_step(model: Model, spec: KVCacheSpec, num_tokens: int, num_logit_rows:
 
 def profile_gpu_memory(
     model: Model,
-    spec: KVCacheSpec,
+    spec: KVCacheConfig,
     num_tokens: int,
     num_logit_rows: int,
     device: torch.device,

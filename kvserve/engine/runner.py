@@ -69,7 +69,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
-        block_tables, seq_lens, query_lens = [], [], []
+        block_tables: list[list[list[int]]] = [[] for _ in range(self.kv.num_groups)]  # per group, per request
+        seq_lens, query_lens = [], []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}
@@ -80,7 +81,8 @@ class ModelRunner:
             input_ids.extend(request.token_slice(start, end - len(s.draft_token_ids)))
             input_ids.extend(s.draft_token_ids)
             positions.extend(range(start, end))
-            block_tables.append(self.kv.block_ids(request))
+            for g, tables in enumerate(block_tables):
+                tables.append(self.kv.block_ids(request, g))
             seq_lens.append(end)
             query_lens.append(s.num_tokens)
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
@@ -112,37 +114,44 @@ class ModelRunner:
         self,
         input_ids: list[int],
         positions: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[list[int]]],
         seq_lens: list[int],
         query_lens: list[int],
         head_rows: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's hidden states of the step's rows, and `head_rows` as a device index tensor: the metadata is
-        built on the host, sent with the ids in one copy, and run as a graph when one fits, else eagerly."""
+        """The model's hidden states of the step's rows, and `head_rows` as a device index tensor: each KV cache
+        group's metadata is built on the host, sent with the ids in one copy, and run as a graph when one fits,
+        else eagerly; every layer gets its group's."""
         host = torch.device("cpu")
-        meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, self.block_size, host)
+        metas = [AttentionMetadata.build(t, seq_lens, query_lens, self.block_size, host) for t in block_tables]
         as_tensor = partial(torch.tensor, dtype=torch.int64)
         ids, pos, rows = as_tensor(input_ids), as_tensor(positions), as_tensor(head_rows)
-        size = self._graph_size(meta)
+        size = self._graph_size(metas)
         if self.graphs is not None and size is not None:
-            padded = pad_decode_inputs(
-                size, self.block_size, ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens
-            )
-            *inputs, rows = self.transfer.move([*padded, rows])
-            return self.graphs.replay(size, *inputs)[: len(input_ids)], rows
-        if not self.transfer.staged:  # the CPU: built where they are used, no copy at all
-            return self.model(ids, pos, self.kv_caches, meta), rows
-        ids, pos, slots, tables, lens, starts, rows = self.transfer.move(
-            [ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, rows]
-        )
-        meta = replace(meta, slot_mapping=slots, block_tables=tables, seq_lens=lens, query_start_loc=starts)
-        return self.model(ids, pos, self.kv_caches, meta), rows
+            padded = pad_decode_inputs(size, self.block_size, ids, pos, metas)
+            *inputs, rows = self.transfer.move([*padded.tensors(), rows])
+            return self.graphs.replay(size, padded.from_tensors(inputs))[: len(input_ids)], rows
+        if self.transfer.staged:
+            moved = iter(self.transfer.move([ids, pos, rows, *(t for m in metas for t in _index_tensors(m))]))
+            ids, pos, rows = next(moved), next(moved), next(moved)
+            metas = [
+                replace(m, slot_mapping=next(moved), block_tables=next(moved), seq_lens=next(moved),
+                        query_start_loc=next(moved))
+                for m in metas
+            ]  # fmt: skip
+        layout = self.kv.layout
+        return self.model(ids, pos, self.kv_caches, [metas[g] for g in layout.layer_group]), rows
 
-    def _graph_size(self, meta: AttentionMetadata) -> int | None:
+    def _graph_size(self, metas: list[AttentionMetadata]) -> int | None:
         """The captured size a decode-only step runs at, or None: eager (a prefill or mixed step, a batch larger
         than every graph, or a table wider than the graphs' buffers)."""
-        if self.graphs is None or not meta.is_decode_only:
+        if self.graphs is None or not metas[0].is_decode_only:
             return None
-        if meta.block_tables.shape[1] > self.graphs.buffers.block_tables.shape[1]:
+        if metas[0].block_tables.shape[1] > self.graphs.buffers.block_tables.shape[2]:
             return None
-        return self.graphs.size_for(len(meta.seq_lens_cpu))
+        return self.graphs.size_for(len(metas[0].seq_lens_cpu))
+
+
+def _index_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
+    """The metadata's tensors a device needs, in `replace`'s order above."""
+    return [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc]

@@ -6,11 +6,14 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kv.block import KVCacheBlock
+from kvserve.kv.events import AdmissionRefused
 from kvserve.kv.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from kvserve.kv.offload.connector import OffloadConnector, PendingLoad
 
 
 @dataclass(slots=True)
@@ -32,8 +35,13 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # What each preempted request had before it lost its blocks: (computed tokens, blocks held).
+    preempted_held: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Waiting requests whose grammar failed to compile: finished (error) by the scheduler, reported by the engine.
     grammar_failed: list[tuple[Request, BaseException]] = field(default_factory=list)
+    # The first waiting request, when it stayed waiting only because the pool lacked blocks for it: the inspector's
+    # AdmissionRefused event, decided here and nowhere else.
+    refused: AdmissionRefused | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +67,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        offload: OffloadConnector | None = None,
     ) -> None:
         self.kv = kv_manager
+        self.offload = offload  # the KV offload tier's scheduler side (kv/offload/connector.py), or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -79,7 +89,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        self.kv.reap_orphan_loads()
+        if self.offload is not None:
+            self.offload.reap_orphan_loads()
         if self.suspects:
             suspect = self._next_suspect()
             if suspect is not None:
@@ -99,8 +110,7 @@ class Scheduler:
                     drafts = []
                     continue
                 victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -116,21 +126,22 @@ class Scheduler:
                 if not request.is_finished:  # still compiling: the requests behind it go first
                     i += 1
                 continue
-            restored, loaded = 0, False
-            if self.kv.loads and request.request_id in self.kv.loads:  # a restore from the offload tier in flight
-                load = self.kv.loads[request.request_id]
-                if not load.future.done():
-                    i += 1  # the requests behind it go first
-                    continue
-                restored, loaded = self.kv.finish_load(load), True
+            load: PendingLoad | None = None
+            if self.offload is not None:
+                load = self.offload.loads.get(request.request_id)
+                if load is not None:  # a restore from the offload tier in flight
+                    if not load.future.done():
+                        i += 1  # the requests behind it go first
+                        continue
+                    self.offload.finish_load(load)
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            if self.kv.tier is not None and not loaded:  # one restore per admission: a failed one is recomputed
-                outcome = self._restore(request, hit_blocks, budget)
-                if outcome is None:  # loading from disk: it waits, the others step
-                    i += 1
-                    continue
-                if outcome:
-                    restored = outcome
+            if self.offload is not None and load is None:  # one restore per admission: a failed one is recomputed
+                load = self.offload.start_restore(request, num_hit, budget)
+                if load is not None:
+                    if not load.future.done():  # loading from disk: it waits, the others step
+                        i += 1
+                        continue
+                    self.offload.finish_load(load)
                     hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit
             if not self.enable_chunked_prefill and remaining > budget:
@@ -139,16 +150,15 @@ class Scheduler:
             first = request.status is RequestStatus.WAITING  # not a retry after preemption
             lost = self.kv.evicted_misses(request, num_hit) if first else 0
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                out.refused = self._refusal(request, num_new, hit_blocks, out)
                 break
             request.num_computed_tokens = num_hit
             del self.waiting[i]
             if first:  # first admission: not a retry, not after preemption
                 request.num_cached_tokens = num_hit
-                request.num_restored_tokens = min(restored * self.kv.block_size, num_hit)
                 self.kv.record_prefix_query(request, num_hit, lost)
-                if self.kv.tier is not None:  # vLLM's external prefix cache: what was looked up past the pool's hits
-                    self.kv.external_queries_tokens += request.num_tokens - (num_hit - request.num_restored_tokens)
-                    self.kv.external_hits_tokens += request.num_restored_tokens
+                if self.offload is not None:  # vLLM's external prefix cache: what was looked up past the pool's hits
+                    request.num_restored_tokens = self.offload.record_admission(request, num_hit, load)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -157,24 +167,17 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _restore(self, request: Request, hit_blocks: list[KVCacheBlock], budget: int) -> int | None:
-        """Start restoring the blocks after the pool's hits that the offload tier holds, where that is cheaper than
-        recomputing them and the pool can take both them and the request's first chunk after them (else the restored
-        blocks could be evicted again before the request is admitted). Returns the blocks restored (0: none tried or
-        none restored), or None while a load from disk is running."""
-        assert self.kv.tier is not None
-        hits = self.kv.tier_hits(request, len(hit_blocks))
-        if not hits or not self.kv.tier.cost.worth_restoring(len(hits)):
-            return 0
-        after = request.num_tokens - (len(hit_blocks) + len(hits)) * self.kv.block_size
-        if not self.kv.can_fit(request, len(hits) * self.kv.block_size + min(after, budget), hit_blocks):
-            return 0
-        load = self.kv.start_load(request, hit_blocks, hits)
-        if load is None:
-            return 0
-        if not load.future.done():
+    def _refusal(
+        self, request: Request, num_new: int, hit_blocks: list[list[Any]], out: SchedulerOutput
+    ) -> AdmissionRefused | None:
+        """The AdmissionRefused a waiting request earns when the pool lacks blocks for it though the step had room
+        (sequences and tokens) and nothing was preempted: what it needed and what was free."""
+        if out.preempted or self.suspects or len(self.running) >= self.max_num_seqs:
             return None
-        return self.kv.finish_load(load)
+        hit_len = len(hit_blocks[0]) if hit_blocks else 0
+        entries = -(-(request.num_computed_tokens + hit_len * self.kv.block_size + num_new) // self.kv.block_size)
+        needed = self.kv.num_groups * max(entries - hit_len, 0)
+        return AdmissionRefused(request.request_id, needed, self.kv.pool.num_free_blocks)
 
     @staticmethod
     def _drafts_that_fit(request: Request, num_new: int, budget: int) -> list[int]:
@@ -223,8 +226,7 @@ class Scheduler:
             if victim is None:
                 return out
             self.running.remove(victim)
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, out)
         if request.status is not RequestStatus.RUNNING:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -252,7 +254,9 @@ class Scheduler:
             self.suspects.add(request.request_id)
         return []
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        out.preempted.append(request)
+        out.preempted_held[request.request_id] = (request.num_computed_tokens, self.kv.num_blocks_held(request))
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -277,4 +281,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.offload is not None:
+            self.offload.cancel(request.request_id)
         self.kv.forget(request)

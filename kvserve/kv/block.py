@@ -16,11 +16,12 @@ class TierBlock:
     block_id: int
     block_hash: bytes
     key: BlockKey
+    group_id: int = 0  # the KV cache group whose layers the block holds (kv/groups.py)
 
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
-    """One block of `block_size` token slots in every layer's cache.
+    """One block of `block_size` token slots in each of the cache's per-layer tensors (the layers of one group).
 
     A block is either referenced (ref_cnt > 0) or sits in the free queue. A free block may still carry
     its hash: its contents stay valid (a later prefix hit revives it) until it is reused.
@@ -28,6 +29,7 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
+    group_id: int = 0  # the KV cache group that allocated it (kv/groups.py); its hash is cached in that group's map
     block_hash: bytes | None = None
     key: BlockKey | None = None  # set with block_hash: the content a prefix hit must match
     prev_free: KVCacheBlock | None = None
@@ -35,7 +37,8 @@ class KVCacheBlock:
     in_free_queue: bool = False
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hashed={self.block_hash is not None})"
+        hashed = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, group={self.group_id}, ref_cnt={self.ref_cnt}, hashed={hashed})"
 
 
 class FreeBlockQueue:

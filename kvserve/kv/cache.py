@@ -13,6 +13,7 @@ import torch
 
 from kvserve.capacity import KVShape
 from kvserve.dtypes import dtype_name, torch_dtype
+from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
 from kvserve.kv.quant import load, quant_format, store
 from kvserve.vocab import KV_DTYPES, check_choice
 
@@ -20,14 +21,21 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    """The shape facts that fix the bytes one token (and one block) costs."""
+class KVCacheConfig:
+    """The shape facts that fix the bytes one token (and one block) costs, and the layout of the layers' caches in
+    KV cache groups (kv/groups.py; None: one group of every layer, each keeping every token)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype  # the storage dtype; an 8-bit one means a quantized cache with scales
+    layout: KVCacheLayout | None = None
+
+    @property
+    def groups(self) -> KVCacheLayout:
+        """The layout in force (the uniform one when none was given)."""
+        return self.layout or make_kv_cache_layout([None] * self.num_layers)
 
     @property
     def is_quantized(self) -> bool:
@@ -38,16 +46,20 @@ class KVCacheSpec:
         """The --kv-cache-dtype name of the storage (fp8_e4m3, int8, float32, ...), for logs and metrics."""
         return dtype_name(self.dtype)
 
+    def _shape(self) -> KVShape:
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.num_kv_heads, (None,) * self.num_layers)
+
     @property
     def bytes_per_token(self) -> int:
-        """K and V, every layer, every KV head: head_dim elements plus, if 8-bit, one float32 scale; computed
-        by kvserve.capacity, so that `kvserve estimate` and the engine cannot disagree."""
-        shape = KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.num_kv_heads, (None,) * self.num_layers)
-        return shape.bytes_per_token(KV_DTYPES[self.dtype_name])
+        """K and V of one token in every layer, every KV head: head_dim elements plus, if 8-bit, one float32 scale;
+        computed by kvserve.capacity, so that `kvserve estimate` and the engine cannot disagree. With sliding groups
+        a cached token costs this only while every layer still holds it (bytes_per_block is what the pool pays)."""
+        return self._shape().bytes_per_token(KV_DTYPES[self.dtype_name])
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        """One block id's bytes: block_size tokens of each of the layout's per-layer cache tensors."""
+        return self._shape().bytes_per_block(self.groups, KV_DTYPES[self.dtype_name], self.block_size)
 
 
 @dataclass(slots=True)
@@ -93,35 +105,53 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> t
     return torch_dtype(kv_cache_dtype)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerKVCache]:
-    """Caches for every layer (scales of 1 beside 8-bit data); logs the dtype and the block count.
+def allocate_kv_cache(spec: KVCacheConfig, num_blocks: int, device: torch.device) -> list[LayerKVCache]:
+    """Caches for every layer (scales of 1 beside 8-bit data); logs the dtype and the block count. The layout's
+    `tensors_per_block` tensors are allocated once and shared: layer l reads and writes tensor layer_tensor[l], at the
+    block ids of its group's tables (kv/groups.py). Each layer gets its own LayerKVCache over them (its static scales
+    are its own).
 
     The data is not zero-filled: attention never reads a slot before it is written (decode padding re-reads
     the sequence's last token), and filling 1 GiB costs 0.3 s of every start. Pages are touched on first use,
     except under a KV offload tier, which touches them at start (touch_pages)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    layout = spec.groups
 
     def scales() -> torch.Tensor | None:
         return torch.ones(shape[:3], dtype=torch.float32, device=device) if spec.is_quantized else None
 
-    caches = [
-        LayerKVCache(
+    tensors = [
+        (
             torch.empty(shape, dtype=spec.dtype, device=device),
             torch.empty(shape, dtype=spec.dtype, device=device),
             scales(),
             scales(),
         )
-        for _ in range(spec.num_layers)
+        for _ in range(layout.tensors_per_block)
     ]
+    caches = [LayerKVCache(*tensors[layout.layer_tensor[layer]]) for layer in range(spec.num_layers)]
     logger.info(
-        "KV cache dtype %s: %d blocks x %d tokens, %d bytes/token (%s)",
+        "KV cache dtype %s: %d blocks x %d tokens x %d layers, %d bytes a block (%s)",
         spec.dtype_name,
         num_blocks,
         spec.block_size,
-        spec.bytes_per_token,
+        layout.tensors_per_block,
+        spec.bytes_per_block,
         "8-bit with a float32 scale per token and KV head" if spec.is_quantized else "unquantized",
     )
     return caches
+
+
+def unique_tensors(caches: Sequence[LayerKVCache]) -> list[LayerKVCache]:
+    """The caches over distinct tensors, in layer order: with KV cache groups several layers share one tensor, and
+    whatever walks the memory (the offload tier's block payload, page touching) must see each tensor once."""
+    seen: set[int] = set()
+    out = []
+    for cache in caches:
+        if cache.key.data_ptr() not in seen:
+            seen.add(cache.key.data_ptr())
+            out.append(cache)
+    return out
 
 
 def touch_pages(tensors: Sequence[torch.Tensor]) -> int:

@@ -18,13 +18,15 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import msgspec
 import zmq
 
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvserve.kv.events_config import KVEventsConfig
-from kvserve.kv.vllm_events import event_batch
+from kvserve.kv.groups import KVCacheSpec
+from kvserve.kv.vllm_events import UNIFORM_GROUPS, event_batch
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +65,19 @@ def bound_address(endpoint: str, bind_host: str | None) -> str:
 
 
 class ZmqKVEventPublisher:
-    def __init__(self, config: KVEventsConfig, block_size: int, medium: str, data_parallel_rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        block_size: int,
+        medium: str,
+        data_parallel_rank: int = 0,
+        groups: Sequence[KVCacheSpec] = UNIFORM_GROUPS,
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
+        self.groups = tuple(groups)  # each KV cache group's spec, which its BlockStored events carry
         endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
         self._bind = _binds(endpoint)
         self.endpoint = bound_address(endpoint, config.bind_host) if self._bind else endpoint
@@ -162,7 +172,7 @@ class ZmqKVEventPublisher:
                     except queue.Empty:
                         break
                 batch = event_batch(
-                    events, time.time(), self.medium, self.config.event_encoding, self.data_parallel_rank
+                    events, time.time(), self.medium, self.config.event_encoding, self.data_parallel_rank, self.groups
                 )
                 if batch is not None:
                     payload = self._encoder.encode(batch)

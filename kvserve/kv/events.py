@@ -29,6 +29,7 @@ class BlockStored:
     # None: the engine's block pool. An offload tier's blocks (block_id -1: no pool block) carry its medium in vLLM's
     # words, "CPU" (host memory) or "DISK", as vLLM's offloading connector marks them.
     medium: str | None = None
+    group_idx: int = 0  # the KV cache group (kv/groups.py): each group keeps its own blocks of a prefix
     kind: str = "block_stored"
 
 
@@ -39,6 +40,7 @@ class BlockRemoved:
     block_id: int
     block_hash: str
     medium: str | None = None  # as BlockStored's
+    group_idx: int = 0
     kind: str = "block_removed"
 
 
@@ -86,15 +88,40 @@ class KVEventBuffer:
     """A bounded FIFO of (sequence number, wall time, event). Appends are O(1); when full the oldest is dropped.
 
     `listeners` see every event as it is appended, on the engine thread, whoever drains the buffer (the ZMQ
-    publisher of kv/event_publisher.py is one): each must return at once, never wait."""
+    publisher of kv/event_publisher.py is one): each must return at once, never wait.
+
+    Events are made only while someone wants them (`enabled`): a listener, a reader that opened the buffer (the KV
+    inspector while a page watches, a test), or a lease (someone asked for a snapshot lately: its recent events come
+    with the next one). With KV cache groups a published block is an event per group, so a long prefill makes
+    hundreds a step, which nobody pays for when nobody reads them."""
 
     capacity: int = DEFAULT_EVENT_CAPACITY
     next_seq: int = 0
     dropped: int = 0
     listeners: list[Callable[[KVEvent], None]] = field(default_factory=list)
+    readers: int = 0  # open_reader / close_reader
+    lease_until: float = 0.0  # time.monotonic() until which events are made for someone who asked lately
     _items: deque[tuple[int, float, KVEvent]] = field(default_factory=deque)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether events are wanted: whoever makes one checks first (the buffer drops one made anyway)."""
+        return self.readers > 0 or bool(self.listeners) or time.monotonic() < self.lease_until
+
+    def lease(self, seconds: float) -> None:
+        """Make events for the next `seconds` (a snapshot was asked for: the next one shows what happened since)."""
+        self.lease_until = max(self.lease_until, time.monotonic() + seconds)
+
+    def open_reader(self) -> None:
+        """A reader starts draining: events are made from now on."""
+        self.readers += 1
+
+    def close_reader(self) -> None:
+        self.readers = max(0, self.readers - 1)
+
     def append(self, event: KVEvent) -> None:
+        if not self.enabled:
+            return
         for listener in self.listeners:
             listener(event)
         if len(self._items) >= self.capacity:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvserve.json_flags import check_field_types, config_from_json_flag
+from kvserve.kv.groups import KVCacheSpec
 
 if TYPE_CHECKING:
     from kvserve.kv.event_publisher import ZmqKVEventPublisher
@@ -95,6 +97,7 @@ def start_kv_event_publisher(
     medium: str,
     prefix_caching: bool,
     data_parallel_rank: int = 0,
+    groups: Sequence[KVCacheSpec] | None = None,
 ) -> ZmqKVEventPublisher | None:
     """Start publishing `events` when the config enables it (binding its sockets now, so a taken port fails the
     engine's start with a clear error); None otherwise, without importing zmq."""
@@ -107,6 +110,12 @@ def start_kv_event_publisher(
         )
     from kvserve.kv.event_publisher import ZmqKVEventPublisher
 
-    publisher = ZmqKVEventPublisher(config, block_size=block_size, medium=medium, data_parallel_rank=data_parallel_rank)
+    publisher = ZmqKVEventPublisher(
+        config,
+        block_size=block_size,
+        medium=medium,
+        data_parallel_rank=data_parallel_rank,
+        groups=(KVCacheSpec(),) if groups is None else groups,
+    )
     events.listeners.append(publisher.record)
     return publisher

@@ -1,20 +1,22 @@
-"""KVCacheManager: which blocks each request holds, prefix lookups, and growth on demand."""
+"""KVCacheManager: which blocks each request holds in each KV cache group, prefix lookups, and growth on demand."""
 
 from __future__ import annotations
 
-import threading
 from collections import deque
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvserve.kv.block import KVCacheBlock, TierBlock
+from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
 from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
 from kvserve.kv.pool import BlockPool
 from kvserve.units import cdiv
 
-if TYPE_CHECKING:
-    from kvserve.kv.offload.tier import OffloadTier
+# Per KV cache group, the blocks of a request's table: a sliding group's entries before its window are the null block.
+GroupBlocks = list[list[KVCacheBlock]]
+# has(group_id, block index) -> whether that group can serve that block of a request (a prefix-hit search's question).
+HasBlock = Callable[[int, int], bool]
 
 
 class KVRequest(Protocol):
@@ -26,6 +28,9 @@ class KVRequest(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
     @property
     def num_computed_tokens(self) -> int: ...
@@ -71,95 +76,159 @@ class PrefixCacheStats:
 
 
 @dataclass(slots=True)
-class PendingLoad:
-    """A restore from the offload tier in flight for a waiting request. It holds its blocks (the pool's hits before
-    the restored ones, and the fresh blocks being written), so that nothing evicts or reuses them meanwhile; when it
-    is done, the restored blocks join the prefix cache and every block is released, and the request's admission then
-    finds them all as ordinary prefix hits."""
+class RequestTables:
+    """One request's blocks: a table per KV cache group (all equally long: one entry per block of its tokens), and per
+    group how many leading entries are already the null block (blocks given back as the request moved past them)."""
 
-    request_id: str
-    held: list[KVCacheBlock]  # the pool hits (referenced), then the restore's targets
-    targets: list[TierBlock]
-    future: Future[int]
-    cancelled: threading.Event
+    tables: GroupBlocks
+    skipped: list[int]
+    num_published: int = 0  # leading blocks whose hashes are published to the prefix cache
 
     @property
-    def target_blocks(self) -> list[KVCacheBlock]:
-        return self.held[len(self.held) - len(self.targets) :]
+    def num_entries(self) -> int:
+        return len(self.tables[0])
 
 
 class KVCacheManager:
-    """Maps requests to block lists. A request holds blocks only for the tokens it has; full computed
-    blocks are published to the prefix cache so later requests with the same prefix can share them.
+    """Maps requests to block tables, one per KV cache group (kv/groups.py). A request holds blocks only for the
+    tokens it has (and, in a sliding group, only those its next queries can see); full computed blocks are
+    published to the prefix cache so later requests with the same prefix can share them.
 
     `reserve_tokens` > 0 emulates a contiguous cache (pre-PagedAttention systems, HF's static cache): a
     request takes blocks for that many tokens at its first allocation, whatever its length, so `bench
     memory` can measure what reserving max-model-len per request costs on the very same engine."""
 
-    def __init__(self, pool: BlockPool, block_size: int, hash_algo: str = "sha256", reserve_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        hash_algo: str = "sha256",
+        reserve_tokens: int = 0,
+        layout: KVCacheLayout | None = None,
+    ) -> None:
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
+        self.layout = layout or make_kv_cache_layout([None])
+        if reserve_tokens and self.layout.is_hybrid:
+            raise ValueError("reserving tokens per request emulates a contiguous cache: it needs the uniform layout")
+        if pool.num_groups != self.layout.num_groups:
+            raise ValueError(f"a pool of {pool.num_groups} groups cannot serve {self.layout.num_groups}")
         self.pool = pool
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
         self.hasher = BlockHasher(hash_algo)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_groups = self.layout.num_groups
+        self.full_groups = [g.group_id for g in self.layout.full_groups]
+        # Sliding groups by window: (blocks a hit needs before its end, the groups of that window).
+        windows: dict[int, list[int]] = {}
+        for g in self.layout.sliding_groups:
+            windows.setdefault(g.spec.hit_blocks(block_size) or 0, []).append(g.group_id)
+        self.sliding_hit_groups = list(windows.items())
+        self.specs = [g.spec for g in self.layout.groups]
+        self.requests: dict[str, RequestTables] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
-        self.req_num_published: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
-        # The KV offload tier under the pool (kv/offload/tier.py), attached by the engine core; None: no tier.
-        self.tier: OffloadTier | None = None
-        self.loads: dict[str, PendingLoad] = {}  # restores in flight, by waiting request
-        self.orphan_loads: list[PendingLoad] = []  # restores whose request left: released once their copy ends
-        self.to_offload: list[TierBlock] = []  # blocks published this step, for the tier once the step succeeds
-        self.external_queries_tokens = 0  # prompt tokens looked up in the tier (past the pool's hits)
-        self.external_hits_tokens = 0  # of them, restored
+        # Blocks published this step, for the KV offload tier once the step succeeds; collected only while a tier is
+        # attached (kv/offload/connector.py sets both). `store_now` takes a leaving request's last windows (below).
+        self.collect_published = False
+        self.to_offload: list[TierBlock] = []
+        self.store_now: Callable[[list[TierBlock]], None] | None = None
 
     @property
     def enable_caching(self) -> bool:
         return self.pool.enable_caching
 
+    @property
+    def null_block(self) -> KVCacheBlock:
+        return self.pool.null_block
+
     def _extra_keys(self, request: KVRequest) -> bytes:
         return salt_key(request.cache_salt)
 
-    def _hashes(self, request: KVRequest, num_tokens: int) -> list[bytes]:
+    def hashes(self, request: KVRequest, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks among the first num_tokens tokens; only blocks not hashed before cost work,
         each O(block_size)."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         num_tokens = min(num_tokens, request.num_tokens)
         return self.hasher.extend(request.token_slice, num_tokens, self.block_size, hashes, self._extra_keys(request))
 
-    def _key(self, request: KVRequest, hashes: list[bytes], index: int) -> BlockKey:
+    def key(self, request: KVRequest, hashes: list[bytes], index: int) -> BlockKey:
+        """What block `index` of the request holds, as a prefix hit compares it."""
         bs = self.block_size
         tokens = tuple(request.token_slice(index * bs, (index + 1) * bs))
         return BlockKey(hashes[index - 1] if index else None, tokens, self._extra_keys(request))
 
-    def _reads_prefix_cache(self, request: KVRequest) -> bool:
+    def reads_prefix_cache(self, request: KVRequest) -> bool:
         return self.enable_caching and not request.skip_reading_prefix_cache
 
-    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
-        """The longest run of cached blocks matching the request's tokens. Never covers the last token,
-        whose logits must be computed; skipped when prompt logprobs need every position's logits.
-        A lookup only: it counts nothing, since a request that cannot be admitted looks up again next step."""
-        if not self._reads_prefix_cache(request):
-            return [], 0
-        hashes = self._hashes(request, request.num_tokens - 1)
-        blocks = []
-        for i, block_hash in enumerate(hashes):
-            block = self.pool.lookup(block_hash, self._key(request, hashes, i))
-            if block is None:
+    # ---- prefix hits -----------------------------------------------------------------------------------
+
+    def longest_hit(self, num_blocks: int, has: HasBlock) -> int:
+        """The longest prefix, in blocks (at most num_blocks), that every group can serve: a full-attention group
+        needs each of its blocks, a sliding group the blocks before the hit point that its window covers (vLLM's
+        hybrid rule). Each kind's answer may shorten the prefix for the others, so the search repeats until no group
+        shortens it; the prefix only shrinks, so it ends."""
+        length = num_blocks
+        for i in range(num_blocks):
+            if not all(has(g, i) for g in self.full_groups):
+                length = i
                 break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        changed = True
+        while changed:
+            changed = False
+            for need, groups in self.sliding_hit_groups:
+                found = _sliding_hit(groups, need, length, has)
+                if found < length:
+                    length, changed = found, True
+        return length
+
+    def hit_start(self, group_id: int, length: int) -> int:
+        """The first block a prefix hit of `length` blocks needs in this group: 0 for full attention, the start of
+        the window before the hit point for a sliding group."""
+        need = self.specs[group_id].hit_blocks(self.block_size)
+        return 0 if need is None else max(0, length - need)
+
+    def hit_blocks(self, length: int, block_of: Callable[[int, int], KVCacheBlock]) -> GroupBlocks:
+        """Per group, the table of a prefix hit of `length` blocks: every block for a full-attention group, null
+        entries then the window's blocks for a sliding group. block_of(group, index) gives a served block."""
+        out: GroupBlocks = []
+        for g in range(self.num_groups):
+            first = self.hit_start(g, length)
+            out.append([self.null_block] * first + [block_of(g, i) for i in range(first, length)])
+        return out
+
+    def get_computed_blocks(self, request: KVRequest) -> tuple[GroupBlocks, int]:
+        """The longest prefix of the request's tokens the pool's cached blocks serve in every group, as per-group
+        tables, and its length in tokens. Never covers the last token, whose logits must be computed; skipped when
+        prompt logprobs need every position's logits. A lookup only: it counts nothing, since a request that cannot
+        be admitted looks up again next step."""
+        if not self.reads_prefix_cache(request):
+            return [[] for _ in range(self.num_groups)], 0
+        hashes = self.hashes(request, request.num_tokens - 1)
+        found: dict[tuple[int, int], KVCacheBlock] = {}
+        keys: dict[int, BlockKey] = {}
+
+        def has(g: int, i: int) -> bool:
+            if (g, i) not in found:
+                if i not in keys:
+                    keys[i] = self.key(request, hashes, i)
+                block = self.pool.lookup(hashes[i], keys[i], g)
+                if block is None:
+                    return False
+                found[g, i] = block
+            return True
+
+        length = self.longest_hit(len(hashes), has)
+        return self.hit_blocks(length, lambda g, i: found[g, i]), length * self.block_size
 
     def evicted_misses(self, request: KVRequest, num_hit_tokens: int) -> int:
         """The tokens after the request's hits whose blocks the pool evicted shortly before (its ghost list): hits
         lost to eviction. Asked before the request's allocation, which re-publishes the blocks it computes."""
         ghosts = self.pool.recently_evicted
-        if not ghosts or not self._reads_prefix_cache(request):
+        if not ghosts or not self.reads_prefix_cache(request):
             return 0
         lost = 0
-        for block_hash in self._hashes(request, request.num_tokens - 1)[num_hit_tokens // self.block_size :]:
+        for block_hash in self.hashes(request, request.num_tokens - 1)[num_hit_tokens // self.block_size :]:
             if block_hash not in ghosts:
                 break
             lost += 1
@@ -170,184 +239,227 @@ class KVCacheManager:
         scheduler calls it once per request, when its first admission has its blocks; lookups retried while
         the request waits, and re-admissions after preemption, would otherwise inflate the queries and skew
         the hit rate exactly when the server is under pressure (vLLM fixed the same bug)."""
-        if self._reads_prefix_cache(request):
+        if self.reads_prefix_cache(request):
             self.prefix_stats.record(request.num_tokens, num_hit_tokens)
             self.prefix_stats.evicted_misses_total += num_evicted_misses
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        """Blocks a request of num_tokens tokens holds: just enough, or its whole reservation."""
+    # ---- allocation ------------------------------------------------------------------------------------
+
+    def _entries_for(self, num_tokens: int) -> int:
+        """Table entries (per group) of a request of num_tokens tokens: just enough, or its whole reservation."""
         return cdiv(max(num_tokens, self.reserve_tokens), self.block_size)
 
     def can_fit(
         self,
         request: KVRequest,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock],
+        new_computed_blocks: GroupBlocks | None = None,
         num_lookahead_tokens: int = 0,
     ) -> bool:
-        held = self.req_blocks.get(request.request_id, [])
-        num_tokens = (
-            request.num_computed_tokens
-            + len(new_computed_blocks) * self.block_size
-            + num_new_tokens
-            + num_lookahead_tokens
-        )
-        needed = self._blocks_for(num_tokens) - len(held) - len(new_computed_blocks)
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return max(needed, 0) + revived <= self.pool.num_free_blocks
+        """Whether the pool can give the request blocks for num_new_tokens (+ lookahead) more tokens after the prefix
+        hit `new_computed_blocks` (reviving those of its blocks that sit free). A query: it changes nothing."""
+        state = self.requests.get(request.request_id)
+        hit = new_computed_blocks or [[] for _ in range(self.num_groups)]
+        num_tokens = request.num_computed_tokens + len(hit[0]) * self.block_size + num_new_tokens + num_lookahead_tokens
+        entries = self._entries_for(num_tokens)
+        held = state.num_entries if state is not None else 0
+        needed = self.num_groups * max(entries - held - len(hit[0]), 0)
+        revived = sum(1 for blocks in hit for b in blocks if b.ref_cnt == 0 and b is not self.null_block)
+        return needed + revived <= self.pool.num_free_blocks
 
     def allocate_slots(
         self,
         request: KVRequest,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: GroupBlocks | None = None,
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after any prefix-hit blocks), plus slots for
         `num_lookahead_tokens` drafted tokens (speculative decoding, vLLM's name). Draft slots are never published
         to the prefix cache: a drafted token may be rejected, and its K/V with it (see `rollback`).
-        Returns False, changing nothing, when the pool cannot supply them."""
-        new_computed_blocks = new_computed_blocks or []
+
+        First, blocks no later query of the request can see (before a sliding group's window) go back to the pool,
+        whether or not the rest fits (vLLM's order: fewer blocks are then evicted for the new ones). Returns False,
+        changing nothing more, when the pool cannot supply the new blocks."""
+        rid = request.request_id
+        state = self.requests.get(rid)
+        if state is not None and self.sliding_hit_groups:
+            self._free_skipped(request, state)
         if not self.can_fit(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens):
             return False
-        held = self.req_blocks.setdefault(request.request_id, [])
-        if new_computed_blocks:
-            if held:
-                raise ValueError(f"request {request.request_id} already holds blocks; prefix hits come first")
-            self.req_num_published[request.request_id] = len(new_computed_blocks)
-        self.pool.touch(new_computed_blocks)
-        held.extend(new_computed_blocks)
-        num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-        needed = self._blocks_for(num_tokens + num_lookahead_tokens) - len(held)
+        if state is None:
+            state = self.requests[rid] = RequestTables([[] for _ in range(self.num_groups)], [0] * self.num_groups)
+        hit_len = 0
+        if new_computed_blocks and new_computed_blocks[0]:
+            if state.num_entries:
+                raise ValueError(f"request {rid} already holds blocks; prefix hits come first")
+            hit_len = len(new_computed_blocks[0])
+            for g, blocks in enumerate(new_computed_blocks):
+                self.pool.touch(b for b in blocks if b is not self.null_block)
+                state.tables[g].extend(blocks)
+                state.skipped[g] = sum(1 for b in blocks if b is self.null_block)
+            state.num_published = hit_len
+        num_tokens = request.num_computed_tokens + hit_len * self.block_size + num_new_tokens
+        needed = self._entries_for(num_tokens + num_lookahead_tokens) - state.num_entries
         if needed > 0:
-            held.extend(self.pool.allocate(needed))
-        self._publish(request, num_tokens)
+            for g, table in enumerate(state.tables):
+                table.extend(self.pool.allocate(needed, g))
+        self._publish(request, state, num_tokens)
         return True
+
+    def _free_skipped(self, request: KVRequest, state: RequestTables) -> None:
+        """Give back, in each sliding group, the blocks before the window of the request's next query (their
+        table entries become the null block). Hashed ones stay revivable in the free queue like any freed block."""
+        for g, spec in enumerate(self.specs):
+            first = min(spec.first_needed_block(request.num_computed_tokens, self.block_size), state.num_entries)
+            table = state.tables[g]
+            skipped = [table[i] for i in range(state.skipped[g], first) if table[i] is not self.null_block]
+            for i in range(state.skipped[g], first):
+                table[i] = self.null_block
+            state.skipped[g] = max(state.skipped[g], first)
+            if skipped:
+                self.pool.free(skipped)
 
     def rollback(self, request: KVRequest) -> None:
         """After verification: return the blocks past the request's tokens (those held only rejected drafts'
         K/V) to the pool. The slots of rejected drafts inside a kept block are simply overwritten when real
         tokens reach them; such a block was never published (`allocate_slots` publishes real tokens only), and
         is published only in the step that computes its last real token."""
-        held = self.req_blocks.get(request.request_id)
-        if not held:
+        state = self.requests.get(request.request_id)
+        if state is None:
             return
-        keep = self._blocks_for(request.num_tokens)
-        if len(held) > keep:
-            tail = held[keep:]
-            del held[keep:]
-            self.pool.free(reversed(tail))
+        keep = self._entries_for(request.num_tokens)
+        for table in state.tables:
+            if len(table) > keep:
+                tail = [b for b in table[keep:] if b is not self.null_block]
+                del table[keep:]
+                self.pool.free(reversed(tail))
 
-    def _publish(self, request: KVRequest, num_tokens: int) -> None:
-        """Hash the request's blocks that are full once `num_tokens` tokens are computed.
+    def _publish(self, request: KVRequest, state: RequestTables, num_tokens: int) -> None:
+        """Hash the request's blocks that are full once `num_tokens` tokens are computed, in every group.
 
         This happens at allocation, before the step computes them, as in vLLM: a request scheduled later
         in the same step (a sibling of an n > 1 request, or a batch sharing a system prompt) can then
         share the blocks at once. It is safe because every layer writes the whole batch's new K/V before
         any query reads the cache, and the scheduler never preempts a request it already scheduled in the
-        same step. If a step fails, the engine drops the prefix cache (reset_prefix_cache)."""
+        same step. If a step fails, the engine drops the prefix cache (reset_prefix_cache).
+
+        A block that becomes its group's cached block for its hash is queued for the offload tier (once the step
+        succeeds); a private duplicate of a block cached already (a sibling's, a concurrent identical prompt's) is
+        not, so the tier stores each (group, hash) once. Of a sliding group, only the blocks a restore can use are
+        stored (see offload_window): a restore needs a sliding group's window before its hit point only, so the
+        tier keeps about the full-attention groups' share of a long prompt (Gemma 3: 1/6 of every layer's)."""
         if not self.enable_caching:
             return
-        rid = request.request_id
-        num_full = min(num_tokens // self.block_size, len(self.req_blocks.get(rid, ())))
-        start = self.req_num_published.get(rid, 0)
+        num_full = min(num_tokens // self.block_size, state.num_entries)
+        start = state.num_published
         if num_full <= start:
             return
-        hashes = self._hashes(request, num_full * self.block_size)
-        blocks = self.req_blocks[rid]
+        hashes = self.hashes(request, num_full * self.block_size)
+        prompt_end = (request.num_prompt_tokens - 1) // self.block_size  # where the same prompt, sent again, hits
         for i in range(start, num_full):
-            key = self._key(request, hashes, i)
-            self.pool.cache_block(blocks[i], hashes[i], key)
-            if self.tier is not None:
-                self.to_offload.append(TierBlock(blocks[i].block_id, hashes[i], key))
-        self.req_num_published[rid] = num_full
+            key = self.key(request, hashes, i)
+            for g, table in enumerate(state.tables):
+                block = table[i]
+                if block is self.null_block:
+                    continue
+                cached = self.pool.cache_block(block, hashes[i], key)
+                if cached and self.collect_published and self._offloads(g, i, prompt_end):
+                    self.to_offload.append(TierBlock(block.block_id, hashes[i], key, g))
+        state.num_published = num_full
 
-    # ---- the offload tier ----------------------------------------------------------------------------
+    def _offloads(self, group_id: int, index: int, hit_point: int) -> bool:
+        """Whether block `index` of a group goes to the offload tier as it is published: every block of a
+        full-attention group; of a sliding group, those of its window before `hit_point` (the end of the prompt)."""
+        return not self.specs[group_id].is_sliding or self.hit_start(group_id, hit_point) <= index < hit_point
 
-    def tier_hits(self, request: KVRequest, num_pool_blocks: int) -> list[tuple[bytes, BlockKey]]:
-        """The blocks after the pool's `num_pool_blocks` hits that the tier holds, in order up to the first it lacks
-        (never the block of the last prompt token, as for the pool)."""
-        tier = self.tier
-        if tier is None or not tier.readable or not self._reads_prefix_cache(request):
-            return []
-        hashes = self._hashes(request, request.num_tokens - 1)
-        hits = []
-        for i in range(num_pool_blocks, len(hashes)):
-            if not tier.contains(hashes[i]):
-                break
-            hits.append((hashes[i], self._key(request, hashes, i)))
-        return hits
-
-    def start_load(
-        self, request: KVRequest, pool_blocks: list[KVCacheBlock], hits: list[tuple[bytes, BlockKey]]
-    ) -> PendingLoad | None:
-        """Take fresh blocks for `hits` (and a reference on the pool's hits before them) and start copying the tier's
-        blocks into them; None, changing nothing, when the pool cannot supply the blocks."""
-        tier = self.tier
-        assert tier is not None
-        revived = sum(1 for b in pool_blocks if b.ref_cnt == 0)
-        if revived + len(hits) > self.pool.num_free_blocks:
-            return None
-        self.pool.touch(pool_blocks)
-        fresh = self.pool.allocate(len(hits))
-        targets = [TierBlock(b.block_id, h, k) for b, (h, k) in zip(fresh, hits)]
-        cancelled = threading.Event()
-        load = PendingLoad(
-            request.request_id, [*pool_blocks, *fresh], targets, tier.load(targets, cancelled), cancelled
-        )
-        self.loads[request.request_id] = load
-        return load
-
-    def finish_load(self, load: PendingLoad) -> int:
-        """A done restore: its restored blocks join the prefix cache, every block it held is released (hashed ones at
-        the free queue's tail, so the admission that follows revives them). Returns the blocks restored."""
-        try:
-            restored = load.future.result()
-        except Exception:  # noqa: BLE001 -- a failed copy restores nothing; the blocks are recomputed
-            restored = 0
-        for block, target in zip(load.target_blocks[:restored], load.targets):
-            self.pool.cache_block(block, target.block_hash, target.key)
-        self.pool.free(reversed(load.held))
-        if self.loads.get(load.request_id) is load:
-            del self.loads[load.request_id]
-        return restored
-
-    def reap_orphan_loads(self) -> None:
-        """Release the restores of requests that left while their copy ran, once the copy has stopped."""
-        if self.orphan_loads:
-            done = [load for load in self.orphan_loads if load.future.done()]
-            self.orphan_loads = [load for load in self.orphan_loads if not load.future.done()]
-            for load in done:
-                self.finish_load(load)
-
-    def load_futures(self) -> list[Future[int]]:
-        return [load.future for load in (*self.loads.values(), *self.orphan_loads)]
+    def _offload_last_windows(self, request: KVRequest, state: RequestTables) -> None:
+        """A request lets go of its blocks: each sliding group's window before the end of its computed full blocks
+        (where the next turn of its conversation hits) goes to the tier now, while the blocks still hold it."""
+        if self.store_now is None or not self.sliding_hit_groups:
+            return
+        end = min(request.num_computed_tokens // self.block_size, state.num_published)
+        hashes = self.req_hashes.get(request.request_id, [])
+        blocks = []
+        for g, table in enumerate(state.tables):
+            if not self.specs[g].is_sliding:
+                continue
+            for i in range(self.hit_start(g, end), min(end, len(hashes))):
+                block = table[i]
+                if block.block_hash == hashes[i] and self.pool.cached[g].get(hashes[i]) is block and block.key:
+                    blocks.append(TierBlock(block.block_id, hashes[i], block.key, g))
+        if blocks:
+            self.store_now(blocks)
 
     def take_offload(self) -> list[TierBlock]:
         """The blocks published since the last call (the step that computed them succeeded: the tier may copy them)."""
         blocks, self.to_offload = self.to_offload, []
         return blocks
 
-    def block_ids(self, request: KVRequest) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
+    # ---- what requests hold ----------------------------------------------------------------------------
+
+    def block_ids(self, request: KVRequest, group_id: int = 0) -> list[int]:
+        """The request's table in one group, as block ids (the null block's id before a sliding window)."""
+        state = self.requests.get(request.request_id)
+        return [] if state is None else [b.block_id for b in state.tables[group_id]]
+
+    def group_tables(self, request_id: str) -> GroupBlocks:
+        """The request's tables, one per group (empty lists when it holds nothing)."""
+        state = self.requests.get(request_id)
+        return [[] for _ in range(self.num_groups)] if state is None else state.tables
 
     def num_blocks_held(self, request: KVRequest) -> int:
-        return len(self.req_blocks.get(request.request_id, ()))
+        """Pool blocks the request holds, all groups together (null entries are not blocks)."""
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return 0
+        return sum(len(t) - sum(1 for b in t if b is self.null_block) for t in state.tables)
+
+    def num_tokens_held(self, request: KVRequest) -> int:
+        """Token slots the request's tables cover (the same in every group)."""
+        state = self.requests.get(request.request_id)
+        return 0 if state is None else state.num_entries * self.block_size
+
+    def held_blocks(self) -> list[tuple[str, int, KVCacheBlock]]:
+        """Every (request id, group, block) reference that requests hold, null entries left out (invariant checks,
+        the inspector)."""
+        return [
+            (rid, g, b)
+            for rid, state in self.requests.items()
+            for g, table in enumerate(state.tables)
+            for b in table
+            if b is not self.null_block
+        ]
 
     def free(self, request: KVRequest) -> None:
-        """Return the request's blocks, last block first so that a sequence's tail is evicted before its
-        shareable head. Freeing an unknown or already freed request does nothing. A restore in flight for it is
-        cancelled; its blocks are released once the copy into them has stopped (reap_orphan_loads)."""
-        load = self.loads.pop(request.request_id, None)
-        if load is not None:
-            load.cancelled.set()
-            self.orphan_loads.append(load)
-        blocks = self.req_blocks.pop(request.request_id, None)
-        self.req_num_published.pop(request.request_id, None)
-        if blocks:
-            self.pool.free(reversed(blocks))
+        """Return the request's blocks, each group's last block first so that a sequence's tail is evicted before
+        its shareable head (with an offload tier, its sliding groups' last windows are stored first). Freeing an
+        unknown or already freed request does nothing."""
+        state = self.requests.pop(request.request_id, None)
+        if state is None:
+            return
+        self._offload_last_windows(request, state)
+        for table in state.tables:
+            self.pool.free(reversed([b for b in table if b is not self.null_block]))
 
     def forget(self, request: KVRequest) -> None:
         """Drop per-request bookkeeping once a request is gone for good."""
         self.free(request)
         self.req_hashes.pop(request.request_id, None)
+
+
+def _sliding_hit(groups: Sequence[int], need: int, max_blocks: int, has: HasBlock) -> int:
+    """The longest prefix of at most max_blocks blocks after which every group in `groups` holds the `need` blocks
+    before its end (or all blocks from the first, for a shorter prefix): scanned from the end, a run of `need`
+    consecutive served blocks ending at L makes L the hit (vLLM's SlidingWindowManager)."""
+    if need == 0:
+        return max_blocks
+    run = 0
+    for i in range(max_blocks - 1, -1, -1):
+        if all(has(g, i) for g in groups):
+            run += 1
+            if run >= need:
+                return i + need
+        else:
+            run = 0
+    return run

@@ -17,22 +17,37 @@ class BlockPool:
     first.
 
     Block NULL_BLOCK_ID is the null block: never in the free queue, never allocated, never referenced, so the
-    padding of block tables points at a block no request's K/V lives in. Requests share the other
-    `num_usable_blocks` = num_blocks - 1, and free + referenced == num_usable_blocks at all times."""
+    padding of block tables (and a sliding-window group's entries before its window) points at a block no request's
+    K/V lives in. Requests share the other `num_usable_blocks` = num_blocks - 1, and free + referenced ==
+    num_usable_blocks at all times.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventBuffer | None = None) -> None:
+    One pool serves every KV cache group (kv/groups.py): a block belongs to the group that allocated it until it is
+    reused, and the prefix cache maps (group, hash) to a block, one map per group (`cached[group]`), since each group
+    keeps its own copy of a prefix's K/V."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        events: KVEventBuffer | None = None,
+        num_groups: int = 1,
+    ) -> None:
         if usable_blocks(num_blocks) < 1:
             raise ValueError(f"a block pool needs at least two blocks (one is the null block), got {num_blocks}")
+        if num_groups < 1:
+            raise ValueError(f"a block pool serves at least one KV cache group, got {num_groups}")
         self.num_blocks = num_blocks
         self.num_usable_blocks = usable_blocks(num_blocks)
         self.enable_caching = enable_caching
+        self.num_groups = num_groups
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue([b for b in self.blocks if b is not self.null_block])
-        self.cached: dict[bytes, KVCacheBlock] = {}
-        # Prefix hits per cached hash since it was stored (for the inspector's prefix tree); dropped on eviction.
-        self.hit_counts: dict[bytes, int] = {}
-        self.events = events  # None: no one reads KV events, so none are made
+        self.cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in range(num_groups)]
+        # Prefix hits per cached hash since it was stored (for the inspector's prefix tree), per group; dropped on
+        # eviction.
+        self.hit_counts: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        self.events = events  # None (or a buffer nobody reads: KVEventBuffer.enabled): no events are made
         # The hashes the pool evicted most recently (a ghost list, as ARC keeps): a later lookup that misses on one
         # of them is a prefix hit lost to eviction, which `kvserve doctor` reports (an offload tier would keep it).
         self.recently_evicted: OrderedDict[bytes, None] = OrderedDict()
@@ -47,7 +62,8 @@ class BlockPool:
         """Fraction of usable blocks referenced by requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def allocate(self, count: int) -> list[KVCacheBlock]:
+    def allocate(self, count: int, group_id: int = 0) -> list[KVCacheBlock]:
+        """`count` blocks for group `group_id`, least recently freed first (their old hashes evicted)."""
         if count > self.num_free_blocks:
             raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} are free")
         blocks = []
@@ -55,12 +71,14 @@ class BlockPool:
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
+            block.group_id = group_id
             blocks.append(block)
         return blocks
 
-    def lookup(self, block_hash: bytes, key: BlockKey) -> KVCacheBlock | None:
-        """The cached block for this hash, if its stored content matches `key` (guards against collisions)."""
-        block = self.cached.get(block_hash)
+    def lookup(self, block_hash: bytes, key: BlockKey, group_id: int = 0) -> KVCacheBlock | None:
+        """The group's cached block for this hash, if its stored content matches `key` (guards against
+        collisions)."""
+        block = self.cached[group_id].get(block_hash)
         return block if block is not None and block.key == key else None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -70,7 +88,8 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
             if block.block_hash is not None:
-                self.hit_counts[block.block_hash] = self.hit_counts.get(block.block_hash, 0) + 1
+                counts = self.hit_counts[block.group_id]
+                counts[block.block_hash] = counts.get(block.block_hash, 0) + 1
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block. Blocks that reach zero return to the free queue: hashed
@@ -85,37 +104,60 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes, key: BlockKey) -> None:
-        """Record that a full, computed block holds the prefix `block_hash`."""
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes, key: BlockKey) -> bool:
+        """Record that a full, computed block of its group holds the prefix `block_hash`. Returns whether it is now
+        the group's cached block for that hash (False: caching is off, or an identical block already is, and this
+        one stays private)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self.cached:
-            return  # an identical block (or a colliding one) is already cached; this one stays private
+            return False
+        cached = self.cached[block.group_id]
+        if block_hash in cached:
+            return False  # an identical block (or a colliding one) is already cached; this one stays private
         block.block_hash, block.key = block_hash, key
-        self.cached[block_hash] = block
+        cached[block_hash] = block
         self.recently_evicted.pop(block_hash, None)
-        if self.events is not None:
+        if self.events is not None and self.events.enabled:
             parent = key.parent.hex() if key.parent is not None else None
-            self.events.append(BlockStored(block.block_id, block_hash.hex(), parent, key.token_ids, len(key.token_ids)))
+            self.events.append(
+                BlockStored(
+                    block.block_id,
+                    block_hash.hex(),
+                    parent,
+                    key.token_ids,
+                    len(key.token_ids),
+                    group_idx=block.group_id,
+                )
+            )
+        return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-                self.hit_counts.pop(block.block_hash, None)
+            cached = self.cached[block.group_id]
+            if cached.get(block.block_hash) is block:
+                del cached[block.block_hash]
+                self.hit_counts[block.group_id].pop(block.block_hash, None)
                 self.recently_evicted[block.block_hash] = None
                 if len(self.recently_evicted) > self.recently_evicted_capacity:
                     self.recently_evicted.popitem(last=False)
-                if self.events is not None:
-                    self.events.append(BlockRemoved(block.block_id, block.block_hash.hex()))
+                if self.events is not None and self.events.enabled:
+                    self.events.append(BlockRemoved(block.block_id, block.block_hash.hex(), group_idx=block.group_id))
             block.block_hash = block.key = None
 
+    def is_cached(self, block_hash: bytes, group_id: int = 0) -> bool:
+        return block_hash in self.cached[group_id]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(len(c) for c in self.cached)
+
     def reset_prefix_cache(self) -> None:
-        for block in self.cached.values():
-            block.block_hash = block.key = None
-        self.cached.clear()
-        self.hit_counts.clear()
-        if self.events is not None:
+        for cached in self.cached:
+            for block in cached.values():
+                block.block_hash = block.key = None
+            cached.clear()
+        for counts in self.hit_counts:
+            counts.clear()
+        if self.events is not None and self.events.enabled:
             self.events.append(AllBlocksCleared())
 
     def check_invariants(self) -> None:
@@ -137,8 +179,9 @@ class BlockPool:
                 continue
             if (block.block_id in free_set) == (block.ref_cnt > 0):
                 raise AssertionError(f"{block} is {'both free and referenced' if block.ref_cnt else 'lost'}")
-            if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
+            if block.block_hash is not None and self.cached[block.group_id].get(block.block_hash) is not block:
                 raise AssertionError(f"{block} has a hash the cache map does not point back to")
-        for block_hash, block in self.cached.items():
-            if block.block_hash != block_hash:
-                raise AssertionError(f"cache map entry points at {block} with another hash")
+        for group_id, cached in enumerate(self.cached):
+            for block_hash, block in cached.items():
+                if block.block_hash != block_hash or block.group_id != group_id:
+                    raise AssertionError(f"group {group_id}'s cache map entry points at {block} with another hash")

@@ -13,17 +13,17 @@ full blocks; consecutive BlockRemoved events likewise become one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kv.groups import KVCacheSpec
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-# kvserve keeps one KV cache group with every layer's full K/V (vLLM's "full_attention" spec, group 0).
-GROUP_IDX = 0
-KV_CACHE_SPEC_KIND = "full_attention"
+# A model of one kind of layer has one KV cache group, a full-attention one (vLLM's "full_attention" spec, group 0).
+UNIFORM_GROUPS: tuple[KVCacheSpec, ...] = (KVCacheSpec(),)
 
 
 def external_block_hash(hex_hash: str) -> int:
@@ -44,12 +44,14 @@ class _Stored:
     token_ids: list[int]
     block_size: int
     medium: str | None = None  # None: the pool's (the batch's medium)
+    group_idx: int = 0
 
 
 @dataclass(slots=True)
 class _Removed:
     hashes: list[int] = field(default_factory=list)
     medium: str | None = None
+    group_idx: int = 0
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ def _coalesce(events: Iterable[KVEvent]) -> list[_Stored | _Removed | _Cleared]:
                 and event.parent_block_hash == last.last_hex
                 and event.block_size == last.block_size
                 and event.medium == last.medium
+                and event.group_idx == last.group_idx
             ):
                 last.hashes.append(external_block_hash(event.block_hash))
                 last.token_ids.extend(event.token_ids)
@@ -82,11 +85,12 @@ def _coalesce(events: Iterable[KVEvent]) -> list[_Stored | _Removed | _Cleared]:
                         list(event.token_ids),
                         event.block_size,
                         event.medium,
+                        event.group_idx,
                     )
                 )
         elif isinstance(event, BlockRemoved):
-            if not isinstance(last, _Removed) or last.medium != event.medium:
-                last = _Removed(medium=event.medium)
+            if not isinstance(last, _Removed) or (last.medium, last.group_idx) != (event.medium, event.group_idx):
+                last = _Removed(medium=event.medium, group_idx=event.group_idx)
                 out.append(last)
             last.hashes.append(external_block_hash(event.block_hash))
         elif isinstance(event, AllBlocksCleared):
@@ -94,12 +98,14 @@ def _coalesce(events: Iterable[KVEvent]) -> list[_Stored | _Removed | _Cleared]:
     return out
 
 
-def _as_map(item: _Stored | _Removed | _Cleared, medium: str) -> dict[str, Any]:
+def _as_map(item: _Stored | _Removed | _Cleared, medium: str, groups: Sequence[KVCacheSpec]) -> dict[str, Any]:
     """vLLM after 0.23: named fields; those whose vLLM default is None and whose value is None are left out, as
     msgspec's omit_defaults leaves them out (extra_keys is sent: one None per block, like vLLM without LoRA,
-    multimodal inputs or a salt to report)."""
+    multimodal inputs or a salt to report). A BlockStored carries its group's spec, as vLLM's do, so that a reader
+    can tell a full-attention group's blocks from a sliding window's (docs/KV_EVENTS.md)."""
     if isinstance(item, _Stored):
-        return {
+        spec = groups[item.group_idx]
+        stored = {
             "type": "BlockStored",
             "block_hashes": item.hashes,
             "parent_block_hash": item.parent,
@@ -109,15 +115,18 @@ def _as_map(item: _Stored | _Removed | _Cleared, medium: str) -> dict[str, Any]:
             "medium": medium,
             "lora_name": None,
             "extra_keys": [None] * len(item.hashes),
-            "group_idx": GROUP_IDX,
-            "kv_cache_spec_kind": KV_CACHE_SPEC_KIND,
+            "group_idx": item.group_idx,
+            "kv_cache_spec_kind": spec.kind,
         }
+        if spec.window is not None:
+            stored["kv_cache_spec_sliding_window"] = spec.window
+        return stored
     if isinstance(item, _Removed):
-        return {"type": "BlockRemoved", "block_hashes": item.hashes, "medium": medium, "group_idx": GROUP_IDX}
+        return {"type": "BlockRemoved", "block_hashes": item.hashes, "medium": medium, "group_idx": item.group_idx}
     return {"type": "AllBlocksCleared"}
 
 
-def _as_array(item: _Stored | _Removed | _Cleared, medium: str) -> list[Any]:
+def _as_array(item: _Stored | _Removed | _Cleared, medium: str, groups: Sequence[KVCacheSpec]) -> list[Any]:
     """vLLM <= 0.23: the tag, then the fields in declaration order up to the last one without a default
     (lora_name); the trailing optional ones are omitted, as msgspec's omit_defaults omits them."""
     if isinstance(item, _Stored):
@@ -128,14 +137,21 @@ def _as_array(item: _Stored | _Removed | _Cleared, medium: str) -> list[Any]:
 
 
 def event_batch(
-    events: Iterable[KVEvent], ts: float, medium: str, encoding: str = "map", data_parallel_rank: int = 0
+    events: Iterable[KVEvent],
+    ts: float,
+    medium: str,
+    encoding: str = "map",
+    data_parallel_rank: int = 0,
+    groups: Sequence[KVCacheSpec] = UNIFORM_GROUPS,
 ) -> list[Any] | None:
-    """One KVEventBatch, msgpack-ready: [ts, [event, ...], data_parallel_rank]; None when no event is vLLM's."""
+    """One KVEventBatch, msgpack-ready: [ts, [event, ...], data_parallel_rank]; None when no event is vLLM's.
+    `groups`: each KV cache group's spec, by group index (the array encoding, vLLM <= 0.23's, has no group fields:
+    readers of it should be given a model of one group)."""
     items = _coalesce(events)
     if not items:
         return None
     encode = _as_map if encoding == "map" else _as_array
-    return [ts, [encode(item, _medium_of(item, medium)) for item in items], data_parallel_rank]
+    return [ts, [encode(item, _medium_of(item, medium), groups) for item in items], data_parallel_rank]
 
 
 def _medium_of(item: _Stored | _Removed | _Cleared, pool_medium: str) -> str:

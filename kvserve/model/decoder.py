@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionMetadata, StepMetadata, per_layer
 from kvserve.attention.registry import get_attention_backend
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels, NativeKernels
 from kvserve.kv.cache import LayerKVCache
@@ -160,8 +160,9 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[LayerKVCache],
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
+        metas = per_layer(meta, len(self.layers))
         h = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
         if multiplier is not None:
@@ -169,11 +170,11 @@ class DecoderModel(nn.Module):
         # nn.ModuleList yields untyped nn.Module items (torch's stubs): these are RotaryEmbedding
         tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # type: ignore[operator]
         native = self.choose_layer_path()
-        if native is not None and native.takes(kv_caches, h.shape[0], meta.is_decode_only):
-            return self.norm(native.run(h, tables, self.rope_index, kv_caches, meta))
-        for layer, rope_i, kv_cache in zip(self.layers, self.rope_index, kv_caches, strict=True):
+        if native is not None and native.takes(kv_caches, h.shape[0], metas[0].is_decode_only):
+            return self.norm(native.run(h, tables, self.rope_index, kv_caches, metas))
+        for layer, rope_i, kv_cache, layer_meta in zip(self.layers, self.rope_index, kv_caches, metas, strict=True):
             cos, sin = tables[rope_i]
-            h = layer(h, cos, sin, kv_cache, meta)
+            h = layer(h, cos, sin, kv_cache, layer_meta)
         return self.norm(h)
 
     @property

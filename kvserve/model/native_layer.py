@@ -12,6 +12,7 @@ dequantizes it) and the batch's shape (one step struct and one scratch buffer pe
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -180,35 +181,21 @@ class NativeLayerStack:
         tables: list[tuple[torch.Tensor, torch.Tensor]],
         rope_index: list[int],
         kv_caches: list[LayerKVCache],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        """h [T, hidden] float32 (a fresh tensor: it is updated in place) through every layer; returns h."""
+        """h [T, hidden] float32 (a fresh tensor: it is updated in place) through every layer, each with its own
+        metadata (its KV cache group's tables; one step struct per distinct metadata); returns h."""
         h = h.contiguous()
         tokens = h.shape[0]
-        step = StepDesc()
-        keep: list[torch.Tensor] = []  # tensors the step struct points into, alive until the layers ran
-        decode_count = 0
-        if not meta.is_decode_only:
-            idx = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-            decode_count = len(idx)
-            if idx:
-                sel = torch.tensor(idx, dtype=torch.int64)
-                keep += [meta.query_start_loc[sel], meta.block_tables[sel].contiguous(), meta.seq_lens[sel]]
-                step.decode_rows, step.decode_tables, step.decode_lens = (t.data_ptr() for t in keep[-3:])
-        ints = [
-            meta.slot_mapping.contiguous(),
-            meta.block_tables.contiguous(),
-            meta.seq_lens.contiguous(),
-            meta.query_start_loc.contiguous(),
-        ]
-        keep += ints
-        step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc = (t.data_ptr() for t in ints)
-        scratch = self._scratch(self.kernels.decoder_layer_scratch(self.layers[0], tokens, decode_count))
-        step.scratch = scratch.data_ptr()
-        step.tokens, step.seqs = tokens, len(meta.seq_lens_cpu)
-        step.table_width, step.block_size = ints[1].shape[1], meta.block_size
-        step.all_decode, step.decode_count = int(meta.is_decode_only), decode_count
-        for desc, rope_i, cache in zip(self.layers, rope_index, kv_caches, strict=True):
+        keep: list[torch.Tensor] = []  # tensors the step structs point into, alive until the layers ran
+        meta = metas[0]
+        decode_idx = [] if meta.is_decode_only else [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        scratch = self._scratch(self.kernels.decoder_layer_scratch(self.layers[0], tokens, len(decode_idx)))
+        steps: dict[int, StepDesc] = {}
+        for desc, rope_i, cache, layer_meta in zip(self.layers, rope_index, kv_caches, metas, strict=True):
+            step = steps.get(id(layer_meta))
+            if step is None:
+                step = steps[id(layer_meta)] = _step_desc(layer_meta, tokens, decode_idx, scratch, keep)
             cos, sin = tables[rope_i]
             self.kernels.decoder_layer(
                 desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale, cache.value_scale
@@ -222,3 +209,28 @@ class NativeLayerStack:
         if floats * 4 <= KEEP_SCRATCH_BYTES:
             self.scratch = buffer
         return buffer
+
+
+def _step_desc(
+    meta: AttentionMetadata, tokens: int, decode_idx: list[int], scratch: torch.Tensor, keep: list[torch.Tensor]
+) -> StepDesc:
+    """The step struct of one KV cache group's metadata: its slot mapping and block tables (and those of the step's
+    decode rows, in a mixed step), the batch's shape and the shared scratch. `keep` holds the tensors it points into."""
+    step = StepDesc()
+    if decode_idx:
+        sel = torch.tensor(decode_idx, dtype=torch.int64)
+        keep += [meta.query_start_loc[sel], meta.block_tables[sel].contiguous(), meta.seq_lens[sel]]
+        step.decode_rows, step.decode_tables, step.decode_lens = (t.data_ptr() for t in keep[-3:])
+    ints = [
+        meta.slot_mapping.contiguous(),
+        meta.block_tables.contiguous(),
+        meta.seq_lens.contiguous(),
+        meta.query_start_loc.contiguous(),
+    ]
+    keep += ints
+    step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc = (t.data_ptr() for t in ints)
+    step.scratch = scratch.data_ptr()
+    step.tokens, step.seqs = tokens, len(meta.seq_lens_cpu)
+    step.table_width, step.block_size = ints[1].shape[1], meta.block_size
+    step.all_decode, step.decode_count = int(meta.is_decode_only), len(decode_idx)
+    return step

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.attention.metadata import AttentionMetadata
+    from kvserve.attention.metadata import StepMetadata
     from kvserve.kernels.ops import NativeKernels
     from kvserve.kv.cache import LayerKVCache
 
@@ -39,9 +39,9 @@ class Model(Protocol):
         ...
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: StepMetadata
     ) -> torch.Tensor:
-        """The hidden states of a flat batch, writing its K/V into `kv_caches` at meta.slot_mapping."""
+        """The hidden states of a flat batch, writing its K/V into `kv_caches` at each layer's meta.slot_mapping."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

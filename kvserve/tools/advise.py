@@ -10,7 +10,7 @@ import argparse
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvserve.capacity import max_concurrent_requests, num_blocks_for_budget, resolve_kv_dtype
+from kvserve.capacity import max_concurrent_requests, num_blocks_for_budget, resolve_kv_dtype, tier_prefix_tokens
 from kvserve.kv.offload.config import parse_offloading_size
 from kvserve.tools.estimate import catalog_text
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
@@ -126,19 +126,23 @@ def advise(
     dtypes = [resolve_kv_dtype("auto", setup.dtype)]
     if not dtypes[0].is_8bit:
         dtypes.append(resolve_kv_dtype(EIGHT_BIT_KV, setup.dtype))
+    layout = facts.shape.layout(setup.hybrid)
     blocks = {d.name: _blocks(facts, setup, d) for d in dtypes}
     lengths = candidate_lengths(facts.context_len, scenario.needed_len)
+
+    def fit(num_blocks: int, seq_len: int) -> int:
+        """Requests of seq_len that num_blocks hold at once (with the KV cache groups the engine would use)."""
+        if not num_blocks:
+            return 0
+        return max_concurrent_requests(num_blocks, seq_len, bs, layout, setup.max_num_batched_tokens)
+
     candidates = [
         {
             "max_model_len": n,
             "kv_cache_dtype": d.name,
             "num_blocks": blocks[d.name],
-            "max_concurrent_requests": max_concurrent_requests(blocks[d.name], n, bs) if blocks[d.name] else 0,
-            "concurrent_requests_at_typical_len": max_concurrent_requests(
-                blocks[d.name], min(scenario.typical_len, n), bs
-            )
-            if blocks[d.name]
-            else 0,
+            "max_concurrent_requests": fit(blocks[d.name], n),
+            "concurrent_requests_at_typical_len": fit(blocks[d.name], min(scenario.typical_len, n)),
         }
         for n in lengths
         for d in dtypes
@@ -178,13 +182,14 @@ def advise(
     offload = None
     if offload_bytes is not None:
         kv_dtype = next(d for d in dtypes if d.name == chosen["kv_cache_dtype"])
-        tier_blocks = offload_bytes // (facts.shape.bytes_per_token(kv_dtype) * bs)
+        tier_blocks = offload_bytes // facts.shape.bytes_per_block(layout, kv_dtype, bs)
+        tier_tokens = tier_prefix_tokens(tier_blocks, bs, layout)  # the full-attention groups' blocks
         offload = {
             "bytes": offload_bytes,
             "kv_cache_dtype": kv_dtype.name,
             "num_blocks": tier_blocks,
-            "num_tokens": tier_blocks * bs,
-            "typical_requests": tier_blocks * bs // scenario.typical_len,
+            "num_tokens": tier_tokens,
+            "typical_requests": tier_tokens // scenario.typical_len,
         }
         size = f"{offload_bytes // GiB}" if offload_bytes % GiB == 0 else f"{offload_bytes}B"  # a bare number: GiB
         command += f" --kv-offloading-size {size}"
@@ -206,7 +211,7 @@ def advise(
 
 
 def _blocks(facts: ModelFacts, setup: Setup, kv_dtype: KVDtype) -> int:
-    per_block = facts.shape.bytes_per_token(kv_dtype) * setup.block_size
+    per_block = facts.shape.bytes_per_block(facts.shape.layout(setup.hybrid), kv_dtype, setup.block_size)
     assert setup.budget is not None
     try:
         return num_blocks_for_budget(setup.budget.kv_bytes, per_block)
@@ -263,7 +268,8 @@ def render_advice(doc: dict[str, Any]) -> str:
     typical = ", ".join(f"{d}: {by[r['max_model_len'], d]['concurrent_requests_at_typical_len']}" for d in dtypes)
     lines = [
         (
-            f"Model: {doc['model']['name']}; {doc['dtype']} weights ({format_gib(doc['weights']['bytes'] or 0)}) on "
+            f"Model: {doc['model']['name']}; {doc['dtype'] if doc['quantization'] == 'none' else doc['quantization']} "
+            f"weights ({format_gib(doc['weights']['bytes'] or 0)}) on "
             f"{doc['device']}; KV budget {format_gib(doc['budget']['kv_bytes'])} = {doc['budget']['formula']}"
         ),
         (

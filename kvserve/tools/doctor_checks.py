@@ -177,11 +177,26 @@ def check_kv_pressure(ev: Evidence, th: Thresholds) -> Finding | None:
                 f"; latency at concurrency {ev.probe.latency_by_concurrency[-1][0]} is "
                 f"{ev.probe.slowdown:.1f}x that of one request"
             )
+    config = ev.last.cache_config
+    layout = ""
+    if config.get("hybrid_kv_cache_manager", "").lower() == "false" and config.get(
+        "sliding_window_layers", "0"
+    ) not in (
+        "",
+        "0",
+    ):
+        evidence["sliding_window_layers"] = int(config["sliding_window_layers"])
+        layout = (
+            f"First, this model has {config['sliding_window_layers']} sliding-window layers whose out-of-window "
+            "blocks the server keeps (--disable-hybrid-kv-cache-manager): without that flag they go back to the "
+            "pool as requests advance (Gemma 3: about 5x the requests of max-model-len; `kvserve estimate` shows "
+            "both layouts). "
+        )
     return Finding(
         "kv_cache_pressure",
         f"The KV cache is near full ({100 * usage:.0f}% used) and {preempted:.0f} requests were preempted{climb}.",
         evidence,
-        "Lower --max-num-seqs so running requests fit without preemption, raise the KV budget "
+        layout + "Lower --max-num-seqs so running requests fit without preemption, raise the KV budget "
         "(--kv-cache-memory-bytes / --gpu-memory-utilization), or use an 8-bit KV dtype "
         "(--kv-cache-dtype fp8) for about twice the tokens; `kvserve advise` sizes these.",
     )

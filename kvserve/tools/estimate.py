@@ -10,14 +10,17 @@ import argparse
 from typing import Any
 
 from kvserve.capacity import (
+    KVShape,
     blocks_per_request,
     compare_contiguous,
     max_concurrent_requests,
     max_model_len_for_concurrency,
     plan_kv_cache,
     resolve_kv_dtype,
+    tier_prefix_tokens,
 )
 from kvserve.capacity_catalog import CATALOG
+from kvserve.kv.groups import KVCacheLayout
 from kvserve.kv.offload.config import parse_offloading_size
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
 from kvserve.tools.report import add_json_arg, emit, int_list, table
@@ -30,16 +33,22 @@ SCHEMA = (
     "num_attention_heads, num_kv_heads, head_dim, head_dim_note, kv_factor (2 = K and V, 1 = MLA latent), "
     "sliding_windows (per layer, null = global), context_len, checkpoint_dtype, num_parameters, "
     "num_parameters_note, file_bytes}, device, dtype, quantization (none|q8_0|gguf, as serve resolves it), "
-    "block_size, weights: {bytes, formula}, "
+    "block_size, hybrid_kv_cache_manager (false: --disable-hybrid-kv-cache-manager), max_num_batched_tokens, "
+    "weights: {bytes, formula}, "
     "budget: {kv_bytes, source (kv-cache-memory-bytes|memory|cpu-default), formula} | null, "
-    "kv: [{kv_cache_dtype, bytes_per_token, formula, terms: {kv_factor, num_layers, num_kv_heads, head_dim, "
-    "element_bytes, scale_bytes}, bytes_per_block, plan: {num_blocks (the null block included), num_usable_blocks "
-    "(num_blocks - 1), num_tokens (usable blocks x block_size), bytes, max_model_len} | null, "
-    "seq_lens: [{seq_len, within_context, blocks_per_request, bytes_per_request (allocated today: every layer "
-    "keeps every token), window_capped_bytes_per_request (if sliding layers kept only their window's blocks), "
-    "batches: [{batch, bytes, window_capped_bytes}], max_concurrent_requests, "
-    "max_concurrent_requests_window_capped}], max_model_len_at_concurrency: [{concurrency, max_model_len}], "
-    "offload: {bytes, num_blocks, num_tokens} | null (with --kv-offloading-size)}], "
+    "layout: {tensors_per_block (layers one block id spans), groups: [{group_id, kind (full_attention|"
+    "sliding_window), sliding_window, layers}]}, "
+    "kv: [{kv_cache_dtype, bytes_per_token (every layer), formula, terms: {kv_factor, num_layers, num_kv_heads, "
+    "head_dim, element_bytes, scale_bytes}, layer_bytes_per_token, bytes_per_block (tensors_per_block layers x "
+    "block_size tokens), plan: {num_blocks (the null block included), num_usable_blocks (num_blocks - 1), "
+    "num_tokens (usable blocks x block_size), bytes, max_model_len, blocks_per_request (at max_model_len), "
+    "prefill_reserve_blocks, max_concurrency} | null, "
+    "seq_lens: [{seq_len, within_context, blocks_per_request (all groups, as the engine allocates), "
+    "blocks_by_group (per group), bytes_per_request, uniform_bytes_per_request (if every layer kept every token), "
+    "batches: [{batch, bytes, uniform_bytes}], max_concurrent_requests, max_concurrent_requests_uniform}], "
+    "max_model_len_at_concurrency: [{concurrency, max_model_len}], "
+    "offload: {bytes, num_blocks, num_tokens (of long prefixes: the full-attention groups' blocks)} | null (with "
+    "--kv-offloading-size)}], "
     "compare_contiguous: {kv_cache_dtype, requests, avg_len, max_len, budget_bytes, contiguous: {allocated_bytes, "
     "used_bytes, waste_perc, requests_that_fit}, paged: {same keys}} | null}"
 )
@@ -135,19 +144,34 @@ def build_estimate(
     offload_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Everything estimate reports, as the JSON document; the table is rendered from it."""
-    doc: dict[str, Any] = {"model": facts.to_json(), **setup.to_json(), "kv": [], "compare_contiguous": None}
+    layout = facts.shape.layout(setup.hybrid)
+    doc: dict[str, Any] = {
+        "model": facts.to_json(),
+        **setup.to_json(),
+        "layout": {
+            "tensors_per_block": layout.tensors_per_block,
+            "groups": [
+                {"group_id": g.group_id, "kind": g.spec.kind, "sliding_window": g.spec.window, "layers": list(g.layers)}
+                for g in layout.groups
+            ],
+        },
+        "kv": [],
+        "compare_contiguous": None,
+    }
     for kv_dtype in kv_dtypes:
         section = _dtype_section(facts, setup, kv_dtype, seq_lens, batches, max_model_len, num_blocks_override)
-        section["offload"] = None if offload_bytes is None else _offload_section(section, setup, offload_bytes)
+        section["offload"] = None if offload_bytes is None else _offload_section(section, setup, offload_bytes, layout)
         doc["kv"].append(section)
     return doc
 
 
-def _offload_section(kv: dict[str, Any], setup: Setup, offload_bytes: int) -> dict[str, Any]:
+def _offload_section(kv: dict[str, Any], setup: Setup, offload_bytes: int, layout: KVCacheLayout) -> dict[str, Any]:
     """What an offload tier of `offload_bytes` holds: whole blocks in the cache's own dtype (as the tier stores them:
-    kvserve/kv/offload/tier.py's BlockLayout is exactly one pool block's bytes)."""
+    kvserve/kv/offload/tier.py's BlockLayout is exactly one pool block's bytes), and the tokens of long prefixes that
+    makes (capacity.tier_prefix_tokens: the full-attention groups' blocks)."""
     num_blocks = offload_bytes // kv["bytes_per_block"]
-    return {"bytes": offload_bytes, "num_blocks": num_blocks, "num_tokens": num_blocks * setup.block_size}
+    num_tokens = tier_prefix_tokens(num_blocks, setup.block_size, layout)
+    return {"bytes": offload_bytes, "num_blocks": num_blocks, "num_tokens": num_tokens}
 
 
 def _dtype_section(
@@ -160,7 +184,9 @@ def _dtype_section(
     num_blocks_override: int | None,
 ) -> dict[str, Any]:
     shape, bs = facts.shape, setup.block_size
-    bytes_per_block = shape.bytes_per_token(kv_dtype) * bs
+    layout = shape.layout(setup.hybrid)
+    bytes_per_block = shape.bytes_per_block(layout, kv_dtype, bs)
+    uniform_block = shape.bytes_per_token(kv_dtype) * bs  # a block of every layer (the uniform layout's)
     plan = None
     if setup.budget is not None or num_blocks_override is not None:
         plan = plan_kv_cache(
@@ -170,25 +196,29 @@ def _dtype_section(
             budget_bytes=None if setup.budget is None else setup.budget.kv_bytes,
             num_blocks_override=num_blocks_override,
             max_model_len=max_model_len,
+            layout=layout,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
         )
     rows = []
     for seq_len in seq_lens:
-        allocated = blocks_per_request(seq_len, bs) * bytes_per_block
-        capped = shape.window_capped_bytes(seq_len, kv_dtype, bs)
+        blocks = layout.blocks_per_request(seq_len, bs)
+        allocated = blocks * bytes_per_block
+        uniform = blocks_per_request(seq_len, bs) * uniform_block
         rows.append(
             {
                 "seq_len": seq_len,
                 "within_context": seq_len <= facts.context_len,
-                "blocks_per_request": blocks_per_request(seq_len, bs),
+                "blocks_per_request": blocks,
+                "blocks_by_group": [g.spec.blocks_held(seq_len, bs) for g in layout.groups],
                 "bytes_per_request": allocated,
-                "window_capped_bytes_per_request": capped,
-                "batches": [{"batch": b, "bytes": b * allocated, "window_capped_bytes": b * capped} for b in batches],
+                "uniform_bytes_per_request": uniform,
+                "batches": [{"batch": b, "bytes": b * allocated, "uniform_bytes": b * uniform} for b in batches],
                 "max_concurrent_requests": None
                 if plan is None
-                else max_concurrent_requests(plan.num_blocks, seq_len, bs),
-                "max_concurrent_requests_window_capped": None
+                else max_concurrent_requests(plan.num_blocks, seq_len, bs, layout, setup.max_num_batched_tokens),
+                "max_concurrent_requests_uniform": None
                 if plan is None
-                else plan.num_usable_blocks * bytes_per_block // capped,
+                else plan.num_usable_blocks * bytes_per_block // uniform,
             }
         )
     return {
@@ -203,6 +233,7 @@ def _dtype_section(
             "element_bytes": kv_dtype.element_bytes,
             "scale_bytes": kv_dtype.scale_bytes,
         },
+        "layer_bytes_per_token": shape.layer_bytes_per_token(kv_dtype),
         "bytes_per_block": bytes_per_block,
         "plan": None
         if plan is None
@@ -212,6 +243,9 @@ def _dtype_section(
             "num_tokens": plan.num_tokens,
             "bytes": plan.num_blocks * bytes_per_block,
             "max_model_len": plan.max_model_len,
+            "blocks_per_request": plan.blocks_per_request(plan.max_model_len),
+            "prefill_reserve_blocks": plan.prefill_reserve,
+            "max_concurrency": round(plan.max_concurrency, 3),
         },
         "seq_lens": rows,
         "max_model_len_at_concurrency": None
@@ -219,11 +253,24 @@ def _dtype_section(
         else [
             {
                 "concurrency": b,
-                "max_model_len": max_model_len_for_concurrency(plan.num_blocks, bs, b, facts.context_len),
+                "max_model_len": max_model_len_for_concurrency(
+                    plan.num_blocks, bs, b, facts.context_len, layout, setup.max_num_batched_tokens
+                ),
             }
             for b in batches
         ],
     }
+
+
+def group_arithmetic(layout: KVCacheLayout, seq_len: int, block_size: int) -> str:
+    """The blocks one request of seq_len holds, group by group, e.g. "1 full-attention group x 2048 blocks + 5 sliding
+    window 512 groups x 32 blocks = 2208 blocks" (the per-group arithmetic behind bytes per request)."""
+    terms: dict[tuple[str, int], int] = {}
+    for g in layout.groups:
+        key = (g.spec.describe(), g.spec.blocks_held(seq_len, block_size))
+        terms[key] = terms.get(key, 0) + 1
+    parts = [f"{n} {what} group{'s' if n > 1 else ''} x {held} blocks" for (what, held), n in terms.items()]
+    return f"{' + '.join(parts)} = {layout.blocks_per_request(seq_len, block_size)} blocks"
 
 
 def contiguous_section(doc: dict[str, Any], requests: int, avg_len: int, max_len: int | None) -> dict[str, Any]:
@@ -267,6 +314,11 @@ def render_estimate(doc: dict[str, Any]) -> str:
     if windows:
         n_local = sum(w is not None for w in m["sliding_windows"])
         lines.append(f"  sliding window {', '.join(map(str, windows))} on {n_local} of {m['num_layers']} layers")
+    layout = _layout_of(doc)
+    lines.append(
+        f"KV cache groups ({'hybrid' if doc['hybrid_kv_cache_manager'] else 'uniform: every layer keeps every token'}"
+        f"): {layout.describe()}; one block id spans {layout.tensors_per_block} layers"
+    )
     weights = doc["weights"]
     lines.append(
         f"Weights ({doc['dtype'] if doc['quantization'] == 'none' else doc['quantization']} on {doc['device']}): "
@@ -278,31 +330,36 @@ def render_estimate(doc: dict[str, Any]) -> str:
         lines += [
             "",
             f"KV per token ({kv['kv_cache_dtype']}): {kv['formula']} ({format_bytes(kv['bytes_per_token'])})",
-            f"  one block of {doc['block_size']} tokens = {kv['bytes_per_block']} bytes",
+            f"  one block of {doc['block_size']} tokens x {layout.tensors_per_block} layers = "
+            f"{kv['bytes_per_block']} bytes",
         ]
         if kv["plan"]:
             p = kv["plan"]
+            reserve = p["prefill_reserve_blocks"]
+            concurrency = (p["num_usable_blocks"] - reserve) / p["blocks_per_request"]  # as the start-up line
             lines.append(
-                f"  budget holds {p['num_blocks']} blocks ({p['num_usable_blocks']} usable + 1 null) = "
-                f"{p['num_tokens']} tokens ({format_gib(p['bytes'])}); "
-                f"max-model-len {p['max_model_len']}"
+                f"  budget holds {p['num_blocks']} blocks ({p['num_usable_blocks']} usable + 1 null) "
+                f"({format_gib(p['bytes'])}); max-model-len {p['max_model_len']}: a request holds "
+                f"{group_arithmetic(layout, p['max_model_len'], doc['block_size'])}"
+                + (f", plus {reserve} kept for a prefill chunk" if reserve else "")
+                + f"; max concurrency {concurrency:.2f}x"
             )
         if kv.get("offload"):
             o = kv["offload"]
             lines.append(
                 f"  an offload tier of {format_gib(o['bytes'])} holds {o['num_blocks']} blocks = {o['num_tokens']} "
-                "tokens (--kv-offloading-size)"
+                "tokens of long prefixes (--kv-offloading-size)"
             )
-        lines += ["", _seq_len_table(kv, windowed=bool(windows))]
+        lines += ["", _seq_len_table(kv, hybrid=layout.is_hybrid)]
         if kv["max_model_len_at_concurrency"]:
             at = ", ".join(f"{c['concurrency']} -> {c['max_model_len']}" for c in kv["max_model_len_at_concurrency"])
             lines.append(f"Largest max-model-len for N concurrent full-length requests: {at}")
-    if windows:
+    if layout.is_hybrid:
         lines += [
             "",
             (
-                "kvserve allocates one uniform pool today (every layer keeps every token); the window-capped "
-                "figures are what a cache freeing out-of-window blocks per layer would need."
+                "Sliding-window groups give their blocks back once no query can see them (docs/KV_CACHE.md); the "
+                "uniform columns are what --disable-hybrid-kv-cache-manager (every layer keeps every token) needs."
             ),
         ]
     if doc["compare_contiguous"]:
@@ -310,26 +367,32 @@ def render_estimate(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _seq_len_table(kv: dict[str, Any], windowed: bool) -> str:
+def _layout_of(doc: dict[str, Any]) -> KVCacheLayout:
+    return KVShape(doc["model"]["num_layers"], 1, 1, 1, tuple(doc["model"]["sliding_windows"])).layout(
+        doc["hybrid_kv_cache_manager"]
+    )
+
+
+def _seq_len_table(kv: dict[str, Any], hybrid: bool) -> str:
     rows = kv["seq_lens"]
     batches = [b["batch"] for b in rows[0]["batches"]] if rows else []
-    headers = ["seq_len"] + [f"KV GiB batch {b}" for b in batches]
+    headers = ["seq_len", "blocks"] + [f"KV GiB batch {b}" for b in batches]
     if rows and rows[0]["max_concurrent_requests"] is not None:
         headers.append("max concurrent")
-    if windowed:
-        headers += [f"capped batch {b}" for b in batches] + (
-            ["capped concurrent"] if "max concurrent" in headers else []
+    if hybrid:
+        headers += [f"uniform batch {b}" for b in batches] + (
+            ["uniform concurrent"] if "max concurrent" in headers else []
         )
     out = []
     for r in rows:
-        row = [f"{r['seq_len']}{'' if r['within_context'] else ' (> context)'}"]
+        row = [f"{r['seq_len']}{'' if r['within_context'] else ' (> context)'}", r["blocks_per_request"]]
         row += [f"{b['bytes'] / GiB:.3f}" for b in r["batches"]]
         if r["max_concurrent_requests"] is not None:
             row.append(r["max_concurrent_requests"])
-        if windowed:
-            row += [f"{b['window_capped_bytes'] / GiB:.3f}" for b in r["batches"]]
-            if r["max_concurrent_requests_window_capped"] is not None:
-                row.append(r["max_concurrent_requests_window_capped"])
+        if hybrid:
+            row += [f"{b['uniform_bytes'] / GiB:.3f}" for b in r["batches"]]
+            if r["max_concurrent_requests_uniform"] is not None:
+                row.append(r["max_concurrent_requests_uniform"])
         out.append(row)
     return table(headers, out)
 
@@ -353,7 +416,8 @@ def _contiguous_text(c: dict[str, Any]) -> str:
 
 
 def plot_estimate(facts: ModelFacts, setup: Setup, kv_dtypes: list[KVDtype], path: str) -> None:
-    """KV GiB of one request against context length, per KV dtype (dashed: window-capped)."""
+    """KV GiB of one request against context length, per KV dtype (dashed: the uniform layout, where the model has
+    sliding windows)."""
     try:
         import matplotlib
 
@@ -362,22 +426,24 @@ def plot_estimate(facts: ModelFacts, setup: Setup, kv_dtypes: list[KVDtype], pat
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
     shape, bs = facts.shape, setup.block_size
+    layout = shape.layout(setup.hybrid)
     lengths = sorted({min(2**k, facts.context_len) for k in range(7, 25)})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kv_dtype in kv_dtypes:
-        per_block = shape.bytes_per_token(kv_dtype) * bs
+        per_block = shape.bytes_per_block(layout, kv_dtype, bs)
         ax.plot(
             lengths,
-            [blocks_per_request(n, bs) * per_block / GiB for n in lengths],
+            [layout.blocks_per_request(n, bs) * per_block / GiB for n in lengths],
             marker="o",
             label=f"{kv_dtype.name}",
         )
-        if shape.has_sliding_window:
+        if layout.is_hybrid:
+            uniform = shape.bytes_per_token(kv_dtype) * bs
             ax.plot(
                 lengths,
-                [shape.window_capped_bytes(n, kv_dtype, bs) / GiB for n in lengths],
+                [blocks_per_request(n, bs) * uniform / GiB for n in lengths],
                 linestyle="--",
-                label=f"{kv_dtype.name}, window-capped",
+                label=f"{kv_dtype.name}, uniform layout",
             )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

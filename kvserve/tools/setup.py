@@ -38,6 +38,18 @@ def add_sizing_args(parser: argparse.ArgumentParser) -> None:
         "checkpoint's dtype (bfloat16 when unknown) on CUDA",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="as for kvserve serve: a sliding window's KV cache group holds its window plus one prefill chunk of up "
+        "to this many tokens while a request prefills",
+    )
+    parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="as for kvserve serve: size the uniform layout, in which every layer keeps every token",
+    )
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
         "--kv-cache-memory-bytes",
@@ -82,6 +94,10 @@ class Setup:
     weights_bytes: int | None
     weights_formula: str
     budget: Budget | None
+    hybrid: bool = (
+        True  # KV cache groups that give sliding windows' blocks back (not --disable-hybrid-kv-cache-manager)
+    )
+    max_num_batched_tokens: int = 2048
 
     def to_json(self) -> dict[str, Any]:
         budget = (
@@ -94,6 +110,8 @@ class Setup:
             "dtype": self.dtype,
             "quantization": self.quantization,
             "block_size": self.block_size,
+            "hybrid_kv_cache_manager": self.hybrid,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
             "weights": {"bytes": self.weights_bytes, "formula": self.weights_formula},
             "budget": budget,
         }
@@ -102,6 +120,8 @@ class Setup:
 def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.max_num_batched_tokens < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     device = args.device or ("cuda" if args.memory is not None else "cpu")
     dtype = resolve_compute_dtype(args.dtype, device, facts.checkpoint_dtype)
     quantization = resolve_quantization(args.quantization, device, "gguf" if facts.kind == "gguf" else "hf")
@@ -125,7 +145,17 @@ def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
         )
     else:
         weights, formula = None, f"unknown: {facts.num_parameters_note}"
-    return Setup(device, dtype, quantization, args.block_size, weights, formula, _budget(args, device, weights))
+    return Setup(
+        device,
+        dtype,
+        quantization,
+        args.block_size,
+        weights,
+        formula,
+        _budget(args, device, weights),
+        hybrid=not args.disable_hybrid_kv_cache_manager,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
 
 
 def _budget(args: argparse.Namespace, device: str, weights: int | None) -> Budget | None:

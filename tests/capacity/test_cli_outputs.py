@@ -48,13 +48,13 @@ def test_memory_formula_subtracts_the_weights(capsys) -> None:
     assert kv["plan"]["num_blocks"] == blocks
     row = kv["seq_lens"][0]
     assert row["seq_len"] == 8192 and row["bytes_per_request"] == 8192 * 131072
-    assert row["batches"][1] == {"batch": 8, "bytes": 8 * 8192 * 131072, "window_capped_bytes": 8 * 8192 * 131072}
+    assert row["batches"][1] == {"batch": 8, "bytes": 8 * 8192 * 131072, "uniform_bytes": 8 * 8192 * 131072}
     assert kv["plan"]["num_usable_blocks"] == blocks - 1  # block 0 is the null block
     assert row["max_concurrent_requests"] == (blocks - 1) // 512
     assert kv["max_model_len_at_concurrency"][1] == {"concurrency": 8, "max_model_len": (blocks - 1) // 8 * 16}
 
 
-def test_several_kv_dtypes_and_window_capping(capsys) -> None:
+def test_several_kv_dtypes_and_the_hybrid_layout(capsys) -> None:
     doc = run_json(
         capsys,
         "estimate",
@@ -71,8 +71,16 @@ def test_several_kv_dtypes_and_window_capping(capsys) -> None:
     )
     f32, i8 = doc["kv"]
     assert f32["bytes_per_token"] == 36864 and i8["bytes_per_token"] == 2 * 18 * (256 + 4)
-    assert f32["seq_lens"][0]["window_capped_bytes_per_request"] == 217_055_232
-    assert f32["seq_lens"][0]["max_concurrent_requests"] == 7280 // 2048  # 7281 blocks, one the null block
+    # 6 KV cache groups of 3 layers: one full-attention group (every block), five sliding ones (the window's)
+    assert [g["kind"] for g in doc["layout"]["groups"]] == ["full_attention"] + ["sliding_window"] * 5
+    row = f32["seq_lens"][0]
+    assert row["blocks_by_group"] == [2048] + [32] * 5 and row["blocks_per_request"] == 2208
+    assert row["bytes_per_request"] == 2208 * 3 * 2048 * 16 == 217_055_232  # 3 global + 15 x 512-token windows
+    assert row["uniform_bytes_per_request"] == 32768 * 36864  # every layer keeps every token
+    # 43690 blocks (one the null block); 645 kept for one 2048-token prefill chunk of the sliding groups
+    assert f32["plan"]["num_blocks"] == 43690 and f32["plan"]["prefill_reserve_blocks"] == 645
+    assert row["max_concurrent_requests"] == (43689 - 645) // 2208 == 19
+    assert row["max_concurrent_requests_uniform"] == 3
 
 
 def test_compare_contiguous(capsys) -> None:

@@ -53,7 +53,7 @@ def test_estimate_matches_the_engine_on_tiny_checkpoints(capsys, tiny_dirs, vari
     if "max_model_len" in flags:
         argv += ["--max-model-len", str(flags["max_model_len"])]
     kv = estimate_json(capsys, *argv)["kv"][0]
-    assert kv["bytes_per_token"] == engine.core.kv_spec.bytes_per_token
+    assert kv["bytes_per_token"] == engine.core.kv_config.bytes_per_token
     assert kv["bytes_per_block"] == engine.core.cache_plan.bytes_per_block
     assert kv["plan"]["num_blocks"] == engine.core.cache_plan.num_blocks == engine.core.pool.num_blocks
     # One block is the null block: the estimate and the engine agree on what requests can use, too.
@@ -73,16 +73,29 @@ def test_estimate_matches_the_engine_plan_on_the_default_gguf(capsys) -> None:
     import torch
 
     from kvserve.engine.build import plan_cache
-    from kvserve.kv.cache import KVCacheSpec
+    from kvserve.kv.cache import KVCacheConfig
+    from kvserve.kv.groups import make_kv_cache_layout
     from kvserve.model.config import ModelConfig
     from kvserve.model.source import default_model_path
 
     model_config = ModelConfig.from_gguf(default_model_path())
     budget = (1 << 30) + 12345
-    spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, 16, torch.float32)
-    plan = plan_cache(EngineConfig(kv_cache_memory_bytes=budget), model_config, spec, torch.device("cpu"))
-    kv = estimate_json(capsys, "--kv-cache-memory-bytes", str(budget))["kv"][0]
-    assert kv["bytes_per_token"] == 36864
-    assert kv["plan"]["num_blocks"] == plan.num_blocks == budget // (36864 * 16)
-    # The pool (1820 blocks, one of them the null block), not the 32768 context.
-    assert kv["plan"]["max_model_len"] == plan.max_model_len == 1819 * 16
+    for hybrid in (True, False):
+        layout = make_kv_cache_layout(model_config.sliding_windows, hybrid)
+        spec = KVCacheConfig(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, 16, torch.float32, layout
+        )
+        config = EngineConfig(kv_cache_memory_bytes=budget, disable_hybrid_kv_cache_manager=not hybrid)
+        plan = plan_cache(config, model_config, spec, torch.device("cpu"))
+        flags = [] if hybrid else ["--disable-hybrid-kv-cache-manager"]
+        doc = estimate_json(capsys, "--kv-cache-memory-bytes", str(budget), *flags)
+        kv = doc["kv"][0]
+        assert kv["bytes_per_token"] == 36864
+        assert len(doc["layout"]["groups"]) == (6 if hybrid else 1)
+        if hybrid:  # a block id spans 3 layers (one group's), so 6x the blocks; a request of the whole context fits
+            assert kv["plan"]["num_blocks"] == plan.num_blocks == budget // (3 * 2048 * 16)
+            assert kv["plan"]["max_model_len"] == plan.max_model_len == 32768
+            assert kv["plan"]["blocks_per_request"] == plan.blocks_per_request(32768) == 2048 + 5 * 32
+        else:  # every layer keeps every token: the pool (1820 blocks, one of them the null block) caps the context
+            assert kv["plan"]["num_blocks"] == plan.num_blocks == budget // (36864 * 16)
+            assert kv["plan"]["max_model_len"] == plan.max_model_len == 1819 * 16

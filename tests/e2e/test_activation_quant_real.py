@@ -62,7 +62,8 @@ def test_int8_engine_agrees_with_hf_and_with_itself_under_batching(int8_engine) 
         "alone": None,
         "chunked-96": dict(max_num_batched_tokens=96),
         "prefix-cache": dict(enable_prefix_caching=True),
-        "preempt": dict(num_gpu_blocks_override=60, max_model_len=800),  # 60 x 16 tokens cannot hold them all
+        # 310 one-group blocks cannot hold them all while they prefill in 128-token chunks
+        "preempt": dict(num_gpu_blocks_override=310, max_model_len=800, max_num_batched_tokens=128),
         "spec-ngram": dict(speculative_config=SPEC),
         "int8-kv": dict(kv_cache_dtype="int8"),
     }

@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.capacity import plan_kv_cache
 from kvserve.cli import main
+from kvserve.kv.groups import make_kv_cache_layout
 
 pytestmark = pytest.mark.real_model  # the default model's file (its metadata; no weights are loaded)
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -50,9 +51,15 @@ def test_the_start_up_log_line_is_the_engines_plan(capsys: pytest.CaptureFixture
     from `kvserve estimate --json`, whose block counts are the engine's own (tests/capacity checks that)."""
     assert main(["estimate", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    kv = doc["kv"][0]
+    kv, model = doc["kv"][0], doc["model"]
+    layout = make_kv_cache_layout(model["sliding_windows"], doc["hybrid_kv_cache_manager"])
     plan = plan_kv_cache(
-        kv["bytes_per_block"], doc["block_size"], doc["model"]["context_len"], budget_bytes=doc["budget"]["kv_bytes"]
+        kv["bytes_per_block"],
+        doc["block_size"],
+        model["context_len"],
+        budget_bytes=doc["budget"]["kv_bytes"],
+        layout=layout,
+        max_num_batched_tokens=doc["max_num_batched_tokens"],
     )
     assert_quoted(quoted_blocks()["the start-up log"], plan.describe())
 

@@ -87,7 +87,8 @@ def batched_baseline(loaded, reference):
     [
         dict(),  # prefix caching on: the cuts of the long prompt hit each other's blocks
         dict(max_num_batched_tokens=96),  # chunked prefill mixed with decodes
-        dict(num_gpu_blocks_override=60, max_model_len=800),  # preemption: 60 x 16 tokens cannot hold 16 requests
+        # preemption: 360 blocks of 3 layers x 16 tokens (a KV cache group's) cannot hold 16 requests
+        dict(num_gpu_blocks_override=360, max_model_len=800),
     ],
     ids=["prefix-cache", "chunked-96", "preempt"],
 )

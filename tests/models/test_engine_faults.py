@@ -82,7 +82,7 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 def assert_whole(engine: LLMEngine) -> None:
     engine.check_invariants()
     assert engine.core.pool.num_free_blocks == engine.core.pool.num_usable_blocks
-    assert not engine.core.kv_manager.req_blocks and not engine.core.scheduler.suspects
+    assert not engine.core.kv_manager.requests and not engine.core.scheduler.suspects
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -278,7 +278,7 @@ def test_request_ids_that_look_like_child_ids_do_not_collide(model_dir):
     internal = [s.request.request_id for g in engine.core.requests.groups.values() for s in g.sequences]
     assert len(set(internal)) == 4 and len(engine.core.requests.sequences) == 4
     engine.step()
-    assert len(engine.core.kv_manager.req_blocks) == 4
+    assert len(engine.core.kv_manager.requests) == 4
     got = run(engine, {})
     assert [c.token_ids for c in got["x"].outputs] == [c.token_ids for c in alone["x"].outputs]
     assert got["x#0"].outputs[0].token_ids == alone["x#0"].outputs[0].token_ids

@@ -79,7 +79,8 @@ def test_greedy_generation_matches_hf(checkpoints, variant):
     "engine_kw",
     [
         dict(max_num_batched_tokens=7),  # chunked prefill mixed with decodes
-        dict(num_gpu_blocks_override=24, max_model_len=64),  # preemption: 16 requests cannot all fit
+        dict(num_gpu_blocks_override=60, max_model_len=64),  # preemption: 16 requests cannot all fit (a 64-token
+        # request holds up to 48 of the sliding variant's one-layer blocks while it prefills)
         dict(enable_prefix_caching=False, max_num_seqs=3),
         dict(attention_backend="reference"),
     ],
@@ -236,7 +237,7 @@ def test_prefix_caching_on_and_off_give_the_same_output(checkpoints, preempt):
     path, _ = checkpoints["gemma3_mqa_sliding"]
     system = prompts(1, seed=10)[0] + list(range(100, 140))  # shared "system prompt", crosses the window
     batch = [system + q[1:] for q in prompts(8, seed=11)]
-    kw = dict(num_gpu_blocks_override=40, max_model_len=120) if preempt else {}
+    kw = dict(num_gpu_blocks_override=120, max_model_len=120) if preempt else {}  # one-layer blocks
     results = {}
     for caching in (True, False):
         engine = tiny_engine(path, enable_prefix_caching=caching, **kw)

@@ -23,8 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logprob_check import assert_logprobs_close
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-# A pool of 31 usable blocks of 4 tokens: one 60-token prompt and its output take 17, so two fillers evict it.
-POOL = dict(num_gpu_blocks_override=32, block_size=4, max_model_len=96)
+# The sliding variant has three KV cache groups of one layer each (kv/groups.py: one full-attention group, two
+# sliding-window groups that keep 8 tokens): 95 usable one-layer blocks of 4 tokens, the memory of 31 blocks of the
+# uniform layout. One 60-token prompt and its output take 17 full-attention blocks (and each sliding group all 15 of
+# its blocks while the prompt's one step prefills), so the fillers evict it. A restore of its 14 full blocks brings
+# the full group's 14 and each sliding group's last 2 (the 7 tokens before the hit point): 18 blocks.
+POOL = dict(num_gpu_blocks_override=96, block_size=4, max_model_len=96)
+UNIFORM_POOL = {**POOL, "num_gpu_blocks_override": 32}  # the llama variant: one group of every layer
+RESTORED_BLOCKS = {"llama_gqa": 14, "gemma3_mqa_sliding": 14 + 2 * 2}
+# What one run of PROMPT stores of the sliding variant (67 computed tokens: 16 full blocks): every full-attention
+# block, and of each sliding group the 2-block windows a restore can use, before the prompt's hit point (block 14,
+# where the same prompt hits again) and before the end of the computed blocks (16, where a next turn hits).
+STORED = 16 + 2 * (2 + 2)
 
 
 def prompt(seed: int, n: int = 60) -> list[int]:
@@ -61,7 +71,8 @@ def assert_pool_whole(engine: LLMEngine) -> None:
     engine.check_invariants()
     pool = engine.core.pool
     assert pool.num_free_blocks == pool.num_usable_blocks, "a block was not returned to the pool"
-    assert not engine.core.kv_manager.loads and not engine.core.kv_manager.orphan_loads
+    connector = engine.core.scheduler.offload
+    assert connector is None or not (connector.loads or connector.orphan_loads)
 
 
 def flushed(engine: LLMEngine) -> LLMEngine:
@@ -96,16 +107,18 @@ def records(path: Path) -> list[Path]:
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
 def test_host_memory_tier_restores_what_the_pool_evicted(checkpoints, variant):
-    plain = tiny_engine(checkpoints[variant], **POOL)
+    pool = POOL if variant == "gemma3_mqa_sliding" else UNIFORM_POOL
+    plain = tiny_engine(checkpoints[variant], **pool)
     want, _, _ = run(plain, PROMPT)
-    engine = tiny_engine(checkpoints[variant], **POOL, kv_offloading_size="8MiB")
+    engine = tiny_engine(checkpoints[variant], **pool, kv_offloading_size="8MiB")
     assert run(engine, PROMPT)[0] == want
     evict(engine)
     tokens, cached, restored = run(engine, PROMPT, request_id="again")
     assert tokens == want
     assert restored == cached == 56  # every full block before the last prompt token's (60 // 4 - 1 blocks)
     stats = engine.core.stats()
-    assert stats.offload is not None and stats.offload.restored_blocks == 14 and stats.offload.medium == "CPU"
+    assert stats.offload is not None and stats.offload.medium == "CPU"
+    assert stats.offload.restored_blocks == RESTORED_BLOCKS[variant]
     assert stats.external_prefix_cache_hits_tokens == 56
     # Evicting from the pool while the tier has room never drops a tier copy: the fillers' blocks are there too.
     assert stats.offload.stored_blocks >= 4 * 14
@@ -127,7 +140,7 @@ def test_disk_tier_survives_a_restart(model_dir, cold, tmp_path):
     first = disk_engine(model_dir, tmp_path)
     assert run(first, PROMPT)[0] == cold
     flushed(first).core.close()
-    assert len(records(tmp_path)) == 16  # 67 computed tokens: the prompt and 7 outputs (the 8th is never computed)
+    assert len(records(tmp_path)) == STORED  # the prompt and 7 outputs (the 8th is never computed)
     second = disk_engine(model_dir, tmp_path)
     tokens, cached, restored = run(second, PROMPT)  # its very first request
     assert tokens == cold and restored == cached == 56
@@ -158,7 +171,7 @@ def test_a_changed_fingerprint_is_not_loaded(model_dir, cold, tmp_path, change):
     assert (cached, restored) == (0, 0)
     flushed(other).core.close()
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2  # its own subdirectory; the first one's untouched
-    assert len(records(tmp_path)) == 32
+    assert len(records(tmp_path)) == 2 * STORED
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "swap"])
@@ -166,8 +179,9 @@ def test_damaged_records_are_recomputed(model_dir, cold, tmp_path, damage):
     first = disk_engine(model_dir, tmp_path)
     run(first, PROMPT)
     flushed(first).core.close()
-    files = records(tmp_path)
-    # The records in chain order are unknown from their names; damage one in the middle of the directory's listing.
+    # The records in chain order are unknown from their names; damage one of the full-attention group's (every one a
+    # restore of the prompt reads) in the middle of the directory's listing.
+    files = [p for p in records(tmp_path) if p.name.endswith(f"-0{RECORD_SUFFIX}")]
     victim = files[len(files) // 2]
     if damage == "flip":
         data = bytearray(victim.read_bytes())
@@ -267,8 +281,8 @@ def test_a_request_aborted_while_its_restore_runs_releases_every_block(model_dir
     second = disk_engine(model_dir, tmp_path)
     second.add_request("leaves", PROMPT, GREEDY)
     second.step()  # starts the restore from disk; the request waits for it
-    kv = second.core.kv_manager
-    assert len(kv.loads) == 1
+    kv = second.core.scheduler.offload
+    assert kv is not None and len(kv.loads) == 1
     second.check_invariants()  # the restore's blocks are held, counted
     second.abort_request("leaves")
     assert kv.orphan_loads and not kv.loads
@@ -381,35 +395,38 @@ def test_tier_kv_events_carry_their_medium(model_dir, tmp_path):
     from kvserve.kv.events import BlockRemoved, BlockStored
     from kvserve.kv.vllm_events import event_batch
 
-    engine = tiny_engine(model_dir, **POOL, kv_offloading_size="40KiB")  # about 20 blocks: the fillers evict some
+    engine = tiny_engine(model_dir, **POOL, kv_offloading_size="40KiB")  # about 60 blocks: the fillers evict some
+    engine.core.kv_events.open_reader()
     run(engine, PROMPT)
     evict(engine)
-    events = [e for _, _, e in engine.core.kv_events.drain()]
+    # (the last request's last windows were stored as it left: their events come with the next step, or here)
+    events = [e for _, _, e in engine.core.kv_events.drain()] + engine.core.offload.take_events()
     tier_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     tier_removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
     assert len(tier_stored) == engine.core.offload.stored_blocks and tier_removed
     assert all(e.block_id == -1 for e in tier_stored + tier_removed)
-    batch = event_batch(events, 0.0, "GPU")
+    batch = event_batch(events, 0.0, "GPU", groups=[g.spec for g in engine.core.layout.groups])
     mediums = {(item["type"], item["medium"]) for item in batch[1] if item["type"] != "AllBlocksCleared"}
     assert mediums == {("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU")}
     index = PrefixIndex()
     for event in events:
         index.apply("r0", event)
-    pool_hashes = {b.block_hash.hex() for b in engine.core.pool.cached.values()}
+    pool_hashes = {b.block_hash.hex() for b in engine.core.pool.cached[0].values()}
     assert set(index.holders) == pool_hashes  # exactly what the pool holds, not the tier
 
     disk = disk_engine(model_dir, tmp_path)
+    disk.core.kv_events.open_reader()
     run(disk, PROMPT)
-    flushed(disk).core.offload.poll_events()
-    stored = [e for _, _, e in disk.core.kv_events.drain() if isinstance(e, BlockStored) and e.medium == "DISK"]
-    assert len(stored) == 16
+    events = [e for _, _, e in disk.core.kv_events.drain()] + flushed(disk).core.offload.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "DISK"]
+    assert len(stored) == STORED
     disk.core.close()
 
 
 _CHILD = """
 import json, sys
 from kvserve import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], kv_offloading_size="8MiB", kv_offloading_path=sys.argv[2], num_gpu_blocks_override=32,
+llm = LLM(model=sys.argv[1], kv_offloading_size="8MiB", kv_offloading_path=sys.argv[2], num_gpu_blocks_override=96,
           block_size=4, max_model_len=96)
 out = llm.generate([json.loads(sys.argv[3])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                    use_tqdm=False)[0]
@@ -445,8 +462,9 @@ def test_the_inspector_shows_which_prefixes_the_tier_holds(model_dir, cold, tmp_
     engine = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
     run(engine, PROMPT)
     view = engine.kv_snapshot()["offload_tier"]
-    assert view["medium"] == "CPU" and view["num_blocks"] == view["indexed_blocks"] == 16  # 60 + 8 tokens: 17 blocks,
-    (prefix,) = view["prefixes"]  # the last not full
+    # 60 + 8 tokens: 17 blocks, the last not full; the index holds group 0's (the full-attention group's) blocks
+    assert view["medium"] == "CPU" and view["num_blocks"] == STORED and view["indexed_blocks"] == 16
+    (prefix,) = view["prefixes"]
     assert prefix["blocks"] == 16 and prefix["tokens"] == 64 and prefix["in_pool"] == 16
     assert prefix["token_ids"] == PROMPT[:4]
     evict(engine)
@@ -459,8 +477,40 @@ def test_the_inspector_shows_which_prefixes_the_tier_holds(model_dir, cold, tmp_
     flushed(first).core.close()
     second = disk_engine(model_dir, tmp_path)
     view = second.kv_snapshot()["offload_tier"]
-    assert view["medium"] == "DISK" and view["num_blocks"] == 16 and view["indexed_blocks"] == 0
+    assert view["medium"] == "DISK" and view["num_blocks"] == STORED and view["indexed_blocks"] == 0
     assert run(second, PROMPT)[0] == cold
     view = second.kv_snapshot()["offload_tier"]
     assert view["indexed_blocks"] == 16 and [p["blocks"] for p in view["prefixes"]] == [16]  # 14 restored, 2 stored
     second.core.close()
+
+
+def test_an_earlier_formats_records_are_never_read(model_dir, cold, tmp_path):
+    """Records of the earlier format (version 1: a block of every layer, before KV cache groups) left in a tier
+    directory are not read: each is refused (counted), removed and recomputed, never restored into a group."""
+    import xxhash
+
+    first = disk_engine(model_dir, tmp_path)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    for path in records(tmp_path):  # rewritten as version 1, checksum recomputed: only the version tells them apart
+        data = bytearray(path.read_bytes())
+        data[8:12] = (1).to_bytes(4, "little")
+        data[-8:] = xxhash.xxh3_64_intdigest(bytes(data[:-8])).to_bytes(8, "little")
+        path.write_bytes(bytes(data))
+    second = disk_engine(model_dir, tmp_path)
+    tokens, cached, restored = run(second, PROMPT)
+    assert tokens == cold and (cached, restored) == (0, 0)
+    assert second.core.stats().offload.restore_failures == 1  # the first record tried; the chain stops there
+    assert_pool_whole(second)
+    second.core.close()
+
+
+def test_the_fingerprint_names_the_layout(model_dir, tmp_path):
+    """Blocks of the hybrid layout (one group's layers) and of the uniform one (every layer) are different bytes: the
+    two layouts never share a tier directory."""
+    hybrid = disk_engine(model_dir, tmp_path)
+    uniform = disk_engine(model_dir, tmp_path, disable_hybrid_kv_cache_manager=True)
+    assert hybrid.core.offload.fingerprint.name != uniform.core.offload.fingerprint.name
+    assert "sliding_window:8" in hybrid.core.offload.fingerprint.kv_cache_groups
+    hybrid.core.close()
+    uniform.core.close()

@@ -20,7 +20,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kernels.native import cpu_supports_native
 from kvserve.kernels.ops import TorchKernels
-from kvserve.kv.cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from kvserve.kv.cache import KVCacheConfig, LayerKVCache, allocate_kv_cache
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.loader import load_model
 from kvserve.model.native_layer import FLOAT32_MAX_ROWS
@@ -61,7 +61,7 @@ def _teacher_forced(
     driver = PagedDriver(model, seqs, block_size=4)
     if kv_dtype != torch.float32:  # an 8-bit cache (with its scales), of the driver's shape
         c = model.config
-        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
+        spec = KVCacheConfig(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
         driver.kv = allocate_kv_cache(spec, driver.kv[0].key.shape[0], torch.device("cpu"))
     return [driver.step(plan) for plan in PLAN]
 
@@ -169,7 +169,7 @@ def test_int8_kv_decode_steps_run_natively(variant: str, tiny_checkpoint) -> Non
     for model in (native, reference):
         driver = PagedDriver(model, seqs, block_size=4)
         c = model.config
-        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, 4, torch.int8)
+        spec = KVCacheConfig(c.num_layers, c.num_kv_heads, c.head_dim, 4, torch.int8)
         driver.kv = allocate_kv_cache(spec, driver.kv[0].key.shape[0], torch.device("cpu"))
         for cache in driver.kv:  # allocated empty: zero the slots no step writes, so that the caches compare
             cache.key.zero_(), cache.value.zero_()

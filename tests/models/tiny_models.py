@@ -88,6 +88,21 @@ TINY_VARIANTS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # Qwen2's own sliding windows (use_sliding_window, max_window_layers: layers from index 2 on are windowed), as HF
+    # transformers reads them: two KV cache groups of two layers (kv/groups.py).
+    "qwen2_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=1000.0,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=2,
+        ),
+    ),
     "gemma3_gqa_linear_rope": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",

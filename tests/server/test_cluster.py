@@ -302,7 +302,7 @@ def test_each_replica_publishes_kv_events_that_rebuild_its_cache(cluster) -> Non
                         None if b.key is None or b.key.parent is None else b.key.parent.hex(),
                         b.key.token_ids if b.key is not None else (),
                     )
-                    for h, b in e.pool.cached.items()
+                    for h, b in e.pool.cached[0].items()
                 ]
 
             def publisher_state(e: LLMEngine) -> tuple[int, int, str | None]:

@@ -47,7 +47,7 @@ def engine_cache(engine: LLMEngine) -> dict[int, tuple[int | None, tuple[int, ..
             None if b.key is None or b.key.parent is None else external_block_hash(b.key.parent.hex()),
             b.key.token_ids if b.key is not None else (),
         )
-        for h, b in engine.core.pool.cached.items()
+        for h, b in engine.core.pool.cached[0].items()
     }
 
 

@@ -31,7 +31,7 @@ def test_page_is_open_and_data_needs_the_key(make_server: ServerFactory) -> None
         snap = client.get("/v1/kv/snapshot", headers=AUTH)
         assert snap.status_code == 200
         body = snap.json()
-        assert body["version"] == 1 and len(body["block_states"]) == body["pool"]["num_blocks"]
+        assert body["version"] == 2 and len(body["block_states"]) == body["pool"]["num_blocks"]
         assert body["events"] == []
         assert client.get("/v1/kv/blocks/1").status_code == 401
         assert client.get("/v1/kv/blocks/1", headers=AUTH).json()["state"] == "f"

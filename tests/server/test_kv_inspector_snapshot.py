@@ -7,13 +7,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from server_support import make_engine
+from server_support import make_engine as make_server_engine
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv.events import KVEventBuffer, event_to_json
 from kvserve.sampling_params import SamplingParams
 
 BS = 4  # make_engine's block size
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+    """The server tests' engine, its KV events opened for reading (none are made while nobody reads them)."""
+    engine = make_server_engine(model_dir, **overrides)
+    engine.core.kv_events.open_reader()
+    return engine
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -41,7 +48,8 @@ def test_snapshot_matches_pool_and_block_tables(tiny_model_dir: Path) -> None:
     assert snap["block_states"][0] == "n"
     assert snap["pool"]["num_free_blocks"] == pool.num_free_blocks
     tables = {r["request_id"]: r["block_ids"] for r in snap["requests"]}
-    for seq_id, blocks in engine.core.kv_manager.req_blocks.items():
+    for seq_id in engine.core.kv_manager.requests:
+        blocks = engine.core.kv_manager.group_tables(seq_id)[0]
         assert tables[engine.core.requests.sequences[seq_id].group_id] == [b.block_id for b in blocks]
     shared = tables["a"][:3]
     assert tables["b"][:3] == shared  # the system prompt's blocks, shared
@@ -58,7 +66,7 @@ def test_snapshot_matches_pool_and_block_tables(tiny_model_dir: Path) -> None:
         assert snap["block_states"][block.block_id] == expected
     # The prefix tree: one node per cached hash, chained by parent; b's hits on the shared blocks are counted.
     nodes = {n["hash"]: n for n in snap["prefix_cache"]}
-    assert len(nodes) == len(pool.cached)
+    assert len(nodes) == len(pool.cached[0])
     first, second = (_block(snap, i)["hash"] for i in shared[:2])
     assert nodes[first]["parent"] is None and nodes[second]["parent"] == first
     assert nodes[first]["hits"] == 1
@@ -78,7 +86,7 @@ def test_stored_events_carry_chained_hashes_and_tokens(tiny_model_dir: Path) -> 
     assert stored[0]["parent_block_hash"] is None
     assert stored[1]["parent_block_hash"] == stored[0]["block_hash"]
     assert all(e["block_size"] == BS for e in stored)
-    table = engine.core.kv_manager.req_blocks[next(iter(engine.core.kv_manager.req_blocks))]
+    table = engine.core.kv_manager.group_tables(next(iter(engine.core.kv_manager.requests)))[0]
     assert [e["block_id"] for e in stored] == [b.block_id for b in table[:2]]
 
 
@@ -157,6 +165,9 @@ def test_event_buffer_is_bounded() -> None:
     from kvserve.kv.events import AllBlocksCleared
 
     buffer = KVEventBuffer(capacity=3)
+    buffer.append(AllBlocksCleared())  # nobody reads it yet: not kept
+    assert len(buffer) == 0
+    buffer.open_reader()
     for _ in range(5):
         buffer.append(AllBlocksCleared())
     items = buffer.drain()
@@ -171,8 +182,8 @@ def test_block_detail_gives_ranges_tokens_and_text(tiny_model_dir: Path) -> None
     engine = make_engine(tiny_model_dir)
     engine.add_request("a", "abcdefghij", _greedy(3))
     engine.step()
-    seq_id = next(iter(engine.core.kv_manager.req_blocks))
-    table = engine.core.kv_manager.req_blocks[seq_id]
+    seq_id = next(iter(engine.core.kv_manager.requests))
+    table = engine.core.kv_manager.group_tables(seq_id)[0]
     tokens = engine.core.requests.sequences[seq_id].request.token_slice(BS, 2 * BS)
     detail = block_detail(engine.core, table[1].block_id)
     assert detail["held"] == [{"request_id": "a", "start": BS, "end": 2 * BS}]

@@ -5,9 +5,10 @@ balancing rule and the other policies on synthetic loads."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-from server_support import make_engine
+from server_support import make_engine as make_server_engine
 
 from kvserve.cluster.router import ReplicaLoad, RequestHasher, Router
 from kvserve.engine.engine import LLMEngine
@@ -15,6 +16,13 @@ from kvserve.sampling_params import SamplingParams
 
 BS = 4  # make_engine's block size
 IDLE = ReplicaLoad()
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+    """The server tests' engine, its KV events opened for reading (none are made while nobody reads them)."""
+    engine = make_server_engine(model_dir, **overrides)
+    engine.core.kv_events.open_reader()
+    return engine
 
 
 def _run(engine: LLMEngine, request_id: str, prompt: list[int], salt: str | None = None) -> int:
@@ -61,8 +69,9 @@ def test_index_follows_evictions_and_clears(tiny_model_dir: Path) -> None:
     for i in range(6):
         _run(engine, f"r{i}", [30 * (i + 1) + t for t in range(4 * BS + 1)])
         _feed(router, {"r0": engine})
-        assert router.index.blocks_of.get("r0", set()) == {h.hex() for h in engine.core.pool.cached}
-    assert 0 < router.index.num_blocks("r0") == len(engine.core.pool.cached) < 6 * 4  # 24 blocks stored, some evicted
+        assert router.index.blocks_of.get("r0", set()) == {h.hex() for h in engine.core.pool.cached[0]}
+    # 24 blocks stored, some evicted
+    assert 0 < router.index.num_blocks("r0") == len(engine.core.pool.cached[0]) < 6 * 4
     engine.core.pool.reset_prefix_cache()
     _feed(router, {"r0": engine})
     assert router.index.num_blocks("r0") == 0 and not router.index.holders

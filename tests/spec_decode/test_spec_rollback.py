@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.engine.core import check_kv_invariants
+from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 
@@ -17,6 +19,7 @@ class FakeRequest:
     request_id: str
     tokens: list[int]
     num_computed_tokens: int = 0
+    num_prompt_tokens: int = 4
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
     drafts: list[int] = field(default_factory=list)
@@ -30,22 +33,16 @@ class FakeRequest:
 
 
 def check(manager: KVCacheManager, live: list[FakeRequest]) -> None:
-    pool = manager.pool
-    pool.check_invariants()
-    held: dict[int, int] = {}
-    for blocks in manager.req_blocks.values():
-        for b in blocks:
-            held[b.block_id] = held.get(b.block_id, 0) + 1
-    for block in pool.blocks:
-        assert block.ref_cnt == held.get(block.block_id, 0)
+    check_kv_invariants(manager)
     for request in live:
-        blocks = manager.req_blocks.get(request.request_id, [])
-        assert len(blocks) <= -(-(request.num_tokens + len(request.drafts)) // manager.block_size)
-        for i, block in enumerate(blocks):
-            if block.block_hash is not None:  # a published block holds exactly the real tokens there
-                bs = manager.block_size
-                assert (i + 1) * bs <= request.num_tokens  # never a block of draft slots
-                assert block.key is not None and list(block.key.token_ids) == request.tokens[i * bs : (i + 1) * bs]
+        for blocks in manager.group_tables(request.request_id):
+            assert len(blocks) <= -(-(request.num_tokens + len(request.drafts)) // manager.block_size)
+            for i, block in enumerate(blocks):
+                if block.block_hash is not None:  # a published block holds exactly the real tokens there
+                    bs = manager.block_size
+                    assert (i + 1) * bs <= request.num_tokens  # never a block of draft slots
+                    assert block.key is not None
+                    assert list(block.key.token_ids) == request.tokens[i * bs : (i + 1) * bs]
 
 
 ops = st.lists(
@@ -54,9 +51,15 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 24))
-def test_random_verify_and_rollback_keep_pool_and_prefix_cache_consistent(ops, block_size, num_blocks):
-    manager = KVCacheManager(BlockPool(num_blocks), block_size)
+@given(
+    ops=ops,
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(6, 24),
+    windows=st.sampled_from([(None,), (None, 3), (5, None, 5)]),  # uniform; a full and a sliding KV cache group
+)
+def test_random_verify_and_rollback_keep_pool_and_prefix_cache_consistent(ops, block_size, num_blocks, windows):
+    layout = make_kv_cache_layout(windows)
+    manager = KVCacheManager(BlockPool(num_blocks, num_groups=layout.num_groups), block_size, layout=layout)
     # Few distinct tokens: requests share prefixes and drafts often equal what "the model" says.
     requests = [FakeRequest(f"r{i}", [i % 2, 1, 2, 1]) for i in range(3)]
     for which, num_drafts, accept, action in ops:
@@ -65,7 +68,7 @@ def test_random_verify_and_rollback_keep_pool_and_prefix_cache_consistent(ops, b
             manager.free(request)
             request.num_computed_tokens = 0
             continue
-        if request.request_id not in manager.req_blocks:  # (re)admission: prefix hits, then the rest
+        if request.request_id not in manager.requests:  # (re)admission: prefix hits, then the rest
             hit, num_hit = manager.get_computed_blocks(request)
             if not manager.allocate_slots(request, request.num_tokens - num_hit, hit):
                 continue
@@ -87,9 +90,9 @@ def test_random_verify_and_rollback_keep_pool_and_prefix_cache_consistent(ops, b
         request.tokens.extend(gained)
         request.drafts = []
         manager.rollback(request)
-        # Blocks for the computed tokens stay; none is kept past the last real token (rejected drafts' blocks).
-        assert -(-request.num_computed_tokens // block_size) <= manager.num_blocks_held(request)
-        assert manager.num_blocks_held(request) <= -(-request.num_tokens // block_size)
+        # Table entries for the computed tokens stay; none is kept past the last real token (rejected drafts').
+        assert -(-request.num_computed_tokens // block_size) <= manager.num_tokens_held(request) // block_size
+        assert manager.num_tokens_held(request) // block_size <= -(-request.num_tokens // block_size)
         check(manager, requests)
     for request in requests:
         manager.forget(request)

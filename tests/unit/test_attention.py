@@ -19,7 +19,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import reference_attention
 from kvserve.kernels.native import cpu_supports_native, supported_isas
 from kvserve.kernels.ops import TorchKernels, load_kernels
-from kvserve.kv.cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from kvserve.kv.cache import KVCacheConfig, LayerKVCache, allocate_kv_cache
 from kvserve.model.tokenizer import default_cache_dir
 
 ATOL = RTOL = 1e-5
@@ -119,7 +119,7 @@ def test_native_decode_attention_reads_an_int8_cache_in_place(
         [(45, 1), (3, 1), (17, 1), (300, 1)], 16, heads, kv_heads, seed=heads * 10 + head_dim, head_dim=head_dim
     )
     kc, vc = torch.nan_to_num(kc), torch.nan_to_num(vc)  # quantized, unused slots are zeros with a unit scale
-    spec = KVCacheSpec(1, kv_heads, head_dim, 16, torch.int8)
+    spec = KVCacheConfig(1, kv_heads, head_dim, 16, torch.int8)
     cache = allocate_kv_cache(spec, kc.shape[0], torch.device("cpu"))[0]
     slots = torch.arange(kc.shape[0] * 16)
     cache.write(kc.view(-1, kv_heads, head_dim), vc.view(-1, kv_heads, head_dim), slots)

@@ -8,6 +8,7 @@ import argparse
 import pytest
 import torch
 
+from kvserve.attention.metadata import AttentionMetadata
 from kvserve.capacity import NULL_BLOCK_ID
 from kvserve.config import EngineConfig, resolve_attention_backend
 from kvserve.engine import sampler as sampler_module
@@ -16,6 +17,7 @@ from kvserve.engine.host_transfer import HostToDevice, fetch_to_host, to_device
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler
 from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -79,19 +81,25 @@ def test_graphs_are_off_with_enforce_eager_an_uncapturable_backend_or_on_cpu(kw)
     """Decided before anything touches a GPU (so this runs without one)."""
     config = EngineConfig(**{"device": "cuda", **kw})
     device = torch.device(config.device)
-    assert build_decode_graphs(config, None, [], 64, device) is None  # type: ignore[arg-type]
+    layout = make_kv_cache_layout([None])
+    assert build_decode_graphs(config, None, [], layout, 64, device) is None  # type: ignore[arg-type]
 
 
 def test_padding_rows_write_and_read_only_the_null_block() -> None:
-    ids, pos, slots = torch.tensor([7, 8]), torch.tensor([5, 9]), torch.tensor([21, 38])
-    tables, lens = torch.tensor([[5, 2, 0], [3, 9, 4]]), torch.tensor([6, 10])
-    p_ids, p_pos, p_slots, p_tables, p_lens = pad_decode_inputs(4, 4, ids, pos, slots, tables, lens)
-    assert p_ids.tolist() == [7, 8, 0, 0] and p_pos.tolist() == [5, 9, 0, 0]
-    assert p_slots.tolist() == [21, 38, NULL_BLOCK_ID * 4, NULL_BLOCK_ID * 4]
-    assert p_tables.tolist() == [[5, 2, 0], [3, 9, 4], [NULL_BLOCK_ID] * 3, [NULL_BLOCK_ID] * 3]
-    assert p_lens.tolist() == [6, 10, 1, 1]  # one token of context: the slot the padding row just wrote
+    """Each KV cache group's slot mapping and tables are padded alike (here a full group and a sliding one, whose
+    first entry is the null block)."""
+    ids, pos = torch.tensor([7, 8]), torch.tensor([5, 9])
+    full = AttentionMetadata.build([[5, 2], [3, 9, 4]], [6, 10], [1, 1], 4, torch.device("cpu"))
+    sliding = AttentionMetadata.build([[0, 6], [0, 11, 12]], [6, 10], [1, 1], 4, torch.device("cpu"))
+    padded = pad_decode_inputs(4, 4, ids, pos, [full, sliding])
+    assert padded.input_ids.tolist() == [7, 8, 0, 0] and padded.positions.tolist() == [5, 9, 0, 0]
+    null_slot = NULL_BLOCK_ID * 4
+    assert padded.slot_mapping.tolist() == [[9, 17, null_slot, null_slot], [25, 49, null_slot, null_slot]]
+    assert padded.block_tables[0].tolist() == [[5, 2, 0], [3, 9, 4], [NULL_BLOCK_ID] * 3, [NULL_BLOCK_ID] * 3]
+    assert padded.block_tables[1].tolist() == [[0, 6, 0], [0, 11, 12], [NULL_BLOCK_ID] * 3, [NULL_BLOCK_ID] * 3]
+    assert padded.seq_lens.tolist() == [6, 10, 1, 1]  # one token of context: the slot the padding row just wrote
     with pytest.raises(ValueError, match="does not fit"):
-        pad_decode_inputs(1, 4, ids, pos, slots, tables, lens)
+        pad_decode_inputs(1, 4, ids, pos, [full, sliding])
 
 
 def test_staged_transfer_packs_one_copy_and_keeps_each_steps_tensors() -> None:

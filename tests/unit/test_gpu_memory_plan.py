@@ -9,12 +9,12 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.build import plan_cache
 from kvserve.engine.memory_profile import GpuMemoryFacts, gpu_kv_budget
-from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.cache import KVCacheConfig
 from kvserve.model.config import ModelConfig
 from kvserve.units import GiB
 
 CUDA = torch.device("cuda")
-SPEC = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)  # 8B-shaped
+SPEC = KVCacheConfig(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)  # 8B-shaped
 
 
 def facts(total: int = 80 * GiB, weights: int = 16 * GiB, peak: int = 2 * GiB, non_torch: int = GiB) -> GpuMemoryFacts:

@@ -21,22 +21,23 @@ FP = KVFingerprint(
     weights="w", weight_quantization="none", activation_quantization="none", kernels="torch",
     attention_backend="cpu", device_type="cpu", dtype="float32", kv_cache_dtype="float32", tier_dtype="auto",
     static_kv_scales="",
-    block_size=4, hash_algo="sha256", num_layers=2, num_kv_heads=1, head_dim=8, torch_version="t",
-    kvserve_version="v",
+    block_size=4, hash_algo="sha256", num_layers=2, num_kv_heads=1, head_dim=8, kv_cache_groups="2|full",
+    torch_version="t", kvserve_version="v",
 )  # fmt: skip
 BLOCK_BYTES = 256 * 1024  # big enough that writes take a while and overlap the reads
 
 
-def block(i: int) -> tuple[bytes, BlockKey, torch.Tensor]:
-    """Block i of one chain-free family: its hash, key, and a payload that encodes i (so a mix-up shows)."""
+def block(i: int, group: int = 0) -> tuple[tuple[int, bytes], BlockKey, torch.Tensor]:
+    """Block i of one chain-free family: its tier key (group, hash), content key, and a payload that encodes i (so a
+    mix-up shows)."""
     tokens = (i, i + 1, i + 2, i + 3)
     key = BlockKey(None, tokens, b"")
     payload = torch.full((BLOCK_BYTES,), i % 251, dtype=torch.uint8)
-    return BlockHasher().hash_block(None, tokens), key, payload
+    return (group, BlockHasher().hash_block(None, tokens)), key, payload
 
 
 def test_a_record_round_trips_and_every_check_refuses():
-    h, key, payload = block(7)
+    (_, h), key, payload = block(7)
     data = encode_record(FP.digest, h, key, payload.numpy().tobytes())
     assert bytes(decode_record(data, FP.digest, h, key)) == payload.numpy().tobytes()
     other_fp = b"\x01" * 16
@@ -56,9 +57,20 @@ def test_a_record_round_trips_and_every_check_refuses():
     with pytest.raises(RecordError, match="another block"):
         decode_record(data, FP.digest, h, BlockKey(None, key.token_ids, b"salt"))
     version_bumped = bytearray(data)
-    version_bumped[8] = 2
-    with pytest.raises(RecordError, match="format version 2"):
+    version_bumped[8] = 3
+    with pytest.raises(RecordError, match="format version 3"):
         decode_record(bytes(version_bumped), FP.digest, h, key)
+    with pytest.raises(RecordError, match="group 0's block, not group 1's"):
+        decode_record(data, FP.digest, h, key, group_id=1)
+
+
+def test_a_version_1_record_is_refused():
+    """A record an older kvserve wrote (format 1: a block of every layer, no KV cache group) is never read."""
+    (_, h), key, payload = block(3)
+    data = bytearray(encode_record(FP.digest, h, key, payload.numpy().tobytes()))
+    data[8] = 1
+    with pytest.raises(RecordError, match="format version 1"):
+        decode_record(bytes(data), FP.digest, h, key)
 
 
 def _writer(root: str, seed: int, n: int) -> None:
@@ -123,7 +135,7 @@ def test_two_processes_writing_at_once_never_expose_a_partial_record(tmp_path):
 
 
 def test_the_budget_evicts_least_recently_used_first(tmp_path):
-    record_bytes = len(encode_record(FP.digest, *block(0)[:2], bytes(BLOCK_BYTES)))
+    record_bytes = len(encode_record(FP.digest, block(0)[0][1], block(0)[1], bytes(BLOCK_BYTES)))
     store = DiskStore(tmp_path, FP, capacity_bytes=10 * record_bytes)
     for i in range(10):
         store.write(*block(i))
@@ -227,24 +239,24 @@ def test_the_disk_writers_ring_drops_what_finds_it_full_and_reuses_its_slots(tmp
 
     monkeypatch.setattr(DiskStore, "write", held_write)
     tier, caches, snapshot = _tier_on(tmp_path, queued_blocks=4)
-    blocks = [TierBlock(i, *block(100 + i)[:2]) for i in range(10)]
+    blocks = [TierBlock(i, block(100 + i)[0][1], block(100 + i)[1]) for i in range(10)]
     # The pool's memory was touched at start (zeroed): give the blocks their values back.
     for cache, (k, v) in zip(caches, snapshot):
         cache.key.copy_(k)
         cache.value.copy_(v)
-    tier.store_blocks(blocks[:7])
+    tier.prepare_store(blocks[:7])
     assert tier.dropped_blocks == 3  # 4 queued in the ring, 3 found it full
     gate.set()
     tier.flush()
-    tier.store_blocks(blocks[7:])  # the slots came back: all three are queued
+    tier.prepare_store(blocks[7:])  # the slots came back: all three are queued
     tier.flush()
     assert tier.stored_blocks == 7 and tier.dropped_blocks == 3
-    stored = [b for b in blocks if tier.store is not None and tier.store.contains(b.block_hash)]
+    stored = [b for b in blocks if tier.store is not None and tier.store.contains((0, b.block_hash))]
     assert [b.block_id for b in stored] == [0, 1, 2, 3, 7, 8, 9]
     assert tier.store is not None
     for b in stored:
         parts = [memoryview(bytearray(128)) for _ in range(4)]
-        tier.store.read_into(b.block_hash, b.key, parts)
+        tier.store.read_into((0, b.block_hash), b.key, parts)
         want = [t[b.block_id].numpy().tobytes() for k, v in snapshot for t in (k, v)]
         assert [bytes(p) for p in parts] == want
     tier.close()

@@ -16,7 +16,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.reference import reference_attention
 from kvserve.capacity import KVShape, num_blocks_for_budget
 from kvserve.config import EngineConfig
-from kvserve.kv.cache import KVCacheSpec, LayerKVCache, allocate_kv_cache, resolve_kv_cache_dtype
+from kvserve.kv.cache import KVCacheConfig, LayerKVCache, allocate_kv_cache, resolve_kv_cache_dtype
 from kvserve.kv.quant import KV_QUANT_FORMATS, KVQuantFormat, compute_scales, dequantize, fake_quantize, quantize
 from kvserve.vocab import KV_DTYPES
 
@@ -79,7 +79,7 @@ def test_huge_values_saturate_never_overflow(name: str, dtype: torch.dtype) -> N
 
 
 def _paged(spec_dtype: torch.dtype, num_blocks: int = 8, block_size: int = 4) -> LayerKVCache:
-    spec = KVCacheSpec(1, 2, 16, block_size, spec_dtype)
+    spec = KVCacheConfig(1, 2, 16, block_size, spec_dtype)
     return allocate_kv_cache(spec, num_blocks, CPU)[0]
 
 
@@ -135,7 +135,7 @@ def _scenario(seqs: list[tuple[int, int]], block_size: int, heads: tuple[int, in
 
 
 def _paged_heads(storage: torch.dtype, num_blocks: int, block_size: int, kv_heads: int) -> LayerKVCache:
-    return allocate_kv_cache(KVCacheSpec(1, kv_heads, 32, block_size, storage), num_blocks, CPU)[0]
+    return allocate_kv_cache(KVCacheConfig(1, kv_heads, 32, block_size, storage), num_blocks, CPU)[0]
 
 
 CASES = {"decode": [(1, 1), (9, 1), (23, 1)], "mixed": [(20, 20), (9, 1), (30, 7), (16, 3)]}
@@ -177,7 +177,7 @@ def test_bf16_compute_reads_quantized_cache() -> None:
 @pytest.mark.parametrize("name", list(KV_DTYPES))
 def test_bytes_per_token_agrees_with_capacity_math(name: str) -> None:
     """The engine's spec and `kvserve estimate` price a token identically (Gemma 3 270M's shape)."""
-    spec = KVCacheSpec(18, 1, 256, 16, resolve_kv_cache_dtype(name, torch.float32))
+    spec = KVCacheConfig(18, 1, 256, 16, resolve_kv_cache_dtype(name, torch.float32))
     shape = KVShape(18, 1, 256, 4, (None,) * 18)
     assert spec.bytes_per_token == shape.bytes_per_token(KV_DTYPES[name])
 
@@ -186,7 +186,7 @@ def test_block_counts_at_the_same_budget() -> None:
     """8-bit: >= 3.8x the blocks of float32 and ~2x those of 16-bit, less the scales' share."""
 
     def blocks_of(name: str) -> int:
-        spec = KVCacheSpec(18, 1, 256, 16, resolve_kv_cache_dtype(name, torch.float32))
+        spec = KVCacheConfig(18, 1, 256, 16, resolve_kv_cache_dtype(name, torch.float32))
         return num_blocks_for_budget(4 << 30, spec.bytes_per_block)
 
     blocks = {name: blocks_of(name) for name in ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")}
@@ -204,16 +204,16 @@ def test_dtype_names() -> None:
         EngineConfig(kv_cache_dtype=name)
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         EngineConfig(kv_cache_dtype="fp4")
-    assert KVCacheSpec(1, 1, 8, 4, torch.float8_e4m3fn).dtype_name == "fp8_e4m3"
-    assert KVCacheSpec(1, 1, 8, 4, torch.bfloat16).dtype_name == "bfloat16"
+    assert KVCacheConfig(1, 1, 8, 4, torch.float8_e4m3fn).dtype_name == "fp8_e4m3"
+    assert KVCacheConfig(1, 1, 8, 4, torch.bfloat16).dtype_name == "bfloat16"
 
 
 def test_allocation_puts_scales_beside_blocks_and_logs(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="kvserve.kv.cache"):
-        caches = allocate_kv_cache(KVCacheSpec(3, 2, 8, 4, torch.int8), 5, CPU)
+        caches = allocate_kv_cache(KVCacheConfig(3, 2, 8, 4, torch.int8), 5, CPU)
     assert len(caches) == 3
     assert caches[0].key.shape == (5, 4, 2, 8) and caches[0].key.dtype == torch.int8
     assert caches[0].key_scale.shape == (5, 4, 2) and caches[0].value_scale.dtype == torch.float32
     assert "int8" in caplog.text and "5 blocks" in caplog.text
-    plain = allocate_kv_cache(KVCacheSpec(1, 2, 8, 4, torch.float16), 5, CPU)[0]
+    plain = allocate_kv_cache(KVCacheConfig(1, 2, 8, 4, torch.float16), 5, CPU)[0]
     assert plain.key_scale is None and plain.value_scale is None

@@ -47,7 +47,7 @@ def test_two_requests_share_the_full_blocks_of_a_500_token_prefix():
     b = request("b", SYSTEM + [7, 8, 9, 10])
     assert run_prefill(kv, a) == 0
     assert run_prefill(kv, b) == 31 * BS  # the block holding tokens 496..511 differs: not shared
-    blocks_a, blocks_b = kv.req_blocks["a"], kv.req_blocks["b"]
+    blocks_a, blocks_b = kv.group_tables("a")[0], kv.group_tables("b")[0]
     assert [x.block_id for x in blocks_a[:31]] == [x.block_id for x in blocks_b[:31]]
     assert all(x.ref_cnt == 2 for x in blocks_a[:31])
     assert blocks_a[31] is not blocks_b[31] and blocks_a[31].ref_cnt == blocks_b[31].ref_cnt == 1
@@ -91,7 +91,7 @@ def test_eviction_is_lru_and_prefix_heads_outlive_tails():
 def test_salted_requests_do_not_share_or_probe():
     pool, kv = make()
     run_prefill(kv, request("a", SYSTEM))
-    assert kv.get_computed_blocks(request("b", SYSTEM + [5], salt="tenant-b")) == ([], 0)
+    assert kv.get_computed_blocks(request("b", SYSTEM + [5], salt="tenant-b")) == ([[]], 0)
     run_prefill(kv, request("c", SYSTEM, salt="tenant-b"))
     assert kv.get_computed_blocks(request("d", SYSTEM + [5], salt="tenant-b"))[1] == 31 * BS
     assert kv.get_computed_blocks(request("e", SYSTEM + [5], salt="tenant-c"))[1] == 0
@@ -103,7 +103,7 @@ def test_a_hash_collision_is_caught_by_the_content_check(monkeypatch):
     monkeypatch.setattr(kv.hasher, "_digest", lambda data: b"\x01" * 16)  # every block collides
     run_prefill(kv, request("a", list(range(40))))
     other = request("b", list(range(200, 240)))
-    assert kv.get_computed_blocks(other) == ([], 0)
+    assert kv.get_computed_blocks(other) == ([[]], 0)
     assert run_prefill(kv, other) == 0
     same = request("c", list(range(40)))
     assert kv.get_computed_blocks(same)[1] == 16  # block 0 matches (block 1's key has another parent)
@@ -128,4 +128,4 @@ def test_caching_off_shares_nothing():
     kv = KVCacheManager(pool, BS)
     run_prefill(kv, request("a", SYSTEM[:100]))
     assert run_prefill(kv, request("b", SYSTEM[:100])) == 0
-    assert not pool.cached
+    assert not pool.cached[0]

@@ -42,7 +42,7 @@ def test_publishing_a_prompt_copies_each_token_a_bounded_number_of_times(num_tok
     kv = manager(num_tokens)
     r = CountingRequest("a", list(range(num_tokens)), Params())
     assert kv.allocate_slots(r, num_tokens)
-    assert len(kv.pool.cached) == num_tokens // BS
+    assert len(kv.pool.cached[0]) == num_tokens // BS
     assert r.tokens_copied <= 2 * num_tokens  # once to hash, once for the content key: linear, whatever the length
 
 
@@ -69,7 +69,7 @@ def test_decoding_publishes_each_new_block_once() -> None:
         r.output_token_ids.append(i)
         assert kv.allocate_slots(r, 1)
         r.num_computed_tokens += 1
-    assert len(kv.pool.cached) == 1100 // BS
+    assert len(kv.pool.cached[0]) == 1100 // BS
     assert r.tokens_copied <= 2 * 1100
 
 

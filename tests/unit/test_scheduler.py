@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from kvserve.capacity import longest_fitting, request_fits
+from kvserve.engine.core import check_kv_invariants
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 
@@ -22,9 +25,12 @@ class Params:
     max_tokens: int = 8
 
 
-def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False):
-    pool = BlockPool(num_blocks + 1, enable_caching=caching)  # num_blocks usable, plus the null block
-    kv = KVCacheManager(pool, block_size, reserve_tokens=max_len if reserve else 0)
+def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False, windows=(None,)):
+    """A scheduler over a pool of num_blocks usable blocks (plus the null block), with the KV cache groups of layers
+    whose sliding windows are `windows` (None: full attention; the default is one full-attention group)."""
+    layout = make_kv_cache_layout(windows)
+    pool = BlockPool(num_blocks + 1, enable_caching=caching, num_groups=layout.num_groups)
+    kv = KVCacheManager(pool, block_size, reserve_tokens=max_len if reserve else 0, layout=layout)
     return Scheduler(kv, max_seqs, budget, max_len), pool, kv
 
 
@@ -53,15 +59,11 @@ def fake_step(sched: Scheduler) -> list[Request]:
 
 
 def check(sched: Scheduler, pool: BlockPool, kv: KVCacheManager) -> None:
-    pool.check_invariants()
-    counts: dict[int, int] = {}
-    for blocks in kv.req_blocks.values():
-        for b in blocks:
-            counts[b.block_id] = counts.get(b.block_id, 0) + 1
-    assert all(b.ref_cnt == counts.get(b.block_id, 0) for b in pool.blocks)
-    assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_usable_blocks
+    """The engine's own invariant check (free + referenced == usable; references == holders in every group)."""
+    assert kv.pool is pool
+    check_kv_invariants(kv, sched.offload)
     for r in sched.running:
-        assert kv.num_blocks_held(r) * kv.block_size >= r.num_computed_tokens
+        assert kv.num_tokens_held(r) >= r.num_computed_tokens
 
 
 def test_chunked_prefill_respects_budget_and_mixes_decodes():
@@ -106,7 +108,7 @@ def test_prefix_hit_shares_full_blocks_but_not_the_last_token():
     out = sched.schedule()
     sb = [s for s in out.scheduled if s.request is b][0]
     assert sb.start == 4 and sb.num_tokens == 4 and b.num_cached_tokens == 4
-    assert kv.req_blocks["b"][0] is kv.req_blocks["a"][0] and kv.req_blocks["a"][0].ref_cnt == 2
+    assert kv.group_tables("b")[0][0] is kv.group_tables("a")[0][0] and kv.group_tables("a")[0][0].ref_cnt == 2
     sched.on_step_done(out)
     check(sched, pool, kv)
 
@@ -118,7 +120,7 @@ def test_salted_request_gets_no_hit():
     fake_step(sched)
     b = req("b", 10)
     b.cache_salt = "tenant-2"
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == ([[]], 0)
 
 
 def test_abort_and_double_finish_keep_pool_whole():
@@ -154,7 +156,7 @@ def test_reserving_max_model_len_takes_every_block_at_admission_and_returns_them
         if not num_unfinished(sched):
             break
     assert sorted(r.request_id for r in finished) == [f"r{i}" for i in range(5)]
-    assert sched.num_preemptions == 0 and pool.num_free_blocks == pool.num_usable_blocks and not kv.req_blocks
+    assert sched.num_preemptions == 0 and pool.num_free_blocks == pool.num_usable_blocks and not kv.requests
 
 
 def test_reservation_counts_prefix_hit_blocks():
@@ -165,7 +167,7 @@ def test_reservation_counts_prefix_hit_blocks():
     b = req("b", 9, max_tokens=2)  # shares a's first two full blocks
     sched.add(b)
     out = sched.schedule()
-    assert b.num_cached_tokens == 8 and kv.req_blocks["b"][0] is kv.req_blocks["a"][0]
+    assert b.num_cached_tokens == 8 and kv.group_tables("b")[0][0] is kv.group_tables("a")[0][0]
     assert kv.num_blocks_held(a) == kv.num_blocks_held(b) == 6  # 24 tokens, hit blocks included
     assert pool.num_free_blocks == 32 - 6 - 4
     sched.on_step_done(out)
@@ -183,13 +185,32 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(4, 64), caching=st.booleans(), reserve=st.booleans())
+# KV cache layouts: one full-attention group; a full group and a sliding one (window 5: hits need the 2 blocks
+# before their end); Gemma-like, one full and two sliding groups; every layer windowed (one sliding group).
+LAYOUTS = [(None,), (None, 5), (7, None, 7), (6, 6)]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=ops,
+    num_blocks=st.integers(12, 40),
+    budget=st.integers(4, 64),
+    caching=st.booleans(),
+    reserve=st.booleans(),
+    windows=st.sampled_from(LAYOUTS),
+)
 # A preempted request re-admitted through a prefix hit once counted its cached tokens twice and never fit.
-@example(ops=[("add", 13, 9, 0), ("add", 22, 4, 1)], num_blocks=12, budget=5, caching=True, reserve=False)
-def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching, reserve):
+@example(
+    ops=[("add", 13, 9, 0), ("add", 22, 4, 1)], num_blocks=12, budget=5, caching=True, reserve=False, windows=(None,)
+)
+def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching, reserve, windows):
     block_size = 4
-    max_len = min(48, num_blocks * block_size)
+    assume(not reserve or windows == (None,))  # a contiguous cache's emulation is the uniform layout's
+    layout = make_kv_cache_layout(windows)
+    usable = num_blocks
+    # The longest request (with a prefill chunk of the whole budget) must fit the pool, as the engine checks at start.
+    max_len = longest_fitting(lambda n: request_fits(usable, n, block_size, layout, budget), min(48, usable * 4))
+    assume(max_len >= 8)
     sched, pool, kv = make(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -198,6 +219,7 @@ def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, cac
         max_len=max_len,
         caching=caching,
         reserve=reserve,
+        windows=windows,
     )
     live: list[Request] = []
     count = 0
@@ -226,4 +248,4 @@ def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, cac
         check(sched, pool, kv)
     assert not live and not num_unfinished(sched)
     assert pool.num_free_blocks == pool.num_usable_blocks
-    assert not kv.req_blocks
+    assert not kv.requests

@@ -61,6 +61,8 @@ class KVFingerprint:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # The KV cache groups (kv/groups.py, KVCacheLayout.signature): a block holds the layers of one group.
+    kv_cache_groups: str
     torch_version: str
     kvserve_version: str
     format_version: int = FORMAT_VERSION

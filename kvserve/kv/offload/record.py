@@ -1,10 +1,10 @@
 """One stored block as bytes on disk: a versioned header, the block's identity, its K/V payload and a checksum.
 
-Why a record is self-describing: a file read back is untrusted input (another process wrote it, a crash may have cut
-it, a disk may have flipped a bit, someone may have copied files between machines). It is used only when every check
-passes: magic and format version, the fingerprint of the engine settings it was computed under, the exact length, the
-xxh3-64 checksum over everything before it, and the block's identity (its chained hash and the content key a prefix
-hit compares: parent hash, token ids, extra keys such as a cache salt). Anything else raises RecordError and the
+Why a record is self-describing: a file read back is untrusted input (another process wrote it, a crash may have cut it,
+a disk may have flipped a bit, someone may have copied files between machines). It is used only when every check passes:
+magic and format version, the fingerprint of the engine settings it was computed under, the exact length, the xxh3-64
+checksum over everything before it, and the block's identity (its KV cache group, its chained hash and the content key a
+prefix hit compares: parent hash, token ids, extra keys such as a cache salt). Anything else raises RecordError and the
 block is recomputed. xxh3 runs at memory speed (tens of GB/s), so checking a 576 KiB block costs microseconds where
 sha256 would cost a millisecond."""
 
@@ -19,10 +19,11 @@ import xxhash
 from kvserve.kv.hashing import BlockKey
 
 MAGIC = b"KVSBLOCK"
-FORMAT_VERSION = 1
-# magic, version, fingerprint digest (16 bytes), payload length, hash length, parent length (0xFFFF: none),
-# extra keys length, number of tokens.
-_HEADER = struct.Struct("<8sI16sQHHII")
+# 2: records carry their KV cache group (kv/groups.py): a block is one group's layers, not every layer's.
+FORMAT_VERSION = 2
+# magic, version, fingerprint digest (16 bytes), payload length, KV cache group, hash length, parent length (0xFFFF:
+# none), extra keys length, number of tokens.
+_HEADER = struct.Struct("<8sI16sQIHHII")
 _CHECKSUM = struct.Struct("<Q")
 _NO_PARENT = 0xFFFF
 
@@ -31,22 +32,24 @@ class RecordError(ValueError):
     """A stored record that must not be used: its reason says which check failed."""
 
 
-def encode_record(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview) -> bytes:
+def encode_record(
+    fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview, group_id: int = 0
+) -> bytes:
     """The record's bytes: header, identity, payload, then the checksum of all of them."""
-    return b"".join(record_parts(fingerprint, block_hash, key, payload))
+    return b"".join(record_parts(fingerprint, block_hash, key, payload, group_id))
 
 
 def record_parts(
-    fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview
+    fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview, group_id: int = 0
 ) -> tuple[bytes, bytes | memoryview, bytes]:
     """The record as (header and identity, payload, checksum), for a vectored write that copies the payload once."""
-    head = record_head(fingerprint, block_hash, key, len(payload))
+    head = record_head(fingerprint, block_hash, key, len(payload), group_id)
     digest = xxhash.xxh3_64(head)
     digest.update(payload)
     return head, payload, _CHECKSUM.pack(digest.intdigest())
 
 
-def record_head(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_len: int) -> bytes:
+def record_head(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_len: int, group_id: int = 0) -> bytes:
     """The header and identity that open the record of this block under this fingerprint: the same bytes for every
     good record of it, so a reader that knows which block it wants can compare them whole (DiskStore.read_into)."""
     parent = key.parent
@@ -56,6 +59,7 @@ def record_head(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_le
         FORMAT_VERSION,
         fingerprint,
         payload_len,
+        group_id,
         len(block_hash),
         _NO_PARENT if parent is None else len(parent),
         len(key.extra_keys),
@@ -78,13 +82,16 @@ def checksum_matches(parts: Sequence[bytes | bytearray | memoryview], stored: by
 
 
 def decode_record(
-    data: bytes | bytearray | memoryview, fingerprint: bytes, block_hash: bytes, key: BlockKey
+    data: bytes | bytearray | memoryview, fingerprint: bytes, block_hash: bytes, key: BlockKey, group_id: int = 0
 ) -> memoryview:
-    """The payload of a record that passes every check for this block under this fingerprint; else RecordError."""
+    """The payload of a record that passes every check for this block (of this group) under this fingerprint; else
+    RecordError."""
     view = memoryview(data)
     if len(view) < _HEADER.size + _CHECKSUM.size:
         raise RecordError(f"truncated: {len(view)} bytes")
-    magic, version, stored_fp, payload_len, hash_len, parent_len, extra_len, num_tokens = _HEADER.unpack_from(view)
+    magic, version, stored_fp, payload_len, stored_group, hash_len, parent_len, extra_len, num_tokens = (
+        _HEADER.unpack_from(view)
+    )
     if magic != MAGIC:
         raise RecordError("not a kvserve block record (bad magic)")
     if version != FORMAT_VERSION:
@@ -110,4 +117,6 @@ def decode_record(
     at += 8 * num_tokens
     if stored_hash != block_hash or BlockKey(parent, tokens, extra) != key:
         raise RecordError("holds another block (hash or content key differs)")
+    if stored_group != group_id:
+        raise RecordError(f"holds KV cache group {stored_group}'s block, not group {group_id}'s")
     return view[at : at + payload_len]

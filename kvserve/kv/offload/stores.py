@@ -1,10 +1,11 @@
 """Where the tier's blocks live: a dict in host memory, or files in a private directory that processes share.
 
-Both hold a block's payload (its K/V bytes, kv/offload/layout.py) under its chained hash, with the content key a
-prefix hit compares, least recently used first out once `capacity_bytes` is reached. The disk store is also a small
-storage engine: each record is written to a temporary name and renamed into place (a crash leaves nothing
-half-visible, only a temporary file that the next scan removes), read back through every check of record.py, and
-its directory's budget is enforced under a lock file by whichever process finds it exceeded."""
+Both hold a block's payload (its K/V bytes, kv/offload/layout.py) under its KV cache group and chained hash (a TierKey),
+with the content key a prefix hit compares, least recently used first out once `capacity_bytes` is reached. Both are
+BlockStores (kv/offload/interface.py): `contains` answers from memory, never from the file system. The disk store is
+also a small storage engine: each record is written to a temporary name and renamed into place (a crash leaves nothing
+half-visible, only a temporary file that the next scan removes), read back through every check of record.py, and its
+directory's budget is enforced under a lock file by whichever process finds it exceeded."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.kv.hashing import BlockKey
 from kvserve.kv.offload.fingerprint import KVFingerprint
+from kvserve.kv.offload.interface import StoreUsage, TierKey
 from kvserve.kv.offload.record import (
     CHECKSUM_BYTES,
     RecordError,
@@ -44,12 +45,6 @@ STALE_TMP_SECONDS = 600.0
 _EVICT_TO = 0.9
 
 
-@dataclass(frozen=True, slots=True)
-class StoreUsage:
-    num_blocks: int
-    bytes_used: int
-
-
 class HostMemoryStore:
     """Blocks in one slab of host memory, [capacity // block_bytes, block_bytes] uint8, allocated once (its pages are
     touched as blocks first land in them), slots handed out least recently used first. A slab rather than a tensor a
@@ -63,36 +58,39 @@ class HostMemoryStore:
         self.block_bytes = block_bytes
         self.capacity_blocks = capacity_bytes // block_bytes
         self.slab = torch.empty(self.capacity_blocks, block_bytes, dtype=torch.uint8)
-        self._entries: OrderedDict[bytes, tuple[int, BlockKey]] = OrderedDict()  # hash -> (slot, key), LRU first
+        self._entries: OrderedDict[TierKey, tuple[int, BlockKey]] = OrderedDict()  # -> (slot, key), LRU first
         self._free = list(range(self.capacity_blocks - 1, -1, -1))
 
-    def contains(self, block_hash: bytes) -> bool:
-        return block_hash in self._entries
+    def contains(self, key: TierKey) -> bool:
+        return key in self._entries
 
-    def locate(self, block_hash: bytes, key: BlockKey) -> int:
+    def locate(self, key: TierKey, content: BlockKey) -> int:
         """The slot holding this block (now the most recently used); KeyError when absent, RecordError when the slot
         holds another block under this hash (a collision)."""
-        entry = self._entries.get(block_hash)
+        entry = self._entries.get(key)
         if entry is None:
-            raise KeyError(block_hash.hex())
-        if entry[1] != key:
+            raise KeyError(key[1].hex())
+        if entry[1] != content:
             raise RecordError("holds another block (content key differs)")
-        self._entries.move_to_end(block_hash)
+        self._entries.move_to_end(key)
         return entry[0]
 
-    def reserve(self, blocks: list[tuple[bytes, BlockKey]]) -> tuple[list[int], list[bytes]]:
-        """Slots for new blocks (none of them held yet; at most capacity_blocks of them), evicting the least recently
-        used: (their slots in order, the evicted hashes)."""
+    def reserve(self, blocks: list[tuple[TierKey, BlockKey]]) -> tuple[list[int], list[TierKey]]:
+        """Slots for new blocks (distinct, none of them held yet; at most capacity_blocks of them), evicting the least
+        recently used: (their slots in order, the evicted keys). A key held already is refused: its slot would be
+        orphaned."""
         if len(blocks) > self.capacity_blocks:
             raise ValueError(f"{len(blocks)} blocks exceed the tier's {self.capacity_blocks}")
+        if len({key for key, _ in blocks}) != len(blocks) or any(key in self._entries for key, _ in blocks):
+            raise ValueError("reserve takes distinct blocks the store does not hold")
         slots, evicted = [], []
-        for block_hash, key in blocks:
+        for key, content in blocks:
             if self._free:
                 slot = self._free.pop()
             else:
-                old_hash, (slot, _) = self._entries.popitem(last=False)
-                evicted.append(old_hash)
-            self._entries[block_hash] = (slot, key)
+                old, (slot, _) = self._entries.popitem(last=False)
+                evicted.append(old)
+            self._entries[key] = (slot, content)
             slots.append(slot)
         return slots, evicted
 
@@ -101,10 +99,13 @@ class HostMemoryStore:
 
 
 class DiskStore:
-    """Records as files under DIR/<fingerprint>/blocks/<first two hex digits>/<hash>.kvb.
+    """Records as files under DIR/<fingerprint>/blocks/<first two hex digits>/<hash>-<group>.kvb.
 
     Thread-safe: the engine thread checks for records, a loader thread reads them, a writer thread writes them; other
-    processes may do all three in the same directory at once."""
+    processes may do all three in the same directory at once. Which records exist is answered from an index in
+    memory (`contains`: the engine thread never touches the file system): built by the start-up scan, kept by this
+    process's writes, evictions and refusals, and refreshed with other processes' records by `refresh` (the tier
+    calls it from a thread of its own, every REFRESH_SECONDS)."""
 
     medium = "DISK"
 
@@ -124,13 +125,16 @@ class DiskStore:
         self._bytes_estimate = 0
         self._num_blocks_estimate = 0
         self._tmp_serial = 0
+        self._present: set[TierKey] = set()  # the records known to exist (see the class docstring)
+        self._shard_mtimes: dict[str, float] = {}  # what refresh saw of each shard directory
         self.scan()
 
     # ---- layout ------------------------------------------------------------------------------------
 
-    def path_for(self, block_hash: bytes) -> Path:
+    def path_for(self, key: TierKey) -> Path:
+        group_id, block_hash = key
         name = block_hash.hex()
-        return self.blocks_dir / name[:2] / (name + RECORD_SUFFIX)
+        return self.blocks_dir / name[:2] / f"{name}-{group_id}{RECORD_SUFFIX}"
 
     def _describe_fingerprint(self) -> None:
         """fingerprint.json beside the blocks: what the subdirectory's KV was computed under, for a person."""
@@ -143,27 +147,28 @@ class DiskStore:
 
     # ---- reads ---------------------------------------------------------------------------------------
 
-    def contains(self, block_hash: bytes) -> bool:
-        return self.path_for(block_hash).is_file()
+    def contains(self, key: TierKey) -> bool:
+        return key in self._present
 
-    def read(self, block_hash: bytes, key: BlockKey) -> torch.Tensor:
+    def read(self, key: TierKey, content: BlockKey) -> torch.Tensor:
         """The verified payload as a new uint8 tensor (for inspection and tests; restores use read_into); RecordError
         for a bad record (removed, so that it is recomputed and stored again), KeyError for a missing one. Touches the
         file: its mtime is its LRU age."""
-        path = self.path_for(block_hash)
+        path = self.path_for(key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise KeyError(block_hash.hex()) from None
+            self._forget(key)
+            raise KeyError(key[1].hex()) from None
         try:
-            payload = decode_record(data, self._digest, block_hash, key)
+            payload = decode_record(data, self._digest, key[1], content, key[0])
         except RecordError:
-            self._remove(path)
+            self._remove_record(key)
             raise
         _touch(path)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
-    def read_into(self, block_hash: bytes, key: BlockKey, parts: Sequence[memoryview]) -> None:
+    def read_into(self, key: TierKey, content: BlockKey, parts: Sequence[memoryview]) -> None:
         """Read the block's checked payload into `parts`: writable byte views whose concatenation is the payload (a row
         of the loader's staging buffer, or the block's own slices of the KV cache, so that a restore copies each byte
         once, from the file straight to where attention reads it). One vectored read; the record's head is compared
@@ -171,13 +176,15 @@ class DiskStore:
         key at once) and the checksum is computed over the bytes where they landed. A bad record raises RecordError
         naming the check it failed (and is removed, as by read), a missing one KeyError; after either, `parts` hold
         garbage the caller must not use."""
+        group_id, block_hash = key
         payload_len = sum(p.nbytes for p in parts)
-        head = record_head(self._digest, block_hash, key, payload_len)
+        head = record_head(self._digest, block_hash, content, payload_len, group_id)
         expected = len(head) + payload_len + CHECKSUM_BYTES
-        path = self.path_for(block_hash)
+        path = self.path_for(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
+            self._forget(key)
             raise KeyError(block_hash.hex()) from None
         try:
             size = os.fstat(fd).st_size
@@ -188,9 +195,9 @@ class DiskStore:
                 good = got == expected and got_head == head and checksum_matches([got_head, *parts], checksum)
             if not good:
                 try:
-                    _refusal(os.pread(fd, size, 0), self._digest, block_hash, key, payload_len)
+                    _refusal(os.pread(fd, size, 0), self._digest, key, content, payload_len)
                 except RecordError:
-                    self._remove(path)
+                    self._remove_record(key)
                     raise
         finally:
             os.close(fd)
@@ -198,13 +205,15 @@ class DiskStore:
 
     # ---- writes --------------------------------------------------------------------------------------
 
-    def write(self, block_hash: bytes, key: BlockKey, payload: torch.Tensor) -> tuple[bool, list[bytes]]:
-        """Store one record (renamed into place whole): whether it was written (False: already there), and the hashes
+    def write(self, key: TierKey, content: BlockKey, payload: torch.Tensor) -> tuple[bool, list[TierKey]]:
+        """Store one record (renamed into place whole): whether it was written (False: already there), and the keys
         evicted to keep the directory within its budget. OSError propagates."""
-        path = self.path_for(block_hash)
+        path = self.path_for(key)
         if path.exists():
+            with self._mutex:
+                self._present.add(key)
             return False, []
-        parts = record_parts(self._digest, block_hash, key, payload.numpy().data)
+        parts = record_parts(self._digest, key[1], content, payload.numpy().data, key[0])
         size = sum(len(p) for p in parts)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         with self._mutex:
@@ -228,8 +237,18 @@ class DiskStore:
         with self._mutex:
             self._bytes_estimate += size
             self._num_blocks_estimate += 1
+            self._present.add(key)
             over = self._bytes_estimate > self.capacity_bytes
         return True, self.scan() if over else []
+
+    def _forget(self, key: TierKey) -> None:
+        with self._mutex:
+            self._present.discard(key)
+
+    def _remove_record(self, key: TierKey) -> None:
+        """A record that failed a check: gone from the directory and the index, so that it is recomputed."""
+        self._forget(key)
+        self._remove(self.path_for(key))
 
     # ---- the budget ------------------------------------------------------------------------------------
 
@@ -243,10 +262,10 @@ class DiskStore:
         finally:
             os.close(fd)  # closing releases the lock
 
-    def scan(self) -> list[bytes]:
+    def scan(self) -> list[TierKey]:
         """Under the lock: count the records, remove dead writers' temporary files, and evict the least recently used
-        records while the directory holds more than its budget. Returns the evicted hashes."""
-        evicted: list[bytes] = []
+        records while the directory holds more than its budget; the index is what remains. Returns the evicted keys."""
+        evicted: list[TierKey] = []
         with self._locked():
             now = time.time()
             records = []
@@ -268,13 +287,44 @@ class DiskStore:
                     _, size, path, name = records.pop(0)
                     self._remove(Path(path))
                     total -= size
-                    try:
-                        evicted.append(bytes.fromhex(name[: -len(RECORD_SUFFIX)]))
-                    except ValueError:
-                        pass
+                    key = parse_record_name(name)
+                    if key is not None:
+                        evicted.append(key)
+            present = {key for key in (parse_record_name(r[3]) for r in records) if key is not None}
             with self._mutex:
                 self._bytes_estimate, self._num_blocks_estimate = total, len(records)
+                self._present = present
         return evicted
+
+    def refresh(self) -> tuple[list[TierKey], list[TierKey]]:
+        """Bring the index up to date with the directory: list the shards whose directory changed since the last look
+        (records other processes wrote or evicted). Returns (keys found, keys gone). A thread's call, never the
+        engine thread's."""
+        found: list[TierKey] = []
+        gone: list[TierKey] = []
+        try:
+            shards = list(os.scandir(self.blocks_dir))
+        except FileNotFoundError:
+            return found, gone
+        for shard in shards:
+            try:
+                if not shard.is_dir(follow_symlinks=False):
+                    continue
+                mtime = shard.stat(follow_symlinks=False).st_mtime
+                if self._shard_mtimes.get(shard.name) == mtime:
+                    continue
+                names = [e.name for e in os.scandir(shard.path)]
+            except OSError:
+                continue
+            self._shard_mtimes[shard.name] = mtime
+            keys = {key for key in map(parse_record_name, names) if key is not None}
+            with self._mutex:
+                known = {key for key in self._present if key[1].hex()[:2] == shard.name}
+                found += keys - known
+                gone += known - keys
+                self._present |= keys
+                self._present -= known - keys
+        return found, gone
 
     def usage(self) -> StoreUsage:
         with self._mutex:
@@ -297,11 +347,22 @@ def _touch(path: Path) -> None:
         pass
 
 
-def _refusal(data: bytes, fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_len: int) -> None:
+def parse_record_name(name: str) -> TierKey | None:
+    """The key of a record's file name (<hash hex>-<group>.kvb); None for any other name."""
+    if not name.endswith(RECORD_SUFFIX) or name.startswith(TMP_PREFIX):
+        return None
+    stem, _, group = name[: -len(RECORD_SUFFIX)].rpartition("-")
+    try:
+        return int(group), bytes.fromhex(stem)
+    except ValueError:
+        return None
+
+
+def _refusal(data: bytes, fingerprint: bytes, key: TierKey, content: BlockKey, payload_len: int) -> None:
     """Raise the RecordError that says why `data`, a record that did not check out, must not be used: decode_record's
     reason, or that its payload does not fit a block, or (all checks passing on a second read) that it changed while
     it was read."""
-    payload = decode_record(data, fingerprint, block_hash, key)
+    payload = decode_record(data, fingerprint, key[1], content, key[0])
     if len(payload) != payload_len:
         raise RecordError(f"payload of {len(payload)} bytes, a block holds {payload_len}")
     raise RecordError("the record changed while it was read")

@@ -28,18 +28,21 @@ from typing import Any
 import torch
 
 from kvserve.kv.block import TierBlock
-from kvserve.kv.cache import LayerKVCache, touch_pages
-from kvserve.kv.events import BlockRemoved, BlockStored, KVEventBuffer
-from kvserve.kv.hashing import BlockKey
+from kvserve.kv.cache import LayerKVCache, touch_pages, unique_tensors
+from kvserve.kv.events import BlockRemoved, BlockStored, KVEvent
 from kvserve.kv.offload.config import KVOffloadConfig
 from kvserve.kv.offload.fingerprint import KVFingerprint
 from kvserve.kv.offload.index import TierIndex
+from kvserve.kv.offload.interface import TierKey, tier_key
 from kvserve.kv.offload.layout import BlockLayout, RowCopy
 from kvserve.kv.offload.record import RecordError
 from kvserve.kv.offload.stores import DiskStore, HostMemoryStore
 from kvserve.units import format_bytes
 
 logger = logging.getLogger(__name__)
+
+# How often a disk tier's index looks for records other processes wrote or evicted (DiskStore.refresh).
+REFRESH_SECONDS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,42 +64,13 @@ class OffloadStats:
     restores: int  # restore operations (one per request admitted with tier hits)
 
 
-class RestoreCostModel:
-    """Whether restoring n blocks is cheaper than recomputing their tokens: measured rates, not guesses. Restoring
-    costs n times the measured seconds per restored block, plus, from disk, the step the request waits through for
-    its load; recomputing costs n x block_size tokens at the measured prefill seconds per token. Until both are
-    measured, restore (a restore from memory copies bytes: it is cheaper than a forward pass on any model)."""
-
-    def __init__(self, block_size: int, is_async: bool) -> None:
-        self.block_size = block_size
-        self.is_async = is_async
-        self.restore_s_per_block: float | None = None
-        self.prefill_s_per_token: float | None = None
-        self.step_s: float | None = None
-
-    @staticmethod
-    def _ema(old: float | None, new: float) -> float:
-        return new if old is None else 0.8 * old + 0.2 * new
-
-    def observe_restore(self, num_blocks: int, seconds: float) -> None:
-        if num_blocks:
-            self.restore_s_per_block = self._ema(self.restore_s_per_block, seconds / num_blocks)
-
-    def observe_step(self, num_prompt_tokens: int, seconds: float) -> None:
-        """A finished step: its prompt tokens (only steps mostly of prefill measure the prefill rate)."""
-        self.step_s = self._ema(self.step_s, seconds)
-        if num_prompt_tokens >= 64:
-            self.prefill_s_per_token = self._ema(self.prefill_s_per_token, seconds / num_prompt_tokens)
-
-    def worth_restoring(self, num_blocks: int) -> bool:
-        if self.restore_s_per_block is None or self.prefill_s_per_token is None:
-            return True
-        restore = num_blocks * self.restore_s_per_block + (self.step_s or 0.0 if self.is_async else 0.0)
-        return restore < num_blocks * self.block_size * self.prefill_s_per_token
-
-
 class OffloadTier:
-    """The tier under one engine's pool. Engine-thread methods: contains, store, load, stats, close."""
+    """The tier under one engine's pool, an OffloadingManager (kv/offload/interface.py): its engine-thread methods are
+    lookup, prepare_load, complete_load, prepare_store, take_events, stats, view and close; the copies from disk and
+    the writes run on its own threads.
+
+    A block is one pool block's bytes (BlockLayout over the cache's distinct tensors: with KV cache groups, the layers
+    of one group), keyed by its group and hash, so a restore brings each group only the blocks it needs."""
 
     def __init__(
         self,
@@ -104,16 +78,15 @@ class OffloadTier:
         fingerprint: KVFingerprint,
         caches: Sequence[LayerKVCache],
         block_size: int,
-        events: KVEventBuffer | None = None,
         copy_rows: RowCopy | None = None,
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
         self.block_size = block_size
-        self.events = events
         self.medium = config.medium
         self.store: HostMemoryStore | DiskStore | None
         self.error: str | None = None
+        caches = unique_tensors(caches)
         self.layout = BlockLayout(caches, compress=config.dtype == "int8", copy_rows=copy_rows)
         if config.path is None:
             self.store = HostMemoryStore(config.size_bytes, self.layout.block_bytes)
@@ -125,27 +98,29 @@ class OffloadTier:
                 logger.error(
                     "the KV offload tier at %s cannot be used (%s): serving without it", config.path, self.error
                 )
-        self.cost = RestoreCostModel(block_size, is_async=isinstance(self.store, DiskStore))
         self.stored_blocks = self.dropped_blocks = self.restored_blocks = 0
         self.restore_failures = self.io_errors = self.restores = 0
         self.restore_seconds_total = 0.0
-        self._queued: set[bytes] = set()  # hashes waiting for the writer (not stored twice)
-        # What the writer thread stored and evicted since the engine thread last looked (poll_events).
+        self._queued: set[TierKey] = set()  # blocks waiting for the writer (not stored twice)
+        # What was stored and evicted since the engine thread last looked (take_events): by the engine thread itself
+        # (host memory) or the writers (disk).
         self._written: deque[TierBlock] = deque()
-        self._evicted: deque[bytes] = deque()
-        self._restored: deque[TierBlock] = deque()  # by the loader, for the index
+        self._evicted: deque[TierKey] = deque()
+        self._events: list[KVEvent] = []  # drained from the two above, for take_events
         self.index = TierIndex()  # what this process knows the tier holds: the inspector's view (kv/offload/index.py)
         # Disk: the writers' queue holds (hash, key, slot) of payloads copied into the ring, a slab of max_queued_bytes
         # allocated (and touched) once, so that a step's stores allocate nothing; a block that finds no free slot is
         # dropped and counted. A writer hands each slot back once its record is written. Two writers (_write_loop):
         # one that runs only on an idle core, and one that joins it while the ring is more than half full (_behind).
-        self._queue: queue.Queue[tuple[bytes, BlockKey, int] | None] | None = None
+        self._queue: queue.Queue[tuple[TierBlock, int] | None] | None = None
         self._ring: torch.Tensor | None = None
         self._free_slots: list[int] = []
         self._lock = threading.Lock()  # the free slots, and the counters the writers update
         self._behind = threading.Event()
         self._writers: list[threading.Thread] = []
         self._loader: ThreadPoolExecutor | None = None
+        self._refresher: threading.Thread | None = None
+        self._closing = threading.Event()
         self._at_exit: Callable[[], None] | None = None
         if isinstance(self.store, DiskStore):
             depth = max(4, config.max_queued_bytes // max(self.layout.block_bytes, 1))
@@ -158,6 +133,10 @@ class OffloadTier:
                 writer.start()
                 self._writers.append(writer)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
+            # Records other processes write (replicas sharing the directory) join the store's index from this thread:
+            # the engine thread's lookups never touch the file system.
+            self._refresher = threading.Thread(target=self._refresh_loop, name="kvserve-kv-offload-index", daemon=True)
+            self._refresher.start()
             # A program that never closes its engine (LLM(...) then exit) still gets its queued blocks written: the
             # writer is a daemon thread, which exit would otherwise stop mid-queue. A weak reference, so that the
             # hook keeps no engine alive.
@@ -166,6 +145,24 @@ class OffloadTier:
         if self.store is not None:
             self._touch_memory(caches)
         self._log_start()
+
+    def _refresh_loop(self) -> None:
+        assert isinstance(self.store, DiskStore)
+        while not self._closing.wait(REFRESH_SECONDS):
+            try:
+                self.store.refresh()
+            except OSError as e:  # a vanished directory: the next look may find it again
+                logger.debug("KV offload: refreshing the index failed (%s)", e)
+
+    def refresh_index(self) -> None:
+        """Bring a disk tier's index up to date with its directory now (its thread does it every REFRESH_SECONDS)."""
+        if isinstance(self.store, DiskStore):
+            self.store.refresh()
+
+    @property
+    def is_async(self) -> bool:
+        """Whether restores run on a thread of their own (from disk): a request then waits a step for its load."""
+        return self._loader is not None
 
     def _touch_memory(self, caches: Sequence[LayerKVCache]) -> None:
         """Map the pool's K/V memory, the host tier's slab and the disk writer's ring now (kv/cache.py touch_pages):
@@ -193,8 +190,15 @@ class OffloadTier:
         """A tier that failed to write may still be read (a read-only directory of earlier runs)."""
         return self.store is not None
 
-    def contains(self, block_hash: bytes) -> bool:
-        return self.store is not None and self.store.contains(block_hash)
+    def lookup(self, keys: Sequence[TierKey]) -> int:
+        """How many of `keys`, from the first, the tier holds (its stores answer from memory: no I/O)."""
+        store = self.store
+        if store is None:
+            return 0
+        for n, key in enumerate(keys):
+            if not store.contains(key):
+                return n
+        return len(keys)
 
     def _log_start(self) -> None:
         if self.store is None:
@@ -217,39 +221,39 @@ class OffloadTier:
 
     # ---- stores ----------------------------------------------------------------------------------------
 
-    def store_blocks(self, blocks: Sequence[TierBlock]) -> None:
+    def prepare_store(self, blocks: Sequence[TierBlock]) -> None:
         """Engine thread, after the step that computed `blocks`: copy those not yet in the tier out of the cache (one
         batched gather) and keep them (host memory) or copy them into the writers' ring (disk; a block that finds the
-        ring full is dropped and counted). Blocks the tier holds already are only indexed (TierIndex)."""
+        ring full is dropped and counted). Each (group, hash) is stored once, however often a step publishes it."""
         if not self.available or self.store is None:
             return
-        todo = []
+        todo: dict[TierKey, TierBlock] = {}
         for b in blocks:
-            if self.store.contains(b.block_hash):
-                self.index.add(b.block_hash, b.key)  # stored already (by an earlier run, another replica): known now
-            elif b.block_hash not in self._queued:
-                todo.append(b)
+            key = tier_key(b)
+            if self.store.contains(key):
+                self._index(b)  # stored already (by an earlier run, another replica): known now
+            elif key not in self._queued:
+                todo.setdefault(key, b)
         if not todo:
             return
         if isinstance(self.store, HostMemoryStore):
-            fits = todo[-self.store.capacity_blocks :] if self.store.capacity_blocks else []
+            fits = list(todo.values())[-self.store.capacity_blocks :] if self.store.capacity_blocks else []
             self.dropped_blocks += len(todo) - len(fits)  # more than the whole tier holds: the last ones are kept
-            slots, evicted = self.store.reserve([(b.block_hash, b.key) for b in fits])
+            slots, evicted = self.store.reserve([(tier_key(b), b.key) for b in fits])
             self.layout.gather_into([b.block_id for b in fits], self.store.slab, slots)
             self.stored_blocks += len(fits)
-            for block in fits:
-                self._stored_event(block)
-            self._removed_events(evicted)
+            self._written.extend(fits)
+            self._evicted.extend(evicted)
             return
         assert self._queue is not None and self._ring is not None
         with self._lock:
             slots = [self._free_slots.pop() for _ in range(min(len(todo), len(self._free_slots)))]
             self.dropped_blocks += len(todo) - len(slots)  # the writers are that far behind: dropped, never waited for
-        kept = todo[: len(slots)]
+        kept = list(todo.values())[: len(slots)]
         self.layout.gather_into([b.block_id for b in kept], self._ring, slots)
         for block, slot in zip(kept, slots):
-            self._queued.add(block.block_hash)
-            self._queue.put_nowait((block.block_hash, block.key, slot))
+            self._queued.add(tier_key(block))
+            self._queue.put_nowait((block, slot))
         if len(self._free_slots) < len(self._ring) // 2:
             self._behind.set()
 
@@ -272,14 +276,14 @@ class OffloadTier:
             item = self._queue.get()
             if item is None:
                 return
-            block_hash, key, slot = item
+            block, slot = item
             try:
                 if self.error is None:
-                    written, evicted = self.store.write(block_hash, key, self._ring[slot])
+                    written, evicted = self.store.write(tier_key(block), block.key, self._ring[slot])
                     if written:
                         with self._lock:
                             self.stored_blocks += 1
-                        self._written.append(TierBlock(-1, block_hash, key))
+                        self._written.append(block)
                     self._evicted.extend(evicted)
                 else:
                     with self._lock:
@@ -298,38 +302,44 @@ class OffloadTier:
                     self._free_slots.append(slot)
                     if not idle and len(self._free_slots) > half:
                         self._behind.clear()
-                self._queued.discard(block_hash)
+                self._queued.discard(tier_key(block))
 
-    def poll_events(self) -> None:
-        """Engine thread: publish the writer's stores and evictions as KV events (the buffer is the engine thread's),
-        and index them and the blocks restored since (records of other processes become known here)."""
-        while self._restored:
-            block = self._restored.popleft()
-            self.index.add(block.block_hash, block.key)
+    def take_events(self) -> list[KVEvent]:
+        """Engine thread: what was stored and evicted since the last call, as KV events with the tier's medium (block
+        id -1: no pool block is meant)."""
+        self._drain()
+        events, self._events = self._events, []
+        return events
+
+    def _drain(self) -> None:
+        """Engine thread: turn what was stored and evicted (by this thread or the writers) into events for
+        take_events, and into the inspector's index (records of other processes become known when this process
+        stores or restores them)."""
         while self._written:
-            self._stored_event(self._written.popleft())
-        evicted = []
-        while self._evicted:
-            evicted.append(self._evicted.popleft())
-        self._removed_events(evicted)
-
-    def _stored_event(self, block: TierBlock) -> None:
-        self.index.add(block.block_hash, block.key)
-        if self.events is not None:
+            block = self._written.popleft()
+            self._index(block)
             parent = block.key.parent.hex() if block.key.parent is not None else None
             tokens = block.key.token_ids
-            self.events.append(BlockStored(-1, block.block_hash.hex(), parent, tokens, len(tokens), self.medium))
+            self._events.append(
+                BlockStored(
+                    -1, block.block_hash.hex(), parent, tokens, len(tokens), self.medium, group_idx=block.group_id
+                )
+            )
+        while self._evicted:
+            group_id, block_hash = self._evicted.popleft()
+            if group_id == 0:
+                self.index.remove(block_hash)
+            self._events.append(BlockRemoved(-1, block_hash.hex(), self.medium, group_idx=group_id))
 
-    def _removed_events(self, hashes: list[bytes]) -> None:
-        for block_hash in hashes:
-            self.index.remove(block_hash)
-        if self.events is not None:
-            for block_hash in hashes:
-                self.events.append(BlockRemoved(-1, block_hash.hex(), self.medium))
+    def _index(self, block: TierBlock) -> None:
+        """The inspector's index of prefixes holds the first group's blocks (a full-attention group's, where the
+        model has one: each prefix's whole chain)."""
+        if block.group_id == 0:
+            self.index.add(block.block_hash, block.key)
 
     # ---- restores --------------------------------------------------------------------------------------
 
-    def load(self, blocks: Sequence[TierBlock], cancelled: threading.Event) -> Future[int]:
+    def prepare_load(self, blocks: Sequence[TierBlock], cancelled: threading.Event) -> Future[int]:
         """Copy `blocks` from the tier into their pool blocks, in order, stopping at the first that fails a check or
         is gone; the future's result is how many were restored (a prefix of `blocks`). From host memory the copy runs
         here and the future is done on return; from disk it runs on the loader thread."""
@@ -356,21 +366,23 @@ class OffloadTier:
                 break
             try:
                 if isinstance(store, HostMemoryStore):
-                    found.append(store.locate(block.block_hash, block.key))
+                    found.append(store.locate(tier_key(block), block.key))
                     continue
                 if in_place:
-                    store.read_into(block.block_hash, block.key, self.layout.block_views(block.block_id))
+                    store.read_into(tier_key(block), block.key, self.layout.block_views(block.block_id))
                 else:
                     assert staging is not None
-                    store.read_into(block.block_hash, block.key, [staging[read].numpy().data])
+                    store.read_into(tier_key(block), block.key, [staging[read].numpy().data])
                     staged += 1
                 read += 1
             except (RecordError, KeyError) as e:
-                self.restore_failures += 1
+                with self._lock:
+                    self.restore_failures += 1
                 logger.info("KV offload: block %s not restored (%s); it is recomputed", block.block_hash.hex()[:16], e)
                 break
             except OSError as e:
-                self.io_errors += 1
+                with self._lock:
+                    self.io_errors += 1
                 logger.warning(
                     "KV offload: reading block %s failed (%s); it is recomputed", block.block_hash.hex()[:16], e
                 )
@@ -385,12 +397,22 @@ class OffloadTier:
             assert staging is not None
             self.layout.scatter([b.block_id for b in blocks[:done]], staging[:staged])
         seconds = time.perf_counter() - start
-        self.cost.observe_restore(done, seconds)
-        self._restored.extend(blocks[:done])
-        self.restored_blocks += done
-        self.restore_seconds_total += seconds
-        self.restores += 1
+        with self._lock:
+            self.restored_blocks += done
+            self.restore_seconds_total += seconds
+            self.restores += 1
         return done
+
+    def complete_load(self, blocks: Sequence[TierBlock]) -> None:
+        """Engine thread: the restored blocks are in the pool; the inspector's index knows them now."""
+        for block in blocks:
+            self._index(block)
+
+    @property
+    def seconds_per_restored_block(self) -> float | None:
+        """The mean restore cost per block so far (None before the first), for the restore cost model."""
+        with self._lock:
+            return self.restore_seconds_total / self.restored_blocks if self.restored_blocks else None
 
     # ---- the rest --------------------------------------------------------------------------------------
 
@@ -415,7 +437,7 @@ class OffloadTier:
     def view(self, in_pool: Callable[[bytes], bool], include_tokens: bool, limit: int = 64) -> dict[str, Any]:
         """The KV inspector's view of the tier (engine thread): what it holds, and which prefixes as far as this
         process knows them (TierIndex)."""
-        self.poll_events()
+        self._drain()
         stats = self.stats()
         return {
             "medium": stats.medium,
@@ -435,6 +457,10 @@ class OffloadTier:
 
     def close(self) -> None:
         """Write what is queued, then stop the threads."""
+        self._closing.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=5)
+            self._refresher = None
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
             self._at_exit = None

@@ -1,0 +1,212 @@
+"""OffloadConnector: the scheduler's side of the KV offload tier, as vLLM's OffloadingConnector is for its
+OffloadingManager: which blocks past the pool's prefix hit the tier can restore, the restores in flight, and the blocks
+each step published for it to store.
+
+Why apart from the KV manager: the manager answers for the pool alone (which blocks a request holds, what the pool can
+serve); restoring is a state machine of its own (a load started, waited on, finished or cancelled), and the scheduler
+asks it only two things: how many tokens the tier adds to a request's hit, and whether that request's load is done.
+The tier itself (kv/offload/tier.py) is reached only through the OffloadingManager verbs (kv/offload/interface.py).
+
+With KV cache groups (kv/groups.py) a restore follows the same rule as a pool hit: the longest prefix every group can
+serve, each group's blocks from the pool or the tier. A full-attention group restores every block of that prefix it
+lacks, a sliding group only the blocks of its window before the hit point."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kvserve.kv.block import KVCacheBlock, TierBlock
+from kvserve.kv.hashing import BlockKey
+from kvserve.kv.manager import KVCacheManager, KVRequest
+from kvserve.kv.offload.interface import OffloadingManager
+
+logger = logging.getLogger(__name__)
+
+
+class RestoreCostModel:
+    """Whether restoring n blocks is cheaper than recomputing their tokens: measured rates, not guesses. Restoring
+    costs n times the measured seconds per restored block (the tier's mean so far, `restore_cost()`), plus, from disk,
+    the step the request waits through for its load; recomputing costs the tokens the restore saves at the measured
+    prefill seconds per token. Until both are measured, restore (a restore from memory copies bytes: it is cheaper
+    than a forward pass on any model)."""
+
+    def __init__(self, is_async: bool, restore_cost: Callable[[], float | None]) -> None:
+        self.is_async = is_async
+        self.restore_cost = restore_cost
+        self.prefill_s_per_token: float | None = None
+        self.step_s: float | None = None
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else 0.8 * old + 0.2 * new
+
+    def observe_step(self, num_prompt_tokens: int, seconds: float) -> None:
+        """A finished step: its prompt tokens (only steps mostly of prefill measure the prefill rate)."""
+        self.step_s = self._ema(self.step_s, seconds)
+        if num_prompt_tokens >= 64:
+            self.prefill_s_per_token = self._ema(self.prefill_s_per_token, seconds / num_prompt_tokens)
+
+    def worth_restoring(self, num_blocks: int, num_tokens: int) -> bool:
+        """Restoring num_blocks (of all groups) against recomputing the num_tokens they give back."""
+        per_block = self.restore_cost()
+        if per_block is None or self.prefill_s_per_token is None:
+            return True
+        restore = num_blocks * per_block + (self.step_s or 0.0 if self.is_async else 0.0)
+        return restore < num_tokens * self.prefill_s_per_token
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    """A restore from the offload tier in flight for a waiting request. It holds its blocks (the pool's blocks of the
+    prefix it completes, and the fresh blocks being written), so that nothing evicts or reuses them meanwhile; when it
+    is done, the restored blocks join the prefix cache and every block is released, and the request's admission then
+    finds them all as ordinary prefix hits."""
+
+    request_id: str
+    held: list[KVCacheBlock]  # the pool's blocks the hit needs (referenced)
+    fresh: list[KVCacheBlock]  # the restore's targets, in `targets` order
+    targets: list[TierBlock]
+    future: Future[int]
+    cancelled: threading.Event
+    pool_hit_tokens: int  # the request's hit from the pool alone, when the load started
+
+
+class OffloadConnector:
+    """Restores and stores between one engine's KV manager and its offload tier (see the module docstring).
+    Engine thread only."""
+
+    def __init__(self, kv: KVCacheManager, tier: OffloadingManager, cost: RestoreCostModel) -> None:
+        self.kv = kv
+        self.tier = tier
+        self.cost = cost
+        self.loads: dict[str, PendingLoad] = {}  # restores in flight, by waiting request
+        self.orphan_loads: list[PendingLoad] = []  # restores whose request left: released once their copy ends
+        self.external_queries_tokens = 0  # prompt tokens looked up in the tier (past the pool's hits)
+        self.external_hits_tokens = 0  # of them, restored
+        kv.collect_published = True
+        kv.store_now = tier.prepare_store  # a leaving request's last windows: stored before its blocks are freed
+
+    # ---- restores --------------------------------------------------------------------------------------
+
+    def start_restore(self, request: KVRequest, num_pool_hit_tokens: int, budget: int) -> PendingLoad | None:
+        """Start restoring what the tier adds to the request's prefix hit, where that is cheaper than recomputing it
+        and the pool can take the restored blocks and the request's first chunk after them (else they could be
+        evicted again before the request is admitted); None when there is nothing worth restoring or no room."""
+        kv = self.kv
+        if not self.tier.readable or not kv.reads_prefix_cache(request):
+            return None
+        hashes = kv.hashes(request, request.num_tokens - 1)
+        keys: dict[int, BlockKey] = {}
+        pooled: dict[tuple[int, int], KVCacheBlock | None] = {}
+
+        def key(i: int) -> BlockKey:
+            if i not in keys:
+                keys[i] = kv.key(request, hashes, i)
+            return keys[i]
+
+        def in_pool(g: int, i: int) -> KVCacheBlock | None:
+            if (g, i) not in pooled:
+                pooled[g, i] = kv.pool.lookup(hashes[i], key(i), g)
+            return pooled[g, i]
+
+        def available(g: int, i: int) -> bool:
+            return in_pool(g, i) is not None or self.tier.lookup([(g, hashes[i])]) == 1
+
+        length = kv.longest_hit(len(hashes), available)
+        if length * kv.block_size <= num_pool_hit_tokens:
+            return None
+        held: list[KVCacheBlock] = []
+        wanted: list[tuple[int, int]] = []  # (block index, group), in that order: a partial restore is a prefix
+        for g in range(kv.num_groups):
+            for i in range(kv.hit_start(g, length), length):
+                block = in_pool(g, i)
+                if block is not None:
+                    held.append(block)
+                else:
+                    wanted.append((i, g))
+        wanted.sort()
+        saved = length * kv.block_size - num_pool_hit_tokens
+        if not wanted or not self.cost.worth_restoring(len(wanted), saved):
+            return None
+        after = min(request.num_tokens - length * kv.block_size, budget)
+        revived = sum(1 for b in held if b.ref_cnt == 0)
+        if revived + len(wanted) + kv.num_groups * -(-after // kv.block_size) > kv.pool.num_free_blocks:
+            return None
+        kv.pool.touch(held)
+        fresh = [kv.pool.allocate(1, g)[0] for _, g in wanted]
+        targets = [TierBlock(b.block_id, hashes[i], key(i), g) for b, (i, g) in zip(fresh, wanted)]
+        cancelled = threading.Event()
+        load = PendingLoad(
+            request.request_id,
+            held,
+            fresh,
+            targets,
+            self.tier.prepare_load(targets, cancelled),
+            cancelled,
+            num_pool_hit_tokens,
+        )
+        self.loads[request.request_id] = load
+        return load
+
+    def finish_load(self, load: PendingLoad) -> int:
+        """A done restore: its restored blocks join the prefix cache, every block it held is released (hashed ones at
+        the free queue's tail, so the admission that follows revives them). Returns the blocks restored."""
+        try:
+            restored = load.future.result()
+        except Exception as e:  # noqa: BLE001 -- a failed copy restores nothing; the blocks are recomputed
+            logger.warning("KV offload: a restore failed (%s: %s); its blocks are recomputed", type(e).__name__, e)
+            restored = 0
+        for block, target in zip(load.fresh[:restored], load.targets):
+            self.kv.pool.cache_block(block, target.block_hash, target.key)
+        self.kv.pool.free(reversed([*load.held, *load.fresh]))
+        self.tier.complete_load(load.targets[:restored])
+        if self.loads.get(load.request_id) is load:
+            del self.loads[load.request_id]
+        return restored
+
+    def record_admission(self, request: KVRequest, num_hit_tokens: int, load: PendingLoad | None) -> int:
+        """Count a request's first admission in vLLM's external prefix cache counters; returns the tokens of its hit
+        the tier restored (the rest came from the pool)."""
+        restored = 0 if load is None else max(0, num_hit_tokens - load.pool_hit_tokens)
+        self.external_queries_tokens += request.num_tokens - (num_hit_tokens - restored)
+        self.external_hits_tokens += restored
+        return restored
+
+    def cancel(self, request_id: str) -> None:
+        """The request left: a restore in flight for it is cancelled; its blocks are released once the copy into
+        them has stopped (reap_orphan_loads)."""
+        load = self.loads.pop(request_id, None)
+        if load is not None:
+            load.cancelled.set()
+            self.orphan_loads.append(load)
+
+    def reap_orphan_loads(self) -> None:
+        """Release the restores of requests that left while their copy ran, once the copy has stopped."""
+        if self.orphan_loads:
+            done = [load for load in self.orphan_loads if load.future.done()]
+            self.orphan_loads = [load for load in self.orphan_loads if not load.future.done()]
+            for load in done:
+                self.finish_load(load)
+
+    def load_futures(self) -> list[Future[int]]:
+        return [load.future for load in (*self.loads.values(), *self.orphan_loads)]
+
+    def held_blocks(self) -> list[KVCacheBlock]:
+        """The pool blocks the restores in flight hold (invariant checks)."""
+        return [b for load in (*self.loads.values(), *self.orphan_loads) for b in (*load.held, *load.fresh)]
+
+    # ---- stores ----------------------------------------------------------------------------------------
+
+    def on_step_done(self, num_prompt_tokens: int, seconds: float) -> None:
+        """After a step that succeeded: hand the tier the blocks it published (write-through, before any of them can
+        be reused) and feed the restore cost model the step's prefill rate."""
+        self.tier.prepare_store(self.kv.take_offload())
+        self.cost.observe_step(num_prompt_tokens, seconds)
+
+    def on_step_failed(self) -> None:
+        """The step failed: the blocks it published may hold partial K/V, so none of them is stored."""
+        self.kv.take_offload()
