@@ -154,8 +154,8 @@ class PromptPreparer:
     ) -> tuple[list[int], int]:
         """The chat's prompt ids, checked, and how many old turns were dropped to make it fit (truncate)."""
         ids, dropped = self._render_fitting(messages, render, max_tokens, truncate)
+        check_fits(len(ids), max_tokens, self.facts.max_model_len)  # first: its 400 names the field (`param`)
         validate_request(self.facts, ids, params)
-        check_fits(len(ids), max_tokens, self.facts.max_model_len)
         return ids, dropped
 
     def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:

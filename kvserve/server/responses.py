@@ -22,6 +22,8 @@ computer use, MCP, image generation), `background: true`, non-text input parts (
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
@@ -30,23 +32,24 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, ValidationError
 
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.context import ServerContext
-from kvserve.server.errors import bad_request
-from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.errors import APIError, bad_request, from_exception
+from kvserve.server.protocol import ChatCompletionRequest, FastList, OpenAIRequest
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.streaming import SSE_DONE, sse
 
+logger = logging.getLogger(__name__)
 
-class ResponsesRequest(BaseModel):
-    """The request body; unknown fields are ignored (new SDK fields must not break old servers)."""
 
-    model_config = ConfigDict(extra="ignore")
+class ResponsesRequest(OpenAIRequest):
+    """The request body, typed as strictly as chat's (`"4"` is no integer, `"yes"` no boolean); unknown fields are
+    logged and ignored (new SDK fields must not break old servers)."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | FastList[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -71,21 +74,32 @@ class ResponsesRequest(BaseModel):
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, key: str = "content") -> str:
+    """`where.key` (a message's content, a call output's output): a string, or text parts joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+        raise bad_request(f"{where}.{key} must be a string or a list of content parts", param=f"{where}.{key}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad_request(
-                f"{where}.content[{j}]: only text parts (input_text, output_text) are supported, got {kind!r}",
-                param=f"{where}.content[{j}]",
+                f"{where}.{key}[{j}]: only text parts (input_text, output_text) are supported, got {kind!r}",
+                param=f"{where}.{key}[{j}]",
             )
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    """`item[key]`, which OpenAI types as a string (a call's `arguments` too: JSON text, never an object, which the
+    prompt would otherwise get as Python's repr); a 400 naming the field otherwise."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        got = "nothing" if value is None else type(value).__name__
+        raise bad_request(f"{where}.{key} must be a string, got {got}", param=f"{where}.{key}")
+    return value
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,9 +121,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             call = {
-                "id": str(item.get("call_id") or item.get("id") or ""),
+                "id": _string(item, "call_id", where),
                 "type": "function",
-                "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))},
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -117,9 +131,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
-            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
+            text = _content_text(item.get("output"), where, "output")  # text or text parts, as OpenAI types it
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
         elif kind == "reasoning":
             continue  # a reasoning model's item sent back by a client; this model has none to read
         else:
@@ -194,7 +207,40 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], stream: 
         "stream": stream,
         "stream_options": {"include_usage": True} if stream else None,
     }
-    return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as e:  # a value the Responses fields let through and chat's do not
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise responses_error(bad_request(f"{where}: {first.get('msg', 'invalid')}", param=where or None)) from None
+
+
+# Chat's field names as a Responses client knows them (what it sent): the errors of the chat path underneath are
+# renamed, in `param` and in the message. Applied in order; the rest of a path is kept.
+_RESPONSES_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), name)
+    for pattern, name in (
+        (r"\bresponse_format\.json_schema\.schema\b", "text.format.schema"),
+        (r"\bresponse_format\b", "text.format"),
+        (r"\btools\[(\d+)\]\.function\b", r"tools[\1]"),
+        (r"\btool_choice\.function\b", "tool_choice"),
+        (r"\bmax_(?:completion_)?tokens\b", "max_output_tokens"),
+        (r"\bmessages\b", "input"),
+        (r"\bprompt\b", "input"),
+    )
+)
+
+
+def _responses_names(text: str) -> str:
+    for pattern, name in _RESPONSES_NAMES:
+        text = pattern.sub(name, text)
+    return text
+
+
+def responses_error(error: APIError) -> APIError:
+    """A chat-path error as this request's own: the fields it names are the Responses fields the client sent."""
+    param = _responses_names(error.param) if error.param is not None else None
+    return APIError(error.status, _responses_names(error.message), param=param, code=error.code)
 
 
 # -- reply: chat -> Responses -----------------------------------------------------------------------------------
@@ -281,12 +327,18 @@ def _status(finish: str | None) -> str:
 
 
 async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Request) -> Response:
+    unknown = body.unknown_fields()
+    if unknown:
+        logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     store: ResponseStore = ctx.responses
     history = store.get(body.previous_response_id) if body.previous_response_id else []
     request = chat_request(body, history, body.stream)
     conversation = history + input_messages(body.input)
     shell = ResponseShell(_new_id("resp"), int(time.time()), ctx.resolve_model(body.model), body)
-    reply = await create_chat_completion(ctx, request, raw)
+    try:
+        reply = await create_chat_completion(ctx, request, raw)
+    except (APIError, ValueError) as e:
+        raise responses_error(from_exception(e)) from None
     if isinstance(reply, StreamingResponse):
         events = _events(ctx, shell, reply.body_iterator, conversation)
         return StreamingResponse(events, media_type="text/event-stream")

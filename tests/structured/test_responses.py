@@ -223,3 +223,74 @@ def test_openai_agents_sdk_runs_a_tool_and_a_streamed_turn(tools_server):
     called, streamed = asyncio.run(run())
     assert seen and called == f"18 {called.split()[1]} in {seen[0]} for {called.split()[-2]} days"
     assert isinstance(streamed, Verdict)
+
+
+# -- hostile input, round three (#43) ----------------------------------------------------------------------------
+
+
+def _post(server, body: dict, path: str = "/v1/responses"):
+    import httpx
+
+    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_output_tokens", "4"), ("stream", "yes"), ("temperature", "0.5"), ("store", 1), ("top_p", True)],
+)
+def test_types_are_as_strict_as_chat(tools_server, field, value):
+    """#43 item 10: `"4"` and `"yes"` were accepted here where chat refuses them."""
+    r = _post(tools_server, {"input": "x", "max_output_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    "item,param",
+    [
+        (
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": {"city": "Paris"}},
+            "arguments",
+        ),
+        ({"type": "function_call", "call_id": "c1", "name": 7, "arguments": "{}"}, "name"),
+        ({"type": "function_call", "call_id": ["c1"], "name": "get_weather", "arguments": "{}"}, "call_id"),
+        ({"type": "function_call_output", "call_id": "c1", "output": {"temp": 18}}, "output"),
+    ],
+)
+def test_input_items_are_typed_as_openai_types_them(tools_server, item, param):
+    """#43 item 10: an object `arguments` was rendered into the prompt as Python repr (`{'city': 'Paris'}`). OpenAI
+    and vLLM type a call's `arguments` and `call_id` as strings, and an output as text: a 400 naming the field."""
+    r = _post(tools_server, {"input": [{"role": "user", "content": "hi"}, item], "max_output_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == f"input[1].{param}"
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": "x", "max_output_tokens": 2047}, "max_output_tokens"),
+        ({"input": "x" * 3000, "max_output_tokens": 2}, "input"),
+        ({"input": "x" * 100_000, "max_output_tokens": 2}, "input"),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}],
+                "tool_choice": "required",
+            },
+            "tools[0].parameters",
+        ),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}},
+            "text.format.schema",
+        ),
+    ],
+)
+def test_errors_name_the_responses_fields(tools_server, body, param):
+    """#43 item 10: the errors of the chat path underneath named chat's fields (max_tokens, messages, prompt,
+    response_format..., tools[0].function.parameters), which a Responses client never sent."""
+    r = _post(tools_server, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    for chat_name in ("max_tokens", "messages", "prompt", "response_format", "function.parameters"):
+        assert chat_name not in error["message"], error
