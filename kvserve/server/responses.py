@@ -37,16 +37,16 @@ from pydantic import Field, ValidationError
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request, from_exception
-from kvserve.server.protocol import ChatCompletionRequest, FastList, OpenAIRequest
-from kvserve.server.response_store import ResponseStore
+from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
+from kvserve.server.response_store import ResponseStore, StoredResponse
 from kvserve.server.streaming import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
 
 
-class ResponsesRequest(OpenAIRequest):
-    """The request body, typed as strictly as chat's (`"4"` is no integer, `"yes"` no boolean); unknown fields are
-    logged and ignored (new SDK fields must not break old servers)."""
+class ResponsesRequest(CacheFields):
+    """The request body, typed as strictly as chat's (`"4"` is no integer, `"yes"` no boolean), with the same cache
+    fields (`cache_salt`); unknown fields are logged and ignored (new SDK fields must not break old servers)."""
 
     model: str | None = None
     input: str | FastList[dict[str, Any]]
@@ -186,7 +186,11 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise bad_request(f"text.format.type {fmt.get('type')!r} is not supported", param="text.format.type")
 
 
-def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], stream: bool) -> ChatCompletionRequest:
+def chat_request(
+    body: ResponsesRequest, history: list[dict[str, Any]], stream: bool, cache_salt: str | None = None
+) -> ChatCompletionRequest:
+    """The chat request this Responses request stands for, after `history` (a chain's conversation so far), computed
+    under `cache_salt` (the request's own, or its chain's)."""
     if body.background:
         raise bad_request("background mode is not supported by kvserve", param="background")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -204,6 +208,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], stream: 
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text),
         "seed": body.seed,
+        "cache_salt": cache_salt,
         "stream": stream,
         "stream_options": {"include_usage": True} if stream else None,
     }
@@ -284,12 +289,20 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 
 @dataclass(slots=True)
 class ResponseShell:
-    """What every Responses object of one request carries besides its output, status and usage."""
+    """What every Responses object of one request carries besides its output, status and usage, and what storing it
+    keeps: the conversation before its output and the cache salt it was computed under."""
 
     response_id: str
     created_at: int
     model: str
     body: ResponsesRequest
+    conversation: list[dict[str, Any]]
+    cache_salt: str | None
+
+    def keep(self, store: ResponseStore, output: list[dict[str, Any]]) -> None:
+        """Store the finished response (`store: true`, the default) for previous_response_id."""
+        if self.body.store:
+            store.put(self.response_id, StoredResponse(self.conversation + input_messages(output), self.cache_salt))
 
     def build(
         self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None, finish: str | None = None
@@ -331,16 +344,18 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     store: ResponseStore = ctx.responses
-    history = store.get(body.previous_response_id) if body.previous_response_id else []
-    request = chat_request(body, history, body.stream)
-    conversation = history + input_messages(body.input)
-    shell = ResponseShell(_new_id("resp"), int(time.time()), ctx.resolve_model(body.model), body)
+    previous = store.get(body.previous_response_id) if body.previous_response_id else StoredResponse([])
+    cache_salt = previous.chained_salt(body.cache_salt)
+    request = chat_request(body, previous.conversation, body.stream, cache_salt)
+    conversation = previous.conversation + input_messages(body.input)
+    model = ctx.resolve_model(body.model)
+    shell = ResponseShell(_new_id("resp"), int(time.time()), model, body, conversation, cache_salt)
     try:
         reply = await create_chat_completion(ctx, request, raw)
     except (APIError, ValueError) as e:
         raise responses_error(from_exception(e)) from None
     if isinstance(reply, StreamingResponse):
-        events = _events(ctx, shell, reply.body_iterator, conversation)
+        events = _events(ctx, shell, reply.body_iterator)
         return StreamingResponse(events, media_type="text/event-stream")
     if not isinstance(reply, JSONResponse):
         return reply  # 499: the client went away
@@ -354,8 +369,7 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
         f = call["function"]
         output.append(call_item(_new_id("fc"), call["id"], f["name"], f["arguments"]))
     result = shell.build(output, _status(choice["finish_reason"]), _usage(chat.get("usage")), choice["finish_reason"])
-    if body.store:
-        store.put(shell.response_id, conversation + input_messages(output))
+    shell.keep(store, output)
     return JSONResponse(result)
 
 
@@ -384,7 +398,6 @@ async def _events(
     ctx: ServerContext,
     shell: ResponseShell,
     body: AsyncIterable[Any],
-    conversation: list[dict[str, Any]],
 ) -> AsyncIterator[str]:
     w = _EventWriter()
     yield w.event("response.created", response=shell.build([], "in_progress", None))
@@ -465,8 +478,7 @@ async def _events(
         yield w.event("response.output_item.done", output_index=out_index, item=item)
     status = _status(finish)
     final = shell.build(output, status, usage, finish)
-    if shell.body.store:
-        ctx.responses.put(shell.response_id, conversation + input_messages(output))
+    shell.keep(ctx.responses, output)
     # Always response.completed, its response's status saying "incomplete" when max_output_tokens ended it (as vLLM
     # does): the openai SDK's stream helper gives a final response only after that event.
     yield w.event("response.completed", response=final)

@@ -294,3 +294,24 @@ def test_errors_name_the_responses_fields(tools_server, body, param):
     assert error["param"] == param, error
     for chat_name in ("max_tokens", "messages", "prompt", "response_format", "function.parameters"):
         assert chat_name not in error["message"], error
+
+
+def test_cache_salt_isolates_tenants_and_follows_the_chain(tools_client):
+    """#43 item 8: `cache_salt` was ignored here, so tenant B hit tenant A's cached prompt. It is honoured as in chat,
+    and a chained request (previous_response_id) without one keeps the salt its chain was computed under."""
+    kw = dict(model=MODEL, max_output_tokens=2, temperature=0)
+    text = "tenant A's private question, long enough to fill some blocks"
+    first = tools_client.responses.create(input=text, extra_body={"cache_salt": "tenant-a"}, **kw)
+    again = tools_client.responses.create(input=text, extra_body={"cache_salt": "tenant-a"}, **kw)
+    other = tools_client.responses.create(input=text, extra_body={"cache_salt": "tenant-b"}, **kw)
+    assert again.usage.input_tokens_details.cached_tokens >= len(text)
+    assert other.usage.input_tokens_details.cached_tokens == 0
+    chained = tools_client.responses.create(input="and then?", previous_response_id=first.id, **kw)
+    # the unsalted cache holds no more of this prompt than the template's first characters
+    assert chained.usage.input_tokens_details.cached_tokens >= len(text)
+
+
+def test_an_empty_cache_salt_is_a_400_as_in_chat(tools_server):
+    r = _post(tools_server, {"input": "x", "max_output_tokens": 2, "cache_salt": ""})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "cache_salt"
