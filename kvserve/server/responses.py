@@ -34,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
-from kvserve.server.chat import create_chat_completion
+from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request, from_exception
 from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
@@ -354,9 +354,10 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
         reply = await create_chat_completion(ctx, request, raw)
     except (APIError, ValueError) as e:
         raise responses_error(from_exception(e)) from None
+    headers = _passed_on_headers(reply)
     if isinstance(reply, StreamingResponse):
         events = _events(ctx, shell, reply.body_iterator)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     if not isinstance(reply, JSONResponse):
         return reply  # 499: the client went away
     chat = json.loads(bytes(reply.body))
@@ -370,7 +371,13 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
         output.append(call_item(_new_id("fc"), call["id"], f["name"], f["arguments"]))
     result = shell.build(output, _status(choice["finish_reason"]), _usage(chat.get("usage")), choice["finish_reason"])
     shell.keep(store, output)
-    return JSONResponse(result)
+    return JSONResponse(result, headers=headers)
+
+
+def _passed_on_headers(reply: Response) -> dict[str, str]:
+    """The chat reply's headers a Responses client is owed too: how many old turns the truncate policy dropped."""
+    dropped = reply.headers.get(TRUNCATED_TURNS_HEADER)
+    return {TRUNCATED_TURNS_HEADER: dropped} if dropped is not None else {}
 
 
 class _EventWriter:
