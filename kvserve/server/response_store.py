@@ -16,9 +16,11 @@ MAX_STORED_RESPONSES = 256
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """One stored response: the conversation it ended (the next turn's history) and the `cache_salt` it was computed
-    under, which a chained request inherits so that its conversation stays in that tenant's part of the cache."""
+    """One stored response: the Response object (what GET returns), the conversation it ended (the next turn's
+    history) and the `cache_salt` it was computed under, which a chained request inherits so that its conversation
+    stays in that tenant's part of the cache."""
 
+    response: dict[str, Any]
     conversation: list[dict[str, Any]]
     cache_salt: str | None = None
 
@@ -40,15 +42,24 @@ class ResponseStore:
         while len(self._items) > self.max_size:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse:
+    def get(self, response_id: str, param: str | None = "previous_response_id") -> StoredResponse:
+        """The stored response; a 404 naming `param` (the field that gave the id; None: the URL) if there is none."""
         stored = self._items.get(response_id)
         if stored is None:
-            raise APIError(
-                404,
-                f"previous_response_id {response_id!r} not found (responses are kept in this server's memory, the "
-                f"last {self.max_size} stored)",
-                param="previous_response_id",
-                code="response_not_found",
-            )
+            raise self._not_found(response_id, param)
         self._items.move_to_end(response_id)
         return stored
+
+    def delete(self, response_id: str) -> None:
+        """Forget a response (DELETE /v1/responses/{id}); a 404 if there is none."""
+        if self._items.pop(response_id, None) is None:
+            raise self._not_found(response_id, None)
+
+    def _not_found(self, response_id: str, param: str | None) -> APIError:
+        return APIError(
+            404,
+            f"{param or 'response'} {response_id!r} not found (responses are kept in this server's memory, the last "
+            f"{self.max_size} stored)",
+            param=param,
+            code="response_not_found",
+        )

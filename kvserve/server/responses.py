@@ -299,10 +299,11 @@ class ResponseShell:
     conversation: list[dict[str, Any]]
     cache_salt: str | None
 
-    def keep(self, store: ResponseStore, output: list[dict[str, Any]]) -> None:
-        """Store the finished response (`store: true`, the default) for previous_response_id."""
+    def keep(self, store: ResponseStore, final: dict[str, Any]) -> None:
+        """Store the finished response (`store: true`, the default), for GET and previous_response_id."""
         if self.body.store:
-            store.put(self.response_id, StoredResponse(self.conversation + input_messages(output), self.cache_salt))
+            conversation = self.conversation + input_messages(final["output"])
+            store.put(self.response_id, StoredResponse(final, conversation, self.cache_salt))
 
     def build(
         self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None, finish: str | None = None
@@ -344,10 +345,11 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     store: ResponseStore = ctx.responses
-    previous = store.get(body.previous_response_id) if body.previous_response_id else StoredResponse([])
-    cache_salt = previous.chained_salt(body.cache_salt)
-    request = chat_request(body, previous.conversation, body.stream, cache_salt)
-    conversation = previous.conversation + input_messages(body.input)
+    previous = store.get(body.previous_response_id) if body.previous_response_id else None
+    history = previous.conversation if previous is not None else []
+    cache_salt = previous.chained_salt(body.cache_salt) if previous is not None else body.cache_salt
+    request = chat_request(body, history, body.stream, cache_salt)
+    conversation = history + input_messages(body.input)
     model = ctx.resolve_model(body.model)
     shell = ResponseShell(_new_id("resp"), int(time.time()), model, body, conversation, cache_salt)
     try:
@@ -370,8 +372,19 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
         f = call["function"]
         output.append(call_item(_new_id("fc"), call["id"], f["name"], f["arguments"]))
     result = shell.build(output, _status(choice["finish_reason"]), _usage(chat.get("usage")), choice["finish_reason"])
-    shell.keep(store, output)
+    shell.keep(store, result)
     return JSONResponse(result, headers=headers)
+
+
+def retrieve_response(ctx: ServerContext, response_id: str) -> JSONResponse:
+    """GET /v1/responses/{id}: the stored Response object, as it was returned (a 404 if not stored, or evicted)."""
+    return JSONResponse(ctx.responses.get(response_id, param=None).response)
+
+
+def delete_response(ctx: ServerContext, response_id: str) -> JSONResponse:
+    """DELETE /v1/responses/{id}: forget it (a later GET or previous_response_id is a 404); OpenAI's reply shape."""
+    ctx.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 def _passed_on_headers(reply: Response) -> dict[str, str]:
@@ -485,7 +498,7 @@ async def _events(
         yield w.event("response.output_item.done", output_index=out_index, item=item)
     status = _status(finish)
     final = shell.build(output, status, usage, finish)
-    shell.keep(ctx.responses, output)
+    shell.keep(ctx.responses, final)
     # Always response.completed, its response's status saying "incomplete" when max_output_tokens ended it (as vLLM
     # does): the openai SDK's stream helper gives a final response only after that event.
     yield w.event("response.completed", response=final)

@@ -315,3 +315,26 @@ def test_an_empty_cache_salt_is_a_400_as_in_chat(tools_server):
     r = _post(tools_server, {"input": "x", "max_output_tokens": 2, "cache_salt": ""})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "cache_salt"
+
+
+def test_retrieve_and_delete_a_stored_response(tools_client):
+    """#43 item 10: GET and DELETE /v1/responses/{id} were missing, so the openai SDK's `responses.retrieve` got a 404
+    although `store` defaults to true. OpenAI has both."""
+    kw = dict(model=MODEL, input="keep me", max_output_tokens=3, temperature=0)
+    whole = tools_client.responses.create(**kw)
+    got = tools_client.responses.retrieve(whole.id)
+    assert got.model_dump() == whole.model_dump()
+    with tools_client.responses.stream(**kw) as stream:
+        streamed = stream.get_final_response()
+    again = tools_client.responses.retrieve(streamed.id)  # the stream helper's final response is a ParsedResponse
+    assert (again.status, again.output_text, again.usage) == (streamed.status, streamed.output_text, streamed.usage)
+    tools_client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        tools_client.responses.retrieve(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        tools_client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        tools_client.responses.create(model=MODEL, input="x", previous_response_id=whole.id, max_output_tokens=2)
+    unstored = tools_client.responses.create(**kw, store=False)
+    with pytest.raises(openai.NotFoundError):
+        tools_client.responses.retrieve(unstored.id)
