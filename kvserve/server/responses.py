@@ -67,6 +67,8 @@ class ResponsesRequest(CacheFields):
     truncation: str | None = None
     user: str | None = None
     seed: int | None = None  # kvserve's (as vLLM's): reproducible sampling
+    # vLLM's: a constraint of structured output (regex, choice, grammar, json) or its options; with text.format a 400
+    structured_outputs: dict[str, Any] | None = None
 
 
 # -- request: Responses -> chat ---------------------------------------------------------------------------------
@@ -207,6 +209,7 @@ def chat_request(
         "tool_choice": _chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text),
+        "structured_outputs": body.structured_outputs,
         "seed": body.seed,
         "cache_salt": cache_salt,
         "stream": stream,

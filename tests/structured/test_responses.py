@@ -338,3 +338,16 @@ def test_retrieve_and_delete_a_stored_response(tools_client):
     unstored = tools_client.responses.create(**kw, store=False)
     with pytest.raises(openai.NotFoundError):
         tools_client.responses.retrieve(unstored.id)
+
+
+def test_structured_outputs_as_vllm_takes_them(tools_client, tools_server):
+    """vLLM's Responses request takes `structured_outputs` (any constraint, e.g. a choice), and refuses it beside
+    `text.format`; the tests below script replies with it."""
+    r = tools_client.responses.create(
+        model=MODEL, input="x", max_output_tokens=20, extra_body={"structured_outputs": {"choice": ["forced text"]}}
+    )
+    assert r.output_text == "forced text" and r.status == "completed"
+    json_format = {"format": {"type": "json_object"}}
+    body = {"input": "x", "text": json_format, "structured_outputs": {"choice": ["a"]}}
+    bad = _post(tools_server, body)
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("structured_outputs"), bad.text
