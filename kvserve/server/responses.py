@@ -356,7 +356,7 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
     model = ctx.resolve_model(body.model)
     shell = ResponseShell(_new_id("resp"), int(time.time()), model, body, conversation, cache_salt)
     try:
-        reply = await create_chat_completion(ctx, request, raw)
+        reply = await create_chat_completion(ctx, request, raw, length_wins=True)
     except (APIError, ValueError) as e:
         raise responses_error(from_exception(e)) from None
     headers = _passed_on_headers(reply)

@@ -60,7 +60,9 @@ class ToolPlan:
     constraint: Constraint | None = None  # required / named: the forcing grammar
     extractor: Callable[[], ToolCallExtractor] | None = None  # one per choice; None: the reply is plain text
     parallel: bool = True
-    whole_calls: bool = False  # the extractor reports complete calls only (finish_reason "tool_calls" at length too)
+    # finish_reason "tool_calls" also when max_tokens cut the reply after complete calls: vLLM's rule for parsers that
+    # report complete calls only (the Responses API turns it off: its status is "incomplete" then, as OpenAI's)
+    tool_calls_at_length: bool = False
 
 
 def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
@@ -152,9 +154,9 @@ def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
 
 
 def finish_reason(plan: ToolPlan, reason: str | None, has_calls: bool) -> str | None:
-    """ "tool_calls" when the reply called tools: whenever calls were parsed for an extractor that reports complete
-    calls only (as vLLM), else when it ended by itself (a forced call cut by max_tokens stays "length")."""
-    if has_calls and (reason == "stop" or (plan.whole_calls and reason == "length")):
+    """ "tool_calls" when the reply called tools and ended by itself, or was cut after complete calls where the plan
+    says so (tool_calls_at_length); a forced call cut by max_tokens stays "length"."""
+    if has_calls and (reason == "stop" or (plan.tool_calls_at_length and reason == "length")):
         return "tool_calls"
     return reason
 

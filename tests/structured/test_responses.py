@@ -10,9 +10,10 @@ from typing import Literal
 
 import openai
 import pytest
-from tool_server_support import MODEL, WEATHER_TOOL
+from tool_server_support import MODEL, TIME_TOOL, WEATHER_TOOL
 
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat function tool
+TIME = {"type": "function", **TIME_TOOL["function"]}
 NAMED = {"type": "function", "name": "get_weather"}
 
 
@@ -351,3 +352,32 @@ def test_structured_outputs_as_vllm_takes_them(tools_client, tools_server):
     body = {"input": "x", "text": json_format, "structured_outputs": {"choice": ["a"]}}
     bad = _post(tools_server, body)
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("structured_outputs"), bad.text
+
+
+def scripted(text: str) -> dict:
+    """extra_body that makes the reply exactly `text` (a one-string choice: one token a character here)."""
+    return {"structured_outputs": {"choice": [text]}}
+
+
+TWO_CALLS = (
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "days": 1}}</tool_call>'
+    '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_inside_a_tool_call_is_incomplete(tools_client, stream):
+    """#43 item 10: max_output_tokens ending the reply inside its second call came back `status: "completed"`,
+    `incomplete_details: null` (chat's finish_reason is "tool_calls" there, as vLLM's); OpenAI says incomplete."""
+    cut = TWO_CALLS.index("get_time") + 4
+    kw = dict(model=MODEL, input="weather and time?", tools=[WEATHER, TIME], max_output_tokens=cut, temperature=0)
+    if stream:
+        with tools_client.responses.stream(**kw, extra_body=scripted(TWO_CALLS)) as events:
+            r = events.get_final_response()
+    else:
+        r = tools_client.responses.create(**kw, extra_body=scripted(TWO_CALLS))
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(o.name, o.status) for o in r.output if o.type == "function_call"] == [("get_weather", "completed")]
+    assert r.output_text == TWO_CALLS[TWO_CALLS.index("</tool_call>") + len("</tool_call>") : cut]  # the cut call
+    whole = tools_client.responses.create(**{**kw, "max_output_tokens": 400}, extra_body=scripted(TWO_CALLS))
+    assert whole.status == "completed" and [o.name for o in whole.output] == ["get_weather", "get_time"]
