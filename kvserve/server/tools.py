@@ -135,7 +135,8 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class ParsedReply:
-    """One whole choice's reply: content (None when empty) and calls."""
+    """One whole choice's reply: content (None when empty beside calls, as OpenAI's; "" when empty alone, as a reply
+    without tools) and calls."""
 
     content: str | None
     tool_calls: list[ToolCall]
@@ -148,7 +149,7 @@ def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
     result = extract_all(plan.extractor(), text)
     calls = result.calls if plan.parallel else result.calls[:1]
     return ParsedReply(
-        result.content,
+        result.content if calls else result.content or "",
         [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls],
     )
 

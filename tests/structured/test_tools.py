@@ -369,3 +369,13 @@ def test_tool_flags_are_checked_at_start():
         ServerSettings(served_model_names=("m",), enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="hermes"):
         ServerSettings(served_model_names=("m",), tool_call_parser="nope")
+
+
+def test_a_reply_that_ends_at_once_has_empty_content_with_tools_as_without(tools_client):
+    """#43 item 10: a reply with tools that ended at once had `content: null` where one without tools has "" (OpenAI
+    leaves content null only beside tool calls)."""
+    kw = dict(model=MODEL, messages=USER, max_tokens=5, extra_body={"structured_outputs": {"choice": [""]}})
+    plain = tools_client.chat.completions.create(**kw)
+    with_tools = tools_client.chat.completions.create(**kw, tools=TOOLS)
+    assert plain.choices[0].message.content == "" == with_tools.choices[0].message.content
+    assert with_tools.choices[0].message.tool_calls is None and with_tools.choices[0].finish_reason == "stop"
