@@ -153,7 +153,7 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 f"tools[{i}]: built-in tool {kind!r} is not supported by kvserve; only function tools are",
                 param=f"tools[{i}].type",
             )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": function})
     return out
 

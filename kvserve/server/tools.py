@@ -28,6 +28,7 @@ from kvserve.server.constraints import Constraint, compile_failed, make_params, 
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.structured.backend import GrammarCompileError
+from kvserve.structured.call_arguments import OfferedTools
 from kvserve.structured.tool_calls import CallPiece, ParsedDelta, ToolCallExtractor, extract_all
 from kvserve.structured.tool_parsers import NamedFunctionExtractor, RequiredExtractor
 from kvserve.structured.tool_schemas import (
@@ -88,8 +89,8 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
         parser = settings.tool_parser
         if not settings.enable_auto_tool_choice or parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
-        names = frozenset(f.name for f in functions)
-        return ToolPlan(tools, functions, choice, None, partial(parser.extractor, names), parallel, parser.whole_calls)
+        reader = partial(parser.extractor, OfferedTools.of_functions(functions))
+        return ToolPlan(tools, functions, choice, None, reader, parallel, parser.whole_calls)
     constraint = Constraint(
         make_params("tools", {"json": schema, **_FORCED_OPTIONS, **request_options(request)}), "tools"
     )

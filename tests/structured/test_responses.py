@@ -381,3 +381,28 @@ def test_a_reply_cut_inside_a_tool_call_is_incomplete(tools_client, stream):
     assert r.output_text == TWO_CALLS[TWO_CALLS.index("</tool_call>") + len("</tool_call>") : cut]  # the cut call
     whole = tools_client.responses.create(**{**kw, "max_output_tokens": 400}, extra_body=scripted(TWO_CALLS))
     assert whole.status == "completed" and [o.name for o in whole.output] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>',  # item 11
+        '<tool_call>{"name": "delete_all_files", "arguments": {}}</tool_call>',  # item 12
+    ],
+)
+def test_a_call_that_is_not_one_is_a_message(tools_client, text):
+    """#43 items 11 and 12 through /v1/responses: no function_call item, the text as the message."""
+    r = tools_client.responses.create(
+        model=MODEL, input="weather?", tools=[WEATHER], max_output_tokens=200, extra_body=scripted(text)
+    )
+    assert [o.type for o in r.output] == ["message"] and r.output_text == text and r.status == "completed"
+
+
+def test_a_strict_function_tool_is_validated(tools_client):
+    """Responses' function tools carry `strict` through (it was dropped): a call its schema refuses is a message."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "k", "days": 1}}</tool_call>'
+    kw = dict(model=MODEL, input="weather?", max_output_tokens=200, extra_body=scripted(call))
+    strict = tools_client.responses.create(**kw, tools=[{**WEATHER, "strict": True}])
+    assert [o.type for o in strict.output] == ["message"]
+    lax = tools_client.responses.create(**kw, tools=[WEATHER])
+    assert [o.type for o in lax.output] == ["function_call"]
