@@ -231,7 +231,10 @@ CASES += [
 ]
 
 
-@pytest.mark.parametrize("make,text,content,calls", CASES)
+CASE_IDS = [f"{make.__name__}:{text[:48]}" for make, text, _, _ in CASES]  # short: one text is 6,000 brackets
+
+
+@pytest.mark.parametrize("make,text,content,calls", CASES, ids=CASE_IDS)
 def test_whole_text(make, text, content, calls):
     result = extract_all(make(), text)
     assert result.content == content
