@@ -11,12 +11,15 @@ its reply (or its stream of chunks) is rewritten into Responses objects and type
 `sequence_number`.
 
 `store` defaults to true, as OpenAI's does (vLLM's is off unless an environment variable turns it on): clients
-written for OpenAI chain turns with `previous_response_id`. Stored responses (the conversation so far, prompt
-derived) live in this process's memory only, in an LRU of `max_stored_responses` (256); an evicted or unknown id is
-a 404 naming it. Fields clients send routinely (`include`, `truncation`, `metadata`, `user`, `service_tier`,
-`prompt_cache_key`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest change nothing.
-What kvserve does not have is a 400 naming the field: built-in tools (web search, file search, code interpreter,
-computer use, MCP, image generation), `background: true`, non-text input parts (images, files, audio).
+written for OpenAI chain turns with `previous_response_id`. Stored responses (the Response object, the conversation
+so far and the cache salt, prompt derived) live in this process's memory only, in an LRU of `max_stored_responses`
+(256); `GET /v1/responses/{id}` returns one, `DELETE` forgets it, and an evicted or unknown id is a 404 naming it. The
+body is typed as strictly as chat's; `cache_salt` is chat's (a chained request without one keeps its chain's) and
+`structured_outputs` vLLM's. Fields clients send routinely (`include`, `truncation`, `metadata`, `user`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest
+change nothing. What kvserve does not have is a 400 naming the field: built-in tools (web search, file search, code
+interpreter, computer use, MCP, image generation), `background: true`, non-text input parts (images, files, audio).
+Errors of the chat path underneath are renamed to the fields this request has (responses_error).
 """
 
 from __future__ import annotations
