@@ -57,7 +57,7 @@ class ResponsesRequest(CacheFields):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: FastList[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
@@ -66,7 +66,7 @@ class ResponsesRequest(CacheFields):
     previous_response_id: str | None = None
     background: bool | None = None
     metadata: dict[str, str] | None = None
-    include: list[str] | None = None
+    include: FastList[str] | None = None
     truncation: str | None = None
     user: str | None = None
     seed: int | None = None  # kvserve's (as vLLM's): reproducible sampling
