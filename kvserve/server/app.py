@@ -39,7 +39,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvserve.server.responses import ResponsesRequest, create_response
+from kvserve.server.responses import ResponsesRequest, create_response, delete_response, retrieve_response
 from kvserve.server.transport import TransportLimits
 
 __all__ = ["ServerSettings", "build_app"]
@@ -170,6 +170,14 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         ctx.engine.check_alive()
         return await create_response(ctx, body, raw)
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return retrieve_response(ctx, response_id)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> JSONResponse:
+        return delete_response(ctx, response_id)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:

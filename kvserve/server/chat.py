@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -59,7 +60,11 @@ from kvserve.server.tracker import ChoiceDelta, DeltaTracker
 TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
 
 
-async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw: Request) -> Response:
+async def create_chat_completion(
+    ctx: ServerContext, request: ChatCompletionRequest, raw: Request, *, length_wins: bool = False
+) -> Response:
+    """The chat completion, whole or streamed. `length_wins`: a reply cut by max_tokens finishes "length" even after
+    complete tool calls (the Responses API's view; chat's own says "tool_calls" there, as vLLM's)."""
     model = ctx.resolve_model(request.model)
     reject_unsupported(
         request, {"functions": request.functions, "function_call": request.function_call}, max_n=ctx.facts.max_num_seqs
@@ -78,6 +83,8 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     if max_tokens == 0:
         raise bad_request("max_tokens must be at least 1", param="max_tokens")
     tools = plan_tools(request, ctx.settings)
+    if length_wins:
+        tools = replace(tools, tool_calls_at_length=False)
     constraint = _constraint(request, tools.constraint)
     params = build_sampling_params(
         request,

@@ -154,38 +154,58 @@ class PromptPreparer:
     ) -> tuple[list[int], int]:
         """The chat's prompt ids, checked, and how many old turns were dropped to make it fit (truncate)."""
         ids, dropped = self._render_fitting(messages, render, max_tokens, truncate)
+        check_fits(len(ids), max_tokens, self.facts.max_model_len)  # first: its 400 names the field (`param`)
         validate_request(self.facts, ids, params)
-        check_fits(len(ids), max_tokens, self.facts.max_model_len)
         return ids, dropped
 
-    def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:
-        text = self._tokenizer.apply_chat_template(
+    def _render_text(self, messages: list[dict[str, Any]], render: ChatRender) -> str:
+        return self._tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=render.add_generation_prompt,
             chat_template=render.chat_template,
             tools=render.tools,
             tool_style=render.tool_style,
         )
-        return self.encode(text, param="messages")
+
+    def _render(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:
+        return self.encode(self._render_text(messages, render), param="messages")
+
+    def _render_if_fits(
+        self, messages: list[dict[str, Any]], render: ChatRender, max_tokens: int | None
+    ) -> list[int] | None:
+        """The prompt's ids if they fit max-model-len with `max_tokens`, else None (no error: the truncate policy's
+        search tries shorter histories next). Text past the character bound cannot fit and is not tokenized."""
+        text = self._render_text(messages, render)
+        if len(text) > self.max_prompt_chars:
+            return None
+        ids = self._tokenizer.encode(text, add_special_tokens=True)
+        return ids if fits(len(ids), max_tokens, self.facts.max_model_len) else None
 
     def _render_fitting(
         self, messages: list[dict[str, Any]], render: ChatRender, max_tokens: int | None, truncate: bool
     ) -> tuple[list[int], int]:
-        ids = self._render(messages, render)
-        limit = self.facts.max_model_len
-        if not truncate or fits(len(ids), max_tokens, limit):
-            return ids, 0
+        """The prompt, and how many old turns the truncate policy dropped for it to fit. Every candidate, the whole
+        history first, is judged by whether it fits (characters, then tokens), never refused on the way: a history
+        past the character bound is what truncation is for."""
+        if not truncate:
+            return self._render(messages, render), 0
+        whole = self._render_if_fits(messages, render, max_tokens)
+        if whole is not None:
+            return whole, 0
         head, turns = split_turns(messages)
         best: tuple[list[int], int] | None = None
         lo, hi = 1, len(turns) - 1  # turns to drop; the last turn always stays
         while lo <= hi:  # fewer dropped turns never make the prompt shorter, so the first fit is a boundary
             mid = (lo + hi) // 2
-            candidate = self._render(head + [m for turn in turns[mid:] for m in turn], render)
-            if fits(len(candidate), max_tokens, limit):
+            candidate = self._render_if_fits(head + [m for turn in turns[mid:] for m in turn], render, max_tokens)
+            if candidate is not None:
                 best, hi = (candidate, mid), mid - 1
             else:
                 lo = mid + 1
-        return best if best is not None else (ids, 0)
+        if best is not None:
+            return best
+        # Nothing fits: the 400 of the shortest candidate (the head and the last turn), which says what to shorten.
+        return self._render(head + (turns[-1] if turns else []), render), max(len(turns) - 1, 0)
 
     def tokenize_messages(self, messages: list[dict[str, Any]], render: ChatRender) -> list[int]:
         return self._render(messages, render)

@@ -90,7 +90,22 @@ class StreamOptions(StrictRequestModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(OpenAIRequest):
+class CacheFields(OpenAIRequest):
+    """The per-request prefix-cache fields, one definition for every generating endpoint (completions, chat,
+    responses): `cache_salt` (vLLM's) joins the block hashes, so requests of different salts never share KV."""
+
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        """An empty salt would silently share the unsalted prefix cache (vLLM refuses it too)."""
+        if value == "":
+            raise ValueError("cache_salt must not be empty: leave the field out for no salt")
+        return value
+
+
+class SamplingFields(CacheFields):
     """Sampling fields shared by completions and chat; None means the model's or vLLM's default."""
 
     model: str | None = None
@@ -113,7 +128,6 @@ class SamplingFields(OpenAIRequest):
     spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # Output constraints (kvserve.server.constraints): OpenAI's response_format, vLLM's structured_outputs (a
@@ -125,14 +139,6 @@ class SamplingFields(OpenAIRequest):
     guided_choice: FastList[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt_not_empty(cls, value: str | None) -> str | None:
-        """An empty salt would silently share the unsalted prefix cache (vLLM refuses it too)."""
-        if value == "":
-            raise ValueError("cache_salt must not be empty: leave the field out for no salt")
-        return value
 
 
 class CompletionRequest(SamplingFields):

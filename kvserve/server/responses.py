@@ -11,17 +11,22 @@ its reply (or its stream of chunks) is rewritten into Responses objects and type
 `sequence_number`.
 
 `store` defaults to true, as OpenAI's does (vLLM's is off unless an environment variable turns it on): clients
-written for OpenAI chain turns with `previous_response_id`. Stored responses (the conversation so far, prompt
-derived) live in this process's memory only, in an LRU of `max_stored_responses` (256); an evicted or unknown id is
-a 404 naming it. Fields clients send routinely (`include`, `truncation`, `metadata`, `user`, `service_tier`,
-`prompt_cache_key`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest change nothing.
-What kvserve does not have is a 400 naming the field: built-in tools (web search, file search, code interpreter,
-computer use, MCP, image generation), `background: true`, non-text input parts (images, files, audio).
+written for OpenAI chain turns with `previous_response_id`. Stored responses (the Response object, the conversation
+so far and the cache salt, prompt derived) live in this process's memory only, in an LRU of `max_stored_responses`
+(256); `GET /v1/responses/{id}` returns one, `DELETE` forgets it, and an evicted or unknown id is a 404 naming it. The
+body is typed as strictly as chat's; `cache_salt` is chat's (a chained request without one keeps its chain's) and
+`structured_outputs` vLLM's. Fields clients send routinely (`include`, `truncation`, `metadata`, `user`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest
+change nothing. What kvserve does not have is a 400 naming the field: built-in tools (web search, file search, code
+interpreter, computer use, MCP, image generation), `background: true`, non-text input parts (images, files, audio).
+Errors of the chat path underneath are renamed to the fields this request has (responses_error).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
@@ -30,28 +35,29 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, ValidationError
 
-from kvserve.server.chat import create_chat_completion
+from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
 from kvserve.server.context import ServerContext
-from kvserve.server.errors import bad_request
-from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.response_store import ResponseStore
+from kvserve.server.errors import APIError, bad_request, from_exception
+from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
+from kvserve.server.response_store import ResponseStore, StoredResponse
 from kvserve.server.streaming import SSE_DONE, sse
 
+logger = logging.getLogger(__name__)
 
-class ResponsesRequest(BaseModel):
-    """The request body; unknown fields are ignored (new SDK fields must not break old servers)."""
 
-    model_config = ConfigDict(extra="ignore")
+class ResponsesRequest(CacheFields):
+    """The request body, typed as strictly as chat's (`"4"` is no integer, `"yes"` no boolean), with the same cache
+    fields (`cache_salt`); unknown fields are logged and ignored (new SDK fields must not break old servers)."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | FastList[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: FastList[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
@@ -60,10 +66,12 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     background: bool | None = None
     metadata: dict[str, str] | None = None
-    include: list[str] | None = None
+    include: FastList[str] | None = None
     truncation: str | None = None
     user: str | None = None
     seed: int | None = None  # kvserve's (as vLLM's): reproducible sampling
+    # vLLM's: a constraint of structured output (regex, choice, grammar, json) or its options; with text.format a 400
+    structured_outputs: dict[str, Any] | None = None
 
 
 # -- request: Responses -> chat ---------------------------------------------------------------------------------
@@ -71,21 +79,32 @@ class ResponsesRequest(BaseModel):
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, key: str = "content") -> str:
+    """`where.key` (a message's content, a call output's output): a string, or text parts joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+        raise bad_request(f"{where}.{key} must be a string or a list of content parts", param=f"{where}.{key}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad_request(
-                f"{where}.content[{j}]: only text parts (input_text, output_text) are supported, got {kind!r}",
-                param=f"{where}.content[{j}]",
+                f"{where}.{key}[{j}]: only text parts (input_text, output_text) are supported, got {kind!r}",
+                param=f"{where}.{key}[{j}]",
             )
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    """`item[key]`, which OpenAI types as a string (a call's `arguments` too: JSON text, never an object, which the
+    prompt would otherwise get as Python's repr); a 400 naming the field otherwise."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        got = "nothing" if value is None else type(value).__name__
+        raise bad_request(f"{where}.{key} must be a string, got {got}", param=f"{where}.{key}")
+    return value
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,9 +126,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             call = {
-                "id": str(item.get("call_id") or item.get("id") or ""),
+                "id": _string(item, "call_id", where),
                 "type": "function",
-                "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))},
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -117,9 +136,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
-            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
+            text = _content_text(item.get("output"), where, "output")  # text or text parts, as OpenAI types it
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
         elif kind == "reasoning":
             continue  # a reasoning model's item sent back by a client; this model has none to read
         else:
@@ -138,7 +156,7 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 f"tools[{i}]: built-in tool {kind!r} is not supported by kvserve; only function tools are",
                 param=f"tools[{i}].type",
             )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": function})
     return out
 
@@ -173,7 +191,11 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise bad_request(f"text.format.type {fmt.get('type')!r} is not supported", param="text.format.type")
 
 
-def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], stream: bool) -> ChatCompletionRequest:
+def chat_request(
+    body: ResponsesRequest, history: list[dict[str, Any]], stream: bool, cache_salt: str | None = None
+) -> ChatCompletionRequest:
+    """The chat request this Responses request stands for, after `history` (a chain's conversation so far), computed
+    under `cache_salt` (the request's own, or its chain's)."""
     if body.background:
         raise bad_request("background mode is not supported by kvserve", param="background")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -190,11 +212,46 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], stream: 
         "tool_choice": _chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text),
+        "structured_outputs": body.structured_outputs,
         "seed": body.seed,
+        "cache_salt": cache_salt,
         "stream": stream,
         "stream_options": {"include_usage": True} if stream else None,
     }
-    return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as e:  # a value the Responses fields let through and chat's do not
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise responses_error(bad_request(f"{where}: {first.get('msg', 'invalid')}", param=where or None)) from None
+
+
+# Chat's field names as a Responses client knows them (what it sent): the errors of the chat path underneath are
+# renamed, in `param` and in the message. Applied in order; the rest of a path is kept.
+_RESPONSES_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), name)
+    for pattern, name in (
+        (r"\bresponse_format\.json_schema\.schema\b", "text.format.schema"),
+        (r"\bresponse_format\b", "text.format"),
+        (r"\btools\[(\d+)\]\.function\b", r"tools[\1]"),
+        (r"\btool_choice\.function\b", "tool_choice"),
+        (r"\bmax_(?:completion_)?tokens\b", "max_output_tokens"),
+        (r"\bmessages\b", "input"),
+        (r"\bprompt\b", "input"),
+    )
+)
+
+
+def _responses_names(text: str) -> str:
+    for pattern, name in _RESPONSES_NAMES:
+        text = pattern.sub(name, text)
+    return text
+
+
+def responses_error(error: APIError) -> APIError:
+    """A chat-path error as this request's own: the fields it names are the Responses fields the client sent."""
+    param = _responses_names(error.param) if error.param is not None else None
+    return APIError(error.status, _responses_names(error.message), param=param, code=error.code)
 
 
 # -- reply: chat -> Responses -----------------------------------------------------------------------------------
@@ -238,12 +295,21 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 
 @dataclass(slots=True)
 class ResponseShell:
-    """What every Responses object of one request carries besides its output, status and usage."""
+    """What every Responses object of one request carries besides its output, status and usage, and what storing it
+    keeps: the conversation before its output and the cache salt it was computed under."""
 
     response_id: str
     created_at: int
     model: str
     body: ResponsesRequest
+    conversation: list[dict[str, Any]]
+    cache_salt: str | None
+
+    def keep(self, store: ResponseStore, final: dict[str, Any]) -> None:
+        """Store the finished response (`store: true`, the default), for GET and previous_response_id."""
+        if self.body.store:
+            conversation = self.conversation + input_messages(final["output"])
+            store.put(self.response_id, StoredResponse(final, conversation, self.cache_salt))
 
     def build(
         self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None, finish: str | None = None
@@ -281,15 +347,25 @@ def _status(finish: str | None) -> str:
 
 
 async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Request) -> Response:
+    unknown = body.unknown_fields()
+    if unknown:
+        logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     store: ResponseStore = ctx.responses
-    history = store.get(body.previous_response_id) if body.previous_response_id else []
-    request = chat_request(body, history, body.stream)
+    previous = store.get(body.previous_response_id) if body.previous_response_id else None
+    history = previous.conversation if previous is not None else []
+    cache_salt = previous.chained_salt(body.cache_salt) if previous is not None else body.cache_salt
+    request = chat_request(body, history, body.stream, cache_salt)
     conversation = history + input_messages(body.input)
-    shell = ResponseShell(_new_id("resp"), int(time.time()), ctx.resolve_model(body.model), body)
-    reply = await create_chat_completion(ctx, request, raw)
+    model = ctx.resolve_model(body.model)
+    shell = ResponseShell(_new_id("resp"), int(time.time()), model, body, conversation, cache_salt)
+    try:
+        reply = await create_chat_completion(ctx, request, raw, length_wins=True)
+    except (APIError, ValueError) as e:
+        raise responses_error(from_exception(e)) from None
+    headers = _passed_on_headers(reply)
     if isinstance(reply, StreamingResponse):
-        events = _events(ctx, shell, reply.body_iterator, conversation)
-        return StreamingResponse(events, media_type="text/event-stream")
+        events = _events(ctx, shell, reply.body_iterator)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     if not isinstance(reply, JSONResponse):
         return reply  # 499: the client went away
     chat = json.loads(bytes(reply.body))
@@ -302,9 +378,25 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
         f = call["function"]
         output.append(call_item(_new_id("fc"), call["id"], f["name"], f["arguments"]))
     result = shell.build(output, _status(choice["finish_reason"]), _usage(chat.get("usage")), choice["finish_reason"])
-    if body.store:
-        store.put(shell.response_id, conversation + input_messages(output))
-    return JSONResponse(result)
+    shell.keep(store, result)
+    return JSONResponse(result, headers=headers)
+
+
+def retrieve_response(ctx: ServerContext, response_id: str) -> JSONResponse:
+    """GET /v1/responses/{id}: the stored Response object, as it was returned (a 404 if not stored, or evicted)."""
+    return JSONResponse(ctx.responses.get(response_id, param=None).response)
+
+
+def delete_response(ctx: ServerContext, response_id: str) -> JSONResponse:
+    """DELETE /v1/responses/{id}: forget it (a later GET or previous_response_id is a 404); OpenAI's reply shape."""
+    ctx.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _passed_on_headers(reply: Response) -> dict[str, str]:
+    """The chat reply's headers a Responses client is owed too: how many old turns the truncate policy dropped."""
+    dropped = reply.headers.get(TRUNCATED_TURNS_HEADER)
+    return {TRUNCATED_TURNS_HEADER: dropped} if dropped is not None else {}
 
 
 class _EventWriter:
@@ -332,7 +424,6 @@ async def _events(
     ctx: ServerContext,
     shell: ResponseShell,
     body: AsyncIterable[Any],
-    conversation: list[dict[str, Any]],
 ) -> AsyncIterator[str]:
     w = _EventWriter()
     yield w.event("response.created", response=shell.build([], "in_progress", None))
@@ -413,8 +504,7 @@ async def _events(
         yield w.event("response.output_item.done", output_index=out_index, item=item)
     status = _status(finish)
     final = shell.build(output, status, usage, finish)
-    if shell.body.store:
-        ctx.responses.put(shell.response_id, conversation + input_messages(output))
+    shell.keep(ctx.responses, final)
     # Always response.completed, its response's status saying "incomplete" when max_output_tokens ended it (as vLLM
     # does): the openai SDK's stream helper gives a final response only after that event.
     yield w.event("response.completed", response=final)

@@ -28,6 +28,7 @@ from kvserve.server.constraints import Constraint, compile_failed, make_params, 
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.structured.backend import GrammarCompileError
+from kvserve.structured.call_arguments import OfferedTools
 from kvserve.structured.tool_calls import CallPiece, ParsedDelta, ToolCallExtractor, extract_all
 from kvserve.structured.tool_parsers import NamedFunctionExtractor, RequiredExtractor
 from kvserve.structured.tool_schemas import (
@@ -60,7 +61,9 @@ class ToolPlan:
     constraint: Constraint | None = None  # required / named: the forcing grammar
     extractor: Callable[[], ToolCallExtractor] | None = None  # one per choice; None: the reply is plain text
     parallel: bool = True
-    whole_calls: bool = False  # the extractor reports complete calls only (finish_reason "tool_calls" at length too)
+    # finish_reason "tool_calls" also when max_tokens cut the reply after complete calls: vLLM's rule for parsers that
+    # report complete calls only (the Responses API turns it off: its status is "incomplete" then, as OpenAI's)
+    tool_calls_at_length: bool = False
 
 
 def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
@@ -86,8 +89,8 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
         parser = settings.tool_parser
         if not settings.enable_auto_tool_choice or parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
-        names = frozenset(f.name for f in functions)
-        return ToolPlan(tools, functions, choice, None, partial(parser.extractor, names), parallel, parser.whole_calls)
+        reader = partial(parser.extractor, OfferedTools.of_functions(functions))
+        return ToolPlan(tools, functions, choice, None, reader, parallel, parser.whole_calls)
     constraint = Constraint(
         make_params("tools", {"json": schema, **_FORCED_OPTIONS, **request_options(request)}), "tools"
     )
@@ -133,7 +136,8 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class ParsedReply:
-    """One whole choice's reply: content (None when empty) and calls."""
+    """One whole choice's reply: content (None when empty beside calls, as OpenAI's; "" when empty alone, as a reply
+    without tools) and calls."""
 
     content: str | None
     tool_calls: list[ToolCall]
@@ -146,15 +150,15 @@ def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
     result = extract_all(plan.extractor(), text)
     calls = result.calls if plan.parallel else result.calls[:1]
     return ParsedReply(
-        result.content,
+        result.content if calls else result.content or "",
         [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls],
     )
 
 
 def finish_reason(plan: ToolPlan, reason: str | None, has_calls: bool) -> str | None:
-    """ "tool_calls" when the reply called tools: whenever calls were parsed for an extractor that reports complete
-    calls only (as vLLM), else when it ended by itself (a forced call cut by max_tokens stays "length")."""
-    if has_calls and (reason == "stop" or (plan.whole_calls and reason == "length")):
+    """ "tool_calls" when the reply called tools and ended by itself, or was cut after complete calls where the plan
+    says so (tool_calls_at_length); a forced call cut by max_tokens stays "length"."""
+    if has_calls and (reason == "stop" or (plan.tool_calls_at_length and reason == "length")):
         return "tool_calls"
     return reason
 

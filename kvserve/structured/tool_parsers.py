@@ -15,9 +15,13 @@ Formats:
 Each parser comes with its prompt style (tool_prompts.py): how a chat template without tool support gets tools,
 calls and results written into the prompt in the same format.
 
-`arguments` is the JSON text the model wrote for them (leading and trailing whitespace dropped); pythonic arguments
-are built as JSON one keyword at a time. A call cut short (max_tokens) keeps what was generated, with
-finish_reason "length" telling the client so.
+The parsers of free text (hermes, pythonic) report a call whole, once it closes, and only after the check every such
+parser shares (kvserve.structured.call_arguments): the function is one the request offered, its `arguments` are one
+JSON object a strict parser reads (valid for its schema when the function is `strict`). Anything else, a call cut by
+max_tokens included, stays content. `arguments` is the JSON text the model wrote for them (leading and trailing
+whitespace dropped); pythonic arguments are built as JSON from the keywords. A forced call (its grammar is its check)
+streams its arguments in pieces; cut short by max_tokens, it keeps what was generated, with finish_reason "length"
+telling the client so.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvserve.model.chat_template import JSONToolStyle, ToolPromptStyle
+from kvserve.structured.call_arguments import OfferedTools, strict_json_object
 from kvserve.structured.tool_calls import (
     NAME_KEY,
     CallNumbering,
@@ -51,8 +56,9 @@ class HermesExtractor:
 
     Two rules of kvserve's own (docs/AGENTS.md):
     - a call is reported whole, once its JSON object closes (name and arguments in one piece), so that a stream
-      never carries half a call: a block that is malformed, names no function, or is cut by max_tokens is content,
-      its markers included, streamed or not (vLLM returns a cut call as content too);
+      never carries half a call: a block that is malformed (not strict JSON, arguments that are no object), names
+      a function the request did not offer, or is cut by max_tokens is content, its markers included, streamed or
+      not (vLLM returns a cut call as content too, but reads any name and Python's lax JSON);
     - given the request's tool names, a reply that *opens* with a bare call object (`{"name": "get_weather",
       "arguments": {...}}`) or with one in a ```json fence is read as calls as well, when the name is one of the
       request's tools; several such objects in a row (bare, or one after another in one fence) are parallel calls.
@@ -62,8 +68,8 @@ class HermesExtractor:
 
     argument_keys = ("arguments", "parameters")
 
-    def __init__(self, tool_names: Collection[str] = ()) -> None:
-        self._names = frozenset(tool_names)
+    def __init__(self, tools: OfferedTools | Collection[str] = ()) -> None:
+        self._tools = OfferedTools.of(tools)
         self._content = ContentText()
         self._calls = CallNumbering()
         self._start = Marker(HERMES_START)
@@ -71,10 +77,11 @@ class HermesExtractor:
         self._fence_end = Marker(_FENCE)
         # lead (nothing but whitespace yet, or only calls: a bare or fenced call may open), outside, fence_open,
         # object (a call object being read), after_tag (before </tool_call>), after_fence (before the closing ```)
-        self._state = "lead" if self._names else "outside"
+        self._state = "lead" if self._tools.names else "outside"
         self._form = ""  # the open call's wrapping: tag, bare, fence
         self._object: CallObjectScanner | None = None
         self._raw: list[str] = []  # the open call's text, content if it turns out not to be a call
+        self._object_text: list[str] = []  # the call object's own text (its wrapping left out)
 
     def feed(self, text: str) -> ParsedDelta:
         for c in text:
@@ -144,26 +151,36 @@ class HermesExtractor:
         self._state, self._form = "object", form
         self._object = CallObjectScanner(self.argument_keys)
         self._raw = [raw] if raw else []
+        self._object_text = []
 
     def _object_char(self, c: str) -> None:
         obj = self._object
         assert obj is not None
         self._raw.append(c)
+        self._object_text.append(c)
         obj.char(c)
         if obj.invalid or (self._form != "tag" and not self._may_be_call(obj)):
             self._give_back()
         elif obj.done:
-            if obj.name is None:
+            arguments = self._checked_arguments(obj)
+            if obj.name is None or arguments is None:
                 self._give_back()
                 return
-            self._calls.start(obj.name, obj.take_arguments() if obj.saw_arguments else "{}")
+            self._calls.start(obj.name, arguments)
             self._calls.close()
             self._state = {"tag": "after_tag", "fence": "after_fence"}.get(self._form, "lead")
             self._raw = []
 
+    def _checked_arguments(self, obj: CallObjectScanner) -> str | None:
+        """The closed call's arguments if it is one to report (the shared check, OfferedTools.arguments, after the
+        call object itself is strict JSON: one `name`, no NaN beside the arguments), else None."""
+        if obj.name is None or strict_json_object("".join(self._object_text)) is None:
+            return None
+        return self._tools.arguments(obj.name, obj.take_arguments() if obj.saw_arguments else "{}")
+
     def _may_be_call(self, obj: CallObjectScanner) -> bool:
         """A bare or fenced object stays a candidate while its keys are a call's and its name a requested tool's."""
-        if obj.name is not None and obj.name not in self._names:
+        if obj.name is not None and obj.name not in self._tools.names:
             return False
         return obj.state not in ("colon", "value") or obj.key in (NAME_KEY, *self.argument_keys)
 
@@ -178,7 +195,7 @@ class HermesExtractor:
             return
         leftover: list[str] = []
         if end.char(c, leftover.append):
-            self._state = "lead" if self._names else "outside"
+            self._state = "lead" if self._tools.names else "outside"
             return
         if leftover:
             self._state = "outside"
@@ -260,20 +277,22 @@ def _jsonable(value: Any) -> Any:
 
 class PythonicExtractor:
     """`[f(a=1, b="x"), g()]`: the whole output one Python list of calls with keyword arguments (as vLLM's pythonic
-    parser); anything else is content. The arguments are built as JSON, one keyword at a time:
-    `{"a": 1`, then `, "b": "x"`, then `}`. A call that breaks off (a positional argument, a value that is no
-    literal, max_tokens) keeps the arguments it had, closed. `tool_names` is accepted for the common signature (a
-    call list is recognised by its shape, whatever it names)."""
+    parser); anything else is content. Each call is reported whole once its `)` closes: its keywords built as one
+    JSON object (`{"a": 1, "b": "x"}`) and checked as every free-text parser's are (OfferedTools.arguments: an offered
+    function, strict JSON, so no Infinity and no keyword given twice). A call that is not read whole (a positional
+    argument, a value that is no literal, max_tokens) or fails the check is content from its name on, with the rest
+    of the output (the list's `[` too when it is the first)."""
 
-    def __init__(self, tool_names: Collection[str] = ()) -> None:
+    def __init__(self, tools: OfferedTools | Collection[str] = ()) -> None:
+        self._tools = OfferedTools.of(tools)
         self._content = ContentText()
         self._calls = CallNumbering()
-        self._state = "lead"  # lead, name, open_paren, key, equals, value, after_value, between, tail, content, dead
-        self._prefix: list[str] = []  # held until the output is known to be a call list
+        self._state = "lead"  # lead, name, open_paren, key, equals, value, between, tail, content
+        self._raw: list[str] = []  # the text since the last reported call: content if the next one fails
         self._name: list[str] = []
         self._key: list[str] = []
         self._value: _PythonLiteral | None = None
-        self._num_args = 0
+        self._members: list[str] = []  # the open call's arguments, as JSON object members
 
     def feed(self, text: str) -> ParsedDelta:
         for c in text:
@@ -281,10 +300,7 @@ class PythonicExtractor:
         return self._take()
 
     def finish(self) -> ParsedDelta:
-        if self._state in ("lead", "name", "open_paren") and self._calls.count == 0:
-            self._content.text("".join(self._prefix))
-        elif self._calls.open is not None:
-            self._close_call()
+        self._give_back()  # a call still open (cut by max_tokens), or the lone `[`
         return self._take()
 
     def _take(self) -> ParsedDelta:
@@ -298,30 +314,32 @@ class PythonicExtractor:
             if not c.isspace():
                 self._state = "content"
                 self._content.char(c)
-        elif state == "dead":
-            return
-        elif state in ("lead", "name", "open_paren") and self._calls.count == 0:
-            self._prefix.append(c)
-            self._head_char(c)
         else:
-            self._body_char(c)
+            self._raw.append(c)
+            if not self._list_char(c):
+                self._give_back()
 
-    def _head_char(self, c: str) -> None:
-        """Before the first call has started: `[`, a name, `(` commit to calls; anything else makes it content."""
-        if self._state == "lead":
-            if c.isspace():
-                return
+    def _list_char(self, c: str) -> bool:
+        """Take `c` inside the list; False when it cannot belong to a call list there."""
+        state = self._state
+        if state == "lead":
             if c == "[":
                 self._state = "name"
-                return
-        elif self._name_char(c):
-            return
-        self._state = "content"
-        prefix, self._prefix = "".join(self._prefix), []
-        self._content.text(prefix)
+            return c == "[" or c.isspace()
+        if state in ("name", "open_paren"):
+            return self._name_char(c)
+        if state == "key":
+            return self._key_char(c)
+        if state == "equals":
+            if c == "=":
+                self._state, self._value = "value", _PythonLiteral()
+            return c == "=" or c.isspace()
+        if state == "value":
+            return self._value_char(c)
+        return self._between_char(c)
 
     def _name_char(self, c: str) -> bool:
-        """The name of a call and its `(`: False if `c` cannot continue them."""
+        """The name of a call and its `(`."""
         if self._state == "name":
             if _is_name_char(c) and (self._name or c.isalpha() or c == "_"):
                 self._name.append(c)
@@ -331,80 +349,60 @@ class PythonicExtractor:
             if not self._name:
                 return False
             self._state = "open_paren"
-        if self._state == "open_paren":
-            if c.isspace():
-                return True
-            if c == "(":
-                self._calls.start("".join(self._name))
-                self._name, self._num_args, self._prefix = [], 0, []
-                self._state = "key"
-                return True
-        return False
+        if c == "(":
+            self._state, self._members = "key", []
+        return c == "(" or c.isspace()
 
-    def _body_char(self, c: str) -> None:
-        state = self._state
-        if state in ("name", "open_paren"):
-            if not self._name_char(c):
-                self._state = "dead"
-        elif state == "key":
-            self._key_char(c)
-        elif state == "equals":
-            if c == "=":
-                self._state, self._value = "value", _PythonLiteral()
-            elif not c.isspace():
-                self._break_off()
-        elif state == "value":
-            self._value_char(c)
-        elif state == "between":  # after a call's `)`: `,` and the next call, or `]`
-            if c == ",":
-                self._state = "name"
-            elif c == "]":
-                self._state = "tail"
-            elif not c.isspace():
-                self._state = "dead"
-
-    def _key_char(self, c: str) -> None:
+    def _key_char(self, c: str) -> bool:
         if _is_name_char(c) and c not in ".-":
             self._key.append(c)
         elif c == ")" and not self._key:
-            self._close_call()
-            self._state = "between"
-        elif c.isspace():
-            if self._key:
-                self._state = "equals"
+            return self._close_call()
         elif c == "=" and self._key:
             self._state, self._value = "value", _PythonLiteral()
-        else:
-            self._break_off()
+        elif not c.isspace():
+            return False
+        elif self._key:
+            self._state = "equals"
+        return True
 
-    def _value_char(self, c: str) -> None:
+    def _value_char(self, c: str) -> bool:
         value = self._value
         assert value is not None
         if value.char(c):
-            return
+            return True
         literal = value.json()
         if literal is None:
-            self._break_off()
-            return
-        sep = "{" if self._num_args == 0 else ", "
-        self._calls.arguments(f"{sep}{json.dumps(''.join(self._key), ensure_ascii=False)}: {literal}")
-        self._num_args += 1
+            return False
+        self._members.append(f"{json.dumps(''.join(self._key), ensure_ascii=False)}: {literal}")
         self._key, self._value = [], None
         if c == ",":
             self._state = "key"
-        else:  # `)`
-            self._close_call()
-            self._state = "between"
+            return True
+        return self._close_call()  # `)`
 
-    def _close_call(self) -> None:
-        self._calls.arguments("}" if self._num_args else "{}")
+    def _close_call(self) -> bool:
+        """The call's `)`: reported if it passes the shared check; False (content) otherwise."""
+        name = "".join(self._name)
+        arguments = self._tools.arguments(name, "{" + ", ".join(self._members) + "}")
+        if arguments is None:
+            return False
+        self._calls.start(name, arguments)
         self._calls.close()
+        self._state, self._name, self._members, self._raw = "between", [], [], []
+        return True
 
-    def _break_off(self) -> None:
-        """Not the format after all: the open call keeps what it has, the rest of the output is dropped."""
-        if self._calls.open is not None:
-            self._close_call()
-        self._state = "dead"
+    def _between_char(self, c: str) -> bool:
+        """After a call's `)`: `,` and the next call, or the list's `]`."""
+        if c in ",]":
+            self._state, self._raw = ("name" if c == "," else "tail"), []
+        return c in ",]" or c.isspace()
+
+    def _give_back(self) -> None:
+        """What was held is no call after all: it is content, and so is the rest of the output."""
+        self._state = "content"
+        raw, self._raw = "".join(self._raw), []
+        self._content.text(raw)
 
 
 # -- the forced formats -----------------------------------------------------------------------------------------
@@ -484,7 +482,7 @@ class ToolParserSpec:
     """One `--tool-call-parser`: how to read its calls and how to ask for them."""
 
     name: str
-    extractor: Callable[[Collection[str]], ToolCallExtractor]  # given the request's tool names
+    extractor: Callable[[OfferedTools], ToolCallExtractor]  # given the request's functions
     style: ToolPromptStyle
     whole_calls: bool  # calls are reported only once complete (a cut one is content), so "tool_calls" even at length
 
@@ -492,7 +490,7 @@ class ToolParserSpec:
 TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType(
     {
         "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle(), whole_calls=True),
-        "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle(), whole_calls=False),
+        "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle(), whole_calls=True),
     }
 )
 # kvserve's own name for the parser that reads Gemma 3's style (not a vLLM name)

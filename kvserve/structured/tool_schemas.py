@@ -20,6 +20,7 @@ from typing import Any
 
 from kvserve.structured.backend import CompiledGrammar, GrammarBackend, GrammarCompileError
 from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured.schema_validate import unchecked_keyword
 
 NAME_KEY = "name"
 ARGUMENTS_KEY = "parameters"  # vLLM's key in the forced `required` output
@@ -34,6 +35,7 @@ class FunctionTool:
     name: str
     parameters: dict[str, Any]
     index: int  # its position in `tools`, for error messages
+    strict: bool = False  # calls read from free text must validate against `parameters` (forced ones always do)
 
     @property
     def field(self) -> str:
@@ -74,7 +76,25 @@ def _parse_tool(tool: object, index: int) -> FunctionTool:
         parameters = _EMPTY_PARAMETERS
     if not isinstance(parameters, Mapping):
         raise ValueError(f"{where}.function.parameters must be a JSON schema object, got {type(parameters).__name__}")
-    return FunctionTool(name, dict(parameters), index)
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"{where}.function.strict must be true or false, got {strict!r}")
+    if strict:
+        _check_strict_schema(parameters, f"{where}.function.parameters")
+    return FunctionTool(name, dict(parameters), index, bool(strict))
+
+
+def _check_strict_schema(parameters: Mapping[str, Any], where: str) -> None:
+    """A strict function's calls are validated against its schema (schema_validate): one using a keyword that check
+    does not know is refused now, as OpenAI refuses strict schemas outside what it supports, rather than checked in
+    part."""
+    unchecked = unchecked_keyword(parameters)
+    if unchecked is not None:
+        path, keyword = unchecked
+        raise ValueError(
+            f"{where}: with strict true, calls are validated against this schema, and kvserve does not validate "
+            f"{keyword!r} (at {path}); leave strict out or the keyword out"
+        )
 
 
 def forced_function(tools: list[FunctionTool], tool_choice: object) -> FunctionTool | None:

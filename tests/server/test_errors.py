@@ -184,6 +184,43 @@ def test_chat_history_truncation(make_server):
         assert_error(c.post("/v1/chat/completions", json={"messages": too_long}), 400)
 
 
+def test_truncation_saves_a_history_longer_than_the_character_bound(make_server):
+    """#43 item 9: the character pre-check (text longer than max-model-len x the longest vocabulary entry x 2 cannot
+    fit) ran on the whole history before the truncation search, so a long chat was a 400 though its last turn fits."""
+    srv = make_server(chat_history_policy="truncate", max_model_len=64)
+    turns = []
+    for i in range(30):  # about 1,500 characters; the bound here is 640
+        turns += [{"role": "user", "content": f"question number {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+    messages = [{"role": "system", "content": "S"}, *turns, {"role": "user", "content": "last"}]
+    with srv.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert 25 <= int(r.headers["X-Kvserve-Truncated-Turns"]) <= 30
+        assert r.json()["usage"]["prompt_tokens"] + 4 <= 64
+        too_long = [*messages[:-1], {"role": "user", "content": "z" * 1000}]  # the last turn alone cannot fit
+        assert_error(c.post("/v1/chat/completions", json={"messages": too_long}), 400, "characters", param="messages")
+
+
+def test_a_responses_chain_is_truncated_and_says_so(make_server):
+    """#43 item 9: a previous_response_id chain died with a 400 once its history passed the character bound, and
+    /v1/responses never returned X-Kvserve-Truncated-Turns."""
+    srv = make_server(chat_history_policy="truncate", max_model_len=64)
+    previous, dropped = None, []
+    with srv.client() as c:
+        for i in range(30):
+            body = {"input": f"turn {i} of a long chain", "max_output_tokens": 4, "previous_response_id": previous}
+            r = c.post("/v1/responses", json={k: v for k, v in body.items() if v is not None})
+            assert r.status_code == 200, (i, r.text)
+            previous = r.json()["id"]
+            dropped.append(int(r.headers.get("X-Kvserve-Truncated-Turns", 0)))
+        assert dropped[0] == 0 and dropped[-1] > 20
+        body = {"input": "streamed", "max_output_tokens": 4, "previous_response_id": previous, "stream": True}
+        with c.stream("POST", "/v1/responses", json=body) as streamed:
+            assert streamed.status_code == 200
+            assert int(streamed.headers["X-Kvserve-Truncated-Turns"]) > 20
+            streamed.read()
+
+
 def test_a_bug_is_a_500_on_a_connection_that_lives_on(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception no handler knows (here: the import error a race once raised) is a 500 in OpenAI's shape, and
     the client's kept-alive connection serves the next request: Starlette's own handler re-raised it, and uvicorn

@@ -10,9 +10,10 @@ from typing import Literal
 
 import openai
 import pytest
-from tool_server_support import MODEL, WEATHER_TOOL
+from tool_server_support import MODEL, TIME_TOOL, WEATHER_TOOL
 
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat function tool
+TIME = {"type": "function", **TIME_TOOL["function"]}
 NAMED = {"type": "function", "name": "get_weather"}
 
 
@@ -223,3 +224,185 @@ def test_openai_agents_sdk_runs_a_tool_and_a_streamed_turn(tools_server):
     called, streamed = asyncio.run(run())
     assert seen and called == f"18 {called.split()[1]} in {seen[0]} for {called.split()[-2]} days"
     assert isinstance(streamed, Verdict)
+
+
+# -- hostile input, round three (#43) ----------------------------------------------------------------------------
+
+
+def _post(server, body: dict, path: str = "/v1/responses"):
+    import httpx
+
+    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_output_tokens", "4"), ("stream", "yes"), ("temperature", "0.5"), ("store", 1), ("top_p", True)],
+)
+def test_types_are_as_strict_as_chat(tools_server, field, value):
+    """#43 item 10: `"4"` and `"yes"` were accepted here where chat refuses them."""
+    r = _post(tools_server, {"input": "x", "max_output_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    "item,param",
+    [
+        (
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": {"city": "Paris"}},
+            "arguments",
+        ),
+        ({"type": "function_call", "call_id": "c1", "name": 7, "arguments": "{}"}, "name"),
+        ({"type": "function_call", "call_id": ["c1"], "name": "get_weather", "arguments": "{}"}, "call_id"),
+        ({"type": "function_call_output", "call_id": "c1", "output": {"temp": 18}}, "output"),
+    ],
+)
+def test_input_items_are_typed_as_openai_types_them(tools_server, item, param):
+    """#43 item 10: an object `arguments` was rendered into the prompt as Python repr (`{'city': 'Paris'}`). OpenAI
+    and vLLM type a call's `arguments` and `call_id` as strings, and an output as text: a 400 naming the field."""
+    r = _post(tools_server, {"input": [{"role": "user", "content": "hi"}, item], "max_output_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == f"input[1].{param}"
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": "x", "max_output_tokens": 2047}, "max_output_tokens"),
+        ({"input": "x" * 3000, "max_output_tokens": 2}, "input"),
+        ({"input": "x" * 100_000, "max_output_tokens": 2}, "input"),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}],
+                "tool_choice": "required",
+            },
+            "tools[0].parameters",
+        ),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}},
+            "text.format.schema",
+        ),
+    ],
+)
+def test_errors_name_the_responses_fields(tools_server, body, param):
+    """#43 item 10: the errors of the chat path underneath named chat's fields (max_tokens, messages, prompt,
+    response_format..., tools[0].function.parameters), which a Responses client never sent."""
+    r = _post(tools_server, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    for chat_name in ("max_tokens", "messages", "prompt", "response_format", "function.parameters"):
+        assert chat_name not in error["message"], error
+
+
+def test_cache_salt_isolates_tenants_and_follows_the_chain(tools_client):
+    """#43 item 8: `cache_salt` was ignored here, so tenant B hit tenant A's cached prompt. It is honoured as in chat,
+    and a chained request (previous_response_id) without one keeps the salt its chain was computed under."""
+    kw = dict(model=MODEL, max_output_tokens=2, temperature=0)
+    text = "tenant A's private question, long enough to fill some blocks"
+    first = tools_client.responses.create(input=text, extra_body={"cache_salt": "tenant-a"}, **kw)
+    again = tools_client.responses.create(input=text, extra_body={"cache_salt": "tenant-a"}, **kw)
+    other = tools_client.responses.create(input=text, extra_body={"cache_salt": "tenant-b"}, **kw)
+    assert again.usage.input_tokens_details.cached_tokens >= len(text)
+    assert other.usage.input_tokens_details.cached_tokens == 0
+    chained = tools_client.responses.create(input="and then?", previous_response_id=first.id, **kw)
+    # the unsalted cache holds no more of this prompt than the template's first characters
+    assert chained.usage.input_tokens_details.cached_tokens >= len(text)
+
+
+def test_an_empty_cache_salt_is_a_400_as_in_chat(tools_server):
+    r = _post(tools_server, {"input": "x", "max_output_tokens": 2, "cache_salt": ""})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "cache_salt"
+
+
+def test_retrieve_and_delete_a_stored_response(tools_client):
+    """#43 item 10: GET and DELETE /v1/responses/{id} were missing, so the openai SDK's `responses.retrieve` got a 404
+    although `store` defaults to true. OpenAI has both."""
+    kw = dict(model=MODEL, input="keep me", max_output_tokens=3, temperature=0)
+    whole = tools_client.responses.create(**kw)
+    got = tools_client.responses.retrieve(whole.id)
+    assert got.model_dump() == whole.model_dump()
+    with tools_client.responses.stream(**kw) as stream:
+        streamed = stream.get_final_response()
+    again = tools_client.responses.retrieve(streamed.id)  # the stream helper's final response is a ParsedResponse
+    assert (again.status, again.output_text, again.usage) == (streamed.status, streamed.output_text, streamed.usage)
+    tools_client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        tools_client.responses.retrieve(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        tools_client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        tools_client.responses.create(model=MODEL, input="x", previous_response_id=whole.id, max_output_tokens=2)
+    unstored = tools_client.responses.create(**kw, store=False)
+    with pytest.raises(openai.NotFoundError):
+        tools_client.responses.retrieve(unstored.id)
+
+
+def test_structured_outputs_as_vllm_takes_them(tools_client, tools_server):
+    """vLLM's Responses request takes `structured_outputs` (any constraint, e.g. a choice), and refuses it beside
+    `text.format`; the tests below script replies with it."""
+    r = tools_client.responses.create(
+        model=MODEL, input="x", max_output_tokens=20, extra_body={"structured_outputs": {"choice": ["forced text"]}}
+    )
+    assert r.output_text == "forced text" and r.status == "completed"
+    json_format = {"format": {"type": "json_object"}}
+    body = {"input": "x", "text": json_format, "structured_outputs": {"choice": ["a"]}}
+    bad = _post(tools_server, body)
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("structured_outputs"), bad.text
+
+
+def scripted(text: str) -> dict:
+    """extra_body that makes the reply exactly `text` (a one-string choice: one token a character here)."""
+    return {"structured_outputs": {"choice": [text]}}
+
+
+TWO_CALLS = (
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "days": 1}}</tool_call>'
+    '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_inside_a_tool_call_is_incomplete(tools_client, stream):
+    """#43 item 10: max_output_tokens ending the reply inside its second call came back `status: "completed"`,
+    `incomplete_details: null` (chat's finish_reason is "tool_calls" there, as vLLM's); OpenAI says incomplete."""
+    cut = TWO_CALLS.index("get_time") + 4
+    kw = dict(model=MODEL, input="weather and time?", tools=[WEATHER, TIME], max_output_tokens=cut, temperature=0)
+    if stream:
+        with tools_client.responses.stream(**kw, extra_body=scripted(TWO_CALLS)) as events:
+            r = events.get_final_response()
+    else:
+        r = tools_client.responses.create(**kw, extra_body=scripted(TWO_CALLS))
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(o.name, o.status) for o in r.output if o.type == "function_call"] == [("get_weather", "completed")]
+    assert r.output_text == TWO_CALLS[TWO_CALLS.index("</tool_call>") + len("</tool_call>") : cut]  # the cut call
+    whole = tools_client.responses.create(**{**kw, "max_output_tokens": 400}, extra_body=scripted(TWO_CALLS))
+    assert whole.status == "completed" and [o.name for o in whole.output] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>',  # item 11
+        '<tool_call>{"name": "delete_all_files", "arguments": {}}</tool_call>',  # item 12
+    ],
+)
+def test_a_call_that_is_not_one_is_a_message(tools_client, text):
+    """#43 items 11 and 12 through /v1/responses: no function_call item, the text as the message."""
+    r = tools_client.responses.create(
+        model=MODEL, input="weather?", tools=[WEATHER], max_output_tokens=200, extra_body=scripted(text)
+    )
+    assert [o.type for o in r.output] == ["message"] and r.output_text == text and r.status == "completed"
+
+
+def test_a_strict_function_tool_is_validated(tools_client):
+    """Responses' function tools carry `strict` through (it was dropped): a call its schema refuses is a message."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "k", "days": 1}}</tool_call>'
+    kw = dict(model=MODEL, input="weather?", max_output_tokens=200, extra_body=scripted(call))
+    strict = tools_client.responses.create(**kw, tools=[{**WEATHER, "strict": True}])
+    assert [o.type for o in strict.output] == ["message"]
+    lax = tools_client.responses.create(**kw, tools=[WEATHER])
+    assert [o.type for o in lax.output] == ["function_call"]

@@ -32,50 +32,61 @@ HERMES_TWO_CALLS = (
 )
 
 
-def WEATHER():  # an extractor factory, named like the classes beside it
+OFFERED = ("get_weather", "now", "f")  # the functions the requests below offer
+
+
+def WEATHER():  # extractor factories, named like the classes beside them
     return HermesExtractor(("get_weather", "now"))
+
+
+def HERMES():
+    return HermesExtractor(OFFERED)
+
+
+def PYTHONIC():
+    return PythonicExtractor(OFFERED)
 
 
 # (extractor factory, text, expected content, expected calls)
 CASES = [
-    (HermesExtractor, "Just text, no call.", "Just text, no call.", []),
+    (HERMES, "Just text, no call.", "Just text, no call.", []),
     (
-        HermesExtractor,
+        HERMES,
         HERMES_TWO_CALLS,
         None,
         [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolCall("now", "{}")],
     ),
     (
-        HermesExtractor,
+        HERMES,
         'Let me check.\n\n<tool_call>{"name": "f", "arguments": {"q": "a}b\\"c"}}</tool_call>',
         "Let me check.",
         [ToolCall("f", '{"q": "a}b\\"c"}')],
     ),
-    (HermesExtractor, '<tool_call>{"name": "f"}</tool_call>', None, [ToolCall("f", "{}")]),
+    (HERMES, '<tool_call>{"name": "f"}</tool_call>', None, [ToolCall("f", "{}")]),
     (
-        HermesExtractor,
+        HERMES,
         '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>',
         None,
         [ToolCall("f", '{"x": 1}')],
     ),
-    (
-        HermesExtractor,
+    (  # arguments are one JSON object, never a number (#43 item 11)
+        HERMES,
         '<tool_call>{"name": "f", "arguments": 5, "extra": null}</tool_call> ok',
-        "ok",
-        [ToolCall("f", "5")],
+        '<tool_call>{"name": "f", "arguments": 5, "extra": null}</tool_call> ok',
+        [],
     ),
-    (HermesExtractor, "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
-    (HermesExtractor, "a <tool_c b <toolbox> <tool_call", "a <tool_c b <toolbox> <tool_call", []),
-    (HermesExtractor, '<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [ToolCall("f", '{"a": 1}')]),
+    (HERMES, "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    (HERMES, "a <tool_c b <toolbox> <tool_call", "a <tool_c b <toolbox> <tool_call", []),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [ToolCall("f", '{"a": 1}')]),
     # cut by max_tokens, or malformed after the name: content, markers included (a call is reported whole)
     (
-        HermesExtractor,
+        HERMES,
         '<tool_call>{"name": "f", "arguments": {"a": [1, {"b"',
         '<tool_call>{"name": "f", "arguments": {"a": [1, {"b"',
         [],
     ),
     (
-        HermesExtractor,
+        HERMES,
         '<tool_call>{"name": "f", "arguments": {}, oops}</tool_call>after',
         '<tool_call>{"name": "f", "arguments": {}, oops}</tool_call>after',
         [],
@@ -124,24 +135,26 @@ CASES = [
     (WEATHER, 'It is {"name": "get_weather"} maybe', 'It is {"name": "get_weather"} maybe', []),
     (HermesExtractor, '{"name": "get_weather", "arguments": {}}', '{"name": "get_weather", "arguments": {}}', []),
     (
-        PythonicExtractor,
+        PYTHONIC,
         '[get_weather(city="Paris", days=[1, 2], metric=True), now()]',
         None,
         [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2], "metric": true}'), ToolCall("now", "{}")],
     ),
     (
-        PythonicExtractor,
+        PYTHONIC,
         " [f(a='x,)', b={'k': None}, c=(1, 2))]\n",
         None,
         [ToolCall("f", '{"a": "x,)", "b": {"k": null}, "c": [1, 2]}')],
     ),
-    (PythonicExtractor, "The answer is 4.", "The answer is 4.", []),
-    (PythonicExtractor, "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
-    (PythonicExtractor, "[ref] see above", "[ref] see above", []),
-    (PythonicExtractor, "[f(x=1)] Done.", "Done.", [ToolCall("f", '{"x": 1}')]),
-    (PythonicExtractor, "[f(x=1, y=unknown_name)]", None, [ToolCall("f", '{"x": 1}')]),
-    (PythonicExtractor, '[f(x=1, y="cut', None, [ToolCall("f", '{"x": 1}')]),
-    (PythonicExtractor, "[f", "[f", []),
+    (PYTHONIC, "The answer is 4.", "The answer is 4.", []),
+    (PYTHONIC, "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    (PYTHONIC, "[ref] see above", "[ref] see above", []),
+    (PYTHONIC, "[f(x=1)] Done.", "Done.", [ToolCall("f", '{"x": 1}')]),
+    # a call that is not read whole is content, never a call with what it had (#43 item 11)
+    (PYTHONIC, "[f(x=1, y=unknown_name)]", "[f(x=1, y=unknown_name)]", []),
+    (PYTHONIC, '[f(x=1, y="cut', '[f(x=1, y="cut', []),
+    (PYTHONIC, "[f", "[f", []),
+    (PYTHONIC, "[now(), f(x=1, x=2)]", "f(x=1, x=2)]", [ToolCall("now", "{}")]),
     (
         RequiredExtractor,
         '[{"name": "f", "parameters": {"a": "]}"}}, {"name": "g", "parameters": {}}]',
@@ -154,7 +167,74 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("make,text,content,calls", CASES)
+# #43 item 11: a call's arguments are one JSON object that a strict parser reads; anything else stays content, whole
+# or streamed. The instruct model writes the first of these unforced.
+NOT_JSON_ARGUMENTS = [
+    '{"city": Paris}',
+    '{"city": "Paris",}',
+    "{'city': 'Paris'}",
+    '{"x": NaN}',
+    '{"x": Infinity}',
+    '{"x": -Infinity}',
+    '{"x": 1e999}',
+    '"Paris"',
+    "[1, 2]",
+    "null",
+    '{"city": "Paris"}{"city": "Rome"}',
+    '{"city": "Paris", "city": "Rome"}',
+    '{"city": "\\ud800"}',
+    "[" * 3000 + "]" * 3000,
+]
+for _arguments in NOT_JSON_ARGUMENTS:
+    _text = f'<tool_call>{{"name": "get_weather", "arguments": {_arguments}}}</tool_call>'
+    CASES.append((HERMES, _text, _text, []))
+CASES += [
+    (  # the call object itself is strict JSON too
+        HERMES,
+        '<tool_call>{"name": "f", "arguments": {}, "x": NaN}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}, "x": NaN}</tool_call>',
+        [],
+    ),
+    (
+        HERMES,
+        '<tool_call>{"name": "f", "name": "now", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "name": "now", "arguments": {}}</tool_call>',
+        [],
+    ),
+    (PYTHONIC, "[f(x=1e999)]", "[f(x=1e999)]", []),
+    (PYTHONIC, "[f(x=1, x=2)]", "[f(x=1, x=2)]", []),
+    (PYTHONIC, '[f("Paris")]', '[f("Paris")]', []),  # positional: it used to be a call with arguments {}
+    (PYTHONIC, '[f(x=float("nan"))]', '[f(x=float("nan"))]', []),
+]
+# #43 item 12: only the functions the request offers become calls; a call to any other is content.
+NOT_OFFERED = [
+    '<tool_call>{"name": "delete_all_files", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "../../etc/passwd", "arguments": {"mode": "r"}}</tool_call>',
+    '```json\n{"name": "delete_all_files", "arguments": {}}\n```',
+]
+CASES += [(HERMES, text, text, []) for text in NOT_OFFERED]
+CASES += [
+    (  # no tools offered
+        HermesExtractor,
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        HERMES,
+        '<tool_call>{"name": "now"}</tool_call><tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+        [ToolCall("now", "{}")],
+    ),
+    (PYTHONIC, "[delete_all_files()]", "[delete_all_files()]", []),
+    (PYTHONIC, '[now(), rm(path="/")]', 'rm(path="/")]', [ToolCall("now", "{}")]),
+]
+
+
+CASE_IDS = [f"{make.__name__}:{text[:48]}" for make, text, _, _ in CASES]  # short: one text is 6,000 brackets
+
+
+@pytest.mark.parametrize("make,text,content,calls", CASES, ids=CASE_IDS)
 def test_whole_text(make, text, content, calls):
     result = extract_all(make(), text)
     assert result.content == content
@@ -194,16 +274,18 @@ def test_hermes_holds_a_call_until_its_json_closes():
     max_tokens cuts is content in a stream as in a whole reply (docs/AGENTS.md)."""
     text = '<tool_call>{"name": "f", "arguments": {"text": "' + "word " * 20 + '"}}</tool_call>'
     cuts = list(range(0, len(text), 7))
-    _, pieces = _streamed(HermesExtractor, text, cuts)
+    _, pieces = _streamed(HERMES, text, cuts)
     assert [(p.name, json.loads(p.arguments)) for p in pieces] == [("f", {"text": "word " * 20})]
-    acc, pieces = _streamed(HermesExtractor, text[:-20], cuts)
+    acc, pieces = _streamed(HERMES, text[:-20], cuts)
     assert pieces == [] and acc.result().content == text[:-20].rstrip()  # trailing whitespace is never content
 
 
-def test_pythonic_arguments_stream_per_keyword():
-    text = '[f(a=1, b="two", c=[3])]'
-    _, pieces = _streamed(PythonicExtractor, text, list(range(len(text))))
-    assert [p.arguments for p in pieces] == ["", '{"a": 1', ', "b": "two"', ', "c": [3]}']  # the last with its }
+def test_a_pythonic_call_is_reported_whole():
+    """Like a hermes call, a pythonic one is one piece, sent when its `)` closes and its arguments are checked (#43
+    item 11: it used to stream keyword by keyword, so a call that then broke off had already been sent)."""
+    text = '[f(a=1, b="two", c=[3]), now()]'
+    _, pieces = _streamed(PYTHONIC, text, list(range(len(text))))
+    assert [(p.name, p.arguments) for p in pieces] == [("f", '{"a": 1, "b": "two", "c": [3]}'), ("now", "{}")]
 
 
 def test_plain_text_streams_without_waiting():
@@ -254,7 +336,7 @@ def test_a_style_writes_calls_its_parser_reads(name):
     """The calls written into a past turn are read back as the same calls by the same format's parser."""
     spec = tool_parser(name)
     text = spec.style.render_calls([("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})])
-    result = extract_all(spec.extractor(), text)
+    result = extract_all(spec.extractor(("get_weather", "now")), text)
     assert [(c.name, json.loads(c.arguments)) for c in result.calls] == [
         ("get_weather", {"city": "Paris", "days": [1, 2]}),
         ("now", {}),

@@ -369,3 +369,86 @@ def test_tool_flags_are_checked_at_start():
         ServerSettings(served_model_names=("m",), enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="hermes"):
         ServerSettings(served_model_names=("m",), tool_call_parser="nope")
+
+
+def test_a_reply_that_ends_at_once_has_empty_content_with_tools_as_without(tools_client):
+    """#43 item 10: a reply with tools that ended at once had `content: null` where one without tools has "" (OpenAI
+    leaves content null only beside tool calls)."""
+    kw = dict(model=MODEL, messages=USER, max_tokens=5, extra_body={"structured_outputs": {"choice": [""]}})
+    plain = tools_client.chat.completions.create(**kw)
+    with_tools = tools_client.chat.completions.create(**kw, tools=TOOLS)
+    assert plain.choices[0].message.content == "" == with_tools.choices[0].message.content
+    assert with_tools.choices[0].message.tool_calls is None and with_tools.choices[0].finish_reason == "stop"
+
+
+def scripted(text: str) -> dict:
+    """extra_body that makes the reply exactly `text` (a one-string choice; this tokenizer has a token a character)."""
+    return {"structured_outputs": {"choice": [text]}}
+
+
+NOT_CALLS = {
+    # #43 item 11: arguments that are not one strict JSON object (the first is what the instruct model writes)
+    "bare word": '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>',
+    "trailing comma": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris",}}</tool_call>',
+    "single quotes": '<tool_call>{"name": "get_weather", "arguments": {\'city\': \'Paris\'}}</tool_call>',
+    "NaN": '<tool_call>{"name": "get_weather", "arguments": {"days": NaN}}</tool_call>',
+    "a string": '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>',
+    "two objects": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}{"city": "Rome"}}</tool_call>',
+    # #43 item 12: tools the request never offered
+    "not offered": '<tool_call>{"name": "delete_all_files", "arguments": {}}</tool_call>',
+    "a path": '<tool_call>{"name": "../../etc/passwd", "arguments": {}}</tool_call>',
+}
+
+
+@pytest.mark.parametrize("text", NOT_CALLS.values(), ids=NOT_CALLS.keys())
+def test_a_call_that_is_not_one_stays_content(tools_client, text):
+    """The hermes parser returned each of these as a call with finish_reason "tool_calls"; it is content, whole and
+    streamed alike (vLLM returns the first six as calls; the last two too)."""
+    kw = dict(model=MODEL, messages=USER, tools=TOOLS, max_tokens=200, extra_body=scripted(text))
+    assert _whole(tools_client.chat.completions.create(**kw)) == (text, [], "stop")
+    content, calls, finish, _ = _streamed(tools_client, **kw)
+    assert (content, calls, finish) == (text, [], "stop")
+
+
+def test_a_strict_function_gets_only_calls_its_schema_accepts(tools_client):
+    """#43 item 11: with `strict: true` a call read from free text validates against the function's schema."""
+    strict = {**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "strict": True}}
+    call = '<tool_call>{{"name": "get_weather", "arguments": {{"city": "Paris", "unit": "c", "days": {}}}}}</tool_call>'
+    kw = dict(model=MODEL, messages=USER, tools=[strict], max_tokens=200)
+    assert _whole(tools_client.chat.completions.create(**kw, extra_body=scripted(call.format(9))))[1] == []
+    accepted = _whole(tools_client.chat.completions.create(**kw, extra_body=scripted(call.format(2))))
+    assert accepted[1] == [("get_weather", '{"city": "Paris", "unit": "c", "days": 2}')]
+    unstrict = _whole(
+        tools_client.chat.completions.create(**{**kw, "tools": TOOLS}, extra_body=scripted(call.format(9)))
+    )
+    assert unstrict[1] == [("get_weather", '{"city": "Paris", "unit": "c", "days": 9}')]  # as OpenAI: unchecked
+
+
+def test_a_strict_schema_kvserve_cannot_check_is_a_400(tools_client):
+    parameters = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters, "strict": True}}
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters.*'not'"):
+        tools_client.chat.completions.create(model=MODEL, messages=USER, tools=[tool], max_tokens=2)
+
+
+def test_the_pythonic_parser_returns_only_offered_calls_with_strict_json(tools_model_dir):
+    """#43 items 11 and 12 on a `--tool-call-parser pythonic` server: Infinity (1e999), a keyword given twice, a
+    positional argument (it became `{}`) and a function never offered are content; a good call is a call, whole."""
+    server = start_server(tools_model_dir, enable_auto_tool_choice=True, tool_call_parser="pythonic")
+    try:
+        client = sdk(server)
+        kw = dict(model=MODEL, messages=USER, tools=TOOLS, max_tokens=200)
+        for text in (
+            '[get_weather(city="Paris", unit="c", days=1e999)]',
+            '[get_weather(city="Paris", city="Rome", unit="c", days=1)]',
+            '[get_weather("Paris")]',
+            "[delete_all_files()]",
+        ):
+            assert _whole(client.chat.completions.create(**kw, extra_body=scripted(text))) == (text, [], "stop")
+            content, calls, finish, _ = _streamed(client, **kw, extra_body=scripted(text))
+            assert (content, calls, finish) == (text, [], "stop")
+        good = '[get_time(zone="UTC")]'
+        r = client.chat.completions.create(**kw, extra_body=scripted(good))
+        assert _whole(r) == (None, [("get_time", '{"zone": "UTC"}')], "tool_calls")
+    finally:
+        server.stop()
