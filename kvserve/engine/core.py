@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.engine.core_outputs import GRAMMAR_DEAD_END, EngineCoreOutput
+from kvserve.engine.core_outputs import EngineCoreOutput
 from kvserve.engine.cuda_graphs import build_decode_graphs
 from kvserve.engine.facts import EngineFacts, validate_request
 from kvserve.engine.inspector import EngineEventRecorder, build_snapshot
@@ -29,7 +29,6 @@ from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequences import SequenceGroup, SequenceState, SequenceTable
 from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
-from kvserve.engine.stop_checker import check_stop
 from kvserve.kv.cache import allocate_kv_cache, use_static_kv_scales
 from kvserve.kv.events import KVEventBuffer
 from kvserve.kv.events_config import start_kv_event_publisher
@@ -125,6 +124,7 @@ class EngineCore:
         self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs)
         tier = self._start_offload_tier(config, kv_caches, offload_fingerprint, model)
         self.offload = None if tier is None else tier[0]
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
@@ -132,8 +132,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             offload=None if tier is None else tier[1],
+            eos_token_ids=self.eos_token_ids,
         )
-        self.eos_token_ids = tuple(model_config.eos_token_ids)
         native = model.native_kernels
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, row_max=None if native is None else native.row_max)
         self.spec = None if config.speculative_config is None else SpecDecoder(config.speculative_config)
@@ -326,15 +326,6 @@ class EngineCore:
             self.kv_manager.take_offload()
             self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
             raise
-        prompt_tokens = sum(
-            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
-        )
-        if self.scheduler.offload is not None:  # write-through: the blocks this step filled, before any is reused
-            self.scheduler.offload.on_step_done(prompt_tokens, time.perf_counter() - started)
-        self.scheduler.on_step_done(out)
-        self.step_sizes[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, out.num_tokens)] += 1
-        self.step_tokens_total += out.num_tokens
-        self.num_prompt_tokens_total += prompt_tokens
         touched: dict[str, SequenceGroup] = {}
         for rid, (first, logits) in result.prompt_logits.items():
             seq = self.requests.sequences[rid]
@@ -342,15 +333,20 @@ class EngineCore:
                 self._add_prompt_logprobs(self.requests.group_of(seq), first, logits)
             except Exception as exc:  # noqa: BLE001 -- this request's own fault: it fails alone
                 touched[seq.group_id] = self._fail(seq, exc)
-        now = time.monotonic()
-        drafted = {s.request.request_id: len(s.draft_token_ids) for s in out.scheduled}
-        for rid, tokens in verified.items():
-            self._apply_verified(self.requests.sequences[rid], tokens, drafted[rid], now, touched)
-        for request, token in zip(result.sample_requests, sampled):
-            seq = self.requests.sequences[request.request_id]
-            touched[seq.group_id] = self.requests.group_of(seq)
-            if not request.is_finished:  # else its request failed earlier in this step
-                self._append_tokens(seq, [token], now)
+        new_tokens: dict[str, list[SampledToken]] = dict(verified)
+        new_tokens.update((r.request_id, [t]) for r, t in zip(result.sample_requests, sampled))
+        for s in out.scheduled:
+            rid = s.request.request_id
+            if rid in new_tokens:
+                seq = self.requests.sequences[rid]
+                touched[seq.group_id] = self.requests.group_of(seq)
+                if rid in verified and self.spec is not None and not s.request.is_finished:
+                    self.spec.record(s.request, len(s.draft_token_ids), len(verified[rid]) - 1)
+        sink = _EngineTokenSink(self, touched)
+        prompt_tokens = self.scheduler.update_from_output(out, new_tokens, sink, time.perf_counter() - started)
+        self.step_sizes[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, out.num_tokens)] += 1
+        self.step_tokens_total += out.num_tokens
+        self.num_prompt_tokens_total += prompt_tokens
         outputs = [group.take_output() for group in touched.values()]
         for group in touched.values():
             if group.finished:
@@ -375,64 +371,6 @@ class EngineCore:
         if not self.requests.constrained:
             return self.sampler(logits, requests)
         return self.sampler(logits, requests, [self._matcher(self.requests.sequences[r.request_id]) for r in requests])
-
-    def _apply_verified(
-        self,
-        seq: SequenceState,
-        tokens: list[SampledToken],
-        num_drafted: int,
-        now: float,
-        touched: dict[str, SequenceGroup],
-    ) -> None:
-        """Count the verified draft (metrics, adaptive gate), append its tokens (EOS and max_tokens end it where a
-        one-token step would have), count the accepted drafts' K/V as computed, and roll back the rest."""
-        request = seq.request
-        touched[seq.group_id] = self.requests.group_of(seq)
-        if request.is_finished or self.spec is None:  # its request failed earlier in this step
-            return
-        self.spec.record(request, num_drafted, len(tokens) - 1)
-        if self._append_tokens(seq, tokens, now):
-            request.num_computed_tokens += len(tokens) - 1  # the accepted drafts; the last token is computed next
-            self.kv_manager.rollback(request)
-
-    def _append_tokens(self, seq: SequenceState, tokens: list[SampledToken], now: float) -> bool:
-        """Record sampled tokens in order, stopping at the first that ends the sequence. A fault here (a grammar
-        matcher past its own limits) fails this request alone. Returns whether the sequence runs on."""
-        request = seq.request
-        try:
-            for token in tokens:
-                tid = token.token_id
-                if seq.matcher is not None and not _advance_grammar(seq.matcher, tid):  # first: a refused token is not
-                    # recorded. The mask allowed it, so the grammar has no way on from here (a dead end): the sequence
-                    # ends cleanly with what it has, which the grammar allowed, never with a token it refuses.
-                    logger.info(
-                        "request %r: its grammar refused token %d, which its mask allowed: ended", seq.group_id, tid
-                    )
-                    request.stop_reason = GRAMMAR_DEAD_END
-                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                    return False
-                request.output_token_ids.append(tid)
-                self.num_generation_tokens_total += 1
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                if (  # all three are set together, when logprobs were asked
-                    seq.logprobs is not None
-                    and token.logprob is not None
-                    and token.rank is not None
-                    and token.top_logprobs is not None
-                ):
-                    seq.logprobs.append(logprob_entry(tid, token.logprob, token.rank, token.top_logprobs))
-                grammar_done = seq.matcher is not None and seq.matcher.is_terminated()
-                stop = check_stop(request, tid, self.eos_token_ids, self.max_model_len, grammar_done)
-                if stop is not None:
-                    request.stop_reason = stop[1]
-                    request.ends_on_stop_token = stop[0] is RequestStatus.FINISHED_STOPPED
-                    self.scheduler.finish(request, stop[0])
-                    return False
-        except Exception as exc:  # noqa: BLE001 -- e.g. the grammar or a stop check: it fails alone
-            self._fail(seq, exc)
-            return False
-        return True
 
     def _add_prompt_logprobs(self, group: SequenceGroup, first: int, logits: torch.Tensor) -> None:
         assert group.prompt_logprobs is not None
@@ -547,6 +485,42 @@ class EngineCore:
         a leak can too): raises AssertionError naming the first broken block. O(blocks); call it between steps on
         the thread that steps the engine (behind a server: `async_engine.call(EngineCore.check_invariants)`)."""
         check_kv_invariants(self.kv_manager, self.scheduler.offload)
+
+
+class _EngineTokenSink:
+    """The engine's side of appending a step's tokens (Scheduler.update_from_output): each sequence's grammar, its
+    logprobs and the engine's token count; a request that faults fails alone (its group joins the step's outputs)."""
+
+    def __init__(self, core: EngineCore, touched: dict[str, SequenceGroup]) -> None:
+        self.core = core
+        self.touched = touched
+
+    def admit(self, request: Request, token: SampledToken) -> bool:
+        """A grammar refusing a token its mask allowed has no way on from here (a dead end): the sequence ends with
+        what it has, which the grammar allowed, never with a token it refuses."""
+        seq = self.core.requests.sequences[request.request_id]
+        if seq.matcher is not None and not _advance_grammar(seq.matcher, token.token_id):
+            logger.info(
+                "request %r: its grammar refused token %d, which its mask allowed: ended", seq.group_id, token.token_id
+            )
+            return False
+        return True
+
+    def record(self, request: Request, token: SampledToken) -> bool:
+        seq = self.core.requests.sequences[request.request_id]
+        self.core.num_generation_tokens_total += 1
+        if (  # all three are set together, when logprobs were asked
+            seq.logprobs is not None
+            and token.logprob is not None
+            and token.rank is not None
+            and token.top_logprobs is not None
+        ):
+            seq.logprobs.append(logprob_entry(token.token_id, token.logprob, token.rank, token.top_logprobs))
+        return seq.matcher is not None and seq.matcher.is_terminated()
+
+    def failed(self, request: Request, exc: Exception) -> None:
+        seq = self.core.requests.sequences[request.request_id]
+        self.touched[seq.group_id] = self.core._fail(seq, exc)
 
 
 def check_kv_invariants(kv: KVCacheManager, offload: OffloadConnector | None = None) -> None:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kvserve.engine.core_outputs import GRAMMAR_DEAD_END
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import SampledToken
+from kvserve.engine.stop_checker import check_stop
 from kvserve.kv.events import AdmissionRefused
 from kvserve.kv.manager import KVCacheManager
 
@@ -52,6 +56,37 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class TokenSink(Protocol):
+    """What the engine does per token as the scheduler appends a sequence's new tokens (update_from_output): the parts
+    of a sequence the scheduler does not own (its grammar matcher, its logprobs, the engine's counters)."""
+
+    def admit(self, request: Request, token: SampledToken) -> bool:
+        """Before `token` joins the output: advance the sequence's grammar, if any; False when the grammar refuses it
+        (a dead end: the sequence ends with what it has). Raises for a fault of this request alone."""
+        ...
+
+    def record(self, request: Request, token: SampledToken) -> bool:
+        """After it joined: record its logprobs and counts; True when the sequence's grammar is now complete."""
+        ...
+
+    def failed(self, request: Request, exc: Exception) -> None:
+        """A fault of this request while its tokens were appended: it fails alone (the engine finishes it)."""
+        ...
+
+
+class PlainSink:
+    """A TokenSink for sequences without grammars or logprobs (the scheduler's tests): every token is admitted."""
+
+    def admit(self, request: Request, token: SampledToken) -> bool:
+        return True
+
+    def record(self, request: Request, token: SampledToken) -> bool:
+        return False
+
+    def failed(self, request: Request, exc: Exception) -> None:
+        raise exc
+
+
 class Scheduler:
     """Continuous batching under a token budget, FCFS, with chunked prefill mixed into decode steps and
     recompute preemption of the newest running request when the pool runs dry.
@@ -68,8 +103,10 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         offload: OffloadConnector | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.kv = kv_manager
+        self.eos_token_ids = eos_token_ids
         self.offload = offload  # the KV offload tier's scheduler side (kv/offload/connector.py), or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -264,12 +301,62 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance progress after the forward pass."""
-        for s in out.scheduled:  # drafted tokens count once verified (the engine adds the accepted ones)
-            s.request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        new_tokens: Mapping[str, Sequence[SampledToken]],
+        sink: TokenSink | None = None,
+        step_seconds: float = 0.0,
+    ) -> int:
+        """After the forward pass of `out` succeeded (vLLM's update_from_output): advance each scheduled request's
+        progress; hand the offload tier the blocks the step filled; append each request's new tokens (one sampled
+        token, or a verified draft's accepted tokens and the target's own) in order, each admitted and recorded by
+        `sink`, ending the request at the first stop (EOS, a stop token, max_tokens, the context, a complete or
+        refusing grammar); count an accepted draft's tokens as computed and give back the rejected ones' blocks.
+        Returns the step's prompt tokens."""
+        sink = sink or PlainSink()
+        prompt_tokens = 0
+        for s in out.scheduled:  # drafted tokens count once verified (below)
+            request = s.request
+            prompt_tokens += max(0, min(s.start + s.num_tokens, request.num_prompt_tokens) - s.start)
+            request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
             if s.completes_sequence:  # a suspect cleared: it got through a whole step of its own
-                self.suspects.discard(s.request.request_id)
+                self.suspects.discard(request.request_id)
+        if self.offload is not None:  # write-through: the blocks this step filled, before any is reused
+            self.offload.on_step_done(prompt_tokens, step_seconds)
+        now = time.monotonic()
+        for s in out.scheduled:
+            tokens = new_tokens.get(s.request.request_id)
+            if not tokens or s.request.is_finished:  # nothing sampled, or its request failed earlier in this step
+                continue
+            if self._append(s.request, tokens, sink, now) and s.draft_token_ids:
+                s.request.num_computed_tokens += len(tokens) - 1  # the accepted drafts; the last is computed next
+                self.kv.rollback(s.request)
+        return prompt_tokens
+
+    def _append(self, request: Request, tokens: Sequence[SampledToken], sink: TokenSink, now: float) -> bool:
+        """Append tokens in order, stopping at the first that ends the request (finished here). Returns whether the
+        request runs on."""
+        try:
+            for token in tokens:
+                if not sink.admit(request, token):  # refused by its grammar: not recorded, the request ends cleanly
+                    request.stop_reason = GRAMMAR_DEAD_END
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    return False
+                request.output_token_ids.append(token.token_id)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                grammar_done = sink.record(request, token)
+                stop = check_stop(request, token.token_id, self.eos_token_ids, self.max_model_len, grammar_done)
+                if stop is not None:
+                    request.stop_reason = stop[1]
+                    request.ends_on_stop_token = stop[0] is RequestStatus.FINISHED_STOPPED
+                    self.finish(request, stop[0])
+                    return False
+        except Exception as exc:  # noqa: BLE001 -- e.g. a grammar matcher past its limits: this request fails alone
+            sink.failed(request, exc)
+            return False
+        return True
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from whichever queue holds it and return its blocks at once."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import SampledToken
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
@@ -21,6 +22,9 @@ class Params:
     seed: int | None = None
     prompt_logprobs: int | None = None
     max_tokens: int = 8
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
 
 
 def make(usable_blocks: int, max_len: int = 48) -> tuple[Scheduler, KVCacheManager]:
@@ -33,15 +37,10 @@ def req(rid: str, tokens: list[int], max_tokens: int) -> Request:
 
 
 def step(sched: Scheduler) -> None:
-    """One step with a fake model that emits token 7 and finishes requests at max_tokens."""
+    """One step with a fake model that emits token 7; update_from_output finishes requests at max_tokens."""
     out = sched.schedule()
-    sched.on_step_done(out)
-    for s in out.scheduled:
-        r = s.request
-        if s.completes_sequence:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.sampling_params.max_tokens:
-                sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    tokens = {s.request.request_id: [SampledToken(7, None, None, None)] for s in out.scheduled if s.completes_sequence}
+    sched.update_from_output(out, tokens)
 
 
 def run_to_end(sched: Scheduler, on_step=lambda: None) -> None:

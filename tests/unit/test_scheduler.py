@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvserve.capacity import longest_fitting, request_fits
 from kvserve.engine.core import check_kv_invariants
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import SampledToken
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.kv.manager import KVCacheManager
@@ -23,6 +24,9 @@ class Params:
     seed: int | None = None
     prompt_logprobs: int | None = None
     max_tokens: int = 8
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
 
 
 def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False, windows=(None,)):
@@ -44,18 +48,16 @@ def num_unfinished(sched: Scheduler) -> int:
 
 
 def fake_step(sched: Scheduler) -> list[Request]:
-    """Run one step with a fake model that emits token 7; returns requests that finished."""
+    """Run one step with a fake model that emits token 7 (the scheduler's update_from_output appends it and ends a
+    request at max_tokens or max-model-len); returns requests that finished."""
     out = sched.schedule()
-    sched.on_step_done(out)
-    done = []
-    for s in out.scheduled:
-        r = s.request
-        if s.completes_sequence:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.sampling_params.max_tokens or r.num_tokens >= sched.max_model_len:
-                sched.finish(r, RequestStatus.FINISHED_LENGTH)
-                done.append(r)
-    return done
+    sched.update_from_output(out, sevens(out))
+    return [s.request for s in out.scheduled if s.request.is_finished]
+
+
+def sevens(out) -> dict[str, list[SampledToken]]:
+    """Token 7 for every request of `out` whose step completes its sequence (the only ones the runner samples)."""
+    return {s.request.request_id: [SampledToken(7, None, None, None)] for s in out.scheduled if s.completes_sequence}
 
 
 def check(sched: Scheduler, pool: BlockPool, kv: KVCacheManager) -> None:
@@ -76,7 +78,7 @@ def test_chunked_prefill_respects_budget_and_mixes_decodes():
     out = sched.schedule()
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
     assert out.num_tokens <= 10 and not out.scheduled[1].completes_sequence
-    sched.on_step_done(out)
+    sched.update_from_output(out, sevens(out))
     assert b.num_computed_tokens == 9 and kv.num_blocks_held(b) == 3
     check(sched, pool, kv)
 
@@ -109,7 +111,7 @@ def test_prefix_hit_shares_full_blocks_but_not_the_last_token():
     sb = [s for s in out.scheduled if s.request is b][0]
     assert sb.start == 4 and sb.num_tokens == 4 and b.num_cached_tokens == 4
     assert kv.group_tables("b")[0][0] is kv.group_tables("a")[0][0] and kv.group_tables("a")[0][0].ref_cnt == 2
-    sched.on_step_done(out)
+    sched.update_from_output(out, sevens(out))
     check(sched, pool, kv)
 
 
@@ -144,7 +146,7 @@ def test_reserving_max_model_len_takes_every_block_at_admission_and_returns_them
     out = sched.schedule()
     assert [s.request.request_id for s in out.scheduled] == ["r0", "r1", "r2"]  # r3 waits: 2 blocks are left
     assert all(kv.num_blocks_held(r) == 4 for r in requests[:3]) and pool.num_free_blocks == 2
-    sched.on_step_done(out)
+    sched.update_from_output(out, sevens(out))
     check(sched, pool, kv)
     finished = []
     for _ in range(100):
@@ -170,7 +172,7 @@ def test_reservation_counts_prefix_hit_blocks():
     assert b.num_cached_tokens == 8 and kv.group_tables("b")[0][0] is kv.group_tables("a")[0][0]
     assert kv.num_blocks_held(a) == kv.num_blocks_held(b) == 6  # 24 tokens, hit blocks included
     assert pool.num_free_blocks == 32 - 6 - 4
-    sched.on_step_done(out)
+    sched.update_from_output(out, sevens(out))
     check(sched, pool, kv)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from test_scheduler import check, make, req
 
 from kvserve.engine.request import RequestStatus
+from kvserve.engine.sampler import SampledToken
 from kvserve.engine.scheduler import Scheduler
 
 
@@ -15,11 +16,9 @@ def ids(out) -> list[str]:
 
 
 def succeed(sched: Scheduler, out) -> None:
-    """The step of `out` went well: progress advances and sampled requests get a token."""
-    sched.on_step_done(out)
-    for s in out.scheduled:
-        if s.completes_sequence:
-            s.request.output_token_ids.append(7)
+    """The step of `out` went well: progress advances and sampled requests get a token (update_from_output)."""
+    tokens = {s.request.request_id: [SampledToken(7, None, None, None)] for s in out.scheduled if s.completes_sequence}
+    sched.update_from_output(out, tokens)
 
 
 def test_failed_step_requeues_its_requests_as_suspects_run_alone_in_order():
