@@ -14,6 +14,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.kv_dtype",
     "kvserve.bench.prefix",
     "kvserve.bench.offload",
+    "kvserve.bench.long_context",
     "kvserve.bench.quantization",
     "kvserve.bench.memory",
     "kvserve.bench.structured",

@@ -15,10 +15,10 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.bench.chat import one_request
 from kvserve.bench.options import add_engine_args, add_output_args, add_repeats_arg, int_list, new_command
 from kvserve.units import MiB, parse_size
 
@@ -78,35 +78,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_output_args(p, "TTFT of every multi-round request, per system")
     add_engine_args(p)
     p.set_defaults(func=run)
-
-
-@dataclass(slots=True)
-class _Done:
-    ttft_s: float
-    output_ids: list[int]
-    restored: int
-
-
-@dataclass(slots=True)
-class _Usage:
-    wall_s: float = 0.0
-    tokens: int = 0
-    ttfts_ms: list[float] = field(default_factory=list)
-
-
-def _one(engine: LLMEngine, prompt: list[int], output_len: int, rid: str) -> _Done:
-    from kvserve.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    start = time.perf_counter()
-    engine.add_request(rid, prompt, params)
-    ttft = None
-    while True:
-        for out in engine.step():
-            if ttft is None and out.outputs[0].token_ids:
-                ttft = time.perf_counter() - start
-            if out.finished:
-                return _Done(ttft or 0.0, list(out.outputs[0].token_ids), out.num_restored_tokens)
 
 
 def _batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> float:
@@ -225,15 +196,15 @@ def _accuracy(base: LLMEngine, args: argparse.Namespace) -> tuple[dict[str, Any]
     windows = [w for w in windows if len(w) > n // 2]
     pool = (n + args.accuracy_output + 64) * base.core.kv_config.bytes_per_token
     cold_engine = base.sibling(kv_cache_memory_bytes=pool)
-    cold = [_one(cold_engine, w, args.accuracy_output, f"cold-{i}").output_ids for i, w in enumerate(windows)]
+    cold = [one_request(cold_engine, w, args.accuracy_output, f"cold-{i}").output_ids for i, w in enumerate(windows)]
     tiers: dict[str, Any] = {}
     for dtype in ("auto", "int8"):
         engine = base.sibling(kv_cache_memory_bytes=pool, kv_offloading_size="1GiB", kv_offloading_dtype=dtype)
         identical, divergences, restored = 0, [], 0
         for i, window in enumerate(windows):
-            _one(engine, window, 1, f"store-{dtype}-{i}")
+            one_request(engine, window, 1, f"store-{dtype}-{i}")
             engine.core.pool.reset_prefix_cache()  # the pool forgets it: the restore comes from the tier
-            done = _one(engine, window, args.accuracy_output, f"restore-{dtype}-{i}")
+            done = one_request(engine, window, args.accuracy_output, f"restore-{dtype}-{i}")
             restored += done.restored
             same = next((k for k, (a, b) in enumerate(zip(cold[i], done.output_ids)) if a != b), len(cold[i]))
             identical += same == len(cold[i])
@@ -264,10 +235,11 @@ def _accuracy(base: LLMEngine, args: argparse.Namespace) -> tuple[dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.bench.chat import ChatWorkload, multi_round_chat
     from kvserve.bench.common import warm_up
     from kvserve.bench.machine import machine_info
     from kvserve.bench.report import Report, Table, config_of, emit
-    from kvserve.bench.stats import median, percentile, ratio
+    from kvserve.bench.stats import median, ratio
     from kvserve.bench.systems import KVServeSystem, build_engine, special_token_ids
     from kvserve.bench.workload import random_token_ids
 
@@ -293,53 +265,22 @@ def run(args: argparse.Namespace) -> int:
     pool_tokens = base.core.pool.num_usable_blocks * base.core.config.block_size
 
     # 1. Multi-round chat: round by round, user by user, the systems alternating request by request.
-    # Every user has a system prompt of their own, the same on every system.
-    user_systems = [bos + random_token_ids(rng, args.system_tokens, vocab, exclude) for _ in range(args.users)]
-    histories = {name: [list(s) for s in user_systems] for name in engines}
-    usage = {name: _Usage() for name in engines}
-    before = {name: e.stats() for name, e in engines.items()}
-    names = list(engines)
-    for rnd in range(args.rounds):
-        for user in range(args.users):
-            question = random_token_ids(rng, args.question_tokens, vocab, exclude)
-            order = names[(rnd * args.users + user) % len(names) :] + names[: (rnd * args.users + user) % len(names)]
-            for name in order:
-                prompt = histories[name][user] + question
-                start = time.perf_counter()
-                done = _one(engines[name], prompt, args.output_len, f"chat-{rnd}-{user}")
-                u = usage[name]
-                u.wall_s += time.perf_counter() - start
-                u.tokens += len(prompt) + len(done.output_ids)
-                u.ttfts_ms.append(1e3 * done.ttft_s)
-                histories[name][user] = prompt + done.output_ids
-    working_set = sum(len(h) for h in histories["no tier"])
+    workload = ChatWorkload(args.users, args.rounds, args.system_tokens, args.question_tokens, args.output_len)
+    rows, working_set = multi_round_chat(engines, workload, rng, vocab, exclude, bos)
     multi: dict[str, Any] = {
         "users": args.users,
         "rounds": args.rounds,
         "system_tokens": args.system_tokens,
         "working_set_tokens": working_set,
         "pool_tokens": pool_tokens,
-        "systems": {},
+        "systems": rows,
     }
     t1 = Table(
         f"Multi-round chat: {args.users} users x {args.rounds} rounds, {args.system_tokens}-token system prompts; "
         f"working set {working_set:,} tokens, pool {pool_tokens:,} tokens ({working_set / pool_tokens:.1f}x)",
         ["system", "TTFT p50 ms", "TTFT p90 ms", "throughput tok/s", "pool hit rate", "tier hit rate"],
     )
-    for name, engine in engines.items():
-        s, b, u = engine.stats(), before[name], usage[name]
-        queries = s.prefix_cache_queries_tokens - b.prefix_cache_queries_tokens
-        tier_hits = s.external_prefix_cache_hits_tokens - b.external_prefix_cache_hits_tokens
-        pool_hits = s.prefix_cache_hits_tokens - b.prefix_cache_hits_tokens - tier_hits
-        row = {
-            "ttft_ms_p50": percentile(u.ttfts_ms, 50),
-            "ttft_ms_p90": percentile(u.ttfts_ms, 90),
-            "throughput_tok_s": u.tokens / u.wall_s,
-            "pool_hit_rate": pool_hits / queries if queries else 0.0,
-            "tier_hit_rate": tier_hits / queries if queries else 0.0,
-            "ttft_ms": u.ttfts_ms,
-        }
-        multi["systems"][name] = row
+    for name, row in rows.items():
         t1.add(
             name,
             row["ttft_ms_p50"],
@@ -369,16 +310,16 @@ def run(args: argparse.Namespace) -> int:
         settings = dict(kv_cache_memory_bytes=pool, kv_offloading_size=tier_size, kv_offloading_path=str(tier_path))
         cold_engine = base.sibling(**settings)
         warm_up(KVServeSystem(cold_engine))  # its first step's one-time costs, outside the measurement
-        cold = _one(cold_engine, prompt, 1, f"cold-{length}")
+        cold = one_request(cold_engine, prompt, 1, f"cold-{length}")
         cold_engine.core.close()  # writes what is queued
         warm_engine = base.sibling(**settings)
         warm_up(KVServeSystem(warm_engine))  # its first step's one-time costs, outside the measurement
-        warm = _one(warm_engine, prompt, 1, f"warm-{length}")
+        warm = one_request(warm_engine, prompt, 1, f"warm-{length}")
         warm_engine.core.close()
         _drop_page_cache(tier_path)
         dropped_engine = base.sibling(**settings)
         warm_up(KVServeSystem(dropped_engine))  # its first step's one-time costs, outside the measurement
-        dropped = _one(dropped_engine, prompt, 1, f"dropped-{length}")
+        dropped = one_request(dropped_engine, prompt, 1, f"dropped-{length}")
         dropped_engine.core.close()
         row_r = {
             "prompt_tokens": len(prompt),

@@ -1,6 +1,8 @@
-"""A stand-in for llama.cpp's llama-server in tests of `bench offload --llama-server`: `--help` lists --cache-ram, and
-it serves /health and streaming /v1/completions (one SSE frame per token, then usage and [DONE]) on --port, ignoring
-every other flag. It records the flags it was started with next to itself (args.json), for the test to read."""
+"""A stand-in for llama.cpp's llama-server in tests of `bench offload --llama-server` and `bench long-context`: `--help`
+lists --cache-ram, and it serves /health and streaming /v1/completions (one SSE frame per token, then usage and [DONE])
+on --port, ignoring every other flag. At start it logs its KV caches' sizes as llama.cpp does (the full-attention
+layers' and, unless --swa-full, a small SWA cache), and it records the flags it was started with next to itself
+(args.json), for the test to read."""
 
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ def main(argv: list[str]) -> None:
         print("usage: llama-server [options]\n  --cache-ram N   prompt cache in host RAM, MiB")
         return
     (Path(__file__).parent / "args.json").write_text(json.dumps(argv))
+    swa = "  96.00" if "--swa-full" in argv else "   3.00"
+    print("llama_kv_cache: size =   24.00 MiB (  2048 cells,   3 layers,  2/2 seqs), K (f16): 12.00 MiB", flush=True)
+    print(f"llama_kv_cache: size = {swa} MiB (   256 cells,  15 layers,  2/2 seqs), K (f16): 1.50 MiB", flush=True)
     port = int(argv[argv.index("--port") + 1])
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
