@@ -315,10 +315,11 @@ def render_estimate(doc: dict[str, Any]) -> str:
         n_local = sum(w is not None for w in m["sliding_windows"])
         lines.append(f"  sliding window {', '.join(map(str, windows))} on {n_local} of {m['num_layers']} layers")
     layout = _layout_of(doc)
-    lines.append(
-        f"KV cache groups ({'hybrid' if doc['hybrid_kv_cache_manager'] else 'uniform: every layer keeps every token'}"
-        f"): {layout.describe()}; one block id spans {layout.tensors_per_block} layers"
-    )
+    if layout.is_hybrid:
+        lines.append(f"KV cache groups: {layout.describe()}; one block id spans {layout.tensors_per_block} layers")
+    else:
+        why = " (--disable-hybrid-kv-cache-manager)" if windows else ""
+        lines.append(f"KV cache: one group, every layer keeps every token{why}")
     weights = doc["weights"]
     lines.append(
         f"Weights ({doc['dtype'] if doc['quantization'] == 'none' else doc['quantization']} on {doc['device']}): "

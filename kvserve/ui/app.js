@@ -228,11 +228,30 @@
       gauge("free blocks", snap.pool.num_free_blocks + " / " + snap.pool.num_usable_blocks),
       ...offloadGauges(g));
     $("capacity").replaceChildren(
+      gauge("KV cache groups", groupsText(snap.kv_cache_groups || [])),
+      gauge("blocks a request at max-model-len", c.blocks_per_request),
       gauge("KV dtype", c.kv_cache_dtype), gauge("bytes / token", c.bytes_per_token),
       gauge("blocks (incl. null)", c.num_blocks), gauge("block size", c.block_size), gauge("tokens", c.num_tokens),
       gauge("max-model-len", c.max_model_len), gauge("max concurrency at max-model-len", c.max_concurrency + "x"),
       gauge("KV memory", c.total_bytes >= 1048576 ? (c.total_bytes / 1048576).toFixed(1) + " MiB"
                                                   : (c.total_bytes / 1024).toFixed(1) + " KiB"));
+  }
+
+  // The KV cache groups (docs/KV_CACHE.md): "1 full + 5 sliding 512", each with the blocks it holds now.
+  function groupsText(groups) {
+    const kinds = new Map();
+    for (const g of groups) {
+      const name = g.sliding_window ? "sliding " + g.sliding_window : "full";
+      const k = kinds.get(name) || { n: 0, held: 0 };
+      k.n += 1; k.held += g.blocks_held;
+      kinds.set(name, k);
+    }
+    return [...kinds].map(([name, k]) => k.n + " " + name + " (" + k.held + " held)").join(" + ") || "-";
+  }
+  function heldIds(r) {  // every block id a request's tables point at, the null block's aside
+    const ids = [];
+    for (const table of r.group_block_ids || [r.block_ids]) for (const id of table) if (id !== 0) ids.push(id);
+    return ids;
   }
 
   // ---- block map ----
@@ -258,7 +277,7 @@
     canvas.style.height = L.rows * L.cell + "px";
     const ctx = canvas.getContext("2d");
     ctx.scale(dpr, dpr);
-    const highlight = new Set(state.selected ? state.selected.block_ids : []);
+    const highlight = new Set(state.selected ? heldIds(state.selected) : []);
     const counts = { f: 0, u: 0, s: 0, c: 0, n: 0 };
     let maxRef = 0;
     for (let i = 0; i < states.length; i++) counts[states[i]]++;
@@ -360,16 +379,28 @@
                      r.age_s.toFixed(1) + "s", r.num_preemptions];
       for (const text of cells) { const td = document.createElement("td"); td.textContent = text; tr.appendChild(td); }
       const td = document.createElement("td");
-      const strip = document.createElement("div");
-      strip.className = "btable";
-      for (const id of r.block_ids.slice(0, MAX_TABLE_CELLS)) {
-        const i = document.createElement("i");
-        i.textContent = id;
-        i.style.background = COLORS[snap.block_states[id]];
-        strip.appendChild(i);
-      }
-      if (r.block_ids.length > MAX_TABLE_CELLS) strip.appendChild(document.createTextNode("+" + (r.block_ids.length - MAX_TABLE_CELLS)));
-      td.appendChild(strip);
+      const groups = snap.kv_cache_groups || [];
+      const tables = r.group_block_ids || [r.block_ids];
+      tables.forEach((table, g) => {  // one strip per KV cache group; a sliding group's dropped entries are skipped
+        const strip = document.createElement("div");
+        strip.className = "btable";
+        if (tables.length > 1) {
+          const label = document.createElement("span");
+          const spec = groups[g] || {};
+          label.textContent = "g" + g + (spec.sliding_window ? " (" + spec.sliding_window + ")" : "") + ": ";
+          strip.appendChild(label);
+        }
+        const live = table.filter((id) => id !== 0);
+        if (live.length < table.length) strip.appendChild(document.createTextNode((table.length - live.length) + " dropped "));
+        for (const id of live.slice(0, MAX_TABLE_CELLS)) {
+          const i = document.createElement("i");
+          i.textContent = id;
+          i.style.background = COLORS[snap.block_states[id]];
+          strip.appendChild(i);
+        }
+        if (live.length > MAX_TABLE_CELLS) strip.appendChild(document.createTextNode("+" + (live.length - MAX_TABLE_CELLS)));
+        td.appendChild(strip);
+      });
       tr.appendChild(td);
       tr.onclick = () => {
         state.selected = state.selected && state.selected.seq_id === r.seq_id ? null : r;
