@@ -148,12 +148,6 @@ class EngineConfig:
                 f"--device {self.device}; use --quantization none (what auto means on CUDA): a GGUF "
                 "file is then dequantized once to --dtype"
             )
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
-                    f"({self.max_model_len}) with chunked prefill off: long prompts could never be scheduled"
-                )
 
     @property
     def kv_offload(self) -> KVOffloadConfig | None:

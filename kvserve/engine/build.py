@@ -77,7 +77,7 @@ def plan_cache(
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
-    return plan_kv_cache(
+    plan = plan_kv_cache(
         spec.bytes_per_block,
         spec.block_size,
         model_config.max_position_embeddings,
@@ -86,7 +86,16 @@ def plan_cache(
         max_model_len=config.max_model_len,
         layout=spec.groups,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
     )
+    if not config.enable_chunked_prefill and config.max_model_len is None:
+        if plan.max_model_len == config.max_num_batched_tokens < model_config.max_position_embeddings:
+            logger.info(
+                "chunked prefill is off, so a prompt must fit one step: max-model-len is %d "
+                "(--max-num-batched-tokens); raise it, or turn chunked prefill on, for longer prompts",
+                plan.max_model_len,
+            )
+    return plan
 
 
 def _available_memory_bytes() -> int | None:
