@@ -39,3 +39,32 @@ def test_without_chunked_prefill_the_default_max_model_len_is_one_step(model_dir
 def test_without_chunked_prefill_an_explicit_max_model_len_must_fit_a_step(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"--max-num-batched-tokens \(16\).*--max-model-len \(32\)"):
         tiny_engine(model_dir, enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=32)
+
+
+def test_both_builders_resolve_the_same_config_and_offload_fingerprint(tmp_path: Path) -> None:
+    """#43 item 14: load_engine resolved --quantization auto (gguf for a GGUF file on CPU) and the served name, while
+    build_engine left them at "auto" and None, so the offload tier's fingerprint of one model differed by builder and
+    a tier one had stored was never read by the other. Both now call resolve_config."""
+    from test_gguf import tiny_gguf
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.build import build_engine
+    from kvserve.engine.engine import LLMEngine
+
+    _, source = tiny_gguf("llama", tmp_path, with_vocab=True)
+    config = EngineConfig(
+        model=str(source.path), num_gpu_blocks_override=64, block_size=4, kv_offloading_size="1MiB", cpu_threads=1
+    )
+    loaded = LLMEngine.from_config(config)
+    core = loaded.core
+    built = build_engine(
+        config, core.model_config, core.runner.model, loaded.tokenizer, compute_dtype=loaded.compute_dtype
+    )
+    try:
+        assert loaded.config.quantization == "gguf" and loaded.config.served_model_name == source.name
+        assert built.config == loaded.config
+        assert core.offload is not None and built.core.offload is not None
+        assert built.core.offload.fingerprint == core.offload.fingerprint
+    finally:
+        built.close()
+        loaded.close()
