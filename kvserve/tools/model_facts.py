@@ -57,21 +57,25 @@ class ModelFacts:
 
 
 def resolve_model_facts(model: str | None) -> ModelFacts:
-    """The engine's model resolution first (default model, .gguf, checkpoint dir), then config.json files,
-    then the catalog."""
+    """The engine's model resolution first (default model, a packaged model's name, .gguf, checkpoint dir), then
+    config.json files, then the catalog. A packaged name (`qwen2.5-coder-0.5b-instruct`) is the file `serve` would
+    load by that name, joined and checked as serve does (kvserve/model/packaged.py: its chunk packages are never
+    imported, and missing ones are an error naming the extra that installs them)."""
+    from kvserve.model.packaged import PACKAGED_MODELS
     from kvserve.model.source import DEFAULT_MODEL_NAME, ModelFormat, resolve_model
 
     path = Path(model).expanduser() if model else None
     if path is not None and path.is_file() and path.suffix == ".json":
         return _from_hf_config(read_json_object(path), path.parent, str(path), path.parent.name or path.stem)
-    is_local = model is None or model in (DEFAULT_MODEL_NAME, "default") or (path is not None and path.exists())
+    named = model is None or model in (DEFAULT_MODEL_NAME, "default") or model in PACKAGED_MODELS
+    is_local = named or (path is not None and path.exists())
     if model is not None and not is_local:  # is_local holds when model is None
         entry = find_entry(model)
         if entry is None:
             names = ", ".join(e.name for e in CATALOG)
             raise ValueError(
-                f"model {model!r} is neither a config.json, a checkpoint directory, a .gguf file, "
-                f"nor a catalog name ({names})"
+                f"model {model!r} is neither a config.json, a checkpoint directory, a .gguf file, a packaged "
+                f"model's name ({', '.join(PACKAGED_MODELS)}), nor a catalog name ({names})"
             )
         facts = _from_hf_config(entry.config, None, entry.source, entry.name)
         return _with_params(facts, entry.num_parameters, "published on the model card", "catalog")

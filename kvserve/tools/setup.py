@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.capacity import Budget, budget_from_memory, resolve_compute_dtype, resolve_quantization
-from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES
+from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, config_default
 from kvserve.tools.model_facts import ModelFacts
 from kvserve.tools.report import size_arg
 from kvserve.vocab import COMPUTE_DTYPES, KV_DTYPES, QUANTIZATION_METHODS
@@ -32,16 +32,16 @@ def add_sizing_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        default="auto",
+        default=config_default("dtype"),
         choices=["auto", *COMPUTE_DTYPES],
         help="weights/compute dtype as `kvserve serve` takes it: auto = float32 on CPU, the "
         "checkpoint's dtype (bfloat16 when unknown) on CUDA",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--block-size", type=int, default=config_default("block_size"), help="tokens per KV block")
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=config_default("max_num_batched_tokens"),
         help="as for kvserve serve: a sliding window's KV cache group holds its window plus one prefill chunk of up "
         "to this many tokens while a request prefills",
     )
@@ -63,7 +63,7 @@ def add_sizing_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="device memory (e.g. 80GiB): KV budget = memory x --gpu-memory-utilization - weights - --overhead",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=config_default("gpu_memory_utilization"))
     parser.add_argument(
         "--overhead",
         type=size_arg,
@@ -73,7 +73,7 @@ def add_sizing_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         "-q",
-        default="auto",
+        default=config_default("quantization"),
         choices=["auto", *QUANTIZATION_METHODS],
         help="the weights as `kvserve serve` would hold them: auto = the GGUF file's own blocks (gguf) for a GGUF "
         "file on CPU, else the checkpoint's weights in --dtype (none); q8_0 = int8 plus a float32 scale per 32",

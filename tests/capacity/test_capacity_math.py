@@ -117,6 +117,24 @@ def test_plan_errors_match_the_engine() -> None:
     assert plan_kv_cache(1000, 16, 4096, num_blocks_override=3).num_blocks == 3
 
 
+def test_without_chunked_prefill_one_step_bounds_max_model_len() -> None:
+    """#43 item 13: a prompt must fit one step when chunked prefill is off, so the step's budget caps the resolved
+    max-model-len (the default) and refuses a larger explicit one."""
+    plan = plan_kv_cache(1000, 16, 4096, budget_bytes=10**9, max_num_batched_tokens=512, enable_chunked_prefill=False)
+    assert plan.max_model_len == 512
+    assert plan_kv_cache(1000, 16, 4096, budget_bytes=10**9, max_num_batched_tokens=512).max_model_len == 4096
+    with pytest.raises(ValueError, match=r"--max-num-batched-tokens \(512\) is smaller than --max-model-len \(1024\)"):
+        plan_kv_cache(
+            1000,
+            16,
+            4096,
+            budget_bytes=10**9,
+            max_model_len=1024,
+            max_num_batched_tokens=512,
+            enable_chunked_prefill=False,
+        )
+
+
 def test_contiguous_vs_paged_by_hand() -> None:
     # 10 requests of 100 tokens, max-len 1000, 1000 bytes/token, 16-token blocks, a 10 MB budget.
     # contiguous: 10 x 1000 x 1000 = 10 MB reserved, 1 MB used (90% waste), 10 MB / 1 MB = 10 fit.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.capacity_catalog import find_entry
+from kvserve.model.packaged import INSTRUCT_MODEL_NAME, QWEN25_CODER_05B_INSTRUCT
 
 CHECK = """
 import sys
@@ -47,3 +49,16 @@ def test_no_torch_import(config_json: Path, argv: list[str]) -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["model"]["num_layers"] > 0
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(p.package) is None for p in QWEN25_CODER_05B_INSTRUCT.parts),
+    reason="the instruct model's packages (.[instruct]) are not installed",
+)
+def test_the_packaged_instruct_model_by_name() -> None:
+    """#43 item 15: the name `serve --model` takes is the name `estimate --model` takes, still without torch."""
+    argv = ["estimate", "--model", INSTRUCT_MODEL_NAME, "--json"]
+    proc = subprocess.run([sys.executable, "-c", CHECK, *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["model"]["name"] == INSTRUCT_MODEL_NAME and doc["model"]["num_layers"] == 24

@@ -31,7 +31,7 @@ def loaded(default_float32_model):
 
 def generate(loaded, kv_cache_dtype: str) -> list:
     model, tokenizer = loaded
-    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=64 << 20)
+    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=64 << 20, quantization="none")
     engine = build_engine(config, model.config, model.model, tokenizer)
     return [o.outputs[0] for o in LLM(engine=engine).generate(PROMPTS, GREEDY, use_tqdm=False)]
 

@@ -40,6 +40,7 @@ def loaded(default_float32_model):
 def engine(loaded, **kw) -> LLMEngine:
     model, tokenizer = loaded
     kw.setdefault("kv_cache_memory_bytes", 256 << 20)
+    kw.setdefault("quantization", "none")  # the loaded model's: float32 weights (auto would mean the file's blocks)
     return build_engine(EngineConfig(**kw), model.config, model.model, tokenizer)
 
 

@@ -216,4 +216,4 @@ def tiny_engine(path: Path, **overrides: Any) -> LLMEngine:
 
     kw: dict[str, Any] = {"num_gpu_blocks_override": 256, "block_size": 4}
     kw.update(overrides)
-    return LLMEngine.from_config(EngineConfig(model=str(path), **kw))
+    return LLMEngine.from_config(EngineConfig.parse(model=str(path), **kw))

@@ -148,6 +148,36 @@ def test_idle_loop_sleeps_instead_of_polling(engine):
         async_engine.shutdown()
 
 
+def test_a_step_that_schedules_nothing_does_not_spin(engine):
+    """#43 item 13: while requests are unfinished but no step can schedule them, the loop waits on its condition
+    between steps instead of stepping again at once (it spun a core at 100%). Counted over an interval, with a bound
+    far above a waiting loop's count and far below a spinning one's."""
+    steps = 0
+
+    class Idle(HookedCore):
+        def step(self):  # a step that scheduled nothing: no tokens, no outputs
+            nonlocal steps
+            steps += 1
+            return []
+
+    async_engine = AsyncLLMEngine(hook_steps(engine, lambda: None, Idle))
+    async_engine.start()
+    try:
+
+        async def go() -> None:
+            async_engine.add_request("stuck", [2, 7], params(3))
+            await asyncio.sleep(0)
+
+        run(go())
+        woke = threading.Event()
+        woke.wait(0.05)
+        before = steps
+        assert not woke.wait(0.3)
+        assert 0 < steps - before <= 200  # it still steps (a grammar or a restore may finish), but not in a spin
+    finally:
+        async_engine.shutdown()
+
+
 def test_shutdown_aborts_remaining_requests(engine):
     async_engine = AsyncLLMEngine(hook_steps(engine, lambda: time.sleep(0.005)))
     async_engine.start()

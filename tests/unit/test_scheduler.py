@@ -115,6 +115,21 @@ def test_prefix_hit_shares_full_blocks_but_not_the_last_token():
     check(sched, pool, kv)
 
 
+def test_without_chunked_prefill_a_prompt_longer_than_a_step_does_not_block_the_queue():
+    """#43 item 13: a prompt that no step's budget can hold never runs; before, it stopped every request behind it
+    (the engine refuses such prompts at add_request, see tests/models/test_engine_config.py; this is the backstop)."""
+    layout = make_kv_cache_layout((None,))
+    pool = BlockPool(33, num_groups=layout.num_groups)
+    kv = KVCacheManager(pool, 4, layout=layout)
+    sched = Scheduler(kv, 4, 8, 48, enable_chunked_prefill=False)
+    sched.add(req("long", 20))
+    sched.add(req("short", 5, base=100))
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["short"]
+    assert [r.request_id for r in sched.waiting] == ["long"]
+    check(sched, pool, kv)
+
+
 def test_salted_request_gets_no_hit():
     sched, pool, kv = make(num_blocks=32, block_size=4, budget=64)
     a = req("a", 10, max_tokens=30)

@@ -52,3 +52,18 @@ def test_the_core_packages_are_type_checked_strictly() -> None:
     (strict,) = [o for o in mypy["overrides"] if set(o["module"]) >= {"kvserve.kv.*", "kvserve.engine.*"}]
     assert set(strict["module"]) == {"kvserve.kv.*", "kvserve.engine.*", "kvserve.kernels.*"}
     assert {flag for flag, on in strict.items() if on is True} == STRICT_FLAGS
+
+
+def test_the_readme_names_every_system_package_ci_installs_for_the_suite() -> None:
+    """#43 item 16: CI installs system packages the suite needs (chromium; nodejs and npm for the JavaScript client
+    tests, which fail without them); a newcomer running the README's test command must learn of each there."""
+    packages = [
+        word
+        for line in (ROOT / ".ci/run").read_text().splitlines()
+        if "apt-get install" in line
+        for word in line.split("apt-get install", 1)[1].split()
+        if not word.startswith("-")
+    ]
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Run the tests", 1)[1].split("\n## ", 1)[0]
+    assert packages and not [p for p in packages if p not in section]
