@@ -113,6 +113,19 @@ def test_kv_pressure_with_preemptions() -> None:
     assert "--max-num-seqs" in f.fix and "fp8" in f.fix
     assert codes(exposition(usage=0.97)) == []  # full but nobody preempted: fine
     assert codes(exposition(usage=0.5, preemptions=3)) == []
+    assert "--disable-hybrid-kv-cache-manager" not in f.fix
+
+
+def test_kv_pressure_names_the_layout_that_keeps_out_of_window_blocks() -> None:
+    """A model with sliding windows served with --disable-hybrid-kv-cache-manager (its cache_config says so): the
+    first fix is to drop the flag; with the hybrid layout in force, or a model without windows, it is not named."""
+    uniform = dict(hybrid_kv_cache_manager="False", sliding_window_layers="15")
+    (f,) = diagnose(Evidence([Snapshot.parse(exposition(usage=0.97, preemptions=12, **uniform))]))
+    assert f.code == "kv_cache_pressure" and f.evidence["sliding_window_layers"] == 15
+    assert f.fix.startswith("First, this model has 15 sliding-window layers") and "--disable-hybrid" in f.fix
+    for cache in (dict(hybrid_kv_cache_manager="True", sliding_window_layers="15"), dict(sliding_window_layers="0")):
+        (f,) = diagnose(Evidence([Snapshot.parse(exposition(usage=0.97, preemptions=12, **cache))]))
+        assert "--disable-hybrid-kv-cache-manager" not in f.fix
 
 
 def test_memory_bandwidth_bound_decode() -> None:
