@@ -16,6 +16,9 @@ safetensors with a tokenizer), for each dtype (float32 and bfloat16; --tiny: flo
   same tokens. Tolerances: scripts/gpu_check_measure.py's docstring, repeated in the report.
 - `greedy_float32`: several prompts x 64 new tokens batched in a cache too small for them (preemption forced),
   against each prompt alone and against HF float32's greedy choice at every position.
+- `layouts_float32` (Gemma 3, whose layers have sliding windows): the logits prompts greedy on the hybrid KV cache
+  layout (KV cache groups: per-group block tables through the attention kernels, out-of-window blocks given back)
+  and on the uniform one (--disable-hybrid-kv-cache-manager): identical token for token.
 - `speed_b<N>` (bfloat16 on a GPU): decode tok/s at batch 1, 32, 64, 256 and prefill tok/s, kvserve's and HF
   `generate`'s (static batch), each against the floor: bytes per step over the measured bandwidth (a large device
   copy), or FLOPs over the measured matmul rate where those bound it (kvserve/bench/floor.py).
@@ -65,6 +68,7 @@ from gpu_check_measure import (
     Floors,
     LogitsCase,
     check_greedy,
+    check_layouts,
     check_logits,
     hf_speed,
     kvserve_speed,
@@ -267,6 +271,8 @@ def _brief(entry: dict[str, Any]) -> str:
         )
     if "tokens" in entry:
         return f"tokens {entry['tokens']} preemptions {entry['preemptions']}"
+    if "identical" in entry:
+        return f"hybrid == uniform layout: {entry['identical']}/{entry['prompts']} prompts ({entry['groups']})"
     if "kvserve" in entry:
         kv, hf = entry.get("kvserve") or {}, entry.get("hf") or {}
         return (
@@ -425,6 +431,8 @@ def _dtype_sections(arch: str, dtype: str, plan: Plan) -> list[str]:
     names = [f"{arch}.engine_{dtype}", f"{arch}.logits_{dtype}"]
     if dtype == "float32":
         names.append(f"{arch}.greedy_float32")
+        if arch in LAYOUT_ARCHS:
+            names.append(f"{arch}.layouts_float32")
     if dtype == plan.speed_dtype and plan.speed_batches:
         names += [f"{arch}.speed_engine", *(f"{arch}.speed_b{b}" for b in plan.speed_batches)]
     return names
@@ -460,6 +468,8 @@ def _check_dtype(run: Run, arch: Arch, ck: Checkpoint, dtype: str, phase_end: fl
         )
         if dtype == "float32":
             report.run(f"{arch.name}.greedy_float32", lambda: _greedy(run, engine, ck, greedy_prompts), 3, phase_end)
+            if arch.name in LAYOUT_ARCHS:
+                report.run(f"{arch.name}.layouts_float32", lambda: _layouts(run, engine, case.prompts), 3, phase_end)
         if dtype == plan.speed_dtype and plan.speed_batches:
             _speed(run, arch, ck, engine, phase_end)
     finally:
@@ -507,6 +517,19 @@ def _greedy(run: Run, engine: LLMEngine, ck: Checkpoint, prompts: list[list[int]
         return Outcome(check_greedy(engine, small, prompts, plan.greedy_tokens, ck.reference))
     finally:
         small.close()
+
+
+# Architectures with sliding windows: their KV cache groups (hybrid layout) are checked against the uniform layout.
+LAYOUT_ARCHS = ("gemma3_270m",)
+
+
+def _layouts(run: Run, engine: LLMEngine, prompts: list[list[int]]) -> Outcome:
+    """The logits prompts (past the window) greedy on the engine's hybrid layout and on the uniform one."""
+    uniform = engine.sibling(disable_hybrid_kv_cache_manager=True)
+    try:
+        return Outcome(check_layouts(engine, uniform, prompts, run.plan.greedy_tokens))
+    finally:
+        uniform.close()
 
 
 def _speed(run: Run, arch: Arch, ck: Checkpoint, engine: LLMEngine, phase_end: float | None) -> None:

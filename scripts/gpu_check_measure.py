@@ -356,3 +356,24 @@ def speed_row(
         row["kvserve_over_hf_decode"] = kv["decode_tok_s"] / hf["decode_tok_s"]
         row["kvserve_over_hf_output"] = kv["output_tok_s"] / hf["output_tok_s"]
     return row
+
+
+def check_layouts(
+    engine: LLMEngine, uniform: LLMEngine, prompts: Sequence[list[int]], new_tokens: int
+) -> dict[str, Any]:
+    """Greedy ids of `prompts` (past the sliding window) on the hybrid layout (`engine`: KV cache groups, per-group
+    block tables through the attention kernels, out-of-window blocks given back) against the uniform layout
+    (`uniform`: --disable-hybrid-kv-cache-manager) on the same device: the same attention over the same keys, so
+    identical token for token."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    _, hybrid = generate(engine, prompts, params)
+    _, plain = generate(uniform, prompts, params)
+    first = [next((i for i, (a, b) in enumerate(zip(h, u)) if a != b), None) for h, u in zip(hybrid, plain)]
+    return {
+        "groups": engine.core.layout.describe(),
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "identical": sum(f is None for f in first),
+        "first_divergence": first,
+        "passed": all(f is None for f in first),
+    }

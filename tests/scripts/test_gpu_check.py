@@ -89,7 +89,12 @@ def test_every_section_ran_and_passed(report: dict[str, Any]) -> None:
         *(f"speed_b{b}" for b in TINY_BATCHES),
     ]
     expected = {"machine", "ceilings", "import_audit", *(f"{a}.{s}" for a in ARCHS for s in per_arch)}
+    expected.add("gemma3_270m.layouts_float32")  # the sliding-window model: hybrid against uniform KV layout
     assert set(report["sections"]) == expected
+    layouts = report["sections"]["gemma3_270m.layouts_float32"]
+    assert (
+        layouts["passed"] and layouts["identical"] == layouts["prompts"] == 3 and "sliding window" in layouts["groups"]
+    )
     assert {name: s["status"] for name, s in report["sections"].items() if s["status"] != "ok"} == {}
     assert report["summary"]["passed"] and report["summary"]["not_passed"] == []
     assert report["engine_options"] == {"applied": {"device": "cpu"}, "unavailable": {}}
