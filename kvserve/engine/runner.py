@@ -139,8 +139,9 @@ class ModelRunner:
                         query_start_loc=next(moved))
                 for m in metas
             ]  # fmt: skip
-        layout = self.kv.layout
-        return self.model(ids, pos, self.kv_caches, [metas[g] for g in layout.layer_group]), rows
+        if len(metas) == 1:  # one KV cache group: every layer reads the same metadata
+            return self.model(ids, pos, self.kv_caches, metas[0]), rows
+        return self.model(ids, pos, self.kv_caches, [metas[g] for g in self.kv.layout.layer_group]), rows
 
     def _graph_size(self, metas: list[AttentionMetadata]) -> int | None:
         """The captured size a decode-only step runs at, or None: eager (a prefill or mixed step, a batch larger

@@ -31,9 +31,9 @@ class RecordingModel:
     num_logits = 8
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list[int], list[AttentionMetadata]]] = []
+        self.calls: list[tuple[list[int], AttentionMetadata]] = []
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: list[AttentionMetadata]):
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
         self.calls.append((ids.tolist(), meta))
         return torch.zeros(len(ids), 4)
 
@@ -55,9 +55,7 @@ def test_the_runner_pads_a_mixed_batch_with_a_block_no_request_holds() -> None:
     sched.add(short)
     model = RecordingModel()
     ModelRunner(model, [], kv, BS, CPU).execute(sched.schedule())  # type: ignore[arg-type]
-    ((ids, metas),) = model.calls
-    meta = metas[0]  # one KV cache group: every layer gets the same metadata
-    assert all(m is meta for m in metas)
+    ((ids, meta),) = model.calls  # one KV cache group: one metadata for every layer
     assert ids == list(range(30)) + [100, 101]
     held = {b.block_id for r in (long, short) for b in kv.group_tables(r.request_id)[0]}
     assert NULL_BLOCK_ID not in held and len(held) == 8 + 1
