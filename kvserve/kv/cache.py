@@ -1,7 +1,8 @@
-"""The KV cache tensors: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim],
-plus, for 8-bit dtypes (kv/quant.py), one float32 scale per token and KV head in the same paged layout
-([num_blocks, block_size, kv_heads]), so that block ids index data and scales alike and prefix sharing,
-preemption and freeing need to know nothing about quantization."""
+"""The KV cache tensors: one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim] for each of the
+layout's `tensors_per_block` layer slots (every layer of a model of one KV cache group; with several groups, layer j of
+every group shares slot j, kv/groups.py), plus, for 8-bit dtypes (kv/quant.py), one float32 scale per token and KV
+head in the same paged layout ([num_blocks, block_size, kv_heads]), so that block ids index data and scales alike and
+prefix sharing, preemption and freeing need to know nothing about quantization."""
 
 from __future__ import annotations
 
