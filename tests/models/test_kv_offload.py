@@ -514,3 +514,43 @@ def test_the_fingerprint_names_the_layout(model_dir, tmp_path):
     assert "sliding_window:8" in hybrid.core.offload.fingerprint.kv_cache_groups
     hybrid.core.close()
     uniform.core.close()
+
+
+def _run_together(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
+    """Run `requests` (id: prompt, params) concurrently to their ends, checking the pool after every step."""
+    for request_id, (ids, params) in requests.items():
+        engine.add_request(request_id, ids, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+
+
+@pytest.mark.parametrize("shape", ["n=2 greedy siblings", "two identical concurrent prompts"])
+def test_identical_blocks_in_one_step_are_stored_once(model_dir, shape):
+    """#43 item 4: two greedy siblings (n=2), or two identical prompts admitted together, publish the same block hashes
+    in the same step. Each block must be stored once: a second copy of a hash took a second host slot whose entry the
+    first overwrote, that slot was lost for good (a 21-slot tier shrank to 1) and stored_blocks counted the block
+    twice. A large tier: stored_blocks equals the blocks it holds; a 21-slot tier filled many times over: every slot
+    is still in use."""
+    siblings = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2)
+    work = (
+        {"pair": (PROMPT, siblings)}
+        if shape.startswith("n=2")
+        else {"a": (PROMPT, GREEDY), "b": (list(PROMPT), GREEDY)}
+    )
+    roomy = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
+    _run_together(roomy, work)
+    stats = roomy.core.offload.stats()
+    assert stats.stored_blocks == stats.num_blocks == STORED  # each block once: the siblings' output is the same
+    assert_pool_whole(roomy)
+
+    block_bytes = roomy.core.offload.layout.block_bytes
+    small = tiny_engine(model_dir, **POOL, kv_offloading_size=f"{21 * block_bytes}B")
+    store = small.core.offload.store
+    assert store.capacity_blocks == 21
+    for i, ids in enumerate([PROMPT, *FILLERS]):
+        renamed = {f"{name}{i}": (list(ids), params) for name, (_, params) in work.items()}
+        _run_together(small, renamed)
+        evict(small)
+    assert store.usage().num_blocks == 21  # every slot holds a block: none was orphaned
+    assert_pool_whole(small)
