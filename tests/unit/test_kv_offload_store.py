@@ -293,3 +293,36 @@ def test_the_layout_restores_slab_rows_into_their_blocks_whatever_their_order(sl
     for t, blocks in zip(layout.tensors, want):
         for d, block in zip(dest, blocks):
             assert torch.equal(t[d], block)
+
+
+def test_every_counter_the_tier_updates_is_written_under_its_lock():
+    """#43 item 15: the tier's counters are written by the engine thread, the writers and the loader; an update
+    outside the lock (a read-modify-write) can lose another thread's. Every `self.<counter> +=` (or assignment)
+    in tier.py outside __init__ sits inside `with self._lock:`."""
+    import ast
+    import inspect
+
+    from kvserve.kv.offload import tier
+
+    counters = {f.name for f in __import__("dataclasses").fields(tier.OffloadStats)} | {"error"}
+    tree = ast.parse(inspect.getsource(tier))
+    unlocked = []
+
+    def visit(node: ast.AST, func: str, locked: bool) -> None:
+        if isinstance(node, ast.FunctionDef):
+            func = node.name
+        if isinstance(node, ast.With):
+            locked = locked or any(ast.unparse(item.context_expr) == "self._lock" for item in node.items)
+        targets = (
+            [node.target] if isinstance(node, ast.AugAssign) else node.targets if isinstance(node, ast.Assign) else []
+        )
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self" and t.attr in counters:
+                    if func != "__init__" and not locked:
+                        unlocked.append(f"{func}: {ast.unparse(node)} (line {node.lineno})")
+        for child in ast.iter_child_nodes(node):
+            visit(child, func, locked)
+
+    visit(tree, "", False)
+    assert not unlocked, unlocked

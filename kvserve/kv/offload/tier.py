@@ -238,10 +238,11 @@ class OffloadTier:
             return
         if isinstance(self.store, HostMemoryStore):
             fits = list(todo.values())[-self.store.capacity_blocks :] if self.store.capacity_blocks else []
-            self.dropped_blocks += len(todo) - len(fits)  # more than the whole tier holds: the last ones are kept
             slots, evicted = self.store.reserve([(tier_key(b), b.key) for b in fits])
             self.layout.gather_into([b.block_id for b in fits], self.store.slab, slots)
-            self.stored_blocks += len(fits)
+            with self._lock:  # stats() reads the counters from other threads
+                self.dropped_blocks += len(todo) - len(fits)  # more than the whole tier holds: the last ones are kept
+                self.stored_blocks += len(fits)
             self._written.extend(fits)
             self._evicted.extend(evicted)
             return
@@ -292,8 +293,10 @@ class OffloadTier:
                 with self._lock:
                     self.io_errors += 1
                     self.dropped_blocks += 1
-                if self.error is None:
-                    self.error = f"{type(e).__name__}: {e}"
+                    first = self.error is None
+                    if first:
+                        self.error = f"{type(e).__name__}: {e}"
+                if first:
                     logger.error(
                         "the KV offload tier stops storing blocks (%s); requests are served as without it", self.error
                     )
@@ -417,22 +420,24 @@ class OffloadTier:
     # ---- the rest --------------------------------------------------------------------------------------
 
     def stats(self) -> OffloadStats:
+        """The counters as one consistent snapshot (taken under the lock the threads write them under)."""
         usage = self.store.usage() if self.store is not None else None
-        return OffloadStats(
-            medium=self.medium,
-            available=self.available,
-            capacity_bytes=self.config.size_bytes,
-            bytes_used=usage.bytes_used if usage else 0,
-            num_blocks=usage.num_blocks if usage else 0,
-            block_bytes=self.layout.block_bytes,
-            stored_blocks=self.stored_blocks,
-            dropped_blocks=self.dropped_blocks,
-            restored_blocks=self.restored_blocks,
-            restore_failures=self.restore_failures,
-            io_errors=self.io_errors,
-            restore_seconds_total=self.restore_seconds_total,
-            restores=self.restores,
-        )
+        with self._lock:
+            return OffloadStats(
+                medium=self.medium,
+                available=self.available,
+                capacity_bytes=self.config.size_bytes,
+                bytes_used=usage.bytes_used if usage else 0,
+                num_blocks=usage.num_blocks if usage else 0,
+                block_bytes=self.layout.block_bytes,
+                stored_blocks=self.stored_blocks,
+                dropped_blocks=self.dropped_blocks,
+                restored_blocks=self.restored_blocks,
+                restore_failures=self.restore_failures,
+                io_errors=self.io_errors,
+                restore_seconds_total=self.restore_seconds_total,
+                restores=self.restores,
+            )
 
     def view(self, in_pool: Callable[[bytes], bool], include_tokens: bool, limit: int = 64) -> dict[str, Any]:
         """The KV inspector's view of the tier (engine thread): what it holds, and which prefixes as far as this
