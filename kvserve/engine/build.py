@@ -157,10 +157,11 @@ def offload_fingerprint(
     from kvserve.dtypes import dtype_name
     from kvserve.kv.offload.fingerprint import KVFingerprint, weights_identity
     from kvserve.model.source import resolve_model
+    from kvserve.model.tokenizer import default_cache_dir
 
     scales = model.static_kv_scales if spec.dtype_name == "fp8_e4m3" else None
     return KVFingerprint(
-        weights=weights_identity(resolve_model(config.model).path),
+        weights=weights_identity(resolve_model(config.model).path, default_cache_dir()),
         weight_quantization=config.quantization,
         activation_quantization=config.activation_quantization,
         kernels=model.kernel_isa,

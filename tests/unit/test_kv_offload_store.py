@@ -326,3 +326,37 @@ def test_every_counter_the_tier_updates_is_written_under_its_lock():
 
     visit(tree, "", False)
     assert not unlocked, unlocked
+
+
+def test_the_weights_identity_covers_every_byte_and_is_cached(tmp_path, monkeypatch):
+    """#43 item 6: an edited GGUF with the same name and size whose first and last MiB are unchanged had the same
+    identity (so the tier restored the other model's KV). The identity hashes the whole file; a restart finds it in
+    the cache (keyed by device, inode, size, mtime and ctime) instead of reading the file again."""
+    from kvserve.kv.offload import fingerprint
+
+    model = tmp_path / "model.gguf"
+    data = bytearray(os.urandom(3 << 20))
+    model.write_bytes(data)
+    cache = tmp_path / "cache"
+    first = fingerprint.weights_identity(model, cache)
+    data[len(data) // 2] ^= 1  # the middle MiB only: same name, same size, same ends
+    model.write_bytes(data)
+    edited = fingerprint.weights_identity(model, cache)
+    assert edited != first
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the file was read again")
+
+    monkeypatch.setattr(fingerprint, "file_digest", no_reading)
+    assert fingerprint.weights_identity(model, cache) == edited  # from the cache
+
+    checkpoint = tmp_path / "hf"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    weights = bytearray(os.urandom(3 << 20))
+    (checkpoint / "model.safetensors").write_bytes(weights)
+    monkeypatch.undo()
+    before = fingerprint.weights_identity(checkpoint, cache)
+    weights[len(weights) // 2] ^= 1
+    (checkpoint / "model.safetensors").write_bytes(weights)
+    assert fingerprint.weights_identity(checkpoint, cache) != before
