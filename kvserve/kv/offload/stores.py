@@ -13,9 +13,11 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +36,7 @@ from kvserve.kv.offload.record import (
     record_head,
     record_parts,
 )
+from kvserve.kv.offload.safedir import CheckedDir, Trust, UnsafeEntry
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 600.0
 # Eviction frees down to this share of the budget, so that the directory is scanned once per tenth of it written.
 _EVICT_TO = 0.9
+_LOCK_FILE = "lock"
+_FINGERPRINT_FILE = "fingerprint.json"
 
 
 class HostMemoryStore:
@@ -105,7 +110,11 @@ class DiskStore:
     processes may do all three in the same directory at once. Which records exist is answered from an index in
     memory (`contains`: the engine thread never touches the file system): built by the start-up scan, kept by this
     process's writes, evictions and refusals, and refreshed with other processes' records by `refresh` (the tier
-    calls it from a thread of its own, every REFRESH_SECONDS)."""
+    calls it from a thread of its own, every REFRESH_SECONDS).
+
+    Every file is opened through the checked descriptors of its directories, one component at a time and never
+    through a link (kv/offload/safedir.py): what is planted in the directory cannot send a write, a read or the lock
+    elsewhere. Hold the store open only as long as it is used: `close` releases its directories' descriptors."""
 
     medium = "DISK"
 
@@ -115,57 +124,82 @@ class DiskStore:
         self.top = root
         self.dir = root / fingerprint.name
         self.blocks_dir = self.dir / "blocks"
-        _make_private_dir(root)
-        _make_private_dir(self.dir)
-        _make_private_dir(self.blocks_dir)
-        self._describe_fingerprint()
-        self._lock_path = self.dir / "lock"
+        trust = Trust(os.geteuid())
+        with CheckedDir.open_top(root, trust, create=True) as top:
+            _warn_if_open(top)
+            self._dir = top.subdir([fingerprint.name], create=True)
+        try:
+            _warn_if_open(self._dir)
+            self._blocks = self._dir.subdir(["blocks"], create=True)
+        except BaseException:
+            self._dir.close()
+            raise
+        _warn_if_open(self._blocks)
+        self._closer = weakref.finalize(self, _close_dirs, self._dir, self._blocks)
         self._digest = fingerprint.digest  # computed once: every record carries it
         self._mutex = threading.Lock()  # guards the counters below between this process's threads
         self._bytes_estimate = 0
         self._num_blocks_estimate = 0
-        self._tmp_serial = 0
         self._present: set[TierKey] = set()  # the records known to exist (see the class docstring)
         self._shard_mtimes: dict[str, float] = {}  # what refresh saw of each shard directory
+        self._warned: set[str] = set()  # unsafe entries already logged (once each)
+        self._describe_fingerprint()
         self.scan()
+
+    def close(self) -> None:
+        """Release the directories' descriptors (the tier's close, once its threads have stopped)."""
+        self._closer()
 
     # ---- layout ------------------------------------------------------------------------------------
 
     def path_for(self, key: TierKey) -> Path:
-        group_id, block_hash = key
-        name = block_hash.hex()
-        return self.blocks_dir / name[:2] / f"{name}-{group_id}{RECORD_SUFFIX}"
+        shard, name = _record_name(key)
+        return self.blocks_dir / shard / name
 
     def _describe_fingerprint(self) -> None:
-        """fingerprint.json beside the blocks: what the subdirectory's KV was computed under, for a person."""
-        path = self.dir / "fingerprint.json"
-        if path.exists():
-            return
-        tmp = self.dir / f"{TMP_PREFIX}fingerprint-{os.getpid()}"
-        tmp.write_text(json.dumps(self.fingerprint.describe(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        """fingerprint.json beside the blocks: what the subdirectory's KV was computed under, for a person. Written
+        by a new temporary file renamed over whatever is at the name (a link there is replaced, never followed)."""
+        try:
+            if stat.S_ISREG(self._dir.lstat(_FINGERPRINT_FILE).st_mode):
+                return
+        except FileNotFoundError:
+            pass
+        text = json.dumps(self.fingerprint.describe(), indent=2, sort_keys=True) + "\n"
+        _write_new(self._dir, _FINGERPRINT_FILE, [text.encode()])
 
     # ---- reads ---------------------------------------------------------------------------------------
 
     def contains(self, key: TierKey) -> bool:
         return key in self._present
 
+    def _open_record(self, key: TierKey) -> int:
+        """A descriptor of the block's record; KeyError when it is missing, RecordError (the entry removed) when
+        what is at its name is not a record this store may read (a link, a FIFO, another user's file)."""
+        shard, name = _record_name(key)
+        try:
+            return self._blocks.open([shard, name])
+        except FileNotFoundError:
+            self._forget(key)
+            raise KeyError(key[1].hex()) from None
+        except UnsafeEntry as e:
+            self._remove_record(key)
+            raise RecordError(f"{e.filename}: {e.strerror}") from None
+
     def read(self, key: TierKey, content: BlockKey) -> torch.Tensor:
         """The verified payload as a new uint8 tensor (for inspection and tests; restores use read_into); RecordError
         for a bad record (removed, so that it is recomputed and stored again), KeyError for a missing one. Touches the
         file: its mtime is its LRU age."""
-        path = self.path_for(key)
+        fd = self._open_record(key)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            self._forget(key)
-            raise KeyError(key[1].hex()) from None
-        try:
-            payload = decode_record(data, self._digest, key[1], content, key[0])
-        except RecordError:
-            self._remove_record(key)
-            raise
-        _touch(path)
+            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            try:
+                payload = decode_record(data, self._digest, key[1], content, key[0])
+            except RecordError:
+                self._remove_record(key)
+                raise
+            _touch(fd)
+        finally:
+            os.close(fd)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     def read_into(self, key: TierKey, content: BlockKey, parts: Sequence[memoryview]) -> None:
@@ -180,12 +214,7 @@ class DiskStore:
         payload_len = sum(p.nbytes for p in parts)
         head = record_head(self._digest, block_hash, content, payload_len, group_id)
         expected = len(head) + payload_len + CHECKSUM_BYTES
-        path = self.path_for(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(key)
-            raise KeyError(block_hash.hex()) from None
+        fd = self._open_record(key)
         try:
             size = os.fstat(fd).st_size
             good = False
@@ -199,41 +228,28 @@ class DiskStore:
                 except RecordError:
                     self._remove_record(key)
                     raise
+            _touch(fd)
         finally:
             os.close(fd)
-        _touch(path)
 
     # ---- writes --------------------------------------------------------------------------------------
 
     def write(self, key: TierKey, content: BlockKey, payload: torch.Tensor) -> tuple[bool, list[TierKey]]:
         """Store one record (renamed into place whole): whether it was written (False: already there), and the keys
-        evicted to keep the directory within its budget. OSError propagates."""
-        path = self.path_for(key)
-        if path.exists():
-            with self._mutex:
-                self._present.add(key)
-            return False, []
-        parts = record_parts(self._digest, key[1], content, payload.numpy().data, key[0])
-        size = sum(len(p) for p in parts)
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        with self._mutex:
-            self._tmp_serial += 1
-            tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{self._tmp_serial}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        evicted to keep the directory within its budget. OSError propagates (UnsafeEntry: the block's shard is not
+        a directory this store made)."""
+        shard, name = _record_name(key)
+        with self._blocks.subdir([shard], create=True) as directory:
             try:
-                written = os.writev(fd, parts)
-                if written != size:  # a short write (a full disk, a signal): finish it or fail
-                    rest = b"".join(bytes(p) for p in parts)[written:]
-                    while rest:
-                        n = os.write(fd, rest)
-                        rest = rest[n:]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            self._remove(tmp)
-            raise
+                there = stat.S_ISREG(directory.lstat(name).st_mode)
+            except FileNotFoundError:
+                there = False
+            if there:
+                with self._mutex:
+                    self._present.add(key)
+                return False, []
+            parts = record_parts(self._digest, key[1], content, payload.numpy().data, key[0])
+            size = _write_new(directory, name, parts)
         with self._mutex:
             self._bytes_estimate += size
             self._num_blocks_estimate += 1
@@ -248,19 +264,50 @@ class DiskStore:
     def _remove_record(self, key: TierKey) -> None:
         """A record that failed a check: gone from the directory and the index, so that it is recomputed."""
         self._forget(key)
-        self._remove(self.path_for(key))
+        self._unlink(*_record_name(key))
+
+    def _unlink(self, shard: str, name: str) -> None:
+        """Remove an entry of a shard (best effort: it may be gone already, or the shard be unusable)."""
+        try:
+            with self._blocks.subdir([shard]) as directory:
+                directory.unlink(name)
+        except OSError:
+            pass
 
     # ---- the budget ------------------------------------------------------------------------------------
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """The directory's lock file, held exclusively: one process at a time scans and evicts."""
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = self._dir.open([_LOCK_FILE], os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing releases the lock
+
+    def _shards(self) -> Iterator[tuple[str, CheckedDir]]:
+        """Each shard directory of blocks/, open and checked (the caller closes it). An entry at a shard's name that
+        is not a directory of this store's (a link, a file, another user's) is skipped, logged once."""
+        try:
+            names = sorted(n for n in os.listdir(self._blocks.fd) if _is_shard_name(n))
+        except FileNotFoundError:
+            return
+        for name in names:
+            try:
+                directory = self._blocks.subdir([name])
+            except UnsafeEntry as e:
+                self._warn_once(e)
+                continue
+            except FileNotFoundError:
+                continue
+            yield name, directory
+
+    def _warn_once(self, e: OSError) -> None:
+        where = str(e.filename)
+        if where not in self._warned:
+            self._warned.add(where)
+            logger.warning("KV offload tier: %s is %s: not used", where, e.strerror)
 
     def scan(self) -> list[TierKey]:
         """Under the lock: count the records, remove dead writers' temporary files, and evict the least recently used
@@ -268,24 +315,26 @@ class DiskStore:
         evicted: list[TierKey] = []
         with self._locked():
             now = time.time()
-            records = []
-            for entry in _walk(self.blocks_dir):
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue
-                if entry.name.startswith(TMP_PREFIX):
-                    if now - st.st_mtime > STALE_TMP_SECONDS:
-                        self._remove(Path(entry.path))
-                elif entry.name.endswith(RECORD_SUFFIX):
-                    records.append((st.st_mtime, st.st_size, entry.path, entry.name))
+            records: list[tuple[float, int, str, str]] = []  # (mtime, size, shard, name)
+            for shard, directory in self._shards():
+                with directory, os.scandir(directory.fd) as entries:
+                    for entry in entries:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        if entry.name.startswith(TMP_PREFIX):
+                            if now - st.st_mtime > STALE_TMP_SECONDS:
+                                _unlink_quietly(directory, entry.name)
+                        elif _key_in(shard, entry.name) is not None and stat.S_ISREG(st.st_mode):
+                            records.append((st.st_mtime, st.st_size, shard, entry.name))
             total = sum(r[1] for r in records)
             if total > self.capacity_bytes:
                 records.sort()
                 target = self.capacity_bytes * _EVICT_TO
                 while records and total > target:
-                    _, size, path, name = records.pop(0)
-                    self._remove(Path(path))
+                    _, size, shard, name = records.pop(0)
+                    self._unlink(shard, name)
                     total -= size
                     key = parse_record_name(name)
                     if key is not None:
@@ -303,23 +352,22 @@ class DiskStore:
         found: list[TierKey] = []
         gone: list[TierKey] = []
         try:
-            shards = list(os.scandir(self.blocks_dir))
+            names = [n for n in os.listdir(self._blocks.fd) if _is_shard_name(n)]
         except FileNotFoundError:
             return found, gone
-        for shard in shards:
+        for shard in names:
             try:
-                if not shard.is_dir(follow_symlinks=False):
+                mtime = os.stat(shard, dir_fd=self._blocks.fd, follow_symlinks=False).st_mtime
+                if self._shard_mtimes.get(shard) == mtime:
                     continue
-                mtime = shard.stat(follow_symlinks=False).st_mtime
-                if self._shard_mtimes.get(shard.name) == mtime:
-                    continue
-                names = [e.name for e in os.scandir(shard.path)]
+                with self._blocks.subdir([shard]) as directory, os.scandir(directory.fd) as entries:
+                    listed = [e.name for e in entries if e.is_file(follow_symlinks=False)]
             except OSError:
                 continue
-            self._shard_mtimes[shard.name] = mtime
-            keys = {key for key in map(parse_record_name, names) if key is not None}
+            self._shard_mtimes[shard] = mtime
+            keys = {key for key in (_key_in(shard, n) for n in listed) if key is not None}
             with self._mutex:
-                known = {key for key in self._present if key[1].hex()[:2] == shard.name}
+                known = {key for key in self._present if key[1].hex()[:2] == shard}
                 found += keys - known
                 gone += known - keys
                 self._present |= keys
@@ -330,21 +378,69 @@ class DiskStore:
         with self._mutex:
             return StoreUsage(self._num_blocks_estimate, self._bytes_estimate)
 
-    @staticmethod
-    def _remove(path: Path) -> None:
-        try:
-            path.unlink()
-        except OSError:
-            pass
+
+def _close_dirs(*dirs: CheckedDir) -> None:
+    for directory in dirs:
+        directory.close()
 
 
-def _touch(path: Path) -> None:
-    """A record was used: its mtime is its LRU age (a hint only: it may have been removed since, or the directory be
-    read-only)."""
+def _write_new(directory: CheckedDir, name: str, parts: Sequence[bytes | memoryview]) -> int:
+    """Write `parts` as the file `name` of `directory`, whole or not at all: into a new temporary file (an
+    unpredictable name, created exclusively, so that nothing planted at it is written through), then renamed over
+    `name` (atomic on POSIX: a reader sees the old entry or the whole new file). Returns the bytes written. O_TMPFILE
+    would leave no name at all, but linking it into place needs /proc or a privilege and cannot replace an entry
+    atomically; a crash leaves this temporary name to the next scan instead."""
+    size = sum(len(p) for p in parts)
+    tmp = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     try:
-        os.utime(path)
+        fd = directory.open([tmp], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = os.writev(fd, parts)
+            if written != size:  # a short write (a full disk, a signal): finish it or fail
+                rest = b"".join(bytes(p) for p in parts)[written:]
+                while rest:
+                    n = os.write(fd, rest)
+                    rest = rest[n:]
+        finally:
+            os.close(fd)
+        directory.rename(tmp, name)
+    except BaseException:
+        _unlink_quietly(directory, tmp)
+        raise
+    return size
+
+
+def _unlink_quietly(directory: CheckedDir, name: str) -> None:
+    try:
+        directory.unlink(name)
     except OSError:
         pass
+
+
+def _touch(fd: int) -> None:
+    """A record was used: its mtime is its LRU age (a hint only: the directory may be read-only)."""
+    try:
+        os.utime(fd)
+    except OSError:
+        pass
+
+
+def _record_name(key: TierKey) -> tuple[str, str]:
+    """(shard, file name) of a block's record: blocks/<first two hex digits>/<hash hex>-<group>.kvb."""
+    group_id, block_hash = key
+    name = block_hash.hex()
+    return name[:2], f"{name}-{group_id}{RECORD_SUFFIX}"
+
+
+def _is_shard_name(name: str) -> bool:
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
+def _key_in(shard: str, name: str) -> TierKey | None:
+    """The key of a record named `name` in `shard`; None for any other name, or a record in the wrong shard (where
+    no read would look for it)."""
+    key = parse_record_name(name)
+    return key if key is not None and key[1].hex()[:2] == shard else None
 
 
 def parse_record_name(name: str) -> TierKey | None:
@@ -368,30 +464,14 @@ def _refusal(data: bytes, fingerprint: bytes, key: TierKey, content: BlockKey, p
     raise RecordError("the record changed while it was read")
 
 
-def _walk(blocks_dir: Path) -> Iterator[os.DirEntry[str]]:
-    try:
-        shards = list(os.scandir(blocks_dir))
-    except FileNotFoundError:
-        return
-    for shard in shards:
-        if shard.is_dir(follow_symlinks=False):
-            try:
-                yield from os.scandir(shard.path)
-            except FileNotFoundError:
-                continue
-
-
-def _make_private_dir(path: Path) -> None:
-    """Create `path` 0700 (it holds prompt-derived data); an existing one is used as it is, with a warning when other
-    users can read or enter it. A symlink is refused: the tier's files go where the user named, nowhere else."""
-    if path.is_symlink():
-        raise OSError(f"{path} is a symbolic link; the KV offload tier needs a real directory")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    mode = stat.S_IMODE(path.stat().st_mode)
+def _warn_if_open(directory: CheckedDir) -> None:
+    """A directory of the tier that other users can read or enter is used, with a warning: it holds data derived
+    from prompts; chmod 700 it."""
+    mode = stat.S_IMODE(os.fstat(directory.fd).st_mode)
     if mode & 0o077:
         logger.warning(
             "the KV offload directory %s is open to other users (mode %o): it holds data derived from prompts; "
             "chmod 700 it",
-            path,
+            directory.path,
             mode,
         )

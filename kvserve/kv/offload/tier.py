@@ -481,6 +481,8 @@ class OffloadTier:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        if isinstance(self.store, DiskStore):
+            self.store.close()
 
 
 def _close_at_exit(tier: weakref.ref[OffloadTier]) -> Callable[[], None]:

@@ -1,0 +1,127 @@
+"""The disk tier's directory as hostile input (#43, round three): what someone planted in it before a start, or
+beside a running store, never makes kvserve write outside it, read what it must not, or lose the good records.
+Runs without root and without a model: temporary directories, symlinks, FIFOs and sparse files, with the store alone
+(DiskStore) or the tier over a small cache (tests/unit/test_kv_offload_store.py's helpers)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_kv_offload_store import BLOCK_BYTES, FP, block
+
+from kvserve.kv.offload.record import RecordError
+from kvserve.kv.offload.stores import DiskStore
+
+
+def sub(root: Path) -> Path:
+    """The fingerprint's subdirectory of a tier at `root`, created 0700 as the store would."""
+    path = root / FP.name
+    path.mkdir(mode=0o700, parents=True)
+    root.chmod(0o700)
+    return path
+
+
+def store_at(root: Path, **kwargs) -> DiskStore:
+    return DiskStore(root, FP, capacity_bytes=1 << 30, **kwargs)
+
+
+# ---- item 1: symbolic links are never followed ----------------------------------------------------------------
+
+
+def test_a_planted_lock_link_creates_nothing_elsewhere(tmp_path):
+    """The lock is opened with create-if-missing: through a link planted at its name, kvserve created the link's
+    target. Now the link is refused (the tier is not used) and nothing exists where it pointed."""
+    root, target = tmp_path / "tier", tmp_path / "elsewhere" / "created-by-kvserve"
+    target.parent.mkdir()
+    (sub(root) / "lock").symlink_to(target)
+    with pytest.raises(OSError, match="symbolic link"):
+        store_at(root)
+    assert not target.exists()
+
+
+def test_planted_temporary_fingerprint_links_overwrite_nothing(tmp_path):
+    """fingerprint.json was written through `.tmp-fingerprint-<pid>`, a name anyone can predict: a link there made
+    kvserve overwrite its target. Temporary files now have unpredictable names and are created exclusively."""
+    root, victim = tmp_path / "tier", tmp_path / "victim"
+    victim.write_text("precious")
+    directory = sub(root)
+    for pid in {os.getpid(), *range(os.getpid() - 2, os.getpid() + 3)}:
+        (directory / f".tmp-fingerprint-{pid}").symlink_to(victim)
+    store_at(root)
+    assert victim.read_text() == "precious"
+    described = directory / "fingerprint.json"
+    assert not described.is_symlink() and '"block_size": 4' in described.read_text()
+
+
+def test_a_planted_fingerprint_json_link_is_replaced_not_followed(tmp_path):
+    root, victim = tmp_path / "tier", tmp_path / "victim"
+    victim.write_text("precious")
+    (sub(root) / "fingerprint.json").symlink_to(victim)
+    store_at(root)
+    assert victim.read_text() == "precious"
+    assert not (root / FP.name / "fingerprint.json").is_symlink()
+
+
+def test_shards_planted_as_links_send_no_record_elsewhere(tmp_path):
+    """blocks/00 ... ff planted as links to another directory: every record went there, and the scan (which skipped
+    links) counted none of it against the budget. Now no record is written through a link, and the store's count is
+    what the directory holds."""
+    root, elsewhere = tmp_path / "tier", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    blocks = sub(root) / "blocks"
+    blocks.mkdir(mode=0o700)
+    for i in range(256):
+        (blocks / f"{i:02x}").symlink_to(elsewhere)
+    store = store_at(root)
+    for i in range(4):
+        with pytest.raises(OSError, match="symbolic link"):
+            store.write(*block(i))
+    assert list(elsewhere.iterdir()) == []
+    assert store.usage().num_blocks == 0 and not store.contains(block(0)[0])
+
+
+@pytest.mark.parametrize("level", ["top", "fingerprint", "blocks"])
+def test_a_linked_directory_at_any_level_is_refused(tmp_path, level):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    root = tmp_path / "tier"
+    if level == "top":
+        root.symlink_to(real)
+    else:
+        directory = sub(root)
+        link = directory if level == "fingerprint" else directory / "blocks"
+        if level == "fingerprint":
+            directory.rmdir()
+        link.symlink_to(real)
+    with pytest.raises(OSError, match="symbolic link"):
+        store_at(root)
+    assert list(real.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_planted_record_that_is_not_a_file_is_refused_and_removed(tmp_path, kind):
+    """A link in a record's place is not followed (its target is neither read nor touched); a FIFO is not opened for
+    a read that would never return. Either is refused like a bad record and removed; the target stays."""
+    root = tmp_path / "tier"
+    store = store_at(root)
+    key, content, payload = block(3)
+    store.write(key, content, payload)
+    path = store.path_for(key)
+    target = tmp_path / "target"
+    target.write_bytes(path.read_bytes())  # a valid record: only where it lies is wrong
+    before = target.stat()
+    path.unlink()
+    if kind == "link":
+        path.symlink_to(target)
+    else:
+        os.mkfifo(path)
+    parts = [memoryview(bytearray(BLOCK_BYTES))]
+    with pytest.raises(RecordError, match="symbolic link" if kind == "link" else "not a regular file"):
+        store.read_into(key, content, parts)
+    assert not os.path.lexists(path)
+    assert target.stat().st_mtime_ns == before.st_mtime_ns and target.read_bytes()
