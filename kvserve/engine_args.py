@@ -174,6 +174,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "disk budget. It survives restarts and is shared by every process using DIR with the same model and settings",
     )
     c.add_argument(
+        "--kv-offloading-allow-other-writers",
+        action="store_true",
+        help="use a --kv-offloading-path directory that other users can write, or that another user owns (refused "
+        "without this flag: whoever can write there can plant records that kvserve restores, since the checksum "
+        "detects damage, not forgery; docs/KV_OFFLOAD.md, 'Threat model of the tier directory')",
+    )
+    c.add_argument(
         "--kv-offloading-dtype",
         default="auto",
         choices=OFFLOAD_DTYPES,
@@ -262,4 +269,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
         kv_offloading_path=getattr(args, "kv_offloading_path", None),
         kv_offloading_dtype=getattr(args, "kv_offloading_dtype", "auto"),
+        kv_offloading_allow_other_writers=getattr(args, "kv_offloading_allow_other_writers", False),
     )

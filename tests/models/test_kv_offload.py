@@ -220,6 +220,24 @@ def test_an_unusable_directory_serves_without_a_tier(model_dir, cold, tmp_path, 
     assert_pool_whole(engine)
 
 
+def test_a_directory_others_can_write_serves_without_a_tier_unless_allowed(model_dir, cold, tmp_path, caplog):
+    """#43 item 2 through the engine: a tier directory writable by others is refused (logged, naming the flag) and the
+    engine serves without it; --kv-offloading-allow-other-writers uses it."""
+    top = tmp_path / "tier"
+    top.mkdir()
+    top.chmod(0o777)
+    engine = disk_engine(model_dir, top)
+    assert "cannot be used" in caplog.text and "--kv-offloading-allow-other-writers" in caplog.text
+    assert run(engine, PROMPT)[0] == cold
+    assert not engine.core.stats().offload.available and not list(top.iterdir())
+    engine.core.close()
+    allowed = disk_engine(model_dir, top, kv_offloading_allow_other_writers=True)
+    assert run(allowed, PROMPT)[0] == cold
+    flushed(allowed)
+    assert len(records(top)) == STORED
+    allowed.core.close()
+
+
 def test_a_full_disk_stops_storing_and_keeps_serving(model_dir, cold, tmp_path, monkeypatch, caplog):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -347,6 +365,8 @@ def test_offloading_flags_are_checked():
         EngineConfig(kv_offloading_size="lots")
     with pytest.raises(ValueError, match="must be positive"):
         EngineConfig(kv_offloading_size=0)
+    with pytest.raises(ValueError, match="allow-other-writers needs --kv-offloading-path"):
+        EngineConfig(kv_offloading_size=1, kv_offloading_allow_other_writers=True)
 
 
 def test_hits_lost_to_eviction_are_counted_and_a_tier_keeps_them(model_dir):

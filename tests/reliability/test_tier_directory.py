@@ -125,3 +125,62 @@ def test_a_planted_record_that_is_not_a_file_is_refused_and_removed(tmp_path, ki
         store.read_into(key, content, parts)
     assert not os.path.lexists(path)
     assert target.stat().st_mtime_ns == before.st_mtime_ns and target.read_bytes()
+
+
+# ---- item 2: a directory others can write is refused unless the user trusts them --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("level", "mode"), [("top", 0o777), ("top", 0o770), ("fingerprint", 0o707), ("blocks", 0o777), ("top", 0o1777)]
+)
+def test_a_directory_others_can_write_is_refused(tmp_path, level, mode):
+    """Whoever can write in the tier's directory can forge a record whose checksum matches (xxh3 detects damage, not
+    forgery): it was used with a warning. Now a directory of the tier writable by its group or by everyone (sticky or
+    not) is refused, naming the flag that allows it, and nothing is created in it."""
+    root = tmp_path / "tier"
+    directory = sub(root)
+    (directory / "blocks").mkdir(mode=0o700)
+    {"top": root, "fingerprint": directory, "blocks": directory / "blocks"}[level].chmod(mode)
+    with pytest.raises(OSError, match="writable by other users.*--kv-offloading-allow-other-writers"):
+        store_at(root)
+    assert sorted(p.name for p in directory.iterdir()) == ["blocks"]
+
+
+def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    """A tier directory owned by another user (here: this process pretends to be another uid, so that the test needs
+    no root to chown) is that user's to fill: refused unless trusted."""
+    root = tmp_path / "tier"
+    store_at(root).close()
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(root).st_uid + 1)
+    with pytest.raises(OSError, match="owned by uid .*--kv-offloading-allow-other-writers"):
+        store_at(root)
+
+
+def test_the_flag_allows_other_writers_with_a_warning(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "tier"
+    store_at(root).close()
+    root.chmod(0o777)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(root).st_uid + 1)
+    store = store_at(root, allow_other_writers=True)
+    key, content, payload = block(1)
+    store.write(key, content, payload)
+    assert store.read(key, content).equal(payload)
+    assert "other users can write" in caplog.text
+    store.close()
+
+
+def test_a_shard_or_record_others_can_write_is_not_used(tmp_path):
+    """Below a private top: a shard directory others can write is skipped (its blocks are not stored), a record file
+    others can write is refused like a bad one."""
+    root = tmp_path / "tier"
+    store = store_at(root)
+    key, content, payload = block(2)
+    store.write(key, content, payload)
+    path = store.path_for(key)
+    path.chmod(0o666)
+    with pytest.raises(RecordError, match="writable by other users"):
+        store.read(key, content)
+    path.parent.chmod(0o777)
+    with pytest.raises(OSError, match="writable by other users"):
+        store.write(key, content, payload)
+    store.close()

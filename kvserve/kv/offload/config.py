@@ -44,6 +44,9 @@ class KVOffloadConfig:
     dtype: str = "auto"
     # Stored records waiting for the disk writer, at most; past it a block is dropped (counted), never waited for.
     max_queued_bytes: int = 256 * MiB
+    # --kv-offloading-allow-other-writers: use a directory other users can write, or another user's (refused
+    # otherwise: whoever can write there can plant records that pass every check; kv/offload/safedir.py).
+    allow_other_writers: bool = False
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:
@@ -61,6 +64,8 @@ class KVOffloadConfig:
             raise ValueError(f"--kv-offloading-dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {self.dtype!r}")
         if self.max_queued_bytes <= 0:
             raise ValueError(f"max_queued_bytes must be positive, got {self.max_queued_bytes}")
+        if self.allow_other_writers and self.path is None:
+            raise ValueError("--kv-offloading-allow-other-writers needs --kv-offloading-path (it is about a directory)")
 
     @property
     def medium(self) -> str:
@@ -69,10 +74,14 @@ class KVOffloadConfig:
 
 
 def make_offload_config(
-    size: str | int | float | None, path: str | Path | None = None, backend: str | None = None, dtype: str = "auto"
+    size: str | int | float | None,
+    path: str | Path | None = None,
+    backend: str | None = None,
+    dtype: str = "auto",
+    allow_other_writers: bool = False,
 ) -> KVOffloadConfig | None:
-    """The config of the three flags; None (no tier) without a size. A path or backend without a size is an error,
-    not a silent no-op."""
+    """The config of the flags; None (no tier) without a size. A path, backend or other flag without a size is an
+    error, not a silent no-op."""
     if size is None:
         if path is not None:
             raise ValueError(
@@ -82,10 +91,13 @@ def make_offload_config(
             raise ValueError("--kv-offloading-backend needs --kv-offloading-size")
         if dtype != "auto":
             raise ValueError("--kv-offloading-dtype needs --kv-offloading-size")
+        if allow_other_writers:
+            raise ValueError("--kv-offloading-allow-other-writers needs --kv-offloading-size and --kv-offloading-path")
         return None
     return KVOffloadConfig(
         size_bytes=parse_offloading_size(size),
         path=None if path is None else Path(path).expanduser(),
         backend=backend or "native",
         dtype=dtype,
+        allow_other_writers=allow_other_writers,
     )

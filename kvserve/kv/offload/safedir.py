@@ -25,26 +25,62 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
+# The flag that lets the tier use entries other users can write (kvserve/engine_args.py), named in refusals.
+ALLOW_OTHER_WRITERS_FLAG = "--kv-offloading-allow-other-writers"
+# Why an entry others can write is refused, said once in each refusal.
+_FORGERY = (
+    "whoever can write there can plant records that pass every check (the checksum detects damage, not forgery) and "
+    "are restored into prompts' KV"
+)
+
+
 class UnsafeEntry(OSError):
     """An entry of the tier's directory that the tier did not make and will not use: a symbolic link, a file where a
-    directory belongs (or the reverse, or a FIFO, a socket, a device), or another user's."""
+    directory belongs (or the reverse, or a FIFO, a socket, a device), another user's, or one other users can
+    write."""
+
+    def __str__(self) -> str:
+        return f"{self.filename} is {self.strerror}"
 
 
 @dataclass(frozen=True, slots=True)
 class Trust:
-    """Whose entries the tier uses: those owned by `uid` (this process's effective user)."""
+    """Whose entries the tier uses: those owned by `uid` (this process's effective user) and writable by it alone,
+    or, with `other_writers` (the user's explicit ALLOW_OTHER_WRITERS_FLAG), also those of other owners or writable
+    by others. A link or an entry of the wrong type is never used."""
 
     uid: int
+    other_writers: bool = False
 
     def check(self, st: os.stat_result, where: str, directory: bool) -> None:
         """Raise UnsafeEntry unless `st` (an entry at `where`, opened without following a link) is a directory (or a
-        regular file) owned by `uid`."""
+        regular file) that only this user can change."""
         if directory and not stat.S_ISDIR(st.st_mode):
             raise UnsafeEntry(errno.ENOTDIR, "not a directory", where)
         if not directory and not stat.S_ISREG(st.st_mode):
             raise UnsafeEntry(errno.EINVAL, "not a regular file", where)
+        if self.other_writers:
+            return
         if st.st_uid != self.uid:
-            raise UnsafeEntry(errno.EPERM, f"owned by uid {st.st_uid}, not by this process's uid {self.uid}", where)
+            raise UnsafeEntry(
+                errno.EPERM,
+                f"owned by uid {st.st_uid}, not by this process's uid {self.uid}: {_FORGERY}; pass "
+                f"{ALLOW_OTHER_WRITERS_FLAG} if that user is trusted",
+                where,
+            )
+        if others_can_write(st):
+            raise UnsafeEntry(
+                errno.EPERM,
+                f"writable by other users (mode {stat.S_IMODE(st.st_mode):o}): {_FORGERY}; chmod go-w it, or pass "
+                f"{ALLOW_OTHER_WRITERS_FLAG} if every user who can write there is trusted",
+                where,
+            )
+
+
+def others_can_write(st: os.stat_result) -> bool:
+    """Whether users other than the owner may write the entry: its group or everyone has the write bit (a sticky
+    directory included: others may still add entries to it)."""
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def _refused(e: OSError, dir_fd: int, name: str, where: str) -> OSError:

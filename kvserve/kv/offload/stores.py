@@ -36,7 +36,7 @@ from kvserve.kv.offload.record import (
     record_head,
     record_parts,
 )
-from kvserve.kv.offload.safedir import CheckedDir, Trust, UnsafeEntry
+from kvserve.kv.offload.safedir import ALLOW_OTHER_WRITERS_FLAG, CheckedDir, Trust, UnsafeEntry, others_can_write
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +118,15 @@ class DiskStore:
 
     medium = "DISK"
 
-    def __init__(self, root: Path, fingerprint: KVFingerprint, capacity_bytes: int) -> None:
+    def __init__(
+        self, root: Path, fingerprint: KVFingerprint, capacity_bytes: int, allow_other_writers: bool = False
+    ) -> None:
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
         self.top = root
         self.dir = root / fingerprint.name
         self.blocks_dir = self.dir / "blocks"
-        trust = Trust(os.geteuid())
+        trust = Trust(os.geteuid(), other_writers=allow_other_writers)
         with CheckedDir.open_top(root, trust, create=True) as top:
             _warn_if_open(top)
             self._dir = top.subdir([fingerprint.name], create=True)
@@ -183,7 +185,7 @@ class DiskStore:
             raise KeyError(key[1].hex()) from None
         except UnsafeEntry as e:
             self._remove_record(key)
-            raise RecordError(f"{e.filename}: {e.strerror}") from None
+            raise RecordError(str(e)) from None
 
     def read(self, key: TierKey, content: BlockKey) -> torch.Tensor:
         """The verified payload as a new uint8 tensor (for inspection and tests; restores use read_into); RecordError
@@ -466,9 +468,20 @@ def _refusal(data: bytes, fingerprint: bytes, key: TierKey, content: BlockKey, p
 
 def _warn_if_open(directory: CheckedDir) -> None:
     """A directory of the tier that other users can read or enter is used, with a warning: it holds data derived
-    from prompts; chmod 700 it."""
-    mode = stat.S_IMODE(os.fstat(directory.fd).st_mode)
-    if mode & 0o077:
+    from prompts; chmod 700 it. One that others can write, or another user's, gets here only when the user allowed
+    it (ALLOW_OTHER_WRITERS_FLAG): warned about too, since the tier then restores whatever they put there."""
+    st = os.fstat(directory.fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if others_can_write(st) or st.st_uid != directory.trust.uid:
+        logger.warning(
+            "the KV offload directory %s (mode %o, uid %d) is one other users can write: used because of %s; "
+            "the tier restores whatever they put there",
+            directory.path,
+            mode,
+            st.st_uid,
+            ALLOW_OTHER_WRITERS_FLAG,
+        )
+    elif mode & 0o077:
         logger.warning(
             "the KV offload directory %s is open to other users (mode %o): it holds data derived from prompts; "
             "chmod 700 it",

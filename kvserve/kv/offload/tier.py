@@ -92,7 +92,7 @@ class OffloadTier:
             self.store = HostMemoryStore(config.size_bytes, self.layout.block_bytes)
         else:
             try:
-                self.store = DiskStore(config.path, fingerprint, config.size_bytes)
+                self.store = DiskStore(config.path, fingerprint, config.size_bytes, config.allow_other_writers)
             except OSError as e:
                 self.store, self.error = None, f"{type(e).__name__}: {e}"
                 logger.error(
