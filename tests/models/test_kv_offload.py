@@ -105,6 +105,26 @@ def records(path: Path) -> list[Path]:
     return sorted(path.glob(f"*/blocks/*/*{RECORD_SUFFIX}"))
 
 
+def chain(path: Path) -> list[Path]:
+    """The full-attention group's records of a tier at `path` in chain order (first block first), read from their
+    heads (hash and parent)."""
+    from kvserve.kv.offload.record import _HEADER
+
+    by_parent: dict[bytes | None, Path] = {}
+    for record in records(path):
+        if not record.name.endswith(f"-0{RECORD_SUFFIX}"):
+            continue
+        head = record.read_bytes()[: _HEADER.size + 128]
+        *_, hash_len, parent_len, _, _ = _HEADER.unpack_from(head)
+        at = _HEADER.size + hash_len
+        by_parent[None if parent_len == 0xFFFF else head[at : at + parent_len]] = record
+    ordered, parent = [], None
+    while parent in by_parent:
+        ordered.append(by_parent[parent])
+        parent = bytes.fromhex(ordered[-1].name.split("-")[0])
+    return ordered
+
+
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
 def test_host_memory_tier_restores_what_the_pool_evicted(checkpoints, variant):
     pool = POOL if variant == "gemma3_mqa_sliding" else UNIFORM_POOL
@@ -203,6 +223,39 @@ def test_damaged_records_are_recomputed(model_dir, cold, tmp_path, damage):
     # The bad record was dropped and the recomputed block stored again: a third start restores everything.
     flushed(second).core.close()
     third = disk_engine(model_dir, tmp_path)
+    assert run(third, PROMPT)[2] == 56
+    third.core.close()
+
+
+@pytest.mark.parametrize("when", ["before the start", "while running"])
+def test_a_planted_terabyte_record_costs_only_its_own_block(checkpoints, tmp_path, when):
+    """#43 item 3 through the engine: a 1 TiB sparse file in a record's place raised MemoryError in the loader, which
+    turned the whole restore into 0 blocks with nothing counted, and at the next start the scan counted the terabyte
+    against the budget and evicted every good record. Now the file is refused by its size (by the start-up scan, or
+    by the restore that meets it), counted once, removed; the blocks before it are restored (the uniform layout: a
+    sliding group's shorter chain would restore nothing), and the next start restores everything."""
+    uniform = checkpoints["llama_gqa"]
+    want = run(tiny_engine(uniform, **UNIFORM_POOL), PROMPT)[0]
+    first = disk_engine(uniform, tmp_path, **UNIFORM_POOL)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    victim = chain(tmp_path)[7]  # the prompt's 8th block: the 7 before it are restored
+
+    def plant() -> None:
+        with open(victim, "r+b") as f:
+            f.truncate(1 << 40)
+
+    if when == "before the start":
+        plant()
+    second = disk_engine(uniform, tmp_path, **UNIFORM_POOL)
+    if when == "while running":
+        plant()
+    tokens, cached, restored = run(second, PROMPT)
+    assert tokens == want and restored == cached == 7 * 4
+    assert_pool_whole(flushed(second))
+    assert second.core.stats().offload.restore_failures == 1 and victim.stat().st_size < 1 << 20  # stored again
+    second.core.close()
+    third = disk_engine(uniform, tmp_path, **UNIFORM_POOL)
     assert run(third, PROMPT)[2] == 56
     third.core.close()
 

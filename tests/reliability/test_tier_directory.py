@@ -27,7 +27,7 @@ def sub(root: Path) -> Path:
 
 
 def store_at(root: Path, **kwargs) -> DiskStore:
-    return DiskStore(root, FP, capacity_bytes=1 << 30, **kwargs)
+    return DiskStore(root, FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES, **kwargs)
 
 
 # ---- item 1: symbolic links are never followed ----------------------------------------------------------------
@@ -184,3 +184,65 @@ def test_a_shard_or_record_others_can_write_is_not_used(tmp_path):
     with pytest.raises(OSError, match="writable by other users"):
         store.write(key, content, payload)
     store.close()
+
+
+# ---- item 3: planted oversized records ----------------------------------------------------------------------------
+
+
+def sparse(path: Path, size: int) -> None:
+    """`path` grown (or created) to `size` bytes that take no disk space, its first bytes kept (skipped where the
+    filesystem cannot hold such a file)."""
+    with open(path, "r+b" if path.exists() else "wb") as f:
+        try:
+            f.truncate(size)
+        except OSError as e:
+            pytest.skip(f"this filesystem holds no sparse file of {size} bytes ({e})")
+
+
+@pytest.mark.parametrize("size", [2 << 30, 1 << 40])
+def test_an_oversized_record_is_refused_by_its_size_without_being_read(tmp_path, monkeypatch, size):
+    """A sparse file of 2 GiB in a record's place was read whole before being refused (RSS +2 GiB); one of 1 TiB
+    raised MemoryError. Now its size refuses it before any read of more than a record's head, and it is removed."""
+    store = store_at(tmp_path / "tier")
+    key, content, payload = block(4)
+    store.write(key, content, payload)
+    path = store.path_for(key)
+    sparse(path, size)
+    asked: list[int] = []
+    real_pread = os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        asked.append(n)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    with pytest.raises(RecordError, match="length"):
+        store.read_into(key, content, [memoryview(bytearray(BLOCK_BYTES))])
+    with pytest.raises(KeyError):
+        store.read(key, content)  # removed
+    store.write(key, content, payload)
+    sparse(path, size)
+    with pytest.raises(RecordError, match="length"):
+        store.read(key, content)
+    assert max(asked) <= 4096
+
+
+def test_the_scan_counts_only_well_formed_records(tmp_path):
+    """At the next start a planted 1 TiB file counted against the budget and every good record was evicted. Now the
+    scan counts only records whose size a record of this store can have, removes the rest, and counts them refused."""
+    root = tmp_path / "tier"
+    store = store_at(root)
+    for i in range(3):
+        store.write(*block(i))
+    store.close()
+    planted, tiny = store.path_for(block(9)[0]), store.path_for(block(8)[0])
+    planted.parent.mkdir(mode=0o700, exist_ok=True)
+    sparse(planted, 1 << 40)
+    tiny.parent.mkdir(mode=0o700, exist_ok=True)
+    tiny.write_bytes(b"short")
+    restarted = DiskStore(root, FP, capacity_bytes=16 * BLOCK_BYTES, payload_bytes=BLOCK_BYTES)
+    assert restarted.usage().num_blocks == 3 and restarted.usage().bytes_used < 4 * BLOCK_BYTES
+    assert restarted.refused_records == 2 and not planted.exists() and not tiny.exists()
+    for i in range(3):
+        key, content, payload = block(i)
+        assert restarted.read(key, content).equal(payload)

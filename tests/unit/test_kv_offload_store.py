@@ -74,7 +74,7 @@ def test_a_version_1_record_is_refused():
 
 
 def _writer(root: str, seed: int, n: int) -> None:
-    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30)
+    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     order = list(range(n))
     if seed:
         order.reverse()
@@ -84,7 +84,7 @@ def _writer(root: str, seed: int, n: int) -> None:
 
 def _reader(root: str, n: int, ready, writers_done, out) -> None:
     """Read every block over and over while the writers write, and once more after they are done."""
-    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30)
+    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     seen = refused = 0
     ready.set()
     last_pass = False
@@ -126,7 +126,7 @@ def test_two_processes_writing_at_once_never_expose_a_partial_record(tmp_path):
     reader.join(30)
     assert reader.exitcode == 0
     assert refused == 0 and seen >= n  # the last pass alone reads all n
-    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30)
+    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     assert store.usage().num_blocks == n
     assert not [p for p in tmp_path.rglob(f"{TMP_PREFIX}*") if "fingerprint" not in p.name]
     for i in range(n):
@@ -136,7 +136,7 @@ def test_two_processes_writing_at_once_never_expose_a_partial_record(tmp_path):
 
 def test_the_budget_evicts_least_recently_used_first(tmp_path):
     record_bytes = len(encode_record(FP.digest, block(0)[0][1], block(0)[1], bytes(BLOCK_BYTES)))
-    store = DiskStore(tmp_path, FP, capacity_bytes=10 * record_bytes)
+    store = DiskStore(tmp_path, FP, capacity_bytes=10 * record_bytes, payload_bytes=BLOCK_BYTES)
     for i in range(10):
         store.write(*block(i))
         os.utime(store.path_for(block(i)[0]), (1000 + i, 1000 + i))  # a clear LRU order
@@ -148,7 +148,7 @@ def test_the_budget_evicts_least_recently_used_first(tmp_path):
 
 
 def test_a_dead_writers_temporary_files_are_swept(tmp_path):
-    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 20)
+    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 20, payload_bytes=BLOCK_BYTES)
     shard = store.blocks_dir / "ab"
     shard.mkdir()
     stale, fresh = shard / f"{TMP_PREFIX}1-2-3", shard / f"{TMP_PREFIX}4-5-6"
@@ -164,7 +164,7 @@ def test_a_symlinked_directory_is_refused(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     with pytest.raises(OSError, match="symbolic link"):
-        DiskStore(tmp_path / "link", FP, capacity_bytes=1 << 20)
+        DiskStore(tmp_path / "link", FP, capacity_bytes=1 << 20, payload_bytes=BLOCK_BYTES)
 
 
 def _parts(sizes: list[int]) -> list[memoryview]:
@@ -174,7 +174,7 @@ def _parts(sizes: list[int]) -> list[memoryview]:
 def test_read_into_fills_several_buffers_and_refuses_every_bad_record(tmp_path):
     """A disk restore reads a record straight into a block's slices of the cache (one buffer per layer tensor): the
     payload lands split across them in order, and every check still refuses a bad record, naming why, and removes it."""
-    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30)
+    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     h, key, payload = block(5)
     store.write(h, key, payload)
     sizes = [BLOCK_BYTES // 4, BLOCK_BYTES // 2, BLOCK_BYTES // 4]

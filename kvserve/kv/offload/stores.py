@@ -35,6 +35,8 @@ from kvserve.kv.offload.record import (
     decode_record,
     record_head,
     record_parts,
+    record_size_bounds,
+    size_refusal,
 )
 from kvserve.kv.offload.safedir import ALLOW_OTHER_WRITERS_FLAG, CheckedDir, Trust, UnsafeEntry, others_can_write
 
@@ -47,6 +49,8 @@ STALE_TMP_SECONDS = 600.0
 # Eviction frees down to this share of the budget, so that the directory is scanned once per tenth of it written.
 _EVICT_TO = 0.9
 _LOCK_FILE = "lock"
+# Enough of a file's start to say why it is not a record (its header and more), when its size already says it is not.
+_HEAD_READ = 4096
 _FINGERPRINT_FILE = "fingerprint.json"
 
 
@@ -119,10 +123,19 @@ class DiskStore:
     medium = "DISK"
 
     def __init__(
-        self, root: Path, fingerprint: KVFingerprint, capacity_bytes: int, allow_other_writers: bool = False
+        self,
+        root: Path,
+        fingerprint: KVFingerprint,
+        capacity_bytes: int,
+        payload_bytes: int,
+        allow_other_writers: bool = False,
     ) -> None:
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
+        self.payload_bytes = payload_bytes  # a block's payload: what every record of this store holds
+        # The sizes a record of this store can have: any other file at a record's name is not one, known unread.
+        self._min_size, self._max_size = record_size_bounds(payload_bytes)
+        self.refused_records = 0  # records the scans refused (malformed, planted), under _mutex
         self.top = root
         self.dir = root / fingerprint.name
         self.blocks_dir = self.dir / "blocks"
@@ -189,13 +202,16 @@ class DiskStore:
 
     def read(self, key: TierKey, content: BlockKey) -> torch.Tensor:
         """The verified payload as a new uint8 tensor (for inspection and tests; restores use read_into); RecordError
-        for a bad record (removed, so that it is recomputed and stored again), KeyError for a missing one. Touches the
-        file: its mtime is its LRU age."""
+        for a bad record (removed, so that it is recomputed and stored again), KeyError for a missing one. A file of a
+        size no record of this store has is refused by its size, read no further than its head. Touches the file:
+        its mtime is its LRU age."""
         fd = self._open_record(key)
         try:
-            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            size = os.fstat(fd).st_size
             try:
-                payload = decode_record(data, self._digest, key[1], content, key[0])
+                if not self._min_size <= size <= self._max_size:
+                    raise size_refusal(os.pread(fd, _HEAD_READ, 0), size, self._digest, self.payload_bytes)
+                payload = decode_record(os.pread(fd, size, 0), self._digest, key[1], content, key[0])
             except RecordError:
                 self._remove_record(key)
                 raise
@@ -209,9 +225,11 @@ class DiskStore:
         of the loader's staging buffer, or the block's own slices of the KV cache, so that a restore copies each byte
         once, from the file straight to where attention reads it). One vectored read; the record's head is compared
         whole with the head this block's record must have (magic, version, fingerprint, lengths, hash and content
-        key at once) and the checksum is computed over the bytes where they landed. A bad record raises RecordError
-        naming the check it failed (and is removed, as by read), a missing one KeyError; after either, `parts` hold
-        garbage the caller must not use."""
+        key at once) and the checksum is computed over the bytes where they landed. A file of a size no record of
+        such a block can have is refused by it, read no further than its head (a planted file of a terabyte costs a
+        stat, not a read); any other bad one is read whole, once, for the reason it is refused. A bad record
+        raises RecordError naming the check it failed (and is removed, as by read), a missing one KeyError; after
+        either, `parts` hold garbage the caller must not use."""
         group_id, block_hash = key
         payload_len = sum(p.nbytes for p in parts)
         head = record_head(self._digest, block_hash, content, payload_len, group_id)
@@ -225,11 +243,11 @@ class DiskStore:
                 got = os.preadv(fd, [got_head, *parts, checksum], 0)
                 good = got == expected and got_head == head and checksum_matches([got_head, *parts], checksum)
             if not good:
-                try:
-                    _refusal(os.pread(fd, size, 0), self._digest, key, content, payload_len)
-                except RecordError:
-                    self._remove_record(key)
-                    raise
+                self._remove_record(key)
+                least, most = record_size_bounds(payload_len)
+                if not least <= size <= most:
+                    raise size_refusal(os.pread(fd, len(head), 0), size, self._digest, payload_len)
+                _refusal(os.pread(fd, size, 0), self._digest, key, content, payload_len)
             _touch(fd)
         finally:
             os.close(fd)
@@ -318,6 +336,7 @@ class DiskStore:
         with self._locked():
             now = time.time()
             records: list[tuple[float, int, str, str]] = []  # (mtime, size, shard, name)
+            refused = 0
             for shard, directory in self._shards():
                 with directory, os.scandir(directory.fd) as entries:
                     for entry in entries:
@@ -328,8 +347,20 @@ class DiskStore:
                         if entry.name.startswith(TMP_PREFIX):
                             if now - st.st_mtime > STALE_TMP_SECONDS:
                                 _unlink_quietly(directory, entry.name)
-                        elif _key_in(shard, entry.name) is not None and stat.S_ISREG(st.st_mode):
+                        elif _key_in(shard, entry.name) is None:
+                            continue
+                        elif self._well_formed(st, directory.where([entry.name])):
                             records.append((st.st_mtime, st.st_size, shard, entry.name))
+                        else:
+                            refused += 1
+                            _unlink_quietly(directory, entry.name)
+            if refused:
+                logger.warning(
+                    "KV offload tier: %d entries at records' names in %s are no records of it (wrong size or type, "
+                    "another user's): removed, not counted against the budget",
+                    refused,
+                    self.blocks_dir,
+                )
             total = sum(r[1] for r in records)
             if total > self.capacity_bytes:
                 records.sort()
@@ -345,7 +376,18 @@ class DiskStore:
             with self._mutex:
                 self._bytes_estimate, self._num_blocks_estimate = total, len(records)
                 self._present = present
+                self.refused_records += refused
         return evicted
+
+    def _well_formed(self, st: os.stat_result, where: str) -> bool:
+        """Whether an entry at a record's name can be a record of this store, from its stat alone: a regular file of
+        this user's that others cannot write, of a size a record of this payload has. Only such entries count
+        against the budget (a planted terabyte file evicted every good record)."""
+        try:
+            self._blocks.trust.check(st, where, directory=False)
+        except UnsafeEntry:
+            return False
+        return self._min_size <= st.st_size <= self._max_size
 
     def refresh(self) -> tuple[list[TierKey], list[TierKey]]:
         """Bring the index up to date with the directory: list the shards whose directory changed since the last look

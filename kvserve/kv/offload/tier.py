@@ -92,7 +92,13 @@ class OffloadTier:
             self.store = HostMemoryStore(config.size_bytes, self.layout.block_bytes)
         else:
             try:
-                self.store = DiskStore(config.path, fingerprint, config.size_bytes, config.allow_other_writers)
+                self.store = DiskStore(
+                    config.path,
+                    fingerprint,
+                    config.size_bytes,
+                    payload_bytes=self.layout.block_bytes,
+                    allow_other_writers=config.allow_other_writers,
+                )
             except OSError as e:
                 self.store, self.error = None, f"{type(e).__name__}: {e}"
                 logger.error(
@@ -289,6 +295,10 @@ class OffloadTier:
                 else:
                     with self._lock:
                         self.dropped_blocks += 1
+            except RecordError as e:  # a block no record can hold (a cache salt past MAX_IDENTITY_BYTES): not stored
+                with self._lock:
+                    self.dropped_blocks += 1
+                logger.debug("KV offload: block %s not stored (%s)", block.block_hash.hex()[:16], e)
             except OSError as e:
                 with self._lock:
                     self.io_errors += 1
@@ -390,6 +400,16 @@ class OffloadTier:
                     "KV offload: reading block %s failed (%s); it is recomputed", block.block_hash.hex()[:16], e
                 )
                 break
+            except Exception as e:  # noqa: BLE001 -- one entry's surprise (MemoryError, ...) costs that block alone
+                with self._lock:
+                    self.restore_failures += 1
+                logger.warning(
+                    "KV offload: block %s not restored (%s: %s); it is recomputed",
+                    block.block_hash.hex()[:16],
+                    type(e).__name__,
+                    e,
+                )
+                break
         done = len(found) + read
         if cancelled.is_set():
             done = 0
@@ -422,6 +442,8 @@ class OffloadTier:
     def stats(self) -> OffloadStats:
         """The counters as one consistent snapshot (taken under the lock the threads write them under)."""
         usage = self.store.usage() if self.store is not None else None
+        # Records the disk store's scans refused count as failed checks too (a planted or damaged file).
+        refused = self.store.refused_records if isinstance(self.store, DiskStore) else 0
         with self._lock:
             return OffloadStats(
                 medium=self.medium,
@@ -433,7 +455,7 @@ class OffloadTier:
                 stored_blocks=self.stored_blocks,
                 dropped_blocks=self.dropped_blocks,
                 restored_blocks=self.restored_blocks,
-                restore_failures=self.restore_failures,
+                restore_failures=self.restore_failures + refused,
                 io_errors=self.io_errors,
                 restore_seconds_total=self.restore_seconds_total,
                 restores=self.restores,
