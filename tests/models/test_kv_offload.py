@@ -325,6 +325,81 @@ def test_a_read_only_tier_of_earlier_runs_is_still_read(model_dir, cold, tmp_pat
     second.core.close()
 
 
+def deny_writes_as_the_kernel_would(monkeypatch) -> None:
+    """Make os.open and os.mkdir refuse (EACCES) what the kernel refuses a user who is not root: opening for writing a
+    file without its owner's write bit, or creating an entry in a directory without it. Root ignores permission bits,
+    so a test that made a directory read-only and runs as root injects the refusal itself."""
+    import errno
+    import os
+    import stat
+
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def writable(path, dir_fd) -> bool:
+        try:
+            return bool(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode & stat.S_IWUSR)
+        except FileNotFoundError:
+            parent = os.path.dirname(path) or "."
+            if dir_fd is None:
+                return bool(os.stat(parent).st_mode & stat.S_IWUSR)
+            return bool(os.stat(parent, dir_fd=dir_fd).st_mode & stat.S_IWUSR)
+
+    def open_(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and not writable(path, dir_fd):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def mkdir_(path, mode=0o777, *, dir_fd=None):
+        parent = os.path.dirname(path) or "."
+        st = os.stat(parent, dir_fd=dir_fd) if dir_fd is not None else os.stat(parent)
+        if not st.st_mode & stat.S_IWUSR:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "mkdir", mkdir_)
+
+
+def tree(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry below `path`: (mode, size, mtime in ns), to tell whether anything was written."""
+    return {str(p): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def test_a_read_only_directory_is_restored_from_and_never_written(model_dir, cold, tmp_path, monkeypatch, caplog):
+    """#43 item 5: a directory of an earlier run made read-only was refused (the start-up scan opened the lock
+    read-write), though the docs promised restores from it. Now it is opened read-only: the earlier run's blocks are
+    restored, nothing is stored, and nothing in it changes (no lock, no removal, no mtime touched). As root, whose
+    writes permission bits do not stop (os.access says so), the kernel's refusal is injected; the unchanged tree then
+    shows that kvserve did not even try."""
+    import os
+
+    top = tmp_path / "tier"
+    first = disk_engine(model_dir, top)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    paths = [top, *top.rglob("*")]
+    for p in paths:
+        p.chmod(0o500 if p.is_dir() else 0o400)
+    try:
+        if os.access(top, os.W_OK):  # root: make the refusal explicit
+            deny_writes_as_the_kernel_would(monkeypatch)
+        before = tree(top)
+        second = disk_engine(model_dir, top)
+        tokens, _, restored = run(second, PROMPT)
+        assert tokens == cold and restored == 56
+        evict(second)
+        flushed(second)
+        stats = second.core.stats().offload
+        assert stats.stored_blocks == 0 and not stats.available and stats.io_errors == 0
+        assert "read-only" in caplog.text
+        second.core.close()
+        assert tree(top) == before
+    finally:
+        monkeypatch.undo()
+        for p in paths:
+            p.chmod(0o700 if p.is_dir() else 0o600)
+
+
 def test_cache_salts_never_restore_each_other(model_dir, tmp_path):
     engine = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
     want = run(engine, PROMPT, salt="tenant-a")[0]

@@ -9,6 +9,7 @@ directory's budget is enforced under a lock file by whichever process finds it e
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -158,8 +159,27 @@ class DiskStore:
         self._present: set[TierKey] = set()  # the records known to exist (see the class docstring)
         self._shard_mtimes: dict[str, float] = {}  # what refresh saw of each shard directory
         self._warned: set[str] = set()  # unsafe entries already logged (once each)
-        self._describe_fingerprint()
+        # A directory this process may not write (a read-only mount, chmod a-w, another user's lock) is still read.
+        self.read_only = not self._can_write()
+        if not self.read_only:
+            self._describe_fingerprint()
         self.scan()
+
+    def _can_write(self) -> bool:
+        """Whether this process may write the directory: its lock opens read-write (created if missing). One that
+        refuses (EACCES, EPERM, EROFS) is used read-only: restores from what earlier runs stored; nothing is stored,
+        evicted, removed or touched (a user who made it read-only meant it). An unsafe lock (a link, another user's)
+        refuses the tier instead."""
+        try:
+            fd = self._dir.open([_LOCK_FILE], os.O_RDWR | os.O_CREAT)
+        except UnsafeEntry:
+            raise
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return False
+            raise
+        os.close(fd)
+        return True
 
     def close(self) -> None:
         """Release the directories' descriptors (the tier's close, once its threads have stopped)."""
@@ -215,7 +235,8 @@ class DiskStore:
             except RecordError:
                 self._remove_record(key)
                 raise
-            _touch(fd)
+            if not self.read_only:
+                _touch(fd)
         finally:
             os.close(fd)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -248,7 +269,8 @@ class DiskStore:
                 if not least <= size <= most:
                     raise size_refusal(os.pread(fd, len(head), 0), size, self._digest, payload_len)
                 _refusal(os.pread(fd, size, 0), self._digest, key, content, payload_len)
-            _touch(fd)
+            if not self.read_only:
+                _touch(fd)
         finally:
             os.close(fd)
 
@@ -257,7 +279,9 @@ class DiskStore:
     def write(self, key: TierKey, content: BlockKey, payload: torch.Tensor) -> tuple[bool, list[TierKey]]:
         """Store one record (renamed into place whole): whether it was written (False: already there), and the keys
         evicted to keep the directory within its budget. OSError propagates (UnsafeEntry: the block's shard is not
-        a directory this store made)."""
+        a directory this store made; EROFS: a read-only store)."""
+        if self.read_only:
+            raise OSError(errno.EROFS, "the KV offload directory is read-only for this process", str(self.dir))
         shard, name = _record_name(key)
         with self._blocks.subdir([shard], create=True) as directory:
             try:
@@ -284,7 +308,8 @@ class DiskStore:
     def _remove_record(self, key: TierKey) -> None:
         """A record that failed a check: gone from the directory and the index, so that it is recomputed."""
         self._forget(key)
-        self._unlink(*_record_name(key))
+        if not self.read_only:
+            self._unlink(*_record_name(key))
 
     def _unlink(self, shard: str, name: str) -> None:
         """Remove an entry of a shard (best effort: it may be gone already, or the shard be unusable)."""
@@ -298,7 +323,11 @@ class DiskStore:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """The directory's lock file, held exclusively: one process at a time scans and evicts."""
+        """The directory's lock file, held exclusively: one process at a time scans and evicts. A read-only store
+        takes none (it evicts and removes nothing, and its reads never depend on the lock)."""
+        if self.read_only:
+            yield
+            return
         fd = self._dir.open([_LOCK_FILE], os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -331,8 +360,10 @@ class DiskStore:
 
     def scan(self) -> list[TierKey]:
         """Under the lock: count the records, remove dead writers' temporary files, and evict the least recently used
-        records while the directory holds more than its budget; the index is what remains. Returns the evicted keys."""
+        records while the directory holds more than its budget; the index is what remains. Returns the evicted keys.
+        A read-only store only counts."""
         evicted: list[TierKey] = []
+        writable = not self.read_only
         with self._locked():
             now = time.time()
             records: list[tuple[float, int, str, str]] = []  # (mtime, size, shard, name)
@@ -345,7 +376,7 @@ class DiskStore:
                         except FileNotFoundError:
                             continue
                         if entry.name.startswith(TMP_PREFIX):
-                            if now - st.st_mtime > STALE_TMP_SECONDS:
+                            if writable and now - st.st_mtime > STALE_TMP_SECONDS:
                                 _unlink_quietly(directory, entry.name)
                         elif _key_in(shard, entry.name) is None:
                             continue
@@ -353,16 +384,18 @@ class DiskStore:
                             records.append((st.st_mtime, st.st_size, shard, entry.name))
                         else:
                             refused += 1
-                            _unlink_quietly(directory, entry.name)
+                            if writable:
+                                _unlink_quietly(directory, entry.name)
             if refused:
                 logger.warning(
                     "KV offload tier: %d entries at records' names in %s are no records of it (wrong size or type, "
-                    "another user's): removed, not counted against the budget",
+                    "another user's): %s, not counted against the budget",
                     refused,
                     self.blocks_dir,
+                    "removed" if writable else "left (read-only)",
                 )
             total = sum(r[1] for r in records)
-            if total > self.capacity_bytes:
+            if writable and total > self.capacity_bytes:
                 records.sort()
                 target = self.capacity_bytes * _EVICT_TO
                 while records and total > target:

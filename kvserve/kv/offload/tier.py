@@ -128,7 +128,7 @@ class OffloadTier:
         self._refresher: threading.Thread | None = None
         self._closing = threading.Event()
         self._at_exit: Callable[[], None] | None = None
-        if isinstance(self.store, DiskStore):
+        if isinstance(self.store, DiskStore) and not self.store.read_only:
             depth = max(4, config.max_queued_bytes // max(self.layout.block_bytes, 1))
             self._ring = torch.empty(depth, self.layout.block_bytes, dtype=torch.uint8)
             self._free_slots = list(range(depth - 1, -1, -1))
@@ -138,16 +138,17 @@ class OffloadTier:
                 writer = threading.Thread(target=self._write_loop, args=(idle,), name=name, daemon=True)
                 writer.start()
                 self._writers.append(writer)
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
-            # Records other processes write (replicas sharing the directory) join the store's index from this thread:
-            # the engine thread's lookups never touch the file system.
-            self._refresher = threading.Thread(target=self._refresh_loop, name="kvserve-kv-offload-index", daemon=True)
-            self._refresher.start()
             # A program that never closes its engine (LLM(...) then exit) still gets its queued blocks written: the
             # writer is a daemon thread, which exit would otherwise stop mid-queue. A weak reference, so that the
             # hook keeps no engine alive.
             self._at_exit = _close_at_exit(weakref.ref(self))
             atexit.register(self._at_exit)
+        if isinstance(self.store, DiskStore):
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
+            # Records other processes write (replicas sharing the directory) join the store's index from this thread:
+            # the engine thread's lookups never touch the file system.
+            self._refresher = threading.Thread(target=self._refresh_loop, name="kvserve-kv-offload-index", daemon=True)
+            self._refresher.start()
         if self.store is not None:
             self._touch_memory(caches)
         self._log_start()
@@ -189,7 +190,13 @@ class OffloadTier:
 
     @property
     def available(self) -> bool:
-        return self.store is not None and self.error is None
+        """Whether the tier stores blocks now (a read-only directory is read, never written: not available)."""
+        return self.store is not None and self.error is None and not self.read_only
+
+    @property
+    def read_only(self) -> bool:
+        """A disk tier this process may not write: restores only (DiskStore.read_only)."""
+        return isinstance(self.store, DiskStore) and self.store.read_only
 
     @property
     def readable(self) -> bool:
@@ -209,6 +216,12 @@ class OffloadTier:
     def _log_start(self) -> None:
         if self.store is None:
             return
+        if self.read_only:
+            logger.warning(
+                "the KV offload tier at %s is read-only for this process: it restores what earlier runs stored and "
+                "stores nothing",
+                self.config.path,
+            )
         cap = self.config.size_bytes
         blocks = cap // self.layout.block_bytes
         usage = self.store.usage()
