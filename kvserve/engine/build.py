@@ -22,6 +22,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.memory_profile import CudaMemory, gpu_kv_budget, profile_gpu_memory
 from kvserve.kv.cache import KVCacheConfig, resolve_kv_cache_dtype
 from kvserve.kv.groups import make_kv_cache_layout
+from kvserve.kv.offload.config import check_host_tier_fits
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
@@ -55,7 +56,8 @@ def plan_cache(
     device: torch.device,
     device_budget: Callable[[], int] | None = None,
 ) -> CachePlan:
-    """Size the pool from the KV budget and check that one request of max-model-len fits. On CUDA without
+    """Size the pool from the KV budget and check that one request of max-model-len fits, and that a host-memory
+    offload tier fits in available memory beside it (kv/offload/config.py check_host_tier_fits). On CUDA without
     --kv-cache-memory-bytes or --num-gpu-blocks-override, `device_budget()` (the profiled budget,
     engine/memory_profile.py) is the budget."""
     budget = config.kv_cache_memory_bytes
@@ -77,7 +79,7 @@ def plan_cache(
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
-    return plan_kv_cache(
+    plan = plan_kv_cache(
         spec.bytes_per_block,
         spec.block_size,
         model_config.max_position_embeddings,
@@ -87,6 +89,9 @@ def plan_cache(
         layout=spec.groups,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
+    pool_bytes = plan.num_blocks * plan.bytes_per_block if device.type == "cpu" else 0
+    check_host_tier_fits(config.kv_offload, _available_memory_bytes(), pool_bytes)
+    return plan
 
 
 def _available_memory_bytes() -> int | None:

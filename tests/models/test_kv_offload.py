@@ -297,6 +297,7 @@ def test_a_full_disk_stops_storing_and_keeps_serving(model_dir, cold, tmp_path, 
 
     monkeypatch.setattr(DiskStore, "write", full)
     engine = disk_engine(model_dir, tmp_path)
+    engine.core.offload.backoff.clock = lambda: 0.0  # the retry never comes during this test
     assert run(engine, PROMPT)[0] == cold
     flushed(engine)
     evict(engine)
@@ -495,6 +496,32 @@ def test_offloading_flags_are_checked():
         EngineConfig(kv_offloading_size=0)
     with pytest.raises(ValueError, match="allow-other-writers needs --kv-offloading-path"):
         EngineConfig(kv_offloading_size=1, kv_offloading_allow_other_writers=True)
+
+
+@pytest.mark.parametrize("size", ["inf", "-inf", "nan", "1e400", "1e12", 1e12, float("inf")])
+def test_offloading_sizes_no_machine_has_are_one_line_errors(size):
+    """#43 item 7: `inf` and `1e400` raised OverflowError (a traceback), `1e12` (GiB, as a bare number is in vLLM)
+    went on to a tier of 2^70 bytes. Each is a ValueError now, which the CLI prints as one line."""
+    from kvserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
+        EngineConfig(kv_offloading_size=size)
+
+
+def test_a_host_tier_larger_than_the_machines_memory_is_refused(model_dir):
+    """A host tier of 1000 TiB ended in a RuntimeError from the allocator; now it is checked against available memory
+    with the pool, as the pool is, and refused in one line that names both."""
+    with pytest.raises(ValueError, match="available memory"):
+        tiny_engine(model_dir, **POOL, kv_offloading_size="1000TiB")
+
+
+@pytest.mark.parametrize("where", ["host memory", "disk"])
+def test_a_tier_smaller_than_one_block_is_refused(model_dir, tmp_path, where):
+    """`--kv-offloading-size 1KiB` with a path gave a tier of 0 blocks, silently. Now a tier that holds no block is an
+    error that says what a block takes."""
+    path = {"kv_offloading_path": str(tmp_path)} if where == "disk" else {}
+    with pytest.raises(ValueError, match="holds no block"):
+        tiny_engine(model_dir, **POOL, kv_offloading_size="100B", **path)
 
 
 def test_hits_lost_to_eviction_are_counted_and_a_tier_keeps_them(model_dir):

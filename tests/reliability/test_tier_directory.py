@@ -246,3 +246,30 @@ def test_the_scan_counts_only_well_formed_records(tmp_path):
     for i in range(3):
         key, content, payload = block(i)
         assert restarted.read(key, content).equal(payload)
+
+
+# ---- item 7: one planted entry costs its own blocks, never the tier -----------------------------------------------
+
+
+def test_a_planted_file_at_a_shards_name_costs_only_that_shards_blocks(tmp_path):
+    """A file planted at a shard's name (blocks/ab) failed the write of a block of that shard, and the first write
+    error turned stores off for good. Now that block is dropped and counted (io_errors), its path logged once, and
+    the tier goes on storing every other block."""
+    from test_kv_offload_store import _tier_on
+
+    from kvserve.kv.block import TierBlock
+
+    tier, caches, snapshot = _tier_on(tmp_path, queued_blocks=16)
+    assert tier.store is not None
+    blocks = [TierBlock(i, block(300 + i)[0][1], block(300 + i)[1]) for i in range(10)]
+    victim = blocks[0].block_hash.hex()[:2]
+    (tier.store.blocks_dir / victim).write_bytes(b"planted")
+    tier.prepare_store(blocks)
+    tier.flush()
+    doomed = [b for b in blocks if b.block_hash.hex()[:2] == victim]
+    assert tier.available and tier.io_errors == len(doomed) and tier.stored_blocks == len(blocks) - len(doomed)
+    more = [TierBlock(i, block(400 + i)[0][1], block(400 + i)[1]) for i in range(3)]
+    tier.prepare_store([b for b in more if b.block_hash.hex()[:2] != victim])
+    tier.flush()
+    assert tier.stored_blocks == len(blocks) - len(doomed) + len([b for b in more if b.block_hash.hex()[:2] != victim])
+    tier.close()

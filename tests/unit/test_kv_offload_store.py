@@ -360,3 +360,43 @@ def test_the_weights_identity_covers_every_byte_and_is_cached(tmp_path, monkeypa
     weights[len(weights) // 2] ^= 1
     (checkpoint / "model.safetensors").write_bytes(weights)
     assert fingerprint.weights_identity(checkpoint, cache) != before
+
+
+def test_a_failed_store_is_retried_with_backoff_and_counted(tmp_path, monkeypatch):
+    """#43 item 7: after ENOSPC the tier stored nothing until a restart. Now a write error pauses stores (counted in
+    io_errors, the blocks dropped), for a delay that doubles while errors go on, and the first write after the pause
+    that succeeds turns stores on again. The clock is the test's: no waiting."""
+    import errno
+
+    from kvserve.kv.block import TierBlock
+
+    real_write = DiskStore.write
+    failing = [True]
+
+    def write(self, *args):
+        if failing[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *args)
+
+    monkeypatch.setattr(DiskStore, "write", write)
+    tier, caches, snapshot = _tier_on(tmp_path, queued_blocks=8)
+    now = [100.0]
+    tier.backoff.clock = lambda: now[0]
+    blocks = [TierBlock(i, block(200 + i)[0][1], block(200 + i)[1]) for i in range(8)]
+    tier.prepare_store(blocks[:1])
+    tier.flush()
+    first = tier.backoff.delay
+    assert not tier.available and tier.io_errors == 1 and tier.stored_blocks == 0 and first > 0
+    tier.prepare_store(blocks[1:2])  # paused: not even copied
+    assert tier.stats().io_errors == 1
+    now[0] += first
+    assert tier.available
+    tier.prepare_store(blocks[2:3])
+    tier.flush()
+    assert tier.io_errors == 2 and tier.backoff.delay == 2 * first  # failed again: a longer pause
+    failing[0] = False
+    now[0] += 2 * first
+    tier.prepare_store(blocks[3:5])
+    tier.flush()
+    assert tier.available and tier.stored_blocks == 2 and tier.io_errors == 2 and tier.backoff.delay == 0
+    tier.close()

@@ -36,6 +36,7 @@ from kvserve.kv.offload.index import TierIndex
 from kvserve.kv.offload.interface import TierKey, tier_key
 from kvserve.kv.offload.layout import BlockLayout, RowCopy
 from kvserve.kv.offload.record import RecordError
+from kvserve.kv.offload.safedir import UnsafeEntry
 from kvserve.kv.offload.stores import DiskStore, HostMemoryStore
 from kvserve.units import format_bytes
 
@@ -45,12 +46,43 @@ logger = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
 
 
+# A disk tier's stores pause after a write error: first for this long, doubling while errors go on, at most the last.
+RETRY_FIRST_SECONDS = 1.0
+RETRY_MAX_SECONDS = 300.0
+
+
+@dataclass(slots=True)
+class StoreBackoff:
+    """When a disk tier's stores may be tried again after a write error. Why retry rather than stop for good: a full
+    disk empties, a remounted directory comes back, and a server that runs for weeks should not need a restart to
+    store again; why back off: every attempt on a full disk costs a failed write per block, so the pauses grow (1 s,
+    2 s, ... 5 min) while the errors go on, as a storage engine retries a failed background write (RocksDB's
+    auto-resume after a no-space error) and a client retries a busy server. A write that succeeds resets it.
+    `clock` is injectable so that tests need no waiting."""
+
+    clock: Callable[[], float] = time.monotonic
+    delay: float = 0.0  # the current pause (0: no error since the last success)
+    resume_at: float = 0.0
+
+    def paused(self) -> bool:
+        return self.clock() < self.resume_at
+
+    def failed(self) -> float:
+        """A write failed: pause for the next delay; returns it."""
+        self.delay = min(RETRY_MAX_SECONDS, self.delay * 2) if self.delay else RETRY_FIRST_SECONDS
+        self.resume_at = self.clock() + self.delay
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.delay = self.resume_at = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class OffloadStats:
     """The tier at one moment, for metrics, `kvserve doctor` and the inspector."""
 
     medium: str  # "CPU" (host memory) or "DISK"
-    available: bool  # False: the tier failed (an unwritable or full directory) and stores nothing more
+    available: bool  # False: the tier stores nothing now (unusable, read-only, or paused after a write error)
     capacity_bytes: int
     bytes_used: int
     num_blocks: int
@@ -85,9 +117,17 @@ class OffloadTier:
         self.block_size = block_size
         self.medium = config.medium
         self.store: HostMemoryStore | DiskStore | None
-        self.error: str | None = None
+        self.error: str | None = None  # why the tier is unusable, or why its stores are paused (the last write error)
+        self.backoff = StoreBackoff()
+        self._unsafe_logged: set[str] = set()  # planted entries the writers met, logged once each
         caches = unique_tensors(caches)
         self.layout = BlockLayout(caches, compress=config.dtype == "int8", copy_rows=copy_rows)
+        if config.size_bytes < self.layout.block_bytes:
+            raise ValueError(
+                f"--kv-offloading-size {format_bytes(config.size_bytes)} holds no block: one takes "
+                f"{format_bytes(self.layout.block_bytes)} ({block_size} tokens); pass a size of many blocks, e.g. "
+                f"{format_bytes(1000 * self.layout.block_bytes, '.0f').replace(' ', '')}"
+            )
         if config.path is None:
             self.store = HostMemoryStore(config.size_bytes, self.layout.block_bytes)
         else:
@@ -190,8 +230,9 @@ class OffloadTier:
 
     @property
     def available(self) -> bool:
-        """Whether the tier stores blocks now (a read-only directory is read, never written: not available)."""
-        return self.store is not None and self.error is None and not self.read_only
+        """Whether the tier stores blocks now: not when its directory is read-only (read, never written), nor while
+        stores are paused after a write error (until the backoff's delay has passed)."""
+        return self.store is not None and not self.read_only and not self.backoff.paused()
 
     @property
     def read_only(self) -> bool:
@@ -284,9 +325,8 @@ class OffloadTier:
         and none read: 0.93x tier-off with one writer at nice 10, 0.98-1.01x so). The catch-up writer, at nice 10,
         takes records only while the ring is more than half full, so that under steps that leave no core idle the
         tier still writes most blocks (the no-reuse benchmark's saturated batch, the worst case, dropped up to 10%)
-        rather than few. Two threads, not one changing its policy: an unprivileged thread cannot leave SCHED_IDLE. The
-        first OSError (a full disk, a read-only or vanished directory) turns the tier's stores off, logged once; reads
-        go on."""
+        rather than few. Two threads, not one changing its policy: an unprivileged thread cannot leave SCHED_IDLE. A
+        write error pauses stores and they are retried with backoff (_write_one); reads go on meanwhile."""
         assert self._queue is not None and self._ring is not None and isinstance(self.store, DiskStore)
         _set_writer_priority(idle)
         half = len(self._ring) // 2
@@ -298,37 +338,63 @@ class OffloadTier:
                 return
             block, slot = item
             try:
-                if self.error is None:
-                    written, evicted = self.store.write(tier_key(block), block.key, self._ring[slot])
-                    if written:
-                        with self._lock:
-                            self.stored_blocks += 1
-                        self._written.append(block)
-                    self._evicted.extend(evicted)
-                else:
-                    with self._lock:
-                        self.dropped_blocks += 1
-            except RecordError as e:  # a block no record can hold (a cache salt past MAX_IDENTITY_BYTES): not stored
-                with self._lock:
-                    self.dropped_blocks += 1
-                logger.debug("KV offload: block %s not stored (%s)", block.block_hash.hex()[:16], e)
-            except OSError as e:
-                with self._lock:
-                    self.io_errors += 1
-                    self.dropped_blocks += 1
-                    first = self.error is None
-                    if first:
-                        self.error = f"{type(e).__name__}: {e}"
-                if first:
-                    logger.error(
-                        "the KV offload tier stops storing blocks (%s); requests are served as without it", self.error
-                    )
+                self._write_one(block, slot)
             finally:
                 with self._lock:
                     self._free_slots.append(slot)
                     if not idle and len(self._free_slots) > half:
                         self._behind.clear()
                 self._queued.discard(tier_key(block))
+
+    def _write_one(self, block: TierBlock, slot: int) -> None:
+        """A writer: store one queued block, unless stores are paused (then it is dropped). What can go wrong costs as
+        little as it must: a block no record can hold, or whose shard is an entry planted at its name (UnsafeEntry),
+        is dropped and counted alone (the path logged once); any other OSError (a full disk, a vanished directory)
+        pauses every store for the backoff's delay, and the first write that succeeds after it turns them on again."""
+        assert isinstance(self.store, DiskStore) and self._ring is not None
+        if self.backoff.paused():
+            with self._lock:
+                self.dropped_blocks += 1
+            return
+        try:
+            written, evicted = self.store.write(tier_key(block), block.key, self._ring[slot])
+        except RecordError as e:  # a block no record can hold (a cache salt past MAX_IDENTITY_BYTES): not stored
+            with self._lock:
+                self.dropped_blocks += 1
+            logger.debug("KV offload: block %s not stored (%s)", block.block_hash.hex()[:16], e)
+            return
+        except UnsafeEntry as e:
+            with self._lock:
+                self.io_errors += 1
+                self.dropped_blocks += 1
+                first = str(e.filename) not in self._unsafe_logged
+                self._unsafe_logged.add(str(e.filename))
+            if first:
+                logger.warning("KV offload: %s; blocks of that shard are not stored", e)
+            return
+        except OSError as e:
+            with self._lock:
+                self.io_errors += 1
+                self.dropped_blocks += 1
+                starts = self.error is None
+                self.error = f"{type(e).__name__}: {e}"
+                delay = self.backoff.failed()
+            log = logger.error if starts else logger.debug
+            log(
+                "the KV offload tier stops storing blocks for %.0f s (%s); requests are served as without it",
+                delay,
+                self.error,
+            )
+            return
+        with self._lock:
+            self.stored_blocks += int(written)
+            recovered, self.error = self.error, None
+            self.backoff.succeeded()
+        if recovered is not None:
+            logger.info("the KV offload tier stores blocks again (after %s)", recovered)
+        if written:
+            self._written.append(block)
+        self._evicted.extend(evicted)
 
     def take_events(self) -> list[KVEvent]:
         """Engine thread: what was stored and evicted since the last call, as KV events with the tier's medium (block
