@@ -36,6 +36,7 @@ from kvserve.kv.offload.index import TierIndex
 from kvserve.kv.offload.interface import TierKey, tier_key
 from kvserve.kv.offload.layout import BlockLayout, RowCopy
 from kvserve.kv.offload.record import RecordError
+from kvserve.kv.offload.safedir import UnsafeEntry
 from kvserve.kv.offload.stores import DiskStore, HostMemoryStore
 from kvserve.units import format_bytes
 
@@ -45,12 +46,43 @@ logger = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
 
 
+# A disk tier's stores pause after a write error: first for this long, doubling while errors go on, at most the last.
+RETRY_FIRST_SECONDS = 1.0
+RETRY_MAX_SECONDS = 300.0
+
+
+@dataclass(slots=True)
+class StoreBackoff:
+    """When a disk tier's stores may be tried again after a write error. Why retry rather than stop for good: a full
+    disk empties, a remounted directory comes back, and a server that runs for weeks should not need a restart to
+    store again; why back off: every attempt on a full disk costs a failed write per block, so the pauses grow (1 s,
+    2 s, ... 5 min) while the errors go on, as a storage engine retries a failed background write (RocksDB's
+    auto-resume after a no-space error) and a client retries a busy server. A write that succeeds resets it.
+    `clock` is injectable so that tests need no waiting."""
+
+    clock: Callable[[], float] = time.monotonic
+    delay: float = 0.0  # the current pause (0: no error since the last success)
+    resume_at: float = 0.0
+
+    def paused(self) -> bool:
+        return self.clock() < self.resume_at
+
+    def failed(self) -> float:
+        """A write failed: pause for the next delay; returns it."""
+        self.delay = min(RETRY_MAX_SECONDS, self.delay * 2) if self.delay else RETRY_FIRST_SECONDS
+        self.resume_at = self.clock() + self.delay
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.delay = self.resume_at = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class OffloadStats:
     """The tier at one moment, for metrics, `kvserve doctor` and the inspector."""
 
     medium: str  # "CPU" (host memory) or "DISK"
-    available: bool  # False: the tier failed (an unwritable or full directory) and stores nothing more
+    available: bool  # False: the tier stores nothing now (unusable, read-only, or paused after a write error)
     capacity_bytes: int
     bytes_used: int
     num_blocks: int
@@ -85,14 +117,28 @@ class OffloadTier:
         self.block_size = block_size
         self.medium = config.medium
         self.store: HostMemoryStore | DiskStore | None
-        self.error: str | None = None
+        self.error: str | None = None  # why the tier is unusable, or why its stores are paused (the last write error)
+        self.backoff = StoreBackoff()
+        self._unsafe_logged: set[str] = set()  # planted entries the writers met, logged once each
         caches = unique_tensors(caches)
         self.layout = BlockLayout(caches, compress=config.dtype == "int8", copy_rows=copy_rows)
+        if config.size_bytes < self.layout.block_bytes:
+            raise ValueError(
+                f"--kv-offloading-size {format_bytes(config.size_bytes)} holds no block: one takes "
+                f"{format_bytes(self.layout.block_bytes)} ({block_size} tokens); pass a size of many blocks, e.g. "
+                f"{format_bytes(1000 * self.layout.block_bytes, '.0f').replace(' ', '')}"
+            )
         if config.path is None:
             self.store = HostMemoryStore(config.size_bytes, self.layout.block_bytes)
         else:
             try:
-                self.store = DiskStore(config.path, fingerprint, config.size_bytes)
+                self.store = DiskStore(
+                    config.path,
+                    fingerprint,
+                    config.size_bytes,
+                    payload_bytes=self.layout.block_bytes,
+                    allow_other_writers=config.allow_other_writers,
+                )
             except OSError as e:
                 self.store, self.error = None, f"{type(e).__name__}: {e}"
                 logger.error(
@@ -122,7 +168,7 @@ class OffloadTier:
         self._refresher: threading.Thread | None = None
         self._closing = threading.Event()
         self._at_exit: Callable[[], None] | None = None
-        if isinstance(self.store, DiskStore):
+        if isinstance(self.store, DiskStore) and not self.store.read_only:
             depth = max(4, config.max_queued_bytes // max(self.layout.block_bytes, 1))
             self._ring = torch.empty(depth, self.layout.block_bytes, dtype=torch.uint8)
             self._free_slots = list(range(depth - 1, -1, -1))
@@ -132,16 +178,17 @@ class OffloadTier:
                 writer = threading.Thread(target=self._write_loop, args=(idle,), name=name, daemon=True)
                 writer.start()
                 self._writers.append(writer)
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
-            # Records other processes write (replicas sharing the directory) join the store's index from this thread:
-            # the engine thread's lookups never touch the file system.
-            self._refresher = threading.Thread(target=self._refresh_loop, name="kvserve-kv-offload-index", daemon=True)
-            self._refresher.start()
             # A program that never closes its engine (LLM(...) then exit) still gets its queued blocks written: the
             # writer is a daemon thread, which exit would otherwise stop mid-queue. A weak reference, so that the
             # hook keeps no engine alive.
             self._at_exit = _close_at_exit(weakref.ref(self))
             atexit.register(self._at_exit)
+        if isinstance(self.store, DiskStore):
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-loader")
+            # Records other processes write (replicas sharing the directory) join the store's index from this thread:
+            # the engine thread's lookups never touch the file system.
+            self._refresher = threading.Thread(target=self._refresh_loop, name="kvserve-kv-offload-index", daemon=True)
+            self._refresher.start()
         if self.store is not None:
             self._touch_memory(caches)
         self._log_start()
@@ -183,7 +230,14 @@ class OffloadTier:
 
     @property
     def available(self) -> bool:
-        return self.store is not None and self.error is None
+        """Whether the tier stores blocks now: not when its directory is read-only (read, never written), nor while
+        stores are paused after a write error (until the backoff's delay has passed)."""
+        return self.store is not None and not self.read_only and not self.backoff.paused()
+
+    @property
+    def read_only(self) -> bool:
+        """A disk tier this process may not write: restores only (DiskStore.read_only)."""
+        return isinstance(self.store, DiskStore) and self.store.read_only
 
     @property
     def readable(self) -> bool:
@@ -203,6 +257,12 @@ class OffloadTier:
     def _log_start(self) -> None:
         if self.store is None:
             return
+        if self.read_only:
+            logger.warning(
+                "the KV offload tier at %s is read-only for this process: it restores what earlier runs stored and "
+                "stores nothing",
+                self.config.path,
+            )
         cap = self.config.size_bytes
         blocks = cap // self.layout.block_bytes
         usage = self.store.usage()
@@ -238,10 +298,11 @@ class OffloadTier:
             return
         if isinstance(self.store, HostMemoryStore):
             fits = list(todo.values())[-self.store.capacity_blocks :] if self.store.capacity_blocks else []
-            self.dropped_blocks += len(todo) - len(fits)  # more than the whole tier holds: the last ones are kept
             slots, evicted = self.store.reserve([(tier_key(b), b.key) for b in fits])
             self.layout.gather_into([b.block_id for b in fits], self.store.slab, slots)
-            self.stored_blocks += len(fits)
+            with self._lock:  # stats() reads the counters from other threads
+                self.dropped_blocks += len(todo) - len(fits)  # more than the whole tier holds: the last ones are kept
+                self.stored_blocks += len(fits)
             self._written.extend(fits)
             self._evicted.extend(evicted)
             return
@@ -264,9 +325,8 @@ class OffloadTier:
         and none read: 0.93x tier-off with one writer at nice 10, 0.98-1.01x so). The catch-up writer, at nice 10,
         takes records only while the ring is more than half full, so that under steps that leave no core idle the
         tier still writes most blocks (the no-reuse benchmark's saturated batch, the worst case, dropped up to 10%)
-        rather than few. Two threads, not one changing its policy: an unprivileged thread cannot leave SCHED_IDLE. The
-        first OSError (a full disk, a read-only or vanished directory) turns the tier's stores off, logged once; reads
-        go on."""
+        rather than few. Two threads, not one changing its policy: an unprivileged thread cannot leave SCHED_IDLE. A
+        write error pauses stores and they are retried with backoff (_write_one); reads go on meanwhile."""
         assert self._queue is not None and self._ring is not None and isinstance(self.store, DiskStore)
         _set_writer_priority(idle)
         half = len(self._ring) // 2
@@ -278,31 +338,63 @@ class OffloadTier:
                 return
             block, slot = item
             try:
-                if self.error is None:
-                    written, evicted = self.store.write(tier_key(block), block.key, self._ring[slot])
-                    if written:
-                        with self._lock:
-                            self.stored_blocks += 1
-                        self._written.append(block)
-                    self._evicted.extend(evicted)
-                else:
-                    with self._lock:
-                        self.dropped_blocks += 1
-            except OSError as e:
-                with self._lock:
-                    self.io_errors += 1
-                    self.dropped_blocks += 1
-                if self.error is None:
-                    self.error = f"{type(e).__name__}: {e}"
-                    logger.error(
-                        "the KV offload tier stops storing blocks (%s); requests are served as without it", self.error
-                    )
+                self._write_one(block, slot)
             finally:
                 with self._lock:
                     self._free_slots.append(slot)
                     if not idle and len(self._free_slots) > half:
                         self._behind.clear()
                 self._queued.discard(tier_key(block))
+
+    def _write_one(self, block: TierBlock, slot: int) -> None:
+        """A writer: store one queued block, unless stores are paused (then it is dropped). What can go wrong costs as
+        little as it must: a block no record can hold, or whose shard is an entry planted at its name (UnsafeEntry),
+        is dropped and counted alone (the path logged once); any other OSError (a full disk, a vanished directory)
+        pauses every store for the backoff's delay, and the first write that succeeds after it turns them on again."""
+        assert isinstance(self.store, DiskStore) and self._ring is not None
+        if self.backoff.paused():
+            with self._lock:
+                self.dropped_blocks += 1
+            return
+        try:
+            written, evicted = self.store.write(tier_key(block), block.key, self._ring[slot])
+        except RecordError as e:  # a block no record can hold (a cache salt past MAX_IDENTITY_BYTES): not stored
+            with self._lock:
+                self.dropped_blocks += 1
+            logger.debug("KV offload: block %s not stored (%s)", block.block_hash.hex()[:16], e)
+            return
+        except UnsafeEntry as e:
+            with self._lock:
+                self.io_errors += 1
+                self.dropped_blocks += 1
+                first = str(e.filename) not in self._unsafe_logged
+                self._unsafe_logged.add(str(e.filename))
+            if first:
+                logger.warning("KV offload: %s; blocks of that shard are not stored", e)
+            return
+        except OSError as e:
+            with self._lock:
+                self.io_errors += 1
+                self.dropped_blocks += 1
+                starts = self.error is None
+                self.error = f"{type(e).__name__}: {e}"
+                delay = self.backoff.failed()
+            log = logger.error if starts else logger.debug
+            log(
+                "the KV offload tier stops storing blocks for %.0f s (%s); requests are served as without it",
+                delay,
+                self.error,
+            )
+            return
+        with self._lock:
+            self.stored_blocks += int(written)
+            recovered, self.error = self.error, None
+            self.backoff.succeeded()
+        if recovered is not None:
+            logger.info("the KV offload tier stores blocks again (after %s)", recovered)
+        if written:
+            self._written.append(block)
+        self._evicted.extend(evicted)
 
     def take_events(self) -> list[KVEvent]:
         """Engine thread: what was stored and evicted since the last call, as KV events with the tier's medium (block
@@ -387,6 +479,16 @@ class OffloadTier:
                     "KV offload: reading block %s failed (%s); it is recomputed", block.block_hash.hex()[:16], e
                 )
                 break
+            except Exception as e:  # noqa: BLE001 -- one entry's surprise (MemoryError, ...) costs that block alone
+                with self._lock:
+                    self.restore_failures += 1
+                logger.warning(
+                    "KV offload: block %s not restored (%s: %s); it is recomputed",
+                    block.block_hash.hex()[:16],
+                    type(e).__name__,
+                    e,
+                )
+                break
         done = len(found) + read
         if cancelled.is_set():
             done = 0
@@ -417,22 +519,26 @@ class OffloadTier:
     # ---- the rest --------------------------------------------------------------------------------------
 
     def stats(self) -> OffloadStats:
+        """The counters as one consistent snapshot (taken under the lock the threads write them under)."""
         usage = self.store.usage() if self.store is not None else None
-        return OffloadStats(
-            medium=self.medium,
-            available=self.available,
-            capacity_bytes=self.config.size_bytes,
-            bytes_used=usage.bytes_used if usage else 0,
-            num_blocks=usage.num_blocks if usage else 0,
-            block_bytes=self.layout.block_bytes,
-            stored_blocks=self.stored_blocks,
-            dropped_blocks=self.dropped_blocks,
-            restored_blocks=self.restored_blocks,
-            restore_failures=self.restore_failures,
-            io_errors=self.io_errors,
-            restore_seconds_total=self.restore_seconds_total,
-            restores=self.restores,
-        )
+        # Records the disk store's scans refused count as failed checks too (a planted or damaged file).
+        refused = self.store.refused_records if isinstance(self.store, DiskStore) else 0
+        with self._lock:
+            return OffloadStats(
+                medium=self.medium,
+                available=self.available,
+                capacity_bytes=self.config.size_bytes,
+                bytes_used=usage.bytes_used if usage else 0,
+                num_blocks=usage.num_blocks if usage else 0,
+                block_bytes=self.layout.block_bytes,
+                stored_blocks=self.stored_blocks,
+                dropped_blocks=self.dropped_blocks,
+                restored_blocks=self.restored_blocks,
+                restore_failures=self.restore_failures + refused,
+                io_errors=self.io_errors,
+                restore_seconds_total=self.restore_seconds_total,
+                restores=self.restores,
+            )
 
     def view(self, in_pool: Callable[[bytes], bool], include_tokens: bool, limit: int = 64) -> dict[str, Any]:
         """The KV inspector's view of the tier (engine thread): what it holds, and which prefixes as far as this
@@ -476,6 +582,8 @@ class OffloadTier:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        if isinstance(self.store, DiskStore):
+            self.store.close()
 
 
 def _close_at_exit(tier: weakref.ref[OffloadTier]) -> Callable[[], None]:
