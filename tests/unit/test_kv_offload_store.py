@@ -297,34 +297,35 @@ def test_the_layout_restores_slab_rows_into_their_blocks_whatever_their_order(sl
 
 def test_every_counter_the_tier_updates_is_written_under_its_lock():
     """#43 item 15: the tier's counters are written by the engine thread, the writers and the loader; an update
-    outside the lock (a read-modify-write) can lose another thread's. Every `self.<counter> +=` (or assignment)
-    in tier.py outside __init__ sits inside `with self._lock:`."""
+    outside the lock (a read-modify-write) can lose another thread's. Every assignment to a counter (or to the last
+    error) in the tier and its backends, outside __init__, sits inside `with <...>.lock:` (TierCounters.add takes
+    it)."""
     import ast
+    import dataclasses
     import inspect
 
-    from kvserve.kv.offload import tier
+    from kvserve.kv.offload import backend, disk_tier, host_tier, tier
 
-    counters = {f.name for f in __import__("dataclasses").fields(tier.OffloadStats)} | {"error"}
-    tree = ast.parse(inspect.getsource(tier))
+    counters = {f.name for f in dataclasses.fields(tier.OffloadStats)} | {"error"}
     unlocked = []
 
-    def visit(node: ast.AST, func: str, locked: bool) -> None:
+    def visit(node: ast.AST, where: str, func: str, locked: bool) -> None:
         if isinstance(node, ast.FunctionDef):
             func = node.name
         if isinstance(node, ast.With):
-            locked = locked or any(ast.unparse(item.context_expr) == "self._lock" for item in node.items)
+            locked = locked or any(ast.unparse(item.context_expr).endswith("lock") for item in node.items)
         targets = (
             [node.target] if isinstance(node, ast.AugAssign) else node.targets if isinstance(node, ast.Assign) else []
         )
         for target in targets:
             for t in ast.walk(target):
-                if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self" and t.attr in counters:
-                    if func != "__init__" and not locked:
-                        unlocked.append(f"{func}: {ast.unparse(node)} (line {node.lineno})")
+                if isinstance(t, ast.Attribute) and t.attr in counters and func != "__init__" and not locked:
+                    unlocked.append(f"{where} {func}: {ast.unparse(node)} (line {node.lineno})")
         for child in ast.iter_child_nodes(node):
-            visit(child, func, locked)
+            visit(child, where, func, locked)
 
-    visit(tree, "", False)
+    for module in (tier, backend, host_tier, disk_tier):
+        visit(ast.parse(inspect.getsource(module)), module.__name__, "", False)
     assert not unlocked, unlocked
 
 
