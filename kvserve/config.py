@@ -129,6 +129,8 @@ class EngineConfig:
     kv_offloading_backend: str | None = None
     kv_offloading_path: str | None = None
     kv_offloading_dtype: str = "auto"  # "int8": the tier stores 8 bits a value with scales (kv/offload/config.py)
+    # Use a tier directory other users can write, or another user's (refused by default: kv/offload/safedir.py).
+    kv_offloading_allow_other_writers: bool = False
 
     @classmethod
     def parse(cls, **settings: Any) -> EngineConfig:
@@ -200,7 +202,11 @@ class EngineConfig:
     def kv_offload(self) -> KVOffloadConfig | None:
         """The offload tier's settings, or None without one."""
         return make_offload_config(
-            self.kv_offloading_size, self.kv_offloading_path, self.kv_offloading_backend, self.kv_offloading_dtype
+            self.kv_offloading_size,
+            self.kv_offloading_path,
+            self.kv_offloading_backend,
+            self.kv_offloading_dtype,
+            self.kv_offloading_allow_other_writers,
         )
 
     @property

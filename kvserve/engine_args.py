@@ -171,6 +171,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "disk budget. It survives restarts and is shared by every process using DIR with the same model and settings",
     )
     c.add_argument(
+        "--kv-offloading-allow-other-writers",
+        action="store_true",
+        help="use a --kv-offloading-path directory that other users can write, or that another user owns (refused "
+        "without this flag: whoever can write there can plant records that kvserve restores, since the checksum "
+        "detects damage, not forgery; docs/KV_OFFLOAD.md, 'Threat model of the tier directory')",
+    )
+    c.add_argument(
         "--kv-offloading-dtype",
         choices=OFFLOAD_DTYPES,
         help="how the offload tier stores blocks: auto (the KV cache's own dtype: restores are bit-exact) or int8 "

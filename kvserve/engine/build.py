@@ -22,6 +22,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.memory_profile import CudaMemory, gpu_kv_budget, profile_gpu_memory
 from kvserve.kv.cache import KVCacheConfig, resolve_kv_cache_dtype
 from kvserve.kv.groups import make_kv_cache_layout
+from kvserve.kv.offload.config import check_host_tier_fits
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
@@ -56,7 +57,8 @@ def plan_cache(
     device: torch.device,
     device_budget: Callable[[], int] | None = None,
 ) -> CachePlan:
-    """Size the pool from the KV budget and check that one request of max-model-len fits. On CUDA without
+    """Size the pool from the KV budget and check that one request of max-model-len fits, and that a host-memory
+    offload tier fits in available memory beside it (kv/offload/config.py check_host_tier_fits). On CUDA without
     --kv-cache-memory-bytes or --num-gpu-blocks-override, `device_budget()` (the profiled budget,
     engine/memory_profile.py) is the budget."""
     budget = config.kv_cache_memory_bytes
@@ -96,6 +98,8 @@ def plan_cache(
                 "(--max-num-batched-tokens); raise it, or turn chunked prefill on, for longer prompts",
                 plan.max_model_len,
             )
+    pool_bytes = plan.num_blocks * plan.bytes_per_block if device.type == "cpu" else 0
+    check_host_tier_fits(config.kv_offload, _available_memory_bytes(), pool_bytes)
     return plan
 
 
@@ -167,10 +171,11 @@ def offload_fingerprint(
     from kvserve.dtypes import dtype_name
     from kvserve.kv.offload.fingerprint import KVFingerprint, weights_identity
     from kvserve.model.source import resolve_model
+    from kvserve.model.tokenizer import default_cache_dir
 
     scales = model.static_kv_scales if spec.dtype_name == "fp8_e4m3" else None
     return KVFingerprint(
-        weights=weights_identity(resolve_model(config.model).path),
+        weights=weights_identity(resolve_model(config.model).path, default_cache_dir()),
         weight_quantization=config.quantization,
         activation_quantization=config.activation_quantization,
         kernels=model.kernel_isa,

@@ -105,6 +105,26 @@ def records(path: Path) -> list[Path]:
     return sorted(path.glob(f"*/blocks/*/*{RECORD_SUFFIX}"))
 
 
+def chain(path: Path) -> list[Path]:
+    """The full-attention group's records of a tier at `path` in chain order (first block first), read from their
+    heads (hash and parent)."""
+    from kvserve.kv.offload.record import _HEADER
+
+    by_parent: dict[bytes | None, Path] = {}
+    for record in records(path):
+        if not record.name.endswith(f"-0{RECORD_SUFFIX}"):
+            continue
+        head = record.read_bytes()[: _HEADER.size + 128]
+        *_, hash_len, parent_len, _, _ = _HEADER.unpack_from(head)
+        at = _HEADER.size + hash_len
+        by_parent[None if parent_len == 0xFFFF else head[at : at + parent_len]] = record
+    ordered, parent = [], None
+    while parent in by_parent:
+        ordered.append(by_parent[parent])
+        parent = bytes.fromhex(ordered[-1].name.split("-")[0])
+    return ordered
+
+
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
 def test_host_memory_tier_restores_what_the_pool_evicted(checkpoints, variant):
     pool = POOL if variant == "gemma3_mqa_sliding" else UNIFORM_POOL
@@ -207,6 +227,39 @@ def test_damaged_records_are_recomputed(model_dir, cold, tmp_path, damage):
     third.core.close()
 
 
+@pytest.mark.parametrize("when", ["before the start", "while running"])
+def test_a_planted_terabyte_record_costs_only_its_own_block(checkpoints, tmp_path, when):
+    """#43 item 3 through the engine: a 1 TiB sparse file in a record's place raised MemoryError in the loader, which
+    turned the whole restore into 0 blocks with nothing counted, and at the next start the scan counted the terabyte
+    against the budget and evicted every good record. Now the file is refused by its size (by the start-up scan, or
+    by the restore that meets it), counted once, removed; the blocks before it are restored (the uniform layout: a
+    sliding group's shorter chain would restore nothing), and the next start restores everything."""
+    uniform = checkpoints["llama_gqa"]
+    want = run(tiny_engine(uniform, **UNIFORM_POOL), PROMPT)[0]
+    first = disk_engine(uniform, tmp_path, **UNIFORM_POOL)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    victim = chain(tmp_path)[7]  # the prompt's 8th block: the 7 before it are restored
+
+    def plant() -> None:
+        with open(victim, "r+b") as f:
+            f.truncate(1 << 40)
+
+    if when == "before the start":
+        plant()
+    second = disk_engine(uniform, tmp_path, **UNIFORM_POOL)
+    if when == "while running":
+        plant()
+    tokens, cached, restored = run(second, PROMPT)
+    assert tokens == want and restored == cached == 7 * 4
+    assert_pool_whole(flushed(second))
+    assert second.core.stats().offload.restore_failures == 1 and victim.stat().st_size < 1 << 20  # stored again
+    second.core.close()
+    third = disk_engine(uniform, tmp_path, **UNIFORM_POOL)
+    assert run(third, PROMPT)[2] == 56
+    third.core.close()
+
+
 def test_an_unusable_directory_serves_without_a_tier(model_dir, cold, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -220,12 +273,31 @@ def test_an_unusable_directory_serves_without_a_tier(model_dir, cold, tmp_path, 
     assert_pool_whole(engine)
 
 
+def test_a_directory_others_can_write_serves_without_a_tier_unless_allowed(model_dir, cold, tmp_path, caplog):
+    """#43 item 2 through the engine: a tier directory writable by others is refused (logged, naming the flag) and the
+    engine serves without it; --kv-offloading-allow-other-writers uses it."""
+    top = tmp_path / "tier"
+    top.mkdir()
+    top.chmod(0o777)
+    engine = disk_engine(model_dir, top)
+    assert "cannot be used" in caplog.text and "--kv-offloading-allow-other-writers" in caplog.text
+    assert run(engine, PROMPT)[0] == cold
+    assert not engine.core.stats().offload.available and not list(top.iterdir())
+    engine.core.close()
+    allowed = disk_engine(model_dir, top, kv_offloading_allow_other_writers=True)
+    assert run(allowed, PROMPT)[0] == cold
+    flushed(allowed)
+    assert len(records(top)) == STORED
+    allowed.core.close()
+
+
 def test_a_full_disk_stops_storing_and_keeps_serving(model_dir, cold, tmp_path, monkeypatch, caplog):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(DiskStore, "write", full)
     engine = disk_engine(model_dir, tmp_path)
+    engine.core.offload.backoff.clock = lambda: 0.0  # the retry never comes during this test
     assert run(engine, PROMPT)[0] == cold
     flushed(engine)
     evict(engine)
@@ -252,6 +324,81 @@ def test_a_read_only_tier_of_earlier_runs_is_still_read(model_dir, cold, tmp_pat
     run(second, FILLERS[0], request_id="f")
     assert_pool_whole(flushed(second))
     second.core.close()
+
+
+def deny_writes_as_the_kernel_would(monkeypatch) -> None:
+    """Make os.open and os.mkdir refuse (EACCES) what the kernel refuses a user who is not root: opening for writing a
+    file without its owner's write bit, or creating an entry in a directory without it. Root ignores permission bits,
+    so a test that made a directory read-only and runs as root injects the refusal itself."""
+    import errno
+    import os
+    import stat
+
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def writable(path, dir_fd) -> bool:
+        try:
+            return bool(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode & stat.S_IWUSR)
+        except FileNotFoundError:
+            parent = os.path.dirname(path) or "."
+            if dir_fd is None:
+                return bool(os.stat(parent).st_mode & stat.S_IWUSR)
+            return bool(os.stat(parent, dir_fd=dir_fd).st_mode & stat.S_IWUSR)
+
+    def open_(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and not writable(path, dir_fd):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def mkdir_(path, mode=0o777, *, dir_fd=None):
+        parent = os.path.dirname(path) or "."
+        st = os.stat(parent, dir_fd=dir_fd) if dir_fd is not None else os.stat(parent)
+        if not st.st_mode & stat.S_IWUSR:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "mkdir", mkdir_)
+
+
+def tree(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry below `path`: (mode, size, mtime in ns), to tell whether anything was written."""
+    return {str(p): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def test_a_read_only_directory_is_restored_from_and_never_written(model_dir, cold, tmp_path, monkeypatch, caplog):
+    """#43 item 5: a directory of an earlier run made read-only was refused (the start-up scan opened the lock
+    read-write), though the docs promised restores from it. Now it is opened read-only: the earlier run's blocks are
+    restored, nothing is stored, and nothing in it changes (no lock, no removal, no mtime touched). As root, whose
+    writes permission bits do not stop (os.access says so), the kernel's refusal is injected; the unchanged tree then
+    shows that kvserve did not even try."""
+    import os
+
+    top = tmp_path / "tier"
+    first = disk_engine(model_dir, top)
+    run(first, PROMPT)
+    flushed(first).core.close()
+    paths = [top, *top.rglob("*")]
+    for p in paths:
+        p.chmod(0o500 if p.is_dir() else 0o400)
+    try:
+        if os.access(top, os.W_OK):  # root: make the refusal explicit
+            deny_writes_as_the_kernel_would(monkeypatch)
+        before = tree(top)
+        second = disk_engine(model_dir, top)
+        tokens, _, restored = run(second, PROMPT)
+        assert tokens == cold and restored == 56
+        evict(second)
+        flushed(second)
+        stats = second.core.stats().offload
+        assert stats.stored_blocks == 0 and not stats.available and stats.io_errors == 0
+        assert "read-only" in caplog.text
+        second.core.close()
+        assert tree(top) == before
+    finally:
+        monkeypatch.undo()
+        for p in paths:
+            p.chmod(0o700 if p.is_dir() else 0o600)
 
 
 def test_cache_salts_never_restore_each_other(model_dir, tmp_path):
@@ -347,6 +494,34 @@ def test_offloading_flags_are_checked():
         EngineConfig(kv_offloading_size="lots")
     with pytest.raises(ValueError, match="must be positive"):
         EngineConfig(kv_offloading_size=0)
+    with pytest.raises(ValueError, match="allow-other-writers needs --kv-offloading-path"):
+        EngineConfig(kv_offloading_size=1, kv_offloading_allow_other_writers=True)
+
+
+@pytest.mark.parametrize("size", ["inf", "-inf", "nan", "1e400", "1e12", 1e12, float("inf")])
+def test_offloading_sizes_no_machine_has_are_one_line_errors(size):
+    """#43 item 7: `inf` and `1e400` raised OverflowError (a traceback), `1e12` (GiB, as a bare number is in vLLM)
+    went on to a tier of 2^70 bytes. Each is a ValueError now, which the CLI prints as one line."""
+    from kvserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
+        EngineConfig(kv_offloading_size=size)
+
+
+def test_a_host_tier_larger_than_the_machines_memory_is_refused(model_dir):
+    """A host tier of 1000 TiB ended in a RuntimeError from the allocator; now it is checked against available memory
+    with the pool, as the pool is, and refused in one line that names both."""
+    with pytest.raises(ValueError, match="available memory"):
+        tiny_engine(model_dir, **POOL, kv_offloading_size="1000TiB")
+
+
+@pytest.mark.parametrize("where", ["host memory", "disk"])
+def test_a_tier_smaller_than_one_block_is_refused(model_dir, tmp_path, where):
+    """`--kv-offloading-size 1KiB` with a path gave a tier of 0 blocks, silently. Now a tier that holds no block is an
+    error that says what a block takes."""
+    path = {"kv_offloading_path": str(tmp_path)} if where == "disk" else {}
+    with pytest.raises(ValueError, match="holds no block"):
+        tiny_engine(model_dir, **POOL, kv_offloading_size="100B", **path)
 
 
 def test_hits_lost_to_eviction_are_counted_and_a_tier_keeps_them(model_dir):
@@ -514,3 +689,43 @@ def test_the_fingerprint_names_the_layout(model_dir, tmp_path):
     assert "sliding_window:8" in hybrid.core.offload.fingerprint.kv_cache_groups
     hybrid.core.close()
     uniform.core.close()
+
+
+def _run_together(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
+    """Run `requests` (id: prompt, params) concurrently to their ends, checking the pool after every step."""
+    for request_id, (ids, params) in requests.items():
+        engine.add_request(request_id, ids, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+
+
+@pytest.mark.parametrize("shape", ["n=2 greedy siblings", "two identical concurrent prompts"])
+def test_identical_blocks_in_one_step_are_stored_once(model_dir, shape):
+    """#43 item 4: two greedy siblings (n=2), or two identical prompts admitted together, publish the same block hashes
+    in the same step. Each block must be stored once: a second copy of a hash took a second host slot whose entry the
+    first overwrote, that slot was lost for good (a 21-slot tier shrank to 1) and stored_blocks counted the block
+    twice. A large tier: stored_blocks equals the blocks it holds; a 21-slot tier filled many times over: every slot
+    is still in use."""
+    siblings = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2)
+    work = (
+        {"pair": (PROMPT, siblings)}
+        if shape.startswith("n=2")
+        else {"a": (PROMPT, GREEDY), "b": (list(PROMPT), GREEDY)}
+    )
+    roomy = tiny_engine(model_dir, **POOL, kv_offloading_size="8MiB")
+    _run_together(roomy, work)
+    stats = roomy.core.offload.stats()
+    assert stats.stored_blocks == stats.num_blocks == STORED  # each block once: the siblings' output is the same
+    assert_pool_whole(roomy)
+
+    block_bytes = roomy.core.offload.layout.block_bytes
+    small = tiny_engine(model_dir, **POOL, kv_offloading_size=f"{21 * block_bytes}B")
+    store = small.core.offload.store
+    assert store.capacity_blocks == 21
+    for i, ids in enumerate([PROMPT, *FILLERS]):
+        renamed = {f"{name}{i}": (list(ids), params) for name, (_, params) in work.items()}
+        _run_together(small, renamed)
+        evict(small)
+    assert store.usage().num_blocks == 21  # every slot holds a block: none was orphaned
+    assert_pool_whole(small)

@@ -74,7 +74,7 @@ def test_a_version_1_record_is_refused():
 
 
 def _writer(root: str, seed: int, n: int) -> None:
-    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30)
+    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     order = list(range(n))
     if seed:
         order.reverse()
@@ -84,7 +84,7 @@ def _writer(root: str, seed: int, n: int) -> None:
 
 def _reader(root: str, n: int, ready, writers_done, out) -> None:
     """Read every block over and over while the writers write, and once more after they are done."""
-    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30)
+    store = DiskStore(Path(root), FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     seen = refused = 0
     ready.set()
     last_pass = False
@@ -126,7 +126,7 @@ def test_two_processes_writing_at_once_never_expose_a_partial_record(tmp_path):
     reader.join(30)
     assert reader.exitcode == 0
     assert refused == 0 and seen >= n  # the last pass alone reads all n
-    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30)
+    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     assert store.usage().num_blocks == n
     assert not [p for p in tmp_path.rglob(f"{TMP_PREFIX}*") if "fingerprint" not in p.name]
     for i in range(n):
@@ -136,7 +136,7 @@ def test_two_processes_writing_at_once_never_expose_a_partial_record(tmp_path):
 
 def test_the_budget_evicts_least_recently_used_first(tmp_path):
     record_bytes = len(encode_record(FP.digest, block(0)[0][1], block(0)[1], bytes(BLOCK_BYTES)))
-    store = DiskStore(tmp_path, FP, capacity_bytes=10 * record_bytes)
+    store = DiskStore(tmp_path, FP, capacity_bytes=10 * record_bytes, payload_bytes=BLOCK_BYTES)
     for i in range(10):
         store.write(*block(i))
         os.utime(store.path_for(block(i)[0]), (1000 + i, 1000 + i))  # a clear LRU order
@@ -148,7 +148,7 @@ def test_the_budget_evicts_least_recently_used_first(tmp_path):
 
 
 def test_a_dead_writers_temporary_files_are_swept(tmp_path):
-    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 20)
+    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 20, payload_bytes=BLOCK_BYTES)
     shard = store.blocks_dir / "ab"
     shard.mkdir()
     stale, fresh = shard / f"{TMP_PREFIX}1-2-3", shard / f"{TMP_PREFIX}4-5-6"
@@ -164,7 +164,7 @@ def test_a_symlinked_directory_is_refused(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     with pytest.raises(OSError, match="symbolic link"):
-        DiskStore(tmp_path / "link", FP, capacity_bytes=1 << 20)
+        DiskStore(tmp_path / "link", FP, capacity_bytes=1 << 20, payload_bytes=BLOCK_BYTES)
 
 
 def _parts(sizes: list[int]) -> list[memoryview]:
@@ -174,7 +174,7 @@ def _parts(sizes: list[int]) -> list[memoryview]:
 def test_read_into_fills_several_buffers_and_refuses_every_bad_record(tmp_path):
     """A disk restore reads a record straight into a block's slices of the cache (one buffer per layer tensor): the
     payload lands split across them in order, and every check still refuses a bad record, naming why, and removes it."""
-    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30)
+    store = DiskStore(tmp_path, FP, capacity_bytes=1 << 30, payload_bytes=BLOCK_BYTES)
     h, key, payload = block(5)
     store.write(h, key, payload)
     sizes = [BLOCK_BYTES // 4, BLOCK_BYTES // 2, BLOCK_BYTES // 4]
@@ -293,3 +293,111 @@ def test_the_layout_restores_slab_rows_into_their_blocks_whatever_their_order(sl
     for t, blocks in zip(layout.tensors, want):
         for d, block in zip(dest, blocks):
             assert torch.equal(t[d], block)
+
+
+def test_every_counter_the_tier_updates_is_written_under_its_lock():
+    """#43 item 15: the tier's counters are written by the engine thread, the writers and the loader; an update
+    outside the lock (a read-modify-write) can lose another thread's. Every assignment to a counter (or to the last
+    error) in the tier and its backends, outside __init__, sits inside `with <...>.lock:` (TierCounters.add takes
+    it)."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from kvserve.kv.offload import backend, disk_tier, host_tier, tier
+
+    counters = {f.name for f in dataclasses.fields(tier.OffloadStats)} | {"error"}
+    unlocked = []
+
+    def visit(node: ast.AST, where: str, func: str, locked: bool) -> None:
+        if isinstance(node, ast.FunctionDef):
+            func = node.name
+        if isinstance(node, ast.With):
+            locked = locked or any(ast.unparse(item.context_expr).endswith("lock") for item in node.items)
+        targets = (
+            [node.target] if isinstance(node, ast.AugAssign) else node.targets if isinstance(node, ast.Assign) else []
+        )
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Attribute) and t.attr in counters and func != "__init__" and not locked:
+                    unlocked.append(f"{where} {func}: {ast.unparse(node)} (line {node.lineno})")
+        for child in ast.iter_child_nodes(node):
+            visit(child, where, func, locked)
+
+    for module in (tier, backend, host_tier, disk_tier):
+        visit(ast.parse(inspect.getsource(module)), module.__name__, "", False)
+    assert not unlocked, unlocked
+
+
+def test_the_weights_identity_covers_every_byte_and_is_cached(tmp_path, monkeypatch):
+    """#43 item 6: an edited GGUF with the same name and size whose first and last MiB are unchanged had the same
+    identity (so the tier restored the other model's KV). The identity hashes the whole file; a restart finds it in
+    the cache (keyed by device, inode, size, mtime and ctime) instead of reading the file again."""
+    from kvserve.kv.offload import fingerprint
+
+    model = tmp_path / "model.gguf"
+    data = bytearray(os.urandom(3 << 20))
+    model.write_bytes(data)
+    cache = tmp_path / "cache"
+    first = fingerprint.weights_identity(model, cache)
+    data[len(data) // 2] ^= 1  # the middle MiB only: same name, same size, same ends
+    model.write_bytes(data)
+    edited = fingerprint.weights_identity(model, cache)
+    assert edited != first
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the file was read again")
+
+    monkeypatch.setattr(fingerprint, "file_digest", no_reading)
+    assert fingerprint.weights_identity(model, cache) == edited  # from the cache
+
+    checkpoint = tmp_path / "hf"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    weights = bytearray(os.urandom(3 << 20))
+    (checkpoint / "model.safetensors").write_bytes(weights)
+    monkeypatch.undo()
+    before = fingerprint.weights_identity(checkpoint, cache)
+    weights[len(weights) // 2] ^= 1
+    (checkpoint / "model.safetensors").write_bytes(weights)
+    assert fingerprint.weights_identity(checkpoint, cache) != before
+
+
+def test_a_failed_store_is_retried_with_backoff_and_counted(tmp_path, monkeypatch):
+    """#43 item 7: after ENOSPC the tier stored nothing until a restart. Now a write error pauses stores (counted in
+    io_errors, the blocks dropped), for a delay that doubles while errors go on, and the first write after the pause
+    that succeeds turns stores on again. The clock is the test's: no waiting."""
+    import errno
+
+    from kvserve.kv.block import TierBlock
+
+    real_write = DiskStore.write
+    failing = [True]
+
+    def write(self, *args):
+        if failing[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *args)
+
+    monkeypatch.setattr(DiskStore, "write", write)
+    tier, caches, snapshot = _tier_on(tmp_path, queued_blocks=8)
+    now = [100.0]
+    tier.backoff.clock = lambda: now[0]
+    blocks = [TierBlock(i, block(200 + i)[0][1], block(200 + i)[1]) for i in range(8)]
+    tier.prepare_store(blocks[:1])
+    tier.flush()
+    first = tier.backoff.delay
+    assert not tier.available and tier.io_errors == 1 and tier.stored_blocks == 0 and first > 0
+    tier.prepare_store(blocks[1:2])  # paused: not even copied
+    assert tier.stats().io_errors == 1
+    now[0] += first
+    assert tier.available
+    tier.prepare_store(blocks[2:3])
+    tier.flush()
+    assert tier.io_errors == 2 and tier.backoff.delay == 2 * first  # failed again: a longer pause
+    failing[0] = False
+    now[0] += 2 * first
+    tier.prepare_store(blocks[3:5])
+    tier.flush()
+    assert tier.available and tier.stored_blocks == 2 and tier.io_errors == 2 and tier.backoff.delay == 0
+    tier.close()

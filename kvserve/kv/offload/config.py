@@ -5,10 +5,11 @@ must not import the tier's threads, files and torch code (kv/offload/tier.py) to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.units import GiB, MiB, parse_size
+from kvserve.units import GiB, MiB, format_bytes, parse_size
 
 # vLLM's backends: "native" (its own offloading connector, and the one kvserve implements) and "lmcache".
 OFFLOAD_BACKENDS: tuple[str, ...] = ("native", "lmcache")
@@ -17,19 +18,59 @@ OFFLOAD_BACKENDS: tuple[str, ...] = ("native", "lmcache")
 OFFLOAD_DTYPES: tuple[str, ...] = ("auto", "int8")
 
 
+# More bytes than any machine's memory or disk: a size past it is a slip (`1e12` is 10^12 GiB, a bare number being GiB).
+_MAX_SIZE = 1 << 63
+
+
 def parse_offloading_size(value: str | int | float) -> int:
-    """vLLM's meaning for a bare number, GiB (`16`, `0.5`); kvserve also takes a unit (`16GiB`, `512MiB`)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        size = int(value * GiB)
+    """vLLM's meaning for a bare number, GiB (`16`, `0.5`); kvserve also takes a unit (`16GiB`, `512MiB`). Anything
+    that is no size a machine has (inf, nan, 1e400, 10^12 GiB) is a ValueError naming the flag, never an
+    OverflowError's traceback."""
+    number: float | None
+    if isinstance(value, bool):
+        number = None
+    elif isinstance(value, (int, float)):
+        number = float(value)
     else:
-        text = str(value).strip()
         try:
-            size = int(float(text) * GiB)
+            number = float(str(value).strip())
         except ValueError:
-            size = parse_size(text)
+            number = None
+    if number is None:
+        try:
+            size = parse_size(str(value))
+        except ValueError as e:
+            raise ValueError(f"--kv-offloading-size: {e}") from None
+    elif not math.isfinite(number) or abs(number) * GiB >= _MAX_SIZE:
+        raise ValueError(
+            f"--kv-offloading-size {value!r} is no size a machine has (a bare number is GiB, as in vLLM): pass a "
+            "number of GiB such as 16, or a size with its unit such as 512MiB"
+        )
+    else:
+        size = int(number * GiB)
     if size <= 0:
         raise ValueError(f"--kv-offloading-size must be positive, got {value!r}")
+    if size >= _MAX_SIZE:
+        raise ValueError(f"--kv-offloading-size {value!r} is no size a machine has")
     return size
+
+
+def check_host_tier_fits(config: KVOffloadConfig | None, available: int | None, pool_bytes: int) -> None:
+    """A tier in host memory must fit in the machine's available memory beside the KV pool (`pool_bytes`: its size on
+    CPU, 0 where the pool is in device memory), checked before either is allocated, as the pool alone is
+    (engine/build.py plan_cache): else the allocator fails with a traceback, or the machine swaps. `available` None:
+    unknown (not Linux), not checked."""
+    if config is None or config.path is not None or available is None:
+        return
+    if config.size_bytes + pool_bytes <= available:
+        return
+    room = available - pool_bytes
+    pool = f" and the KV cache's {format_bytes(pool_bytes)}" if pool_bytes else ""
+    hint = f"pass a smaller size, e.g. {room // 2 // MiB}MiB, " if room >= 2 * MiB else ""
+    raise ValueError(
+        f"--kv-offloading-size {format_bytes(config.size_bytes)} (a tier in host memory){pool} exceed this machine's "
+        f"available memory ({format_bytes(available)}); {hint}or put the tier on disk with --kv-offloading-path"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +85,9 @@ class KVOffloadConfig:
     dtype: str = "auto"
     # Stored records waiting for the disk writer, at most; past it a block is dropped (counted), never waited for.
     max_queued_bytes: int = 256 * MiB
+    # --kv-offloading-allow-other-writers: use a directory other users can write, or another user's (refused
+    # otherwise: whoever can write there can plant records that pass every check; kv/offload/safedir.py).
+    allow_other_writers: bool = False
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:
@@ -61,6 +105,8 @@ class KVOffloadConfig:
             raise ValueError(f"--kv-offloading-dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {self.dtype!r}")
         if self.max_queued_bytes <= 0:
             raise ValueError(f"max_queued_bytes must be positive, got {self.max_queued_bytes}")
+        if self.allow_other_writers and self.path is None:
+            raise ValueError("--kv-offloading-allow-other-writers needs --kv-offloading-path (it is about a directory)")
 
     @property
     def medium(self) -> str:
@@ -69,10 +115,14 @@ class KVOffloadConfig:
 
 
 def make_offload_config(
-    size: str | int | float | None, path: str | Path | None = None, backend: str | None = None, dtype: str = "auto"
+    size: str | int | float | None,
+    path: str | Path | None = None,
+    backend: str | None = None,
+    dtype: str = "auto",
+    allow_other_writers: bool = False,
 ) -> KVOffloadConfig | None:
-    """The config of the three flags; None (no tier) without a size. A path or backend without a size is an error,
-    not a silent no-op."""
+    """The config of the flags; None (no tier) without a size. A path, backend or other flag without a size is an
+    error, not a silent no-op."""
     if size is None:
         if path is not None:
             raise ValueError(
@@ -82,10 +132,13 @@ def make_offload_config(
             raise ValueError("--kv-offloading-backend needs --kv-offloading-size")
         if dtype != "auto":
             raise ValueError("--kv-offloading-dtype needs --kv-offloading-size")
+        if allow_other_writers:
+            raise ValueError("--kv-offloading-allow-other-writers needs --kv-offloading-size and --kv-offloading-path")
         return None
     return KVOffloadConfig(
         size_bytes=parse_offloading_size(size),
         path=None if path is None else Path(path).expanduser(),
         backend=backend or "native",
         dtype=dtype,
+        allow_other_writers=allow_other_writers,
     )

@@ -10,35 +10,75 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import xxhash
 
 from kvserve.kv.offload.record import FORMAT_VERSION
 from kvserve.units import MiB
 
-# Bytes read from each end of a weight file for its identity: enough to tell files apart (headers, tensor data),
-# cheap enough for every start (a whole-file sha256 of a 250 MB GGUF costs about a second).
-_IDENTITY_SPAN = MiB
+# What a checkpoint directory's identity covers: its weights and the files that say how to read them.
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
+_CHUNK = 16 * MiB
+# Under kvserve's cache directory: one small file per weight file hashed, named by what changes when the file does.
+_CACHE_SUBDIR = "weights-identity"
 
 
-def weights_identity(path: Path) -> str:
+def weights_identity(path: Path, cache_dir: Path | None = None) -> str:
     """A content identity of a model's weights (a file, or a checkpoint directory's config and weight files): sha256
-    over each file's name, size and first and last MiB. A copy of the same file has the same identity; a re-quantized
-    or edited one does not (its size or its bytes at either end change)."""
+    over each file's name, size and xxh3-128 of all its bytes. Every byte counts: a fine-tuned or edited file of the
+    same name and size is another model (its first and last MiB, the identity's old sample, can be unchanged). The
+    whole-file digest streams at memory speed and is cached under `cache_dir` (kvserve's cache), so that only the
+    first start after a file changes reads it."""
     files = (
-        [path]
-        if path.is_file()
-        else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".json") and p.is_file())
+        [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
     )
     digest = hashlib.sha256()
     for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}\0{size}\0".encode())
-        with open(file, "rb") as f:
-            digest.update(f.read(_IDENTITY_SPAN))
-            if size > 2 * _IDENTITY_SPAN:
-                f.seek(size - _IDENTITY_SPAN)
-                digest.update(f.read(_IDENTITY_SPAN))
+        digest.update(f"{file.name}\0{file.stat().st_size}\0{cached_file_digest(file, cache_dir)}\0".encode())
+    return digest.hexdigest()
+
+
+def cached_file_digest(file: Path, cache_dir: Path | None) -> str:
+    """file_digest(file), from the cache when an entry for this very file exists. The entry is named by the file's
+    device, inode, size, mtime and ctime: an edit in place changes mtime and ctime, a copy or a replacement the inode,
+    and ctime cannot be set back by a user (mtime can, with touch), so a stale entry is never found for a changed file.
+    The cache is a hint: failing to read or write it only costs a read of the file."""
+    st = file.stat()
+    if cache_dir is None:
+        return file_digest(file)
+    entry = cache_dir / _CACHE_SUBDIR / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
+    try:
+        known = entry.read_text().strip()
+        if len(known) == 32 and all(c in "0123456789abcdef" for c in known):
+            return known
+    except OSError:
+        pass
+    value = file_digest(file)
+    try:
+        entry.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = entry.parent / f".tmp-{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        os.replace(tmp, entry)
+    except OSError:
+        pass
+    return value
+
+
+def file_digest(file: Path) -> str:
+    """xxh3-128 of the file's bytes, read in chunks into one buffer (a GGUF of 250 MB: a fraction of a second from
+    the page cache)."""
+    digest = xxhash.xxh3_128()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(file, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 

@@ -26,6 +26,10 @@ FORMAT_VERSION = 2
 _HEADER = struct.Struct("<8sI16sQIHHII")
 _CHECKSUM = struct.Struct("<Q")
 _NO_PARENT = 0xFFFF
+# The most a record's identity (header, hash, parent hash, extra keys, token ids) may take. A store never writes a
+# larger record (a block whose cache salt would pass it is not stored), so a file's size alone tells a planted or
+# damaged file from a record of a known payload length, before anything of it is read (record_size_bounds).
+MAX_IDENTITY_BYTES = 64 * 1024
 
 
 class RecordError(ValueError):
@@ -42,8 +46,11 @@ def encode_record(
 def record_parts(
     fingerprint: bytes, block_hash: bytes, key: BlockKey, payload: bytes | memoryview, group_id: int = 0
 ) -> tuple[bytes, bytes | memoryview, bytes]:
-    """The record as (header and identity, payload, checksum), for a vectored write that copies the payload once."""
+    """The record as (header and identity, payload, checksum), for a vectored write that copies the payload once.
+    RecordError when its identity exceeds MAX_IDENTITY_BYTES (such a block is not stored)."""
     head = record_head(fingerprint, block_hash, key, len(payload), group_id)
+    if len(head) > MAX_IDENTITY_BYTES:
+        raise RecordError(f"an identity of {len(head)} bytes, more than a record holds ({MAX_IDENTITY_BYTES})")
     digest = xxhash.xxh3_64(head)
     digest.update(payload)
     return head, payload, _CHECKSUM.pack(digest.intdigest())
@@ -71,6 +78,48 @@ def record_head(fingerprint: bytes, block_hash: bytes, key: BlockKey, payload_le
 CHECKSUM_BYTES = _CHECKSUM.size
 
 
+def record_size_bounds(payload_len: int) -> tuple[int, int]:
+    """The least and the most bytes a record of a `payload_len`-byte payload can take: any other size is not one."""
+    return _HEADER.size + payload_len + _CHECKSUM.size, MAX_IDENTITY_BYTES + payload_len + _CHECKSUM.size
+
+
+def _parse_header(view: memoryview, fingerprint: bytes) -> tuple[int, int, int, int, int, int, int]:
+    """The checked header's (payload length, group, hash length, parent length, extra keys length, number of tokens,
+    the record's whole length as the header says); RecordError for a header that is short or not of this format and
+    fingerprint."""
+    if len(view) < _HEADER.size:
+        raise RecordError(f"truncated: {len(view)} bytes")
+    magic, version, stored_fp, payload_len, group, hash_len, parent_len, extra_len, num_tokens = _HEADER.unpack_from(
+        view
+    )
+    if magic != MAGIC:
+        raise RecordError("not a kvserve block record (bad magic)")
+    if version != FORMAT_VERSION:
+        raise RecordError(f"format version {version}, this kvserve reads {FORMAT_VERSION}")
+    if stored_fp != fingerprint:
+        raise RecordError("computed under another fingerprint")
+    parent_bytes = 0 if parent_len == _NO_PARENT else parent_len
+    total = _HEADER.size + hash_len + parent_bytes + extra_len + 8 * num_tokens + payload_len + _CHECKSUM.size
+    return payload_len, group, hash_len, parent_len, extra_len, num_tokens, total
+
+
+def size_refusal(start: bytes | bytearray, size: int, fingerprint: bytes, payload_len: int) -> RecordError:
+    """Why a file of `size` bytes beginning with `start` (its first bytes, at most a record's worth: the caller never
+    reads a file of the wrong size whole) is not the record of a `payload_len`-byte block: its header's own reason,
+    or that its length is not what its header says, or that its payload does not fit a block."""
+    if size < _HEADER.size + _CHECKSUM.size:
+        return RecordError(f"truncated: {size} bytes")
+    try:
+        stored_payload, *_, total = _parse_header(memoryview(start), fingerprint)
+    except RecordError as e:
+        return e
+    if size != total:
+        return RecordError(f"length {size}, its header says {total}")
+    if stored_payload != payload_len:
+        return RecordError(f"payload of {stored_payload} bytes, a block holds {payload_len}")
+    return RecordError(f"length {size}, not a record of a {payload_len}-byte block")
+
+
 def checksum_matches(parts: Sequence[bytes | bytearray | memoryview], stored: bytes | bytearray) -> bool:
     """Whether the xxh3-64 of `parts` in turn (the record's head and its payload, wherever they were read to) is the
     stored checksum."""
@@ -89,17 +138,8 @@ def decode_record(
     view = memoryview(data)
     if len(view) < _HEADER.size + _CHECKSUM.size:
         raise RecordError(f"truncated: {len(view)} bytes")
-    magic, version, stored_fp, payload_len, stored_group, hash_len, parent_len, extra_len, num_tokens = (
-        _HEADER.unpack_from(view)
-    )
-    if magic != MAGIC:
-        raise RecordError("not a kvserve block record (bad magic)")
-    if version != FORMAT_VERSION:
-        raise RecordError(f"format version {version}, this kvserve reads {FORMAT_VERSION}")
-    if stored_fp != fingerprint:
-        raise RecordError("computed under another fingerprint")
+    payload_len, stored_group, hash_len, parent_len, extra_len, num_tokens, expected = _parse_header(view, fingerprint)
     parent_bytes = 0 if parent_len == _NO_PARENT else parent_len
-    expected = _HEADER.size + hash_len + parent_bytes + extra_len + 8 * num_tokens + payload_len + _CHECKSUM.size
     if len(view) != expected:
         raise RecordError(f"length {len(view)}, its header says {expected}")
     body = view[: -_CHECKSUM.size]

@@ -9,13 +9,16 @@ directory's budget is enforced under a lock file by whichever process finds it e
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,7 +36,10 @@ from kvserve.kv.offload.record import (
     decode_record,
     record_head,
     record_parts,
+    record_size_bounds,
+    size_refusal,
 )
+from kvserve.kv.offload.safedir import ALLOW_OTHER_WRITERS_FLAG, CheckedDir, Trust, UnsafeEntry, others_can_write
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,10 @@ TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 600.0
 # Eviction frees down to this share of the budget, so that the directory is scanned once per tenth of it written.
 _EVICT_TO = 0.9
+_LOCK_FILE = "lock"
+# Enough of a file's start to say why it is not a record (its header and more), when its size already says it is not.
+_HEAD_READ = 4096
+_FINGERPRINT_FILE = "fingerprint.json"
 
 
 class HostMemoryStore:
@@ -105,67 +115,130 @@ class DiskStore:
     processes may do all three in the same directory at once. Which records exist is answered from an index in
     memory (`contains`: the engine thread never touches the file system): built by the start-up scan, kept by this
     process's writes, evictions and refusals, and refreshed with other processes' records by `refresh` (the tier
-    calls it from a thread of its own, every REFRESH_SECONDS)."""
+    calls it from a thread of its own, every REFRESH_SECONDS).
+
+    Every file is opened through the checked descriptors of its directories, one component at a time and never
+    through a link (kv/offload/safedir.py): what is planted in the directory cannot send a write, a read or the lock
+    elsewhere. Hold the store open only as long as it is used: `close` releases its directories' descriptors."""
 
     medium = "DISK"
 
-    def __init__(self, root: Path, fingerprint: KVFingerprint, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        fingerprint: KVFingerprint,
+        capacity_bytes: int,
+        payload_bytes: int,
+        allow_other_writers: bool = False,
+    ) -> None:
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
+        self.payload_bytes = payload_bytes  # a block's payload: what every record of this store holds
+        # The sizes a record of this store can have: any other file at a record's name is not one, known unread.
+        self._min_size, self._max_size = record_size_bounds(payload_bytes)
+        self.refused_records = 0  # records the scans refused (malformed, planted), under _mutex
         self.top = root
         self.dir = root / fingerprint.name
         self.blocks_dir = self.dir / "blocks"
-        _make_private_dir(root)
-        _make_private_dir(self.dir)
-        _make_private_dir(self.blocks_dir)
-        self._describe_fingerprint()
-        self._lock_path = self.dir / "lock"
+        trust = Trust(os.geteuid(), other_writers=allow_other_writers)
+        with CheckedDir.open_top(root, trust, create=True) as top:
+            _warn_if_open(top)
+            self._dir = top.subdir([fingerprint.name], create=True)
+        try:
+            _warn_if_open(self._dir)
+            self._blocks = self._dir.subdir(["blocks"], create=True)
+        except BaseException:
+            self._dir.close()
+            raise
+        _warn_if_open(self._blocks)
+        self._closer = weakref.finalize(self, _close_dirs, self._dir, self._blocks)
         self._digest = fingerprint.digest  # computed once: every record carries it
         self._mutex = threading.Lock()  # guards the counters below between this process's threads
         self._bytes_estimate = 0
         self._num_blocks_estimate = 0
-        self._tmp_serial = 0
         self._present: set[TierKey] = set()  # the records known to exist (see the class docstring)
         self._shard_mtimes: dict[str, float] = {}  # what refresh saw of each shard directory
+        self._warned: set[str] = set()  # unsafe entries already logged (once each)
+        # A directory this process may not write (a read-only mount, chmod a-w, another user's lock) is still read.
+        self.read_only = not self._can_write()
+        if not self.read_only:
+            self._describe_fingerprint()
         self.scan()
+
+    def _can_write(self) -> bool:
+        """Whether this process may write the directory: its lock opens read-write (created if missing). One that
+        refuses (EACCES, EPERM, EROFS) is used read-only: restores from what earlier runs stored; nothing is stored,
+        evicted, removed or touched (a user who made it read-only meant it). An unsafe lock (a link, another user's)
+        refuses the tier instead."""
+        try:
+            fd = self._dir.open([_LOCK_FILE], os.O_RDWR | os.O_CREAT)
+        except UnsafeEntry:
+            raise
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return False
+            raise
+        os.close(fd)
+        return True
+
+    def close(self) -> None:
+        """Release the directories' descriptors (the tier's close, once its threads have stopped)."""
+        self._closer()
 
     # ---- layout ------------------------------------------------------------------------------------
 
     def path_for(self, key: TierKey) -> Path:
-        group_id, block_hash = key
-        name = block_hash.hex()
-        return self.blocks_dir / name[:2] / f"{name}-{group_id}{RECORD_SUFFIX}"
+        shard, name = _record_name(key)
+        return self.blocks_dir / shard / name
 
     def _describe_fingerprint(self) -> None:
-        """fingerprint.json beside the blocks: what the subdirectory's KV was computed under, for a person."""
-        path = self.dir / "fingerprint.json"
-        if path.exists():
-            return
-        tmp = self.dir / f"{TMP_PREFIX}fingerprint-{os.getpid()}"
-        tmp.write_text(json.dumps(self.fingerprint.describe(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        """fingerprint.json beside the blocks: what the subdirectory's KV was computed under, for a person. Written
+        by a new temporary file renamed over whatever is at the name (a link there is replaced, never followed)."""
+        try:
+            if stat.S_ISREG(self._dir.lstat(_FINGERPRINT_FILE).st_mode):
+                return
+        except FileNotFoundError:
+            pass
+        text = json.dumps(self.fingerprint.describe(), indent=2, sort_keys=True) + "\n"
+        _write_new(self._dir, _FINGERPRINT_FILE, [text.encode()])
 
     # ---- reads ---------------------------------------------------------------------------------------
 
     def contains(self, key: TierKey) -> bool:
         return key in self._present
 
-    def read(self, key: TierKey, content: BlockKey) -> torch.Tensor:
-        """The verified payload as a new uint8 tensor (for inspection and tests; restores use read_into); RecordError
-        for a bad record (removed, so that it is recomputed and stored again), KeyError for a missing one. Touches the
-        file: its mtime is its LRU age."""
-        path = self.path_for(key)
+    def _open_record(self, key: TierKey) -> int:
+        """A descriptor of the block's record; KeyError when it is missing, RecordError (the entry removed) when
+        what is at its name is not a record this store may read (a link, a FIFO, another user's file)."""
+        shard, name = _record_name(key)
         try:
-            data = path.read_bytes()
+            return self._blocks.open([shard, name])
         except FileNotFoundError:
             self._forget(key)
             raise KeyError(key[1].hex()) from None
-        try:
-            payload = decode_record(data, self._digest, key[1], content, key[0])
-        except RecordError:
+        except UnsafeEntry as e:
             self._remove_record(key)
-            raise
-        _touch(path)
+            raise RecordError(str(e)) from None
+
+    def read(self, key: TierKey, content: BlockKey) -> torch.Tensor:
+        """The verified payload as a new uint8 tensor (for inspection and tests; restores use read_into); RecordError
+        for a bad record (removed, so that it is recomputed and stored again), KeyError for a missing one. A file of a
+        size no record of this store has is refused by its size, read no further than its head. Touches the file:
+        its mtime is its LRU age."""
+        fd = self._open_record(key)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                if not self._min_size <= size <= self._max_size:
+                    raise size_refusal(os.pread(fd, _HEAD_READ, 0), size, self._digest, self.payload_bytes)
+                payload = decode_record(os.pread(fd, size, 0), self._digest, key[1], content, key[0])
+            except RecordError:
+                self._remove_record(key)
+                raise
+            if not self.read_only:
+                _touch(fd)
+        finally:
+            os.close(fd)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     def read_into(self, key: TierKey, content: BlockKey, parts: Sequence[memoryview]) -> None:
@@ -173,19 +246,16 @@ class DiskStore:
         of the loader's staging buffer, or the block's own slices of the KV cache, so that a restore copies each byte
         once, from the file straight to where attention reads it). One vectored read; the record's head is compared
         whole with the head this block's record must have (magic, version, fingerprint, lengths, hash and content
-        key at once) and the checksum is computed over the bytes where they landed. A bad record raises RecordError
-        naming the check it failed (and is removed, as by read), a missing one KeyError; after either, `parts` hold
-        garbage the caller must not use."""
+        key at once) and the checksum is computed over the bytes where they landed. A file of a size no record of
+        such a block can have is refused by it, read no further than its head (a planted file of a terabyte costs a
+        stat, not a read); any other bad one is read whole, once, for the reason it is refused. A bad record
+        raises RecordError naming the check it failed (and is removed, as by read), a missing one KeyError; after
+        either, `parts` hold garbage the caller must not use."""
         group_id, block_hash = key
         payload_len = sum(p.nbytes for p in parts)
         head = record_head(self._digest, block_hash, content, payload_len, group_id)
         expected = len(head) + payload_len + CHECKSUM_BYTES
-        path = self.path_for(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(key)
-            raise KeyError(block_hash.hex()) from None
+        fd = self._open_record(key)
         try:
             size = os.fstat(fd).st_size
             good = False
@@ -194,46 +264,36 @@ class DiskStore:
                 got = os.preadv(fd, [got_head, *parts, checksum], 0)
                 good = got == expected and got_head == head and checksum_matches([got_head, *parts], checksum)
             if not good:
-                try:
-                    _refusal(os.pread(fd, size, 0), self._digest, key, content, payload_len)
-                except RecordError:
-                    self._remove_record(key)
-                    raise
+                self._remove_record(key)
+                least, most = record_size_bounds(payload_len)
+                if not least <= size <= most:
+                    raise size_refusal(os.pread(fd, len(head), 0), size, self._digest, payload_len)
+                _refusal(os.pread(fd, size, 0), self._digest, key, content, payload_len)
+            if not self.read_only:
+                _touch(fd)
         finally:
             os.close(fd)
-        _touch(path)
 
     # ---- writes --------------------------------------------------------------------------------------
 
     def write(self, key: TierKey, content: BlockKey, payload: torch.Tensor) -> tuple[bool, list[TierKey]]:
         """Store one record (renamed into place whole): whether it was written (False: already there), and the keys
-        evicted to keep the directory within its budget. OSError propagates."""
-        path = self.path_for(key)
-        if path.exists():
-            with self._mutex:
-                self._present.add(key)
-            return False, []
-        parts = record_parts(self._digest, key[1], content, payload.numpy().data, key[0])
-        size = sum(len(p) for p in parts)
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        with self._mutex:
-            self._tmp_serial += 1
-            tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{self._tmp_serial}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        evicted to keep the directory within its budget. OSError propagates (UnsafeEntry: the block's shard is not
+        a directory this store made; EROFS: a read-only store)."""
+        if self.read_only:
+            raise OSError(errno.EROFS, "the KV offload directory is read-only for this process", str(self.dir))
+        shard, name = _record_name(key)
+        with self._blocks.subdir([shard], create=True) as directory:
             try:
-                written = os.writev(fd, parts)
-                if written != size:  # a short write (a full disk, a signal): finish it or fail
-                    rest = b"".join(bytes(p) for p in parts)[written:]
-                    while rest:
-                        n = os.write(fd, rest)
-                        rest = rest[n:]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            self._remove(tmp)
-            raise
+                there = stat.S_ISREG(directory.lstat(name).st_mode)
+            except FileNotFoundError:
+                there = False
+            if there:
+                with self._mutex:
+                    self._present.add(key)
+                return False, []
+            parts = record_parts(self._digest, key[1], content, payload.numpy().data, key[0])
+            size = _write_new(directory, name, parts)
         with self._mutex:
             self._bytes_estimate += size
             self._num_blocks_estimate += 1
@@ -248,44 +308,99 @@ class DiskStore:
     def _remove_record(self, key: TierKey) -> None:
         """A record that failed a check: gone from the directory and the index, so that it is recomputed."""
         self._forget(key)
-        self._remove(self.path_for(key))
+        if not self.read_only:
+            self._unlink(*_record_name(key))
+
+    def _unlink(self, shard: str, name: str) -> None:
+        """Remove an entry of a shard (best effort: it may be gone already, or the shard be unusable)."""
+        try:
+            with self._blocks.subdir([shard]) as directory:
+                directory.unlink(name)
+        except OSError:
+            pass
 
     # ---- the budget ------------------------------------------------------------------------------------
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """The directory's lock file, held exclusively: one process at a time scans and evicts."""
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        """The directory's lock file, held exclusively: one process at a time scans and evicts. A read-only store
+        takes none (it evicts and removes nothing, and its reads never depend on the lock)."""
+        if self.read_only:
+            yield
+            return
+        fd = self._dir.open([_LOCK_FILE], os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing releases the lock
 
+    def _shards(self) -> Iterator[tuple[str, CheckedDir]]:
+        """Each shard directory of blocks/, open and checked (the caller closes it). An entry at a shard's name that
+        is not a directory of this store's (a link, a file, another user's) is skipped, logged once."""
+        try:
+            names = sorted(n for n in os.listdir(self._blocks.fd) if _is_shard_name(n))
+        except FileNotFoundError:
+            return
+        for name in names:
+            try:
+                directory = self._blocks.subdir([name])
+            except UnsafeEntry as e:
+                self._warn_once(e)
+                continue
+            except FileNotFoundError:
+                continue
+            yield name, directory
+
+    def _warn_once(self, e: OSError) -> None:
+        where = str(e.filename)
+        if where not in self._warned:
+            self._warned.add(where)
+            logger.warning("KV offload tier: %s is %s: not used", where, e.strerror)
+
     def scan(self) -> list[TierKey]:
         """Under the lock: count the records, remove dead writers' temporary files, and evict the least recently used
-        records while the directory holds more than its budget; the index is what remains. Returns the evicted keys."""
+        records while the directory holds more than its budget; the index is what remains. Returns the evicted keys.
+        A read-only store only counts."""
         evicted: list[TierKey] = []
+        writable = not self.read_only
         with self._locked():
             now = time.time()
-            records = []
-            for entry in _walk(self.blocks_dir):
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue
-                if entry.name.startswith(TMP_PREFIX):
-                    if now - st.st_mtime > STALE_TMP_SECONDS:
-                        self._remove(Path(entry.path))
-                elif entry.name.endswith(RECORD_SUFFIX):
-                    records.append((st.st_mtime, st.st_size, entry.path, entry.name))
+            records: list[tuple[float, int, str, str]] = []  # (mtime, size, shard, name)
+            refused = 0
+            for shard, directory in self._shards():
+                with directory, os.scandir(directory.fd) as entries:
+                    for entry in entries:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        if entry.name.startswith(TMP_PREFIX):
+                            if writable and now - st.st_mtime > STALE_TMP_SECONDS:
+                                _unlink_quietly(directory, entry.name)
+                        elif _key_in(shard, entry.name) is None:
+                            continue
+                        elif self._well_formed(st, directory.where([entry.name])):
+                            records.append((st.st_mtime, st.st_size, shard, entry.name))
+                        else:
+                            refused += 1
+                            if writable:
+                                _unlink_quietly(directory, entry.name)
+            if refused:
+                logger.warning(
+                    "KV offload tier: %d entries at records' names in %s are no records of it (wrong size or type, "
+                    "another user's): %s, not counted against the budget",
+                    refused,
+                    self.blocks_dir,
+                    "removed" if writable else "left (read-only)",
+                )
             total = sum(r[1] for r in records)
-            if total > self.capacity_bytes:
+            if writable and total > self.capacity_bytes:
                 records.sort()
                 target = self.capacity_bytes * _EVICT_TO
                 while records and total > target:
-                    _, size, path, name = records.pop(0)
-                    self._remove(Path(path))
+                    _, size, shard, name = records.pop(0)
+                    self._unlink(shard, name)
                     total -= size
                     key = parse_record_name(name)
                     if key is not None:
@@ -294,7 +409,18 @@ class DiskStore:
             with self._mutex:
                 self._bytes_estimate, self._num_blocks_estimate = total, len(records)
                 self._present = present
+                self.refused_records += refused
         return evicted
+
+    def _well_formed(self, st: os.stat_result, where: str) -> bool:
+        """Whether an entry at a record's name can be a record of this store, from its stat alone: a regular file of
+        this user's that others cannot write, of a size a record of this payload has. Only such entries count
+        against the budget (a planted terabyte file evicted every good record)."""
+        try:
+            self._blocks.trust.check(st, where, directory=False)
+        except UnsafeEntry:
+            return False
+        return self._min_size <= st.st_size <= self._max_size
 
     def refresh(self) -> tuple[list[TierKey], list[TierKey]]:
         """Bring the index up to date with the directory: list the shards whose directory changed since the last look
@@ -303,23 +429,22 @@ class DiskStore:
         found: list[TierKey] = []
         gone: list[TierKey] = []
         try:
-            shards = list(os.scandir(self.blocks_dir))
+            names = [n for n in os.listdir(self._blocks.fd) if _is_shard_name(n)]
         except FileNotFoundError:
             return found, gone
-        for shard in shards:
+        for shard in names:
             try:
-                if not shard.is_dir(follow_symlinks=False):
+                mtime = os.stat(shard, dir_fd=self._blocks.fd, follow_symlinks=False).st_mtime
+                if self._shard_mtimes.get(shard) == mtime:
                     continue
-                mtime = shard.stat(follow_symlinks=False).st_mtime
-                if self._shard_mtimes.get(shard.name) == mtime:
-                    continue
-                names = [e.name for e in os.scandir(shard.path)]
+                with self._blocks.subdir([shard]) as directory, os.scandir(directory.fd) as entries:
+                    listed = [e.name for e in entries if e.is_file(follow_symlinks=False)]
             except OSError:
                 continue
-            self._shard_mtimes[shard.name] = mtime
-            keys = {key for key in map(parse_record_name, names) if key is not None}
+            self._shard_mtimes[shard] = mtime
+            keys = {key for key in (_key_in(shard, n) for n in listed) if key is not None}
             with self._mutex:
-                known = {key for key in self._present if key[1].hex()[:2] == shard.name}
+                known = {key for key in self._present if key[1].hex()[:2] == shard}
                 found += keys - known
                 gone += known - keys
                 self._present |= keys
@@ -330,21 +455,69 @@ class DiskStore:
         with self._mutex:
             return StoreUsage(self._num_blocks_estimate, self._bytes_estimate)
 
-    @staticmethod
-    def _remove(path: Path) -> None:
-        try:
-            path.unlink()
-        except OSError:
-            pass
+
+def _close_dirs(*dirs: CheckedDir) -> None:
+    for directory in dirs:
+        directory.close()
 
 
-def _touch(path: Path) -> None:
-    """A record was used: its mtime is its LRU age (a hint only: it may have been removed since, or the directory be
-    read-only)."""
+def _write_new(directory: CheckedDir, name: str, parts: Sequence[bytes | memoryview]) -> int:
+    """Write `parts` as the file `name` of `directory`, whole or not at all: into a new temporary file (an
+    unpredictable name, created exclusively, so that nothing planted at it is written through), then renamed over
+    `name` (atomic on POSIX: a reader sees the old entry or the whole new file). Returns the bytes written. O_TMPFILE
+    would leave no name at all, but linking it into place needs /proc or a privilege and cannot replace an entry
+    atomically; a crash leaves this temporary name to the next scan instead."""
+    size = sum(len(p) for p in parts)
+    tmp = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     try:
-        os.utime(path)
+        fd = directory.open([tmp], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = os.writev(fd, parts)
+            if written != size:  # a short write (a full disk, a signal): finish it or fail
+                rest = b"".join(bytes(p) for p in parts)[written:]
+                while rest:
+                    n = os.write(fd, rest)
+                    rest = rest[n:]
+        finally:
+            os.close(fd)
+        directory.rename(tmp, name)
+    except BaseException:
+        _unlink_quietly(directory, tmp)
+        raise
+    return size
+
+
+def _unlink_quietly(directory: CheckedDir, name: str) -> None:
+    try:
+        directory.unlink(name)
     except OSError:
         pass
+
+
+def _touch(fd: int) -> None:
+    """A record was used: its mtime is its LRU age (a hint only: the directory may be read-only)."""
+    try:
+        os.utime(fd)
+    except OSError:
+        pass
+
+
+def _record_name(key: TierKey) -> tuple[str, str]:
+    """(shard, file name) of a block's record: blocks/<first two hex digits>/<hash hex>-<group>.kvb."""
+    group_id, block_hash = key
+    name = block_hash.hex()
+    return name[:2], f"{name}-{group_id}{RECORD_SUFFIX}"
+
+
+def _is_shard_name(name: str) -> bool:
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
+def _key_in(shard: str, name: str) -> TierKey | None:
+    """The key of a record named `name` in `shard`; None for any other name, or a record in the wrong shard (where
+    no read would look for it)."""
+    key = parse_record_name(name)
+    return key if key is not None and key[1].hex()[:2] == shard else None
 
 
 def parse_record_name(name: str) -> TierKey | None:
@@ -368,30 +541,25 @@ def _refusal(data: bytes, fingerprint: bytes, key: TierKey, content: BlockKey, p
     raise RecordError("the record changed while it was read")
 
 
-def _walk(blocks_dir: Path) -> Iterator[os.DirEntry[str]]:
-    try:
-        shards = list(os.scandir(blocks_dir))
-    except FileNotFoundError:
-        return
-    for shard in shards:
-        if shard.is_dir(follow_symlinks=False):
-            try:
-                yield from os.scandir(shard.path)
-            except FileNotFoundError:
-                continue
-
-
-def _make_private_dir(path: Path) -> None:
-    """Create `path` 0700 (it holds prompt-derived data); an existing one is used as it is, with a warning when other
-    users can read or enter it. A symlink is refused: the tier's files go where the user named, nowhere else."""
-    if path.is_symlink():
-        raise OSError(f"{path} is a symbolic link; the KV offload tier needs a real directory")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
+def _warn_if_open(directory: CheckedDir) -> None:
+    """A directory of the tier that other users can read or enter is used, with a warning: it holds data derived
+    from prompts; chmod 700 it. One that others can write, or another user's, gets here only when the user allowed
+    it (ALLOW_OTHER_WRITERS_FLAG): warned about too, since the tier then restores whatever they put there."""
+    st = os.fstat(directory.fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if others_can_write(st) or st.st_uid != directory.trust.uid:
+        logger.warning(
+            "the KV offload directory %s (mode %o, uid %d) is one other users can write: used because of %s; "
+            "the tier restores whatever they put there",
+            directory.path,
+            mode,
+            st.st_uid,
+            ALLOW_OTHER_WRITERS_FLAG,
+        )
+    elif mode & 0o077:
         logger.warning(
             "the KV offload directory %s is open to other users (mode %o): it holds data derived from prompts; "
             "chmod 700 it",
-            path,
+            directory.path,
             mode,
         )
