@@ -29,7 +29,9 @@ def _event(seq: int) -> dict[str, Any]:
 
 
 def _publisher() -> KVPublisher:
-    publisher = KVPublisher(engine=None, wake=lambda: None)  # type: ignore[arg-type]  # watch() needs no engine
+    events = types.SimpleNamespace(open_reader=lambda: None, close_reader=lambda: None)  # watch() opens a reader
+    engine = types.SimpleNamespace(kv_events=events)
+    publisher = KVPublisher(engine=engine, wake=lambda: None)  # type: ignore[arg-type]  # watch() needs kv_events only
     publisher.published = KVPublication(_snapshot(3), tuple(_event(i) for i in range(3)))
     return publisher
 

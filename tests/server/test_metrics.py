@@ -42,8 +42,9 @@ def test_metrics_names_and_values(make_server):
             assert empty[name] == 0, name
         info = [k for k in empty if k.startswith("kvserve:cache_config_info{")]
         expected = (
-            "kvserve:cache_config_info{block_size=4,enable_prefix_caching=True,kv_cache_dtype=float32,"
-            "max_model_len=256,num_blocks=256}"
+            "kvserve:cache_config_info{block_size=4,enable_prefix_caching=True,hybrid_kv_cache_manager=False,"
+            "kv_cache_dtype=float32,kv_cache_groups=full attention 1 x 2 layers,max_concurrency=3.98,"
+            "max_model_len=256,num_blocks=256,sliding_window_layers=0}"
         )
         assert info == [expected]
 
