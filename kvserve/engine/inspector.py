@@ -98,7 +98,7 @@ def _short(block_hash: bytes | None) -> str | None:
 def _evict_ranks(engine: EngineCore) -> dict[int, int]:
     """Cached free blocks by block id -> their rank in reuse order (0: reused, so evicted, next)."""
     ranks: dict[int, int] = {}
-    for block in engine.pool.free_queue:
+    for block in engine.pool.free_blocks():
         if block.block_hash is not None:
             ranks[block.block_id] = len(ranks)
     return ranks

@@ -35,6 +35,7 @@ class KVCacheBlock:
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
     in_free_queue: bool = False
+    spent: bool = False  # in the pool's queue of blocks out of a sliding window (BlockPool.free(spent=True))
 
     def __repr__(self) -> str:
         hashed = self.block_hash is not None
@@ -51,6 +52,11 @@ class FreeBlockQueue:
         self.num_free_blocks = 0
         for block in blocks:
             self.append(block)
+
+    @property
+    def head(self) -> KVCacheBlock | None:
+        """The block reused next (None: empty)."""
+        return self._head
 
     def popleft(self) -> KVCacheBlock:
         block = self._head

@@ -309,7 +309,8 @@ class KVCacheManager:
 
     def _free_skipped(self, request: KVRequest, state: RequestTables) -> None:
         """Give back, in each sliding group, the blocks before the window of the request's next query (their
-        table entries become the null block). Hashed ones stay revivable in the free queue like any freed block."""
+        table entries become the null block). Hashed ones stay revivable, in the pool's spent queue: evicted before
+        other cached blocks (BlockPool)."""
         for g, spec in enumerate(self.specs):
             first = min(spec.first_needed_block(request.num_computed_tokens, self.block_size), state.num_entries)
             table = state.tables[g]
@@ -318,7 +319,7 @@ class KVCacheManager:
                 table[i] = self.null_block
             state.skipped[g] = max(state.skipped[g], first)
             if skipped:
-                self.pool.free(skipped)
+                self.pool.free(skipped, spent=True)
 
     def rollback(self, request: KVRequest) -> None:
         """After verification: return the blocks past the request's tokens (those held only rejected drafts'

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from kvserve.capacity import NULL_BLOCK_ID, usable_blocks
 from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
@@ -15,6 +15,15 @@ class BlockPool:
     """Owns every block. Free blocks are reused from the head of the free queue; when a block that still
     carries a hash is reused, its hash is dropped (eviction), so the least recently freed cached block goes
     first.
+
+    Blocks a sliding-window group gave back mid-request (out of the window, kv/groups.py) wait in a queue of their
+    own, `spent_queue`, reused after the never-used and unhashed blocks but before any other cached block. Why: such a
+    block serves a prefix hit only at the one hit point whose window it covers (a prompt that stops right after it),
+    while a full-attention block serves every longer prefix and the window blocks a request held when it finished
+    serve its next chat turn; under LRU alone, the out-of-window blocks of other users' turns (most of a long
+    prompt's sliding-group blocks) are fresher than a waiting user's history and push it out. With them evicted
+    first, a pool keeps whole histories of about as many users as it could keep full-attention blocks and last
+    windows for.
 
     Block NULL_BLOCK_ID is the null block: never in the free queue, never allocated, never referenced, so the
     padding of block tables (and a sliding-window group's entries before its window) points at a block no request's
@@ -43,6 +52,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue([b for b in self.blocks if b is not self.null_block])
+        self.spent_queue = FreeBlockQueue([])  # hashed blocks given back out of a sliding window, in freeing order
         self.cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in range(num_groups)]
         # Prefix hits per cached hash since it was stored (for the inspector's prefix tree), per group; dropped on
         # eviction.
@@ -55,7 +65,28 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
+        return self.free_queue.num_free_blocks + self.spent_queue.num_free_blocks
+
+    def _pop_free(self) -> KVCacheBlock:
+        """The block reused next: the free queue's head while it holds no prefix, else the oldest out-of-window
+        block, else the free queue's head (the least recently freed cached block)."""
+        head = self.free_queue.head
+        if self.spent_queue.num_free_blocks and (head is None or head.block_hash is not None):
+            block = self.spent_queue.popleft()
+            block.spent = False
+            return block
+        return self.free_queue.popleft()
+
+    def free_blocks(self) -> Iterator[KVCacheBlock]:
+        """The free blocks in the order allocate() reuses them (the inspector's eviction ranks)."""
+        spent_done = False
+        for block in self.free_queue:
+            if block.block_hash is not None and not spent_done:
+                yield from self.spent_queue
+                spent_done = True
+            yield block
+        if not spent_done:
+            yield from self.spent_queue
 
     @property
     def usage(self) -> float:
@@ -68,7 +99,7 @@ class BlockPool:
             raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} are free")
         blocks = []
         for _ in range(count):
-            block = self.free_queue.popleft()
+            block = self._pop_free()
             self._evict(block)
             block.ref_cnt = 1
             block.group_id = group_id
@@ -85,15 +116,17 @@ class BlockPool:
         """Take a reference on blocks found by a prefix hit, reviving them from the free queue if needed."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                (self.spent_queue if block.spent else self.free_queue).remove(block)
+                block.spent = False
             block.ref_cnt += 1
             if block.block_hash is not None:
                 counts = self.hit_counts[block.group_id]
                 counts[block.block_hash] = counts.get(block.block_hash, 0) + 1
 
-    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def free(self, blocks: Iterable[KVCacheBlock], spent: bool = False) -> None:
         """Drop one reference from each block. Blocks that reach zero return to the free queue: hashed
-        blocks at the tail (reused last, revivable until then), unhashed ones at the head."""
+        blocks at the tail (reused last, revivable until then), unhashed ones at the head; `spent`: blocks a
+        sliding-window group gave back mid-request, hashed ones to the tail of the spent queue (see the class)."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"{block} freed more often than it was referenced")
@@ -101,6 +134,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
+                elif spent:
+                    block.spent = True
+                    self.spent_queue.append(block)
                 else:
                     self.free_queue.append(block)
 
@@ -142,6 +178,10 @@ class BlockPool:
                 if self.events is not None and self.events.enabled:
                     self.events.append(BlockRemoved(block.block_id, block.block_hash.hex(), group_idx=block.group_id))
             block.block_hash = block.key = None
+        if block.spent:  # a free out-of-window block whose prefix is dropped holds nothing: reused first
+            self.spent_queue.remove(block)
+            block.spent = False
+            self.free_queue.appendleft(block)
 
     def is_cached(self, block_hash: bytes, group_id: int = 0) -> bool:
         return block_hash in self.cached[group_id]
@@ -151,6 +191,10 @@ class BlockPool:
         return sum(len(c) for c in self.cached)
 
     def reset_prefix_cache(self) -> None:
+        while self.spent_queue.num_free_blocks:  # holding no prefix now, they are reused first
+            block = self.spent_queue.popleft()
+            block.spent = False
+            self.free_queue.appendleft(block)
         for cached in self.cached:
             for block in cached.values():
                 block.block_hash = block.key = None
@@ -167,9 +211,11 @@ class BlockPool:
         A public debug API (the pool's invariants, checkable by anyone who drives a pool, as the tests do after
         every operation): raises AssertionError naming the broken block; O(blocks), so not on a hot
         path. EngineCore.check_invariants adds the cross-check against each request's block table."""
-        free_ids = [b.block_id for b in self.free_queue]
+        free_ids = [b.block_id for b in self.free_blocks()]
         if len(free_ids) != len(set(free_ids)) or len(free_ids) != self.num_free_blocks:
             raise AssertionError("free queue is corrupt")
+        if any(not b.spent or b.block_hash is None for b in self.spent_queue) or any(b.spent for b in self.free_queue):
+            raise AssertionError("the spent queue holds a block that is not a hashed out-of-window block")
         null = self.null_block
         if null.ref_cnt or null.in_free_queue or null.block_hash is not None:
             raise AssertionError(f"the null block was handed out: {null}")

@@ -44,6 +44,7 @@ def prompt(seed: int, n: int = 60) -> list[int]:
 
 PROMPT = prompt(0)
 FILLERS = [prompt(s) for s in (1, 2, 3)]
+MORE_FILLERS = [prompt(s) for s in (4, 5, 6)]
 
 
 def run(
@@ -62,8 +63,9 @@ def run(
 
 
 def evict(engine: LLMEngine) -> None:
-    """Run prompts that need the whole pool, so that nothing of an earlier prompt stays in it."""
-    for i, ids in enumerate(FILLERS):
+    """Run prompts that need the whole pool, so that nothing of an earlier prompt stays in it: six, as the pool
+    reuses the fillers' own out-of-window blocks before an earlier prompt's cached ones (BlockPool's spent queue)."""
+    for i, ids in enumerate(FILLERS + MORE_FILLERS):
         run(engine, ids, request_id=f"filler{i}")
 
 
@@ -645,7 +647,7 @@ def test_the_inspector_shows_which_prefixes_the_tier_holds(model_dir, cold, tmp_
     evict(engine)
     view = engine.kv_snapshot(include_tokens=False)["offload_tier"]
     ours = next(p for p in view["prefixes"] if p["blocks"] == 16)
-    assert ours["in_pool"] == 0 and ours["token_ids"] is None and len(view["prefixes"]) == 1 + len(FILLERS)
+    assert ours["in_pool"] == 0 and ours["token_ids"] is None and len(view["prefixes"]) == 1 + len(FILLERS + MORE_FILLERS)
 
     first = disk_engine(model_dir, tmp_path)
     run(first, PROMPT)

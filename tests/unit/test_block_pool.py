@@ -47,6 +47,31 @@ def test_pool_allocate_free_and_reuse_order():
     pool.check_invariants()
 
 
+def test_out_of_window_blocks_are_reused_after_unhashed_ones_and_before_other_cached_blocks():
+    """Blocks a sliding group gave back mid-request (free(spent=True)) wait in the spent queue: allocate() takes the
+    never-used and unhashed blocks first, then the spent ones (oldest first), and only then evicts other cached blocks;
+    a prefix hit revives a spent block; a reset makes them plain free blocks."""
+    pool = BlockPool(9)  # 8 usable
+    history = pool.allocate(2)  # a finished request's blocks: freed to the LRU tail
+    spent = pool.allocate(3)  # another request's out-of-window blocks, freed after the history
+    for i, b in enumerate(history + spent):
+        pool.cache_block(b, bytes([i]), KEY)
+    pool.free(history)
+    pool.free(spent, spent=True)
+    pool.check_invariants()
+    assert pool.num_free_blocks == 8 and ids(pool.free_blocks()) == [6, 7, 8, 3, 4, 5, 1, 2]
+    pool.touch([spent[1]])  # a hit on one of them: revived from the spent queue
+    assert not spent[1].spent and ids(pool.spent_queue) == [3, 5]
+    got = pool.allocate(5)
+    assert [b.block_id for b in got] == [6, 7, 8, 3, 5]  # the history (1, 2) survives
+    assert pool.is_cached(b"\x00") and pool.is_cached(b"\x01") and not pool.is_cached(b"\x02")
+    pool.check_invariants()
+    pool.free([spent[1]], spent=True)
+    pool.reset_prefix_cache()
+    assert pool.spent_queue.num_free_blocks == 0 and ids(pool.free_blocks())[0] == 4
+    pool.check_invariants()
+
+
 def test_cached_block_revived_then_evicted_on_reuse():
     pool = BlockPool(3)
     (block,) = pool.allocate(1)

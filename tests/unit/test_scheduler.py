@@ -152,6 +152,25 @@ def test_abort_and_double_finish_keep_pool_whole():
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
+def test_a_chat_history_outlives_other_users_out_of_window_blocks():
+    """#42: with a sliding group, most of a long prompt's blocks leave the window mid-request. User a's finished turn
+    (full-attention blocks and last window) must survive two other users' turns in a pool that holds a's history plus
+    their windows: the pool evicts their out-of-window blocks first, so a's next turn hits its whole history (under
+    LRU alone it hit nothing here, and needed a pool of 56 blocks instead of 44 to hit all of it)."""
+
+    def run(r: Request) -> None:
+        sched.add(r)
+        while num_unfinished(sched):
+            fake_step(sched)
+            check(sched, pool, kv)
+
+    sched, pool, kv = make(num_blocks=44, budget=16, max_len=64, windows=(None, 8))
+    run(req("a", 40, max_tokens=1))
+    run(req("b", 40, max_tokens=1, base=1000))
+    run(req("c", 40, max_tokens=1, base=2000))
+    assert kv.get_computed_blocks(req("a2", 48, max_tokens=1))[1] == 40
+
+
 def test_reserving_max_model_len_takes_every_block_at_admission_and_returns_them():
     # 14 blocks of 4 tokens, max-model-len 16: each request reserves 4 blocks, so 3 fit however short they are.
     sched, pool, kv = make(num_blocks=14, block_size=4, max_seqs=8, budget=64, max_len=16, reserve=True)
