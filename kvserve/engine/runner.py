@@ -69,7 +69,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
-        block_tables: list[list[list[int]]] = [[] for _ in range(self.kv.num_groups)]  # per group, per request
+        # Per group, per request: the table's entries after its leading null entries, and how many those are.
+        block_tables: list[list[list[int]]] = [[] for _ in range(self.kv.num_groups)]
+        leading_nulls: list[list[int]] = [[] for _ in range(self.kv.num_groups)]
         seq_lens, query_lens = [], []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
@@ -81,8 +83,10 @@ class ModelRunner:
             input_ids.extend(request.token_slice(start, end - len(s.draft_token_ids)))
             input_ids.extend(s.draft_token_ids)
             positions.extend(range(start, end))
-            for g, tables in enumerate(block_tables):
-                tables.append(self.kv.block_ids(request, g))
+            for g in range(self.kv.num_groups):
+                lead, tail = self.kv.table_tail(request, g)
+                leading_nulls[g].append(lead)
+                block_tables[g].append(tail)
             seq_lens.append(end)
             query_lens.append(s.num_tokens)
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
@@ -97,7 +101,7 @@ class ModelRunner:
         # (the largest matrix of a small model) is then read once per step, not once per drafted request
         # (each row's logits are the same either way: the kernels compute rows independently).
         head_rows = sample_rows + [r for a, b in spec_rows.values() for r in range(a, b)]
-        hidden, rows = self._forward(input_ids, positions, block_tables, seq_lens, query_lens, head_rows)
+        hidden, rows = self._forward(input_ids, positions, block_tables, leading_nulls, seq_lens, query_lens, head_rows)
         all_logits = self.model.compute_logits(
             hidden.index_select(0, rows), out=self._logits_buffer(len(head_rows))
         ).float()
@@ -115,6 +119,7 @@ class ModelRunner:
         input_ids: list[int],
         positions: list[int],
         block_tables: list[list[list[int]]],
+        leading_nulls: list[list[int]],
         seq_lens: list[int],
         query_lens: list[int],
         head_rows: list[int],
@@ -123,7 +128,10 @@ class ModelRunner:
         group's metadata is built on the host, sent with the ids in one copy, and run as a graph when one fits,
         else eagerly; every layer gets its group's."""
         host = torch.device("cpu")
-        metas = [AttentionMetadata.build(t, seq_lens, query_lens, self.block_size, host) for t in block_tables]
+        metas = [
+            AttentionMetadata.build(t, seq_lens, query_lens, self.block_size, host, leads)
+            for t, leads in zip(block_tables, leading_nulls, strict=True)
+        ]
         as_tensor = partial(torch.tensor, dtype=torch.int64)
         ids, pos, rows = as_tensor(input_ids), as_tensor(positions), as_tensor(head_rows)
         size = self._graph_size(metas)

@@ -404,6 +404,16 @@ class KVCacheManager:
         state = self.requests.get(request.request_id)
         return [] if state is None else [b.block_id for b in state.tables[group_id]]
 
+    def table_tail(self, request: KVRequest, group_id: int) -> tuple[int, list[int]]:
+        """The request's table in one group as (leading null entries, block ids of the entries after them): a sliding
+        group's table is mostly null entries at a long context, and the runner builds each step's tables from the
+        tails (AttentionMetadata.build's leading_nulls), so its work per sliding group follows the window."""
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return 0, []
+        lead = state.skipped[group_id]
+        return lead, [b.block_id for b in state.tables[group_id][lead:]]
+
     def group_tables(self, request_id: str) -> GroupBlocks:
         """The request's tables, one per group (empty lists when it holds nothing)."""
         state = self.requests.get(request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
@@ -61,3 +62,21 @@ def test_the_runner_pads_a_mixed_batch_with_a_block_no_request_holds() -> None:
     assert NULL_BLOCK_ID not in held and len(held) == 8 + 1
     assert meta.block_tables[1, 1:].tolist() == [NULL_BLOCK_ID] * 7
     assert pool.null_block.ref_cnt == 0 and not pool.null_block.in_free_queue
+
+
+def test_metadata_from_table_tails_equals_metadata_from_whole_tables() -> None:
+    """A sliding group's tables sent as (leading null entries, the ids after them) give the same tensors as the whole
+    tables; a table shorter than its sequence's context is refused, not read past."""
+    whole = [[NULL_BLOCK_ID, NULL_BLOCK_ID, 7, 4], [9], [NULL_BLOCK_ID, 2, 6]]
+    seq_lens, query_lens = [15, 3, 10], [1, 3, 6]
+    want = AttentionMetadata.build(whole, seq_lens, query_lens, BS, CPU)
+    leads = [next(i for i, b in enumerate(t) if b != NULL_BLOCK_ID) for t in whole]
+    tails = [t[lead:] for t, lead in zip(whole, leads, strict=True)]
+    got = AttentionMetadata.build(tails, seq_lens, query_lens, BS, CPU, leading_nulls=leads)
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.seq_lens_cpu == want.seq_lens_cpu and got.query_lens_cpu == want.query_lens_cpu
+    # Each new position's slot, by hand: block id x 4 + offset (positions 14; 0-2; 4-9).
+    assert got.slot_mapping.tolist() == [4 * 4 + 2, 36, 37, 38, 8, 9, 10, 11, 24, 25]
+    with pytest.raises(IndexError):
+        AttentionMetadata.build([[3]], [9], [2], BS, CPU)
