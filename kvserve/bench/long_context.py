@@ -86,7 +86,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-system-tokens", type=int, default=2048, help="chat: every history starts past 2k tokens")
     p.add_argument("--chat-question-tokens", type=int, default=50)
     p.add_argument("--chat-output-len", type=int, default=32)
-    p.add_argument("--chat-pool", type=parse_size, default=256 * MiB, help="chat: the KV pool (outgrown on purpose)")
+    p.add_argument(
+        "--chat-pool",
+        type=parse_size,
+        default=384 * MiB,
+        help="chat: the KV pool; the default holds the users' histories in the hybrid layout (full-attention blocks "
+        "and last windows, plus a prefill's peak) but not in the uniform one, so the layouts' hit rates differ",
+    )
     p.add_argument("--chat-tier", type=parse_size, default=GiB, help="chat: the host offload tier's size")
     p.add_argument(
         "--llama-server",
