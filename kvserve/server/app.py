@@ -28,6 +28,7 @@ from kvserve.server.errors import APIError, bad_request, install_error_handlers
 from kvserve.server.json_limits import JSONLimits
 from kvserve.server.kv_inspector import inspected_engines, kv_data_routes, ui_routes
 from kvserve.server.logprobs import TokenTexts
+from kvserve.server.messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from kvserve.server.prepare import ChatRender, PromptPreparer
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -145,7 +146,7 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
 
 
 def _api_routes(ctx: ServerContext) -> APIRouter:
-    """The OpenAI API plus vLLM's /tokenize and /detokenize."""
+    """The OpenAI API, Anthropic's Messages API, and vLLM's /tokenize and /detokenize."""
     router = APIRouter()
 
     @router.get("/v1/models")
@@ -170,6 +171,15 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         ctx.engine.check_alive()
         return await create_response(ctx, body, raw)
+
+    @router.post("/v1/messages")
+    async def messages(body: MessagesRequest, raw: Request) -> Response:
+        ctx.engine.check_alive()
+        return await create_message(ctx, body, raw)
+
+    @router.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> JSONResponse:
+        return await count_tokens(ctx, body)
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""The API key: `Authorization: Bearer <key>` on every route but the probes, checked before the body is read.
+"""The API key: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route but the probes,
+checked before the body is read.
 
 Why an ASGI middleware outside the body limit, not a FastAPI dependency: a dependency runs after FastAPI
 has buffered, JSON-parsed and validated the body, so a client without the key could make the server do
@@ -34,12 +35,15 @@ def check_api_key(api_key: str) -> str:
 
 def unauthorized() -> APIError:
     return APIError(
-        401, "Invalid or missing API key: send it as `Authorization: Bearer <key>`.", code="invalid_api_key"
+        401,
+        "Invalid or missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`.",
+        code="invalid_api_key",
     )
 
 
 class APIKeyMiddleware:
-    """401 for HTTP requests outside OPEN_PATHS without `Authorization: Bearer <api_key>`, body unread.
+    """401 for HTTP requests outside OPEN_PATHS without `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+    (the header Anthropic's SDK sends; either route accepts either header), body unread.
 
     A refused body that is declared small enough to accept (Content-Length up to `max_body_bytes`) is left
     for the server to discard, so the client reads its 401 on a connection that stays usable; any other
@@ -55,11 +59,14 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or _is_open(scope["path"]) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        await send_error(send, unauthorized(), close=not self._drainable(scope))
+        await send_error(scope, send, unauthorized(), close=not self._drainable(scope))
 
     def _authorized(self, scope: Scope) -> bool:
         scheme, _, token = _header(scope, b"authorization").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+            return True
+        api_key = _header(scope, b"x-api-key")
+        return bool(api_key) and hmac.compare_digest(api_key.strip(), self._key)
 
     def _drainable(self, scope: Scope) -> bool:
         if _header(scope, b"transfer-encoding"):

@@ -67,21 +67,21 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await send_error(send, too_large(self.max_bytes, declared), close=True)
+            await send_error(scope, send, too_large(self.max_bytes, declared), close=True)
             return
         try:
             buffered = await asyncio.wait_for(self._read(receive), self.read_timeout_s)
         except _TooLarge:
-            await send_error(send, too_large(self.max_bytes), close=True)
+            await send_error(scope, send, too_large(self.max_bytes), close=True)
             return
         except asyncio.TimeoutError:
-            await send_error(send, too_slow(self.read_timeout_s), close=True)
+            await send_error(scope, send, too_slow(self.read_timeout_s), close=True)
             return
         if self.json_limits is not None and _is_json(scope):
             try:
                 await self._check_shape(b"".join(m.get("body", b"") for m in buffered))
             except APIError as error:
-                await send_error(send, error, close=False)  # the body was read whole: keep the connection
+                await send_error(scope, send, error, close=False)  # the body was read whole: keep the connection
                 return
 
         async def replay() -> Message:

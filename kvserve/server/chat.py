@@ -188,9 +188,14 @@ async def _stream(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
     """Role chunks once the prompt is prefilled (the first output), then content deltas (or tool-call pieces),
-    the finish reason, the usage chunk if asked for, and [DONE]."""
+    the finish reason, the usage chunk if asked for, and [DONE]. With vLLM's `continuous_usage_stats` (and
+    `include_usage`) every chunk carries the usage so far: the role chunk's has the prompt's cached tokens already."""
+    options = request.stream_options
+    continuous = options is not None and options.include_usage and options.continuous_usage_stats
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        if usage is None and continuous:
+            usage = _usage(tracker)
         body = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=choices, usage=usage)
         return sse(body.model_dump(exclude=None if usage else {"usage"}))
 

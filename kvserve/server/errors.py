@@ -1,5 +1,8 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and the status of each failure.
 
+Requests to Anthropic's Messages API (paths under /v1/messages) get Anthropic's shape instead,
+`{"type": "error", "error": {"type", "message"}}`, with the same status: its SDK reads that shape.
+
 Why one place: every way a request can fail (validation, engine limits, auth, a dead engine, a bug) must
 reach clients in the same shape and with the same status, whether it happens before the response starts
 (an HTTP status) or inside a stream (a `data: {"error": ...}` frame).
@@ -39,6 +42,27 @@ _TYPES = {
     503: "service_unavailable_error",
 }
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 503 is its "overloaded".
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether `path` is the Messages API's, whose errors take Anthropic's shape."""
+    return path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
+
+
 # Fields named first in SamplingParams' ValueError messages ("temperature must be ..."), for `param`.
 _PARAM_NAMES = frozenset(
     {
@@ -77,18 +101,31 @@ class APIError(Exception):
         )
         return ErrorResponse(error=info).model_dump()
 
-    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape; the field at fault, which it has no slot for, is named in the message."""
+        message = self.message
+        if self.param is not None and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"), "message": message}}
+
+    def response(self, headers: Mapping[str, str] | None = None, *, anthropic: bool = False) -> JSONResponse:
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+    def response_for(self, path: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        """The response in the shape the API at `path` speaks."""
+        return self.response(headers, anthropic=anthropic_path(path))
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-async def send_error(send: Send, error: APIError, close: bool) -> None:
-    """Answer with `error` from ASGI middleware, before any route runs; `close` ends the connection after
-    it (when the request's body is left unread, or arrives too slowly to wait for)."""
-    response = error.response(headers={"Connection": "close"} if close else None)
+async def send_error(scope: Scope, send: Send, error: APIError, close: bool) -> None:
+    """Answer with `error` from ASGI middleware, before any route runs, in the shape of the API at the request's
+    path; `close` ends the connection after it (when the request's body is left unread, or arrives too slowly to
+    wait for)."""
+    response = error.response_for(scope.get("path", ""), headers={"Connection": "close"} if close else None)
     await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
 
@@ -144,21 +181,21 @@ def _json_error_message(error: dict[str, Any], document: Any) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     """Route every failure through APIError so that all bodies share OpenAI's shape."""
 
-    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc).response()
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response_for(request.url.path)
 
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param = _validation_message(exc)
-        return bad_request(message, param).response()
+        return bad_request(message, param).response_for(request.url.path)
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return APIError(exc.status_code, str(exc.detail)).response(headers=exc.headers)
+        return APIError(exc.status_code, str(exc.detail)).response_for(request.url.path, headers=exc.headers)
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return from_exception(exc).response()
+        return from_exception(exc).response_for(request.url.path)
 
     for kind in (APIError, ValueError, QueueFullError, GrammarBusy, EngineDeadError, EngineFaultError):
         app.add_exception_handler(kind, on_api_error)
@@ -199,6 +236,6 @@ class UnexpectedErrorMiddleware:
         except Exception as exc:
             logger.exception("unhandled error while serving a request")
             if not started:
-                await from_exception(exc).response()(scope, receive, send)
+                await from_exception(exc).response_for(scope.get("path", ""))(scope, receive, send)
             elif not finished:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -42,7 +42,7 @@ from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request, from_exception
 from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
 from kvserve.server.response_store import ResponseStore, StoredResponse
-from kvserve.server.streaming import SSE_DONE, sse
+from kvserve.server.streaming import chat_chunks, sse
 
 logger = logging.getLogger(__name__)
 
@@ -411,15 +411,6 @@ class _EventWriter:
         return f"event: {kind}\n{frame}"
 
 
-async def _chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
-    """The chat stream's JSON chunks (the SSE frames' data), [DONE] excluded."""
-    async for frame in body:
-        text = frame.decode() if isinstance(frame, bytes) else str(frame)
-        for line in text.splitlines():
-            if line.startswith("data: ") and line != SSE_DONE.strip():
-                yield json.loads(line[len("data: ") :])
-
-
 async def _events(
     ctx: ServerContext,
     shell: ResponseShell,
@@ -449,7 +440,7 @@ async def _events(
             w.event("response.output_item.done", output_index=text_index, item=item),
         ]
 
-    async for chunk in _chunks(body):
+    async for chunk in chat_chunks(body):
         if "error" in chunk:
             yield w.event("error", code=chunk["error"].get("code"), message=chunk["error"].get("message"), param=None)
             return

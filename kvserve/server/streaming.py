@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -61,6 +61,16 @@ async def sse_with_errors(frames: AsyncIterator[str]) -> AsyncIterator[str]:
             logger.error("stream failed: %s", exc)
         yield sse(error.body())
         yield SSE_DONE
+
+
+async def chat_chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
+    """A streamed chat reply's JSON chunks (the SSE frames' data), [DONE] excluded: what the Responses and Messages
+    APIs rewrite into their own events."""
+    async for frame in body:
+        text = frame.decode() if isinstance(frame, bytes) else str(frame)
+        for line in text.splitlines():
+            if line.startswith("data: ") and line != SSE_DONE.strip():
+                yield json.loads(line[len("data: ") :])
 
 
 def submit(

@@ -306,3 +306,40 @@ def test_the_server_serves_once_the_preparation_thread_has_its_imports(
     monkeypatch.setattr(PromptPreparer, "warm", slow_warm)
     make_server()
     assert warmed.is_set()
+
+
+def test_x_api_key_is_accepted_as_anthropic_sends_it(server):
+    """Anthropic's SDK sends the key as `x-api-key`: either header opens either API."""
+    with server.client(headers={"x-api-key": API_KEY}) as c:
+        assert c.get("/v1/models").status_code == 200
+    with server.client(headers={"x-api-key": "wrong"}) as c:
+        assert_error(c.get("/v1/models"), 401, "x-api-key")
+
+
+def assert_anthropic_error(response: httpx.Response, status: int, kind: str, *words: str) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == kind
+    for word in words:
+        assert word in body["error"]["message"], body["error"]["message"]
+
+
+def test_messages_api_errors_have_anthropics_shape(server, http):
+    """/v1/messages speaks Anthropic's error shape, for errors of the middleware (the key), of validation (a missing
+    field) and of the route (an unknown model)."""
+    with server.client(headers={"x-api-key": "wrong"}) as c:
+        assert_anthropic_error(c.post("/v1/messages", json={}), 401, "authentication_error", "API key")
+    user = [{"role": "user", "content": "hi"}]
+    assert_anthropic_error(
+        http.post("/v1/messages", json={"messages": user}), 400, "invalid_request_error", "max_tokens"
+    )
+    body = {"model": "claude-nope", "max_tokens": 4, "messages": user}
+    assert_anthropic_error(http.post("/v1/messages", json=body), 404, "not_found_error", "claude-nope")
+    body = {"max_tokens": 4, "messages": user, "system": [{"type": "text", "text": "x", "cache_control": {}}]}
+    assert_anthropic_error(
+        http.post("/v1/messages", json=body), 400, "invalid_request_error", "system[0].cache_control"
+    )
+    count = http.post("/v1/messages/count_tokens", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert_anthropic_error(count, 400, "invalid_request_error", "messages[0].role")
+    assert_error(http.post("/v1/chat/completions", json={"messages": user, "max_tokens": "x"}), 400)  # still OpenAI's

@@ -1,0 +1,643 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, as a translation onto the chat path.
+
+Why a translation (as the Responses API is): a Messages request is a chat request in other clothes (`system` is a
+system message, `tool_use` blocks an assistant's tool calls, `tool_result` blocks tool messages, `tool_choice`'s
+auto / any / tool / none chat's auto / required / named / none), so it goes through the one chat handler, whose
+templates, tool parsers, grammars, prefix cache and errors are tested; the reply, or its stream of chat chunks, is
+rewritten into a Message and Anthropic's events (`message_start`, `ping`, per block `content_block_start`,
+`content_block_delta` (`text_delta` or `input_json_delta`), `content_block_stop`, then `message_delta` with the stop
+reason and the usage, and `message_stop`).
+
+`cache_control` marks (on system blocks, message blocks and tools) are checked as Anthropic checks them (type
+"ephemeral", ttl "5m" or "1h", at most four, 1h ones before 5m ones) and give the usage Anthropic's split: the prompt
+tokens served from the KV cache (pool or tier) are `cache_read_input_tokens`; those this request computed up to its
+last breakpoint, in whole KV blocks (what the prefix cache keeps), are `cache_creation_input_tokens`; the rest are
+`input_tokens`, so the three add up to the prompt, which count_tokens returns. A breakpoint's token position is found
+by rendering the conversation up to its block and taking the longest common prefix with the whole prompt.
+
+What kvserve does not have is a 400 naming the field: images and documents, server tools (web search, code
+execution, ...), a final assistant message to continue (prefill). `thinking` is accepted and changes nothing (the
+models kvserve serves write no thinking blocks); `metadata`, `service_tier` and unknown fields are accepted.
+Errors have Anthropic's shape (kvserve.server.errors); the key may come as `x-api-key` (kvserve.server.auth).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, ValidationError
+
+from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.prepare import ChatRender, PromptPreparer
+from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
+from kvserve.server.streaming import chat_chunks
+from kvserve.server.tools import plan_tools
+
+logger = logging.getLogger(__name__)
+
+MAX_BREAKPOINTS = 4  # Anthropic's limit of cache_control blocks a request
+TTLS = ("1h", "5m")  # longest first: a 1h breakpoint may not follow a 5m one
+
+
+class MessagesRequest(CacheFields):
+    """The body of POST /v1/messages, typed as strictly as chat's; `cache_salt` is kvserve's (vLLM's)."""
+
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    messages: FastList[dict[str, Any]]
+    system: str | FastList[dict[str, Any]] | None = None
+    stop_sequences: FastList[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: FastList[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None  # automatic caching: a mark on the last block of the last message
+    output_config: dict[str, Any] | None = None  # `format`: a json_schema the reply must follow; `effort` is ignored
+
+
+class CountTokensRequest(CacheFields):
+    """The body of POST /v1/messages/count_tokens: what decides a prompt's tokens."""
+
+    model: str | None = None
+    messages: FastList[dict[str, Any]]
+    system: str | FastList[dict[str, Any]] | None = None
+    tools: FastList[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+PromptBody = MessagesRequest | CountTokensRequest
+
+
+# -- cache_control ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """A `cache_control` mark: the block it ends with (`message` None: tools or system) and its TTL."""
+
+    where: str  # the field, for errors and the position search: "tools[2]", "system[0]", "messages[3].content[1]"
+    ttl: str
+    section: Literal["tools", "system", "messages"]
+    message: int = -1  # messages[message].content[block], when section is "messages"
+    block: int = -1
+
+
+def _ttl(mark: Any, param: str) -> str:
+    """A cache_control mark's TTL, the mark checked (`param`: where it is)."""
+    if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
+        raise bad_request(f"{param}.type must be 'ephemeral'", param=f"{param}.type")
+    ttl = mark.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise bad_request(f"{param}.ttl must be '5m' or '1h', got {ttl!r}", param=f"{param}.ttl")
+    unknown = sorted(set(mark) - {"type", "ttl"})
+    if unknown:
+        raise bad_request(f"{param}: unknown field {unknown[0]!r}", param=f"{param}.{unknown[0]}")
+    return str(ttl)
+
+
+def breakpoints(body: PromptBody) -> list[Breakpoint]:
+    """The request's cache_control marks in prompt order (tools, system, messages), checked: a 400 naming the field
+    for a bad mark, more than four, or a 1h mark after a 5m one (Anthropic's rules)."""
+    found: list[Breakpoint] = []
+    for i, tool in enumerate(body.tools or []):
+        if isinstance(tool, dict) and "cache_control" in tool:
+            found.append(Breakpoint(f"tools[{i}]", _ttl(tool["cache_control"], f"tools[{i}].cache_control"), "tools"))
+    if isinstance(body.system, list):
+        for j, block in enumerate(body.system):
+            if isinstance(block, dict) and "cache_control" in block:
+                ttl = _ttl(block["cache_control"], f"system[{j}].cache_control")
+                found.append(Breakpoint(f"system[{j}]", ttl, "system"))
+    for i, message in enumerate(body.messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            if isinstance(block, dict) and "cache_control" in block:
+                where = f"messages[{i}].content[{j}]"
+                ttl = _ttl(block["cache_control"], f"{where}.cache_control")
+                found.append(Breakpoint(where, ttl, "messages", i, j))
+    if body.cache_control is not None and body.messages:
+        # automatic caching: the mark goes on the last block of the last message (a string content is one block)
+        i = len(body.messages) - 1
+        content = body.messages[i].get("content") if isinstance(body.messages[i], dict) else None
+        j = max(len(content) - 1, 0) if isinstance(content, list) else 0
+        ttl = _ttl(body.cache_control, "cache_control")
+        if not (found and found[-1].message == i and found[-1].block == j):
+            found.append(Breakpoint(f"messages[{i}].content[{j}]", ttl, "messages", i, j))
+    if len(found) > MAX_BREAKPOINTS:
+        raise bad_request(
+            f"a request may have at most {MAX_BREAKPOINTS} blocks with cache_control, this one has {len(found)}",
+            param=found[MAX_BREAKPOINTS].where + ".cache_control",
+        )
+    for earlier, later in zip(found, found[1:]):
+        if TTLS.index(later.ttl) < TTLS.index(earlier.ttl):
+            raise bad_request(
+                f"{later.where}: a cache_control with ttl '1h' must not come after one with ttl '5m' ({earlier.where})",
+                param=later.where + ".cache_control.ttl",
+            )
+    return found
+
+
+# -- request: Messages -> chat ----------------------------------------------------------------------------------
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise bad_request(f"{where} must be an object with a type", param=where)
+    return str(block["type"])
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{where}.text must be a string", param=f"{where}.text")
+    return text
+
+
+def _unsupported(kind: str, where: str) -> APIError:
+    return bad_request(f"{where}: content blocks of type {kind!r} are not supported by kvserve", param=f"{where}.type")
+
+
+def _text_blocks(content: Any, where: str) -> str:
+    """A string, or text blocks joined by newlines (system, a tool result's content)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text blocks", param=where)
+    texts = []
+    for j, block in enumerate(content):
+        kind = _block_type(block, f"{where}[{j}]")
+        if kind != "text":
+            raise _unsupported(kind, f"{where}[{j}]")
+        texts.append(_text(block, f"{where}[{j}]"))
+    return "\n".join(texts)
+
+
+def _string(block: dict[str, Any], key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{where}.{key} must be a non-empty string", param=f"{where}.{key}")
+    return value
+
+
+def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """A user turn's blocks in order: text joins a user message, each tool_result is a tool message."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+            texts.clear()
+
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_result":
+            flush()
+            result = _text_blocks(block.get("content", ""), f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at), "content": result})
+        else:
+            raise _unsupported(kind, at)
+    flush()
+    return out
+
+
+def _assistant_message(content: list[Any], where: str) -> dict[str, Any]:
+    """An assistant turn's blocks as one message: its text and its tool calls (thinking blocks are skipped)."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_use":
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise bad_request(f"{at}.input must be an object", param=f"{at}.input")
+            function = {"name": _string(block, "name", at), "arguments": json.dumps(arguments, ensure_ascii=False)}
+            calls.append({"id": _string(block, "id", at), "type": "function", "function": function})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise _unsupported(kind, at)
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _message(message: Any, where: str, blocks: int | None = None) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages; `blocks`: its first blocks only (a breakpoint's prefix)."""
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object", param=where)
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
+    content = content if blocks is None else content[:blocks]
+    return _user_messages(content, where) if role == "user" else [_assistant_message(content, where)]
+
+
+def chat_messages(body: PromptBody, upto: Breakpoint | None = None) -> list[dict[str, Any]]:
+    """The conversation as chat messages; with `upto`, only as far as that breakpoint's block."""
+    out: list[dict[str, Any]] = []
+    if body.system is not None and (upto is None or upto.section != "tools"):
+        system = body.system
+        if upto is not None and upto.section == "system" and isinstance(system, list):
+            system = system[: int(upto.where[len("system[") : -1]) + 1]
+        text = _text_blocks(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    if upto is not None and upto.section != "messages":
+        return out
+    last = len(body.messages) - 1 if upto is None else upto.message
+    for i, message in enumerate(body.messages[: last + 1]):
+        blocks = upto.block + 1 if upto is not None and i == last else None
+        out.extend(_message(message, f"messages[{i}]", blocks))
+    return out
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            raise bad_request(
+                f"{where}: server tool {kind!r} is not supported by kvserve; only custom tools (name, description,"
+                " input_schema) are",
+                param=f"{where}.type",
+            )
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad_request(f"{where}.input_schema must be a JSON schema object", param=f"{where}.input_schema")
+        function: dict[str, Any] = {"name": _string(tool, "name", where), "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """(chat's tool_choice, parallel_tool_calls) for Anthropic's auto / any / tool / none."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("tool_choice.name must name a tool when tool_choice.type is 'tool'", "tool_choice.name")
+        return {"type": "function", "function": {"name": name}}, parallel
+    raise bad_request(
+        f"tool_choice.type must be 'auto', 'any', 'tool' or 'none', got {kind!r}", param="tool_choice.type"
+    )
+
+
+def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """output_config.format (a json_schema) as chat's response_format."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request(
+            "output_config.format must be {'type': 'json_schema', 'schema': {...}}", param="output_config.format"
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def _check_turns(body: PromptBody) -> None:
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    last = body.messages[-1]
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        raise bad_request(
+            "a final assistant message (prefilling the reply) is not supported by kvserve",
+            param=f"messages[{len(body.messages) - 1}]",
+        )
+
+
+def chat_request(body: PromptBody, stream: bool) -> ChatCompletionRequest:
+    """The chat request this Messages request stands for (count_tokens: the same prompt, one token to generate)."""
+    _check_turns(body)
+    tool_choice, parallel = _chat_tool_choice(body.tool_choice)
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": chat_messages(body),
+        "tools": _chat_tools(body.tools),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "cache_salt": body.cache_salt,
+        "max_tokens": 1,
+    }
+    if isinstance(body, MessagesRequest):
+        chat |= {
+            "response_format": _response_format(body.output_config),
+            "max_tokens": body.max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stop": body.stop_sequences,
+            "stream": stream,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True} if stream else None,
+        }
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as e:  # a value the Messages fields let through and chat's do not
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise bad_request(f"{where}: {first.get('msg', 'invalid')}", param=where or None) from None
+
+
+# -- where the breakpoints fall, in tokens ----------------------------------------------------------------------
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def breakpoint_positions(
+    prep: PromptPreparer, body: PromptBody, marks: list[Breakpoint], render: ChatRender
+) -> list[int]:
+    """On the preparation thread: each breakpoint's end in the prompt's tokens (the longest common prefix of the
+    whole prompt and the conversation rendered up to the marked block). A template that cannot render the part
+    (one that insists on a user turn, say) puts that breakpoint at 0: nothing is credited to it."""
+    if not marks:
+        return []
+    whole = prep.tokenize_messages(chat_messages(body), render)
+    partial = ChatRender(False, render.chat_template, render.tools, render.tool_style)
+    positions = []
+    for mark in marks:
+        try:
+            ids = prep.tokenize_messages(chat_messages(body, mark), partial)
+        except Exception as e:  # noqa: BLE001 - a template's own error on a partial conversation
+            logger.debug("could not render the prompt up to %s: %s", mark.where, e)
+            positions.append(0)
+            continue
+        positions.append(_common_prefix(whole, ids))
+    return positions
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUsage:
+    """Anthropic's split of a prompt's tokens: read from the KV cache, written at breakpoints, the rest."""
+
+    input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+    ephemeral_5m_input_tokens: int
+    ephemeral_1h_input_tokens: int
+
+    @classmethod
+    def of(
+        cls, prompt_tokens: int, cached_tokens: int, marks: list[Breakpoint], positions: list[int], block_size: int
+    ) -> CacheUsage:
+        """Tokens past the cached ones up to the last breakpoint, in whole blocks, were written by this request; each
+        is a write of the TTL of the first breakpoint at or after it."""
+        written = {"5m": 0, "1h": 0}
+        start = cached_tokens
+        for mark, position in sorted(zip(marks, positions), key=lambda m: m[1]):
+            end = min(position, prompt_tokens) // block_size * block_size
+            if end > start:
+                written[mark.ttl] += end - start
+                start = end
+        creation = written["5m"] + written["1h"]
+        return cls(prompt_tokens - cached_tokens - creation, cached_tokens, creation, written["5m"], written["1h"])
+
+    def body(self, output_tokens: int) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "cache_creation_input_tokens": self.cache_creation_input_tokens,
+            "cache_read_input_tokens": self.cache_read_input_tokens,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": self.ephemeral_5m_input_tokens,
+                "ephemeral_1h_input_tokens": self.ephemeral_1h_input_tokens,
+            },
+            "output_tokens": output_tokens,
+            "service_tier": "standard",
+        }
+
+
+# -- reply: chat -> Messages ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MessageShell:
+    """What every Message object of one request carries besides its content, stop reason and usage."""
+
+    message_id: str
+    model: str
+    marks: list[Breakpoint]
+    positions: list[int]
+    block_size: int
+
+    def usage(self, chat_usage: dict[str, Any] | None) -> dict[str, Any]:
+        chat_usage = chat_usage or {}
+        prompt = int(chat_usage.get("prompt_tokens", 0))
+        cached = int((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        split = CacheUsage.of(prompt, cached, self.marks, self.positions, self.block_size)
+        return split.body(int(chat_usage.get("completion_tokens", 0)))
+
+    def build(
+        self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop[0],
+            "stop_sequence": stop[1],
+            "usage": usage,
+        }
+
+
+def stop_reason(finish: str | None, chat_stop: Any, called: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) for chat's finish_reason and stop_reason (the matched stop string, or the stop
+    token's id)."""
+    if finish == "length":
+        return "max_tokens", None
+    if called or finish == "tool_calls":
+        return "tool_use", None
+    if isinstance(chat_stop, str):
+        return "stop_sequence", chat_stop
+    return "end_turn", None
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    f = call["function"]
+    try:
+        arguments = json.loads(f["arguments"] or "{}")
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):  # the parsers hand over JSON objects only; never a silent {}
+        raise APIError(500, f"tool call {f['name']!r} has arguments that are not a JSON object: {f['arguments']!r}")
+    return {"type": "tool_use", "id": call["id"], "name": f["name"], "input": arguments}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request) -> Response:
+    unknown = body.unknown_fields()
+    if unknown:
+        logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+    marks = breakpoints(body)
+    request = chat_request(body, body.stream)
+    model = ctx.resolve_model(body.model)
+    render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
+    positions = await ctx.preparer.run(breakpoint_positions, ctx.preparer, body, marks, render)
+    shell = MessageShell(_new_id("msg"), model, marks, positions, ctx.facts.block_size)
+    reply = await create_chat_completion(ctx, request, raw)
+    dropped = reply.headers.get(TRUNCATED_TURNS_HEADER)
+    headers = {TRUNCATED_TURNS_HEADER: dropped} if dropped is not None else {}
+    if isinstance(reply, StreamingResponse):
+        return StreamingResponse(_events(shell, reply.body_iterator), media_type="text/event-stream", headers=headers)
+    if not isinstance(reply, JSONResponse):
+        return reply  # 499: the client went away
+    chat = json.loads(bytes(reply.body))
+    choice = chat["choices"][0]
+    message = choice["message"]
+    content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    calls = message.get("tool_calls") or []
+    content += [_tool_use(call) for call in calls]
+    stop = stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
+    return JSONResponse(shell.build(content, stop, shell.usage(chat.get("usage"))), headers=headers)
+
+
+async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> JSONResponse:
+    """The prompt's tokens as POST /v1/messages would count them (input + cache read + cache creation)."""
+    breakpoints(body)  # a bad cache_control is the same 400 here
+    ctx.resolve_model(body.model)
+    request = chat_request(body, stream=False)
+    render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
+    messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    ids = await ctx.preparer.run(ctx.preparer.tokenize_messages, messages, render)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+# -- the event stream -------------------------------------------------------------------------------------------
+
+_OPENAI_TO_ANTHROPIC_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "not_found_error": "not_found_error",
+    "service_unavailable_error": "overloaded_error",
+}
+
+
+def _event(kind: str, **fields: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+
+class _Blocks:
+    """The content blocks of a streamed reply: the one open, and how many there have been."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.open: str | None = None  # "text", or the chat call index of the open tool_use block as "call:<i>"
+
+    def start(self, key: str, block: dict[str, Any]) -> list[str]:
+        frames = self.stop()
+        self.open = key
+        frames.append(_event("content_block_start", index=self.count, content_block=block))
+        return frames
+
+    def stop(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        self.count += 1
+        return [_event("content_block_stop", index=self.count - 1)]
+
+
+async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterator[str]:
+    """The chat stream's chunks as Anthropic's events. The first chunk (after prefill) carries the prompt's usage
+    (chat's continuous usage), so message_start has the input and cache counts; message_delta has them all."""
+    blocks = _Blocks()
+    started = False
+    called = False
+    finish: str | None = None
+    chat_stop: Any = None
+    usage: dict[str, Any] | None = None
+    async for chunk in chat_chunks(body):
+        if "error" in chunk:
+            error = chunk["error"]
+            kind = _OPENAI_TO_ANTHROPIC_TYPES.get(error.get("type"), "api_error")
+            yield _event("error", error={"type": kind, "message": error.get("message", "")})
+            return
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if not started:
+            started = True
+            yield _event("message_start", message=shell.build([], (None, None), shell.usage(usage)))
+            yield _event("ping")
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if blocks.open != "text":
+                    for frame in blocks.start("text", {"type": "text", "text": ""}):
+                        yield frame
+                yield _event(
+                    "content_block_delta",
+                    index=blocks.count,
+                    delta={"type": "text_delta", "text": delta["content"]},
+                )
+            for piece in delta.get("tool_calls") or []:
+                called = True
+                key = f"call:{piece['index']}"
+                f = piece.get("function") or {}
+                if blocks.open != key:
+                    block = {"type": "tool_use", "id": piece.get("id", ""), "name": f.get("name", ""), "input": {}}
+                    for frame in blocks.start(key, block):
+                        yield frame
+                if f.get("arguments"):
+                    yield _event(
+                        "content_block_delta",
+                        index=blocks.count,
+                        delta={"type": "input_json_delta", "partial_json": f["arguments"]},
+                    )
+            if choice.get("finish_reason"):
+                finish, chat_stop = choice["finish_reason"], choice.get("stop_reason")
+    if not started:
+        yield _event("message_start", message=shell.build([], (None, None), shell.usage(usage)))
+    for frame in blocks.stop():
+        yield frame
+    reason, sequence = stop_reason(finish, chat_stop, called)
+    yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=shell.usage(usage))
+    yield _event("message_stop")

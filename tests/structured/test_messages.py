@@ -1,0 +1,205 @@
+"""POST /v1/messages through the anthropic SDK (its own types parse every object and event) on the tiny tools server:
+plain and streamed replies equal to the chat path's, system blocks, the typed event stream in order, forced tool use
+and the tool_use -> tool_result loop, cache_control usage that adds up to count_tokens, and 400s in Anthropic's
+shape for what kvserve refuses."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import anthropic
+import pytest
+from tool_server_support import MODEL, WEATHER_TOOL
+
+WEATHER = {
+    "name": "get_weather",
+    "description": WEATHER_TOOL["function"]["description"],
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+HI = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def client(tools_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=tools_server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+GREEDY = {"temperature": 0}  # the SDK has no sampling arguments any more; the API (and kvserve) still takes them
+
+
+def salt() -> dict[str, object]:
+    """Greedy, under a fresh cache salt: this request's prefix was never cached before."""
+    return GREEDY | {"cache_salt": uuid.uuid4().hex}
+
+
+def test_plain_reply_equals_chat_and_is_counted(client, tools_client):
+    kw = dict(model=MODEL, max_tokens=8, system="Be brief.", messages=HI)
+    first = client.messages.create(**kw, extra_body=salt())
+    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
+    assert first.stop_reason == "max_tokens" and first.stop_sequence is None
+    assert [b.type for b in first.content] == ["text"]
+    chat = tools_client.chat.completions.create(
+        model=MODEL, max_tokens=8, extra_body=GREEDY, messages=[{"role": "system", "content": "Be brief."}, *HI]
+    )
+    assert first.content[0].text == chat.choices[0].message.content  # the same prompt, greedy
+    assert first.usage.output_tokens == 8
+    assert first.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens == 0  # no breakpoint
+    count = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=HI)
+    assert first.usage.input_tokens == count.input_tokens == chat.usage.prompt_tokens
+
+
+def test_stream_events_in_order_and_equal_to_the_whole(client):
+    kw = dict(model=MODEL, max_tokens=12, extra_body=GREEDY, messages=HI)
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type not in ("text",)]  # "text" is the SDK's own convenience event
+    assert kinds[:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    deltas = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert deltas == final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == whole.usage.output_tokens == 12
+    start = next(e for e in events if e.type == "message_start")
+    assert start.message.usage.input_tokens + start.message.usage.cache_read_input_tokens == (
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    )  # the prompt is counted at message_start already
+
+
+def test_stop_sequences_name_the_one_that_matched(client):
+    whole = client.messages.create(model=MODEL, max_tokens=40, extra_body=GREEDY, messages=HI)
+    text = whole.content[0].text
+    stop = text[3:5]
+    cut = client.messages.create(model=MODEL, max_tokens=40, extra_body=GREEDY, messages=HI, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]
+
+
+def test_forced_tool_use_and_the_tool_result_loop(client):
+    kw = dict(model=MODEL, max_tokens=200, extra_body=GREEDY, tools=[WEATHER])
+    ask = [{"role": "user", "content": "weather?"}]
+    first = client.messages.create(**kw, messages=ask, tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Rome", "Oslo")
+    with client.messages.stream(**kw, messages=ask, tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
+    streamed = next(b for b in final.content if b.type == "tool_use")
+    assert json.loads(pieces) == streamed.input == use.input
+    loop = [
+        *ask,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"temp": 18}'}]},
+    ]
+    second = client.messages.create(**kw | {"max_tokens": 5}, messages=loop, tool_choice={"type": "none"})
+    assert second.content[0].type == "text" and second.stop_reason == "max_tokens"
+    count = client.messages.count_tokens(model=MODEL, messages=loop, tools=[WEATHER], tool_choice={"type": "none"})
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == count.input_tokens
+
+
+def test_any_tool_choice_calls_a_tool(client):
+    reply = client.messages.create(
+        model=MODEL, max_tokens=200, extra_body=GREEDY, tools=[WEATHER], messages=HI, tool_choice={"type": "any"}
+    )
+    assert reply.stop_reason == "tool_use" and reply.content[-1].type == "tool_use"
+
+
+def test_cache_control_usage_adds_up(client, tools_server):
+    """A breakpoint at the end of the system blocks: the first request writes the whole blocks before it, the second
+    reads them; input + cache read + cache creation is count_tokens every time."""
+    system = [
+        {"type": "text", "text": "You are a careful assistant who answers in one line."},
+        {"type": "text", "text": "Never use tools.", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+    ]
+    kw = dict(model=MODEL, max_tokens=4, system=system, messages=HI)
+    block = tools_server.engine.facts.block_size
+    count = client.messages.count_tokens(model=MODEL, system=system, messages=HI).input_tokens
+    key = salt()
+    first = client.messages.create(**kw, extra_body=key)
+    u = first.usage
+    assert u.cache_read_input_tokens == 0 and u.cache_creation_input_tokens > 0
+    assert u.cache_creation_input_tokens % block == 0 and u.cache_creation.ephemeral_1h_input_tokens == (
+        u.cache_creation_input_tokens
+    )
+    assert u.input_tokens + u.cache_creation_input_tokens == count
+    second = client.messages.create(**kw, extra_body=key).usage
+    assert second.cache_read_input_tokens >= u.cache_creation_input_tokens and second.cache_creation_input_tokens == 0
+    assert second.input_tokens + second.cache_read_input_tokens == count
+    with client.messages.stream(**kw, extra_body=salt()) as stream:
+        streamed = stream.get_final_message().usage
+    assert streamed.cache_creation_input_tokens == u.cache_creation_input_tokens
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (
+            {"system": [{"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]},
+            "system[0].cache_control",
+        ),
+        ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}, "ttl"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": str(i), "cache_control": {"type": "ephemeral"}} for i in range(5)
+                        ],
+                    }
+                ]
+            },
+            "at most 4",
+        ),
+        (
+            {
+                "system": [
+                    {"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "5m"}},
+                    {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                ]
+            },
+            "1h",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
+        ({"messages": [*HI, {"role": "assistant", "content": "Sure"}]}, "prefill"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+        ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ],
+)
+def test_refused_in_anthropics_shape(client, change, field):
+    body = dict(model=MODEL, max_tokens=4, messages=HI) | change
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(**body)
+    error = refused.value.body["error"]
+    assert error["type"] == "invalid_request_error" and field in error["message"], error
+
+
+def test_top_level_cache_control_marks_the_last_block(client, tools_server):
+    """Automatic caching (a top-level cache_control): the whole blocks up to the end of the last message are written,
+    so the next turn reads them."""
+    block = tools_server.engine.facts.block_size
+    key = salt()
+    turn = [{"role": "user", "content": "a longer question about the weather in three cities"}]
+    kw = dict(model=MODEL, max_tokens=4, messages=turn, cache_control={"type": "ephemeral"})
+    first = client.messages.create(**kw, extra_body=key).usage
+    assert first.cache_creation_input_tokens >= 3 * block and first.cache_creation.ephemeral_5m_input_tokens > 0
+    # the rest: past the message's last whole block, the template's reply header (one token a character here)
+    assert first.input_tokens < len("\n<assistant>") + block
+    second = client.messages.create(**kw, extra_body=key).usage
+    assert second.cache_read_input_tokens >= first.cache_creation_input_tokens
+
+
+def test_output_config_format_constrains_the_reply(client):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        messages=HI,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body=GREEDY,
+    )
+    assert json.loads(reply.content[0].text)["city"] in ("Paris", "Rome")
