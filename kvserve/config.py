@@ -95,6 +95,7 @@ class EngineConfig:
     # before sliding-window groups (kv/groups.py); for A/B runs.
     disable_hybrid_kv_cache_manager: bool = False
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; hits still compare block contents)
+    max_pinned_kv_fraction: float = 0.5  # the pool's share that pinned prefixes may hold (kv/pins.py)
     enable_chunked_prefill: bool = True
     # Emulate a contiguous cache: each request reserves blocks for max-model-len at admission (bench memory).
     reserve_max_model_len: bool = False
@@ -152,6 +153,7 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]"),
+            (0 <= self.max_pinned_kv_fraction <= 1, "max_pinned_kv_fraction", "in [0, 1]"),
             (
                 self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                 "num_gpu_blocks_override",

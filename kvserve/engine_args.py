@@ -140,6 +140,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(docs/KV_CACHE.md)",
     )
     c.add_argument(
+        "--max-pinned-kv-fraction",
+        type=float,
+        help="the share of the KV pool's blocks that pinned prefixes (Anthropic cache_control marks) may hold; a pin "
+        "beyond it is refused and its blocks stay ordinary cached blocks (docs/PROMPT_CACHING.md). Default 0.5",
+    )
+    c.add_argument(
         "--prefix-caching-hash-algo",
         choices=HASH_ALGOS,
         help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens",

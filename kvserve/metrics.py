@@ -119,6 +119,12 @@ class EngineStatsCollector:
                 "Share of looked-up prompt tokens found in the prefix cache, over the last 1,000 lookups (0..1).",
                 s.prefix_cache_hit_rate,
             ),
+            ("kv_pinned_prefixes", "Prompt prefixes pinned by cache_control marks, alive now.", s.kv_pinned_prefixes),
+            (
+                "kv_pinned_blocks",
+                "KV block references the pinned prefixes hold (within --max-pinned-kv-fraction of the pool).",
+                s.kv_pinned_blocks,
+            ),
         ]
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -134,6 +140,14 @@ class EngineStatsCollector:
                 s.prefix_cache_evicted_misses_tokens,
             ),
             ("num_preemptions", "Preemptions (requests evicted to free KV blocks).", s.num_preemptions),
+            ("kv_pins_created", "Prompt prefixes pinned by cache_control marks.", s.kv_pins_created),
+            ("kv_pins_expired", "Pinned prefixes released when their TTL ran out.", s.kv_pins_expired),
+            (
+                "kv_pins_refused",
+                "Pins refused because the pinned blocks would exceed --max-pinned-kv-fraction (the prefix stays an "
+                "ordinary cached prefix).",
+                s.kv_pins_refused,
+            ),
             ("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
             ("spec_decode_num_drafts", "Speculative drafts verified.", s.spec_decode_num_drafts),

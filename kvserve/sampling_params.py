@@ -87,6 +87,15 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@dataclass(frozen=True, slots=True)
+class KVPin:
+    """Keep the KV blocks of the prompt's first `num_tokens` tokens (whole blocks) out of eviction for `ttl_s` seconds
+    after the request, refreshed by every reuse: Anthropic's `cache_control` (kv/pins.py)."""
+
+    num_tokens: int
+    ttl_s: float
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request. `stop` and `stop_token_ids` are normalized to lists."""
@@ -113,6 +122,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # A grammar the output must follow (JSON schema, regex, choice, grammar, json_object): vLLM's field.
     structured_outputs: StructuredOutputsParams | None = None
+    # Not sampling, but per request like the grammar above: prompt prefixes to pin in the KV cache (the Messages API's
+    # cache_control marks).
+    kv_pins: tuple[KVPin, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -131,6 +143,9 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "an integer >= 1")
+        for pin in self.kv_pins:
+            if not isinstance(pin, KVPin) or pin.num_tokens < 1 or not pin.ttl_s > 0:
+                raise _bad("kv_pins", self.kv_pins, "KVPin(num_tokens >= 1, ttl_s > 0) entries")
         presence, frequency, repetition, temperature, top_p, min_p = (
             _as_float32(name, getattr(self, name))
             for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")

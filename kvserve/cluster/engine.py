@@ -460,4 +460,9 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
             sum(counts) for counts in zip(*(s.iteration_tokens_counts for s in stats if s.iteration_tokens_counts))
         ),
         iteration_tokens_sum=sum(s.iteration_tokens_sum for s in stats),
+        kv_pinned_prefixes=sum(s.kv_pinned_prefixes for s in stats),
+        kv_pinned_blocks=sum(s.kv_pinned_blocks for s in stats),
+        kv_pins_created=sum(s.kv_pins_created for s in stats),
+        kv_pins_expired=sum(s.kv_pins_expired for s in stats),
+        kv_pins_refused=sum(s.kv_pins_refused for s in stats),
     )

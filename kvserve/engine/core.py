@@ -116,7 +116,12 @@ class EngineCore:
         )
         reserve = self.max_model_len if config.reserve_max_model_len else 0
         self.kv_manager = KVCacheManager(
-            self.pool, config.block_size, config.prefix_caching_hash_algo, reserve, self.layout
+            self.pool,
+            config.block_size,
+            config.prefix_caching_hash_algo,
+            reserve,
+            self.layout,
+            max_pinned_blocks=int(self.pool.num_usable_blocks * config.max_pinned_kv_fraction),
         )
         kv_caches = allocate_kv_cache(kv_config, cache_plan.num_blocks, device)
         use_static_kv_scales(kv_caches, model.static_kv_scales, kv_config.dtype_name)
@@ -263,6 +268,7 @@ class EngineCore:
                 "spec_decode_num_accepted_tokens": totals.num_accepted_tokens,
                 "spec_decode_num_accepted_tokens_per_pos": tuple(totals.num_accepted_tokens_per_pos),
             }
+        pins = self.kv_manager.pins
         return EngineStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -282,6 +288,11 @@ class EngineCore:
             external_prefix_cache_queries_tokens=0 if connector is None else connector.external_queries_tokens,
             external_prefix_cache_hits_tokens=0 if connector is None else connector.external_hits_tokens,
             prefix_cache_evicted_misses_tokens=self.kv_manager.prefix_stats.evicted_misses_total,
+            kv_pinned_prefixes=len(pins.pins),
+            kv_pinned_blocks=pins.num_pinned_refs,
+            kv_pins_created=pins.stats.created,
+            kv_pins_expired=pins.stats.expired,
+            kv_pins_refused=pins.stats.refused,
             **spec,
         )
 
@@ -324,7 +335,7 @@ class EngineCore:
             return failed + self._on_step_failed(out, exc)
         except BaseException:
             self.kv_manager.take_offload()
-            self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+            self.kv_manager.reset_prefix_cache()  # blocks published for this step may hold partial K/V
             raise
         touched: dict[str, SequenceGroup] = {}
         for rid, (first, logits) in result.prompt_logits.items():
@@ -424,7 +435,7 @@ class EngineCore:
         waiting (recomputed, as after a preemption: the step may have written partial K/V) as suspects that
         the scheduler runs alone; a suspect that fails alone is the culprit and fails by itself, with an
         error output. Requests the failed step did not touch keep their progress."""
-        self.pool.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+        self.kv_manager.reset_prefix_cache()  # blocks published for this step may hold partial K/V
         culprits = self.scheduler.quarantine(out)
         if not culprits:
             logger.warning(
@@ -525,7 +536,7 @@ class _EngineTokenSink:
 
 def check_kv_invariants(kv: KVCacheManager, offload: OffloadConnector | None = None) -> None:
     """The pool is whole (BlockPool.check_invariants), every block's references are its holders (requests' tables in
-    every group, restores in flight), each held block sits in the table of the group that allocated it, and free +
+    every group, restores in flight, pins), each held block sits in the table of the group that allocated it, and free +
     referenced == usable (raises AssertionError naming the first broken block)."""
     kv.pool.check_invariants()
     counts: dict[int, int] = {}
@@ -534,6 +545,8 @@ def check_kv_invariants(kv: KVCacheManager, offload: OffloadConnector | None = N
         if block.group_id != group:
             raise AssertionError(f"{block} sits in request {rid}'s table of group {group}")
     for block in offload.held_blocks() if offload is not None else []:
+        counts[block.block_id] = counts.get(block.block_id, 0) + 1
+    for block in kv.pins.held_blocks():
         counts[block.block_id] = counts.get(block.block_id, 0) + 1
     for block in kv.pool.blocks:
         if block.ref_cnt != counts.get(block.block_id, 0):

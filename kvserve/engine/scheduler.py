@@ -126,6 +126,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.expire_pins()
         if self.offload is not None:
             self.offload.reap_orphan_loads()
         if self.suspects:
@@ -373,4 +374,6 @@ class Scheduler:
             self.waiting.remove(request)
         if self.offload is not None:
             self.offload.cancel(request.request_id)
+        if status is not RequestStatus.FINISHED_ERROR:
+            self.kv.pin_prefix(request, request.sampling_params.kv_pins)
         self.kv.forget(request)

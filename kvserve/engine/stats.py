@@ -41,6 +41,13 @@ class EngineStats:
     prefix_cache_evicted_misses_tokens: int = 0
     external_prefix_cache_queries_tokens: int = 0
     external_prefix_cache_hits_tokens: int = 0
+    # Pinned prefixes (Anthropic's cache_control, kv/pins.py): live now (prefixes, block references), and since start
+    # (pins made, expired, refused for the budget).
+    kv_pinned_prefixes: int = 0
+    kv_pinned_blocks: int = 0
+    kv_pins_created: int = 0
+    kv_pins_expired: int = 0
+    kv_pins_refused: int = 0
 
 
 @dataclass(frozen=True, slots=True)

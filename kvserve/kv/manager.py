@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.kv.block import KVCacheBlock, TierBlock
 from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
 from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
+from kvserve.kv.pins import PinTable
 from kvserve.kv.pool import BlockPool
 from kvserve.units import cdiv
+
+if TYPE_CHECKING:
+    from kvserve.sampling_params import KVPin
 
 # Per KV cache group, the blocks of a request's table: a sliding group's entries before its window are the null block.
 GroupBlocks = list[list[KVCacheBlock]]
@@ -105,6 +110,8 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         reserve_tokens: int = 0,
         layout: KVCacheLayout | None = None,
+        max_pinned_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
@@ -133,6 +140,9 @@ class KVCacheManager:
         self.collect_published = False
         self.to_offload: list[TierBlock] = []
         self.store_now: Callable[[list[TierBlock]], None] | None = None
+        # Pinned prefixes (kv/pins.py); by default at most half the pool's blocks.
+        budget = pool.num_usable_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
+        self.pins = PinTable(pool, budget, clock)
 
     @property
     def enable_caching(self) -> bool:
@@ -294,6 +304,7 @@ class KVCacheManager:
             if state.num_entries:
                 raise ValueError(f"request {rid} already holds blocks; prefix hits come first")
             hit_len = len(new_computed_blocks[0])
+            self.pins.refresh(self.req_hashes.get(rid, [])[:hit_len])
             for g, blocks in enumerate(new_computed_blocks):
                 self.pool.touch(b for b in blocks if b is not self.null_block)
                 state.tables[g].extend(blocks)
@@ -452,6 +463,42 @@ class KVCacheManager:
         self._offload_last_windows(request, state)
         for table in state.tables:
             self.pool.free(reversed([b for b in table if b is not self.null_block]))
+
+    # ---- pins ------------------------------------------------------------------------------------------
+
+    def pin_prefix(self, request: KVRequest, pins: Sequence[KVPin]) -> None:
+        """Pin the prefixes `pins` ask for, as far as the request computed and cached them (whole blocks): every block
+        of a full-attention group, the window before the prefix's end of a sliding group (what a hit needs). Called
+        as the request finishes, before its blocks are freed."""
+        state = self.requests.get(request.request_id)
+        if state is None or not self.enable_caching or not pins:
+            return
+        hashes = self.req_hashes.get(request.request_id, [])
+        computed = min(request.num_computed_tokens // self.block_size, state.num_published, len(hashes))
+        for pin in pins:
+            length = min(pin.num_tokens // self.block_size, computed)
+            blocks = self._cached_prefix(hashes, length)
+            if blocks:
+                self.pins.pin(hashes[length - 1], blocks, length * self.block_size, pin.ttl_s)
+
+    def _cached_prefix(self, hashes: list[bytes], length: int) -> list[KVCacheBlock]:
+        """The cached blocks a hit of `length` blocks needs, every group; [] if one is missing (not cached)."""
+        blocks = []
+        for g in range(self.num_groups):
+            for i in range(self.hit_start(g, length), length):
+                block = self.pool.cached[g].get(hashes[i])
+                if block is None:
+                    return []
+                blocks.append(block)
+        return blocks
+
+    def expire_pins(self) -> int:
+        return self.pins.expire()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache, pins first (their blocks hold no prefix afterwards)."""
+        self.pins.clear()
+        self.pool.reset_prefix_cache()
 
     def forget(self, request: KVRequest) -> None:
         """Drop per-request bookkeeping once a request is gone for good."""

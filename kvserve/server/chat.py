@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import KVPin
 from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
@@ -61,10 +62,16 @@ TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
 
 
 async def create_chat_completion(
-    ctx: ServerContext, request: ChatCompletionRequest, raw: Request, *, length_wins: bool = False
+    ctx: ServerContext,
+    request: ChatCompletionRequest,
+    raw: Request,
+    *,
+    length_wins: bool = False,
+    kv_pins: tuple[KVPin, ...] = (),
 ) -> Response:
     """The chat completion, whole or streamed. `length_wins`: a reply cut by max_tokens finishes "length" even after
-    complete tool calls (the Responses API's view; chat's own says "tool_calls" there, as vLLM's)."""
+    complete tool calls (the Responses API's view; chat's own says "tool_calls" there, as vLLM's). `kv_pins`: prompt
+    prefixes to pin in the KV cache (the Messages API's cache_control marks)."""
     model = ctx.resolve_model(request.model)
     reject_unsupported(
         request, {"functions": request.functions, "function_call": request.function_call}, max_n=ctx.facts.max_num_seqs
@@ -93,6 +100,8 @@ async def create_chat_completion(
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         structured_outputs=constraint.params if constraint else None,
     )
+    if kv_pins:
+        params = params.clone(kv_pins=kv_pins)
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
     render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
     truncate = ctx.settings.chat_history_policy == "truncate"

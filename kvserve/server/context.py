@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvserve.server.cache_diagnostics import FingerprintStore
 from kvserve.server.errors import APIError
 from kvserve.server.response_store import ResponseStore
 from kvserve.structured.tool_parsers import DEFAULT_STYLE, TOOL_PARSER_NAMES, ToolParserSpec, tool_parser
@@ -91,6 +92,8 @@ class ServerContext:
     preparer: PromptPreparer
     texts: TokenTexts
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store (previous_response_id)
+    # /v1/messages' opted-in prompt fingerprints (diagnostics.previous_message_id)
+    fingerprints: FingerprintStore = field(default_factory=FingerprintStore)
 
     @property
     def max_model_len(self) -> int:

@@ -27,13 +27,15 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
+from kvserve.sampling_params import KVPin
+from kvserve.server.cache_diagnostics import FingerprintStore, PromptFingerprint, cache_miss_reason
 from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit of cache_control blocks a request
 TTLS = ("1h", "5m")  # longest first: a 1h breakpoint may not follow a 5m one
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 
 class MessagesRequest(CacheFields):
@@ -67,6 +70,7 @@ class MessagesRequest(CacheFields):
     service_tier: str | None = None
     cache_control: dict[str, Any] | None = None  # automatic caching: a mark on the last block of the last message
     output_config: dict[str, Any] | None = None  # `format`: a json_schema the reply must follow; `effort` is ignored
+    diagnostics: dict[str, Any] | None = None  # previous_message_id: why this request missed that one's cache
 
 
 class CountTokensRequest(CacheFields):
@@ -455,6 +459,41 @@ class CacheUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """A request that opted into cache diagnostics (kvserve.server.cache_diagnostics): its fingerprint, the previous
+    message it names (None on a first turn) and that one's fingerprint (None: not found), and where to keep its own."""
+
+    fingerprint: PromptFingerprint
+    previous_id: str | None
+    previous: PromptFingerprint | None
+    store: FingerprintStore
+
+    @classmethod
+    def of(cls, ctx: ServerContext, body: MessagesRequest, model: str) -> Diagnosis | None:
+        if "diagnostics" not in body.model_fields_set:
+            return None
+        previous_id = (body.diagnostics or {}).get("previous_message_id")
+        if previous_id is not None and not isinstance(previous_id, str):
+            raise bad_request(
+                "diagnostics.previous_message_id must be a message id or null", "diagnostics.previous_message_id"
+            )
+        fingerprint = PromptFingerprint.of(body, model)
+        return cls(fingerprint, previous_id, ctx.fingerprints.get(previous_id), ctx.fingerprints)
+
+    def body(self, usage: dict[str, Any]) -> dict[str, Any] | None:
+        """The reply's `diagnostics`: null on a first turn, or when nothing diverged."""
+        if self.previous_id is None:
+            return None
+        reason = cache_miss_reason(self.previous, self.fingerprint, usage["cache_read_input_tokens"])
+        return {"cache_miss_reason": reason} if reason is not None else None
+
+    def keep(self, message_id: str, usage: dict[str, Any]) -> None:
+        """Remember this request's fingerprint, with its prompt's tokens, for the next turn to name."""
+        tokens = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+        self.store.put(message_id, replace(self.fingerprint, prompt_tokens=tokens))
+
+
+@dataclass(frozen=True, slots=True)
 class MessageShell:
     """What every Message object of one request carries besides its content, stop reason and usage."""
 
@@ -463,6 +502,7 @@ class MessageShell:
     marks: list[Breakpoint]
     positions: list[int]
     block_size: int
+    diagnosis: Diagnosis | None = None
 
     def usage(self, chat_usage: dict[str, Any] | None) -> dict[str, Any]:
         chat_usage = chat_usage or {}
@@ -474,7 +514,7 @@ class MessageShell:
     def build(
         self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], usage: dict[str, Any]
     ) -> dict[str, Any]:
-        return {
+        message = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
@@ -484,6 +524,14 @@ class MessageShell:
             "stop_sequence": stop[1],
             "usage": usage,
         }
+        if self.diagnosis is not None:
+            message["diagnostics"] = self.diagnosis.body(usage)
+        return message
+
+    def keep(self, usage: dict[str, Any]) -> None:
+        """At the end of the reply: an opted-in request's fingerprint is kept for the next turn."""
+        if self.diagnosis is not None:
+            self.diagnosis.keep(self.message_id, usage)
 
 
 def stop_reason(finish: str | None, chat_stop: Any, called: bool) -> tuple[str, str | None]:
@@ -522,8 +570,10 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     model = ctx.resolve_model(body.model)
     render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
     positions = await ctx.preparer.run(breakpoint_positions, ctx.preparer, body, marks, render)
-    shell = MessageShell(_new_id("msg"), model, marks, positions, ctx.facts.block_size)
-    reply = await create_chat_completion(ctx, request, raw)
+    diagnosis = Diagnosis.of(ctx, body, model)
+    shell = MessageShell(_new_id("msg"), model, marks, positions, ctx.facts.block_size, diagnosis)
+    pins = tuple(KVPin(p, TTL_SECONDS[m.ttl]) for m, p in zip(marks, positions) if p >= ctx.facts.block_size)
+    reply = await create_chat_completion(ctx, request, raw, kv_pins=pins)
     dropped = reply.headers.get(TRUNCATED_TURNS_HEADER)
     headers = {TRUNCATED_TURNS_HEADER: dropped} if dropped is not None else {}
     if isinstance(reply, StreamingResponse):
@@ -537,7 +587,9 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     calls = message.get("tool_calls") or []
     content += [_tool_use(call) for call in calls]
     stop = stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
-    return JSONResponse(shell.build(content, stop, shell.usage(chat.get("usage"))), headers=headers)
+    usage = shell.usage(chat.get("usage"))
+    shell.keep(usage)
+    return JSONResponse(shell.build(content, stop, usage), headers=headers)
 
 
 async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> JSONResponse:
@@ -639,5 +691,7 @@ async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterato
     for frame in blocks.stop():
         yield frame
     reason, sequence = stop_reason(finish, chat_stop, called)
-    yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=shell.usage(usage))
+    final = shell.usage(usage)
+    shell.keep(final)
+    yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final)
     yield _event("message_stop")

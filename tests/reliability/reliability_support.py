@@ -1,4 +1,5 @@
-"""Checks shared by the reliability tests: OpenAI error bodies, a drained and whole engine, process RSS.
+"""Checks shared by the reliability tests: OpenAI (and, under /v1/messages, Anthropic) error bodies, a drained and
+whole engine, process RSS.
 
 Why a uniquely named module (not conftest): several test folders have a conftest.py, and `from conftest
 import` would pick whichever was imported first.
@@ -10,6 +11,7 @@ import ctypes
 import gc
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from server_support import RunningServer, metric_values, wait_until
@@ -27,6 +29,21 @@ def assert_openai_error(response: httpx.Response, status: int | None = None) -> 
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
     return error
+
+
+def assert_api_error(response: httpx.Response, status: int | None = None) -> dict[str, Any]:
+    """assert_openai_error, except under /v1/messages (Anthropic's Messages API), whose errors have Anthropic's shape
+    `{"type": "error", "error": {"type", "message"}}`; the error object either way."""
+    if not urlsplit(str(response.request.url)).path.startswith("/v1/messages"):  # httpx's URL, or schemathesis' str
+        return assert_openai_error(response, status)
+    if status is None:
+        assert 400 <= response.status_code < 500, (response.status_code, response.text[:500])
+    else:
+        assert response.status_code == status, (response.status_code, response.text[:500])
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
 
 
 def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> dict[str, float]:

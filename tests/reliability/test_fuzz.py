@@ -11,7 +11,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from reliability_support import (
-    assert_openai_error,
+    assert_api_error,
     assert_serving,
     leaked_blocks,
     wait_drained,
@@ -43,7 +43,7 @@ def test_no_5xx_and_openai_errors(case, guarded_server, auth):
     response = case.call(base_url=guarded_server.base_url, headers=auth, timeout=60)
     assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text[:500])
     if response.status_code >= 400:
-        assert_openai_error(response)
+        assert_api_error(response)
 
 
 def test_still_serving_after_fuzzing(guarded_server, auth):

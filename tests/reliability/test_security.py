@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from reliability_support import assert_openai_error, assert_serving
+from reliability_support import assert_api_error, assert_openai_error, assert_serving
 from server_support import API_KEY
 
 import kvserve
@@ -41,13 +41,14 @@ def test_every_v1_route_is_guarded(guarded_server):
         {"Authorization": API_KEY},
         {"Authorization": f"Bearer {API_KEY}x"},
         {"Authorization": f"Bearer {API_KEY[:-1]}"},
-        {"X-API-Key": API_KEY},
+        {"x-api-key": "wrong"},
+        {"x-api-key": f"{API_KEY}x"},
     ]
     for method, path in routes:
         for headers in bad_headers:
             with guarded_server.client(headers=headers) as c:
                 r = c.request(method, path, json={"prompt": "x", "messages": USER, "tokens": [5]})
-            err = assert_openai_error(r, 401)
+            err = assert_api_error(r, 401)
             assert err["type"] == "authentication_error", (method, path, headers)
 
 

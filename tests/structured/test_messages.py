@@ -9,8 +9,14 @@ import json
 import uuid
 
 import anthropic
+import httpx
 import pytest
-from tool_server_support import MODEL, WEATHER_TOOL
+from server_support import RunningServer, make_engine
+from tool_server_support import MODEL, TOOLS_TEMPLATE, WEATHER_TOOL
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.app import build_app
+from kvserve.server.context import ServerSettings
 
 WEATHER = {
     "name": "get_weather",
@@ -203,3 +209,83 @@ def test_output_config_format_constrains_the_reply(client):
         extra_body=GREEDY,
     )
     assert json.loads(reply.content[0].text)["city"] in ("Paris", "Rome")
+
+
+@pytest.fixture(scope="module")
+def small_pool(tools_model_dir):
+    """The tools model on a pool of 96 blocks of 16 tokens (1,536 tokens): four other users' prompts evict every
+    unpinned block."""
+    engine = make_engine(tools_model_dir, chat_template=TOOLS_TEMPLATE, num_gpu_blocks_override=96, block_size=16)
+    async_engine = AsyncLLMEngine(engine)
+    server = RunningServer(build_app(async_engine, ServerSettings(served_model_names=(MODEL,))), async_engine).start()
+    yield server, anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    server.stop()
+
+
+def test_cache_control_pins_survive_pressure_that_evicts_the_rest(small_pool):
+    """A system prompt marked with cache_control is served from the cache after other users' prompts filled the pool;
+    the same prompt unmarked (another salt, so nothing is shared) is recomputed. Counted in hits, never timed."""
+    server, client = small_pool
+    system = "".join(chr(ord("a") + i % 26) for i in range(480))  # 30 blocks
+
+    def ask(marked: bool, key: dict[str, object]) -> anthropic.types.Usage:
+        block: dict[str, object] = {"type": "text", "text": system}
+        if marked:
+            block["cache_control"] = {"type": "ephemeral"}
+        return client.messages.create(model=MODEL, max_tokens=2, system=[block], messages=HI, extra_body=key).usage
+
+    def flood() -> None:
+        for n in range(4):
+            text = "".join(chr(ord("A") + (i * (n + 3)) % 26) for i in range(900))
+            client.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}])
+
+    pinned, unpinned = salt(), salt()
+    first = ask(True, pinned)
+    assert first.cache_creation_input_tokens >= 480 - 16
+    ask(False, unpinned)
+    flood()
+    assert ask(False, unpinned).cache_read_input_tokens == 0  # evicted
+    again = ask(True, pinned)
+    assert again.cache_read_input_tokens == first.cache_creation_input_tokens  # the pinned blocks, all of them
+    assert again.cache_creation_input_tokens == 0
+    pins = server.engine.core.kv_manager.pins  # read between requests: the engine is idle
+    assert len(pins.pins) == 1 and pins.stats.refreshed >= 1
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert f'kvserve:kv_pinned_prefixes{{model_name="{MODEL}"}} 1.0' in metrics
+    assert f'kvserve:kv_pinned_blocks{{model_name="{MODEL}"}} 30.0' in metrics
+    assert f'kvserve:kv_pins_created_total{{model_name="{MODEL}"}} 1.0' in metrics
+
+
+def test_cache_diagnostics_say_which_part_changed(client):
+    """diagnostics.previous_message_id: null when a turn only appends, else the first part that differs, in prompt
+    order; an unknown id, or another tenant's, is not found."""
+    key = salt()
+    system = "You answer in one line."
+    kw = dict(model=MODEL, max_tokens=3, system=system)
+    first = client.messages.create(**kw, messages=HI, diagnostics={"previous_message_id": None}, extra_body=key)
+    assert first.diagnostics is None
+    turn2 = [*HI, {"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "and?"}]
+    second = client.messages.create(**kw, messages=turn2, diagnostics={"previous_message_id": first.id}, extra_body=key)
+    assert second.diagnostics is None  # appended only
+    previous = {"previous_message_id": second.id}
+
+    def reason(**change):
+        body = kw | {"messages": turn2} | change
+        return client.messages.create(**body, diagnostics=previous, extra_body=key).diagnostics.cache_miss_reason
+
+    changed = reason(system="You answer in two lines.")
+    assert changed.type == "system_changed" and changed.cache_missed_input_tokens > 0
+    assert reason(tools=[WEATHER], tool_choice={"type": "none"}).type == "tools_changed"
+    edited = [{"role": "user", "content": "goodbye"}, *turn2[1:]]
+    assert reason(messages=edited).type == "messages_changed"
+    unknown = client.messages.create(
+        **kw, messages=turn2, diagnostics={"previous_message_id": "msg_unknown"}, extra_body=key
+    )
+    assert unknown.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+    other_tenant = client.messages.create(**kw, messages=turn2, diagnostics=previous, extra_body=salt())
+    assert other_tenant.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+    assert client.messages.create(**kw, messages=turn2, extra_body=key).diagnostics is None  # not asked
+    streamed = kw | {"system": "Other.", "messages": turn2}
+    with client.messages.stream(**streamed, diagnostics=previous, extra_body=key) as s:
+        start = next(e for e in s if e.type == "message_start")
+    assert start.message.diagnostics.cache_miss_reason.type == "system_changed"

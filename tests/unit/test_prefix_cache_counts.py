@@ -25,6 +25,7 @@ class Params:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    kv_pins: tuple[()] = ()  # prompt prefixes to pin as the request finishes (none here)
 
 
 def make(usable_blocks: int, max_len: int = 48) -> tuple[Scheduler, KVCacheManager]:

@@ -1,0 +1,114 @@
+"""Pinned prefixes: KV blocks kept out of eviction for a time, as Anthropic's `cache_control` promises.
+
+Why references, not a flag on the block: a pin holds one reference on each block its prefix needs, exactly as a
+running request does, so the pool's rules stay as they are (a referenced block is never free, never evicted) and the
+invariant checker counts a pin as one more holder. A pin is keyed by the chained hash of its last block, which
+includes the cache salt: one pin per prefix and tenant, and a pin can only ever serve requests of its own salt.
+
+A prefix is pinned when a request that asked for it finishes (its blocks are computed and cached by then); pinning
+it again, or a later request hitting it, moves its expiry to `now + ttl` when that is later. Pins expire on the
+scheduler's clock (injectable, for tests); the blocks of an expired pin go back to the pool's LRU like any freed
+block. Pinned blocks are capped at `budget_blocks` references: a pin that would exceed it is refused and counted,
+and its blocks stay ordinary cached blocks (written through to the offload tier, where one is configured).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvserve.kv.block import KVCacheBlock
+from kvserve.kv.pool import BlockPool
+
+
+@dataclass(slots=True)
+class Pin:
+    """One pinned prefix: the blocks it holds a reference on, how long it lives, and until when."""
+
+    key: bytes  # the chained hash of its last block
+    blocks: list[KVCacheBlock]
+    num_tokens: int
+    ttl_s: float
+    expires_at: float
+
+
+@dataclass(slots=True)
+class PinStats:
+    """Counters since start: pins made, refreshed (pinned again or hit), expired, refused over the budget."""
+
+    created: int = 0
+    refreshed: int = 0
+    expired: int = 0
+    refused: int = 0
+
+
+@dataclass(slots=True)
+class PinTable:
+    """The live pins of one pool."""
+
+    pool: BlockPool
+    budget_blocks: int
+    clock: Callable[[], float] = time.monotonic
+    pins: dict[bytes, Pin] = field(default_factory=dict)
+    stats: PinStats = field(default_factory=PinStats)
+    num_pinned_refs: int = 0  # references the pins hold (a block in two pins counts twice)
+
+    def pin(self, key: bytes, blocks: list[KVCacheBlock], num_tokens: int, ttl_s: float) -> bool:
+        """Pin `blocks` (the prefix ending at the block hashed `key`) for `ttl_s` seconds, or refresh the pin if it
+        exists. False when the budget has no room (nothing pinned)."""
+        now = self.clock()
+        existing = self.pins.get(key)
+        if existing is not None:
+            existing.ttl_s = max(existing.ttl_s, ttl_s)
+            existing.expires_at = max(existing.expires_at, now + ttl_s)
+            self.stats.refreshed += 1
+            return True
+        if self.num_pinned_refs + len(blocks) > self.budget_blocks:
+            self.stats.refused += 1
+            return False
+        self.pool.touch(blocks)
+        self.pins[key] = Pin(key, blocks, num_tokens, ttl_s, now + ttl_s)
+        self.num_pinned_refs += len(blocks)
+        self.stats.created += 1
+        return True
+
+    def refresh(self, hashes: Iterable[bytes]) -> None:
+        """A request hit these blocks: every pin ending at one of them lives another TTL from now."""
+        if not self.pins:
+            return
+        now = self.clock()
+        for block_hash in hashes:
+            found = self.pins.get(block_hash)
+            if found is not None:
+                found.expires_at = max(found.expires_at, now + found.ttl_s)
+                self.stats.refreshed += 1
+
+    def expire(self) -> int:
+        """Release the pins whose time is up; returns how many."""
+        if not self.pins:
+            return 0
+        now = self.clock()
+        gone = [key for key, found in self.pins.items() if found.expires_at <= now]
+        for key in gone:
+            self._release(key)
+        self.stats.expired += len(gone)
+        return len(gone)
+
+    def clear(self) -> None:
+        """Release every pin (the prefix cache is being dropped: the blocks hold no prefix any more)."""
+        for key in list(self.pins):
+            self._release(key)
+
+    def _release(self, key: bytes) -> None:
+        found = self.pins.pop(key)
+        self.num_pinned_refs -= len(found.blocks)
+        self.pool.free(reversed(found.blocks))
+
+    def held_blocks(self) -> list[KVCacheBlock]:
+        """Every reference the pins hold (the invariant checker counts them as holders)."""
+        return [b for found in self.pins.values() for b in found.blocks]
+
+    @property
+    def num_pinned_tokens(self) -> int:
+        return sum(found.num_tokens for found in self.pins.values())

@@ -1,0 +1,122 @@
+"""Pinned prefixes (kv/pins.py, Anthropic's cache_control): a pinned prefix survives pool pressure that evicts an
+unpinned one, lives its TTL from its last use on an injected clock and no longer, never serves another cache salt,
+stays within its budget, holds a sliding group's window only, and is dropped with the prefix cache. Pressure is
+counted in hits, never timed; the pool and the references are checked whole after every scenario."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.core import check_kv_invariants
+from kvserve.engine.request import Request
+from kvserve.kv.groups import make_kv_cache_layout
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pool import BlockPool
+from kvserve.sampling_params import KVPin
+
+BS = 16
+
+
+@dataclass
+class Params:
+    seed: int | None = None
+    prompt_logprobs: int | None = None
+    kv_pins: tuple[KVPin, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks: int = 24, windows: list[int | None] | None = None, budget: int | None = None):
+    layout = make_kv_cache_layout(windows or [None])
+    pool = BlockPool(num_blocks + 1, num_groups=layout.num_groups)
+    clock = Clock()
+    kv = KVCacheManager(pool, BS, layout=layout, max_pinned_blocks=budget, clock=clock)
+    return pool, kv, clock
+
+
+def serve(kv: KVCacheManager, rid: str, tokens: list[int], pin: int = 0, ttl: float = 300.0, salt=None) -> int:
+    """Admit, compute and finish a request as the scheduler does (pinning `pin` tokens at finish); its hit tokens."""
+    r = Request(rid, tokens, Params(), cache_salt=salt)
+    hit, num_hit = kv.get_computed_blocks(r)
+    assert kv.allocate_slots(r, r.num_tokens - num_hit, hit)
+    r.num_computed_tokens = r.num_tokens
+    if pin:
+        kv.pin_prefix(r, [KVPin(pin, ttl)])
+    kv.forget(r)
+    check_kv_invariants(kv)
+    return num_hit
+
+
+PROMPT = list(range(1000, 1000 + 8 * BS + 5))  # 8 whole blocks and a bit
+
+
+def flood(kv: KVCacheManager, rounds: int = 4) -> None:
+    """Other users' prompts, enough to cycle every unpinned block of the pool."""
+    for n in range(rounds):
+        serve(kv, f"flood{n}", [5000 + 1000 * n + i for i in range(12 * BS)])
+
+
+def test_a_pinned_prefix_survives_pressure_that_evicts_an_unpinned_one():
+    _, kv, _ = make()
+    serve(kv, "a", PROMPT)
+    flood(kv)
+    assert serve(kv, "a2", PROMPT) == 0  # unpinned: evicted
+    serve(kv, "b", PROMPT, pin=8 * BS)
+    flood(kv)
+    assert serve(kv, "b2", PROMPT) == 8 * BS  # pinned: every block of the prefix served
+    assert kv.pins.stats.created == 1 and kv.pins.num_pinned_tokens == 8 * BS
+
+
+def test_a_pin_lives_its_ttl_from_its_last_use():
+    _, kv, clock = make()
+    serve(kv, "a", PROMPT, pin=4 * BS, ttl=300)
+    clock.now = 299
+    assert serve(kv, "hit", PROMPT[: 6 * BS]) >= 4 * BS  # a hit on the pinned prefix refreshes it: expires at 599
+    clock.now = 598
+    kv.expire_pins()
+    assert len(kv.pins.pins) == 1
+    clock.now = 599
+    assert kv.expire_pins() == 1 and not kv.pins.pins and kv.pins.stats.expired == 1
+    check_kv_invariants(kv)
+    flood(kv)
+    assert serve(kv, "late", PROMPT) == 0  # expired, then evicted like any block
+
+
+def test_a_pin_never_serves_another_salt():
+    _, kv, _ = make()
+    serve(kv, "a", PROMPT, pin=8 * BS, salt="tenant-a")
+    flood(kv)
+    assert serve(kv, "b", PROMPT, salt="tenant-b") == 0
+    assert serve(kv, "a2", PROMPT, salt="tenant-a") == 8 * BS
+
+
+def test_pins_stay_within_their_budget():
+    _, kv, _ = make(budget=6)
+    serve(kv, "a", PROMPT, pin=8 * BS)  # 8 blocks > 6: refused, counted
+    assert not kv.pins.pins and kv.pins.stats.refused == 1
+    serve(kv, "b", PROMPT, pin=4 * BS)  # 4 blocks fit
+    assert kv.pins.num_pinned_refs == 4
+
+
+def test_a_sliding_group_pins_the_window_before_the_prefix_end():
+    """Full attention + a 32-token window: the pin holds all 8 full-attention blocks and the 2 window blocks of the
+    sliding group before the prefix's end, and a hit after pressure serves the whole prefix."""
+    _, kv, _ = make(num_blocks=40, windows=[None, 32])
+    serve(kv, "a", PROMPT, pin=8 * BS)
+    assert kv.pins.num_pinned_refs == 8 + 2
+    flood(kv, rounds=6)
+    assert serve(kv, "a2", PROMPT) == 8 * BS
+
+
+def test_dropping_the_prefix_cache_drops_the_pins():
+    pool, kv, _ = make()
+    serve(kv, "a", PROMPT, pin=8 * BS)
+    kv.reset_prefix_cache()
+    assert not kv.pins.pins and pool.num_free_blocks == pool.num_usable_blocks
+    check_kv_invariants(kv)
