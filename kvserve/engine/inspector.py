@@ -104,12 +104,18 @@ def _evict_ranks(engine: EngineCore) -> dict[int, int]:
     return ranks
 
 
+PIN_HOLDER = "(pinned)"  # a cache_control pin's reference (kv/pins.py), among a block's holders
+
+
 def _holders(engine: EngineCore) -> dict[int, list[str]]:
-    """Block id -> the user request ids holding it (a request with n > 1 appears once per sequence)."""
+    """Block id -> the user request ids holding it (a request with n > 1 appears once per sequence), and PIN_HOLDER
+    for each pin holding it."""
     holders: dict[int, list[str]] = {}
     for seq_id, _, block in engine.kv_manager.held_blocks():
         seq = engine.requests.sequences.get(seq_id)
         holders.setdefault(block.block_id, []).append(seq.group_id if seq is not None else seq_id)
+    for block in engine.kv_manager.pins.held_blocks():
+        holders.setdefault(block.block_id, []).append(PIN_HOLDER)
     return holders
 
 
@@ -232,6 +238,23 @@ def _capacity(engine: EngineCore) -> dict[str, Any]:
     }
 
 
+def _pins(engine: EngineCore) -> list[dict[str, Any]]:
+    """The live cache_control pins (kv/pins.py): the prefix each holds (its last block's hash, its tokens), its
+    blocks, its TTL and the seconds it has left."""
+    table = engine.kv_manager.pins
+    now = table.clock()
+    return [
+        {
+            "hash": _short(pin.key),
+            "num_tokens": pin.num_tokens,
+            "block_ids": [b.block_id for b in pin.blocks],
+            "ttl_s": pin.ttl_s,
+            "expires_in_s": round(max(pin.expires_at - now, 0.0), 1),
+        }
+        for pin in table.pins.values()
+    ]
+
+
 def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str, Any]:
     """The whole view, built from the engine's live state on the engine thread (see the module docstring)."""
     pool = engine.pool
@@ -252,6 +275,7 @@ def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str,
         "blocks": blocks,
         "requests": _requests(engine),
         "prefix_cache": _prefix_cache(engine, ranks),
+        "pins": _pins(engine),
         "gauges": dataclasses.asdict(engine.stats()),
         "capacity": _capacity(engine),
         "offload_tier": None

@@ -254,6 +254,8 @@ def test_cache_control_pins_survive_pressure_that_evicts_the_rest(small_pool):
     assert f'kvserve:kv_pinned_prefixes{{model_name="{MODEL}"}} 1.0' in metrics
     assert f'kvserve:kv_pinned_blocks{{model_name="{MODEL}"}} 30.0' in metrics
     assert f'kvserve:kv_pins_created_total{{model_name="{MODEL}"}} 1.0' in metrics
+    (shown,) = httpx.get(f"{server.base_url}/v1/kv/snapshot").json()["pins"]  # the KV inspector
+    assert shown["num_tokens"] == 480 and len(shown["block_ids"]) == 30 and 0 < shown["expires_in_s"] <= 300
 
 
 def test_cache_diagnostics_say_which_part_changed(client):
