@@ -122,7 +122,7 @@ class EngineStatsCollector:
             ("kv_pinned_prefixes", "Prompt prefixes pinned by cache_control marks, alive now.", s.kv_pinned_prefixes),
             (
                 "kv_pinned_blocks",
-                "KV block references the pinned prefixes hold (within --max-pinned-kv-fraction of the pool).",
+                "KV blocks the pinned prefixes hold (within --max-pinned-kv-fraction of the pool).",
                 s.kv_pinned_blocks,
             ),
         ]
@@ -158,6 +158,17 @@ class EngineStatsCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric(model, value)
             yield counter
+        if s.prefix_cache_miss_reasons:
+            misses = CounterMetricFamily(
+                PREFIX + "prefix_cache_miss_reasons",
+                "Requests whose prefix hit stopped short of their prompt, by why (docs/PROMPT_CACHING.md): "
+                "never_seen, evicted, pin_expired, diverged, different_cache_salt, outside_sliding_window, "
+                "tier_record_failed_check.",
+                labels=["model_name", "reason"],
+            )
+            for reason, count in s.prefix_cache_miss_reasons:
+                misses.add_metric([*model, reason], count)
+            yield misses
         if s.offload is not None:
             yield from _offload_metrics(s, model)
         if s.spec_decode_num_accepted_tokens_per_pos:  # speculation on: one sample per draft position, as vLLM

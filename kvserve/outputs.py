@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.kv.misses import PrefixMiss
 
 
 @dataclass(slots=True)
@@ -48,6 +51,7 @@ class RequestOutput:
     # fails; the engine goes on serving the others.
     error: str | None = None
     num_restored_tokens: int = 0  # of num_cached_tokens, those restored from the KV offload tier (docs/KV_OFFLOAD.md)
+    prefix_miss: PrefixMiss | None = None  # why the prefix hit stopped where it did (kv/misses.py)
 
 
 def logprob_entry(

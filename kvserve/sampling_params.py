@@ -125,6 +125,12 @@ class SamplingParams:
     # Not sampling, but per request like the grammar above: prompt prefixes to pin in the KV cache (the Messages API's
     # cache_control marks).
     kv_pins: tuple[KVPin, ...] = ()
+    # OpenAI's prompt_cache_key: requests with the same key go to the same replica while it has room (cluster/router.py)
+    # and are grouped by it in the KV inspector.
+    prompt_cache_key: str | None = None
+    # OpenAI's prompt_cache_retention ("24h": 86,400 s): the prompt's blocks are kept in the disk offload tier that long
+    # (kv/offload/stores.py DiskStore.retain); 0: as any other block.
+    prompt_cache_retention_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stop is None:

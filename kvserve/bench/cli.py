@@ -20,6 +20,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.structured",
     "kvserve.bench.spec",
     "kvserve.bench.router",
+    "kvserve.bench.prompt_cache",
     "kvserve.bench.suite",
 )
 

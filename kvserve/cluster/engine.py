@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -320,11 +320,13 @@ class ClusterEngine:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _route(self, token_ids: list[int], cache_salt: str | None, exclude: set[str]) -> RouteDecision:
+    def _route(
+        self, token_ids: list[int], cache_salt: str | None, exclude: set[str], cache_key: str | None = None
+    ) -> RouteDecision:
         loads = {name: r.load for name, r in self.replicas.items() if r.up and name not in exclude}
         if not loads:
             raise EngineDeadError("no engine replica is up (Ray is restarting them); retry later")
-        decision = self.router.choose(token_ids, cache_salt, loads)
+        decision = self.router.choose(token_ids, cache_salt, loads, cache_key)
         key = (self.router.policy, decision.reason)
         self.decisions[key] = self.decisions.get(key, 0) + 1
         return decision
@@ -340,7 +342,7 @@ class ClusterEngine:
         try:
             while True:
                 try:
-                    decision = self._route(token_ids, cache_salt, flight.tried)
+                    decision = self._route(token_ids, cache_salt, flight.tried, params.prompt_cache_key)
                 except EngineDeadError as e:
                     stream.put(e)
                     return
@@ -465,4 +467,14 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         kv_pins_created=sum(s.kv_pins_created for s in stats),
         kv_pins_expired=sum(s.kv_pins_expired for s in stats),
         kv_pins_refused=sum(s.kv_pins_refused for s in stats),
+        prefix_cache_miss_reasons=_sum_pairs(s.prefix_cache_miss_reasons for s in stats),
     )
+
+
+def _sum_pairs(pairs: Iterable[tuple[tuple[str, int], ...]]) -> tuple[tuple[str, int], ...]:
+    """(name, count) pairs of several engines, added up by name (first seen order)."""
+    total: dict[str, int] = {}
+    for items in pairs:
+        for name, count in items:
+            total[name] = total.get(name, 0) + count
+    return tuple(total.items())

@@ -19,6 +19,7 @@ The rule (prefix_aware), after SGLang's cache_aware policy:
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from kvserve.kv.hashing import BlockHasher, salt_key
 ROUTER_POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 DEFAULT_BALANCE_ABS = 8  # requests: below this gap, cache locality always wins
 DEFAULT_BALANCE_REL = 1.5  # and the busier replica must carry 1.5x the lighter one's load
+MAX_CACHE_KEYS = 65536  # prompt_cache_key -> replica entries kept (least recently used dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +148,42 @@ class Router:
         self.balance_rel = balance_rel
         self.index = PrefixIndex()
         self._turn = itertools.count()
+        # prompt_cache_key (and the salt it is scoped by) -> the replica its requests went to, the last MAX_CACHE_KEYS
+        self.cache_keys: OrderedDict[tuple[str | None, str], str] = OrderedDict()
 
     def choose(
-        self, token_ids: Sequence[int], cache_salt: str | None, loads: Mapping[str, ReplicaLoad]
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        loads: Mapping[str, ReplicaLoad],
+        cache_key: str | None = None,
     ) -> RouteDecision:
-        """The replica for a request with these prompt tokens, among the healthy replicas in `loads`."""
+        """The replica for a request with these prompt tokens, among the healthy replicas in `loads`. A request with
+        a `cache_key` (OpenAI's prompt_cache_key) goes where that key's requests went, while that replica is up and
+        not out of balance with the lightest (the same rule as a prefix hit's), under every policy; the choice made
+        otherwise becomes the key's."""
         if not loads:
             raise RuntimeError("no healthy replica to route to")
+        if cache_key is None:
+            return self._choose(token_ids, cache_salt, loads)
+        scope = (cache_salt, cache_key)
+        kept = self.cache_keys.get(scope)
+        if kept is not None and kept in loads:
+            lightest = self._least_loaded(sorted(loads), loads)
+            if not self._imbalanced(loads[kept].requests, loads[lightest].requests):
+                self.cache_keys.move_to_end(scope)
+                matched = self.index.matched_blocks(self.hasher.block_hashes(token_ids, cache_salt), kept)
+                return RouteDecision(kept, "prompt_cache_key", matched)
+        decision = self._choose(token_ids, cache_salt, loads)
+        self.cache_keys[scope] = decision.replica
+        self.cache_keys.move_to_end(scope)
+        while len(self.cache_keys) > MAX_CACHE_KEYS:
+            self.cache_keys.popitem(last=False)
+        return decision
+
+    def _choose(
+        self, token_ids: Sequence[int], cache_salt: str | None, loads: Mapping[str, ReplicaLoad]
+    ) -> RouteDecision:
         replicas = sorted(loads)
         if self.policy == "round_robin":
             return RouteDecision(replicas[next(self._turn) % len(replicas)], "round_robin", 0)

@@ -164,6 +164,7 @@ class EngineCore:
             hybrid_kv_cache_manager=self.layout.is_hybrid,
             sliding_window_layers=sum(w is not None for w in model_config.sliding_windows),
             max_concurrency=round(cache_plan.max_concurrency, 2),
+            retains_prompts=self.offload is not None and self.offload.retains,
         )
         logger.info(cache_plan.describe())
 
@@ -289,10 +290,11 @@ class EngineCore:
             external_prefix_cache_hits_tokens=0 if connector is None else connector.external_hits_tokens,
             prefix_cache_evicted_misses_tokens=self.kv_manager.prefix_stats.evicted_misses_total,
             kv_pinned_prefixes=len(pins.pins),
-            kv_pinned_blocks=pins.num_pinned_refs,
+            kv_pinned_blocks=pins.num_pinned_blocks,
             kv_pins_created=pins.stats.created,
             kv_pins_expired=pins.stats.expired,
             kv_pins_refused=pins.stats.refused,
+            prefix_cache_miss_reasons=self.kv_manager.miss_counts.snapshot(),
             **spec,
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.engine.stats import RequestMetrics
+from kvserve.kv.misses import PrefixMiss
 from kvserve.outputs import Logprob
 
 # The stop_reason of a sequence whose grammar refused a token its own mask allowed: no way on from there
@@ -46,3 +47,4 @@ class EngineCoreOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, in the first output after the prompt
     error: str | None = None  # why the request failed (finish_reason "error"), when it did
     num_restored_tokens: int = 0  # of num_cached_tokens, those restored from the KV offload tier
+    prefix_miss: PrefixMiss | None = None  # why its prefix hit stopped where it did (kv/misses.py)

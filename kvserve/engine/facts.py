@@ -44,6 +44,9 @@ class EngineFacts:
     hybrid_kv_cache_manager: bool = False
     sliding_window_layers: int = 0
     max_concurrency: float = 0.0
+    # A disk offload tier this process writes, whose records it can retain past eviction and restarts (OpenAI's
+    # prompt_cache_retention "24h"; kv/offload/stores.py DiskStore.retain).
+    retains_prompts: bool = False
 
     def __post_init__(self) -> None:
         # A read-only view of a private copy: nobody can change the defaults behind a handler's back.

@@ -1,5 +1,6 @@
 """The KV inspector's view of the engine: an immutable snapshot of the block pool, the requests' block tables and the
-prefix cache, and the engine events (preemptions, aborts, refused admissions) recorded around each schedule.
+prefix cache, and the engine events (preemptions, aborts, refused admissions, prefix misses) recorded around each
+schedule.
 
 Why here and built on the engine thread: the pool's linked lists and the requests' block lists change every step, so
 a reader on another thread (the server's loop) must never walk them. The engine builds a fresh structure of plain
@@ -17,10 +18,14 @@ Schema (version 2; the JSON of GET /v1/kv/snapshot, documented in docs/UI.md):
   (null when redacted)
 - requests: request_id, seq_id, status (running / waiting / preempted), block_ids (group 0's table), group_block_ids
   (every group's table, in group order; a sliding group's entries before its window are the null block's id),
-  num_prompt_tokens, num_output_tokens, num_computed_tokens, prefix_hit_tokens, age_s, num_preemptions
+  num_prompt_tokens, num_output_tokens, num_computed_tokens, prefix_hit_tokens, restored_tokens, prefix_miss (why
+  the prefix hit stopped short, kv/misses.py: reason, at_token, diverged_at_token, evicted_ago_s,
+  evicted_blocks_since; null when it served all it could), prompt_cache_key, age_s, num_preemptions
 - prefix_cache: nodes, one per cached block of group 0 (a full-attention group where the model has one: every
   prefix's whole chain): hash, parent (hash prefix or null), block_id, hits, ref_cnt, evict_rank, groups (how many
   groups hold this hash's block)
+- pins: the live cache_control pins (kv/pins.py): hash (of the prefix's last block), num_tokens, block_ids, ttl_s,
+  expires_in_s
 - gauges: the EngineStats fields; capacity: the cache plan (kvserve estimate's figures for this server)
 - offload_tier: null without a KV offload tier; else medium, available, num_blocks, bytes_used, capacity_bytes,
   indexed_blocks (those this process knows, kv/offload/index.py) and prefixes: the largest 64 prefixes it holds,
@@ -38,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.capacity import NULL_BLOCK_ID
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kv.events import Aborted, KVEventBuffer, Preempted
+from kvserve.kv.events import Aborted, KVEventBuffer, Preempted, PrefixMissed
 
 if TYPE_CHECKING:
     from kvserve.engine.core import EngineCore
@@ -77,6 +82,12 @@ class EngineEventRecorder:
         for request in out.preempted:
             tokens, blocks = out.preempted_held.get(request.request_id, (0, 0))
             self.events.append(Preempted(self.name(request.request_id), tokens, blocks))
+        for request in out.missed:
+            miss = request.prefix_miss
+            if miss is not None:
+                name = self.name(request.request_id)
+                at, diverged = miss.at_token, miss.diverged_at_token
+                self.events.append(PrefixMissed(name, miss.reason, at, request.num_prompt_tokens, diverged))
         if not scheduler.waiting:
             self.refused.clear()
         refusal = out.refused
@@ -170,6 +181,9 @@ def _request(engine: EngineCore, request: Request, now: float) -> dict[str, Any]
         "num_computed_tokens": request.num_computed_tokens,
         "prefix_hit_tokens": request.num_cached_tokens,
         "restored_tokens": request.num_restored_tokens,  # of prefix_hit_tokens, from the KV offload tier
+        # why the prefix hit stopped short (kv/misses.py), the operator's view: every reason, another salt's too
+        "prefix_miss": dataclasses.asdict(request.prefix_miss) if request.prefix_miss is not None else None,
+        "prompt_cache_key": request.sampling_params.prompt_cache_key,  # OpenAI's: requests that belong together
         "age_s": round(now - request.arrival_time, 3),
         "num_preemptions": request.num_preemptions,
     }

@@ -25,6 +25,7 @@ from kvserve.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from kvserve.engine.stats import RequestMetrics
+    from kvserve.kv.misses import PrefixMiss
     from kvserve.model.tokenizer import Tokenizer
     from kvserve.sampling_params import SamplingParams
 
@@ -108,6 +109,7 @@ class RequestState:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self._sent_prompt_logprobs = False
         self.num_cached_tokens = self.num_restored_tokens = 0
+        self.prefix_miss: PrefixMiss | None = None
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
         self.core_finished = False  # the core holds nothing of it any more
@@ -124,6 +126,7 @@ class RequestState:
         "abort", `error` says why, and the caller aborts it in the core (`failed`)."""
         self.num_cached_tokens, self.metrics = output.num_cached_tokens, output.metrics
         self.num_restored_tokens = output.num_restored_tokens
+        self.prefix_miss = output.prefix_miss
         self.core_finished = self.core_finished or output.finished
         if output.error is not None:
             self.error = output.error
@@ -214,6 +217,7 @@ class RequestState:
             metrics=self.metrics,
             error=self.error,
             num_restored_tokens=self.num_restored_tokens,
+            prefix_miss=self.prefix_miss,
         )
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from kvserve.kv.misses import PrefixMiss
     from kvserve.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     # Of num_cached_tokens, those restored from the KV offload tier (the rest were in the block pool).
     num_restored_tokens: int = 0
+    prefix_miss: PrefixMiss | None = None  # why its prefix hit stopped where it did, at first admission (kv/misses.py)
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -46,6 +46,9 @@ class SchedulerOutput:
     # The first waiting request, when it stayed waiting only because the pool lacked blocks for it: the inspector's
     # AdmissionRefused event, decided here and nowhere else.
     refused: AdmissionRefused | None = None
+    # Requests admitted for the first time whose prefix hit stopped short, and why (Request.prefix_miss): the
+    # inspector's PrefixMissed events.
+    missed: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -190,6 +193,8 @@ class Scheduler:
             num_new = min(remaining, budget)
             first = request.status is RequestStatus.WAITING  # not a retry after preemption
             lost = self.kv.evicted_misses(request, num_hit) if first else 0
+            rejected = load.rejected() if load is not None else frozenset()
+            miss = self.kv.classify_miss(request, num_hit, rejected) if first else None
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 out.refused = self._refusal(request, num_new, hit_blocks, out)
                 break
@@ -197,6 +202,10 @@ class Scheduler:
             del self.waiting[i]
             if first:  # first admission: not a retry, not after preemption
                 request.num_cached_tokens = num_hit
+                request.prefix_miss = miss
+                self.kv.miss_counts.record(miss)
+                if miss is not None:
+                    out.missed.append(request)
                 self.kv.record_prefix_query(request, num_hit, lost)
                 if self.offload is not None:  # vLLM's external prefix cache: what was looked up past the pool's hits
                     request.num_restored_tokens = self.offload.record_admission(request, num_hit, load)
@@ -375,5 +384,8 @@ class Scheduler:
         if self.offload is not None:
             self.offload.cancel(request.request_id)
         if status is not RequestStatus.FINISHED_ERROR:
-            self.kv.pin_prefix(request, request.sampling_params.kv_pins)
+            params = request.sampling_params
+            self.kv.pin_prefix(request, params.kv_pins)
+            if self.offload is not None and params.prompt_cache_retention_s > 0:
+                self.offload.retain(request, params.prompt_cache_retention_s)
         self.kv.forget(request)

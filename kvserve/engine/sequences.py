@@ -94,6 +94,7 @@ class SequenceGroup:
             prompt_logprobs=prompt_logprobs,
             error=self.error,
             num_restored_tokens=min(s.request.num_restored_tokens for s in self.sequences),
+            prefix_miss=first.prefix_miss,
         )
 
 

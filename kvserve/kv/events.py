@@ -80,7 +80,20 @@ class AdmissionRefused:
     kind: str = "admission_refused"
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | Preempted | Aborted | AdmissionRefused
+@dataclass(frozen=True, slots=True)
+class PrefixMissed:
+    """A request's prefix hit stopped short of its prompt at `at_token`, for `reason` (kv/misses.py); the
+    operator's view (every reason, another salt's too)."""
+
+    request_id: str
+    reason: str
+    at_token: int
+    prompt_tokens: int
+    diverged_at_token: int | None = None
+    kind: str = "prefix_missed"
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | Preempted | Aborted | AdmissionRefused | PrefixMissed
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvserve.kv.block import KVCacheBlock, TierBlock
 from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
 from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
+from kvserve.kv.misses import MissCounts, PrefixMiss, SeenBlocks, common_prefix
 from kvserve.kv.pins import PinTable
 from kvserve.kv.pool import BlockPool
 from kvserve.units import cdiv
@@ -143,6 +144,11 @@ class KVCacheManager:
         # Pinned prefixes (kv/pins.py); by default at most half the pool's blocks.
         budget = pool.num_usable_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.pins = PinTable(pool, budget, clock)
+        # What was seen, for "why did this request miss?" (kv/misses.py): twice the pool's blocks of history.
+        self.seen = SeenBlocks(max(2 * pool.num_usable_blocks, 4096))
+        self.unsalted_hashes: dict[str, list[bytes]] = {}  # salted requests' block hashes without the salt
+        self.miss_counts = MissCounts()
+        self.clock = clock
 
     @property
     def enable_caching(self) -> bool:
@@ -368,9 +374,11 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.hashes(request, num_full * self.block_size)
+        unsalted = self._unsalted(request, num_full * self.block_size)
         prompt_end = (request.num_prompt_tokens - 1) // self.block_size  # where the same prompt, sent again, hits
         for i in range(start, num_full):
             key = self.key(request, hashes, i)
+            self.seen.add(hashes[i], key, unsalted[i])
             for g, table in enumerate(state.tables):
                 block = table[i]
                 if block is self.null_block:
@@ -402,6 +410,13 @@ class KVCacheManager:
                     blocks.append(TierBlock(block.block_id, hashes[i], block.key, g))
         if blocks:
             self.store_now(blocks)
+
+    def prompt_tier_keys(self, request: KVRequest) -> list[tuple[int, bytes]]:
+        """(group, hash) of the request's whole prompt blocks that the offload tier stores (see _offloads)."""
+        hashes = self.req_hashes.get(request.request_id, [])
+        prompt_end = (request.num_prompt_tokens - 1) // self.block_size
+        n = min(len(hashes), request.num_prompt_tokens // self.block_size)
+        return [(g, hashes[i]) for g in range(self.num_groups) for i in range(n) if self._offloads(g, i, prompt_end)]
 
     def take_offload(self) -> list[TierBlock]:
         """The blocks published since the last call (the step that computed them succeeded: the tier may copy them)."""
@@ -504,6 +519,53 @@ class KVCacheManager:
         """Drop per-request bookkeeping once a request is gone for good."""
         self.free(request)
         self.req_hashes.pop(request.request_id, None)
+        self.unsalted_hashes.pop(request.request_id, None)
+
+    # ---- why a prefix hit stopped ----------------------------------------------------------------------
+
+    def _unsalted(self, request: KVRequest, num_tokens: int) -> list[bytes]:
+        """The request's block hashes as if it had no cache salt (its own hashes when it has none)."""
+        if not request.cache_salt:
+            return self.hashes(request, num_tokens)
+        known = self.unsalted_hashes.setdefault(request.request_id, [])
+        return self.hasher.extend(request.token_slice, min(num_tokens, request.num_tokens), self.block_size, known)
+
+    def classify_miss(
+        self, request: KVRequest, num_hit_tokens: int, rejected: frozenset[bytes] = frozenset()
+    ) -> PrefixMiss | None:
+        """Why the request's prefix hit of `num_hit_tokens` stopped there (kv/misses.py), or None when it served
+        every block a hit can (or the request does not read the cache). `rejected`: hashes whose tier records a
+        restore refused. Asked at the first admission, before allocation publishes the request's own blocks."""
+        if not self.reads_prefix_cache(request):
+            return None
+        hashes = self.hashes(request, request.num_tokens - 1)
+        k = num_hit_tokens // self.block_size
+        if k >= len(hashes):
+            return None
+        block_hash, at = hashes[k], k * self.block_size
+        extra = self._extra_keys(request)
+        if block_hash in rejected:
+            return PrefixMiss("tier_record_failed_check", at)
+        if self.sliding_hit_groups and all(self.pool.is_cached(block_hash, g) for g in self.full_groups):
+            return PrefixMiss("outside_sliding_window", at)
+        ghost = self.pool.recently_evicted.get(block_hash)
+        if ghost is not None:
+            reason = "pin_expired" if block_hash in self.pins.expired_hashes else "evicted"
+            ago = round(max(self.clock() - ghost[0], 0.0), 3)
+            return PrefixMiss(reason, at, evicted_ago_s=ago, evicted_blocks_since=self.pool.num_evictions - ghost[1])
+        if block_hash in self.seen.keys:  # seen, not cached, and past the ghost list: evicted long ago
+            return PrefixMiss("evicted", at)
+        siblings = self.seen.siblings(hashes[k - 1] if k else None, extra)
+        if siblings:
+            mine = request.token_slice(at, at + self.block_size)
+            same = max(common_prefix(tuple(mine), s.token_ids) for s in siblings)
+            # Whole blocks in common, or half a block at least: a prompt that shares only a BOS token or a chat
+            # template's header with others was never seen, it did not diverge.
+            if at > 0 or 2 * same >= self.block_size:
+                return PrefixMiss("diverged", at, diverged_at_token=at + same)
+        if self.seen.seen_under_other_salt(self._unsalted(request, (k + 1) * self.block_size)[k], extra):
+            return PrefixMiss("different_cache_salt", at)
+        return PrefixMiss("never_seen", at)
 
 
 def _sliding_hit(groups: Sequence[int], need: int, max_blocks: int, has: HasBlock) -> int:

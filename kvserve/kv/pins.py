@@ -8,13 +8,15 @@ includes the cache salt: one pin per prefix and tenant, and a pin can only ever 
 A prefix is pinned when a request that asked for it finishes (its blocks are computed and cached by then); pinning
 it again, or a later request hitting it, moves its expiry to `now + ttl` when that is later. Pins expire on the
 scheduler's clock (injectable, for tests); the blocks of an expired pin go back to the pool's LRU like any freed
-block. Pinned blocks are capped at `budget_blocks` references: a pin that would exceed it is refused and counted,
-and its blocks stay ordinary cached blocks (written through to the offload tier, where one is configured).
+block. Pinned blocks are capped at `budget_blocks` distinct blocks (a chat's successive pins share their history's
+blocks, which count once): a pin that would exceed it is refused and counted, and its blocks stay ordinary cached
+blocks (written through to the offload tier, where one is configured).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -53,6 +55,10 @@ class PinTable:
     pins: dict[bytes, Pin] = field(default_factory=dict)
     stats: PinStats = field(default_factory=PinStats)
     num_pinned_refs: int = 0  # references the pins hold (a block in two pins counts twice)
+    pinned: dict[int, int] = field(default_factory=dict)  # block id -> pins holding it: len() is the budget's count
+    # The block hashes of pins that expired lately (a miss on one is "pin_expired", kv/misses.py), the last 4,096.
+    expired_hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    expired_capacity: int = 4096
 
     def pin(self, key: bytes, blocks: list[KVCacheBlock], num_tokens: int, ttl_s: float) -> bool:
         """Pin `blocks` (the prefix ending at the block hashed `key`) for `ttl_s` seconds, or refresh the pin if it
@@ -64,12 +70,15 @@ class PinTable:
             existing.expires_at = max(existing.expires_at, now + ttl_s)
             self.stats.refreshed += 1
             return True
-        if self.num_pinned_refs + len(blocks) > self.budget_blocks:
+        new = sum(1 for b in blocks if b.block_id not in self.pinned)
+        if len(self.pinned) + new > self.budget_blocks:
             self.stats.refused += 1
             return False
         self.pool.touch(blocks)
         self.pins[key] = Pin(key, blocks, num_tokens, ttl_s, now + ttl_s)
         self.num_pinned_refs += len(blocks)
+        for b in blocks:
+            self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
         self.stats.created += 1
         return True
 
@@ -91,7 +100,13 @@ class PinTable:
         now = self.clock()
         gone = [key for key, found in self.pins.items() if found.expires_at <= now]
         for key in gone:
+            for block in self.pins[key].blocks:
+                if block.block_hash is not None:
+                    self.expired_hashes[block.block_hash] = None
+                    self.expired_hashes.move_to_end(block.block_hash)
             self._release(key)
+        while len(self.expired_hashes) > self.expired_capacity:
+            self.expired_hashes.popitem(last=False)
         self.stats.expired += len(gone)
         return len(gone)
 
@@ -103,11 +118,22 @@ class PinTable:
     def _release(self, key: bytes) -> None:
         found = self.pins.pop(key)
         self.num_pinned_refs -= len(found.blocks)
+        for b in found.blocks:
+            left = self.pinned[b.block_id] - 1
+            if left:
+                self.pinned[b.block_id] = left
+            else:
+                del self.pinned[b.block_id]
         self.pool.free(reversed(found.blocks))
 
     def held_blocks(self) -> list[KVCacheBlock]:
         """Every reference the pins hold (the invariant checker counts them as holders)."""
         return [b for found in self.pins.values() for b in found.blocks]
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks the pins hold (what the budget counts)."""
+        return len(self.pinned)
 
     @property
     def num_pinned_tokens(self) -> int:

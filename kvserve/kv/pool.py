@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
@@ -60,8 +61,10 @@ class BlockPool:
         self.events = events  # None (or a buffer nobody reads: KVEventBuffer.enabled): no events are made
         # The hashes the pool evicted most recently (a ghost list, as ARC keeps): a later lookup that misses on one
         # of them is a prefix hit lost to eviction, which `kvserve doctor` reports (an offload tier would keep it).
-        self.recently_evicted: OrderedDict[bytes, None] = OrderedDict()
+        # Each with when (time.monotonic) and the eviction count then (num_evictions less it: the LRU pressure since).
+        self.recently_evicted: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self.recently_evicted_capacity = max(num_blocks, 1024)
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -172,7 +175,8 @@ class BlockPool:
             if cached.get(block.block_hash) is block:
                 del cached[block.block_hash]
                 self.hit_counts[block.group_id].pop(block.block_hash, None)
-                self.recently_evicted[block.block_hash] = None
+                self.num_evictions += 1
+                self.recently_evicted[block.block_hash] = (time.monotonic(), self.num_evictions)
                 if len(self.recently_evicted) > self.recently_evicted_capacity:
                     self.recently_evicted.popitem(last=False)
                 if self.events is not None and self.events.enabled:

@@ -26,6 +26,7 @@ from kvserve.sampling_params import KVPin
 from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
+from kvserve.server.kv_report import kv_cache_report
 from kvserve.server.logprobs import LogprobEntry, chat_logprobs, context_tail
 from kvserve.server.prepare import ChatRender
 from kvserve.server.protocol import (
@@ -42,6 +43,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.sampling import (
     build_sampling_params,
+    check_retention,
     reject_unsupported,
 )
 from kvserve.server.streaming import (
@@ -78,6 +80,7 @@ async def create_chat_completion(
     )
     if not request.messages:
         raise bad_request("messages must not be empty", param="messages")
+    check_retention(request, ctx.facts)
     if request.chat_template is not None and not ctx.settings.trust_request_chat_template:
         # A template is a program: even sandboxed, nested loops can hold the event loop for hours.
         raise bad_request(
@@ -123,7 +126,10 @@ async def create_chat_completion(
     output = tracker.result()
     choices = [_choice(ctx, request, tools, ids, c) for c in output.outputs]
     body = ChatCompletionResponse(id=chat_id, created=created, model=model, choices=choices, usage=_usage(tracker))
-    return JSONResponse(body.model_dump(), headers=headers)
+    payload = body.model_dump()
+    if request.include_kv_cache:
+        payload["kv_cache"] = _kv_cache(ctx, tracker)
+    return JSONResponse(payload, headers=headers)
 
 
 def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Constraint | None:
@@ -173,6 +179,12 @@ def _logprobs(
     return ChatChoiceLogprobs(content=content)
 
 
+def _kv_cache(ctx: ServerContext, tracker: DeltaTracker) -> dict[str, Any]:
+    return kv_cache_report(
+        ctx.texts, tracker.prompt_token_ids, tracker.num_cached_tokens, tracker.num_restored_tokens, tracker.prefix_miss
+    )
+
+
 def _usage(tracker: DeltaTracker) -> UsageInfo:
     prompt_tokens = len(tracker.prompt_token_ids)
     completion_tokens = tracker.num_generated_tokens
@@ -202,11 +214,14 @@ async def _stream(
     options = request.stream_options
     continuous = options is not None and options.include_usage and options.continuous_usage_stats
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None, first: bool = False) -> str:
         if usage is None and continuous:
             usage = _usage(tracker)
         body = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=choices, usage=usage)
-        return sse(body.model_dump(exclude=None if usage else {"usage"}))
+        payload = body.model_dump(exclude=None if usage else {"usage"})
+        if first and request.include_kv_cache:  # known once the prompt is prefilled: with the role chunk
+            payload["kv_cache"] = _kv_cache(ctx, tracker)
+        return sse(payload)
 
     tracker = DeltaTracker(prompt)
     calls: dict[int, StreamedCalls] = {}  # per choice, when the reply is read for tool calls
@@ -214,7 +229,8 @@ async def _stream(
         deltas = tracker.add(output)
         for d in deltas:
             if d.is_first:
-                yield chunk([ChatStreamChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
+                role = DeltaMessage(role="assistant", content="")
+                yield chunk([ChatStreamChoice(index=d.index, delta=role)], first=True)
         for d in deltas:
             logprobs = _logprobs(
                 ctx, request, prompt, tracker.generated(d.index), d.first_token, d.token_ids, d.logprobs

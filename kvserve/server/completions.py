@@ -19,6 +19,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
+from kvserve.server.kv_report import kv_cache_report
 from kvserve.server.logprobs import LogprobEntry, completion_logprobs, context_tail
 from kvserve.server.prepare import Prompt
 from kvserve.server.protocol import (
@@ -32,6 +33,7 @@ from kvserve.server.protocol import (
 from kvserve.server.sampling import (
     build_sampling_params,
     check_num_prompts,
+    check_retention,
     reject_unsupported,
 )
 from kvserve.server.streaming import (
@@ -98,8 +100,14 @@ async def _plan(ctx: ServerContext, request: CompletionRequest, raw: Request) ->
     model = ctx.resolve_model(request.model)
     reject_unsupported(request, {"suffix": request.suffix}, max_n=ctx.facts.max_num_seqs)
     check_num_prompts(request.num_prompts(), ctx.settings.max_prompts_per_request)
+    check_retention(request, ctx.facts)
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
+    if request.include_kv_cache and request.stream:
+        raise bad_request(
+            "include_kv_cache is not supported on streamed completions (it is on chat, responses and messages)",
+            param="include_kv_cache",
+        )
     items = _prompt_items(request)
     max_tokens = request.max_tokens if request.max_tokens is not None else ctx.max_model_len
     constraint = request_constraint(request)
@@ -127,7 +135,13 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, raw:
         trackers = await unless_disconnected(raw, collect(ctx, streams, prompt_ids))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(ctx, plan, [t.result() for t in trackers], trackers).model_dump())
+    body = _response(ctx, plan, [t.result() for t in trackers], trackers).model_dump()
+    if request.include_kv_cache:  # one report per prompt, in prompt order
+        body["kv_cache"] = [
+            kv_cache_report(ctx.texts, t.prompt_token_ids, t.num_cached_tokens, t.num_restored_tokens, t.prefix_miss)
+            for t in trackers
+        ]
+    return JSONResponse(body)
 
 
 # ---- formatting ---------------------------------------------------------------------------------

@@ -364,6 +364,9 @@ def chat_request(body: PromptBody, stream: bool) -> ChatCompletionRequest:
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
         "cache_salt": body.cache_salt,
+        "include_kv_cache": body.include_kv_cache,
+        "prompt_cache_key": body.prompt_cache_key,
+        "prompt_cache_retention": body.prompt_cache_retention,
         "max_tokens": 1,
     }
     if isinstance(body, MessagesRequest):
@@ -589,7 +592,10 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     stop = stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
     usage = shell.usage(chat.get("usage"))
     shell.keep(usage)
-    return JSONResponse(shell.build(content, stop, usage), headers=headers)
+    message = shell.build(content, stop, usage)
+    if "kv_cache" in chat:
+        message["kv_cache"] = chat["kv_cache"]
+    return JSONResponse(message, headers=headers)
 
 
 async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> JSONResponse:
@@ -657,7 +663,10 @@ async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterato
             usage = chunk["usage"]
         if not started:
             started = True
-            yield _event("message_start", message=shell.build([], (None, None), shell.usage(usage)))
+            start = shell.build([], (None, None), shell.usage(usage))
+            if "kv_cache" in chunk:
+                start["kv_cache"] = chunk["kv_cache"]
+            yield _event("message_start", message=start)
             yield _event("ping")
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}

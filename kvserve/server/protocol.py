@@ -95,6 +95,15 @@ class CacheFields(OpenAIRequest):
     responses): `cache_salt` (vLLM's) joins the block hashes, so requests of different salts never share KV."""
 
     cache_salt: str | None = None
+    # kvserve's: the response carries a `kv_cache` object (where the prompt's KV came from, and why a prefix hit
+    # stopped short; kvserve.server.kv_report)
+    include_kv_cache: bool = False
+    # OpenAI's: requests with the same key are routed to the same replica while it has room (cluster/router.py) and
+    # grouped by it in the KV inspector
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
+    # OpenAI's: "24h" keeps the prompt's KV blocks in the disk offload tier for 24 hours (a 400 without one);
+    # "in_memory" is the default behaviour
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     @field_validator("cache_salt")
     @classmethod

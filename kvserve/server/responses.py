@@ -16,7 +16,7 @@ so far and the cache salt, prompt derived) live in this process's memory only, i
 (256); `GET /v1/responses/{id}` returns one, `DELETE` forgets it, and an evicted or unknown id is a 404 naming it. The
 body is typed as strictly as chat's; `cache_salt` is chat's (a chained request without one keeps its chain's) and
 `structured_outputs` vLLM's. Fields clients send routinely (`include`, `truncation`, `metadata`, `user`,
-`service_tier`, `prompt_cache_key`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest
+`service_tier`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest
 change nothing. What kvserve does not have is a 400 naming the field: built-in tools (web search, file search, code
 interpreter, computer use, MCP, image generation), `background: true`, non-text input parts (images, files, audio).
 Errors of the chat path underneath are renamed to the fields this request has (responses_error).
@@ -215,6 +215,9 @@ def chat_request(
         "structured_outputs": body.structured_outputs,
         "seed": body.seed,
         "cache_salt": cache_salt,
+        "include_kv_cache": body.include_kv_cache,
+        "prompt_cache_key": body.prompt_cache_key,
+        "prompt_cache_retention": body.prompt_cache_retention,
         "stream": stream,
         "stream_options": {"include_usage": True} if stream else None,
     }
@@ -378,6 +381,8 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
         f = call["function"]
         output.append(call_item(_new_id("fc"), call["id"], f["name"], f["arguments"]))
     result = shell.build(output, _status(choice["finish_reason"]), _usage(chat.get("usage")), choice["finish_reason"])
+    if "kv_cache" in chat:
+        result["kv_cache"] = chat["kv_cache"]
     shell.keep(store, result)
     return JSONResponse(result, headers=headers)
 
@@ -425,6 +430,7 @@ async def _events(
     calls: dict[int, tuple[int, dict[str, Any]]] = {}  # chat call index -> (output index, item)
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    kv_cache: dict[str, Any] | None = None  # include_kv_cache: the chat stream's first chunk has it
 
     def close_text() -> list[str]:
         nonlocal text_item
@@ -446,6 +452,8 @@ async def _events(
             return
         if chunk.get("usage"):
             usage = _usage(chunk["usage"])
+        if "kv_cache" in chunk:
+            kv_cache = chunk["kv_cache"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
@@ -495,6 +503,8 @@ async def _events(
         yield w.event("response.output_item.done", output_index=out_index, item=item)
     status = _status(finish)
     final = shell.build(output, status, usage, finish)
+    if kv_cache is not None:
+        final["kv_cache"] = kv_cache
     shell.keep(ctx.responses, final)
     # Always response.completed, its response's status saying "incomplete" when max_output_tokens ended it (as vLLM
     # does): the openai SDK's stream helper gives a final response only after that event.

@@ -13,15 +13,29 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.protocol import SamplingFields
+from kvserve.server.protocol import CacheFields, SamplingFields
 
 if TYPE_CHECKING:
+    from kvserve.engine.facts import EngineFacts
     from kvserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 # Request fields that fall back to the checkpoint's generation_config when the request leaves them out.
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+RETENTION_SECONDS = {"in_memory": 0.0, "24h": 86400.0}  # OpenAI's prompt_cache_retention values
+
+
+def check_retention(request: CacheFields, facts: EngineFacts) -> None:
+    """A 400 for prompt_cache_retention "24h" on a server that cannot keep it: it needs a disk offload tier."""
+    if request.prompt_cache_retention == "24h" and not facts.retains_prompts:
+        raise bad_request(
+            'prompt_cache_retention "24h" needs a disk KV offload tier: start the server with --kv-offloading-size '
+            "and --kv-offloading-path (docs/PROMPT_CACHING.md)",
+            param="prompt_cache_retention",
+        )
 
 
 def build_sampling_params(
@@ -58,6 +72,8 @@ def build_sampling_params(
         include_stop_str_in_output=request.include_stop_str_in_output,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         structured_outputs=structured_outputs,
+        prompt_cache_key=request.prompt_cache_key,
+        prompt_cache_retention_s=RETENTION_SECONDS.get(request.prompt_cache_retention or "in_memory", 0.0),
         **defaults,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.kv.misses import PrefixMiss
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 LogprobEntry = dict[int, Logprob]
@@ -89,6 +90,7 @@ class DeltaTracker:
         self.prompt_logprobs: list[LogprobEntry | None] | None = None
         self.num_cached_tokens = 0
         self.num_restored_tokens = 0  # of num_cached_tokens, from the KV offload tier
+        self.prefix_miss: PrefixMiss | None = None  # why the prefix hit stopped where it did (kv/misses.py)
         self.finished = False
         self._samples: dict[int, _Sample] = {}
         self._last: RequestOutput | None = None
@@ -100,6 +102,7 @@ class DeltaTracker:
             self.prompt_logprobs = output.prompt_logprobs
         self.num_cached_tokens = output.num_cached_tokens
         self.num_restored_tokens = output.num_restored_tokens
+        self.prefix_miss = output.prefix_miss
         self.finished = output.finished
         self._last = output
         return [self._samples.setdefault(c.index, _Sample(c.index)).add(c) for c in output.outputs]

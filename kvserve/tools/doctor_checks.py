@@ -37,6 +37,10 @@ class Thresholds:
     evicted_miss_share: float = 0.1
     offload_full: float = 0.9  # kv_offload_bytes / kv_offload_capacity_bytes at or above this is a full tier
     min_restored_blocks: float = 20  # restored blocks before a restore rate means anything
+    # Prefix misses (kv/misses.py): requests whose hit stopped short before their reasons mean anything, and the share
+    # of them one fixable reason must explain to be reported.
+    min_miss_requests: float = 20
+    miss_reason_share: float = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,6 +424,43 @@ def check_offload(ev: Evidence, th: Thresholds) -> Finding | None:
     )
 
 
+# What to do about the prefix misses of each reason (kv/misses.py), for check_miss_reasons.
+MISS_FIXES = {
+    "evicted": "the pool evicts prefixes before they are reused: a larger --kv-cache-memory-bytes, a KV offload tier "
+    "(--kv-offloading-size), or cache_control pins for the prefixes that matter",
+    "pin_expired": "pinned prefixes expire before their next use: a 1h cache_control TTL, or reuse within the TTL",
+    "diverged": "prompts share a prefix and then change early (a date, a request id near the top): move what varies "
+    "to the end; the KV inspector's prefix_missed events name the token",
+    "outside_sliding_window": "a sliding-window model gave back the window a hit needs: pin the prefix "
+    "(cache_control), or add a KV offload tier (it keeps each prompt's last window)",
+    "different_cache_salt": "the same prompts arrive under different cache_salt values: give one tenant one salt",
+    "tier_record_failed_check": "the offload tier's records fail their checks: check the tier's disk",
+}
+
+
+def check_miss_reasons(ev: Evidence, th: Thresholds) -> Finding | None:
+    """Why prefix hits stopped short, over the scrapes (or since start, with one scrape): the leading reason that
+    something could be done about (never_seen is a cold prefix), when it ended enough requests' hits."""
+    name = "prefix_cache_miss_reasons_total"
+    now = ev.last.by_str_label(name, "reason")
+    before = ev.snapshots[0].by_str_label(name, "reason") if len(ev.snapshots) > 1 else {}
+    counts = {reason: now[reason] - before.get(reason, 0.0) for reason in now}
+    total = sum(counts.values())
+    fixable = {r: n for r, n in counts.items() if r in MISS_FIXES and n > 0}
+    if total < th.min_miss_requests or not fixable:
+        return None
+    reason, count = max(fixable.items(), key=lambda item: item[1])
+    if count / total < th.miss_reason_share:
+        return None
+    return Finding(
+        "prefix_misses_" + reason,
+        f"{100 * count / total:.0f}% of the requests whose prefix hit stopped short ({count:.0f} of {total:.0f}) "
+        f"stopped for the same reason: {reason.replace('_', ' ')}.",
+        {"miss_reasons": {r: n for r, n in sorted(counts.items(), key=lambda item: -item[1])}},
+        MISS_FIXES[reason][0].upper() + MISS_FIXES[reason][1:] + " (docs/PROMPT_CACHING.md).",
+    )
+
+
 CHECKS: tuple[Check, ...] = (
     check_growing_prompts,
     check_kv_pressure,
@@ -428,6 +469,7 @@ CHECKS: tuple[Check, ...] = (
     check_prefix_hits,
     check_spec_acceptance,
     check_offload,
+    check_miss_reasons,
 )
 
 

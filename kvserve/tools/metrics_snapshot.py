@@ -63,6 +63,11 @@ class Snapshot:
                 out[int(value)] = v
         return out
 
+    def by_str_label(self, name: str, label: str) -> dict[str, float]:
+        """Label value -> the sample's value, for one sample name."""
+        name = name if name.startswith(P) else P + name
+        return {value: v for (sample, key, value), v in self.by_label.items() if sample == name and key == label}
+
     @property
     def kv_usage(self) -> float | None:
         return self.get("kv_cache_usage_perc")

@@ -370,12 +370,16 @@
     const table = document.createElement("table");
     table.innerHTML = "<tr><th>request</th><th>status</th><th>prompt / out</th><th>hit</th><th>age</th>" +
                       "<th>preempt</th><th>block table</th></tr>";
-    for (const r of snap.requests) {
+    // Requests of one prompt_cache_key next to each other (a stable sort: otherwise in the engine's order).
+    const rows = [...snap.requests].sort((a, b) => (a.prompt_cache_key || "").localeCompare(b.prompt_cache_key || ""));
+    for (const r of rows) {
       const tr = document.createElement("tr");
       tr.className = "req" + (state.selected && state.selected.seq_id === r.seq_id ? " selected" : "");
       tr.dataset.requestId = r.request_id;
-      const cells = [r.request_id, r.status, r.num_prompt_tokens + " / " + r.num_output_tokens,
-                     r.restored_tokens ? r.prefix_hit_tokens + " (" + r.restored_tokens + " restored)" : r.prefix_hit_tokens,
+      const hit = r.restored_tokens ? r.prefix_hit_tokens + " (" + r.restored_tokens + " restored)" : r.prefix_hit_tokens;
+      const cells = [r.request_id + (r.prompt_cache_key ? " · key " + r.prompt_cache_key : ""), r.status,
+                     r.num_prompt_tokens + " / " + r.num_output_tokens,
+                     r.prefix_miss ? hit + " · " + r.prefix_miss.reason.replace(/_/g, " ") : hit,
                      r.age_s.toFixed(1) + "s", r.num_preemptions];
       for (const text of cells) { const td = document.createElement("td"); td.textContent = text; tr.appendChild(td); }
       const td = document.createElement("td");
@@ -480,6 +484,9 @@
       case "aborted": return "ABORTED " + e.request_id + ": " + e.blocks_freed + " blocks freed";
       case "admission_refused": return "admission refused " + e.request_id + ": needs " + e.blocks_needed +
         " blocks, " + e.blocks_free + " free";
+      case "prefix_missed": return "prefix miss " + e.request_id + ": " + e.reason.replace(/_/g, " ") +
+        " at token " + e.at_token + " of " + e.prompt_tokens +
+        (e.diverged_at_token !== null ? " (diverged at token " + e.diverged_at_token + ")" : "");
       default: return e.kind;
     }
   }

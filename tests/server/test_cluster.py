@@ -160,6 +160,16 @@ def test_shared_prefix_goes_to_the_replica_that_caches_it(cluster) -> None:
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_a_prompt_cache_key_routes_its_requests_together(cluster) -> None:
+    """Requests of one prompt_cache_key and no prefix in common go to one replica (the router's key map)."""
+    server, engine = cluster
+    before = engine.decisions.get(("prefix_aware", "prompt_cache_key"), 0)
+    for i in range(3):
+        _complete(server, list(range(200 + 10 * i, 200 + 10 * i + BS + 1)), max_tokens=1, prompt_cache_key="k1")
+    assert engine.decisions[("prefix_aware", "prompt_cache_key")] - before == 2  # the first chose, two followed
+    assert len({r for (_, key), r in engine.router.cache_keys.items() if key == "k1"}) == 1
+
+
 def test_health_metrics_and_models(cluster) -> None:
     server, _ = cluster
     with server.client() as c:

@@ -4,6 +4,8 @@ series and kvserve's kv_offload_* ones."""
 
 from __future__ import annotations
 
+import time
+
 from server_support import metric_values
 
 PROMPT = "the offload tier keeps this prompt's blocks across a restart of the server " * 3
@@ -46,3 +48,27 @@ def test_a_restarted_server_restores_its_first_request_from_disk(make_server, tm
     assert m["kvserve:kv_offload_blocks{medium=DISK}"] >= cached // 4
     again = complete(second)["usage"]["prompt_tokens_details"]  # now in the pool: cached, none restored
     assert again["cached_tokens"] == cached and again["restored_tokens"] == 0
+
+
+def test_prompt_cache_retention_keeps_the_prompt_in_the_disk_tier(make_server, tmp_path):
+    """OpenAI's prompt_cache_retention "24h": every whole block of the prompt is retained in the disk tier (its record's
+    time set a day ahead, which eviction passes over and a restart keeps: tests/unit/test_kv_offload_store.py); another
+    request's blocks are not. Without a disk tier it is a 400."""
+    from kvserve.kv.offload.stores import parse_record_name
+
+    server = make_server(kv_offloading_size="16MiB", kv_offloading_path=str(tmp_path))
+    with server.client() as c:
+        body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_cache_retention": "24h"}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        other = c.post("/v1/completions", json={"prompt": "an unrelated prompt, kept as usual " * 3, "max_tokens": 2})
+        assert other.status_code == 200
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    server.stop()  # the tier's writers finish first
+    records = [p for p in tmp_path.rglob("*") if p.is_file() and parse_record_name(p.name) is not None]
+    retained = [p for p in records if p.stat().st_mtime > time.time() + 23 * 3600]
+    assert len(retained) == prompt_tokens // 4 and len(records) > len(retained)  # block size 4, one KV cache group
+    plain = make_server()
+    with plain.client() as c:
+        refused = c.post("/v1/completions", json={**body, "max_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_cache_retention"

@@ -106,3 +106,26 @@ def test_least_loaded_and_round_robin() -> None:
         rr.choose([1], None, {})
     with pytest.raises(ValueError, match="--router"):
         Router("random", RequestHasher(BS))
+
+
+def test_a_prompt_cache_key_keeps_its_replica_while_it_has_room() -> None:
+    """OpenAI's prompt_cache_key: the key's first choice sticks (even against a lighter replica, within the balance
+    rule, under every policy); out of balance, or gone, the key moves; another salt's key is another key."""
+    for policy in ("prefix_aware", "least_loaded", "round_robin"):
+        router = Router(policy, RequestHasher(BS))
+        loads = {"r0": IDLE, "r1": IDLE}
+        first = router.choose([1, 2, 3], None, loads, cache_key="agent-7")
+        other = "r1" if first.replica == "r0" else "r0"
+        lighter = {first.replica: ReplicaLoad(num_running=3), other: IDLE}  # within balance: 3 vs 0 < 8 apart
+        for _ in range(3):
+            again = router.choose([9, 9, 9], None, lighter, cache_key="agent-7")
+            assert again.replica == first.replica and again.reason == "prompt_cache_key", policy
+        swamped = {first.replica: ReplicaLoad(num_running=20), other: ReplicaLoad(num_running=1)}
+        moved = router.choose([9, 9, 9], None, swamped, cache_key="agent-7")
+        assert moved.replica == other and moved.reason != "prompt_cache_key"
+        assert router.choose([9], None, {other: IDLE, first.replica: IDLE}, cache_key="agent-7").replica == other
+        gone = router.choose([9], None, {first.replica: IDLE}, cache_key="agent-7")
+        assert gone.replica == first.replica and gone.reason != "prompt_cache_key"  # the key's replica was down
+        assert ("tenant-b", "agent-7") not in router.cache_keys
+        router.choose([9], "tenant-b", loads, cache_key="agent-7")
+        assert ("tenant-b", "agent-7") in router.cache_keys and (None, "agent-7") in router.cache_keys

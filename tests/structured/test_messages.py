@@ -10,6 +10,7 @@ import uuid
 
 import anthropic
 import httpx
+import openai
 import pytest
 from server_support import RunningServer, make_engine
 from tool_server_support import MODEL, TOOLS_TEMPLATE, WEATHER_TOOL
@@ -291,3 +292,46 @@ def test_cache_diagnostics_say_which_part_changed(client):
     with client.messages.stream(**streamed, diagnostics=previous, extra_body=key) as s:
         start = next(e for e in s if e.type == "message_start")
     assert start.message.diagnostics.cache_miss_reason.type == "system_changed"
+
+
+def test_kv_cache_report_says_why_a_prompt_missed(client, tools_client, tools_server):
+    """include_kv_cache: a cold prompt was never seen; the same prompt changed at one character diverged there (the
+    text either side decoded from this request's own prompt); under another salt a client is told never_seen, while
+    the operator's metric counts a different salt."""
+    key = salt() | {"include_kv_cache": True}
+    base = "The quick brown fox jumps over the lazy dog, again and again and again. Then it rests."
+    ask = lambda text, extra: tools_client.chat.completions.create(  # noqa: E731
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}], extra_body=extra
+    )
+    first = ask(base, key)
+    report = first.model_extra["kv_cache"]
+    assert report["miss"]["reason"] == "never_seen" and report["pool_tokens"] == 0
+    assert report["computed_tokens"] == first.usage.prompt_tokens
+    changed = base[:40] + "X" + base[41:]
+    miss = ask(changed, key).model_extra["kv_cache"]["miss"]
+    assert miss["reason"] == "diverged" and miss["after"].startswith("X") and base[32:40] in miss["before"]
+    assert miss["at_token"] <= miss["diverged_at_token"] < miss["at_token"] + tools_server.engine.facts.block_size
+    other = ask(base, salt() | {"include_kv_cache": True}).model_extra["kv_cache"]["miss"]
+    assert other["reason"] == "never_seen"  # not "different_cache_salt": that is another tenant's business
+    metrics = httpx.get(f"{tools_server.base_url}/metrics").text
+    assert f'kvserve:prefix_cache_miss_reasons_total{{model_name="{MODEL}",reason="different_cache_salt"}}' in metrics
+    message = client.messages.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": base}], extra_body=key
+    )
+    assert message.model_extra["kv_cache"]["pool_tokens"] > 0  # the chat's prompt, rendered the same
+    with client.messages.stream(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": changed}], extra_body=key
+    ) as stream:
+        start = next(e for e in stream if e.type == "message_start")
+    assert start.message.model_extra["kv_cache"]["pool_tokens"] > 0
+
+
+def test_completions_report_per_prompt(tools_client):
+    extra = salt() | {"include_kv_cache": True}
+    body = tools_client.completions.create(
+        model=MODEL, prompt=["one prompt here", "another one"], max_tokens=1, extra_body=extra
+    )
+    reports = body.model_extra["kv_cache"]
+    assert [r["miss"]["reason"] for r in reports] == ["never_seen", "never_seen"]
+    with pytest.raises(openai.BadRequestError, match="include_kv_cache"):
+        tools_client.completions.create(model=MODEL, prompt="x", max_tokens=1, stream=True, extra_body=extra)

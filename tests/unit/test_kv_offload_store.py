@@ -147,6 +147,30 @@ def test_the_budget_evicts_least_recently_used_first(tmp_path):
     assert store.usage().num_blocks == 9
 
 
+def test_a_retained_record_outlives_the_budget_until_its_time(tmp_path):
+    """prompt_cache_retention: a retained record (its mtime set in the future) is passed over by eviction, used or
+    not, while unretained ones go, however recently used; a reopened store (a restart) keeps it; once its time has
+    passed it is evicted as the oldest."""
+    record_bytes = len(encode_record(FP.digest, block(0)[0][1], block(0)[1], bytes(BLOCK_BYTES)))
+    store = DiskStore(tmp_path, FP, capacity_bytes=10 * record_bytes, payload_bytes=BLOCK_BYTES)
+    for i in range(10):
+        store.write(*block(i))
+        os.utime(store.path_for(block(i)[0]), (1000 + i, 1000 + i))
+    until = time.time() + 86400
+    assert store.retain(block(0)[0], until) and not store.retain(block(99)[0], until)  # 99 was never written
+    store.read(*block(0)[:2])  # a use never shortens a retention
+    assert os.stat(store.path_for(block(0)[0])).st_mtime == pytest.approx(until)
+    store.close()
+    store = DiskStore(tmp_path, FP, capacity_bytes=10 * record_bytes, payload_bytes=BLOCK_BYTES)
+    for i in range(10, 16):
+        store.write(*block(i))
+    assert store.contains(block(0)[0])  # six evictions later: every other old record is gone
+    assert not any(store.contains(block(i)[0]) for i in range(1, 7))
+    os.utime(store.path_for(block(0)[0]), (999, 999))  # its time has passed: an ordinary (old) record
+    store.write(*block(16))
+    assert not store.contains(block(0)[0])
+
+
 def test_a_dead_writers_temporary_files_are_swept(tmp_path):
     store = DiskStore(tmp_path, FP, capacity_bytes=1 << 20, payload_bytes=BLOCK_BYTES)
     shard = store.blocks_dir / "ab"

@@ -101,7 +101,11 @@ def test_pins_stay_within_their_budget():
     serve(kv, "a", PROMPT, pin=8 * BS)  # 8 blocks > 6: refused, counted
     assert not kv.pins.pins and kv.pins.stats.refused == 1
     serve(kv, "b", PROMPT, pin=4 * BS)  # 4 blocks fit
-    assert kv.pins.num_pinned_refs == 4
+    assert kv.pins.num_pinned_blocks == 4
+    serve(kv, "c", PROMPT, pin=6 * BS)  # a longer pin of the same prefix: 2 more distinct blocks, 6 in all
+    assert kv.pins.num_pinned_blocks == 6 and kv.pins.num_pinned_refs == 10 and kv.pins.stats.refused == 1
+    serve(kv, "d", list(range(50, 50 + 2 * BS)), pin=2 * BS)  # 2 more would make 8 > 6: refused
+    assert kv.pins.stats.refused == 2
 
 
 def test_a_sliding_group_pins_the_window_before_the_prefix_end():

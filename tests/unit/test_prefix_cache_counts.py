@@ -26,6 +26,7 @@ class Params:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     kv_pins: tuple[()] = ()  # prompt prefixes to pin as the request finishes (none here)
+    prompt_cache_retention_s: float = 0.0
 
 
 def make(usable_blocks: int, max_len: int = 48) -> tuple[Scheduler, KVCacheManager]:

@@ -28,6 +28,7 @@ class Params:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     kv_pins: tuple[()] = ()  # prompt prefixes to pin as the request finishes (none here)
+    prompt_cache_retention_s: float = 0.0
 
 
 def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False, windows=(None,)):

@@ -79,6 +79,13 @@ class TierBackend(Protocol):
         """The backend's own buffers, to be mapped at start (kv/cache.py touch_pages)."""
         ...
 
+    retains: bool  # whether `retain` keeps blocks past eviction (a disk tier; host memory does not)
+
+    def retain(self, keys: Sequence[TierKey], until: float) -> None:
+        """Keep these blocks stored until `until` (time.time()), passed over by eviction meanwhile (OpenAI's
+        prompt_cache_retention); applied after their writes when those are still queued."""
+        ...
+
     def where(self) -> str:
         """Where the blocks live, for the start-up log."""
         ...

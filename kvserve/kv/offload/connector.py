@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -73,6 +74,11 @@ class PendingLoad:
     future: Future[int]
     cancelled: threading.Event
     pool_hit_tokens: int  # the request's hit from the pool alone, when the load started
+    restored: int = -1  # blocks restored, once finished (fewer than targets: records refused or a failed copy)
+
+    def rejected(self) -> frozenset[bytes]:
+        """The hashes a finished restore did not bring back (their records failed a check, or the copy failed)."""
+        return frozenset(t.block_hash for t in self.targets[self.restored :]) if self.restored >= 0 else frozenset()
 
 
 class OffloadConnector:
@@ -160,6 +166,7 @@ class OffloadConnector:
         except Exception as e:  # noqa: BLE001 -- a failed copy restores nothing; the blocks are recomputed
             logger.warning("KV offload: a restore failed (%s: %s); its blocks are recomputed", type(e).__name__, e)
             restored = 0
+        load.restored = restored
         for block, target in zip(load.fresh[:restored], load.targets):
             self.kv.pool.cache_block(block, target.block_hash, target.key)
         self.kv.pool.free(reversed([*load.held, *load.fresh]))
@@ -175,6 +182,14 @@ class OffloadConnector:
         self.external_queries_tokens += request.num_tokens - (num_hit_tokens - restored)
         self.external_hits_tokens += restored
         return restored
+
+    def retain(self, request: KVRequest, seconds: float) -> None:
+        """The request's prompt blocks, as the tier stores them (every full-attention block, a sliding group's last
+        window), are kept in the tier for `seconds` from now (OpenAI's prompt_cache_retention). Called as the request
+        finishes, before its hashes are dropped."""
+        keys = self.kv.prompt_tier_keys(request)
+        if keys:
+            self.tier.retain(keys, time.time() + seconds)
 
     def cancel(self, request_id: str) -> None:
         """The request left: a restore in flight for it is cancelled; its blocks are released once the copy into

@@ -65,8 +65,16 @@ class StoreBackoff:
         self.delay = self.resume_at = 0.0
 
 
+class _RetainNow:
+    """The writers' queue item that applies the pending retains (DiskTier.retain)."""
+
+
+RETAIN_NOW = _RetainNow()
+
+
 class DiskTier:
     is_async = True
+    retains = True  # records outlive the process: eviction passes over a retained one (DiskStore.retain)
 
     def __init__(
         self,
@@ -98,7 +106,8 @@ class DiskTier:
         depth = 0 if self.read_only else max(4, config.max_queued_bytes // max(layout.block_bytes, 1))
         self._ring = torch.empty(depth, layout.block_bytes, dtype=torch.uint8)
         self._free_slots = list(range(depth - 1, -1, -1))
-        self._queue: queue.Queue[tuple[TierBlock, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[TierBlock, int] | _RetainNow | None] = queue.Queue()
+        self._retain: dict[TierKey, float] = {}  # blocks to retain until (time.time()), not yet applied
         self._behind = threading.Event()
         self._closing = threading.Event()
         self._writers: list[threading.Thread] = []
@@ -157,6 +166,9 @@ class DiskTier:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, _RetainNow):
+                self._apply_retains()
+                continue
             block, slot = item
             try:
                 self._write_one(block, slot)
@@ -166,6 +178,10 @@ class DiskTier:
                     if not idle and len(self._free_slots) > half:
                         self._behind.clear()
                 self._queued.discard(tier_key(block))
+                with self.counters.lock:  # retained while it was queued: now that it is written (or dropped)
+                    until = self._retain.pop(tier_key(block), None)
+                if until is not None:
+                    self._retain_one(tier_key(block), until)
 
     def _write_one(self, block: TierBlock, slot: int) -> None:
         """Store one queued block, unless stores are paused (then it is dropped). What can go wrong costs as little as
@@ -214,6 +230,33 @@ class DiskTier:
         if written:
             counters.written.append(block)
         counters.evicted.extend(evicted)
+
+    # ---- retention -------------------------------------------------------------------------------------
+
+    def retain(self, keys: Sequence[TierKey], until: float) -> None:
+        """Engine thread: keep these blocks' records until `until`. A writer applies it (never the engine thread: it
+        touches files): now for records already written, after its write for a block still queued."""
+        if self.read_only:
+            return
+        with self.counters.lock:
+            for key in keys:
+                self._retain[key] = max(self._retain.get(key, 0.0), until)
+        self._queue.put_nowait(RETAIN_NOW)
+
+    def _apply_retains(self) -> None:
+        """A writer: set the retained records' times; those still queued are left to their write (_write_one)."""
+        with self.counters.lock:
+            todo = {k: t for k, t in self._retain.items() if k not in self._queued}
+            for key in todo:
+                del self._retain[key]
+        for key, until in todo.items():
+            self._retain_one(key, until)
+
+    def _retain_one(self, key: TierKey, until: float) -> None:
+        try:
+            self.store.retain(key, until)
+        except OSError as e:  # a vanished directory: the record is gone anyway
+            logger.debug("KV offload: could not retain %s: %s", key[1].hex()[:16], e)
 
     # ---- restores --------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from kvserve.kv.offload.stores import HostMemoryStore
 class HostTier:
     is_async = False
     read_only = False
+    retains = False  # a process's memory outlives no restart: prompt_cache_retention needs a disk tier
     error: str | None = None  # memory copies do not fail
 
     def __init__(self, size_bytes: int, layout: BlockLayout, counters: TierCounters) -> None:
@@ -49,6 +50,9 @@ class HostTier:
 
         fetch = lambda block: slots.append(self.store.locate(tier_key(block), block.key))  # noqa: E731
         return done_future(restore_in_order(blocks, cancelled, fetch, finish, self.counters))
+
+    def retain(self, keys: Sequence[TierKey], until: float) -> None:
+        """Nothing: the server refuses prompt_cache_retention without a disk tier."""
 
     def memory(self) -> list[torch.Tensor]:
         return [self.store.slab]

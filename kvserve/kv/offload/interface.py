@@ -53,6 +53,15 @@ class OffloadingManager(Protocol):
         room for is dropped and counted, never waited for."""
         ...
 
+    @property
+    def retains(self) -> bool:
+        """Whether `retain` keeps blocks past eviction (a disk tier this process writes)."""
+        ...
+
+    def retain(self, keys: Sequence[TierKey], until: float) -> None:
+        """Keep these blocks stored until `until` (time.time()), passed over by eviction (prompt_cache_retention)."""
+        ...
+
     def take_events(self) -> list[KVEvent]:
         """What the tier stored and evicted since the last call, as KV events (BlockStored / BlockRemoved with the
         tier's medium), for the engine's event stream."""

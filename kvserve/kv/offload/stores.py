@@ -301,6 +301,21 @@ class DiskStore:
             over = self._bytes_estimate > self.capacity_bytes
         return True, self.scan() if over else []
 
+    def retain(self, key: TierKey, until: float) -> bool:
+        """Keep the block's record until `until` (time.time()): its mtime is set there, so eviction, which goes by
+        mtime, passes it over while it lies in the future (scan), in this process and in any other sharing the
+        directory, and after a restart. False when the record is not there (not written yet, or evicted)."""
+        try:
+            fd = self._open_record(key)
+        except (KeyError, RecordError):
+            return False
+        try:
+            if os.fstat(fd).st_mtime < until:
+                os.utime(fd, (until, until))
+            return True
+        finally:
+            os.close(fd)
+
     def _forget(self, key: TierKey) -> None:
         with self._mutex:
             self._present.discard(key)
@@ -396,7 +411,9 @@ class DiskStore:
                 )
             total = sum(r[1] for r in records)
             if writable and total > self.capacity_bytes:
-                records.sort()
+                # Least recently used first; retained records (mtime in the future, retain) after every other, the
+                # soonest to expire first: they go only when nothing else is left to evict.
+                records.sort(key=lambda r: (r[0] > now, r[0]))
                 target = self.capacity_bytes * _EVICT_TO
                 while records and total > target:
                     _, size, shard, name = records.pop(0)
@@ -495,9 +512,11 @@ def _unlink_quietly(directory: CheckedDir, name: str) -> None:
 
 
 def _touch(fd: int) -> None:
-    """A record was used: its mtime is its LRU age (a hint only: the directory may be read-only)."""
+    """A record was used: its mtime is its LRU age (a hint only: the directory may be read-only). A retained record's
+    mtime lies in the future (DiskStore.retain): using it never shortens that."""
     try:
-        os.utime(fd)
+        if os.fstat(fd).st_mtime < time.time():
+            os.utime(fd)
     except OSError:
         pass
 

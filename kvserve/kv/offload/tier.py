@@ -192,6 +192,17 @@ class OffloadTier:
 
     # ---- stores ----------------------------------------------------------------------------------------
 
+    @property
+    def retains(self) -> bool:
+        """Whether `retain` keeps blocks (a disk tier this process writes)."""
+        return self.backend is not None and self.backend.retains and not self.backend.read_only
+
+    def retain(self, keys: Sequence[TierKey], until: float) -> None:
+        """Engine thread: keep these blocks past eviction until `until` (time.time()); the backend applies it on its
+        own threads (OpenAI's prompt_cache_retention)."""
+        if self.retains and self.backend is not None:
+            self.backend.retain(keys, until)
+
     def prepare_store(self, blocks: Sequence[TierBlock]) -> None:
         """Engine thread, after the step that computed `blocks`: hand the backend those not yet in the tier nor on
         their way (it copies them out of the cache in one batched gather, into host memory or the disk writers' ring).

@@ -1,0 +1,116 @@
+"""Why a prefix hit stopped where it did: the answer to "why did my cache miss?", classified when a request is first
+admitted.
+
+Why a bounded history of seen blocks: to tell "evicted" from "never seen" from "the prompt changed at token i" the
+engine must remember blocks it no longer holds. It keeps the last `capacity` published blocks' content keys (the
+BlockKey objects the pool's cached blocks already hold, so a live block costs a reference), indexed by parent for
+divergence, plus each block's hash without the cache salt (computed for salted requests only), which tells a prompt
+seen under another salt. The pool's ghost list (recently evicted hashes, with when and how many evictions since),
+the pins' expired keys, a restore's rejected tier records, and the groups' tables (a sliding window cut the hit
+short) give the rest. Looked at in this order, the first missed block's reason is:
+
+- `tier_record_failed_check`: a tier record of it failed its checksum or fingerprint and was recomputed;
+- `outside_sliding_window`: every full-attention group had it, a sliding group no longer had its window;
+- `pin_expired`: it was pinned (cache_control) and the pin ran out before it was evicted;
+- `evicted`: the pool evicted it (`evicted_ago_s`, and `evicted_blocks_since`: the LRU pressure after it);
+- `diverged`: an earlier prompt of the same salt shared its prefix (whole blocks, or half a block at least) and went on
+  differently, from `diverged_at_token`;
+- `different_cache_salt`: the same tokens were seen under another salt (reported to operators only: a client
+  learns nothing of other tenants, kvserve.server.kv_report);
+- `never_seen`: nothing known: a cold prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvserve.kv.hashing import BlockKey
+
+MISS_REASONS = (
+    "tier_record_failed_check",
+    "outside_sliding_window",
+    "pin_expired",
+    "evicted",
+    "diverged",
+    "different_cache_salt",
+    "never_seen",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMiss:
+    """Why the prefix hit of a request ended at `at_token` (the first prompt token its KV was computed for)."""
+
+    reason: str
+    at_token: int
+    diverged_at_token: int | None = None
+    evicted_ago_s: float | None = None
+    evicted_blocks_since: int | None = None
+
+
+def salt_digest(extra_keys: bytes) -> bytes:
+    """A short stand-in for a salt, so the history compares salts without keeping them."""
+    return hashlib.sha256(extra_keys).digest()[:8] if extra_keys else b""
+
+
+def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+@dataclass(slots=True)
+class SeenBlocks:
+    """The last `capacity` published blocks: content keys by hash, children by (parent, salt), salts by unsalted
+    hash. Engine thread only."""
+
+    capacity: int
+    keys: OrderedDict[bytes, BlockKey] = field(default_factory=OrderedDict)
+    children: dict[tuple[bytes | None, bytes], set[bytes]] = field(default_factory=dict)
+    unsalted: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # unsalted hash -> salt digest
+
+    def add(self, block_hash: bytes, key: BlockKey, unsalted_hash: bytes) -> None:
+        if block_hash in self.keys:
+            self.keys.move_to_end(block_hash)
+        else:
+            self.keys[block_hash] = key
+            self.children.setdefault((key.parent, key.extra_keys), set()).add(block_hash)
+            if len(self.keys) > self.capacity:
+                old_hash, old = self.keys.popitem(last=False)
+                siblings = self.children.get((old.parent, old.extra_keys))
+                if siblings is not None:
+                    siblings.discard(old_hash)
+                    if not siblings:
+                        del self.children[(old.parent, old.extra_keys)]
+        self.unsalted[unsalted_hash] = salt_digest(key.extra_keys)
+        self.unsalted.move_to_end(unsalted_hash)
+        if len(self.unsalted) > self.capacity:
+            self.unsalted.popitem(last=False)
+
+    def siblings(self, parent: bytes | None, extra_keys: bytes) -> list[BlockKey]:
+        """The seen blocks that follow `parent` under the same salt."""
+        return [self.keys[h] for h in self.children.get((parent, extra_keys), ()) if h in self.keys]
+
+    def seen_under_other_salt(self, unsalted_hash: bytes, extra_keys: bytes) -> bool:
+        found = self.unsalted.get(unsalted_hash)
+        return found is not None and found != salt_digest(extra_keys)
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.children.clear()
+        self.unsalted.clear()
+
+
+@dataclass(slots=True)
+class MissCounts:
+    """Requests by the reason their prefix hit stopped (since start), for metrics and `kvserve doctor`."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+
+    def record(self, miss: PrefixMiss | None) -> None:
+        if miss is not None:
+            self.counts[miss.reason] += 1
+
+    def snapshot(self) -> tuple[tuple[str, int], ...]:
+        return tuple(self.counts.items())

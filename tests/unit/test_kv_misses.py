@@ -1,0 +1,127 @@
+"""Why a prefix hit stopped short (kv/misses.py): each reason produced on purpose and classified as such, at the
+first token the cache did not serve: never seen, evicted (with the pressure since), a pin that expired, a prompt that
+diverged at a given token, another salt, a sliding window, a tier record refused; none when all was served."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import Request
+from kvserve.kv.groups import make_kv_cache_layout
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.misses import PrefixMiss
+from kvserve.kv.pool import BlockPool
+from kvserve.sampling_params import KVPin
+
+BS = 16
+
+
+@dataclass
+class Params:
+    seed: int | None = None
+    prompt_logprobs: int | None = None
+    kv_pins: tuple[KVPin, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks: int = 24, windows: list[int | None] | None = None) -> tuple[KVCacheManager, Clock]:
+    layout = make_kv_cache_layout(windows or [None])
+    clock = Clock()
+    kv = KVCacheManager(BlockPool(num_blocks + 1, num_groups=layout.num_groups), BS, layout=layout, clock=clock)
+    return kv, clock
+
+
+def serve(kv: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None, pin: int = 0) -> PrefixMiss | None:
+    """Admit and finish a request as the scheduler does; why its hit stopped where it did."""
+    r = Request(rid, tokens, Params(), cache_salt=salt)
+    hit, num_hit = kv.get_computed_blocks(r)
+    miss = kv.classify_miss(r, num_hit)
+    assert kv.allocate_slots(r, r.num_tokens - num_hit, hit)
+    r.num_computed_tokens = r.num_tokens
+    if pin:
+        kv.pin_prefix(r, [KVPin(pin, 60.0)])
+    kv.forget(r)
+    return miss
+
+
+PROMPT = list(range(1000, 1000 + 6 * BS + 3))
+
+
+def flood(kv: KVCacheManager, rounds: int = 4) -> None:
+    for n in range(rounds):
+        serve(kv, f"flood{n}", [7000 + 1000 * n + i for i in range(12 * BS)])
+
+
+def test_a_cold_prompt_was_never_seen_and_a_full_hit_has_no_miss():
+    kv, _ = make()
+    assert serve(kv, "a", PROMPT) == PrefixMiss("never_seen", 0)
+    assert serve(kv, "b", PROMPT) is None  # every whole block before the last token served
+
+
+def test_an_evicted_prefix_says_when_and_under_what_pressure():
+    kv, clock = make()
+    serve(kv, "a", PROMPT)
+    clock.now = 5.0
+    flood(kv)
+    miss = serve(kv, "b", PROMPT)
+    assert miss is not None and miss.reason == "evicted" and miss.at_token == 0
+    assert miss.evicted_blocks_since is not None and miss.evicted_blocks_since >= 0
+    assert miss.evicted_ago_s is not None and miss.evicted_ago_s >= 0
+
+
+def test_a_prompt_that_diverged_names_the_token():
+    kv, _ = make()
+    serve(kv, "a", PROMPT)
+    changed = list(PROMPT)
+    changed[2 * BS + 5] = 1
+    miss = serve(kv, "b", changed)
+    assert miss == PrefixMiss("diverged", 2 * BS, diverged_at_token=2 * BS + 5)
+
+
+def test_another_salt_is_told_apart_from_never_seen():
+    kv, _ = make()
+    serve(kv, "a", PROMPT, salt="tenant-a")
+    assert serve(kv, "b", PROMPT, salt="tenant-b") == PrefixMiss("different_cache_salt", 0)
+    assert serve(kv, "c", PROMPT) == PrefixMiss("different_cache_salt", 0)  # unsalted, seen salted
+    assert serve(kv, "d", PROMPT, salt="tenant-a") is None
+
+
+def test_an_expired_pin_is_named_when_its_blocks_were_evicted():
+    kv, clock = make()
+    serve(kv, "a", PROMPT, pin=6 * BS)
+    clock.now = 61.0
+    assert kv.expire_pins() == 1
+    flood(kv)
+    miss = serve(kv, "b", PROMPT)
+    assert miss is not None and miss.reason == "pin_expired" and miss.at_token == 0
+
+
+def test_a_sliding_window_that_cut_the_hit_short():
+    """Full attention + a 32-token window on 16 blocks. `a` is prefilled in chunks, so its sliding group gives back
+    blocks 0-1 mid-request; another request reuses them (the spent queue goes first). A prompt sharing `a`'s first
+    three blocks finds them all in the full group, but not the window before them in the sliding group."""
+    kv, _ = make(num_blocks=16, windows=[None, 32])  # a: 7 blocks a group
+    a = Request("a", PROMPT, Params())
+    for end in (2 * BS, 4 * BS, len(PROMPT)):  # three chunks: the third allocation frees blocks 0-1 as spent
+        assert kv.allocate_slots(a, end - a.num_computed_tokens)
+        a.num_computed_tokens = end
+    kv.forget(a)
+    # 6 blocks: the 4 unhashed free ones (a's partial blocks, the pool's unused), then the 2 spent ones
+    assert serve(kv, "other", [9000 + i for i in range(3 * BS)]) == PrefixMiss("never_seen", 0)
+    shared = PROMPT[: 3 * BS] + [5] * (2 * BS)
+    miss = serve(kv, "b", shared)
+    assert miss == PrefixMiss("outside_sliding_window", 0)
+
+
+def test_a_refused_tier_record_is_named():
+    kv, _ = make()
+    r = Request("a", PROMPT, Params())
+    hashes = kv.hashes(r, r.num_tokens - 1)
+    assert kv.classify_miss(r, 0, frozenset({hashes[0]})) == PrefixMiss("tier_record_failed_check", 0)
