@@ -173,6 +173,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory-bytes", default="96MiB", help="kvserve's KV pool (small: the fillers evict)")
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--chat-template", default=None, help="passed to kvserve serve (a model without one needs it)")
+    p.add_argument(
+        "--max-pinned-kv-fraction", default="0.5", help="the pinning server's pin budget (kvserve serve's flag)"
+    )
     p.add_argument("--agents", type=int, default=d.agents)
     p.add_argument("--turns", type=int, default=d.turns)
     p.add_argument("--system-words", type=int, default=d.system_words)
@@ -226,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     servers: list[Any] = []
     try:
-        pins = ServerProcess.start(common, logs / "pins.log", timeout_s=600.0)
+        budget = ["--max-pinned-kv-fraction", args.max_pinned_kv_fraction]
+        pins = ServerProcess.start([*common, *budget], logs / "pins.log", timeout_s=600.0)
         servers.append(pins)
         no_pins = ServerProcess.start([*common, "--max-pinned-kv-fraction", "0"], logs / "no-pins.log", 600.0)
         servers.append(no_pins)

@@ -28,27 +28,30 @@ import logging
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from kvserve.sampling_params import KVPin
+from kvserve.server.cache_control import (
+    TTL_SECONDS,
+    Breakpoint,
+    CacheUsage,
+    breakpoint_positions,
+    breakpoints,
+)
 from kvserve.server.cache_diagnostics import FingerprintStore, PromptFingerprint, cache_miss_reason
 from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.prepare import ChatRender, PromptPreparer
+from kvserve.server.prepare import ChatRender
 from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
 from kvserve.server.streaming import chat_chunks
 from kvserve.server.tools import plan_tools
 
 logger = logging.getLogger(__name__)
-
-MAX_BREAKPOINTS = 4  # Anthropic's limit of cache_control blocks a request
-TTLS = ("1h", "5m")  # longest first: a 1h breakpoint may not follow a 5m one
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 
 class MessagesRequest(CacheFields):
@@ -86,74 +89,6 @@ class CountTokensRequest(CacheFields):
 
 
 PromptBody = MessagesRequest | CountTokensRequest
-
-
-# -- cache_control ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Breakpoint:
-    """A `cache_control` mark: the block it ends with (`message` None: tools or system) and its TTL."""
-
-    where: str  # the field, for errors and the position search: "tools[2]", "system[0]", "messages[3].content[1]"
-    ttl: str
-    section: Literal["tools", "system", "messages"]
-    message: int = -1  # messages[message].content[block], when section is "messages"
-    block: int = -1
-
-
-def _ttl(mark: Any, param: str) -> str:
-    """A cache_control mark's TTL, the mark checked (`param`: where it is)."""
-    if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
-        raise bad_request(f"{param}.type must be 'ephemeral'", param=f"{param}.type")
-    ttl = mark.get("ttl", "5m")
-    if ttl not in TTLS:
-        raise bad_request(f"{param}.ttl must be '5m' or '1h', got {ttl!r}", param=f"{param}.ttl")
-    unknown = sorted(set(mark) - {"type", "ttl"})
-    if unknown:
-        raise bad_request(f"{param}: unknown field {unknown[0]!r}", param=f"{param}.{unknown[0]}")
-    return str(ttl)
-
-
-def breakpoints(body: PromptBody) -> list[Breakpoint]:
-    """The request's cache_control marks in prompt order (tools, system, messages), checked: a 400 naming the field
-    for a bad mark, more than four, or a 1h mark after a 5m one (Anthropic's rules)."""
-    found: list[Breakpoint] = []
-    for i, tool in enumerate(body.tools or []):
-        if isinstance(tool, dict) and "cache_control" in tool:
-            found.append(Breakpoint(f"tools[{i}]", _ttl(tool["cache_control"], f"tools[{i}].cache_control"), "tools"))
-    if isinstance(body.system, list):
-        for j, block in enumerate(body.system):
-            if isinstance(block, dict) and "cache_control" in block:
-                ttl = _ttl(block["cache_control"], f"system[{j}].cache_control")
-                found.append(Breakpoint(f"system[{j}]", ttl, "system"))
-    for i, message in enumerate(body.messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        for j, block in enumerate(content if isinstance(content, list) else []):
-            if isinstance(block, dict) and "cache_control" in block:
-                where = f"messages[{i}].content[{j}]"
-                ttl = _ttl(block["cache_control"], f"{where}.cache_control")
-                found.append(Breakpoint(where, ttl, "messages", i, j))
-    if body.cache_control is not None and body.messages:
-        # automatic caching: the mark goes on the last block of the last message (a string content is one block)
-        i = len(body.messages) - 1
-        content = body.messages[i].get("content") if isinstance(body.messages[i], dict) else None
-        j = max(len(content) - 1, 0) if isinstance(content, list) else 0
-        ttl = _ttl(body.cache_control, "cache_control")
-        if not (found and found[-1].message == i and found[-1].block == j):
-            found.append(Breakpoint(f"messages[{i}].content[{j}]", ttl, "messages", i, j))
-    if len(found) > MAX_BREAKPOINTS:
-        raise bad_request(
-            f"a request may have at most {MAX_BREAKPOINTS} blocks with cache_control, this one has {len(found)}",
-            param=found[MAX_BREAKPOINTS].where + ".cache_control",
-        )
-    for earlier, later in zip(found, found[1:]):
-        if TTLS.index(later.ttl) < TTLS.index(earlier.ttl):
-            raise bad_request(
-                f"{later.where}: a cache_control with ttl '1h' must not come after one with ttl '5m' ({earlier.where})",
-                param=later.where + ".cache_control.ttl",
-            )
-    return found
 
 
 # -- request: Messages -> chat ----------------------------------------------------------------------------------
@@ -388,76 +323,6 @@ def chat_request(body: PromptBody, stream: bool) -> ChatCompletionRequest:
         raise bad_request(f"{where}: {first.get('msg', 'invalid')}", param=where or None) from None
 
 
-# -- where the breakpoints fall, in tokens ----------------------------------------------------------------------
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def breakpoint_positions(
-    prep: PromptPreparer, body: PromptBody, marks: list[Breakpoint], render: ChatRender
-) -> list[int]:
-    """On the preparation thread: each breakpoint's end in the prompt's tokens (the longest common prefix of the
-    whole prompt and the conversation rendered up to the marked block). A template that cannot render the part
-    (one that insists on a user turn, say) puts that breakpoint at 0: nothing is credited to it."""
-    if not marks:
-        return []
-    whole = prep.tokenize_messages(chat_messages(body), render)
-    partial = ChatRender(False, render.chat_template, render.tools, render.tool_style)
-    positions = []
-    for mark in marks:
-        try:
-            ids = prep.tokenize_messages(chat_messages(body, mark), partial)
-        except Exception as e:  # noqa: BLE001 - a template's own error on a partial conversation
-            logger.debug("could not render the prompt up to %s: %s", mark.where, e)
-            positions.append(0)
-            continue
-        positions.append(_common_prefix(whole, ids))
-    return positions
-
-
-@dataclass(frozen=True, slots=True)
-class CacheUsage:
-    """Anthropic's split of a prompt's tokens: read from the KV cache, written at breakpoints, the rest."""
-
-    input_tokens: int
-    cache_read_input_tokens: int
-    cache_creation_input_tokens: int
-    ephemeral_5m_input_tokens: int
-    ephemeral_1h_input_tokens: int
-
-    @classmethod
-    def of(
-        cls, prompt_tokens: int, cached_tokens: int, marks: list[Breakpoint], positions: list[int], block_size: int
-    ) -> CacheUsage:
-        """Tokens past the cached ones up to the last breakpoint, in whole blocks, were written by this request; each
-        is a write of the TTL of the first breakpoint at or after it."""
-        written = {"5m": 0, "1h": 0}
-        start = cached_tokens
-        for mark, position in sorted(zip(marks, positions), key=lambda m: m[1]):
-            end = min(position, prompt_tokens) // block_size * block_size
-            if end > start:
-                written[mark.ttl] += end - start
-                start = end
-        creation = written["5m"] + written["1h"]
-        return cls(prompt_tokens - cached_tokens - creation, cached_tokens, creation, written["5m"], written["1h"])
-
-    def body(self, output_tokens: int) -> dict[str, Any]:
-        return {
-            "input_tokens": self.input_tokens,
-            "cache_creation_input_tokens": self.cache_creation_input_tokens,
-            "cache_read_input_tokens": self.cache_read_input_tokens,
-            "cache_creation": {
-                "ephemeral_5m_input_tokens": self.ephemeral_5m_input_tokens,
-                "ephemeral_1h_input_tokens": self.ephemeral_1h_input_tokens,
-            },
-            "output_tokens": output_tokens,
-            "service_tier": "standard",
-        }
-
-
 # -- reply: chat -> Messages ------------------------------------------------------------------------------------
 
 
@@ -572,7 +437,8 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     request = chat_request(body, body.stream)
     model = ctx.resolve_model(body.model)
     render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
-    positions = await ctx.preparer.run(breakpoint_positions, ctx.preparer, body, marks, render)
+    parts = [(m.where, chat_messages(body, m)) for m in marks]
+    positions = await ctx.preparer.run(breakpoint_positions, ctx.preparer, chat_messages(body), parts, render)
     diagnosis = Diagnosis.of(ctx, body, model)
     shell = MessageShell(_new_id("msg"), model, marks, positions, ctx.facts.block_size, diagnosis)
     pins = tuple(KVPin(p, TTL_SECONDS[m.ttl]) for m, p in zip(marks, positions) if p >= ctx.facts.block_size)
