@@ -143,8 +143,14 @@ class EngineStatsCollector:
             ("kv_pins_created", "Prompt prefixes pinned by cache_control marks.", s.kv_pins_created),
             ("kv_pins_expired", "Pinned prefixes released when their TTL ran out.", s.kv_pins_expired),
             (
+                "kv_pins_displaced",
+                "Pins released before their TTL to make room under --max-pinned-kv-fraction for newer pins (least "
+                "recently used first; their blocks stay ordinary cached blocks).",
+                s.kv_pins_displaced,
+            ),
+            (
                 "kv_pins_refused",
-                "Pins refused because the pinned blocks would exceed --max-pinned-kv-fraction (the prefix stays an "
+                "Pins refused because alone they exceed --max-pinned-kv-fraction (the prefix stays an "
                 "ordinary cached prefix).",
                 s.kv_pins_refused,
             ),

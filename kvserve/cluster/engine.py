@@ -466,6 +466,7 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         kv_pinned_blocks=sum(s.kv_pinned_blocks for s in stats),
         kv_pins_created=sum(s.kv_pins_created for s in stats),
         kv_pins_expired=sum(s.kv_pins_expired for s in stats),
+        kv_pins_displaced=sum(s.kv_pins_displaced for s in stats),
         kv_pins_refused=sum(s.kv_pins_refused for s in stats),
         prefix_cache_miss_reasons=_sum_pairs(s.prefix_cache_miss_reasons for s in stats),
     )

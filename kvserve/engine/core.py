@@ -293,6 +293,7 @@ class EngineCore:
             kv_pinned_blocks=pins.num_pinned_blocks,
             kv_pins_created=pins.stats.created,
             kv_pins_expired=pins.stats.expired,
+            kv_pins_displaced=pins.stats.displaced,
             kv_pins_refused=pins.stats.refused,
             prefix_cache_miss_reasons=self.kv_manager.miss_counts.snapshot(),
             **spec,

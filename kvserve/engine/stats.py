@@ -42,11 +42,12 @@ class EngineStats:
     external_prefix_cache_queries_tokens: int = 0
     external_prefix_cache_hits_tokens: int = 0
     # Pinned prefixes (Anthropic's cache_control, kv/pins.py): live now (prefixes, distinct blocks), and since start
-    # (pins made, expired, refused for the budget).
+    # (pins made, expired, displaced by newer ones over the budget, refused as larger than the budget).
     kv_pinned_prefixes: int = 0
     kv_pinned_blocks: int = 0
     kv_pins_created: int = 0
     kv_pins_expired: int = 0
+    kv_pins_displaced: int = 0
     kv_pins_refused: int = 0
     # Requests by why their prefix hit stopped short of the prompt (kv/misses.py MISS_REASONS), since start.
     prefix_cache_miss_reasons: tuple[tuple[str, int], ...] = ()

@@ -9,8 +9,10 @@ A prefix is pinned when a request that asked for it finishes (its blocks are com
 it again, or a later request hitting it, moves its expiry to `now + ttl` when that is later. Pins expire on the
 scheduler's clock (injectable, for tests); the blocks of an expired pin go back to the pool's LRU like any freed
 block. Pinned blocks are capped at `budget_blocks` distinct blocks (a chat's successive pins share their history's
-blocks, which count once): a pin that would exceed it is refused and counted, and its blocks stay ordinary cached
-blocks (written through to the offload tier, where one is configured).
+blocks, which count once; a sliding-window group's window before each pin's end does not). A new pin that would
+exceed it displaces the least recently used pins first (the newest prefix is the one a conversation continues from;
+a displaced pin's blocks stay ordinary cached blocks, written through to the offload tier where one is configured);
+one that cannot fit even alone is refused. Both are counted.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ class Pin:
 
 @dataclass(slots=True)
 class PinStats:
-    """Counters since start: pins made, refreshed (pinned again or hit), expired, refused over the budget."""
+    """Counters since start: pins made, refreshed (pinned again or hit), expired, displaced by newer pins over the
+    budget, refused (larger than the budget alone)."""
 
     created: int = 0
     refreshed: int = 0
     expired: int = 0
+    displaced: int = 0
     refused: int = 0
 
 
@@ -52,7 +56,7 @@ class PinTable:
     pool: BlockPool
     budget_blocks: int
     clock: Callable[[], float] = time.monotonic
-    pins: dict[bytes, Pin] = field(default_factory=dict)
+    pins: OrderedDict[bytes, Pin] = field(default_factory=OrderedDict)  # least recently used first
     stats: PinStats = field(default_factory=PinStats)
     num_pinned_refs: int = 0  # references the pins hold (a block in two pins counts twice)
     pinned: dict[int, int] = field(default_factory=dict)  # block id -> pins holding it: len() is the budget's count
@@ -68,12 +72,17 @@ class PinTable:
         if existing is not None:
             existing.ttl_s = max(existing.ttl_s, ttl_s)
             existing.expires_at = max(existing.expires_at, now + ttl_s)
+            self.pins.move_to_end(key)
             self.stats.refreshed += 1
             return True
-        new = sum(1 for b in blocks if b.block_id not in self.pinned)
-        if len(self.pinned) + new > self.budget_blocks:
+        if len({b.block_id for b in blocks}) > self.budget_blocks:
             self.stats.refused += 1
             return False
+        while self.pins and len(self.pinned) + sum(1 for b in blocks if b.block_id not in self.pinned) > (
+            self.budget_blocks
+        ):
+            self._release(next(iter(self.pins)))  # the least recently used pin
+            self.stats.displaced += 1
         self.pool.touch(blocks)
         self.pins[key] = Pin(key, blocks, num_tokens, ttl_s, now + ttl_s)
         self.num_pinned_refs += len(blocks)
@@ -91,6 +100,7 @@ class PinTable:
             found = self.pins.get(block_hash)
             if found is not None:
                 found.expires_at = max(found.expires_at, now + found.ttl_s)
+                self.pins.move_to_end(block_hash)
                 self.stats.refreshed += 1
 
     def expire(self) -> int:

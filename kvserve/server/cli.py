@@ -65,7 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--api-key",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on every route but /health, /version and /metrics "
+        help=f"require `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health, "
+        f"/version and /metrics "
         f"(/v1/*, /tokenize, /detokenize, /docs, /redoc, /openapi.json), checked before the "
         f"body is read (default: ${_API_KEY_ENVS[0]} or ${_API_KEY_ENVS[1]}; none: open; an "
         f"empty key is an error)",

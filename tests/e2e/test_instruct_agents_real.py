@@ -95,6 +95,29 @@ def test_openai_sdk_tool_loop(client):
     _assert_answers(final.message.content)
 
 
+def test_anthropic_sdk_tool_loop(server):
+    """The anthropic SDK on /v1/messages, auto tool choice: the model calls get_weather (a tool_use block, stop_reason
+    tool_use), the tool_result goes back, and it answers; the same loop as the openai SDK's above."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    tool = {"name": "get_weather", **{k: v for k, v in WEATHER["function"].items() if k != "name"}}
+    tool["input_schema"] = tool.pop("parameters")
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=100, system=SYSTEM, tools=[tool], extra_body={"temperature": 0})
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+    first = client.messages.create(**kw, messages=messages)
+    assert first.stop_reason == "tool_use"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]},
+    ]
+    final = client.messages.create(**kw, messages=messages, tool_choice={"type": "none"})
+    assert final.stop_reason == "end_turn" and [b.type for b in final.content] == ["text"]
+    _assert_answers(final.content[0].text)
+
+
 def test_openai_sdk_streamed_call_arrives_whole(client):
     """Streamed, the call comes in one delta (name, id and the whole arguments) once its JSON closes: nothing of the
     bare call object leaks into content while the parser is still deciding."""

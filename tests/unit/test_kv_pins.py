@@ -97,15 +97,21 @@ def test_a_pin_never_serves_another_salt():
 
 
 def test_pins_stay_within_their_budget():
+    """Distinct blocks are counted; a new pin displaces the least recently used ones; one larger than the budget
+    alone is refused."""
     _, kv, _ = make(budget=6)
     serve(kv, "a", PROMPT, pin=8 * BS)  # 8 blocks > 6: refused, counted
     assert not kv.pins.pins and kv.pins.stats.refused == 1
     serve(kv, "b", PROMPT, pin=4 * BS)  # 4 blocks fit
     assert kv.pins.num_pinned_blocks == 4
     serve(kv, "c", PROMPT, pin=6 * BS)  # a longer pin of the same prefix: 2 more distinct blocks, 6 in all
-    assert kv.pins.num_pinned_blocks == 6 and kv.pins.num_pinned_refs == 10 and kv.pins.stats.refused == 1
-    serve(kv, "d", list(range(50, 50 + 2 * BS)), pin=2 * BS)  # 2 more would make 8 > 6: refused
-    assert kv.pins.stats.refused == 2
+    assert kv.pins.num_pinned_blocks == 6 and kv.pins.num_pinned_refs == 10
+    other = list(range(50, 50 + 2 * BS))
+    serve(kv, "b2", PROMPT, pin=4 * BS)  # b's pin is used again: c's is now the least recently used
+    serve(kv, "d", other, pin=2 * BS)  # 2 more would make 8 > 6: c goes (its 2 blocks of its own), b stays
+    assert kv.pins.stats.displaced == 1 and kv.pins.num_pinned_blocks == 6 and len(kv.pins.pins) == 2
+    flood(kv)
+    assert serve(kv, "again", PROMPT[: 5 * BS]) == 4 * BS  # b's prefix is still pinned, after pressure
 
 
 def test_a_sliding_group_pins_the_window_before_the_prefix_end():
