@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.kv.misses import PrefixMiss
+    from kvserve.kv.pins import PinOutcome
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class RequestOutput:
     error: str | None = None
     num_restored_tokens: int = 0  # of num_cached_tokens, those restored from the KV offload tier (docs/KV_OFFLOAD.md)
     prefix_miss: PrefixMiss | None = None  # why the prefix hit stopped where it did (kv/misses.py)
+    pin_outcomes: tuple[PinOutcome, ...] = ()  # what became of its cache_control pins, once finished (kv/pins.py)
 
 
 def logprob_entry(

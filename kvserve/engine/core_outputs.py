@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.stats import RequestMetrics
 from kvserve.kv.misses import PrefixMiss
+from kvserve.kv.pins import PinOutcome
 from kvserve.outputs import Logprob
 
 # The stop_reason of a sequence whose grammar refused a token its own mask allowed: no way on from there
@@ -48,3 +49,4 @@ class EngineCoreOutput:
     error: str | None = None  # why the request failed (finish_reason "error"), when it did
     num_restored_tokens: int = 0  # of num_cached_tokens, those restored from the KV offload tier
     prefix_miss: PrefixMiss | None = None  # why its prefix hit stopped where it did (kv/misses.py)
+    pin_outcomes: tuple[PinOutcome, ...] = ()  # what became of its cache_control pins, once finished (kv/pins.py)

@@ -26,6 +26,7 @@ from kvserve.sampling_params import RequestOutputKind
 if TYPE_CHECKING:
     from kvserve.engine.stats import RequestMetrics
     from kvserve.kv.misses import PrefixMiss
+    from kvserve.kv.pins import PinOutcome
     from kvserve.model.tokenizer import Tokenizer
     from kvserve.sampling_params import SamplingParams
 
@@ -110,6 +111,7 @@ class RequestState:
         self._sent_prompt_logprobs = False
         self.num_cached_tokens = self.num_restored_tokens = 0
         self.prefix_miss: PrefixMiss | None = None
+        self.pin_outcomes: tuple[PinOutcome, ...] = ()
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
         self.core_finished = False  # the core holds nothing of it any more
@@ -127,6 +129,7 @@ class RequestState:
         self.num_cached_tokens, self.metrics = output.num_cached_tokens, output.metrics
         self.num_restored_tokens = output.num_restored_tokens
         self.prefix_miss = output.prefix_miss
+        self.pin_outcomes = output.pin_outcomes or self.pin_outcomes
         self.core_finished = self.core_finished or output.finished
         if output.error is not None:
             self.error = output.error
@@ -218,6 +221,7 @@ class RequestState:
             error=self.error,
             num_restored_tokens=self.num_restored_tokens,
             prefix_miss=self.prefix_miss,
+            pin_outcomes=self.pin_outcomes,
         )
 
 

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvserve.kv.misses import PrefixMiss
+    from kvserve.kv.pins import PinOutcome
     from kvserve.sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class Request:
     # Of num_cached_tokens, those restored from the KV offload tier (the rest were in the block pool).
     num_restored_tokens: int = 0
     prefix_miss: PrefixMiss | None = None  # why its prefix hit stopped where it did, at first admission (kv/misses.py)
+    pin_outcomes: tuple[PinOutcome, ...] = ()  # what became of the pins it asked for, as it finished (kv/pins.py)
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -385,7 +385,7 @@ class Scheduler:
             self.offload.cancel(request.request_id)
         if status is not RequestStatus.FINISHED_ERROR:
             params = request.sampling_params
-            self.kv.pin_prefix(request, params.kv_pins)
+            request.pin_outcomes = self.kv.pin_prefix(request, params.kv_pins)
             if self.offload is not None and params.prompt_cache_retention_s > 0:
                 self.offload.retain(request, params.prompt_cache_retention_s)
         self.kv.forget(request)

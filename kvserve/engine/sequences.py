@@ -95,6 +95,7 @@ class SequenceGroup:
             error=self.error,
             num_restored_tokens=min(s.request.num_restored_tokens for s in self.sequences),
             prefix_miss=first.prefix_miss,
+            pin_outcomes=first.pin_outcomes,
         )
 
 

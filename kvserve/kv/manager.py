@@ -12,7 +12,7 @@ from kvserve.kv.block import KVCacheBlock, TierBlock
 from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
 from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
 from kvserve.kv.misses import MissCounts, PrefixMiss, SeenBlocks, common_prefix
-from kvserve.kv.pins import PinTable
+from kvserve.kv.pins import PinOutcome, PinTable
 from kvserve.kv.pool import BlockPool
 from kvserve.units import cdiv
 
@@ -301,8 +301,9 @@ class KVCacheManager:
         state = self.requests.get(rid)
         if state is not None and self.sliding_hit_groups:
             self._free_skipped(request, state)
-        if not self.can_fit(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens):
-            return False
+        while not self.can_fit(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens):
+            if not self.pins.release_oldest():  # pins yield to live requests before anyone is refused or preempted
+                return False
         if state is None:
             state = self.requests[rid] = RequestTables([[] for _ in range(self.num_groups)], [0] * self.num_groups)
         hit_len = 0
@@ -481,20 +482,26 @@ class KVCacheManager:
 
     # ---- pins ------------------------------------------------------------------------------------------
 
-    def pin_prefix(self, request: KVRequest, pins: Sequence[KVPin]) -> None:
+    def pin_prefix(self, request: KVRequest, pins: Sequence[KVPin]) -> tuple[PinOutcome, ...]:
         """Pin the prefixes `pins` ask for, as far as the request computed and cached them (whole blocks): every block
         of a full-attention group, the window before the prefix's end of a sliding group (what a hit needs). Called
-        as the request finishes, before its blocks are freed."""
+        as the request finishes, before its blocks are freed; what became of each, for the response."""
         state = self.requests.get(request.request_id)
-        if state is None or not self.enable_caching or not pins:
-            return
+        if not pins:
+            return ()
+        if state is None or not self.enable_caching:
+            return tuple(PinOutcome(0, "not_cached") for _ in pins)
         hashes = self.req_hashes.get(request.request_id, [])
         computed = min(request.num_computed_tokens // self.block_size, state.num_published, len(hashes))
+        outcomes = []
         for pin in pins:
             length = min(pin.num_tokens // self.block_size, computed)
-            blocks = self._cached_prefix(hashes, length)
+            blocks = self._cached_prefix(hashes, length) if length else []
             if blocks:
-                self.pins.pin(hashes[length - 1], blocks, length * self.block_size, pin.ttl_s)
+                outcomes.append(self.pins.pin(hashes[length - 1], blocks, length * self.block_size, pin.ttl_s))
+            else:
+                outcomes.append(PinOutcome(0, "not_cached"))
+        return tuple(outcomes)
 
     def _cached_prefix(self, hashes: list[bytes], length: int) -> list[KVCacheBlock]:
         """The cached blocks a hit of `length` blocks needs, every group; [] if one is missing (not cached)."""

@@ -12,7 +12,9 @@ block. Pinned blocks are capped at `budget_blocks` distinct blocks (a chat's suc
 blocks, which count once; a sliding-window group's window before each pin's end does not). A new pin that would
 exceed it displaces the least recently used pins first (the newest prefix is the one a conversation continues from;
 a displaced pin's blocks stay ordinary cached blocks, written through to the offload tier where one is configured);
-one that cannot fit even alone is refused. Both are counted.
+one that cannot fit even alone is refused. Both are counted. And pins never starve a live request: when the pool
+cannot give a request its blocks even after evicting every unreferenced one, the least recently used pins are
+released first (KVCacheManager.allocate_slots), before anyone is refused or preempted.
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ class Pin:
     num_tokens: int
     ttl_s: float
     expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PinOutcome:
+    """What became of one pin a request asked for, for its response: `pinned` (new), `refreshed` (it existed),
+    `refused` (larger than the budget alone), `not_cached` (nothing of it was computed and cached: no whole block, or
+    caching off); `displaced`: older pins released to make room for it."""
+
+    num_tokens: int
+    outcome: str
+    displaced: int = 0
 
 
 @dataclass(slots=True)
@@ -64,9 +77,9 @@ class PinTable:
     expired_hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     expired_capacity: int = 4096
 
-    def pin(self, key: bytes, blocks: list[KVCacheBlock], num_tokens: int, ttl_s: float) -> bool:
+    def pin(self, key: bytes, blocks: list[KVCacheBlock], num_tokens: int, ttl_s: float) -> PinOutcome:
         """Pin `blocks` (the prefix ending at the block hashed `key`) for `ttl_s` seconds, or refresh the pin if it
-        exists. False when the budget has no room (nothing pinned)."""
+        exists, displacing the least recently used pins when the budget has no room."""
         now = self.clock()
         existing = self.pins.get(key)
         if existing is not None:
@@ -74,21 +87,31 @@ class PinTable:
             existing.expires_at = max(existing.expires_at, now + ttl_s)
             self.pins.move_to_end(key)
             self.stats.refreshed += 1
-            return True
+            return PinOutcome(num_tokens, "refreshed")
         if len({b.block_id for b in blocks}) > self.budget_blocks:
             self.stats.refused += 1
-            return False
+            return PinOutcome(num_tokens, "refused")
+        displaced = 0
         while self.pins and len(self.pinned) + sum(1 for b in blocks if b.block_id not in self.pinned) > (
             self.budget_blocks
         ):
             self._release(next(iter(self.pins)))  # the least recently used pin
             self.stats.displaced += 1
+            displaced += 1
         self.pool.touch(blocks)
         self.pins[key] = Pin(key, blocks, num_tokens, ttl_s, now + ttl_s)
         self.num_pinned_refs += len(blocks)
         for b in blocks:
             self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
         self.stats.created += 1
+        return PinOutcome(num_tokens, "pinned", displaced)
+
+    def release_oldest(self) -> bool:
+        """Release the least recently used pin (a live request needs its blocks); False when there is none."""
+        if not self.pins:
+            return False
+        self._release(next(iter(self.pins)))
+        self.stats.displaced += 1
         return True
 
     def refresh(self, hashes: Iterable[bytes]) -> None:

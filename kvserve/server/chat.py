@@ -180,8 +180,9 @@ def _logprobs(
 
 
 def _kv_cache(ctx: ServerContext, tracker: DeltaTracker) -> dict[str, Any]:
+    t = tracker
     return kv_cache_report(
-        ctx.texts, tracker.prompt_token_ids, tracker.num_cached_tokens, tracker.num_restored_tokens, tracker.prefix_miss
+        ctx.texts, t.prompt_token_ids, t.num_cached_tokens, t.num_restored_tokens, t.prefix_miss, t.pin_outcomes
     )
 
 
@@ -214,12 +215,15 @@ async def _stream(
     options = request.stream_options
     continuous = options is not None and options.include_usage and options.continuous_usage_stats
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None, first: bool = False) -> str:
+    def chunk(
+        choices: list[ChatStreamChoice], usage: UsageInfo | None = None, first: bool = False, last: bool = False
+    ) -> str:
         if usage is None and continuous:
             usage = _usage(tracker)
         body = ChatCompletionChunk(id=chat_id, created=created, model=model, choices=choices, usage=usage)
         payload = body.model_dump(exclude=None if usage else {"usage"})
-        if first and request.include_kv_cache:  # known once the prompt is prefilled: with the role chunk
+        # known once the prompt is prefilled: with the role chunk; and again, with what became of the pins, at the end
+        if (first or last) and request.include_kv_cache:
             payload["kv_cache"] = _kv_cache(ctx, tracker)
         return sse(payload)
 
@@ -256,7 +260,7 @@ async def _stream(
             elif d.text or (logprobs is not None and logprobs.content):
                 yield chunk([ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text), logprobs=logprobs)])
     if tracker.finished and request.stream_options is not None and request.stream_options.include_usage:
-        yield chunk([], _usage(tracker))
+        yield chunk([], _usage(tracker), last=True)
     yield SSE_DONE
 
 

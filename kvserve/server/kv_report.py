@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.kv.misses import PrefixMiss
+from kvserve.kv.pins import PinOutcome
 from kvserve.server.logprobs import TokenTexts
 
 CONTEXT_TOKENS = 8  # tokens of the request's own prompt shown either side of a divergence
@@ -25,12 +26,16 @@ def kv_cache_report(
     cached_tokens: int,
     restored_tokens: int,
     miss: PrefixMiss | None,
+    pins: Sequence[PinOutcome] = (),
 ) -> dict[str, Any]:
+    """The report; `pins`: what became of the request's cache_control pins (known once it finished: a streamed
+    reply's first report has none, its last has them)."""
     report: dict[str, Any] = {
         "pool_tokens": cached_tokens - restored_tokens,
         "tier_tokens": restored_tokens,
         "computed_tokens": len(prompt) - cached_tokens,
         "miss": None,
+        "pins": [{"num_tokens": p.num_tokens, "outcome": p.outcome, "displaced": p.displaced} for p in pins],
     }
     if miss is None:
         return report

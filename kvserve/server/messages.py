@@ -519,6 +519,7 @@ async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterato
     finish: str | None = None
     chat_stop: Any = None
     usage: dict[str, Any] | None = None
+    kv_cache: dict[str, Any] | None = None  # include_kv_cache: the chat stream's first chunk's, then its last's
     async for chunk in chat_chunks(body):
         if "error" in chunk:
             error = chunk["error"]
@@ -527,6 +528,8 @@ async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterato
             return
         if chunk.get("usage"):
             usage = chunk["usage"]
+        if "kv_cache" in chunk:
+            kv_cache = chunk["kv_cache"]
         if not started:
             started = True
             start = shell.build([], (None, None), shell.usage(usage))
@@ -568,5 +571,6 @@ async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterato
     reason, sequence = stop_reason(finish, chat_stop, called)
     final = shell.usage(usage)
     shell.keep(final)
-    yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final)
+    extra = {"kv_cache": kv_cache} if kv_cache is not None else {}  # the last report: with what became of the pins
+    yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final, **extra)
     yield _event("message_stop")

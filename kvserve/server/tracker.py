@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.kv.misses import PrefixMiss
+from kvserve.kv.pins import PinOutcome
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 LogprobEntry = dict[int, Logprob]
@@ -91,6 +92,7 @@ class DeltaTracker:
         self.num_cached_tokens = 0
         self.num_restored_tokens = 0  # of num_cached_tokens, from the KV offload tier
         self.prefix_miss: PrefixMiss | None = None  # why the prefix hit stopped where it did (kv/misses.py)
+        self.pin_outcomes: tuple[PinOutcome, ...] = ()  # what became of its cache_control pins (kv/pins.py)
         self.finished = False
         self._samples: dict[int, _Sample] = {}
         self._last: RequestOutput | None = None
@@ -103,6 +105,7 @@ class DeltaTracker:
         self.num_cached_tokens = output.num_cached_tokens
         self.num_restored_tokens = output.num_restored_tokens
         self.prefix_miss = output.prefix_miss
+        self.pin_outcomes = output.pin_outcomes or self.pin_outcomes
         self.finished = output.finished
         self._last = output
         return [self._samples.setdefault(c.index, _Sample(c.index)).add(c) for c in output.outputs]

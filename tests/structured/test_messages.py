@@ -259,6 +259,32 @@ def test_cache_control_pins_survive_pressure_that_evicts_the_rest(small_pool):
     assert shown["num_tokens"] == 480 and len(shown["block_ids"]) == 30 and 0 < shown["expires_in_s"] <= 300
 
 
+def test_the_response_says_what_became_of_its_pins(small_pool):
+    """include_kv_cache: each mark's pin, pinned, refreshed, or refused when larger than the budget alone (48 of the
+    96 blocks here), in the whole reply and in a stream's message_delta."""
+    _, client = small_pool
+    key = salt() | {"include_kv_cache": True}
+
+    def ask(text: str, **kw: object) -> anthropic.types.Message:
+        system = [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]
+        return client.messages.create(model=MODEL, max_tokens=1, system=system, messages=HI, extra_body=key, **kw)
+
+    text = "".join(chr(ord("a") + i % 23) for i in range(200))
+    first = ask(text).model_extra["kv_cache"]["pins"]
+    assert [p["outcome"] for p in first] == ["pinned"] and first[0]["num_tokens"] == 208  # 13 whole blocks
+    assert [p["outcome"] for p in ask(text).model_extra["kv_cache"]["pins"]] == ["refreshed"]
+    huge = "".join(chr(ord("a") + i % 19) for i in range(1000))  # 62 blocks > 48
+    assert [p["outcome"] for p in ask(huge).model_extra["kv_cache"]["pins"]] == ["refused"]
+    other = "".join(chr(ord("b") + i % 17) for i in range(200))  # a new prefix; a reply of 4 tokens
+    system = [{"type": "text", "text": other, "cache_control": {"type": "ephemeral"}}]
+    body = key | {"ignore_eos": True}
+    with client.messages.stream(model=MODEL, max_tokens=4, system=system, messages=HI, extra_body=body) as stream:
+        events = list(stream)
+    start = next(e for e in events if e.type == "message_start").message.model_extra["kv_cache"]
+    delta = next(e for e in events if e.type == "message_delta").model_extra["kv_cache"]
+    assert start["pins"] == [] and [p["outcome"] for p in delta["pins"]] == ["pinned"]
+
+
 def test_cache_diagnostics_say_which_part_changed(client):
     """diagnostics.previous_message_id: null when a turn only appends, else the first part that differs, in prompt
     order; an unknown id, or another tenant's, is not found."""

@@ -130,3 +130,14 @@ def test_dropping_the_prefix_cache_drops_the_pins():
     kv.reset_prefix_cache()
     assert not kv.pins.pins and pool.num_free_blocks == pool.num_usable_blocks
     check_kv_invariants(kv)
+
+
+def test_pins_yield_to_a_request_that_could_not_fit_otherwise():
+    """A pin never starves a live request: one that needs more blocks than the pins leave gets them (the least
+    recently used pin released), where it would otherwise wait for ever."""
+    _, kv, _ = make()  # 24 blocks
+    serve(kv, "a", PROMPT, pin=8 * BS)
+    assert kv.pins.num_pinned_blocks == 8
+    big = [9000 + i for i in range(20 * BS)]  # 20 blocks: more than the 16 the pin leaves
+    assert serve(kv, "big", big) == 0
+    assert not kv.pins.pins and kv.pins.stats.displaced == 1
