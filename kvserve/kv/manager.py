@@ -553,7 +553,8 @@ class KVCacheManager:
         extra = self._extra_keys(request)
         if block_hash in rejected:
             return PrefixMiss("tier_record_failed_check", at)
-        if self.sliding_hit_groups and all(self.pool.is_cached(block_hash, g) for g in self.full_groups):
+        full = self.full_groups
+        if self.sliding_hit_groups and full and all(self.pool.is_cached(block_hash, g) for g in full):
             return PrefixMiss("outside_sliding_window", at)
         ghost = self.pool.recently_evicted.get(block_hash)
         if ghost is not None:

@@ -125,3 +125,9 @@ def test_a_refused_tier_record_is_named():
     r = Request("a", PROMPT, Params())
     hashes = kv.hashes(r, r.num_tokens - 1)
     assert kv.classify_miss(r, 0, frozenset({hashes[0]})) == PrefixMiss("tier_record_failed_check", 0)
+
+
+def test_a_model_of_sliding_layers_only_is_never_cut_by_a_window_it_does_not_know():
+    """Without a full-attention group there is nothing to compare the windows with: a cold prompt was never seen."""
+    kv, _ = make(num_blocks=40, windows=[32])
+    assert serve(kv, "a", PROMPT) == PrefixMiss("never_seen", 0)
