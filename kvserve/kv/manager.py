@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,7 +111,6 @@ class KVCacheManager:
         reserve_tokens: int = 0,
         layout: KVCacheLayout | None = None,
         max_pinned_blocks: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
@@ -143,12 +141,11 @@ class KVCacheManager:
         self.store_now: Callable[[list[TierBlock]], None] | None = None
         # Pinned prefixes (kv/pins.py); by default at most half the pool's blocks.
         budget = pool.num_usable_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
-        self.pins = PinTable(pool, budget, clock)
+        self.pins = PinTable(pool, budget, pool.clock)
         # What was seen, for "why did this request miss?" (kv/misses.py): twice the pool's blocks of history.
         self.seen = SeenBlocks(max(2 * pool.num_usable_blocks, 4096))
         self.unsalted_hashes: dict[str, list[bytes]] = {}  # salted requests' block hashes without the salt
         self.miss_counts = MissCounts()
-        self.clock = clock
 
     @property
     def enable_caching(self) -> bool:
@@ -559,14 +556,14 @@ class KVCacheManager:
         ghost = self.pool.recently_evicted.get(block_hash)
         if ghost is not None:
             reason = "pin_expired" if block_hash in self.pins.expired_hashes else "evicted"
-            ago = round(max(self.clock() - ghost[0], 0.0), 3)
+            ago = round(max(self.pool.clock() - ghost[0], 0.0), 3)
             return PrefixMiss(reason, at, evicted_ago_s=ago, evicted_blocks_since=self.pool.num_evictions - ghost[1])
         if block_hash in self.seen.keys:  # seen, not cached, and past the ghost list: evicted long ago
             return PrefixMiss("evicted", at)
         siblings = self.seen.siblings(hashes[k - 1] if k else None, extra)
         if siblings:
             mine = request.token_slice(at, at + self.block_size)
-            same = max(common_prefix(tuple(mine), s.token_ids) for s in siblings)
+            same = max(common_prefix(mine, s.token_ids) for s in siblings)
             # Whole blocks in common, or half a block at least: a prompt that shares only a BOS token or a chat
             # template's header with others was never seen, it did not diverge.
             if at > 0 or 2 * same >= self.block_size:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.hashing import BlockKey
@@ -55,7 +56,8 @@ def salt_digest(extra_keys: bytes) -> bytes:
     return hashlib.sha256(extra_keys).digest()[:8] if extra_keys else b""
 
 
-def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items `a` and `b` share."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
 

@@ -71,7 +71,6 @@ class PinTable:
     clock: Callable[[], float] = time.monotonic
     pins: OrderedDict[bytes, Pin] = field(default_factory=OrderedDict)  # least recently used first
     stats: PinStats = field(default_factory=PinStats)
-    num_pinned_refs: int = 0  # references the pins hold (a block in two pins counts twice)
     pinned: dict[int, int] = field(default_factory=dict)  # block id -> pins holding it: len() is the budget's count
     # The block hashes of pins that expired lately (a miss on one is "pin_expired", kv/misses.py), the last 4,096.
     expired_hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
@@ -100,7 +99,6 @@ class PinTable:
             displaced += 1
         self.pool.touch(blocks)
         self.pins[key] = Pin(key, blocks, num_tokens, ttl_s, now + ttl_s)
-        self.num_pinned_refs += len(blocks)
         for b in blocks:
             self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
         self.stats.created += 1
@@ -150,7 +148,6 @@ class PinTable:
 
     def _release(self, key: bytes) -> None:
         found = self.pins.pop(key)
-        self.num_pinned_refs -= len(found.blocks)
         for b in found.blocks:
             left = self.pinned[b.block_id] - 1
             if left:
@@ -162,6 +159,11 @@ class PinTable:
     def held_blocks(self) -> list[KVCacheBlock]:
         """Every reference the pins hold (the invariant checker counts them as holders)."""
         return [b for found in self.pins.values() for b in found.blocks]
+
+    @property
+    def num_pinned_refs(self) -> int:
+        """References the pins hold (a block in two pins counts twice)."""
+        return sum(self.pinned.values())
 
     @property
     def num_pinned_blocks(self) -> int:

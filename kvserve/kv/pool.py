@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvserve.capacity import NULL_BLOCK_ID, usable_blocks
 from kvserve.kv.block import FreeBlockQueue, KVCacheBlock
@@ -41,6 +41,7 @@ class BlockPool:
         enable_caching: bool = True,
         events: KVEventBuffer | None = None,
         num_groups: int = 1,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if usable_blocks(num_blocks) < 1:
             raise ValueError(f"a block pool needs at least two blocks (one is the null block), got {num_blocks}")
@@ -65,6 +66,7 @@ class BlockPool:
         self.recently_evicted: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self.recently_evicted_capacity = max(num_blocks, 1024)
         self.num_evictions = 0
+        self.clock = clock  # the engine's (injected in tests): eviction times, pins' expiry (kv/pins.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -176,7 +178,7 @@ class BlockPool:
                 del cached[block.block_hash]
                 self.hit_counts[block.group_id].pop(block.block_hash, None)
                 self.num_evictions += 1
-                self.recently_evicted[block.block_hash] = (time.monotonic(), self.num_evictions)
+                self.recently_evicted[block.block_hash] = (self.clock(), self.num_evictions)
                 if len(self.recently_evicted) > self.recently_evicted_capacity:
                     self.recently_evicted.popitem(last=False)
                 if self.events is not None and self.events.enabled:

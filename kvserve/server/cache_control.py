@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvserve.kv.misses import common_prefix
 from kvserve.server.errors import bad_request
 from kvserve.server.prepare import ChatRender, PromptPreparer
 
@@ -27,13 +28,13 @@ TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 @dataclass(frozen=True, slots=True)
 class Breakpoint:
-    """A `cache_control` mark: the block it ends with (`message` None: tools or system) and its TTL."""
+    """A `cache_control` mark: the block it ends with and its TTL."""
 
     where: str  # the field, for errors and the position search: "tools[2]", "system[0]", "messages[3].content[1]"
     ttl: str
     section: Literal["tools", "system", "messages"]
     message: int = -1  # messages[message].content[block], when section is "messages"
-    block: int = -1
+    block: int = -1  # its index in the system blocks, or in its message's content
 
 
 def _ttl(mark: Any, param: str) -> str:
@@ -60,7 +61,7 @@ def breakpoints(body: PromptBody) -> list[Breakpoint]:
         for j, block in enumerate(body.system):
             if isinstance(block, dict) and "cache_control" in block:
                 ttl = _ttl(block["cache_control"], f"system[{j}].cache_control")
-                found.append(Breakpoint(f"system[{j}]", ttl, "system"))
+                found.append(Breakpoint(f"system[{j}]", ttl, "system", block=j))
     for i, message in enumerate(body.messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else []):
@@ -91,11 +92,6 @@ def breakpoints(body: PromptBody) -> list[Breakpoint]:
 
 
 # -- where the breakpoints fall, in tokens ----------------------------------------------------------------------
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def breakpoint_positions(

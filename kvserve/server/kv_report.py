@@ -29,7 +29,7 @@ def kv_cache_report(
     pins: Sequence[PinOutcome] = (),
 ) -> dict[str, Any]:
     """The report; `pins`: what became of the request's cache_control pins (known once it finished: a streamed
-    reply's first report has none, its last has them)."""
+    reply's last report has them, its first usually not)."""
     report: dict[str, Any] = {
         "pool_tokens": cached_tokens - restored_tokens,
         "tier_tokens": restored_tokens,

@@ -205,7 +205,7 @@ def chat_messages(body: PromptBody, upto: Breakpoint | None = None) -> list[dict
     if body.system is not None and (upto is None or upto.section != "tools"):
         system = body.system
         if upto is not None and upto.section == "system" and isinstance(system, list):
-            system = system[: int(upto.where[len("system[") : -1]) + 1]
+            system = system[: upto.block + 1]
         text = _text_blocks(system, "system")
         if text:
             out.append({"role": "system", "content": text})

@@ -280,9 +280,11 @@ def test_the_response_says_what_became_of_its_pins(small_pool):
     body = key | {"ignore_eos": True}
     with client.messages.stream(model=MODEL, max_tokens=4, system=system, messages=HI, extra_body=body) as stream:
         events = list(stream)
-    start = next(e for e in events if e.type == "message_start").message.model_extra["kv_cache"]
+    # The pins are known once the request finished: in the last report (message_delta). The first (message_start) has
+    # them too when the server read the request's outputs only after it finished (a consumer that falls behind gets
+    # them as one), so it is not asserted on.
     delta = next(e for e in events if e.type == "message_delta").model_extra["kv_cache"]
-    assert start["pins"] == [] and [p["outcome"] for p in delta["pins"]] == ["pinned"]
+    assert [p["outcome"] for p in delta["pins"]] == ["pinned"]
 
 
 def test_cache_diagnostics_say_which_part_changed(client):

@@ -4,69 +4,29 @@ diverged at a given token, another salt, a sliding window, a tier record refused
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from kv_pin_support import BS, Params, flood, make, serve_request
 
 from kvserve.engine.request import Request
-from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.misses import PrefixMiss
-from kvserve.kv.pool import BlockPool
-from kvserve.sampling_params import KVPin
-
-BS = 16
-
-
-@dataclass
-class Params:
-    seed: int | None = None
-    prompt_logprobs: int | None = None
-    kv_pins: tuple[KVPin, ...] = field(default_factory=tuple)
-
-
-@dataclass
-class Clock:
-    now: float = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(num_blocks: int = 24, windows: list[int | None] | None = None) -> tuple[KVCacheManager, Clock]:
-    layout = make_kv_cache_layout(windows or [None])
-    clock = Clock()
-    kv = KVCacheManager(BlockPool(num_blocks + 1, num_groups=layout.num_groups), BS, layout=layout, clock=clock)
-    return kv, clock
 
 
 def serve(kv: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None, pin: int = 0) -> PrefixMiss | None:
-    """Admit and finish a request as the scheduler does; why its hit stopped where it did."""
-    r = Request(rid, tokens, Params(), cache_salt=salt)
-    hit, num_hit = kv.get_computed_blocks(r)
-    miss = kv.classify_miss(r, num_hit)
-    assert kv.allocate_slots(r, r.num_tokens - num_hit, hit)
-    r.num_computed_tokens = r.num_tokens
-    if pin:
-        kv.pin_prefix(r, [KVPin(pin, 60.0)])
-    kv.forget(r)
-    return miss
+    """A request admitted, computed and finished (pinning `pin` tokens as it finishes): why its hit stopped."""
+    return serve_request(kv, rid, tokens, pin, 60.0, salt).miss
 
 
 PROMPT = list(range(1000, 1000 + 6 * BS + 3))
 
 
-def flood(kv: KVCacheManager, rounds: int = 4) -> None:
-    for n in range(rounds):
-        serve(kv, f"flood{n}", [7000 + 1000 * n + i for i in range(12 * BS)])
-
-
 def test_a_cold_prompt_was_never_seen_and_a_full_hit_has_no_miss():
-    kv, _ = make()
+    _, kv, _ = make()
     assert serve(kv, "a", PROMPT) == PrefixMiss("never_seen", 0)
     assert serve(kv, "b", PROMPT) is None  # every whole block before the last token served
 
 
 def test_an_evicted_prefix_says_when_and_under_what_pressure():
-    kv, clock = make()
+    _, kv, clock = make()
     serve(kv, "a", PROMPT)
     clock.now = 5.0
     flood(kv)
@@ -77,7 +37,7 @@ def test_an_evicted_prefix_says_when_and_under_what_pressure():
 
 
 def test_a_prompt_that_diverged_names_the_token():
-    kv, _ = make()
+    _, kv, _ = make()
     serve(kv, "a", PROMPT)
     changed = list(PROMPT)
     changed[2 * BS + 5] = 1
@@ -86,7 +46,7 @@ def test_a_prompt_that_diverged_names_the_token():
 
 
 def test_another_salt_is_told_apart_from_never_seen():
-    kv, _ = make()
+    _, kv, _ = make()
     serve(kv, "a", PROMPT, salt="tenant-a")
     assert serve(kv, "b", PROMPT, salt="tenant-b") == PrefixMiss("different_cache_salt", 0)
     assert serve(kv, "c", PROMPT) == PrefixMiss("different_cache_salt", 0)  # unsalted, seen salted
@@ -94,7 +54,7 @@ def test_another_salt_is_told_apart_from_never_seen():
 
 
 def test_an_expired_pin_is_named_when_its_blocks_were_evicted():
-    kv, clock = make()
+    _, kv, clock = make()
     serve(kv, "a", PROMPT, pin=6 * BS)
     clock.now = 61.0
     assert kv.expire_pins() == 1
@@ -107,7 +67,7 @@ def test_a_sliding_window_that_cut_the_hit_short():
     """Full attention + a 32-token window on 16 blocks. `a` is prefilled in chunks, so its sliding group gives back
     blocks 0-1 mid-request; another request reuses them (the spent queue goes first). A prompt sharing `a`'s first
     three blocks finds them all in the full group, but not the window before them in the sliding group."""
-    kv, _ = make(num_blocks=16, windows=[None, 32])  # a: 7 blocks a group
+    _, kv, _ = make(num_blocks=16, windows=[None, 32])  # a: 7 blocks a group
     a = Request("a", PROMPT, Params())
     for end in (2 * BS, 4 * BS, len(PROMPT)):  # three chunks: the third allocation frees blocks 0-1 as spent
         assert kv.allocate_slots(a, end - a.num_computed_tokens)
@@ -121,7 +81,7 @@ def test_a_sliding_window_that_cut_the_hit_short():
 
 
 def test_a_refused_tier_record_is_named():
-    kv, _ = make()
+    _, kv, _ = make()
     r = Request("a", PROMPT, Params())
     hashes = kv.hashes(r, r.num_tokens - 1)
     assert kv.classify_miss(r, 0, frozenset({hashes[0]})) == PrefixMiss("tier_record_failed_check", 0)
@@ -129,5 +89,5 @@ def test_a_refused_tier_record_is_named():
 
 def test_a_model_of_sliding_layers_only_is_never_cut_by_a_window_it_does_not_know():
     """Without a full-attention group there is nothing to compare the windows with: a cold prompt was never seen."""
-    kv, _ = make(num_blocks=40, windows=[32])
+    _, kv, _ = make(num_blocks=40, windows=[32])
     assert serve(kv, "a", PROMPT) == PrefixMiss("never_seen", 0)

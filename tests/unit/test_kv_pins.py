@@ -5,61 +5,18 @@ counted in hits, never timed; the pool and the references are checked whole afte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from kv_pin_support import BS, flood, make, serve_request
 
 from kvserve.engine.core import check_kv_invariants
-from kvserve.engine.request import Request
-from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.pool import BlockPool
-from kvserve.sampling_params import KVPin
-
-BS = 16
-
-
-@dataclass
-class Params:
-    seed: int | None = None
-    prompt_logprobs: int | None = None
-    kv_pins: tuple[KVPin, ...] = field(default_factory=tuple)
-
-
-@dataclass
-class Clock:
-    now: float = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(num_blocks: int = 24, windows: list[int | None] | None = None, budget: int | None = None):
-    layout = make_kv_cache_layout(windows or [None])
-    pool = BlockPool(num_blocks + 1, num_groups=layout.num_groups)
-    clock = Clock()
-    kv = KVCacheManager(pool, BS, layout=layout, max_pinned_blocks=budget, clock=clock)
-    return pool, kv, clock
 
 
 def serve(kv: KVCacheManager, rid: str, tokens: list[int], pin: int = 0, ttl: float = 300.0, salt=None) -> int:
-    """Admit, compute and finish a request as the scheduler does (pinning `pin` tokens at finish); its hit tokens."""
-    r = Request(rid, tokens, Params(), cache_salt=salt)
-    hit, num_hit = kv.get_computed_blocks(r)
-    assert kv.allocate_slots(r, r.num_tokens - num_hit, hit)
-    r.num_computed_tokens = r.num_tokens
-    if pin:
-        kv.pin_prefix(r, [KVPin(pin, ttl)])
-    kv.forget(r)
-    check_kv_invariants(kv)
-    return num_hit
+    """A request admitted, computed and finished (pinning `pin` tokens as it finishes): its hit tokens."""
+    return serve_request(kv, rid, tokens, pin, ttl, salt).hit_tokens
 
 
 PROMPT = list(range(1000, 1000 + 8 * BS + 5))  # 8 whole blocks and a bit
-
-
-def flood(kv: KVCacheManager, rounds: int = 4) -> None:
-    """Other users' prompts, enough to cycle every unpinned block of the pool."""
-    for n in range(rounds):
-        serve(kv, f"flood{n}", [5000 + 1000 * n + i for i in range(12 * BS)])
 
 
 def test_a_pinned_prefix_survives_pressure_that_evicts_an_unpinned_one():
