@@ -67,12 +67,12 @@ class KVShape:
     def from_model_config(cls, cfg: ModelConfig) -> KVShape:
         derived = cfg.hidden_size // cfg.num_heads
         note = "head_dim" if cfg.head_dim != derived else f"hidden_size {cfg.hidden_size} / {cfg.num_heads} heads"
-        return cls(
-            cfg.num_layers,
+        return cls(  # a hybrid model's state layers keep no KV (kv/state.py): the attention layers only
+            cfg.num_kv_layers,
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.num_heads,
-            tuple(cfg.sliding_windows),
+            tuple(cfg.kv_sliding_windows),
             head_dim_note=note,
         )
 

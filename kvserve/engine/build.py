@@ -62,6 +62,7 @@ def plan_cache(
     --kv-cache-memory-bytes or --num-gpu-blocks-override, `device_budget()` (the profiled budget,
     engine/memory_profile.py) is the budget."""
     budget = config.kv_cache_memory_bytes
+    state_bytes = state_slot_bytes(config, model_config)
     if config.num_gpu_blocks_override is None:
         if budget is None:
             if device.type != "cpu":
@@ -80,6 +81,14 @@ def plan_cache(
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
+    if budget is not None and state_bytes:
+        if state_bytes >= budget:
+            raise ValueError(
+                f"the KV budget ({budget} bytes) does not hold the state layers' {config.max_num_seqs} slots "
+                f"({state_bytes} bytes): raise --kv-cache-memory-bytes or lower --max-num-seqs"
+            )
+        logger.info("state layers: %d slots (--max-num-seqs), %d bytes of the budget", config.max_num_seqs, state_bytes)
+        budget -= state_bytes
     plan = plan_kv_cache(
         spec.bytes_per_block,
         spec.block_size,
@@ -126,15 +135,17 @@ def build_core(
     """The core around a loaded model: the KV spec, the pool's plan (profiled on CUDA), the grammar compiler (built
     over the tokenizer's vocabulary on its first use, never per request), the core."""
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, compute_dtype)
+    if model_config.state_layers:
+        config = for_state_layers(config, model_config)
     spec = KVCacheConfig(
-        model_config.num_layers,
+        model_config.num_kv_layers,
         model_config.num_kv_heads,
         model_config.head_dim,
         config.block_size,
         kv_dtype,
         # A contiguous cache's emulation (bench memory) keeps every layer's max-model-len: the uniform layout.
         make_kv_cache_layout(
-            model_config.sliding_windows,
+            model_config.kv_sliding_windows,
             hybrid=not (config.disable_hybrid_kv_cache_manager or config.reserve_max_model_len),
         ),
     )
@@ -160,6 +171,29 @@ def build_core(
         )
     fingerprint = offload_fingerprint(config, model, spec, device, compute_dtype) if config.kv_offload else None
     return EngineCore(config, model_config, model, spec, plan, grammar, device, fingerprint)
+
+
+def state_slot_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
+    """What the state slots of --max-num-seqs sequences take out of the KV budget (0 without state layers)."""
+    spec = model_config.state_spec
+    return 0 if spec is None else spec.bytes_per_slot * config.max_num_seqs
+
+
+def for_state_layers(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """A model with state layers (kv/state.py) cannot roll its state back: speculative decoding, which rejects drafted
+    tokens, is refused; a prefix hit would need the state at the hit point, which nothing keeps yet, so prefix caching
+    (and the offload tier under it) is off for it, said once in the log."""
+    if config.speculative_config is not None:
+        raise ValueError(
+            f"speculative decoding is not supported for {model_config.family}: its state layers cannot take back "
+            "rejected draft tokens"
+        )
+    if config.enable_prefix_caching:
+        logger.info(
+            "prefix caching is off for %s: a hit needs its state layers' state at the hit point, which is not kept yet",
+            model_config.family,
+        )
+    return dataclasses.replace(config, enable_prefix_caching=False)
 
 
 def offload_fingerprint(

@@ -34,6 +34,8 @@ from kvserve.kv.events import KVEventBuffer
 from kvserve.kv.events_config import start_kv_event_publisher
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
+from kvserve.kv.state import StateSlots
+from kvserve.kv.state_cache import allocate_state_cache
 from kvserve.kv.vllm_events import medium_for_device
 from kvserve.outputs import Logprob, logprob_entry
 from kvserve.spec_decode.gate import SpecDecoder
@@ -96,6 +98,7 @@ class EngineCore:
         self.max_model_len = cache_plan.max_model_len
         self.kv_events = KVEventBuffer()  # bounded: drained between steps by the async engine (the inspector)
         self.layout = kv_config.groups  # the KV cache groups (kv/groups.py)
+        state = model_config.state_spec  # a hybrid model's state layers (kv/state.py), or None
         self.pool = BlockPool(
             cache_plan.num_blocks,
             enable_caching=config.enable_prefix_caching,
@@ -122,11 +125,21 @@ class EngineCore:
             reserve,
             self.layout,
             max_pinned_blocks=int(self.pool.num_usable_blocks * config.max_pinned_kv_fraction),
+            state_slots=None if state is None else StateSlots(config.max_num_seqs),
         )
         kv_caches = allocate_kv_cache(kv_config, cache_plan.num_blocks, device)
         use_static_kv_scales(kv_caches, model.static_kv_scales, kv_config.dtype_name)
-        graphs = build_decode_graphs(config, model, kv_caches, self.layout, self.max_model_len, device)
-        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs)
+        state_caches = None
+        if state is not None:
+            state_caches = allocate_state_cache(state, config.max_num_seqs, torch.float32, device)
+            logger.info("state layers: %s", state.describe())
+        # No CUDA graphs for state layers: their per-sequence loop reads the step's lengths on the host.
+        graphs = (
+            None
+            if state is not None
+            else build_decode_graphs(config, model, kv_caches, self.layout, self.max_model_len, device)
+        )
+        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs, state_caches)
         tier = self._start_offload_tier(config, kv_caches, offload_fingerprint, model)
         self.offload = None if tier is None else tier[0]
         self.eos_token_ids = tuple(model_config.eos_token_ids)

@@ -15,6 +15,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.cache import LayerKVCache
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.state_cache import LayerStateCache, StateMetadata, StepState
 
 if TYPE_CHECKING:
     from kvserve.model.protocol import Model
@@ -48,6 +49,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
+        state_caches: list[LayerStateCache] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -55,6 +57,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.graphs = graphs
+        self.state_caches = state_caches  # a hybrid model's state layers (kv/state_cache.py), in layer order
         self.transfer = HostToDevice(device)
         self._logits: torch.Tensor | None = None  # reused by every step's sampled rows (see compute_logits)
 
@@ -101,7 +104,14 @@ class ModelRunner:
         # (the largest matrix of a small model) is then read once per step, not once per drafted request
         # (each row's logits are the same either way: the kernels compute rows independently).
         head_rows = sample_rows + [r for a, b in spec_rows.values() for r in range(a, b)]
-        hidden, rows = self._forward(input_ids, positions, block_tables, leading_nulls, seq_lens, query_lens, head_rows)
+        state = None
+        if self.state_caches is not None:
+            slots = [self.kv.state_slot(s.request) for s in out.scheduled]
+            starts = [s.start for s in out.scheduled]
+            state = StepState(self.state_caches, StateMetadata.build(slots, query_lens, starts, self.device))
+        hidden, rows = self._forward(
+            input_ids, positions, block_tables, leading_nulls, seq_lens, query_lens, head_rows, state
+        )
         all_logits = self.model.compute_logits(
             hidden.index_select(0, rows), out=self._logits_buffer(len(head_rows))
         ).float()
@@ -123,6 +133,7 @@ class ModelRunner:
         seq_lens: list[int],
         query_lens: list[int],
         head_rows: list[int],
+        state: StepState | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's hidden states of the step's rows, and `head_rows` as a device index tensor: each KV cache
         group's metadata is built on the host, sent with the ids in one copy, and run as a graph when one fits,
@@ -148,8 +159,8 @@ class ModelRunner:
                 for m in metas
             ]  # fmt: skip
         if len(metas) == 1:  # one KV cache group: every layer reads the same metadata
-            return self.model(ids, pos, self.kv_caches, metas[0]), rows
-        return self.model(ids, pos, self.kv_caches, [metas[g] for g in self.kv.layout.layer_group]), rows
+            return self.model(ids, pos, self.kv_caches, metas[0], state), rows
+        return self.model(ids, pos, self.kv_caches, [metas[g] for g in self.kv.layout.layer_group], state), rows
 
     def _graph_size(self, metas: list[AttentionMetadata]) -> int | None:
         """The captured size a decode-only step runs at, or None: eager (a prefill or mixed step, a batch larger

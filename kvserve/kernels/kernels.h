@@ -129,6 +129,13 @@ void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t 
                       float eps, float* out, int64_t out_stride);
 // gated_act.cpp: act(gate) * up for gate_up [rows, 2 x inter] -> out [rows, inter]; act 0 tanh-GELU, 1 SiLU.
 void kvserve_gated_act(const float* gate_up, int64_t rows, int64_t inter, int32_t act, float* out);
+
+// LFM2's gated short convolution (short_conv.cpp): bcx [tokens, 3 * channels] (B | C | x rows), weight [channels,
+// kernel], bias [channels] or null, states [slots, kernel - 1, channels] (read where continues[s], then written),
+// slots / continues [seqs], starts [seqs + 1] row offsets; out [tokens, channels].
+void kvserve_short_conv(const float* bcx, const float* weight, const float* bias, float* states, const int64_t* slots,
+                        const int64_t* starts, const int64_t* continues, int64_t seqs, int64_t channels,
+                        int64_t kernel, float* out);
 // qk_norm_rope.cpp
 void kvserve_qk_norm_rope(const KvserveQkNormRope* args);
 // row_max.cpp: each row of x [rows, cols] (rows `stride` floats apart, cols >= 1): its largest value and the index

@@ -106,6 +106,21 @@ class Kernels(Protocol):
         -> a new contiguous [T, heads, D] in qk's dtype."""
         ...
 
+    def short_conv(
+        self,
+        bcx: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        continues: Sequence[bool],
+    ) -> torch.Tensor:
+        """LFM2's gated short convolution of a flat batch (model/short_conv.py): [T, 3C] in_proj rows (B | C | x) ->
+        [T, C] = C * conv(B * x), each sequence's state (states[slots[s]], [kernel - 1, C]; zeros where not
+        continues[s]) read first and left holding its last kernel - 1 inputs of B * x. starts: S + 1 row offsets."""
+        ...
+
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         """Whether `paged_decode_attention` and `paged_prefill_attention` take this cache (else the caller
         gathers K/V and uses SDPA)."""
@@ -209,6 +224,37 @@ class TorchKernels:
             qk = normed.to(qk.dtype)
         # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + swap_halves(x) * (-sin, sin)
         return torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, dims=-1), signed_sin)
+
+    def short_conv(
+        self,
+        bcx: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        continues: Sequence[bool],
+    ) -> torch.Tensor:
+        b, c, x = bcx.chunk(3, dim=-1)
+        bx = b * x
+        keep = weight.shape[1] - 1
+        w = weight.to(bx.dtype)
+        decode_only = all(e - a == 1 for a, e in zip(starts, starts[1:])) and all(continues)
+        if decode_only:  # one token a sequence: one vectorized expression for the batch
+            window = torch.cat((states.index_select(0, slots).to(bx.dtype), bx[:, None, :]), dim=1)  # [S, k, C]
+            conv = torch.einsum("skc,ck->sc", window, w)
+            states.index_copy_(0, slots, window[:, 1:].to(states.dtype))
+        else:
+            conv = torch.empty_like(bx)
+            for i, slot in enumerate(slots.tolist()):
+                a, e = starts[i], starts[i + 1]
+                state = states[slot].to(bx.dtype) if continues[i] else bx.new_zeros(keep, bx.shape[1])
+                window = torch.cat((state, bx[a:e]), dim=0)  # [keep + n, C]
+                conv[a:e] = (window.unfold(0, keep + 1, 1) * w).sum(-1)  # unfold: [n, C, k]
+                states[slot] = window[-keep:].to(states.dtype)
+        if bias is not None:
+            conv = conv + bias.to(bx.dtype)
+        return c * conv
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         return False  # torch has no paged attention: attention/cpu.py gathers K/V and calls SDPA
@@ -489,6 +535,40 @@ class NativeKernels:
         out = torch.empty(*gate_up.shape[:-1], inter, dtype=torch.float32)
         if rows:
             self.library.kvserve_gated_act(gate_up.data_ptr(), rows, inter, code, out.data_ptr())
+        return out
+
+    def short_conv(
+        self,
+        bcx: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        continues: Sequence[bool],
+    ) -> torch.Tensor:
+        tensors = (bcx, weight, states) if bias is None else (bcx, weight, states, bias)
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            return self.fallback.short_conv(bcx, weight, bias, states, slots, starts, continues)
+        channels = bcx.shape[1] // 3
+        out = torch.empty(bcx.shape[0], channels, dtype=torch.float32)
+        if bcx.shape[0]:
+            slot_ids = slots.to(dtype=torch.int64).contiguous()
+            offsets = torch.tensor(list(starts), dtype=torch.int64)
+            flags = torch.tensor([int(c) for c in continues], dtype=torch.int64)
+            self.library.kvserve_short_conv(
+                bcx.data_ptr(),
+                weight.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                states.data_ptr(),
+                slot_ids.data_ptr(),
+                offsets.data_ptr(),
+                flags.data_ptr(),
+                len(continues),
+                channels,
+                weight.shape[1],
+                out.data_ptr(),
+            )
         return out
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:

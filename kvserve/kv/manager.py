@@ -13,6 +13,7 @@ from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
 from kvserve.kv.misses import MissCounts, PrefixMiss, SeenBlocks, common_prefix
 from kvserve.kv.pins import PinOutcome, PinTable
 from kvserve.kv.pool import BlockPool
+from kvserve.kv.state import StateSlots
 from kvserve.units import cdiv
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class KVCacheManager:
         reserve_tokens: int = 0,
         layout: KVCacheLayout | None = None,
         max_pinned_blocks: int | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
@@ -120,6 +122,9 @@ class KVCacheManager:
         if pool.num_groups != self.layout.num_groups:
             raise ValueError(f"a pool of {pool.num_groups} groups cannot serve {self.layout.num_groups}")
         self.pool = pool
+        # A hybrid model's state layers (kv/state.py): each scheduled request holds one slot, taken with its first
+        # blocks and given back with them.
+        self.state_slots = state_slots
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
         self.hasher = BlockHasher(hash_algo)
@@ -301,6 +306,8 @@ class KVCacheManager:
         while not self.can_fit(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens):
             if not self.pins.release_oldest():  # pins yield to live requests before anyone is refused or preempted
                 return False
+        if self.state_slots is not None and self.state_slots.acquire(rid) is None:
+            return False
         if state is None:
             state = self.requests[rid] = RequestTables([[] for _ in range(self.num_groups)], [0] * self.num_groups)
         hit_len = 0
@@ -423,6 +430,13 @@ class KVCacheManager:
 
     # ---- what requests hold ----------------------------------------------------------------------------
 
+    def state_slot(self, request: KVRequest) -> int:
+        """The state slot a scheduled request holds (allocate_slots gave it one)."""
+        slot = None if self.state_slots is None else self.state_slots.slot_of(request.request_id)
+        if slot is None:
+            raise KeyError(f"request {request.request_id} holds no state slot")
+        return slot
+
     def block_ids(self, request: KVRequest, group_id: int = 0) -> list[int]:
         """The request's table in one group, as block ids (the null block's id before a sliding window)."""
         state = self.requests.get(request.request_id)
@@ -470,6 +484,8 @@ class KVCacheManager:
         """Return the request's blocks, each group's last block first so that a sequence's tail is evicted before
         its shareable head (with an offload tier, its sliding groups' last windows are stored first). Freeing an
         unknown or already freed request does nothing."""
+        if self.state_slots is not None:
+            self.state_slots.release(request.request_id)
         state = self.requests.pop(request.request_id, None)
         if state is None:
             return

@@ -11,14 +11,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.json_files import read_json_object
+from kvserve.kv.state import StateSpec
 
 if TYPE_CHECKING:
     from kvserve.model.gguf_reader import GGUFFile
 
 # HF model_type -> our family name.
-_HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_HF_FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "lfm2": "lfm2",
+}
 # GGUF general.architecture -> our family name.
-_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "lfm2": "lfm2"}
+# What a layer mixes tokens with: attention over the paged KV cache, or a state carried from token to token (LFM2's
+# short convolution). A state layer keeps no KV: the KV cache groups are built over the attention layers only.
+ATTENTION = "attention"
+SHORT_CONV = "short_conv"
+LAYER_KINDS = (ATTENTION, SHORT_CONV)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 GEMMA3_SLIDING_PATTERN = 6  # HF Gemma3TextConfig default: every 6th layer is global
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
@@ -56,16 +69,27 @@ class ModelConfig:
     rope_scalings: list[dict | None] = field(default_factory=list)
     attention_out_bias: bool = False  # o_proj bias (llama/qwen3 attention_bias); qwen2 has q/k/v bias only
     final_logit_softcapping: float | None = None
+    # Per layer: ATTENTION or a state layer's kind (SHORT_CONV); empty means every layer attends.
+    layer_kinds: list[str] = field(default_factory=list)
+    conv_kernel: int = 0  # a short convolution's taps (LFM2's conv_L_cache): its state keeps conv_kernel - 1 tokens
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_layers
+        if not self.layer_kinds:
+            self.layer_kinds = [ATTENTION] * n
+        unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if unknown:
+            raise NotImplementedError(f"layer kind(s) {', '.join(unknown)} not supported ({', '.join(LAYER_KINDS)})")
+        if SHORT_CONV in self.layer_kinds and self.conv_kernel < 2:
+            raise ValueError(f"a short convolution needs at least 2 taps, got {self.conv_kernel}")
         if not self.sliding_windows:
             self.sliding_windows = [None] * n
         if not self.rope_thetas:
             self.rope_thetas = [self.rope_theta] * n
         if not self.rope_scalings:
             self.rope_scalings = [self.rope_scaling] * n
-        for name in ("sliding_windows", "rope_thetas", "rope_scalings"):
+        for name in ("sliding_windows", "rope_thetas", "rope_scalings", "layer_kinds"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"ModelConfig.{name} has {len(getattr(self, name))} entries for {n} layers")
         for scaling in self.rope_scalings:
@@ -74,6 +98,35 @@ class ModelConfig:
                     f"rope scaling type {scaling.get('rope_type')!r} is not supported (supported: "
                     f"{', '.join(SUPPORTED_ROPE_TYPES)})"
                 )
+
+    # -- which layers keep KV ----------------------------------------------------------------------
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend over the paged KV cache (every layer but a hybrid model's state layers)."""
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == ATTENTION)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that carry a per-sequence state instead of KV (LFM2's short convolutions)."""
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind != ATTENTION)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.attention_layers)
+
+    @property
+    def kv_sliding_windows(self) -> list[int | None]:
+        """The sliding windows of the attention layers, in order: what the KV cache groups are built from."""
+        return [self.sliding_windows[i] for i in self.attention_layers]
+
+    @property
+    def state_spec(self) -> StateSpec | None:
+        """The state one sequence keeps in the state layers (kv/state.py); None when every layer attends. States are
+        float32 whatever the KV cache's dtype: a state is carried through every token, so its rounding would add up,
+        and it is small (LFM2-350M: 10 conv layers x 2 tokens x 1024 channels x 4 bytes = 80 KiB a sequence)."""
+        if not self.state_layers:
+            return None
+        return StateSpec(len(self.state_layers), self.conv_kernel, self.hidden_size)
 
     # -- per-family switches (one decoder, no per-family copies) ---------------------------------
     @property
@@ -120,6 +173,8 @@ class ModelConfig:
         family = _HF_FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(_HF_FAMILIES)})")
+        if family == "lfm2":
+            return cls._from_hf_lfm2(cfg, generation_config or {})
         if cfg.get("mlp_bias"):
             raise NotImplementedError("mlp_bias=True is not supported")
         if cfg.get("attn_logit_softcapping") is not None:
@@ -169,6 +224,62 @@ class ModelConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             generation_defaults=gen,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+    @classmethod
+    def _from_hf_lfm2(cls, cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
+        """LFM2 / LFM2.5 (HF `lfm2`): short-convolution layers ("conv") beside GQA attention layers with q/k norms;
+        a SwiGLU MLP whose width HF derives from intermediate_size (block_auto_adjust_ff_dim); one final norm
+        (HF's embedding_norm)."""
+        n_layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        n_heads = int(cfg["num_attention_heads"])
+        types = cfg.get("layer_types")
+        if types is None:
+            full = set(cfg.get("full_attn_idxs") or range(n_layers))
+            types = ["full_attention" if i in full else "conv" for i in range(n_layers)]
+        if len(types) != n_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
+        lfm2_kinds = {"full_attention": ATTENTION, "conv": SHORT_CONV}
+        unknown = sorted(set(types) - set(lfm2_kinds))
+        if unknown:
+            names = ", ".join(map(repr, unknown))
+            raise NotImplementedError(f"LFM2 layer type(s) {names} are not supported (conv, full_attention)")
+        ff = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
+        if cfg.get("block_auto_adjust_ff_dim", True):
+            ff = int(2 * ff / 3)
+            multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+            if multiplier is not None:
+                step = int(cfg.get("block_multiple_of", 256))
+                ff = step * -(-int(multiplier * ff) // step)
+        params = cfg.get("rope_parameters") or {}
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+        scaling = _normalize_scaling(params or cfg.get("rope_scaling"))
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        tied = cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))
+        return cls(
+            family="lfm2",
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            intermediate_size=ff,
+            rms_norm_eps=float(cfg.get("norm_eps", 1e-5)),
+            rope_theta=theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 128_000)),
+            tie_word_embeddings=bool(tied),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=[] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])],
+            rope_scaling=scaling,
+            qk_norm=True,
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            generation_defaults=dict(gen),
+            layer_kinds=[lfm2_kinds[t] for t in types],
+            conv_kernel=int(cfg.get("conv_L_cache", 3)),
+            conv_bias=bool(cfg.get("conv_bias", False)),
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""One decoder-only transformer for the llama / qwen2 / qwen3 / gemma3 families (per-family switches).
+"""One decoder-only transformer for the llama / qwen2 / qwen3 / gemma3 / lfm2 families (per-family switches).
 
 Parameter names follow HF's (without the leading "model."), except the fused `qkv_proj` and `gate_up_proj`;
 `load_weights` maps canonical checkpoint names onto them.
@@ -16,11 +16,13 @@ from kvserve.attention.metadata import AttentionMetadata, StepMetadata, per_laye
 from kvserve.attention.registry import get_attention_backend
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels, NativeKernels
 from kvserve.kv.cache import LayerKVCache
-from kvserve.model.config import ModelConfig
+from kvserve.kv.state_cache import LayerStateCache, StateMetadata, StepState
+from kvserve.model.config import SHORT_CONV, ModelConfig
 from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from kvserve.model.native_layer import NativeLayerStack, NativeLayerUnsupported
 from kvserve.model.quantization import Q8Linear, TiedEmbedding
+from kvserve.model.short_conv import ShortConv
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +30,24 @@ log = logging.getLogger(__name__)
 class DecoderLayer(nn.Module):
     """Pre-norm block; with `sandwich` (gemma3) the attention and MLP outputs are normalized too.
 
+    Its token mixer is attention over the paged KV cache (`self_attn`) or, in a hybrid model's state layer, a short
+    convolution over a per-sequence state (`conv`, LFM2): one of the two, named as HF names them.
+
     Norm names are HF's: for llama/qwen `post_attention_layernorm` is the norm *before* the MLP; for
     gemma3 it normalizes the attention output and `pre_feedforward_layernorm` precedes the MLP.
     """
 
-    def __init__(self, config: ModelConfig, attention: PagedAttention) -> None:
+    def __init__(self, config: ModelConfig, attention: PagedAttention | None, conv: ShortConv | None = None) -> None:
         super().__init__()
+        if (attention is None) == (conv is None):
+            raise ValueError("a decoder layer mixes tokens with attention or with a short convolution, one of them")
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.sandwich = config.sandwich_norms
-        self.self_attn = attention
+        if attention is not None:
+            self.self_attn = attention
+        if conv is not None:
+            self.conv = conv
+        self.has_state = conv is not None
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -52,7 +63,13 @@ class DecoderLayer(nn.Module):
         kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return self._residual_and_mlp(h, self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta))
+
+    def forward_state(self, h: torch.Tensor, cache: LayerStateCache, meta: StateMetadata) -> torch.Tensor:
+        """A state layer's forward: the short convolution in place of attention, the rest the same."""
+        return self._residual_and_mlp(h, self.conv(self.input_layernorm(h), cache, meta))
+
+    def _residual_and_mlp(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.sandwich:
             h = h + self.post_attention_layernorm(x)
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
@@ -88,6 +105,10 @@ class DecoderModel(nn.Module):
             self.embed_tokens = TiedEmbedding(c.vocab_size, c.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList()
             for i in range(c.num_layers):
+                if c.layer_kinds[i] == SHORT_CONV:
+                    conv = ShortConv(c.hidden_size, c.conv_kernel, c.conv_bias)
+                    self.layers.append(DecoderLayer(c, None, conv).to(dtype=dtype))
+                    continue
                 attn = PagedAttention(
                     c.hidden_size,
                     c.num_heads,
@@ -136,6 +157,9 @@ class DecoderModel(nn.Module):
         earlier) and logged. The weights must be in place: the stack points into them."""
         if not self.layer_path_chosen:
             self.layer_path_chosen = True
+            if self.has_state:
+                log.info("decoder layers: the torch modules (decoder_layer.cpp has no state layers)")
+                return None
             try:
                 self.native_layers = NativeLayerStack.build(
                     self.layers, self.kernels, self.dtype, self.attention_backend
@@ -161,8 +185,11 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKVCache],
         meta: StepMetadata,
+        state: StepState | None = None,
     ) -> torch.Tensor:
-        metas = per_layer(meta, len(self.layers))
+        """`kv_caches` and `meta`: one per attention layer, in order (a hybrid model's state layers keep no KV);
+        `state`: the state layers' caches and the step's state metadata, for a model that has state layers."""
+        metas = per_layer(meta, len(kv_caches))
         h = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
         if multiplier is not None:
@@ -172,10 +199,28 @@ class DecoderModel(nn.Module):
         native = self.choose_layer_path()
         if native is not None and native.takes(kv_caches, h.shape[0], metas[0].is_decode_only):
             return self.norm(native.run(h, tables, self.rope_index, kv_caches, metas))
-        for layer, rope_i, kv_cache, layer_meta in zip(self.layers, self.rope_index, kv_caches, metas, strict=True):
-            cos, sin = tables[rope_i]
-            h = layer(h, cos, sin, kv_cache, layer_meta)
+        if not self.has_state:
+            for layer, rope_i, kv_cache, layer_meta in zip(self.layers, self.rope_index, kv_caches, metas, strict=True):
+                cos, sin = tables[rope_i]
+                h = layer(h, cos, sin, kv_cache, layer_meta)
+            return self.norm(h)
+        if state is None:
+            raise ValueError(f"the {self.config.family} model has state layers: its forward needs their state")
+        kv_layers, state_layers = iter(zip(kv_caches, metas, strict=True)), iter(state.caches)
+        for layer, rope_i in zip(self.layers, self.rope_index, strict=True):
+            if layer.has_state:
+                # nn.ModuleList yields untyped nn.Module items (torch's stubs): these are DecoderLayer
+                h = layer.forward_state(h, next(state_layers), state.meta)  # type: ignore[operator]
+            else:
+                kv_cache, layer_meta = next(kv_layers)
+                cos, sin = tables[rope_i]
+                h = layer(h, cos, sin, kv_cache, layer_meta)
         return self.norm(h)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layers carry a per-sequence state (a hybrid model: LFM2's short convolutions)."""
+        return bool(self.config.state_layers)
 
     @property
     def kernel_isa(self) -> str:

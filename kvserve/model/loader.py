@@ -255,7 +255,35 @@ def _hf_canonical_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str
     for name, tensor in _safetensors_tensors(hf_safetensors_files(path), rename):
         if config.norm_adds_one and name.endswith("norm.weight"):
             tensor = tensor.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
+        if config.family == "lfm2":
+            name, tensor = _lfm2_canonical(name, tensor)
         yield name, tensor
+
+
+# LFM2's HF names -> the decoder's (layers.N.<sub>): its MLP, norms and attention output under llama's names.
+_LFM2_NAMES = {
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "operator_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "self_attn.out_proj": "self_attn.o_proj",
+    "self_attn.q_layernorm": "self_attn.q_norm",
+    "self_attn.k_layernorm": "self_attn.k_norm",
+    "conv.conv": "conv.conv",  # the depthwise conv's weight [channels, 1, kernel] is stored as [channels, kernel]
+}
+
+
+def _lfm2_canonical(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    if name == "embedding_norm.weight":
+        return "norm.weight", tensor
+    if not name.startswith("layers."):
+        return name, tensor
+    _, idx, rest = name.split(".", 2)
+    sub, _, suffix = rest.rpartition(".")
+    if sub == "conv.conv":
+        return f"layers.{idx}.conv.conv_{suffix}", tensor.reshape(tensor.shape[0], -1) if suffix == "weight" else tensor
+    return f"layers.{idx}.{_LFM2_NAMES.get(sub, sub)}.{suffix}", tensor
 
 
 _KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from kvserve.attention.metadata import StepMetadata
     from kvserve.kernels.ops import NativeKernels
     from kvserve.kv.cache import LayerKVCache
+    from kvserve.kv.state_cache import StepState
 
 
 class Model(Protocol):
@@ -39,9 +40,20 @@ class Model(Protocol):
         ...
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: StepMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: StepMetadata,
+        state: StepState | None = None,
     ) -> torch.Tensor:
-        """The hidden states of a flat batch, writing its K/V into `kv_caches` at each layer's meta.slot_mapping."""
+        """The hidden states of a flat batch, writing its K/V into `kv_caches` (one per attention layer) at each
+        layer's meta.slot_mapping, and, with state layers, carrying each sequence's state in `state`."""
+        ...
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layers carry a per-sequence state instead of KV (kv/state.py)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

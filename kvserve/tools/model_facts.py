@@ -130,9 +130,14 @@ def dense_parameter_count(cfg: ModelConfig) -> int:
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if cfg.attention_bias else 0)
     norms = (4 if cfg.sandwich_norms else 2) * h + (2 * hd if cfg.qk_norm else 0)
-    per_layer = attention + 3 * h * cfg.intermediate_size + norms
+    mlp = 3 * h * cfg.intermediate_size
+    # A short-conv layer (LFM2) has in_proj (3h x h), out_proj (h x h) and h x kernel taps instead of attention.
+    conv = 4 * h * h + h * cfg.conv_kernel + ((4 * h + h) if cfg.conv_bias else 0)
+    attention_layers, state_layers = cfg.num_kv_layers, cfg.num_layers - cfg.num_kv_layers
+    per_attention_layer = attention + mlp + norms
+    per_state_layer = conv + mlp + 2 * h
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return embeddings + cfg.num_layers * per_layer + h
+    return embeddings + attention_layers * per_attention_layer + state_layers * per_state_layer + h
 
 
 def _from_hf_config(cfg: dict[str, Any], directory: Path | None, source: str, name: str) -> ModelFacts:

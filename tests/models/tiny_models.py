@@ -12,6 +12,7 @@ from tiny_tokenizer import write_char_tokenizer
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kv.cache import LayerKVCache
+from kvserve.kv.state_cache import StateMetadata, StepState, allocate_state_cache
 from kvserve.model.decoder import DecoderModel
 
 if TYPE_CHECKING:
@@ -119,7 +120,25 @@ TINY_VARIANTS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # LFM2: short-convolution layers (a per-sequence state, kv/state.py) beside GQA attention with q/k norms.
+    "lfm2_hybrid": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            block_multiple_of=32,
+            conv_L_cache=3,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        ),
+    ),
 }
+
+
+# Variants with state layers (kv/state.py): the native decoder layer (kernels/decoder_layer.cpp) does not cover them.
+STATE_VARIANTS = frozenset({"lfm2_hybrid"})
 
 
 def build_tiny_hf_model(variant: str, **overrides: object) -> torch.nn.Module:
@@ -181,8 +200,13 @@ class PagedDriver:
         nan = float("nan")
         self.kv = [
             LayerKVCache(torch.full(shape, nan, dtype=kv_dtype), torch.full(shape, nan, dtype=kv_dtype))
-            for _ in range(c.num_layers)
+            for _ in range(c.num_kv_layers)
         ]
+        # A hybrid model's state layers: one slot a sequence, in reverse order (slot numbers are not sequence numbers)
+        spec = c.state_spec
+        self.state = (
+            None if spec is None else allocate_state_cache(spec, len(seqs) + 1, torch.float32, torch.device("cpu"))
+        )
         self.done = [0] * len(seqs)
 
     def step(self, plan: dict[int, int]) -> dict[int, torch.Tensor]:
@@ -197,8 +221,15 @@ class PagedDriver:
         meta = AttentionMetadata.build(
             [self.tables[i] for i in order], seq_lens, [plan[i] for i in order], self.block_size, torch.device("cpu")
         )
+        state = None
+        if self.state is not None:
+            slots = [len(self.seqs) - i for i in order]
+            state_meta = StateMetadata.build(
+                slots, [plan[i] for i in order], [self.done[i] for i in order], meta.seq_lens.device
+            )
+            state = StepState(self.state, state_meta)
         with torch.no_grad():
-            hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta)
+            hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, state)
             logits = self.model.compute_logits(hidden)
         out, row = {}, 0
         for i in order:

@@ -213,6 +213,54 @@ def test_native_gated_act_matches_torch(native: NativeKernels, act: str, shape: 
     torch.testing.assert_close(got, TorchKernels().gated_act(x, act), atol=1e-5, rtol=1e-5)
 
 
+def _short_conv_case(query_lens: list[int], continues: list[bool], channels: int, kernel: int, bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    bcx = torch.randn(sum(query_lens), 3 * channels, generator=g)
+    weight = torch.randn(channels, kernel, generator=g)
+    b = torch.randn(channels, generator=g) if bias else None
+    states = torch.randn(len(query_lens) + 3, kernel - 1, channels, generator=g)
+    slots = torch.randperm(len(query_lens) + 3, generator=g)[: len(query_lens)]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return bcx, weight, b, states, slots, starts, continues
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "query_lens,continues,channels,kernel,bias",
+    [
+        ([1, 1, 1], [True, True, True], 64, 3, False),  # a decode step
+        ([5, 1, 17], [False, True, True], 13, 3, True),  # odd channels, a prompt starting beside a decode and a chunk
+        ([2, 40], [True, False], 1024, 4, False),  # chunks shorter than the kernel; LFM2-350M's width
+        ([1], [False], 8, 2, False),  # one token from zeros
+    ],
+)
+def test_native_short_conv_matches_torch(native: NativeKernels, query_lens, continues, channels, kernel, bias) -> None:
+    """The gated short convolution (LFM2) and the states it leaves behind, against the torch reference; slots not
+    in the step keep their state."""
+    bcx, weight, b, states, slots, starts, cont = _short_conv_case(query_lens, continues, channels, kernel, bias, 7)
+    want_states = states.clone()
+    want = TorchKernels().short_conv(bcx, weight, b, want_states, slots, starts, cont)
+    got = native.short_conv(bcx, weight, b, states, slots, starts, cont)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, want_states, atol=0, rtol=0)
+
+
+def test_torch_short_conv_equals_a_causal_conv1d() -> None:
+    """The reference itself, against torch's conv1d over each whole sequence (HF's causal_conv1d_fn): two chunks of
+    a sequence through its state give the same outputs as the sequence at once."""
+    channels, kernel = 6, 3
+    bcx, weight, _, states, _, _, _ = _short_conv_case([11], [False], channels, kernel, False, 3)
+    b, c, x = bcx.chunk(3, dim=-1)
+    conv = torch.nn.functional.conv1d((b * x).T[None], weight[:, None, :], padding=kernel - 1, groups=channels)
+    want = c * conv[0, :, :11].T
+    slot = torch.tensor([1])
+    first = TorchKernels().short_conv(bcx[:4], weight, None, states, slot, [0, 4], [False])
+    rest = TorchKernels().short_conv(bcx[4:], weight, None, states, slot, [0, 7], [True])
+    torch.testing.assert_close(torch.cat((first, rest)), want, atol=1e-5, rtol=1e-5)
+
+
 def _paged_prompt(seq_len: int, q_len: int, block_size: int, heads: int, kv_heads: int, dim: int, seed: int):
     """One sequence's context in a random paged cache (shuffled blocks, NaN in every slot it does not own)."""
     g = torch.Generator().manual_seed(seed)

@@ -34,7 +34,9 @@ class RecordingModel:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], AttentionMetadata]] = []
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata, state=None
+    ):
         self.calls.append((ids.tolist(), meta))
         return torch.zeros(len(ids), 4)
 
