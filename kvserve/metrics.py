@@ -169,7 +169,7 @@ class EngineStatsCollector:
                 PREFIX + "prefix_cache_miss_reasons",
                 "Requests whose prefix hit stopped short of their prompt, by why (docs/PROMPT_CACHING.md): "
                 "never_seen, evicted, pin_expired, diverged, different_cache_salt, outside_sliding_window, "
-                "tier_record_failed_check.",
+                "no_state_snapshot, tier_record_failed_check.",
                 labels=["model_name", "reason"],
             )
             for reason, count in s.prefix_cache_miss_reasons:

@@ -23,6 +23,7 @@ from kvserve.engine.memory_profile import CudaMemory, gpu_kv_budget, profile_gpu
 from kvserve.kv.cache import KVCacheConfig, resolve_kv_cache_dtype
 from kvserve.kv.groups import make_kv_cache_layout
 from kvserve.kv.offload.config import check_host_tier_fits
+from kvserve.kv.state import state_reservation
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.units import MiB
 
@@ -62,7 +63,6 @@ def plan_cache(
     --kv-cache-memory-bytes or --num-gpu-blocks-override, `device_budget()` (the profiled budget,
     engine/memory_profile.py) is the budget."""
     budget = config.kv_cache_memory_bytes
-    state_bytes = state_slot_bytes(config, model_config)
     if config.num_gpu_blocks_override is None:
         if budget is None:
             if device.type != "cpu":
@@ -81,14 +81,18 @@ def plan_cache(
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
-    if budget is not None and state_bytes:
-        if state_bytes >= budget:
-            raise ValueError(
-                f"the KV budget ({budget} bytes) does not hold the state layers' {config.max_num_seqs} slots "
-                f"({state_bytes} bytes): raise --kv-cache-memory-bytes or lower --max-num-seqs"
-            )
-        logger.info("state layers: %d slots (--max-num-seqs), %d bytes of the budget", config.max_num_seqs, state_bytes)
-        budget -= state_bytes
+    num_snapshots = 0
+    if model_config.state_spec is not None:
+        state = state_reservation(model_config.state_spec, config.max_num_seqs, budget, config.enable_prefix_caching)
+        num_snapshots = state.num_snapshots
+        if budget is not None:
+            if state.bytes >= budget:
+                raise ValueError(
+                    f"the KV budget ({budget} bytes) does not hold the state layers' slots ({state.describe()}): "
+                    "raise --kv-cache-memory-bytes or lower --max-num-seqs"
+                )
+            budget -= state.bytes
+        logger.info("state layers' slots, out of the KV budget: %s", state.describe())
     plan = plan_kv_cache(
         spec.bytes_per_block,
         spec.block_size,
@@ -109,7 +113,7 @@ def plan_cache(
             )
     pool_bytes = plan.num_blocks * plan.bytes_per_block if device.type == "cpu" else 0
     check_host_tier_fits(config.kv_offload, _available_memory_bytes(), pool_bytes)
-    return plan
+    return dataclasses.replace(plan, num_state_snapshots=num_snapshots)
 
 
 def _available_memory_bytes() -> int | None:
@@ -173,27 +177,22 @@ def build_core(
     return EngineCore(config, model_config, model, spec, plan, grammar, device, fingerprint)
 
 
-def state_slot_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
-    """What the state slots of --max-num-seqs sequences take out of the KV budget (0 without state layers)."""
-    spec = model_config.state_spec
-    return 0 if spec is None else spec.bytes_per_slot * config.max_num_seqs
-
-
 def for_state_layers(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     """A model with state layers (kv/state.py) cannot roll its state back: speculative decoding, which rejects drafted
-    tokens, is refused; a prefix hit would need the state at the hit point, which nothing keeps yet, so prefix caching
-    (and the offload tier under it) is off for it, said once in the log."""
+    tokens, is refused. Its prefix hits need state snapshots, which the KV offload tier does not store yet: the tier
+    is off for it, said once in the log."""
     if config.speculative_config is not None:
         raise ValueError(
             f"speculative decoding is not supported for {model_config.family}: its state layers cannot take back "
             "rejected draft tokens"
         )
-    if config.enable_prefix_caching:
-        logger.info(
-            "prefix caching is off for %s: a hit needs its state layers' state at the hit point, which is not kept yet",
-            model_config.family,
-        )
-    return dataclasses.replace(config, enable_prefix_caching=False)
+    if config.kv_offload is None:
+        return config
+    logger.warning(
+        "--kv-offloading-size has no effect for %s: the tier does not store its state snapshots yet",
+        model_config.family,
+    )
+    return dataclasses.replace(config, kv_offloading_size=None, kv_offloading_path=None)
 
 
 def offload_fingerprint(

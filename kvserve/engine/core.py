@@ -34,7 +34,7 @@ from kvserve.kv.events import KVEventBuffer
 from kvserve.kv.events_config import start_kv_event_publisher
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
-from kvserve.kv.state import StateSlots
+from kvserve.kv.state import StateSlots, StateSnapshots
 from kvserve.kv.state_cache import allocate_state_cache
 from kvserve.kv.vllm_events import medium_for_device
 from kvserve.outputs import Logprob, logprob_entry
@@ -126,12 +126,18 @@ class EngineCore:
             self.layout,
             max_pinned_blocks=int(self.pool.num_usable_blocks * config.max_pinned_kv_fraction),
             state_slots=None if state is None else StateSlots(config.max_num_seqs),
+            state_snapshots=(
+                StateSnapshots(config.max_num_seqs, cache_plan.num_state_snapshots)
+                if state is not None and cache_plan.num_state_snapshots
+                else None
+            ),
         )
         kv_caches = allocate_kv_cache(kv_config, cache_plan.num_blocks, device)
         use_static_kv_scales(kv_caches, model.static_kv_scales, kv_config.dtype_name)
         state_caches = None
         if state is not None:
-            state_caches = allocate_state_cache(state, config.max_num_seqs, torch.float32, device)
+            num_slots = config.max_num_seqs + cache_plan.num_state_snapshots
+            state_caches = allocate_state_cache(state, num_slots, torch.float32, device)
             logger.info("state layers: %s", state.describe())
         # No CUDA graphs for state layers: their per-sequence loop reads the step's lengths on the host.
         graphs = (
@@ -570,6 +576,12 @@ def check_kv_invariants(kv: KVCacheManager, offload: OffloadConnector | None = N
     referenced = sum(1 for b in kv.pool.blocks if b.ref_cnt > 0)
     if kv.pool.num_free_blocks + referenced != kv.pool.num_usable_blocks:
         raise AssertionError(f"{kv.pool.num_free_blocks} free + {referenced} referenced != {kv.pool.num_usable_blocks}")
+    slots = kv.state_slots
+    if slots is not None:  # a state slot is held exactly by the requests that hold blocks (kv/state.py)
+        if set(slots.held) != set(kv.requests):
+            raise AssertionError(f"state slots held by {sorted(slots.held)}, blocks by {sorted(kv.requests)}")
+        if slots.num_free + len(slots.held) != slots.num_slots or len(set(slots.held.values())) != len(slots.held):
+            raise AssertionError(f"state slots: {slots.num_free} free + {len(slots.held)} held != {slots.num_slots}")
 
 
 def _advance_grammar(matcher: GrammarMatcher, token_id: int) -> bool:

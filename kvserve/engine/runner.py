@@ -105,13 +105,17 @@ class ModelRunner:
         # (each row's logits are the same either way: the kernels compute rows independently).
         head_rows = sample_rows + [r for a, b in spec_rows.values() for r in range(a, b)]
         state = None
+        saves: list[tuple[int, int]] = []
         if self.state_caches is not None:
+            restores, saves = self.kv.take_state_copies()
+            self._copy_states(restores)  # prefix hits start from their snapshots
             slots = [self.kv.state_slot(s.request) for s in out.scheduled]
             starts = [s.start for s in out.scheduled]
             state = StepState(self.state_caches, StateMetadata.build(slots, query_lens, starts, self.device))
         hidden, rows = self._forward(
             input_ids, positions, block_tables, leading_nulls, seq_lens, query_lens, head_rows, state
         )
+        self._copy_states(saves)  # steps that ended on a block boundary leave snapshots
         all_logits = self.model.compute_logits(
             hidden.index_select(0, rows), out=self._logits_buffer(len(head_rows))
         ).float()
@@ -123,6 +127,15 @@ class ModelRunner:
             rid: (first, self.model.compute_logits(hidden[a:b]).float()) for rid, (first, a, b) in prompt_rows.items()
         }
         return RunnerOutput(sample_requests, logits, prompt_logits, spec_logits)
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy state slots (from, to) in every state layer (kv/state.py: restores and snapshots)."""
+        if not copies or self.state_caches is None:
+            return
+        src = torch.tensor([a for a, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.int64, device=self.device)
+        for cache in self.state_caches:
+            cache.conv.index_copy_(0, dst, cache.conv.index_select(0, src))
 
     def _forward(
         self,

@@ -145,6 +145,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break
+            num_new = self.kv.state_chunk(request, request.num_computed_tokens, num_new)
             drafts = self._drafts_that_fit(request, num_new, budget)
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(drafts)):
                 if drafts:  # no room to verify drafts: a plain decode, preempting nobody for a guess
@@ -190,7 +191,7 @@ class Scheduler:
                     i += 1  # (the engine refuses such prompts: its max-model-len is at most one step's budget)
                     continue
                 break
-            num_new = min(remaining, budget)
+            num_new = self.kv.state_chunk(request, num_hit, min(remaining, budget))
             first = request.status is RequestStatus.WAITING  # not a retry after preemption
             lost = self.kv.evicted_misses(request, num_hit) if first else 0
             rejected = load.rejected() if load is not None else frozenset()
@@ -271,6 +272,7 @@ class Scheduler:
         is short (one request always fits: the engine checked max-model-len against the pool at start)."""
         out = SchedulerOutput()
         num_new = min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
+        num_new = self.kv.state_chunk(request, request.num_computed_tokens, num_new)
         while not self.kv.allocate_slots(request, num_new):
             victim = next((r for r in reversed(self.running) if r is not request), None)
             if victim is None:

@@ -13,7 +13,7 @@ from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
 from kvserve.kv.misses import MissCounts, PrefixMiss, SeenBlocks, common_prefix
 from kvserve.kv.pins import PinOutcome, PinTable
 from kvserve.kv.pool import BlockPool
-from kvserve.kv.state import StateSlots
+from kvserve.kv.state import StateSlots, StateSnapshots
 from kvserve.units import cdiv
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ class KVCacheManager:
         layout: KVCacheLayout | None = None,
         max_pinned_blocks: int | None = None,
         state_slots: StateSlots | None = None,
+        state_snapshots: StateSnapshots | None = None,
     ) -> None:
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
@@ -125,6 +126,15 @@ class KVCacheManager:
         # A hybrid model's state layers (kv/state.py): each scheduled request holds one slot, taken with its first
         # blocks and given back with them.
         self.state_slots = state_slots
+        # Their states at block boundaries, for prefix hits (kv/state.py); None: no prefix hits for such a model. The
+        # copies the runner makes around the next step: (snapshot, request slot) before it, (request slot, snapshot)
+        # after it; each request's latest snapshot in its reply (replaced by the next one); and per request, the
+        # blocks its last lookup found cached past its longest snapshot (a hit cut short for lack of one).
+        self.state_snapshots = state_snapshots
+        self.state_restores: list[tuple[int, int]] = []
+        self.state_saves: list[tuple[int, int]] = []
+        self.reply_snapshot: dict[str, bytes] = {}
+        self.snapshot_cut: dict[str, int] = {}
         self.block_size = block_size
         self.reserve_tokens = reserve_tokens
         self.hasher = BlockHasher(hash_algo)
@@ -237,7 +247,20 @@ class KVCacheManager:
             return True
 
         length = self.longest_hit(len(hashes), has)
+        if self.state_slots is not None:
+            length = self._state_hit(request, hashes, length, has)
         return self.hit_blocks(length, lambda g, i: found[g, i]), length * self.block_size
+
+    def _state_hit(self, request: KVRequest, hashes: list[bytes], length: int, has: HasBlock) -> int:
+        """A model with state layers hits only where a state snapshot ends a prefix the groups can serve: the longest
+        such prefix of at most `length` blocks (remembered: how many blocks the snapshots cut off, for misses)."""
+        snapshots, kv_length = self.state_snapshots, length
+        while length and (
+            snapshots is None or hashes[length - 1] not in snapshots or self.longest_hit(length, has) < length
+        ):
+            length -= 1
+        self.snapshot_cut[request.request_id] = kv_length - length
+        return length
 
     def evicted_misses(self, request: KVRequest, num_hit_tokens: int) -> int:
         """The tokens after the request's hits whose blocks the pool evicted shortly before (its ghost list): hits
@@ -327,7 +350,57 @@ class KVCacheManager:
             for g, table in enumerate(state.tables):
                 table.extend(self.pool.allocate(needed, g))
         self._publish(request, state, num_tokens)
+        if self.state_snapshots is not None:
+            self._plan_state_copies(request, hit_len, num_tokens)
         return True
+
+    def _plan_state_copies(self, request: KVRequest, hit_len: int, num_tokens: int) -> None:
+        """The state copies around the request's next step: its slot filled from the snapshot its prefix hit of
+        `hit_len` blocks ends at, before; after, when the step ends on a block boundary, that state saved as the
+        snapshot of the boundary's block (in the reply, replacing the request's previous one there)."""
+        snapshots, rid, bs = self.state_snapshots, request.request_id, self.block_size
+        assert snapshots is not None and self.state_slots is not None
+        slot = self.state_slots.slot_of(rid)
+        assert slot is not None  # allocate_slots acquired it
+        if hit_len:
+            source = snapshots.use(self.req_hashes[rid][hit_len - 1])
+            if source is None:
+                raise ValueError(f"request {rid}: the state snapshot of its prefix hit is gone")
+            self.state_restores.append((source, slot))
+        if not self.enable_caching or num_tokens % bs or num_tokens > request.num_tokens:
+            return
+        block_hash = self.hashes(request, num_tokens)[num_tokens // bs - 1]
+        target = snapshots.reserve(block_hash)
+        if target is not None:
+            self.state_saves.append((slot, target))
+        if num_tokens > request.num_prompt_tokens:  # a boundary inside the reply: the next chat turn starts here
+            previous = self.reply_snapshot.get(rid)
+            if previous is not None and previous != block_hash:
+                snapshots.drop(previous)
+            self.reply_snapshot[rid] = block_hash
+
+    def state_chunk(self, request: KVRequest, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `start` a model with state snapshots computes in this step, so that the
+        step ends where a snapshot is worth taking: at the prompt's own hit point (its last block boundary before its
+        last token: the same prompt sent again hits there), and otherwise, for a chunk that does not reach the end of
+        the request's tokens, at the chunk's last block boundary (vLLM's aligned chunks: each long prefill leaves a
+        snapshot every chunk). Unchanged without snapshots, or when the cut would leave nothing."""
+        if self.state_snapshots is None or not self.enable_caching:
+            return num_new
+        bs, end = self.block_size, start + num_new
+        hit_point = (request.num_prompt_tokens - 1) // bs * bs
+        if start < hit_point < end:
+            return hit_point - start
+        aligned = end // bs * bs
+        if end < request.num_tokens and aligned > start:
+            return aligned - start
+        return num_new
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The state copies planned for the next step: (restores before it, saves after it), each (from, to) slots."""
+        copies = (self.state_restores, self.state_saves)
+        self.state_restores, self.state_saves = [], []
+        return copies
 
     def _free_skipped(self, request: KVRequest, state: RequestTables) -> None:
         """Give back, in each sliding group, the blocks before the window of the request's next query (their
@@ -531,15 +604,22 @@ class KVCacheManager:
         return self.pins.expire()
 
     def reset_prefix_cache(self) -> None:
-        """Drop the prefix cache, pins first (their blocks hold no prefix afterwards)."""
+        """Drop the prefix cache, pins first (their blocks hold no prefix afterwards), and the state snapshots with the
+        copies planned for a step that did not run (a failed step's saves would name states never saved)."""
         self.pins.clear()
         self.pool.reset_prefix_cache()
+        if self.state_snapshots is not None:
+            self.state_snapshots.clear()
+            self.state_restores, self.state_saves = [], []
+            self.reply_snapshot.clear()
 
     def forget(self, request: KVRequest) -> None:
         """Drop per-request bookkeeping once a request is gone for good."""
         self.free(request)
         self.req_hashes.pop(request.request_id, None)
         self.unsalted_hashes.pop(request.request_id, None)
+        self.reply_snapshot.pop(request.request_id, None)
+        self.snapshot_cut.pop(request.request_id, None)
 
     # ---- why a prefix hit stopped ----------------------------------------------------------------------
 
@@ -566,6 +646,8 @@ class KVCacheManager:
         extra = self._extra_keys(request)
         if block_hash in rejected:
             return PrefixMiss("tier_record_failed_check", at)
+        if self.snapshot_cut.get(request.request_id, 0):
+            return PrefixMiss("no_state_snapshot", at)
         full = self.full_groups
         if self.sliding_hit_groups and full and all(self.pool.is_cached(block_hash, g) for g in full):
             return PrefixMiss("outside_sliding_window", at)

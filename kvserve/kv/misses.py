@@ -10,6 +10,8 @@ the pins' expired keys, a restore's rejected tier records, and the groups' table
 short) give the rest. Looked at in this order, the first missed block's reason is:
 
 - `tier_record_failed_check`: a tier record of it failed its checksum or fingerprint and was recomputed;
+- `no_state_snapshot`: a model with state layers (kv/state.py) had the blocks cached further, but no state snapshot
+  where they end (the hit stops at the last snapshot);
 - `outside_sliding_window`: every full-attention group had it, a sliding group no longer had its window;
 - `pin_expired`: it was pinned (cache_control) and the pin ran out before it was evicted;
 - `evicted`: the pool evicted it (`evicted_ago_s`, and `evicted_blocks_since`: the LRU pressure after it);
@@ -31,6 +33,7 @@ from kvserve.kv.hashing import BlockKey
 
 MISS_REASONS = (
     "tier_record_failed_check",
+    "no_state_snapshot",
     "outside_sliding_window",
     "pin_expired",
     "evicted",

@@ -7,15 +7,21 @@ from its first scheduled step to its end, in every state layer at once (slot i o
 slots' bytes come out of the same KV memory budget as the blocks (engine/build.py plans both). There is one slot for
 every sequence the scheduler may run at once (--max-num-seqs): a request that is admitted always finds one.
 
-What a state cannot do that KV can: go back. A preempted request gives its slot back and recomputes from its first
-token when it is resumed (preemption by recompute, as for KV); a prefix hit needs the state at the hit point, which
-nothing keeps yet, so a model with state layers reads no prefix cache (its prompts are computed whole).
+What a state cannot do that KV can: go back. A prefix hit needs the state at the hit point, so states are copied into
+snapshots (StateSnapshots) at block boundaries, keyed by the chained hash of the block they end at (so cache_salt
+separates them as it separates blocks): a hit is the longest prefix whose blocks are cached *and* whose last block has
+a snapshot; the request's slot is filled from that snapshot before its first step. Which boundaries get one: every
+step that ends on a block boundary leaves one, and the scheduler makes prefill chunks end on them (KVCacheManager.
+state_chunk: at the prompt's own hit point, and each chunk that does not finish the prompt cut back to a boundary);
+during decode, a request keeps only its latest boundary's (the next chat turn starts after the reply). A preempted
+request gives its slot back and resumes from its longest snapshot hit, else from its first token.
 
 Pure Python (no torch): `kvserve estimate` sizes the slots from StateSpec.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -49,6 +55,47 @@ class StateSpec:
         )
 
 
+# State snapshots per sequence slot, and the most of the KV budget they may take (state_reservation).
+SNAPSHOTS_PER_SEQUENCE = 4
+SNAPSHOT_BUDGET_FRACTION = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class StateReservation:
+    """What a model's state layers take out of the KV budget before its blocks are counted: a slot for each of
+    `num_sequences` running sequences and `num_snapshots` snapshot slots, `bytes` in all."""
+
+    spec: StateSpec
+    num_sequences: int
+    num_snapshots: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_sequences + self.num_snapshots
+
+    @property
+    def bytes(self) -> int:
+        return self.num_slots * self.spec.bytes_per_slot
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_sequences} sequence slots (--max-num-seqs) + {self.num_snapshots} snapshot slots x "
+            f"{self.spec.bytes_per_slot} bytes = {self.bytes} bytes"
+        )
+
+
+def state_reservation(
+    spec: StateSpec, max_num_seqs: int, budget_bytes: int | None, prefix_caching: bool = True
+) -> StateReservation:
+    """The engine's sizing rule for state slots (estimate and serve share it): one per --max-num-seqs sequence, and
+    for prefix hits SNAPSHOTS_PER_SEQUENCE snapshots per sequence, at most SNAPSHOT_BUDGET_FRACTION of the budget
+    (LFM2-350M's 80 KiB states: 1024 snapshots for the default 256 sequences take 80 MiB of 4 GiB)."""
+    snapshots = SNAPSHOTS_PER_SEQUENCE * max_num_seqs if prefix_caching else 0
+    if budget_bytes is not None:
+        snapshots = min(snapshots, int(budget_bytes * SNAPSHOT_BUDGET_FRACTION) // spec.bytes_per_slot)
+    return StateReservation(spec, max_num_seqs, snapshots)
+
+
 class StateSlots:
     """Hands out state slots to requests: at most one each, freed when the request lets go of its blocks."""
 
@@ -77,3 +124,53 @@ class StateSlots:
         slot = self.held.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
+
+
+class StateSnapshots:
+    """States at block boundaries, in slots of their own ([first_slot, first_slot + num_slots) of every state layer's
+    tensor), keyed by the chained hash of the block they end at; the least recently used one is overwritten first."""
+
+    def __init__(self, first_slot: int, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"state snapshots need at least one slot, got {num_slots}")
+        self.first_slot = first_slot
+        self.num_slots = num_slots
+        self.by_hash: OrderedDict[bytes, int] = OrderedDict()
+        self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self.num_evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.by_hash)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.by_hash
+
+    def use(self, block_hash: bytes) -> int | None:
+        """The snapshot's slot, now the most recently used; None if there is none."""
+        slot = self.by_hash.get(block_hash)
+        if slot is not None:
+            self.by_hash.move_to_end(block_hash)
+        return slot
+
+    def reserve(self, block_hash: bytes) -> int | None:
+        """A slot to save the state ending at `block_hash` into (the least recently used snapshot's when none is free);
+        None when that snapshot exists already (the same tokens give the same state: nothing to save)."""
+        if block_hash in self.by_hash:
+            self.by_hash.move_to_end(block_hash)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            _, slot = self.by_hash.popitem(last=False)
+            self.num_evictions += 1
+        self.by_hash[block_hash] = slot
+        return slot
+
+    def drop(self, block_hash: bytes) -> None:
+        slot = self.by_hash.pop(block_hash, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        for block_hash in list(self.by_hash):
+            self.drop(block_hash)

@@ -284,7 +284,7 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, gguf: str | Path | GGUFFile) -> ModelConfig:
-        """Read a GGUF file's metadata (llama, qwen2, qwen3, gemma3 architectures); no tensor data."""
+        """Read a GGUF file's metadata (llama, qwen2, qwen3, gemma3, lfm2 architectures); no tensor data."""
         from kvserve.model.gguf_reader import GGUFFile
 
         f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
@@ -305,6 +305,11 @@ class ModelConfig:
         hidden = int(need("embedding_length"))
         n_heads = int(need("attention.head_count"))
         n_kv = f.arch_value("attention.head_count_kv", n_heads)
+        kinds: list[str] = []
+        if family == "lfm2":  # llama.cpp's converter marks LFM2's conv layers by 0 KV heads
+            counts = list(n_kv) if isinstance(n_kv, list) else [int(n_kv)] * n_layers
+            kinds = [ATTENTION if n else SHORT_CONV for n in counts]
+            n_kv = max(counts)
         if isinstance(n_kv, list):
             raise NotImplementedError(f"{f.path}: per-layer KV head counts are not supported")
         head_dim = int(
@@ -324,6 +329,7 @@ class ModelConfig:
             for i in range(n_layers):
                 if window and (i + 1) % GEMMA3_SLIDING_PATTERN != 0:
                     windows[i], thetas[i], scalings[i] = int(window), GEMMA3_LOCAL_ROPE_THETA, None
+        first = kinds.index(ATTENTION) if ATTENTION in kinds else 0  # the first attention layer says what they have
         md = f.metadata
         bos = md.get("tokenizer.ggml.bos_token_id")
         eos = md.get("tokenizer.ggml.eos_token_id")
@@ -350,12 +356,15 @@ class ModelConfig:
             rope_thetas=thetas,
             rope_scaling=scaling,
             rope_scalings=scalings,
-            attention_bias="blk.0.attn_q.bias" in f.tensors,
-            attention_out_bias="blk.0.attn_output.bias" in f.tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+            attention_bias=f"blk.{first}.attn_q.bias" in f.tensors,
+            attention_out_bias=f"blk.{first}.attn_output.bias" in f.tensors,
+            qk_norm=f"blk.{first}.attn_q_norm.weight" in f.tensors,
             # HF's GGUF config mapping leaves Gemma3TextConfig's default (256) in place.
             query_pre_attn_scalar=256.0 if family == "gemma3" else None,
             torch_dtype=None,
+            layer_kinds=kinds,
+            conv_kernel=int(f.arch_value("shortconv.l_cache", 3)) if family == "lfm2" else 0,
+            conv_bias=any(name.endswith("shortconv.in_proj.bias") for name in f.tensors),
         )
 
 

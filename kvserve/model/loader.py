@@ -361,7 +361,12 @@ _GGUF_GLOBAL_NAMES = {
 def gguf_canonical_name(name: str, config: ModelConfig) -> str:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    if config.family == "lfm2" and name == "token_embd_norm.weight":  # LFM2's final norm (HF's embedding_norm)
+        return "norm.weight"
     parts = name.split(".")
+    if config.family == "lfm2" and len(parts) == 5 and parts[0] == "blk" and parts[2] == "shortconv":
+        _, idx, _, sub, suffix = parts  # the conv's taps: [channels, kernel] as the converter squeezed them
+        return f"layers.{idx}.conv.conv_{suffix}" if sub == "conv" else f"layers.{idx}.conv.{sub}.{suffix}"
     if len(parts) == 4 and parts[0] == "blk":
         _, idx, kind, suffix = parts
         hf: str | None

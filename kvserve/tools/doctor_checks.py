@@ -434,6 +434,8 @@ MISS_FIXES = {
     "outside_sliding_window": "a sliding-window model gave back the window a hit needs: pin the prefix "
     "(cache_control), or add a KV offload tier (it keeps each prompt's last window)",
     "different_cache_salt": "the same prompts arrive under different cache_salt values: give one tenant one salt",
+    "no_state_snapshot": "a hybrid model's prefix hits stop at its last state snapshot: a larger --max-num-seqs "
+    "(4 snapshots a sequence slot, up to a quarter of the KV budget) keeps more of them",
     "tier_record_failed_check": "the offload tier's records fail their checks: check the tier's disk",
 }
 

@@ -22,6 +22,7 @@ from kvserve.capacity import (
 from kvserve.capacity_catalog import CATALOG
 from kvserve.kv.groups import KVCacheLayout
 from kvserve.kv.offload.config import parse_offloading_size
+from kvserve.kv.state import state_reservation
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
 from kvserve.tools.report import add_json_arg, emit, int_list, table
 from kvserve.tools.setup import Setup, add_sizing_args, resolve_setup
@@ -188,12 +189,17 @@ def _dtype_section(
     bytes_per_block = shape.bytes_per_block(layout, kv_dtype, bs)
     uniform_block = shape.bytes_per_token(kv_dtype) * bs  # a block of every layer (the uniform layout's)
     plan = None
+    budget = None if setup.budget is None else setup.budget.kv_bytes
+    state = None
+    if facts.state is not None:  # the state layers' slots come out of the budget first, as in the engine
+        state = state_reservation(facts.state, setup.max_num_seqs, budget)
+        budget = None if budget is None else max(budget - state.bytes, 0)
     if setup.budget is not None or num_blocks_override is not None:
         plan = plan_kv_cache(
             bytes_per_block,
             bs,
             facts.context_len,
-            budget_bytes=None if setup.budget is None else setup.budget.kv_bytes,
+            budget_bytes=budget,
             num_blocks_override=num_blocks_override,
             max_model_len=max_model_len,
             layout=layout,
@@ -223,6 +229,14 @@ def _dtype_section(
         )
     return {
         "kv_cache_dtype": kv_dtype.name,
+        "state_slots": None
+        if state is None
+        else {
+            "num_sequences": state.num_sequences,
+            "num_snapshots": state.num_snapshots,
+            "bytes": state.bytes,
+            "formula": state.describe(),
+        },
         "bytes_per_token": shape.bytes_per_token(kv_dtype),
         "formula": shape.formula(kv_dtype),
         "terms": {
@@ -314,6 +328,8 @@ def render_estimate(doc: dict[str, Any]) -> str:
     if windows:
         n_local = sum(w is not None for w in m["sliding_windows"])
         lines.append(f"  sliding window {', '.join(map(str, windows))} on {n_local} of {m['num_layers']} layers")
+    if m.get("state"):
+        lines.append(f"  state layers (no KV; the layers above are the attention layers): {m['state']['formula']}")
     layout = _layout_of(doc)
     if layout.is_hybrid:
         lines.append(f"KV cache groups: {layout.describe()}; one block id spans {layout.tensors_per_block} layers")
@@ -334,6 +350,8 @@ def render_estimate(doc: dict[str, Any]) -> str:
             f"  one block of {doc['block_size']} tokens x {layout.tensors_per_block} layers = "
             f"{kv['bytes_per_block']} bytes",
         ]
+        if kv.get("state_slots"):
+            lines.append(f"  state slots, out of the budget first: {kv['state_slots']['formula']}")
         if kv["plan"]:
             p = kv["plan"]
             reserve = p["prefill_reserve_blocks"]

@@ -17,6 +17,7 @@ from typing import Any
 from kvserve.capacity import KVShape
 from kvserve.capacity_catalog import CATALOG, find_entry
 from kvserve.json_files import read_json_object
+from kvserve.kv.state import StateSpec
 from kvserve.model.config import ModelConfig
 
 
@@ -33,6 +34,7 @@ class ModelFacts:
     num_parameters: int | None
     num_parameters_note: str
     file_bytes: int | None = None  # weights on disk (GGUF file / safetensors), when there are any
+    state: StateSpec | None = None  # a hybrid model's state layers (kv/state.py): a state a sequence, no KV
 
     def to_json(self) -> dict[str, Any]:
         s = self.shape
@@ -53,6 +55,15 @@ class ModelFacts:
             "num_parameters": self.num_parameters,
             "num_parameters_note": self.num_parameters_note,
             "file_bytes": self.file_bytes,
+            "state": None
+            if self.state is None
+            else {
+                "num_layers": self.state.num_layers,
+                "conv_kernel": self.state.conv_kernel,
+                "conv_channels": self.state.conv_channels,
+                "bytes_per_sequence": self.state.bytes_per_slot,
+                "formula": self.state.describe(),
+            },
         }
 
 
@@ -148,7 +159,10 @@ def _from_hf_config(cfg: dict[str, Any], directory: Path | None, source: str, na
     text = cfg.get("text_config") or cfg
     context = int(text.get("max_position_embeddings", 2048))
     dtype = text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
-    facts = ModelFacts(name, "hf-config", source, shape, context, dtype, None, "unknown (pass --weights-bytes)")
+    state = None if model_config is None else model_config.state_spec
+    facts = ModelFacts(
+        name, "hf-config", source, shape, context, dtype, None, "unknown (pass --weights-bytes)", state=state
+    )
     counted = _safetensors_parameters(directory) if directory is not None else None
     if counted is not None:
         return _with_params(facts, counted[0], "counted from the safetensors headers", file_bytes=counted[1])
@@ -170,6 +184,7 @@ def _with_params(
         params,
         note,
         file_bytes,
+        facts.state,
     )
 
 
@@ -189,6 +204,7 @@ def _from_gguf(path: Path, name: str) -> ModelFacts:
         params,
         "counted from the GGUF tensors",
         path.stat().st_size,
+        model_config.state_spec,
     )
 
 

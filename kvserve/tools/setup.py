@@ -46,6 +46,13 @@ def add_sizing_args(parser: argparse.ArgumentParser) -> None:
         "to this many tokens while a request prefills",
     )
     parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=config_default("max_num_seqs"),
+        help="as for kvserve serve: a model with state layers (LFM2) keeps a state slot per sequence, and 4 state "
+        "snapshots per sequence for prefix hits, out of the KV budget",
+    )
+    parser.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",
         help="as for kvserve serve: size the uniform layout, in which every layer keeps every token",
@@ -98,6 +105,7 @@ class Setup:
         True  # KV cache groups that give sliding windows' blocks back (not --disable-hybrid-kv-cache-manager)
     )
     max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
 
     def to_json(self) -> dict[str, Any]:
         budget = (
@@ -112,6 +120,7 @@ class Setup:
             "block_size": self.block_size,
             "hybrid_kv_cache_manager": self.hybrid,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
             "weights": {"bytes": self.weights_bytes, "formula": self.weights_formula},
             "budget": budget,
         }
@@ -122,6 +131,8 @@ def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if args.max_num_batched_tokens < 1:
         raise ValueError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+    if args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     device = args.device or ("cuda" if args.memory is not None else "cpu")
     dtype = resolve_compute_dtype(args.dtype, device, facts.checkpoint_dtype)
     quantization = resolve_quantization(args.quantization, device, "gguf" if facts.kind == "gguf" else "hf")
@@ -155,6 +166,7 @@ def resolve_setup(args: argparse.Namespace, facts: ModelFacts) -> Setup:
         _budget(args, device, weights),
         hybrid=not args.disable_hybrid_kv_cache_manager,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
     )
 
 

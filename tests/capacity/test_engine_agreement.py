@@ -20,7 +20,7 @@ def estimate_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from tiny_models import save_tiny_checkpoints
 
-    return save_tiny_checkpoints(tmp_path_factory.mktemp)
+    return save_tiny_checkpoints(tmp_path_factory.mktemp, ("llama_gqa", "gemma3_mqa_sliding", "lfm2_hybrid"))
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "gemma3_mqa_sliding"])
@@ -99,3 +99,23 @@ def test_estimate_matches_the_engine_plan_on_the_default_gguf(capsys) -> None:
         else:  # every layer keeps every token: the pool (1820 blocks, one of them the null block) caps the context
             assert kv["plan"]["num_blocks"] == plan.num_blocks == budget // (36864 * 16)
             assert kv["plan"]["max_model_len"] == plan.max_model_len == 1819 * 16
+
+
+@pytest.mark.parametrize("max_num_seqs,budget", [(256, 3_000_017), (8, 777_777)])
+def test_estimate_counts_a_hybrid_models_state_slots_like_the_engine(capsys, tiny_dirs, max_num_seqs, budget) -> None:
+    """LFM2's short-conv layers keep a state per sequence slot plus snapshots, out of the budget before the blocks: the
+    estimate and the engine take the same bytes off and get the same blocks."""
+    from kvserve.engine.engine import LLMEngine
+
+    path = tiny_dirs["lfm2_hybrid"]
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(path), kv_cache_memory_bytes=budget, block_size=16, max_num_seqs=max_num_seqs)
+    )
+    argv = ["--model", str(path), "--kv-cache-memory-bytes", str(budget), "--max-num-seqs", str(max_num_seqs)]
+    kv = estimate_json(capsys, *argv)["kv"][0]
+    slots = kv["state_slots"]
+    assert slots["num_sequences"] == max_num_seqs
+    assert slots["num_snapshots"] == engine.core.cache_plan.num_state_snapshots > 0
+    assert engine.core.kv_manager.state_slots.num_slots == max_num_seqs
+    assert kv["plan"]["num_blocks"] == engine.core.pool.num_blocks
+    assert kv["bytes_per_block"] * kv["plan"]["num_blocks"] + slots["bytes"] <= budget

@@ -96,9 +96,129 @@ def test_prompt_logits_equal_hf_within_tolerance(lfm2):
         assert abs(entry[token].logprob - want[pos - 1, token].item()) < 1e-4
 
 
-def test_prefix_caching_and_speculative_decoding_are_settled_at_build(lfm2):
+def test_speculative_decoding_is_refused_and_the_tier_left_off(lfm2, tmp_path):
     path, _ = lfm2
-    engine = tiny_engine(path)
-    assert not engine.core.config.enable_prefix_caching  # a hit would need a state snapshot
     with pytest.raises(ValueError, match="speculative decoding is not supported for lfm2"):
         tiny_engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    engine = tiny_engine(path, kv_offloading_size="64MiB")
+    assert engine.core.offload is None  # the tier does not keep state snapshots yet
+
+
+def cold_run(path: Path, ids: list[int]) -> list[int]:
+    """Greedy ids of `ids` on a fresh engine without prefix caching (every token computed)."""
+    (out,) = run(tiny_engine(path, enable_prefix_caching=False), [ids], GREEDY)
+    return list(out.outputs[0].token_ids)
+
+
+def test_chat_turns_hit_the_snapshot_at_the_end_of_the_reply(lfm2):
+    """Turn 2 (turn 1's prompt, its reply, a new message) hits up to the reply's last block boundary, restores the
+    state from that snapshot, and gives the cold run's greedy ids; the same prompt sent again hits at its own hit
+    point (its last block boundary before its last token)."""
+    path, _ = lfm2
+    engine = tiny_engine(path, max_num_batched_tokens=16)
+    first_prompt = prompts(1, seed=11)[0][:30]
+    (first,) = run(engine, [first_prompt], GREEDY)
+    reply = list(first.outputs[0].token_ids)
+    turn = first_prompt + reply + [7, 8, 9, 10, 11]
+    (second,) = run(engine, [turn], GREEDY)
+    computed = len(first_prompt) + len(reply) - 1  # the last reply token is never computed
+    assert second.num_cached_tokens == computed // 4 * 4 > len(first_prompt)
+    assert list(second.outputs[0].token_ids) == cold_run(path, turn)
+    (again,) = run(engine, [turn], GREEDY)
+    assert again.num_cached_tokens == (len(turn) - 1) // 4 * 4
+    assert list(again.outputs[0].token_ids) == list(second.outputs[0].token_ids)
+
+
+def test_a_long_prefill_leaves_a_snapshot_every_chunk(lfm2):
+    """A 16-token step budget: a prompt's chunks end on block boundaries, each leaving a snapshot; a prompt sharing
+    only the first 37 tokens hits at the last chunk boundary before them (32), not at 0."""
+    path, _ = lfm2
+    engine = tiny_engine(path, max_num_batched_tokens=16)
+    long = prompts(1, seed=12)[0] + list(range(4, 60))
+    run(engine, [long], GREEDY)
+    other = long[:37] + [5, 6, 7, 8, 9, 10]
+    (out,) = run(engine, [other], GREEDY)
+    assert out.num_cached_tokens == 32
+    assert out.prefix_miss is not None and out.prefix_miss.reason == "no_state_snapshot"
+    assert list(out.outputs[0].token_ids) == cold_run(path, other)
+
+
+def test_hits_under_preemption_and_batching_equal_cold_runs(lfm2):
+    """Requests sharing a system prompt, admitted together on a pool small enough to preempt: each resumes from its
+    longest snapshot hit (or its start); greedy ids as cold runs, every slot and block back at the end."""
+    path, _ = lfm2
+    engine = tiny_engine(path, max_num_batched_tokens=16, num_gpu_blocks_override=25, max_num_seqs=4)
+    system = prompts(1, seed=13)[0][:26]
+    batch = [system + p[1:30] for p in prompts(6, seed=14)]
+    got = run(engine, batch, GREEDY)
+    assert engine.core.scheduler.num_preemptions > 0
+    assert sum(o.num_cached_tokens > 0 for o in got) >= 3
+    for ids, out in zip(batch, got):
+        assert list(out.outputs[0].token_ids) == cold_run(path, ids)
+
+
+def write_lfm2_gguf(hf: torch.nn.Module, path: Path) -> None:
+    """The tiny LFM2 as llama.cpp's convert_hf_to_gguf.py writes one (its LFM2Model): tensor names from gguf-py's own
+    map for the lfm2 architecture, the conv taps squeezed to [channels, kernel], the conv layers marked by 0 KV heads
+    in a per-layer head_count_kv, shortconv.l_cache and the derived MLP width; 2-D weights as Q8_0 (the HF model's
+    weights replaced by their Q8_0 values, so that both compute the same numbers)."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    c = hf.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "lfm2")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(hf.model.layers[0].feed_forward.w1.out_features)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if t == "full_attention" else 0 for t in c.layer_types])
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_shortconv_l_cache(c.conv_L_cache)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    with torch.no_grad():
+        for hf_name, param in hf.state_dict().items():
+            if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+                continue
+            base, _, suffix = hf_name.rpartition(".")
+            name = f"{names.get_name(base)}.{suffix}"
+            data = param.float().numpy()
+            if "conv.conv" in hf_name:
+                data = data.squeeze(1)
+            elif data.ndim == 2:
+                q = quantize(data, GGMLQuantizationType.Q8_0)
+                param.copy_(torch.from_numpy(dequantize(q, GGMLQuantizationType.Q8_0)))
+                w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+                continue
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_a_gguf_written_as_llama_cpp_names_it_equals_hf(tmp_path, quantization):
+    """The GGUF's config and weights (dequantized, or run as the file's Q8_0 blocks) give HF's logits within 1e-4
+    on a prompt of several chunks (the HF model holds the same Q8_0 values)."""
+    from tiny_models import PagedDriver
+
+    from kvserve.model.loader import load_model
+    from kvserve.model.source import ModelFormat, ModelSource
+
+    hf = build_tiny_hf_model("lfm2_hybrid")
+    path = tmp_path / "tiny-lfm2.gguf"
+    write_lfm2_gguf(hf, path)
+    cfg = ModelConfig.from_gguf(path)
+    assert cfg.family == "lfm2" and cfg.state_layers == (0, 2, 3) and cfg.conv_kernel == 3
+    source = ModelSource(ModelFormat.GGUF, path, path.stem)
+    model = load_model(source, torch.float32, torch.device("cpu"), quantization=quantization, cache_dir=tmp_path).model
+    ids = prompts(1, seed=21)[0]
+    driver = PagedDriver(model, [ids])
+    got = torch.cat([driver.step({0: n})[0] for n in (9, 16, len(ids) - 25)])
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
