@@ -174,7 +174,9 @@ class CachePlan:
     layout: KVCacheLayout | None = None  # None: one group of every layer, each keeping every token
     # The step's token budget: a sliding group holds its window plus the chunk while a prefill chunk runs.
     max_num_batched_tokens: int = 2048
-    # A hybrid model's state snapshots (kv/state.py), paid for beside the blocks; 0 for a model of attention only.
+    # A hybrid model's state slots (kv/state.py): one a running sequence, and snapshots for prefix hits, paid for
+    # beside the blocks; 0 for a model of attention only.
+    num_state_sequences: int = 0
     num_state_snapshots: int = 0
 
     @property

@@ -81,10 +81,10 @@ def plan_cache(
                     f"--kv-cache-memory-bytes {budget} exceeds this machine's available memory ({available} bytes); "
                     f"pass a smaller budget, e.g. --kv-cache-memory-bytes {max(available // 4, MiB)}"
                 )
-    num_snapshots = 0
+    num_snapshots = num_sequences = 0
     if model_config.state_spec is not None:
         state = state_reservation(model_config.state_spec, config.max_num_seqs, budget, config.enable_prefix_caching)
-        num_snapshots = state.num_snapshots
+        num_snapshots, num_sequences = state.num_snapshots, state.num_sequences
         if budget is not None:
             if state.bytes >= budget:
                 raise ValueError(
@@ -113,7 +113,7 @@ def plan_cache(
             )
     pool_bytes = plan.num_blocks * plan.bytes_per_block if device.type == "cpu" else 0
     check_host_tier_fits(config.kv_offload, _available_memory_bytes(), pool_bytes)
-    return dataclasses.replace(plan, num_state_snapshots=num_snapshots)
+    return dataclasses.replace(plan, num_state_sequences=num_sequences, num_state_snapshots=num_snapshots)
 
 
 def _available_memory_bytes() -> int | None:

@@ -125,9 +125,9 @@ class EngineCore:
             reserve,
             self.layout,
             max_pinned_blocks=int(self.pool.num_usable_blocks * config.max_pinned_kv_fraction),
-            state_slots=None if state is None else StateSlots(config.max_num_seqs),
+            state_slots=None if state is None else StateSlots(cache_plan.num_state_sequences),
             state_snapshots=(
-                StateSnapshots(config.max_num_seqs, cache_plan.num_state_snapshots)
+                StateSnapshots(cache_plan.num_state_sequences, cache_plan.num_state_snapshots)
                 if state is not None and cache_plan.num_state_snapshots
                 else None
             ),
@@ -136,7 +136,7 @@ class EngineCore:
         use_static_kv_scales(kv_caches, model.static_kv_scales, kv_config.dtype_name)
         state_caches = None
         if state is not None:
-            num_slots = config.max_num_seqs + cache_plan.num_state_snapshots
+            num_slots = cache_plan.num_state_sequences + cache_plan.num_state_snapshots
             state_caches = allocate_state_cache(state, num_slots, torch.float32, device)
             logger.info("state layers: %s", state.describe())
         # No CUDA graphs for state layers: their per-sequence loop reads the step's lengths on the host.

@@ -130,12 +130,22 @@ void kvserve_rms_norm(const float* x, int64_t tokens, int64_t x_stride, int64_t 
 // gated_act.cpp: act(gate) * up for gate_up [rows, 2 x inter] -> out [rows, inter]; act 0 tanh-GELU, 1 SiLU.
 void kvserve_gated_act(const float* gate_up, int64_t rows, int64_t inter, int32_t act, float* out);
 
-// LFM2's gated short convolution (short_conv.cpp): bcx [tokens, 3 * channels] (B | C | x rows), weight [channels,
-// kernel], bias [channels] or null, states [slots, kernel - 1, channels] (read where continues[s], then written),
-// slots / continues [seqs], starts [seqs + 1] row offsets; out [tokens, channels].
-void kvserve_short_conv(const float* bcx, const float* weight, const float* bias, float* states, const int64_t* slots,
-                        const int64_t* starts, const int64_t* continues, int64_t seqs, int64_t channels,
-                        int64_t kernel, float* out);
+// The recurrent parts of hybrid models (recurrent.cpp), each sequence's state in its slot, read where continues[s]
+// (else zeros) and left holding its last state; slots / continues [seqs], starts [seqs + 1] row offsets.
+// A depthwise causal convolution: rows of x (and of pre, gate when not null) every row_stride floats; weight
+// [channels, kernel], bias [channels] or null; states [slots, kernel - 1, channels]; act 0: none, 1: SiLU;
+// out [tokens, channels] = gate * act(conv(pre * x)).
+void kvserve_causal_conv(const float* x, const float* pre, const float* gate, int64_t row_stride, const float* weight,
+                         const float* bias, float* states, const int64_t* slots, const int64_t* starts,
+                         const int64_t* continues, int64_t seqs, int64_t channels, int64_t kernel, int64_t act,
+                         float* out);
+// The gated delta rule: q, k rows of [k_heads, key_dim] every qk_stride floats, v rows of [v_heads, value_dim] every
+// v_stride, g (log decay) and beta rows of [v_heads] every gb_stride; states [slots, v_heads, key_dim, value_dim];
+// out [tokens, v_heads, value_dim].
+void kvserve_gated_delta_rule(const float* q, const float* k, const float* v, int64_t qk_stride, int64_t v_stride,
+                              const float* g, const float* beta, int64_t gb_stride, float* states,
+                              const int64_t* slots, const int64_t* starts, const int64_t* continues, int64_t seqs,
+                              int64_t k_heads, int64_t v_heads, int64_t key_dim, int64_t value_dim, float* out);
 // qk_norm_rope.cpp
 void kvserve_qk_norm_rope(const KvserveQkNormRope* args);
 // row_max.cpp: each row of x [rows, cols] (rows `stride` floats apart, cols >= 1): its largest value and the index

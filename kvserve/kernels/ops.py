@@ -106,19 +106,43 @@ class Kernels(Protocol):
         -> a new contiguous [T, heads, D] in qk's dtype."""
         ...
 
-    def short_conv(
+    def causal_conv(
         self,
-        bcx: torch.Tensor,
+        x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         states: torch.Tensor,
         slots: torch.Tensor,
         starts: Sequence[int],
         continues: Sequence[bool],
+        pre: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
+        silu: bool = False,
     ) -> torch.Tensor:
-        """LFM2's gated short convolution of a flat batch (model/short_conv.py): [T, 3C] in_proj rows (B | C | x) ->
-        [T, C] = C * conv(B * x), each sequence's state (states[slots[s]], [kernel - 1, C]; zeros where not
-        continues[s]) read first and left holding its last kernel - 1 inputs of B * x. starts: S + 1 row offsets."""
+        """A depthwise causal convolution of a flat batch of sequences, each continuing its state (kv/state.py):
+        [T, C] rows -> [T, C] = gate * act(bias + conv(pre * x)) (pre, gate: [T, C] or None; act: SiLU or none).
+        Each sequence's state (states[slots[s]], [kernel - 1, C]; zeros where not continues[s]) is read first and
+        left holding its last kernel - 1 inputs (pre * x). starts: S + 1 row offsets. LFM2's short convolution is
+        C * conv(B * x); Qwen3.5's Gated DeltaNet convolves its q, k, v with SiLU."""
+        ...
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        continues: Sequence[bool],
+    ) -> torch.Tensor:
+        """Qwen3.5's Gated DeltaNet over a flat batch of sequences: q, k [T, k_heads, key_dim] (L2-normalized here, q
+        scaled by key_dim^-1/2), v [T, v_heads, value_dim], g (log decay) and beta [T, v_heads] -> [T, v_heads,
+        value_dim]. Per value head (key head h // (v_heads // k_heads)), token by token: S = exp(g) S, S += k (beta
+        (v - S^T k))^T, out = S^T q, S ([key_dim, value_dim]) starting from states[slots[s]] (zeros where not
+        continues[s]) and left there."""
         ...
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
@@ -225,36 +249,69 @@ class TorchKernels:
         # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + swap_halves(x) * (-sin, sin)
         return torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, dims=-1), signed_sin)
 
-    def short_conv(
+    def causal_conv(
         self,
-        bcx: torch.Tensor,
+        x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         states: torch.Tensor,
         slots: torch.Tensor,
         starts: Sequence[int],
         continues: Sequence[bool],
+        pre: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
+        silu: bool = False,
     ) -> torch.Tensor:
-        b, c, x = bcx.chunk(3, dim=-1)
-        bx = b * x
+        xs = x if pre is None else pre * x
         keep = weight.shape[1] - 1
-        w = weight.to(bx.dtype)
+        w = weight.to(xs.dtype)
         decode_only = all(e - a == 1 for a, e in zip(starts, starts[1:])) and all(continues)
         if decode_only:  # one token a sequence: one vectorized expression for the batch
-            window = torch.cat((states.index_select(0, slots).to(bx.dtype), bx[:, None, :]), dim=1)  # [S, k, C]
+            window = torch.cat((states.index_select(0, slots).to(xs.dtype), xs[:, None, :]), dim=1)  # [S, k, C]
             conv = torch.einsum("skc,ck->sc", window, w)
             states.index_copy_(0, slots, window[:, 1:].to(states.dtype))
         else:
-            conv = torch.empty_like(bx)
+            conv = torch.empty_like(xs)
             for i, slot in enumerate(slots.tolist()):
                 a, e = starts[i], starts[i + 1]
-                state = states[slot].to(bx.dtype) if continues[i] else bx.new_zeros(keep, bx.shape[1])
-                window = torch.cat((state, bx[a:e]), dim=0)  # [keep + n, C]
+                state = states[slot].to(xs.dtype) if continues[i] else xs.new_zeros(keep, xs.shape[1])
+                window = torch.cat((state, xs[a:e]), dim=0)  # [keep + n, C]
                 conv[a:e] = (window.unfold(0, keep + 1, 1) * w).sum(-1)  # unfold: [n, C, k]
                 states[slot] = window[-keep:].to(states.dtype)
         if bias is not None:
-            conv = conv + bias.to(bx.dtype)
-        return c * conv
+            conv = conv + bias.to(xs.dtype)
+        if silu:
+            conv = F.silu(conv)
+        return conv if gate is None else gate * conv
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        continues: Sequence[bool],
+    ) -> torch.Tensor:
+        group = v.shape[1] // k.shape[1]
+        q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+        k = _l2norm(k.float())
+        q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)  # [T, v_heads, key_dim]
+        v, g, beta = v.float(), g.float(), beta.float()
+        out = torch.empty_like(v)
+        for i, slot in enumerate(slots.tolist()):
+            a, e = starts[i], starts[i + 1]
+            state = states[slot].float() if continues[i] else states.new_zeros(states.shape[1:], dtype=torch.float32)
+            for t in range(a, e):  # the recurrence, every head at once
+                state = state * g[t].exp()[:, None, None]
+                delta = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
+                state = state + k[t][:, :, None] * delta[:, None, :]
+                out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+            states[slot] = state.to(states.dtype)
+        return out
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         return False  # torch has no paged attention: attention/cpu.py gathers K/V and calls SDPA
@@ -537,27 +594,36 @@ class NativeKernels:
             self.library.kvserve_gated_act(gate_up.data_ptr(), rows, inter, code, out.data_ptr())
         return out
 
-    def short_conv(
+    def causal_conv(
         self,
-        bcx: torch.Tensor,
+        x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         states: torch.Tensor,
         slots: torch.Tensor,
         starts: Sequence[int],
         continues: Sequence[bool],
+        pre: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
+        silu: bool = False,
     ) -> torch.Tensor:
-        tensors = (bcx, weight, states) if bias is None else (bcx, weight, states, bias)
-        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-            return self.fallback.short_conv(bcx, weight, bias, states, slots, starts, continues)
-        channels = bcx.shape[1] // 3
-        out = torch.empty(bcx.shape[0], channels, dtype=torch.float32)
-        if bcx.shape[0]:
-            slot_ids = slots.to(dtype=torch.int64).contiguous()
-            offsets = torch.tensor(list(starts), dtype=torch.int64)
-            flags = torch.tensor([int(c) for c in continues], dtype=torch.int64)
-            self.library.kvserve_short_conv(
-                bcx.data_ptr(),
+        rows = [t for t in (x, pre, gate) if t is not None]
+        whole = [weight, states] + ([] if bias is None else [bias])
+        if not (
+            all(t.dtype == torch.float32 and t.device.type == "cpu" for t in rows + whole)
+            and all(t.is_contiguous() for t in whole)
+            and all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == x.stride(0) for t in rows)
+        ):
+            return self.fallback.causal_conv(x, weight, bias, states, slots, starts, continues, pre, gate, silu)
+        channels = x.shape[1]
+        out = torch.empty(x.shape[0], channels, dtype=torch.float32)
+        if x.shape[0]:
+            slot_ids, offsets, flags = _step_arrays(slots, starts, continues)
+            self.library.kvserve_causal_conv(
+                x.data_ptr(),
+                None if pre is None else pre.data_ptr(),
+                None if gate is None else gate.data_ptr(),
+                x.stride(0),
                 weight.data_ptr(),
                 None if bias is None else bias.data_ptr(),
                 states.data_ptr(),
@@ -567,6 +633,55 @@ class NativeKernels:
                 len(continues),
                 channels,
                 weight.shape[1],
+                int(silu),
+                out.data_ptr(),
+            )
+        return out
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        continues: Sequence[bool],
+    ) -> torch.Tensor:
+        tensors = (q, k, v, g, beta, states)
+        if not (
+            all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and states.is_contiguous()
+            and q.stride(0) == k.stride(0)
+            and g.stride(0) == beta.stride(0)
+            and all(t.stride(-1) == 1 for t in (q, k, v, g, beta))
+            and all(t.stride(1) == t.shape[2] for t in (q, k, v))
+        ):
+            return self.fallback.gated_delta_rule(q, k, v, g, beta, states, slots, starts, continues)
+        tokens, v_heads, value_dim = v.shape
+        out = torch.empty(tokens, v_heads, value_dim, dtype=torch.float32)
+        if tokens:
+            slot_ids, offsets, flags = _step_arrays(slots, starts, continues)
+            self.library.kvserve_gated_delta_rule(
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                q.stride(0),
+                v.stride(0),
+                g.data_ptr(),
+                beta.data_ptr(),
+                g.stride(0),
+                states.data_ptr(),
+                slot_ids.data_ptr(),
+                offsets.data_ptr(),
+                flags.data_ptr(),
+                len(continues),
+                k.shape[1],
+                v_heads,
+                k.shape[2],
+                value_dim,
                 out.data_ptr(),
             )
         return out
@@ -752,6 +867,22 @@ def _gguf_matmul_operands(
             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
         )
     return x, torch.empty(m, n, dtype=torch.float32) if out is None else out
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dimension (the FLA library's form, which Qwen3.5 was trained with)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _step_arrays(
+    slots: torch.Tensor, starts: Sequence[int], continues: Sequence[bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's per-sequence arrays as the recurrent kernels read them: int64 slots, row offsets, continue flags."""
+    return (
+        slots.to(dtype=torch.int64).contiguous(),
+        torch.tensor(list(starts), dtype=torch.int64),
+        torch.tensor([int(c) for c in continues], dtype=torch.int64),
+    )
 
 
 def _rows_layout(t: torch.Tensor) -> bool:

@@ -133,6 +133,8 @@ class KVCacheManager:
         self.state_snapshots = state_snapshots
         self.state_restores: list[tuple[int, int]] = []
         self.state_saves: list[tuple[int, int]] = []
+        self.state_save_hashes: list[bytes] = []  # the snapshots state_saves writes, pending until the step ran
+        self.saving: list[bytes] = []  # those the runner took for the step now running
         self.reply_snapshot: dict[str, bytes] = {}
         self.snapshot_cut: dict[str, int] = {}
         self.block_size = block_size
@@ -373,6 +375,7 @@ class KVCacheManager:
         target = snapshots.reserve(block_hash)
         if target is not None:
             self.state_saves.append((slot, target))
+            self.state_save_hashes.append(block_hash)
         if num_tokens > request.num_prompt_tokens:  # a boundary inside the reply: the next chat turn starts here
             previous = self.reply_snapshot.get(rid)
             if previous is not None and previous != block_hash:
@@ -399,8 +402,15 @@ class KVCacheManager:
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The state copies planned for the next step: (restores before it, saves after it), each (from, to) slots."""
         copies = (self.state_restores, self.state_saves)
-        self.state_restores, self.state_saves = [], []
+        self.saving = self.state_save_hashes
+        self.state_restores, self.state_saves, self.state_save_hashes = [], [], []
         return copies
+
+    def state_saves_done(self) -> None:
+        """The runner saved the snapshots it took (take_state_copies): prefix hits may start from them now."""
+        if self.state_snapshots is not None:
+            self.state_snapshots.saved(self.saving)
+        self.saving = []
 
     def _free_skipped(self, request: KVRequest, state: RequestTables) -> None:
         """Give back, in each sliding group, the blocks before the window of the request's next query (their
@@ -610,7 +620,7 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.state_snapshots is not None:
             self.state_snapshots.clear()
-            self.state_restores, self.state_saves = [], []
+            self.state_restores, self.state_saves, self.state_save_hashes, self.saving = [], [], [], []
             self.reply_snapshot.clear()
 
     def forget(self, request: KVRequest) -> None:

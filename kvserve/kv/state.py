@@ -27,12 +27,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class StateSpec:
-    """One sequence's state in every state layer: a short convolution keeps its last `conv_kernel - 1` inputs of
-    `conv_channels` channels (LFM2: the hidden size), each `element_bytes` bytes."""
+    """One sequence's state in every state layer: a convolution keeps its last `conv_kernel - 1` inputs of
+    `conv_channels` channels (LFM2: the hidden size; Qwen3.5: its q, k and v), and a linear-attention layer a matrix
+    per value head, `recurrent_shape` = (value heads, key dim, value dim) (none for LFM2); `element_bytes` each."""
 
     num_layers: int
     conv_kernel: int
     conv_channels: int
+    recurrent_shape: tuple[int, ...] = ()
     element_bytes: int = 4
 
     @property
@@ -40,8 +42,15 @@ class StateSpec:
         return self.conv_kernel - 1
 
     @property
+    def recurrent_elements(self) -> int:
+        n = 1
+        for d in self.recurrent_shape:
+            n *= d
+        return n if self.recurrent_shape else 0
+
+    @property
     def bytes_per_layer(self) -> int:
-        return self.conv_tokens * self.conv_channels * self.element_bytes
+        return (self.conv_tokens * self.conv_channels + self.recurrent_elements) * self.element_bytes
 
     @property
     def bytes_per_slot(self) -> int:
@@ -49,13 +58,21 @@ class StateSpec:
         return self.num_layers * self.bytes_per_layer
 
     def describe(self) -> str:
+        if not self.recurrent_shape:
+            return (
+                f"{self.num_layers} short-conv layers x {self.conv_tokens} tokens x {self.conv_channels} channels x "
+                f"{self.element_bytes} bytes = {self.bytes_per_slot} bytes a sequence"
+            )
+        heads = " x ".join(map(str, self.recurrent_shape))
         return (
-            f"{self.num_layers} short-conv layers x {self.conv_tokens} tokens x {self.conv_channels} channels x "
-            f"{self.element_bytes} bytes = {self.bytes_per_slot} bytes a sequence"
+            f"{self.num_layers} linear-attention layers x ({self.conv_tokens} tokens x {self.conv_channels} conv "
+            f"channels + {heads} recurrent) x {self.element_bytes} bytes = {self.bytes_per_slot} bytes a sequence"
         )
 
 
-# State snapshots per sequence slot, and the most of the KV budget they may take (state_reservation).
+# The most of the KV budget sequence slots may take; state snapshots per sequence slot, and the most of the budget
+# they may take (state_reservation).
+SEQUENCE_BUDGET_FRACTION = 0.5
 SNAPSHOTS_PER_SEQUENCE = 4
 SNAPSHOT_BUDGET_FRACTION = 0.25
 
@@ -79,7 +96,7 @@ class StateReservation:
 
     def describe(self) -> str:
         return (
-            f"{self.num_sequences} sequence slots (--max-num-seqs) + {self.num_snapshots} snapshot slots x "
+            f"{self.num_sequences} sequence slots + {self.num_snapshots} snapshot slots x "
             f"{self.spec.bytes_per_slot} bytes = {self.bytes} bytes"
         )
 
@@ -87,13 +104,18 @@ class StateReservation:
 def state_reservation(
     spec: StateSpec, max_num_seqs: int, budget_bytes: int | None, prefix_caching: bool = True
 ) -> StateReservation:
-    """The engine's sizing rule for state slots (estimate and serve share it): one per --max-num-seqs sequence, and
-    for prefix hits SNAPSHOTS_PER_SEQUENCE snapshots per sequence, at most SNAPSHOT_BUDGET_FRACTION of the budget
-    (LFM2-350M's 80 KiB states: 1024 snapshots for the default 256 sequences take 80 MiB of 4 GiB)."""
-    snapshots = SNAPSHOTS_PER_SEQUENCE * max_num_seqs if prefix_caching else 0
+    """The engine's sizing rule for state slots (estimate and serve share it): a slot for each of --max-num-seqs
+    sequences, as many as SEQUENCE_BUDGET_FRACTION of the budget holds (a request waits for a free slot as it waits for
+    blocks), and for prefix hits SNAPSHOTS_PER_SEQUENCE snapshots a sequence slot, at most SNAPSHOT_BUDGET_FRACTION of
+    the budget. LFM2-350M's 80 KiB states in 4 GiB: 256 sequences and 1024 snapshots (100 MiB); Qwen3.5-0.8B's
+    19.3 MiB states: 106 sequences and 53 snapshots (3 GiB), leaving 1 GiB for its attention layers' KV."""
+    sequences = max_num_seqs
+    if budget_bytes is not None:
+        sequences = max(1, min(max_num_seqs, int(budget_bytes * SEQUENCE_BUDGET_FRACTION) // spec.bytes_per_slot))
+    snapshots = SNAPSHOTS_PER_SEQUENCE * sequences if prefix_caching else 0
     if budget_bytes is not None:
         snapshots = min(snapshots, int(budget_bytes * SNAPSHOT_BUDGET_FRACTION) // spec.bytes_per_slot)
-    return StateReservation(spec, max_num_seqs, snapshots)
+    return StateReservation(spec, sequences, snapshots)
 
 
 class StateSlots:
@@ -128,7 +150,10 @@ class StateSlots:
 
 class StateSnapshots:
     """States at block boundaries, in slots of their own ([first_slot, first_slot + num_slots) of every state layer's
-    tensor), keyed by the chained hash of the block they end at; the least recently used one is overwritten first."""
+    tensor), keyed by the chained hash of the block they end at; the least recently used one is overwritten first.
+
+    A snapshot reserved for a step is `pending` until the runner has saved it after that step: a request admitted in
+    the same step (sharing the prefix's blocks at once) must not start from a slot not yet written."""
 
     def __init__(self, first_slot: int, num_slots: int) -> None:
         if num_slots < 1:
@@ -137,20 +162,22 @@ class StateSnapshots:
         self.num_slots = num_slots
         self.by_hash: OrderedDict[bytes, int] = OrderedDict()
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self.pending: set[bytes] = set()
         self.num_evictions = 0
 
     def __len__(self) -> int:
         return len(self.by_hash)
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.by_hash
+        """Whether a saved snapshot ends at this block (a pending one does not count)."""
+        return block_hash in self.by_hash and block_hash not in self.pending
 
     def use(self, block_hash: bytes) -> int | None:
-        """The snapshot's slot, now the most recently used; None if there is none."""
-        slot = self.by_hash.get(block_hash)
-        if slot is not None:
-            self.by_hash.move_to_end(block_hash)
-        return slot
+        """The saved snapshot's slot, now the most recently used; None if there is none."""
+        if block_hash not in self:
+            return None
+        self.by_hash.move_to_end(block_hash)
+        return self.by_hash[block_hash]
 
     def reserve(self, block_hash: bytes) -> int | None:
         """A slot to save the state ending at `block_hash` into (the least recently used snapshot's when none is free);
@@ -161,12 +188,19 @@ class StateSnapshots:
         if self._free:
             slot = self._free.pop()
         else:
-            _, slot = self.by_hash.popitem(last=False)
+            evicted, slot = self.by_hash.popitem(last=False)
+            self.pending.discard(evicted)
             self.num_evictions += 1
         self.by_hash[block_hash] = slot
+        self.pending.add(block_hash)
         return slot
 
+    def saved(self, hashes: list[bytes]) -> None:
+        """The runner has written these snapshots: hits may start from them."""
+        self.pending.difference_update(hashes)
+
     def drop(self, block_hash: bytes) -> None:
+        self.pending.discard(block_hash)
         slot = self.by_hash.pop(block_hash, None)
         if slot is not None:
             self._free.append(slot)

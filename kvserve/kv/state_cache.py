@@ -20,6 +20,11 @@ class LayerStateCache:
     """One state layer's states: conv[slot] holds the layer's last conv_kernel - 1 inputs of the slot's sequence."""
 
     conv: torch.Tensor  # [num_slots, conv_kernel - 1, channels]
+    recurrent: torch.Tensor | None = None  # linear attention: [num_slots, value heads, key dim, value dim]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by slot (what a state copy moves)."""
+        return [self.conv] if self.recurrent is None else [self.conv, self.recurrent]
 
 
 @dataclass(slots=True)
@@ -53,4 +58,12 @@ def allocate_state_cache(
 ) -> list[LayerStateCache]:
     """Zeroed states for every state layer (zeros are never read as a state, but keep a stray read finite)."""
     shape = (num_slots, spec.conv_tokens, spec.conv_channels)
-    return [LayerStateCache(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(spec.num_layers)]
+
+    def recurrent() -> torch.Tensor | None:
+        if not spec.recurrent_shape:
+            return None
+        return torch.zeros((num_slots, *spec.recurrent_shape), dtype=dtype, device=device)
+
+    return [
+        LayerStateCache(torch.zeros(shape, dtype=dtype, device=device), recurrent()) for _ in range(spec.num_layers)
+    ]

@@ -24,14 +24,24 @@ _HF_FAMILIES = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "lfm2": "lfm2",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",
 }
 # GGUF general.architecture -> our family name.
-_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "lfm2": "lfm2"}
+_GGUF_FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "lfm2": "lfm2",
+    "qwen35": "qwen3_5",
+}
 # What a layer mixes tokens with: attention over the paged KV cache, or a state carried from token to token (LFM2's
 # short convolution). A state layer keeps no KV: the KV cache groups are built over the attention layers only.
 ATTENTION = "attention"
 SHORT_CONV = "short_conv"
-LAYER_KINDS = (ATTENTION, SHORT_CONV)
+LINEAR_ATTENTION = "linear_attention"  # Qwen3.5's Gated DeltaNet: a convolution and a matrix-valued recurrent state
+LAYER_KINDS = (ATTENTION, SHORT_CONV, LINEAR_ATTENTION)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 GEMMA3_SLIDING_PATTERN = 6  # HF Gemma3TextConfig default: every 6th layer is global
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
@@ -73,6 +83,13 @@ class ModelConfig:
     layer_kinds: list[str] = field(default_factory=list)
     conv_kernel: int = 0  # a short convolution's taps (LFM2's conv_L_cache): its state keeps conv_kernel - 1 tokens
     conv_bias: bool = False
+    # Qwen3.5's Gated DeltaNet layers: key heads (q, k) and value heads, their sizes; the conv covers q, k and v.
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    attention_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid of a second half of q_proj
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim x this dims of q and k (Qwen3.5: 0.25)
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -81,8 +98,15 @@ class ModelConfig:
         unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
         if unknown:
             raise NotImplementedError(f"layer kind(s) {', '.join(unknown)} not supported ({', '.join(LAYER_KINDS)})")
-        if SHORT_CONV in self.layer_kinds and self.conv_kernel < 2:
-            raise ValueError(f"a short convolution needs at least 2 taps, got {self.conv_kernel}")
+        if self.state_layers and self.conv_kernel < 2:
+            raise ValueError(f"a state layer's convolution needs at least 2 taps, got {self.conv_kernel}")
+        if len(set(self.layer_kinds) - {ATTENTION}) > 1:
+            raise NotImplementedError("a model mixing short convolutions and linear attention is not supported")
+        if LINEAR_ATTENTION in self.layer_kinds and (
+            min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim) < 1
+            or self.linear_value_heads % self.linear_key_heads
+        ):
+            raise ValueError("linear attention needs key and value heads (value heads a multiple of key heads)")
         if not self.sliding_windows:
             self.sliding_windows = [None] * n
         if not self.rope_thetas:
@@ -120,12 +144,22 @@ class ModelConfig:
         return [self.sliding_windows[i] for i in self.attention_layers]
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of each q and k head that rope turns (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def state_spec(self) -> StateSpec | None:
         """The state one sequence keeps in the state layers (kv/state.py); None when every layer attends. States are
-        float32 whatever the KV cache's dtype: a state is carried through every token, so its rounding would add up,
-        and it is small (LFM2-350M: 10 conv layers x 2 tokens x 1024 channels x 4 bytes = 80 KiB a sequence)."""
+        float32 whatever the KV cache's dtype: a state is carried through every token, so its rounding would add up.
+        LFM2-350M: 10 conv layers x 2 tokens x 1024 channels x 4 bytes = 80 KiB a sequence; Qwen3.5-0.8B: 18 Gated
+        DeltaNet layers x (3 tokens x 6144 channels + 16 heads x 128 x 128) x 4 bytes = 19.3 MiB."""
         if not self.state_layers:
             return None
+        if LINEAR_ATTENTION in self.layer_kinds:
+            channels = 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+            recurrent = (self.linear_value_heads, self.linear_key_dim, self.linear_value_dim)
+            return StateSpec(len(self.state_layers), self.conv_kernel, channels, recurrent)
         return StateSpec(len(self.state_layers), self.conv_kernel, self.hidden_size)
 
     # -- per-family switches (one decoder, no per-family copies) ---------------------------------
@@ -141,8 +175,9 @@ class ModelConfig:
 
     @property
     def norm_adds_one(self) -> bool:
-        """HF Gemma RMSNorm multiplies by (1 + weight); the loader folds the 1 into the stored weight."""
-        return self.family == "gemma3"
+        """HF Gemma (and Qwen3.5) RMSNorm multiplies by (1 + weight); the loader folds the 1 into the stored weight
+        (not into Qwen3.5's gated norm inside linear attention, which multiplies by its weight)."""
+        return self.family in ("gemma3", "qwen3_5")
 
     @property
     def attention_scale(self) -> float:
@@ -175,6 +210,8 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(_HF_FAMILIES)})")
         if family == "lfm2":
             return cls._from_hf_lfm2(cfg, generation_config or {})
+        if family == "qwen3_5":
+            return cls._from_hf_qwen3_5(cfg, generation_config or {})
         if cfg.get("mlp_bias"):
             raise NotImplementedError("mlp_bias=True is not supported")
         if cfg.get("attn_logit_softcapping") is not None:
@@ -283,6 +320,66 @@ class ModelConfig:
         )
 
     @classmethod
+    def _from_hf_qwen3_5(cls, cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
+        """Qwen3.5 dense text models (HF `qwen3_5_text`, or the text part of a `qwen3_5` checkpoint, whose vision tower
+        is not run): Gated DeltaNet layers ("linear_attention") beside gated GQA attention with partial rope (the
+        first quarter of each head) and zero-centred norms ((1 + w), as Gemma's)."""
+        if cfg.get("model_type") == "qwen3_5":
+            if not isinstance(cfg.get("text_config"), dict):
+                raise ValueError("a qwen3_5 config without a text_config is not understood")
+            cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+        if cfg.get("num_experts") or cfg.get("num_local_experts"):
+            raise NotImplementedError("Qwen3.5 mixture-of-experts models are not supported (the dense ones are)")
+        n_layers = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types") or [
+            "linear_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) else "full_attention"
+            for i in range(n_layers)
+        ]
+        if len(types) != n_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
+        kinds_by_type = {"full_attention": ATTENTION, "linear_attention": LINEAR_ATTENTION}
+        unknown = sorted(set(types) - set(kinds_by_type))
+        if unknown:
+            names = ", ".join(map(repr, unknown))
+            raise NotImplementedError(
+                f"Qwen3.5 layer type(s) {names} are not supported (linear_attention, full_attention)"
+            )
+        params = cfg.get("rope_parameters") or {}
+        hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        return cls(
+            family="qwen3_5",
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0))),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=[] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])],
+            hidden_act=str(cfg.get("hidden_act") or "silu"),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_out_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=True,
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            generation_defaults=dict(gen),
+            layer_kinds=[kinds_by_type[t] for t in types],
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+            linear_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+            linear_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+            linear_key_dim=int(cfg.get("linear_key_head_dim", 128)),
+            linear_value_dim=int(cfg.get("linear_value_head_dim", 128)),
+            attention_output_gate=True,
+            partial_rotary_factor=float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+        )
+
+    @classmethod
     def from_gguf(cls, gguf: str | Path | GGUFFile) -> ModelConfig:
         """Read a GGUF file's metadata (llama, qwen2, qwen3, gemma3, lfm2 architectures); no tensor data."""
         from kvserve.model.gguf_reader import GGUFFile
@@ -306,10 +403,15 @@ class ModelConfig:
         n_heads = int(need("attention.head_count"))
         n_kv = f.arch_value("attention.head_count_kv", n_heads)
         kinds: list[str] = []
+        linear: dict[str, Any] = {}
         if family == "lfm2":  # llama.cpp's converter marks LFM2's conv layers by 0 KV heads
             counts = list(n_kv) if isinstance(n_kv, list) else [int(n_kv)] * n_layers
             kinds = [ATTENTION if n else SHORT_CONV for n in counts]
             n_kv = max(counts)
+        if family == "qwen3_5":
+            kinds, linear = _gguf_qwen35(f, n_layers)
+            if isinstance(n_kv, list):
+                n_kv = max(n_kv)
         if isinstance(n_kv, list):
             raise NotImplementedError(f"{f.path}: per-layer KV head counts are not supported")
         head_dim = int(
@@ -363,9 +465,37 @@ class ModelConfig:
             query_pre_attn_scalar=256.0 if family == "gemma3" else None,
             torch_dtype=None,
             layer_kinds=kinds,
-            conv_kernel=int(f.arch_value("shortconv.l_cache", 3)) if family == "lfm2" else 0,
             conv_bias=any(name.endswith("shortconv.in_proj.bias") for name in f.tensors),
+            **({"conv_kernel": int(f.arch_value("shortconv.l_cache", 3))} if family == "lfm2" else linear),
         )
+
+
+def _gguf_qwen35(f: GGUFFile, n_layers: int) -> tuple[list[str], dict[str, Any]]:
+    """Qwen3.5's layer kinds and Gated DeltaNet shapes from a GGUF file as llama.cpp's converter writes them
+    (recurrent_layers, else full_attention_interval; ssm.* for the linear layers; rope.dimension_count is the partial
+    rope's dims)."""
+    recurrent = f.arch_value("attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(f.arch_value("full_attention_interval", 4))
+        recurrent = [bool((i + 1) % interval) for i in range(n_layers)]
+    kinds = [LINEAR_ATTENTION if r else ATTENTION for r in list(recurrent)[:n_layers]]
+    need = {key: f.arch_value(f"ssm.{key}") for key in ("conv_kernel", "state_size", "group_count", "time_step_rank")}
+    missing = [key for key, value in need.items() if value is None]
+    if missing:
+        raise ValueError(f"{f.path}: GGUF metadata key(s) {', '.join(f'qwen35.ssm.{k}' for k in missing)} missing")
+    value_heads = int(need["time_step_rank"])
+    inner = int(f.arch_value("ssm.inner_size", 0))
+    head_dim = int(f.arch_value("attention.key_length") or 0)
+    rotary = f.arch_value("rope.dimension_count")
+    return kinds, {
+        "conv_kernel": int(need["conv_kernel"]),
+        "linear_key_heads": int(need["group_count"]),
+        "linear_value_heads": value_heads,
+        "linear_key_dim": int(need["state_size"]),
+        "linear_value_dim": inner // value_heads if inner else int(need["state_size"]),
+        "attention_output_gate": True,
+        "partial_rotary_factor": float(rotary) / head_dim if rotary and head_dim else 0.25,
+    }
 
 
 def _hf_layer_types(cfg: dict[str, Any], family: str, n_layers: int) -> list[str]:

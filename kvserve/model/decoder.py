@@ -1,4 +1,4 @@
-"""One decoder-only transformer for the llama / qwen2 / qwen3 / gemma3 / lfm2 families (per-family switches).
+"""One decoder-only transformer for the llama / qwen2 / qwen3 / gemma3 / lfm2 / qwen3_5 families (per-family switches).
 
 Parameter names follow HF's (without the leading "model."), except the fused `qkv_proj` and `gate_up_proj`;
 `load_weights` maps canonical checkpoint names onto them.
@@ -17,7 +17,8 @@ from kvserve.attention.registry import get_attention_backend
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels, NativeKernels
 from kvserve.kv.cache import LayerKVCache
 from kvserve.kv.state_cache import LayerStateCache, StateMetadata, StepState
-from kvserve.model.config import SHORT_CONV, ModelConfig
+from kvserve.model.config import LINEAR_ATTENTION, SHORT_CONV, ModelConfig
+from kvserve.model.gated_deltanet import GatedDeltaNet
 from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from kvserve.model.native_layer import NativeLayerStack, NativeLayerUnsupported
@@ -30,24 +31,36 @@ log = logging.getLogger(__name__)
 class DecoderLayer(nn.Module):
     """Pre-norm block; with `sandwich` (gemma3) the attention and MLP outputs are normalized too.
 
-    Its token mixer is attention over the paged KV cache (`self_attn`) or, in a hybrid model's state layer, a short
-    convolution over a per-sequence state (`conv`, LFM2): one of the two, named as HF names them.
+    Its token mixer is attention over the paged KV cache (`self_attn`) or, in a hybrid model's state layer, a mixer
+    carrying a per-sequence state: LFM2's short convolution (`conv`) or Qwen3.5's Gated DeltaNet (`linear_attn`); one
+    of them, named as HF names it.
 
     Norm names are HF's: for llama/qwen `post_attention_layernorm` is the norm *before* the MLP; for
     gemma3 it normalizes the attention output and `pre_feedforward_layernorm` precedes the MLP.
     """
 
-    def __init__(self, config: ModelConfig, attention: PagedAttention | None, conv: ShortConv | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: PagedAttention | None,
+        conv: ShortConv | None = None,
+        linear_attn: GatedDeltaNet | None = None,
+    ) -> None:
         super().__init__()
-        if (attention is None) == (conv is None):
-            raise ValueError("a decoder layer mixes tokens with attention or with a short convolution, one of them")
+        if sum(m is not None for m in (attention, conv, linear_attn)) != 1:
+            raise ValueError(
+                "a decoder layer mixes tokens with one of attention, a short convolution, linear attention"
+            )
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.sandwich = config.sandwich_norms
         if attention is not None:
             self.self_attn = attention
         if conv is not None:
             self.conv = conv
-        self.has_state = conv is not None
+        if linear_attn is not None:
+            self.linear_attn = linear_attn
+        self.has_state = attention is None
+        self.state_mixer = "conv" if conv is not None else "linear_attn"  # the attribute of a state layer's mixer
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -66,8 +79,9 @@ class DecoderLayer(nn.Module):
         return self._residual_and_mlp(h, self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta))
 
     def forward_state(self, h: torch.Tensor, cache: LayerStateCache, meta: StateMetadata) -> torch.Tensor:
-        """A state layer's forward: the short convolution in place of attention, the rest the same."""
-        return self._residual_and_mlp(h, self.conv(self.input_layernorm(h), cache, meta))
+        """A state layer's forward: its state mixer in place of attention, the rest the same."""
+        mixer = getattr(self, self.state_mixer)
+        return self._residual_and_mlp(h, mixer(self.input_layernorm(h), cache, meta))
 
     def _residual_and_mlp(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.sandwich:
@@ -109,6 +123,18 @@ class DecoderModel(nn.Module):
                     conv = ShortConv(c.hidden_size, c.conv_kernel, c.conv_bias)
                     self.layers.append(DecoderLayer(c, None, conv).to(dtype=dtype))
                     continue
+                if c.layer_kinds[i] == LINEAR_ATTENTION:
+                    linear = GatedDeltaNet(
+                        c.hidden_size,
+                        c.linear_key_heads,
+                        c.linear_value_heads,
+                        c.linear_key_dim,
+                        c.linear_value_dim,
+                        c.conv_kernel,
+                        c.rms_norm_eps,
+                    )
+                    self.layers.append(DecoderLayer(c, None, linear_attn=linear).to(dtype=dtype))
+                    continue
                 attn = PagedAttention(
                     c.hidden_size,
                     c.num_heads,
@@ -120,6 +146,8 @@ class DecoderModel(nn.Module):
                     scale=c.attention_scale,
                     sliding_window=c.sliding_windows[i],
                     backend=backend,
+                    output_gate=c.attention_output_gate,
+                    rotary_dim=c.rotary_dim,
                 )
                 self.layers.append(DecoderLayer(c, attn).to(dtype=dtype))
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -136,7 +164,7 @@ class DecoderModel(nn.Module):
             key = (theta, repr(sorted((scaling or {}).items())))
             if key not in keys:
                 keys.append(key)
-                ropes.append(RotaryEmbedding(c.head_dim, theta, scaling))
+                ropes.append(RotaryEmbedding(c.rotary_dim, theta, scaling))
             self.rope_index.append(keys.index(key))
         self.ropes = nn.ModuleList(ropes).to(device)
         self.use_kernels(kernels)
@@ -267,7 +295,8 @@ class DecoderModel(nn.Module):
         """
         params = dict(self.named_parameters())
         c = self.config
-        q_rows, kv_rows, ff = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        q_rows = c.num_heads * c.head_dim * (2 if c.attention_output_gate else 1)  # Qwen3.5: each head's gate too
+        kv_rows, ff = c.num_kv_heads * c.head_dim, c.intermediate_size
         fused = {  # checkpoint sub-name -> (fused param sub-name, row offset, rows)
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows),
             "self_attn.k_proj": ("self_attn.qkv_proj", q_rows, kv_rows),
@@ -275,12 +304,19 @@ class DecoderModel(nn.Module):
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, ff),
             "mlp.up_proj": ("mlp.gate_up_proj", ff, ff),
         }
+        linear = next((m for m in self.modules() if isinstance(m, GatedDeltaNet)), None)
+        if linear is not None:
+            for part, (into, first, count) in linear.fused_parts.items():
+                fused[f"linear_attn.{part}"] = (f"linear_attn.{into}", first, count)
         needed = {(name, 0) for name in params}
         for name in params:
             if ".qkv_proj." in name:
                 needed |= {(name, q_rows), (name, q_rows + kv_rows)}
             elif ".gate_up_proj." in name:
                 needed.add((name, ff))
+            elif ".linear_attn.in_proj_" in name and linear is not None:
+                into = name.split(".linear_attn.")[1].split(".")[0]
+                needed |= {(name, first) for fused_into, first, _ in linear.fused_parts.values() if fused_into == into}
         done: set[tuple[str, int]] = set()
         for name, tensor in tensors:
             if name == "lm_head.weight" and self.lm_head is None:

@@ -106,12 +106,19 @@ class PagedAttention(nn.Module):
         scale: float,
         sliding_window: int | None,
         backend: AttentionBackend,
+        output_gate: bool = False,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.spec = AttentionLayerSpec(scale, sliding_window)
         self.backend = backend
-        self.qkv_proj = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
+        # Qwen3.5: q_proj gives each head its query and a gate (interleaved per head); the output is multiplied by the
+        # gate's sigmoid. Rope may turn only the first rotary_dim dims of each head (partial rope).
+        self.output_gate = output_gate
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        q_heads = 2 * num_heads if output_gate else num_heads
+        self.qkv_proj = nn.Linear(hidden, (q_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=out_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -126,17 +133,42 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        heads, kv_heads, q_size = self.num_heads, self.num_kv_heads, self.num_heads * self.head_dim
+        heads, kv_heads, q_size, dim = self.num_heads, self.num_kv_heads, self.num_heads * self.head_dim, self.head_dim
         qkv = self.qkv_proj(x)
-        # Q and K side by side as [T, heads + kv_heads, head_dim]: one norm and one rope call for both.
-        qk = qkv[:, : q_size + kv_heads * self.head_dim].view(t, heads + kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_heads * self.head_dim :].view(t, kv_heads, self.head_dim)
-        # Per-head norms (if any) and rope in one kernel call: rotates the pair (i, i + head_dim / 2).
+        gate = None
+        if self.output_gate:
+            q_and_gate = qkv[:, : 2 * q_size].view(t, heads, 2, dim)
+            gate = q_and_gate[:, :, 1].reshape(t, q_size)
+            k_rows = qkv[:, 2 * q_size : 2 * q_size + kv_heads * dim].view(t, kv_heads, dim)
+            qk = torch.cat((q_and_gate[:, :, 0], k_rows), dim=1)
+            v = qkv[:, 2 * q_size + kv_heads * dim :].view(t, kv_heads, dim)
+        else:
+            # Q and K side by side as [T, heads + kv_heads, head_dim]: one norm and one rope call for both.
+            qk = qkv[:, : q_size + kv_heads * dim].view(t, heads + kv_heads, dim)
+            v = qkv[:, q_size + kv_heads * dim :].view(t, kv_heads, dim)
         qn, kn = self.q_norm, self.k_norm
-        qk = self.kernels.qk_norm_rope(
-            qk, heads, qn.weight if qn else None, kn.weight if kn else None, qn.eps if qn else 0.0, cos, sin
-        )
-        q, k = qk[:, :heads], qk[:, heads:]
+        if self.rotary_dim == dim:
+            # Per-head norms (if any) and rope in one kernel call: rotates the pair (i, i + head_dim / 2).
+            qk = self.kernels.qk_norm_rope(
+                qk, heads, qn.weight if qn else None, kn.weight if kn else None, qn.eps if qn else 0.0, cos, sin
+            )
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q, k = qk[:, :heads], qk[:, heads:]
+            if qn is not None and kn is not None:
+                q, k = qn(q), kn(k)
+            q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         kv_cache.write(k, v, meta.slot_mapping)
-        out = self.backend(q, kv_cache, meta, self.spec, self.kernels)
-        return self.o_proj(out.reshape(t, q_size))
+        out = self.backend(q, kv_cache, meta, self.spec, self.kernels).reshape(t, q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rope on the first cos.shape[-1] dims of each head of x ([T, heads, head_dim]; cos and signed_sin as
+    RotaryEmbedding.cos_sin lays them out), rotating the pairs (i, i + rotary_dim / 2); the other dims pass."""
+    r = cos.shape[-1]
+    rot = x[..., :r]
+    swapped = torch.cat((rot[..., r // 2 :], rot[..., : r // 2]), dim=-1)
+    return torch.cat((rot * cos + swapped * signed_sin, x[..., r:]), dim=-1)

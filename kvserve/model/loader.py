@@ -168,7 +168,9 @@ def _load_gguf_blocks(
         blocks = {
             name: (f.tensors[g].ggml_type, _canonical_rows(name, torch.from_numpy(f.tensor_blocks(g)), config))
             for name, g in names.items()
-            if f.tensors[g].ggml_type in NATIVE_GGUF_TYPES and len(f.tensors[g].shape) == 2
+            if f.tensors[g].ggml_type in NATIVE_GGUF_TYPES
+            and len(f.tensors[g].shape) == 2
+            and not _columns_reordered(name, config)
         }
         used = use_gguf_blocks(model, blocks, kernels)
         rest = [name for name in names if name not in used]
@@ -247,17 +249,29 @@ def hf_safetensors_files(path: Path) -> list[Path]:
 
 
 def _hf_canonical_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    skipped: set[str] = set()
+
     def rename(name: str) -> str | None:
         if name.endswith("rotary_emb.inv_freq"):
             return None
+        if config.family == "qwen3_5":  # a Qwen3_5ForConditionalGeneration checkpoint: its language model only
+            if name.startswith(("model.visual.", "visual.", "mtp.")):
+                skipped.add(name.split(".", 2)[0 if name.startswith("mtp.") else 1])
+                return None
+            name = name.replace("model.language_model.", "model.", 1)
         return name.removeprefix("model.")
 
     for name, tensor in _safetensors_tensors(hf_safetensors_files(path), rename):
-        if config.norm_adds_one and name.endswith("norm.weight"):
-            tensor = tensor.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
+        # Gemma's and Qwen3.5's RMSNorm multiply by (1 + w); Qwen3.5's gated norm in linear attention by w
+        if config.norm_adds_one and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            tensor = tensor.float() + 1.0
         if config.family == "lfm2":
             name, tensor = _lfm2_canonical(name, tensor)
+        if config.family == "qwen3_5" and name.endswith("linear_attn.conv1d.weight"):
+            name, tensor = name.replace("conv1d.weight", "conv_weight"), tensor.reshape(tensor.shape[0], -1)
         yield name, tensor
+    if skipped:
+        log.info("%s: not run: %s (the text model only)", path, ", ".join(sorted(skipped)))
 
 
 # LFM2's HF names -> the decoder's (layers.N.<sub>): its MLP, norms and attention output under llama's names.
@@ -358,9 +372,30 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
+# Qwen3.5's Gated DeltaNet tensors as llama.cpp names them -> the decoder's (under layers.N.).
+_GGUF_QWEN35_NAMES = {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_conv1d.weight": "linear_attn.conv_weight",
+    "ssm_a": "linear_attn.A_log",  # stored as -exp(A_log)
+    "ssm_dt.bias": "linear_attn.dt_bias",
+}
+
+
 def gguf_canonical_name(name: str, config: ModelConfig) -> str:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    if config.family == "qwen3_5" and name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        kind, _, suffix = rest.partition(".")
+        if rest in _GGUF_QWEN35_NAMES:  # whole names: ssm_a (no suffix), ssm_dt.bias, ssm_conv1d.weight
+            return f"layers.{idx}.{_GGUF_QWEN35_NAMES[rest]}"
+        if kind in _GGUF_QWEN35_NAMES:
+            return f"layers.{idx}.{_GGUF_QWEN35_NAMES[kind]}.{suffix}"
     if config.family == "lfm2" and name == "token_embd_norm.weight":  # LFM2's final norm (HF's embedding_norm)
         return "norm.weight"
     parts = name.split(".")
@@ -394,17 +429,55 @@ def gguf_canonical_tensors(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[s
 
 
 def _gguf_tensor(f: GGUFFile, gguf_name: str, name: str, config: ModelConfig) -> torch.Tensor:
-    """One tensor dequantized to float32 under its canonical name's row order."""
-    return _canonical_rows(name, torch.from_numpy(f.tensor_float32(gguf_name)), config)
+    """One tensor dequantized to float32 under its canonical name's row order (and, for Qwen3.5, column order and
+    values as HF has them)."""
+    tensor = _canonical_rows(name, torch.from_numpy(f.tensor_float32(gguf_name)), config)
+    if config.family == "qwen3_5":
+        if name.endswith("linear_attn.A_log"):
+            return torch.log(-tensor)  # llama.cpp stores A = -exp(A_log)
+        if name.endswith("linear_attn.out_proj.weight"):
+            return _untile_value_heads(tensor.T, config, config.linear_value_dim).T.contiguous()
+    return tensor
 
 
 def _canonical_rows(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """llama-arch Q/K rows un-permuted (whole rows move, so this also holds for a quantized tensor's blocks)."""
+    """llama-arch Q/K rows un-permuted, Qwen3.5's value heads back in HF's order (whole rows move, so this also holds
+    for a quantized tensor's blocks)."""
     if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _unpermute_llama_rows(tensor, config.num_heads)
     if config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
         return _unpermute_llama_rows(tensor, config.num_kv_heads)
+    if config.family == "qwen3_5" and ".linear_attn." in name:
+        dv, kd = config.linear_value_dim, 2 * config.linear_key_heads * config.linear_key_dim
+        if name.endswith(("in_proj_qkv.weight", "conv_weight")):  # only the value rows were reordered
+            return torch.cat((tensor[:kd], _untile_value_heads(tensor[kd:], config, dv)))
+        if name.endswith("in_proj_z.weight"):
+            return _untile_value_heads(tensor, config, dv)
+        if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+            return _untile_value_heads(tensor, config, 1)
     return tensor
+
+
+def _untile_value_heads(rows: torch.Tensor, config: ModelConfig, head_dim: int) -> torch.Tensor:
+    """Undo llama.cpp's value-head reorder for Qwen3.5 (its converter's _LinearAttentionVReorderBase): with fewer key
+    heads than value heads it stores the value heads tiled ([v0 of each key head, v1 of each, ...]) for ggml's
+    broadcast, where HF groups them by key head ([the value heads of key head 0, of key head 1, ...])."""
+    k_heads, v_heads = config.linear_key_heads, config.linear_value_heads
+    if k_heads == v_heads:
+        return rows
+    per_key = v_heads // k_heads
+    shape = rows.shape
+    return rows.reshape(per_key, k_heads, head_dim, *shape[1:]).transpose(0, 1).reshape(shape)
+
+
+def _columns_reordered(name: str, config: ModelConfig) -> bool:
+    """Whether the GGUF stores this tensor's columns in another order than HF's: such a tensor cannot run as the
+    file's blocks (a block spans columns), so it is dequantized."""
+    return (
+        config.family == "qwen3_5"
+        and config.linear_key_heads != config.linear_value_heads
+        and name.endswith("linear_attn.out_proj.weight")
+    )
 
 
 def _gguf_cache_file(source: ModelSource, cache_dir: Path | None) -> Path:

@@ -5,7 +5,7 @@ the last `kernel - 1` inputs of each sequence (kv/state.py, kv/state_cache.py).
     y = C * conv(B * x)                  (depthwise over time, taps w[c, 0..k-1], the newest input last)
     out = out_proj(y)
 
-The gated convolution is one kernel call (Kernels.short_conv: the torch reference, or kernels/short_conv.cpp)."""
+The gated convolution is one kernel call (Kernels.causal_conv: the torch reference, or kernels/recurrent.cpp)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,17 @@ class ShortConv(nn.Module):
         self.kernels: Kernels = TORCH_KERNELS
 
     def forward(self, h: torch.Tensor, cache: LayerStateCache, meta: StateMetadata) -> torch.Tensor:
-        y = self.kernels.short_conv(
-            self.in_proj(h),
+        bcx = self.in_proj(h)
+        b, c, x = bcx[:, : self.hidden], bcx[:, self.hidden : 2 * self.hidden], bcx[:, 2 * self.hidden :]
+        y = self.kernels.causal_conv(
+            x,
             self.conv_weight,
             self.conv_bias,
             cache.conv,
             meta.slots,
             meta.query_start_loc_cpu,
             meta.continues_cpu,
+            pre=b,
+            gate=c,
         )
         return self.out_proj(y.to(h.dtype))

@@ -134,11 +134,30 @@ TINY_VARIANTS: dict[str, tuple[str, str, dict]] = {
             rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
         ),
     ),
+    # Qwen3.5: Gated DeltaNet layers (a conv state and a matrix state per value head) beside gated attention with
+    # partial rope; value heads twice the key heads, as in the published models.
+    "qwen3_5_hybrid": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
 }
 
 
 # Variants with state layers (kv/state.py): the native decoder layer (kernels/decoder_layer.cpp) does not cover them.
-STATE_VARIANTS = frozenset({"lfm2_hybrid"})
+STATE_VARIANTS = frozenset({"lfm2_hybrid", "qwen3_5_hybrid"})
 
 
 def build_tiny_hf_model(variant: str, **overrides: object) -> torch.nn.Module:

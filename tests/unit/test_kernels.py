@@ -213,52 +213,110 @@ def test_native_gated_act_matches_torch(native: NativeKernels, act: str, shape: 
     torch.testing.assert_close(got, TorchKernels().gated_act(x, act), atol=1e-5, rtol=1e-5)
 
 
-def _short_conv_case(query_lens: list[int], continues: list[bool], channels: int, kernel: int, bias: bool, seed: int):
+def _conv_case(query_lens: list[int], continues: list[bool], channels: int, kernel: int, bias: bool, seed: int):
     g = torch.Generator().manual_seed(seed)
     bcx = torch.randn(sum(query_lens), 3 * channels, generator=g)
     weight = torch.randn(channels, kernel, generator=g)
     b = torch.randn(channels, generator=g) if bias else None
     states = torch.randn(len(query_lens) + 3, kernel - 1, channels, generator=g)
     slots = torch.randperm(len(query_lens) + 3, generator=g)[: len(query_lens)]
+    return bcx, weight, b, states, slots, _starts(query_lens), continues
+
+
+def _starts(query_lens: list[int]) -> list[int]:
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    return bcx, weight, b, states, slots, starts, continues
+    return starts
+
+
+STEPS = [
+    ([1, 1, 1], [True, True, True]),  # a decode step
+    ([5, 1, 17], [False, True, True]),  # a prompt starting beside a decode and a later chunk
+    ([2, 40], [True, False]),  # a chunk shorter than the kernel, a long one from zeros
+    ([1], [False]),  # one token from zeros
+]
 
 
 @needs_native
+@pytest.mark.parametrize("step", range(len(STEPS)))
 @pytest.mark.parametrize(
-    "query_lens,continues,channels,kernel,bias",
-    [
-        ([1, 1, 1], [True, True, True], 64, 3, False),  # a decode step
-        ([5, 1, 17], [False, True, True], 13, 3, True),  # odd channels, a prompt starting beside a decode and a chunk
-        ([2, 40], [True, False], 1024, 4, False),  # chunks shorter than the kernel; LFM2-350M's width
-        ([1], [False], 8, 2, False),  # one token from zeros
-    ],
+    "channels,kernel,bias,form", [(64, 3, False, "lfm2"), (13, 3, True, "lfm2"), (1024, 4, False, "silu")]
 )
-def test_native_short_conv_matches_torch(native: NativeKernels, query_lens, continues, channels, kernel, bias) -> None:
-    """The gated short convolution (LFM2) and the states it leaves behind, against the torch reference; slots not
-    in the step keep their state."""
-    bcx, weight, b, states, slots, starts, cont = _short_conv_case(query_lens, continues, channels, kernel, bias, 7)
+def test_native_causal_conv_matches_torch(native: NativeKernels, step, channels, kernel, bias, form) -> None:
+    """The causal convolution (LFM2's gated form on column slices of one projection; Qwen3.5's plain form with SiLU)
+    and the states it leaves behind, against the torch reference; slots not in the step keep their state."""
+    query_lens, continues = STEPS[step]
+    bcx, weight, b, states, slots, starts, cont = _conv_case(query_lens, continues, channels, kernel, bias, 7)
+    if form == "lfm2":
+        x, kw = bcx[:, 2 * channels :], dict(pre=bcx[:, :channels], gate=bcx[:, channels : 2 * channels])
+    else:
+        x, kw = bcx[:, :channels].contiguous(), dict(silu=True)
     want_states = states.clone()
-    want = TorchKernels().short_conv(bcx, weight, b, want_states, slots, starts, cont)
-    got = native.short_conv(bcx, weight, b, states, slots, starts, cont)
+    want = TorchKernels().causal_conv(x, weight, b, want_states, slots, starts, cont, **kw)
+    got = native.causal_conv(x, weight, b, states, slots, starts, cont, **kw)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, want_states, atol=0, rtol=0)
 
 
-def test_torch_short_conv_equals_a_causal_conv1d() -> None:
+def test_torch_causal_conv_equals_a_causal_conv1d() -> None:
     """The reference itself, against torch's conv1d over each whole sequence (HF's causal_conv1d_fn): two chunks of
     a sequence through its state give the same outputs as the sequence at once."""
     channels, kernel = 6, 3
-    bcx, weight, _, states, _, _, _ = _short_conv_case([11], [False], channels, kernel, False, 3)
-    b, c, x = bcx.chunk(3, dim=-1)
-    conv = torch.nn.functional.conv1d((b * x).T[None], weight[:, None, :], padding=kernel - 1, groups=channels)
-    want = c * conv[0, :, :11].T
+    bcx, weight, _, states, _, _, _ = _conv_case([11], [False], channels, kernel, False, 3)
+    x = bcx[:, :channels]
+    conv = torch.nn.functional.conv1d(x.T[None], weight[:, None, :], padding=kernel - 1, groups=channels)
+    want = conv[0, :, :11].T
     slot = torch.tensor([1])
-    first = TorchKernels().short_conv(bcx[:4], weight, None, states, slot, [0, 4], [False])
-    rest = TorchKernels().short_conv(bcx[4:], weight, None, states, slot, [0, 7], [True])
+    first = TorchKernels().causal_conv(x[:4], weight, None, states, slot, [0, 4], [False])
+    rest = TorchKernels().causal_conv(x[4:], weight, None, states, slot, [0, 7], [True])
     torch.testing.assert_close(torch.cat((first, rest)), want, atol=1e-5, rtol=1e-5)
+
+
+def _delta_case(query_lens: list[int], k_heads: int, v_heads: int, key_dim: int, value_dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(query_lens)
+    # q, k, v as column slices of one [T, ...] buffer (the layer's convolution output), g and beta of another
+    mixed = torch.randn(tokens, 2 * k_heads * key_dim + v_heads * value_dim, generator=g)
+    q = mixed[:, : k_heads * key_dim].view(tokens, k_heads, key_dim)
+    k = mixed[:, k_heads * key_dim : 2 * k_heads * key_dim].view(tokens, k_heads, key_dim)
+    v = mixed[:, 2 * k_heads * key_dim :].view(tokens, v_heads, value_dim)
+    ab = torch.randn(tokens, 2 * v_heads, generator=g)
+    log_decay = -torch.nn.functional.softplus(ab[:, :v_heads])
+    beta = ab[:, v_heads:].sigmoid()
+    states = torch.randn(len(query_lens) + 2, v_heads, key_dim, value_dim, generator=g) * 0.1
+    slots = torch.randperm(len(query_lens) + 2, generator=g)[: len(query_lens)]
+    return q, k, v, log_decay, beta, states, slots
+
+
+@needs_native
+@pytest.mark.parametrize("step", range(len(STEPS)))
+@pytest.mark.parametrize("k_heads,v_heads,key_dim,value_dim", [(2, 4, 16, 8), (1, 1, 128, 128), (3, 3, 5, 7)])
+def test_native_gated_delta_rule_matches_torch(native: NativeKernels, step, k_heads, v_heads, key_dim, value_dim):
+    """The Gated DeltaNet recurrence (grouped value heads, strided inputs, odd head sizes) and its final states."""
+    query_lens, continues = STEPS[step]
+    q, k, v, g, beta, states, slots = _delta_case(query_lens, k_heads, v_heads, key_dim, value_dim, 5)
+    want_states = states.clone()
+    starts = _starts(query_lens)
+    want = TorchKernels().gated_delta_rule(q, k, v, g, beta, want_states, slots, starts, continues)
+    got = native.gated_delta_rule(q, k, v, g, beta, states, slots, starts, continues)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-4)
+
+
+def test_torch_gated_delta_rule_equals_hf_transformers() -> None:
+    """The reference against HF's own chunked form (transformers' torch_chunk_gated_delta_rule, Qwen3.5's prefill
+    path): a 70-token sequence run as chunks of 30 and 40 through its state, within 1e-4."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta, states, _ = _delta_case([70], 2, 4, 16, 8, 9)
+    want, _ = torch_chunk_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], use_qk_l2norm_in_kernel=True
+    )
+    slot = torch.tensor([0])
+    first = TorchKernels().gated_delta_rule(q[:30], k[:30], v[:30], g[:30], beta[:30], states, slot, [0, 30], [False])
+    rest = TorchKernels().gated_delta_rule(q[30:], k[30:], v[30:], g[30:], beta[30:], states, slot, [0, 40], [True])
+    torch.testing.assert_close(torch.cat((first, rest)), want[0], atol=1e-4, rtol=1e-4)
 
 
 def _paged_prompt(seq_len: int, q_len: int, block_size: int, heads: int, kv_heads: int, dim: int, seed: int):
