@@ -244,7 +244,7 @@ def _reorder_value_heads(t: torch.Tensor, dim: int, k_heads: int, per_key: int, 
     return t.transpose(dim, dim + 1).contiguous().reshape(shape)
 
 
-def write_qwen35_gguf(hf: torch.nn.Module, path: Path) -> None:
+def write_qwen35_gguf(hf: torch.nn.Module, path: Path, with_vocab: bool = False) -> None:
     """The tiny Qwen3.5 as llama.cpp's converter writes one (its Qwen3_5TextModel: Qwen3NextModel's transforms and
     _LinearAttentionVReorderBase's): names from gguf-py's map for qwen35; A_log stored as -exp(A_log), dt_bias as
     ssm_dt.bias, the conv squeezed, every norm but the gated one stored as 1 + w, and with fewer key than value heads
@@ -282,6 +282,15 @@ def write_qwen35_gguf(hf: torch.nn.Module, path: Path) -> None:
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if with_vocab:  # a byte-level BPE vocabulary of the model's 256 ids, as a gpt2-type GGUF tokenizer stores it
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen35")
+        w.add_token_list(list(bytes_to_unicode().values()))
+        w.add_token_merges([])
+        w.add_token_scores([0.0] * c.vocab_size)
+        w.add_token_types([1] * c.vocab_size)
     with torch.no_grad():
         for hf_name, param in hf.state_dict().items():
             if hf_name == "lm_head.weight" and c.tie_word_embeddings:
@@ -346,3 +355,16 @@ def test_a_qwen35_gguf_written_as_llama_cpp_does_equals_hf(tmp_path, quantizatio
     driver = PagedDriver(model, [ids])
     got = torch.cat([driver.step({0: n})[0] for n in (9, 16, len(ids) - 25)])
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_qwen35_gguf_serves_with_its_own_tokenizer(tmp_path):
+    """An engine on the GGUF alone (its tokenizer built from the file's vocabulary): greedy ids equal HF's on the
+    same Q8_0 values."""
+    hf = build_tiny_hf_model("qwen3_5_hybrid")
+    path = tmp_path / "tiny-qwen35.gguf"
+    write_qwen35_gguf(hf, path, with_vocab=True)
+    engine = tiny_engine(path, max_num_batched_tokens=16)
+    ids = prompts(1, seed=23)[0]
+    (out,) = run(engine, [ids], GREEDY)
+    ref, ref_top = hf_greedy(hf, ids, len(out.outputs[0].token_ids))
+    assert_logprobs_close(ref, ref_top, out.outputs[0].token_ids, tops_of(out.outputs[0]), name="qwen35 gguf")
