@@ -125,6 +125,12 @@ class EngineStatsCollector:
                 "KV blocks the pinned prefixes hold (within --max-pinned-kv-fraction of the pool).",
                 s.kv_pinned_blocks,
             ),
+            ("state_slots_used", "A hybrid model's state slots held by running requests.", s.state_slots_used),
+            (
+                "state_snapshots",
+                "A hybrid model's state snapshots kept for prefix hits (at block boundaries, docs/MODELS.md).",
+                s.state_snapshots,
+            ),
         ]
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -141,6 +147,17 @@ class EngineStatsCollector:
             ),
             ("num_preemptions", "Preemptions (requests evicted to free KV blocks).", s.num_preemptions),
             ("kv_pins_created", "Prompt prefixes pinned by cache_control marks.", s.kv_pins_created),
+            ("state_snapshots_saved", "State snapshots saved at block boundaries.", s.state_snapshots_saved),
+            (
+                "state_snapshots_restored",
+                "State snapshots restored into a request's slot (prefix hits of a hybrid model).",
+                s.state_snapshots_restored,
+            ),
+            (
+                "state_snapshots_evicted",
+                "State snapshots overwritten, least recently used first.",
+                s.state_snapshots_evicted,
+            ),
             ("kv_pins_expired", "Pinned prefixes released when their TTL ran out.", s.kv_pins_expired),
             (
                 "kv_pins_displaced",

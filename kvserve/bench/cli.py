@@ -21,6 +21,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.spec",
     "kvserve.bench.router",
     "kvserve.bench.prompt_cache",
+    "kvserve.bench.hybrid_chat",
     "kvserve.bench.suite",
 )
 

@@ -289,6 +289,7 @@ class EngineCore:
                 "spec_decode_num_accepted_tokens_per_pos": tuple(totals.num_accepted_tokens_per_pos),
             }
         pins = self.kv_manager.pins
+        slots, snapshots = self.kv_manager.state_slots, self.kv_manager.state_snapshots  # hybrid models only
         return EngineStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -310,6 +311,11 @@ class EngineCore:
             prefix_cache_evicted_misses_tokens=self.kv_manager.prefix_stats.evicted_misses_total,
             kv_pinned_prefixes=len(pins.pins),
             kv_pinned_blocks=pins.num_pinned_blocks,
+            state_slots_used=0 if slots is None else len(slots.held),
+            state_snapshots=0 if snapshots is None else len(snapshots),
+            state_snapshots_saved=0 if snapshots is None else snapshots.num_saved,
+            state_snapshots_restored=0 if snapshots is None else snapshots.num_restored,
+            state_snapshots_evicted=0 if snapshots is None else snapshots.num_evictions,
             kv_pins_created=pins.stats.created,
             kv_pins_expired=pins.stats.expired,
             kv_pins_displaced=pins.stats.displaced,

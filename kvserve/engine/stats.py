@@ -45,6 +45,13 @@ class EngineStats:
     # (pins made, expired, displaced by newer ones over the budget, refused as larger than the budget).
     kv_pinned_prefixes: int = 0
     kv_pinned_blocks: int = 0
+    # A hybrid model's state layers (kv/state.py): sequence slots held and snapshots kept now; snapshots saved,
+    # restored into a request's slot (prefix hits) and overwritten (LRU) since start.
+    state_slots_used: int = 0
+    state_snapshots: int = 0
+    state_snapshots_saved: int = 0
+    state_snapshots_restored: int = 0
+    state_snapshots_evicted: int = 0
     kv_pins_created: int = 0
     kv_pins_expired: int = 0
     kv_pins_displaced: int = 0

@@ -13,7 +13,7 @@ from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
 from kvserve.kv.misses import MissCounts, PrefixMiss, SeenBlocks, common_prefix
 from kvserve.kv.pins import PinOutcome, PinTable
 from kvserve.kv.pool import BlockPool
-from kvserve.kv.state import StateSlots, StateSnapshots
+from kvserve.kv.state import SNAPSHOT_INTERVAL_BLOCKS, StateSlots, StateSnapshots
 from kvserve.units import cdiv
 
 if TYPE_CHECKING:
@@ -131,6 +131,7 @@ class KVCacheManager:
         # after it; each request's latest snapshot in its reply (replaced by the next one); and per request, the
         # blocks its last lookup found cached past its longest snapshot (a hit cut short for lack of one).
         self.state_snapshots = state_snapshots
+        self.snapshot_interval_blocks = SNAPSHOT_INTERVAL_BLOCKS
         self.state_restores: list[tuple[int, int]] = []
         self.state_saves: list[tuple[int, int]] = []
         self.state_save_hashes: list[bytes] = []  # the snapshots state_saves writes, pending until the step ran
@@ -369,6 +370,7 @@ class KVCacheManager:
             if source is None:
                 raise ValueError(f"request {rid}: the state snapshot of its prefix hit is gone")
             self.state_restores.append((source, slot))
+            snapshots.num_restored += 1
         if not self.enable_caching or num_tokens % bs or num_tokens > request.num_tokens:
             return
         block_hash = self.hashes(request, num_tokens)[num_tokens // bs - 1]
@@ -384,16 +386,20 @@ class KVCacheManager:
 
     def state_chunk(self, request: KVRequest, start: int, num_new: int) -> int:
         """How many of `num_new` tokens from `start` a model with state snapshots computes in this step, so that the
-        step ends where a snapshot is worth taking: at the prompt's own hit point (its last block boundary before its
-        last token: the same prompt sent again hits there), and otherwise, for a chunk that does not reach the end of
-        the request's tokens, at the chunk's last block boundary (vLLM's aligned chunks: each long prefill leaves a
-        snapshot every chunk). Unchanged without snapshots, or when the cut would leave nothing."""
+        step ends where a snapshot is worth taking: at the next multiple of `snapshot_interval_blocks` blocks (a long
+        prompt leaves a snapshot every interval: a later prompt sharing only its start, a system prompt, hits at the
+        last one before they part), at the prompt's own hit point (its last block boundary before its last token: the
+        same prompt sent again hits there), and otherwise, for a chunk that does not reach the end of the request's
+        tokens, at the chunk's last block boundary (vLLM's aligned chunks). Unchanged without snapshots, or when the
+        cut would leave nothing."""
         if self.state_snapshots is None or not self.enable_caching:
             return num_new
         bs, end = self.block_size, start + num_new
-        hit_point = (request.num_prompt_tokens - 1) // bs * bs
-        if start < hit_point < end:
-            return hit_point - start
+        interval = self.snapshot_interval_blocks * bs
+        stops = [(start // interval + 1) * interval, (request.num_prompt_tokens - 1) // bs * bs]
+        cut = min((s for s in stops if start < s < end), default=None)
+        if cut is not None:
+            return cut - start
         aligned = end // bs * bs
         if end < request.num_tokens and aligned > start:
             return aligned - start

@@ -73,6 +73,9 @@ class StateSpec:
 # The most of the KV budget sequence slots may take; state snapshots per sequence slot, and the most of the budget
 # they may take (state_reservation).
 SEQUENCE_BUDGET_FRACTION = 0.5
+# A long prefill leaves a state snapshot every this many blocks (KVCacheManager.state_chunk); docs/MODELS.md has the
+# measured cost that chose it.
+SNAPSHOT_INTERVAL_BLOCKS = 16
 SNAPSHOTS_PER_SEQUENCE = 4
 SNAPSHOT_BUDGET_FRACTION = 0.25
 
@@ -164,6 +167,8 @@ class StateSnapshots:
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self.pending: set[bytes] = set()
         self.num_evictions = 0
+        self.num_saved = 0
+        self.num_restored = 0
 
     def __len__(self) -> int:
         return len(self.by_hash)
@@ -197,6 +202,7 @@ class StateSnapshots:
 
     def saved(self, hashes: list[bytes]) -> None:
         """The runner has written these snapshots: hits may start from them."""
+        self.num_saved += sum(1 for h in hashes if h in self.pending)
         self.pending.difference_update(hashes)
 
     def drop(self, block_hash: bytes) -> None:

@@ -409,6 +409,8 @@ class ModelConfig:
             kinds = [ATTENTION if n else SHORT_CONV for n in counts]
             n_kv = max(counts)
         if family == "qwen3_5":
+            # The converter counts a multi-token-prediction layer (nextn) into block_count; it is not run.
+            n_layers -= int(f.arch_value("nextn_predict_layers", 0) or 0)
             kinds, linear = _gguf_qwen35(f, n_layers)
             if isinstance(n_kv, list):
                 n_kv = max(n_kv)

@@ -164,7 +164,7 @@ def _load_gguf_blocks(
     from gguf.constants import GGMLQuantizationType
 
     with GGUFFile(source.path) as f:
-        names = {gguf_canonical_name(g, config): g for g in f.tensors}
+        names = {gguf_canonical_name(g, config): g for g in f.tensors if _runs(g, config)}
         blocks = {
             name: (f.tensors[g].ggml_type, _canonical_rows(name, torch.from_numpy(f.tensor_blocks(g)), config))
             for name, g in names.items()
@@ -414,6 +414,14 @@ def gguf_canonical_name(name: str, config: ModelConfig) -> str:
     raise ValueError(f"GGUF tensor {name!r} is not understood for the {config.family} family")
 
 
+def _runs(gguf_name: str, config: ModelConfig) -> bool:
+    """Whether a GGUF tensor belongs to the layers kvserve runs: not a Qwen3.5 file's multi-token-prediction (nextn)
+    layer, which the converter stores as blocks past the model's own."""
+    if not gguf_name.startswith("blk."):
+        return True
+    return int(gguf_name.split(".", 2)[1]) < config.num_layers or config.family != "qwen3_5"
+
+
 def _unpermute_llama_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved rope pairs) back to HF's rotate-half layout."""
     rows = w.shape[0]
@@ -424,6 +432,8 @@ def _unpermute_llama_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def gguf_canonical_tensors(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized float32 tensors under canonical names; llama-arch Q/K rows un-permuted."""
     for gguf_name in f.tensors:
+        if not _runs(gguf_name, config):
+            continue
         name = gguf_canonical_name(gguf_name, config)
         yield name, _gguf_tensor(f, gguf_name, name, config)
 

@@ -139,6 +139,9 @@ def test_chat_turns_hit_the_snapshot_at_the_end_of_the_reply(hybrid):
     (again,) = run(engine, [turn], GREEDY)
     assert again.num_cached_tokens == (len(turn) - 1) // 4 * 4
     assert list(again.outputs[0].token_ids) == list(second.outputs[0].token_ids)
+    stats = engine.core.stats()
+    assert stats.state_snapshots_restored == 2 and stats.state_snapshots_saved >= 3
+    assert stats.state_snapshots > 0 and stats.state_slots_used == 0
 
 
 def test_a_long_prefill_leaves_a_snapshot_every_chunk(hybrid):
@@ -244,7 +247,7 @@ def _reorder_value_heads(t: torch.Tensor, dim: int, k_heads: int, per_key: int, 
     return t.transpose(dim, dim + 1).contiguous().reshape(shape)
 
 
-def write_qwen35_gguf(hf: torch.nn.Module, path: Path, with_vocab: bool = False) -> None:
+def write_qwen35_gguf(hf: torch.nn.Module, path: Path, with_vocab: bool = False, mtp: bool = False) -> None:
     """The tiny Qwen3.5 as llama.cpp's converter writes one (its Qwen3_5TextModel: Qwen3NextModel's transforms and
     _LinearAttentionVReorderBase's): names from gguf-py's map for qwen35; A_log stored as -exp(A_log), dt_bias as
     ssm_dt.bias, the conv squeezed, every norm but the gated one stored as 1 + w, and with fewer key than value heads
@@ -259,7 +262,9 @@ def write_qwen35_gguf(hf: torch.nn.Module, path: Path, with_vocab: bool = False)
     per_key, kd, dv = v_heads // k_heads, 2 * c.linear_num_key_heads * c.linear_key_head_dim, c.linear_value_head_dim
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), "qwen35")
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(c.num_hidden_layers + int(mtp))  # the converter counts a multi-token-prediction layer in
+    if mtp:
+        w.add_uint32("qwen35.nextn_predict_layers", 1)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -275,7 +280,7 @@ def write_qwen35_gguf(hf: torch.nn.Module, path: Path, with_vocab: bool = False)
     w.add_ssm_time_step_rank(v_heads)
     w.add_ssm_inner_size(dv * v_heads)
     # the converter's add_recurrent_layers (newer than the gguf package on PyPI): the same key and values
-    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types] + [False] * mtp)
     w.add_full_attention_interval(4)
     w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     w.add_rope_dimension_sections([11, 11, 10, 0])
@@ -328,16 +333,21 @@ def write_qwen35_gguf(hf: torch.nn.Module, path: Path, with_vocab: bool = False)
                 w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
             else:
                 w.add_tensor(gguf_name, array)
+    if mtp:  # a few of the nextn layer's tensors, as blocks past the model's own
+        n = c.num_hidden_layers
+        w.add_tensor(f"blk.{n}.nextn.eh_proj.weight", torch.randn(c.hidden_size, 2 * c.hidden_size).numpy())
+        w.add_tensor(f"blk.{n}.attn_norm.weight", torch.ones(c.hidden_size).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("quantization", ["none", "gguf"])
-def test_a_qwen35_gguf_written_as_llama_cpp_does_equals_hf(tmp_path, quantization):
+@pytest.mark.parametrize("quantization,mtp", [("none", False), ("gguf", False), ("none", True)])
+def test_a_qwen35_gguf_written_as_llama_cpp_does_equals_hf(tmp_path, quantization, mtp):
     """Qwen3.5's GGUF (value heads tiled, A stored as -exp(A_log), 1 + w norms) loads back to HF's layout: logits
-    within 1e-4 of HF's on a prompt of several chunks, dequantized or run as the file's Q8_0 blocks."""
+    within 1e-4 of HF's on a prompt of several chunks, dequantized or run as the file's Q8_0 blocks; a file with a
+    multi-token-prediction layer (the converter's default for the published checkpoints) runs without it."""
     from tiny_models import PagedDriver
 
     from kvserve.model.loader import load_model
@@ -345,7 +355,7 @@ def test_a_qwen35_gguf_written_as_llama_cpp_does_equals_hf(tmp_path, quantizatio
 
     hf = build_tiny_hf_model("qwen3_5_hybrid")
     path = tmp_path / "tiny-qwen35.gguf"
-    write_qwen35_gguf(hf, path)
+    write_qwen35_gguf(hf, path, mtp=mtp)
     cfg = ModelConfig.from_gguf(path)
     assert cfg.family == "qwen3_5" and cfg.state_layers == (0, 2, 3) and cfg.rotary_dim == 8
     assert (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim) == (2, 4, 16, 8)
