@@ -122,19 +122,26 @@ class ChatShape:
 
 
 def synthetic_vocabulary(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A byte-level BPE vocabulary of exactly `vocab_size` tokens: the 256 byte symbols, then every pair of them,
-    then pairs followed by a byte, each with the merge that makes it."""
+    """A byte-level BPE vocabulary of exactly `vocab_size` tokens: the 256 byte symbols, then every pair of them with
+    the merge that makes it, then (for vocabularies past 65,792) three-symbol tokens no merge makes (a random model's
+    output ids reach them; no text encodes to them, which GGUF tokenizer readers take more readily than deep merges)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     merges: list[tuple[str, str]] = []
-    pairs = [(a, b) for a in alphabet for b in alphabet]
-    for left, right in pairs + [(a + b, c) for a, b in pairs for c in alphabet]:
-        if len(vocab) >= vocab_size:
-            break
-        vocab[left + right] = len(vocab)
-        merges.append((left, right))
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab) >= vocab_size:
+                return vocab, merges
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    for a in alphabet:
+        for b in alphabet:
+            for c in alphabet:
+                if len(vocab) >= vocab_size:
+                    return vocab, merges
+                vocab[a + b + c] = len(vocab)
     return vocab, merges
 
 

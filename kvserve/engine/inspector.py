@@ -269,6 +269,26 @@ def _pins(engine: EngineCore) -> list[dict[str, Any]]:
     ]
 
 
+def _state_layers(engine: EngineCore) -> dict[str, Any] | None:
+    """A hybrid model's state layers (kv/state.py): what a sequence's state costs, which request holds which slot,
+    and the snapshots kept for prefix hits (the hash of the block each ends at, most recently used last; pending: saved
+    after the step now running). None for a model of attention only."""
+    kv = engine.kv_manager
+    spec, slots, snapshots = engine.model_config.state_spec, kv.state_slots, kv.state_snapshots
+    if spec is None or slots is None:
+        return None
+    return {
+        "spec": spec.describe(),
+        "bytes_per_slot": spec.bytes_per_slot,
+        "num_sequence_slots": slots.num_slots,
+        "slots": dict(slots.held),
+        "num_snapshot_slots": 0 if snapshots is None else snapshots.num_slots,
+        "snapshots": []
+        if snapshots is None
+        else [{"hash": _short(h), "slot": s, "pending": h in snapshots.pending} for h, s in snapshots.by_hash.items()],
+    }
+
+
 def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str, Any]:
     """The whole view, built from the engine's live state on the engine thread (see the module docstring)."""
     pool = engine.pool
@@ -290,6 +310,7 @@ def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str,
         "requests": _requests(engine),
         "prefix_cache": _prefix_cache(engine, ranks),
         "pins": _pins(engine),
+        "state": _state_layers(engine),
         "gauges": dataclasses.asdict(engine.stats()),
         "capacity": _capacity(engine),
         "offload_tier": None

@@ -142,6 +142,11 @@ def test_chat_turns_hit_the_snapshot_at_the_end_of_the_reply(hybrid):
     stats = engine.core.stats()
     assert stats.state_snapshots_restored == 2 and stats.state_snapshots_saved >= 3
     assert stats.state_snapshots > 0 and stats.state_slots_used == 0
+    from kvserve.engine.inspector import build_snapshot
+
+    view = build_snapshot(engine.core)["state"]
+    assert view["slots"] == {} and len(view["snapshots"]) == stats.state_snapshots
+    assert not any(s["pending"] for s in view["snapshots"])
 
 
 def test_a_long_prefill_leaves_a_snapshot_every_chunk(hybrid):
