@@ -12,6 +12,7 @@ from typing import Any
 
 from kvserve.capacity import max_concurrent_requests, num_blocks_for_budget, resolve_kv_dtype, tier_prefix_tokens
 from kvserve.kv.offload.config import parse_offloading_size
+from kvserve.kv.state import state_reservation
 from kvserve.tools.estimate import catalog_text
 from kvserve.tools.model_facts import ModelFacts, resolve_model_facts
 from kvserve.tools.report import add_json_arg, emit, table
@@ -127,7 +128,15 @@ def advise(
     if not dtypes[0].is_8bit:
         dtypes.append(resolve_kv_dtype(EIGHT_BIT_KV, setup.dtype))
     layout = facts.shape.layout(setup.hybrid)
-    blocks = {d.name: _blocks(facts, setup, d) for d in dtypes}
+    # A hybrid model's state layers take their slots out of the budget first, as the engine does (kv/state.py): a slot
+    # for each sequence the scenario runs at once, and the snapshots for them.
+    state = None
+    kv_bytes = setup.budget.kv_bytes
+    if facts.state is not None:
+        sequences = max(1, min(MAX_NUM_SEQS_CAP, scenario.expected_concurrency))
+        state = state_reservation(facts.state, sequences, kv_bytes)
+        kv_bytes = max(kv_bytes - state.bytes, 0)
+    blocks = {d.name: _blocks(facts, setup, d, kv_bytes) for d in dtypes}
     lengths = candidate_lengths(facts.context_len, scenario.needed_len)
 
     def fit(num_blocks: int, seq_len: int) -> int:
@@ -162,6 +171,8 @@ def advise(
         )
     typical = chosen["concurrent_requests_at_typical_len"]
     max_num_seqs = max(1, min(MAX_NUM_SEQS_CAP, typical))
+    if state is not None:  # no more sequences than the state slots reserved above (fewer reserve less)
+        max_num_seqs = min(max_num_seqs, state.num_sequences)
     if typical < scenario.expected_concurrency:
         warnings.append(
             f"only {typical} requests of the typical {scenario.typical_len} tokens fit at once, "
@@ -205,16 +216,23 @@ def advise(
             "command": command,
         },
         "offload": offload,
+        "state_slots": None
+        if state is None
+        else {
+            "num_sequences": state.num_sequences,
+            "num_snapshots": state.num_snapshots,
+            "bytes": state.bytes,
+            "formula": state.describe(),
+        },
         "warnings": warnings,
         "explanation": _explain(chosen, dtypes, candidates, scenario),
     }
 
 
-def _blocks(facts: ModelFacts, setup: Setup, kv_dtype: KVDtype) -> int:
+def _blocks(facts: ModelFacts, setup: Setup, kv_dtype: KVDtype, kv_bytes: int) -> int:
     per_block = facts.shape.bytes_per_block(facts.shape.layout(setup.hybrid), kv_dtype, setup.block_size)
-    assert setup.budget is not None
     try:
-        return num_blocks_for_budget(setup.budget.kv_bytes, per_block)
+        return num_blocks_for_budget(kv_bytes, per_block)
     except ValueError:
         return 0
 
@@ -275,6 +293,11 @@ def render_advice(doc: dict[str, Any]) -> str:
         (
             f"Scenario {s['name']}: {s['description']}; typical {s['typical_len']} tokens, longest {s['needed_len']}, "
             f"{s['expected_concurrency']} at once"
+        ),
+        *(
+            [f"State layers' slots, out of the budget first: {doc['state_slots']['formula']}"]
+            if doc.get("state_slots")
+            else []
         ),
         "",
         "Concurrent requests, all at max-model-len:",

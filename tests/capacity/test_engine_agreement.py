@@ -121,3 +121,31 @@ def test_estimate_counts_a_hybrid_models_state_slots_like_the_engine(capsys, tin
     assert slots["num_snapshots"] == engine.core.cache_plan.num_state_snapshots > 0
     assert kv["plan"]["num_blocks"] == engine.core.pool.num_blocks
     assert kv["bytes_per_block"] * kv["plan"]["num_blocks"] + slots["bytes"] <= budget
+
+
+def test_advise_reserves_a_hybrid_models_state_slots_as_the_engine_does(capsys, tiny_dirs) -> None:
+    """advise takes the state slots of the scenario's concurrent sequences off the budget before counting blocks; the
+    engine started with its recommendation reserves no more, so it has at least the blocks advise counted on."""
+    from kvserve.engine.engine import LLMEngine
+
+    path = tiny_dirs["lfm2_hybrid"]
+    budget = 2_000_003
+    assert main(["advise", "--model", str(path), "--kv-cache-memory-bytes", str(budget), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    state, rec = doc["state_slots"], doc["recommendation"]
+    assert state["bytes"] > 0 and rec["max_num_seqs"] <= state["num_sequences"]
+    chosen = next(
+        c
+        for c in doc["candidates"]
+        if (c["max_model_len"], c["kv_cache_dtype"]) == (rec["max_model_len"], rec["kv_cache_dtype"])
+    )
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(path),
+            kv_cache_memory_bytes=budget,
+            max_num_seqs=rec["max_num_seqs"],
+            max_model_len=rec["max_model_len"],
+            kv_cache_dtype=rec["kv_cache_dtype"],
+        )
+    )
+    assert engine.core.pool.num_blocks >= chosen["num_blocks"]
