@@ -160,6 +160,8 @@ class KVCacheManager:
         # Pinned prefixes (kv/pins.py); by default at most half the pool's blocks.
         budget = pool.num_usable_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.pins = PinTable(pool, budget, pool.clock)
+        if state_snapshots is not None:  # a pinned prefix keeps its state snapshot as it keeps its blocks
+            state_snapshots.protected = self.pins.pins.__contains__
         # What was seen, for "why did this request miss?" (kv/misses.py): twice the pool's blocks of history.
         self.seen = SeenBlocks(max(2 * pool.num_usable_blocks, 4096))
         self.unsalted_hashes: dict[str, list[bytes]] = {}  # salted requests' block hashes without the salt
@@ -384,19 +386,22 @@ class KVCacheManager:
                 snapshots.drop(previous)
             self.reply_snapshot[rid] = block_hash
 
-    def state_chunk(self, request: KVRequest, start: int, num_new: int) -> int:
+    def state_chunk(self, request: KVRequest, start: int, num_new: int, marks: Sequence[int] = ()) -> int:
         """How many of `num_new` tokens from `start` a model with state snapshots computes in this step, so that the
         step ends where a snapshot is worth taking: at the next multiple of `snapshot_interval_blocks` blocks (a long
         prompt leaves a snapshot every interval: a later prompt sharing only its start, a system prompt, hits at the
         last one before they part), at the prompt's own hit point (its last block boundary before its last token: the
         same prompt sent again hits there), and otherwise, for a chunk that does not reach the end of the request's
-        tokens, at the chunk's last block boundary (vLLM's aligned chunks). Unchanged without snapshots, or when the
-        cut would leave nothing."""
+        tokens, at the chunk's last block boundary (vLLM's aligned chunks). `marks`: where the request's cache_control
+        marks end; each mark's last block boundary is a stop too, so that its pin has a state to restore (and keeps it:
+        StateSnapshots never evicts a pinned prefix's). Unchanged without snapshots, or when the cut would leave
+        nothing."""
         if self.state_snapshots is None or not self.enable_caching:
             return num_new
         bs, end = self.block_size, start + num_new
         interval = self.snapshot_interval_blocks * bs
         stops = [(start // interval + 1) * interval, (request.num_prompt_tokens - 1) // bs * bs]
+        stops += [m // bs * bs for m in marks]
         cut = min((s for s in stops if start < s < end), default=None)
         if cut is not None:
             return cut - start

@@ -22,6 +22,7 @@ Pure Python (no torch): `kvserve estimate` sizes the slots from StateSpec.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -158,9 +159,11 @@ class StateSnapshots:
     A snapshot reserved for a step is `pending` until the runner has saved it after that step: a request admitted in
     the same step (sharing the prefix's blocks at once) must not start from a slot not yet written."""
 
-    def __init__(self, first_slot: int, num_slots: int) -> None:
+    def __init__(self, first_slot: int, num_slots: int, protected: Callable[[bytes], bool] | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"state snapshots need at least one slot, got {num_slots}")
+        # Keys whose snapshots are never overwritten or dropped (the ends of pinned prefixes, kv/pins.py).
+        self.protected: Callable[[bytes], bool] = protected or (lambda block_hash: False)
         self.first_slot = first_slot
         self.num_slots = num_slots
         self.by_hash: OrderedDict[bytes, int] = OrderedDict()
@@ -185,15 +188,19 @@ class StateSnapshots:
         return self.by_hash[block_hash]
 
     def reserve(self, block_hash: bytes) -> int | None:
-        """A slot to save the state ending at `block_hash` into (the least recently used snapshot's when none is free);
-        None when that snapshot exists already (the same tokens give the same state: nothing to save)."""
+        """A slot to save the state ending at `block_hash` into (the least recently used unprotected snapshot's when
+        none is free); None when that snapshot exists already (the same tokens give the same state: nothing to save)
+        or every slot holds a protected one."""
         if block_hash in self.by_hash:
             self.by_hash.move_to_end(block_hash)
             return None
         if self._free:
             slot = self._free.pop()
         else:
-            evicted, slot = self.by_hash.popitem(last=False)
+            evicted = next((h for h in self.by_hash if not self.protected(h)), None)
+            if evicted is None:  # every snapshot belongs to a pinned prefix: this state is not saved
+                return None
+            slot = self.by_hash.pop(evicted)
             self.pending.discard(evicted)
             self.num_evictions += 1
         self.by_hash[block_hash] = slot
@@ -206,6 +213,8 @@ class StateSnapshots:
         self.pending.difference_update(hashes)
 
     def drop(self, block_hash: bytes) -> None:
+        if self.protected(block_hash):
+            return
         self.pending.discard(block_hash)
         slot = self.by_hash.pop(block_hash, None)
         if slot is not None:

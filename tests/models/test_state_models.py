@@ -383,3 +383,38 @@ def test_a_qwen35_gguf_serves_with_its_own_tokenizer(tmp_path):
     (out,) = run(engine, [ids], GREEDY)
     ref, ref_top = hf_greedy(hf, ids, len(out.outputs[0].token_ids))
     assert_logprobs_close(ref, ref_top, out.outputs[0].token_ids, tops_of(out.outputs[0]), name="qwen35 gguf")
+
+
+def test_a_pinned_prefix_keeps_its_state_snapshot(hybrid):
+    """cache_control on a hybrid model: the mark's block boundary gets a snapshot, and while the pin lives that
+    snapshot is never overwritten, though other prompts churn every other snapshot slot (4 of them here); without the
+    pin the same prefix, evicted, is computed again."""
+    from kvserve.sampling_params import KVPin
+
+    path, _ = hybrid
+    base = prompts(1, seed=31)[0][:30]
+    others = [p[:30] for p in prompts(6, seed=32)]
+    follow = base + [9, 8, 7, 6, 5, 4, 3]
+
+    def complete(engine, ids: list[int], params: SamplingParams):  # run() but the pin's blocks stay held
+        engine.add_request(str(len(ids)) + str(ids[:3]), ids, params)
+        done = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done = out if out.finished else done
+            engine.check_invariants()
+        return done
+
+    def hit_after_churn(pinned: bool) -> int:
+        engine = tiny_engine(path, max_num_batched_tokens=16, max_num_seqs=1)
+        assert engine.core.kv_manager.state_snapshots.num_slots == 4
+        pins = (KVPin(num_tokens=26, ttl_s=600.0),) if pinned else ()
+        complete(engine, base, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, kv_pins=pins))
+        for other in others:
+            complete(engine, other, GREEDY)
+        out = complete(engine, follow, GREEDY)
+        assert list(out.outputs[0].token_ids) == cold_run(path, follow)
+        return out.num_cached_tokens
+
+    assert hit_after_churn(pinned=True) == 24  # the mark at token 26 ends its last whole block at 24
+    assert hit_after_churn(pinned=False) == 0
