@@ -74,8 +74,8 @@ class StateSpec:
 # The most of the KV budget sequence slots may take; state snapshots per sequence slot, and the most of the budget
 # they may take (state_reservation).
 SEQUENCE_BUDGET_FRACTION = 0.5
-# A long prefill leaves a state snapshot every this many blocks (KVCacheManager.state_chunk); docs/MODELS.md has the
-# measured cost that chose it.
+# A long prefill leaves a state snapshot every this many blocks (KVCacheManager.state_chunk); docs/MODELS.md counts
+# what that costs (a state copy every 256 tokens of prefill).
 SNAPSHOT_INTERVAL_BLOCKS = 16
 SNAPSHOTS_PER_SEQUENCE = 4
 SNAPSHOT_BUDGET_FRACTION = 0.25
@@ -97,6 +97,15 @@ class StateReservation:
     @property
     def bytes(self) -> int:
         return self.num_slots * self.spec.bytes_per_slot
+
+    def to_json(self) -> dict[str, int | str]:
+        """As estimate and advise report it."""
+        return {
+            "num_sequences": self.num_sequences,
+            "num_snapshots": self.num_snapshots,
+            "bytes": self.bytes,
+            "formula": self.describe(),
+        }
 
     def describe(self) -> str:
         return (

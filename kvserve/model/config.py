@@ -229,9 +229,7 @@ class ModelConfig:
         windows = [int(window) if t == "sliding_attention" and window else None for t in layer_types]
         thetas, scalings = _hf_rope(cfg, family, layer_types)
         gen = dict(generation_config or {})
-        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        bos, eos_ids = _hf_special_ids(cfg, gen)
         attention_bias = bool(cfg.get("attention_bias", False))
         global_scaling = next((s for s, w in zip(scalings, windows) if w is None), scalings[0])
         return cls(
@@ -247,7 +245,7 @@ class ModelConfig:
             rope_theta=max(thetas),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
-            bos_token_id=None if bos is None else int(bos),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
             hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
             sliding_windows=windows,
@@ -292,8 +290,7 @@ class ModelConfig:
         params = cfg.get("rope_parameters") or {}
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
         scaling = _normalize_scaling(params or cfg.get("rope_scaling"))
-        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        bos, eos_ids = _hf_special_ids(cfg, gen)
         tied = cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))
         return cls(
             family="lfm2",
@@ -308,8 +305,8 @@ class ModelConfig:
             rope_theta=theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 128_000)),
             tie_word_embeddings=bool(tied),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=[] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])],
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
             rope_scaling=scaling,
             qk_norm=True,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -346,8 +343,7 @@ class ModelConfig:
             )
         params = cfg.get("rope_parameters") or {}
         hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        bos, eos_ids = _hf_special_ids(cfg, gen)
         return cls(
             family="qwen3_5",
             vocab_size=int(cfg["vocab_size"]),
@@ -361,8 +357,8 @@ class ModelConfig:
             rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=[] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])],
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
             hidden_act=str(cfg.get("hidden_act") or "silu"),
             attention_bias=bool(cfg.get("attention_bias", False)),
             attention_out_bias=bool(cfg.get("attention_bias", False)),
@@ -470,6 +466,13 @@ class ModelConfig:
             conv_bias=any(name.endswith("shortconv.in_proj.bias") for name in f.tensors),
             **({"conv_kernel": int(f.arch_value("shortconv.l_cache", 3))} if family == "lfm2" else linear),
         )
+
+
+def _hf_special_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int | None, list[int]]:
+    """(BOS id, EOS ids) of an HF config, generation_config.json's first: EOS may be one id or a list."""
+    bos, eos = gen.get("bos_token_id", cfg.get("bos_token_id")), gen.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return None if bos is None else int(bos), eos_ids
 
 
 def _gguf_qwen35(f: GGUFFile, n_layers: int) -> tuple[list[str], dict[str, Any]]:

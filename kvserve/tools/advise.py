@@ -216,14 +216,7 @@ def advise(
             "command": command,
         },
         "offload": offload,
-        "state_slots": None
-        if state is None
-        else {
-            "num_sequences": state.num_sequences,
-            "num_snapshots": state.num_snapshots,
-            "bytes": state.bytes,
-            "formula": state.describe(),
-        },
+        "state_slots": None if state is None else state.to_json(),
         "warnings": warnings,
         "explanation": _explain(chosen, dtypes, candidates, scenario),
     }

@@ -229,14 +229,7 @@ def _dtype_section(
         )
     return {
         "kv_cache_dtype": kv_dtype.name,
-        "state_slots": None
-        if state is None
-        else {
-            "num_sequences": state.num_sequences,
-            "num_snapshots": state.num_snapshots,
-            "bytes": state.bytes,
-            "formula": state.describe(),
-        },
+        "state_slots": None if state is None else state.to_json(),
         "bytes_per_token": shape.bytes_per_token(kv_dtype),
         "formula": shape.formula(kv_dtype),
         "terms": {
