@@ -56,6 +56,55 @@ def _entry(repo: str, config: dict[str, Any], params: float, *aliases: str) -> C
 
 _GEMMA3_WINDOWED: dict[str, Any] = {"sliding_window_pattern": 6, "rope_theta": 1_000_000.0}
 
+
+def _lfm2(hidden: int, heads: int, ff_dim: int) -> dict[str, Any]:
+    """An LFM2 config: 16 layers, attention at 6 of them, 3-tap convolutions elsewhere; the MLP width is derived
+    from block_ff_dim (block_auto_adjust_ff_dim)."""
+    return _cfg(
+        "lfm2",
+        16,
+        hidden,
+        heads,
+        8,
+        ff_dim,
+        65536,
+        128000,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        conv_L_cache=3,
+        block_ff_dim=ff_dim,
+        block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def _qwen35(
+    layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, linear_value_heads: int, tie: bool = True
+) -> dict[str, Any]:
+    """A Qwen3.5 text_config: three Gated DeltaNet layers to one gated attention layer (head_dim 256), 16 key heads
+    of 128 in the linear layers. The published counts include the vision tower."""
+    return _cfg(
+        "qwen3_5_text",
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        intermediate,
+        248320,
+        262144,
+        head_dim=256,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=linear_value_heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=tie,
+    )
+
+
 CATALOG: tuple[CatalogEntry, ...] = (
     _entry("meta-llama/Meta-Llama-3-8B", _cfg("llama", 32, 4096, 32, 8, 14336, 128256, 8192), 8.03e9, "llama-3-8b"),
     _entry("meta-llama/Llama-3.1-8B", _cfg("llama", 32, 4096, 32, 8, 14336, 128256, 131072), 8.03e9),
@@ -162,6 +211,15 @@ CATALOG: tuple[CatalogEntry, ...] = (
         27.4e9,
         "gemma-3-27b",
     ),
+    # Hybrids (docs/MODELS.md): LFM2's short convolutions and Qwen3.5's Gated DeltaNet layers keep a state per
+    # sequence (estimate counts its slots) beside a few attention layers (6 of 16; 1 in 4).
+    _entry("LiquidAI/LFM2-350M", _lfm2(1024, 16, 6656), 354.5e6, "lfm2-350m"),
+    _entry("LiquidAI/LFM2-700M", _lfm2(1536, 24, 10240), 742.5e6, "lfm2-700m"),
+    _entry("LiquidAI/LFM2-1.2B", _lfm2(2048, 32, 12288), 1170.3e6, "lfm2-1.2b"),
+    _entry("Qwen/Qwen3.5-0.8B", _qwen35(24, 1024, 8, 2, 3584, 16), 0.8e9, "qwen3.5-0.8b"),
+    _entry("Qwen/Qwen3.5-2B", _qwen35(24, 2048, 8, 2, 6144, 16), 2e9, "qwen3.5-2b"),
+    _entry("Qwen/Qwen3.5-4B", _qwen35(32, 2560, 16, 4, 9216, 32), 4e9, "qwen3.5-4b"),
+    _entry("Qwen/Qwen3.5-9B", _qwen35(32, 4096, 16, 4, 12288, 32, tie=False), 9e9, "qwen3.5-9b"),
     _entry(
         "deepseek-ai/DeepSeek-V2-Lite",
         _cfg(

@@ -179,20 +179,13 @@ def build_core(
 
 def for_state_layers(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     """A model with state layers (kv/state.py) cannot roll its state back: speculative decoding, which rejects drafted
-    tokens, is refused. Its prefix hits need state snapshots, which the KV offload tier does not store yet: the tier
-    is off for it, said once in the log."""
+    tokens, is refused."""
     if config.speculative_config is not None:
         raise ValueError(
             f"speculative decoding is not supported for {model_config.family}: its state layers cannot take back "
             "rejected draft tokens"
         )
-    if config.kv_offload is None:
-        return config
-    logger.warning(
-        "--kv-offloading-size has no effect for %s: the tier does not store its state snapshots yet",
-        model_config.family,
-    )
-    return dataclasses.replace(config, kv_offloading_size=None, kv_offloading_path=None)
+    return config
 
 
 def offload_fingerprint(

@@ -35,18 +35,21 @@ from kvserve.kv.events_config import start_kv_event_publisher
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 from kvserve.kv.state import StateSlots, StateSnapshots
-from kvserve.kv.state_cache import allocate_state_cache
+from kvserve.kv.state_cache import LayerStateCache, allocate_state_cache
 from kvserve.kv.vllm_events import medium_for_device
 from kvserve.outputs import Logprob, logprob_entry
 from kvserve.spec_decode.gate import SpecDecoder
 from kvserve.spec_decode.verify import verify_draft
+from kvserve.units import format_bytes
 
 if TYPE_CHECKING:
     from kvserve.capacity import CachePlan
     from kvserve.config import EngineConfig
     from kvserve.kv.cache import KVCacheConfig, LayerKVCache
+    from kvserve.kv.offload.config import KVOffloadConfig
     from kvserve.kv.offload.connector import OffloadConnector
     from kvserve.kv.offload.fingerprint import KVFingerprint
+    from kvserve.kv.offload.layout import RowCopy
     from kvserve.kv.offload.tier import OffloadTier
     from kvserve.model.config import ModelConfig
     from kvserve.model.protocol import Model
@@ -127,7 +130,12 @@ class EngineCore:
             max_pinned_blocks=int(self.pool.num_usable_blocks * config.max_pinned_kv_fraction),
             state_slots=None if state is None else StateSlots(cache_plan.num_state_sequences),
             state_snapshots=(
-                StateSnapshots(cache_plan.num_state_sequences, cache_plan.num_state_snapshots)
+                StateSnapshots(
+                    cache_plan.num_state_sequences,
+                    cache_plan.num_state_snapshots,
+                    events=self.kv_events,
+                    group_idx=self.layout.num_groups,  # KV events: the group past the KV cache groups
+                )
                 if state is not None and cache_plan.num_state_snapshots
                 else None
             ),
@@ -146,8 +154,9 @@ class EngineCore:
             else build_decode_graphs(config, model, kv_caches, self.layout, self.max_model_len, device)
         )
         self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs, state_caches)
-        tier = self._start_offload_tier(config, kv_caches, offload_fingerprint, model)
+        tier = self._start_offload_tier(config, kv_caches, state_caches, offload_fingerprint, model)
         self.offload = None if tier is None else tier[0]
+        self.state_offload = None if tier is None else tier[1]  # a hybrid model's state snapshots
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -155,7 +164,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            offload=None if tier is None else tier[1],
+            offload=None if tier is None else tier[2],
             eos_token_ids=self.eos_token_ids,
         )
         native = model.native_kernels
@@ -188,10 +197,16 @@ class EngineCore:
         logger.info(cache_plan.describe())
 
     def _start_offload_tier(
-        self, config: EngineConfig, kv_caches: list[LayerKVCache], fingerprint: KVFingerprint | None, model: Model
-    ) -> tuple[OffloadTier, OffloadConnector] | None:
+        self,
+        config: EngineConfig,
+        kv_caches: list[LayerKVCache],
+        state_caches: list[LayerStateCache] | None,
+        fingerprint: KVFingerprint | None,
+        model: Model,
+    ) -> tuple[OffloadTier, OffloadTier | None, OffloadConnector] | None:
         """The KV offload tier under the pool, when one is configured (its modules are imported only then), and its
-        scheduler side."""
+        scheduler side. A hybrid model's tier keeps its state snapshots too, in records of their own (a share of the
+        size, a subdirectory of their own on disk: OffloadTier.snapshots)."""
         offload = config.kv_offload
         if offload is None:
             return None
@@ -205,9 +220,54 @@ class EngineCore:
 
         native = model.native_kernels
         copy_rows = None if native is None else native.copy_rows
-        tier = OffloadTier(offload, fingerprint, kv_caches, config.block_size, copy_rows)
-        cost = RestoreCostModel(tier.is_async, lambda: tier.seconds_per_restored_block)
-        return tier, OffloadConnector(self.kv_manager, tier, cost)
+        state_tier = None
+        snapshots = self.kv_manager.state_snapshots
+        if state_caches is not None and snapshots is not None and self.model_config.state_spec is not None:
+            offload, state_tier = self._start_state_tier(
+                offload, fingerprint, kv_caches, state_caches, snapshots.num_slots, copy_rows
+            )
+        tier = OffloadTier.for_kv_caches(offload, fingerprint, kv_caches, config.block_size, copy_rows)
+        cost = RestoreCostModel(
+            tier.is_async,
+            lambda: tier.seconds_per_restored_block,
+            None if state_tier is None else (lambda: state_tier.seconds_per_restored_block),
+        )
+        return tier, state_tier, OffloadConnector(self.kv_manager, tier, cost, state_tier)
+
+    def _start_state_tier(
+        self,
+        offload: KVOffloadConfig,
+        fingerprint: KVFingerprint,
+        kv_caches: list[LayerKVCache],
+        state_caches: list[LayerStateCache],
+        num_snapshots: int,
+        copy_rows: RowCopy | None,
+    ) -> tuple[KVOffloadConfig, OffloadTier | None]:
+        """The tier's share for a hybrid model's state snapshots (split_for_state_snapshots) and the tier that keeps
+        them, one snapshot slot of every state layer a record; returns the blocks' share of the config too."""
+        from kvserve.kv.cache import unique_tensors
+        from kvserve.kv.offload.config import split_for_state_snapshots
+        from kvserve.kv.offload.layout import BlockLayout
+        from kvserve.kv.offload.tier import OffloadTier
+
+        spec = self.model_config.state_spec
+        assert spec is not None
+        layout = BlockLayout.of_rows([t for cache in state_caches for t in cache.tensors()], copy_rows)
+        pool_bytes = sum(t.numel() * t.element_size() for c in unique_tensors(kv_caches) for t in (c.key, c.value))
+        kv_share, state_share = split_for_state_snapshots(
+            offload, pool_bytes, num_snapshots * layout.block_bytes, layout.block_bytes
+        )
+        if state_share is None:
+            logger.warning(
+                "--kv-offloading-size %s has no room for 4 of %s's state snapshots (%s each): the tier keeps blocks "
+                "only, and prefix hits need the pool's snapshots",
+                format_bytes(offload.size_bytes),
+                self.model_config.family,
+                format_bytes(layout.block_bytes),
+            )
+            return offload, None
+        state_fingerprint = fingerprint.for_state_snapshots(spec.describe())
+        return kv_share, OffloadTier(state_share, state_fingerprint, layout, self.config.block_size, snapshots=True)
 
     def close(self) -> None:
         """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued), the
@@ -216,6 +276,8 @@ class EngineCore:
         process for tens of seconds; a sibling sharing it starts them again)."""
         if self.offload is not None:
             self.offload.close()
+        if self.state_offload is not None:
+            self.state_offload.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
         self.grammar.close()
@@ -338,6 +400,8 @@ class EngineCore:
         failed = self._grammar_failures(out)
         if self.offload is not None:
             tier_events = self.offload.take_events()
+            if self.state_offload is not None:
+                tier_events += self.state_offload.take_events()
             if self.kv_events.enabled:
                 for event in tier_events:
                     self.kv_events.append(event)
@@ -588,6 +652,8 @@ def check_kv_invariants(kv: KVCacheManager, offload: OffloadConnector | None = N
             raise AssertionError(f"state slots held by {sorted(slots.held)}, blocks by {sorted(kv.requests)}")
         if slots.num_free + len(slots.held) != slots.num_slots or len(set(slots.held.values())) != len(slots.held):
             raise AssertionError(f"state slots: {slots.num_free} free + {len(slots.held)} held != {slots.num_slots}")
+    if kv.state_snapshots is not None:
+        kv.state_snapshots.check()
 
 
 def _advance_grammar(matcher: GrammarMatcher, token_id: int) -> bool:

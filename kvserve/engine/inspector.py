@@ -31,6 +31,10 @@ Schema (version 2; the JSON of GET /v1/kv/snapshot, documented in docs/UI.md):
   indexed_blocks (those this process knows, kv/offload/index.py) and prefixes: the largest 64 prefixes it holds,
   each root (hash prefix), blocks, tokens, in_pool (of its blocks, also in the pool), token_ids (the root block's;
   null when redacted)
+- state: null for a model of attention only; for a hybrid model's state layers (kv/state.py): spec, bytes_per_slot,
+  num_sequence_slots, slots (request id -> slot), num_snapshot_slots, snapshots (hash, slot, pending, loading: being
+  restored from the offload tier), offload_tier (null without one: the tier's state snapshots, num_snapshots,
+  bytes_used, capacity_bytes, snapshot_bytes, stored, restored, restore_failures)
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
     from kvserve.engine.core import EngineCore
     from kvserve.engine.scheduler import Scheduler, SchedulerOutput
     from kvserve.kv.block import KVCacheBlock
+    from kvserve.kv.offload.tier import OffloadTier
 
 SNAPSHOT_VERSION = 2
 HASH_PREFIX_HEX = 16
@@ -285,7 +290,27 @@ def _state_layers(engine: EngineCore) -> dict[str, Any] | None:
         "num_snapshot_slots": 0 if snapshots is None else snapshots.num_slots,
         "snapshots": []
         if snapshots is None
-        else [{"hash": _short(h), "slot": s, "pending": h in snapshots.pending} for h, s in snapshots.by_hash.items()],
+        else [
+            {"hash": _short(h), "slot": s, "pending": h in snapshots.pending, "loading": h in snapshots.loading}
+            for h, s in snapshots.by_hash.items()
+        ],
+        "offload_tier": None if engine.state_offload is None else _state_tier(engine.state_offload),
+    }
+
+
+def _state_tier(tier: OffloadTier) -> dict[str, Any]:
+    """The offload tier's share for state snapshots: what it holds and did."""
+    stats = tier.stats()
+    return {
+        "medium": stats.medium,
+        "available": stats.available,
+        "num_snapshots": stats.num_blocks,
+        "bytes_used": stats.bytes_used,
+        "capacity_bytes": stats.capacity_bytes,
+        "snapshot_bytes": stats.block_bytes,
+        "stored": stats.stored_blocks,
+        "restored": stats.restored_blocks,
+        "restore_failures": stats.restore_failures,
     }
 
 

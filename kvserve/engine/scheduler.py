@@ -172,7 +172,7 @@ class Scheduler:
             if self.offload is not None:
                 load = self.offload.loads.get(request.request_id)
                 if load is not None:  # a restore from the offload tier in flight
-                    if not load.future.done():
+                    if not load.done():
                         i += 1  # the requests behind it go first
                         continue
                     self.offload.finish_load(load)
@@ -180,7 +180,7 @@ class Scheduler:
             if self.offload is not None and load is None:  # one restore per admission: a failed one is recomputed
                 load = self.offload.start_restore(request, num_hit, budget)
                 if load is not None:
-                    if not load.future.done():  # loading from disk: it waits, the others step
+                    if not load.done():  # loading from disk: it waits, the others step
                         i += 1
                         continue
                     self.offload.finish_load(load)

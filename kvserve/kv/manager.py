@@ -136,6 +136,13 @@ class KVCacheManager:
         self.state_saves: list[tuple[int, int]] = []
         self.state_save_hashes: list[bytes] = []  # the snapshots state_saves writes, pending until the step ran
         self.saving: list[bytes] = []  # those the runner took for the step now running
+        # With an offload tier (kv/offload/connector.py): the prompt snapshots state_saves writes, as the tier keys
+        # them (group: the one past the KV cache groups; block id: the snapshot slot); those the running step saves;
+        # those saved, for the tier once the step succeeded; and how a leaving request's reply snapshot is stored.
+        self.state_save_blocks: list[TierBlock] = []
+        self.saving_blocks: list[TierBlock] = []
+        self.state_to_offload: list[TierBlock] = []
+        self.store_states_now: Callable[[list[TierBlock]], None] | None = None
         self.reply_snapshot: dict[str, bytes] = {}
         self.snapshot_cut: dict[str, int] = {}
         self.block_size = block_size
@@ -375,11 +382,16 @@ class KVCacheManager:
             snapshots.num_restored += 1
         if not self.enable_caching or num_tokens % bs or num_tokens > request.num_tokens:
             return
-        block_hash = self.hashes(request, num_tokens)[num_tokens // bs - 1]
-        target = snapshots.reserve(block_hash)
+        hashes = self.hashes(request, num_tokens)
+        index = num_tokens // bs - 1
+        key = self.key(request, hashes, index)
+        block_hash = hashes[index]
+        target = snapshots.reserve(block_hash, key)
         if target is not None:
             self.state_saves.append((slot, target))
             self.state_save_hashes.append(block_hash)
+            if self.collect_published and num_tokens <= request.num_prompt_tokens:  # a reply's: stored as it ends
+                self.state_save_blocks.append(TierBlock(target, block_hash, key, self.state_group))
         if num_tokens > request.num_prompt_tokens:  # a boundary inside the reply: the next chat turn starts here
             previous = self.reply_snapshot.get(rid)
             if previous is not None and previous != block_hash:
@@ -413,15 +425,38 @@ class KVCacheManager:
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The state copies planned for the next step: (restores before it, saves after it), each (from, to) slots."""
         copies = (self.state_restores, self.state_saves)
-        self.saving = self.state_save_hashes
-        self.state_restores, self.state_saves, self.state_save_hashes = [], [], []
+        self.saving, self.saving_blocks = self.state_save_hashes, self.state_save_blocks
+        self.state_restores, self.state_saves, self.state_save_hashes, self.state_save_blocks = [], [], [], []
         return copies
 
     def state_saves_done(self) -> None:
         """The runner saved the snapshots it took (take_state_copies): prefix hits may start from them now."""
         if self.state_snapshots is not None:
             self.state_snapshots.saved(self.saving)
-        self.saving = []
+        self.state_to_offload += self.saving_blocks
+        self.saving, self.saving_blocks = [], []
+
+    @property
+    def state_group(self) -> int:
+        """The group index of state snapshots in KV events and the offload tier: the one past the KV cache groups."""
+        return self.num_groups
+
+    def take_state_offload(self) -> list[TierBlock]:
+        """The prompt snapshots saved since the last call (the step that computed them succeeded: the tier may copy
+        them)."""
+        blocks, self.state_to_offload = self.state_to_offload, []
+        return blocks
+
+    def _offload_reply_snapshot(self, request: KVRequest) -> None:
+        """A request lets go of its state: the snapshot of its reply's latest boundary (where the next chat turn
+        starts) goes to the tier now, while its slot still holds it."""
+        snapshots = self.state_snapshots
+        block_hash = self.reply_snapshot.get(request.request_id)
+        if self.store_states_now is None or snapshots is None or block_hash is None:
+            return
+        slot, key = snapshots.slot_of(block_hash), snapshots.keys.get(block_hash)
+        if slot is not None and key is not None:
+            self.store_states_now([TierBlock(slot, block_hash, key, self.state_group)])
 
     def _free_skipped(self, request: KVRequest, state: RequestTables) -> None:
         """Give back, in each sliding group, the blocks before the window of the request's next query (their
@@ -580,6 +615,7 @@ class KVCacheManager:
         unknown or already freed request does nothing."""
         if self.state_slots is not None:
             self.state_slots.release(request.request_id)
+            self._offload_reply_snapshot(request)
         state = self.requests.pop(request.request_id, None)
         if state is None:
             return
@@ -632,6 +668,7 @@ class KVCacheManager:
         if self.state_snapshots is not None:
             self.state_snapshots.clear()
             self.state_restores, self.state_saves, self.state_save_hashes, self.saving = [], [], [], []
+            self.state_save_blocks, self.saving_blocks, self.state_to_offload = [], [], []
             self.reply_snapshot.clear()
 
     def forget(self, request: KVRequest) -> None:

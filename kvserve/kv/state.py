@@ -25,6 +25,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvserve.kv.events import BlockRemoved, BlockStored, KVEventBuffer
+from kvserve.kv.hashing import BlockKey
+
 
 @dataclass(frozen=True, slots=True)
 class StateSpec:
@@ -166,21 +169,38 @@ class StateSnapshots:
     tensor), keyed by the chained hash of the block they end at; the least recently used one is overwritten first.
 
     A snapshot reserved for a step is `pending` until the runner has saved it after that step: a request admitted in
-    the same step (sharing the prefix's blocks at once) must not start from a slot not yet written."""
+    the same step (sharing the prefix's blocks at once) must not start from a slot not yet written. One reserved for a
+    restore from the offload tier is pending and `loading` until the copy ends (reserve_for_load, loaded): never
+    overwritten meanwhile, since the tier's loader thread may be writing its slot.
 
-    def __init__(self, first_slot: int, num_slots: int, protected: Callable[[bytes], bool] | None = None) -> None:
+    KV events (`events`): a saved snapshot is published as a BlockStored of group `group_idx` (the one past the KV
+    cache groups) whose block id is its slot, and one overwritten or dropped as a BlockRemoved (docs/KV_CACHE.md)."""
+
+    def __init__(
+        self,
+        first_slot: int,
+        num_slots: int,
+        protected: Callable[[bytes], bool] | None = None,
+        events: KVEventBuffer | None = None,
+        group_idx: int = 0,
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"state snapshots need at least one slot, got {num_slots}")
         # Keys whose snapshots are never overwritten or dropped (the ends of pinned prefixes, kv/pins.py).
         self.protected: Callable[[bytes], bool] = protected or (lambda block_hash: False)
         self.first_slot = first_slot
         self.num_slots = num_slots
+        self.events = events
+        self.group_idx = group_idx
         self.by_hash: OrderedDict[bytes, int] = OrderedDict()
+        self.keys: dict[bytes, BlockKey] = {}  # what each snapshot's block holds (for events and the offload tier)
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self.pending: set[bytes] = set()
+        self.loading: set[bytes] = set()
         self.num_evictions = 0
         self.num_saved = 0
         self.num_restored = 0
+        self.num_loaded = 0  # restored from the offload tier
 
     def __len__(self) -> int:
         return len(self.by_hash)
@@ -189,6 +209,10 @@ class StateSnapshots:
         """Whether a saved snapshot ends at this block (a pending one does not count)."""
         return block_hash in self.by_hash and block_hash not in self.pending
 
+    def slot_of(self, block_hash: bytes) -> int | None:
+        """The saved snapshot's slot, its place in the LRU order unchanged; None if there is none."""
+        return self.by_hash[block_hash] if block_hash in self else None
+
     def use(self, block_hash: bytes) -> int | None:
         """The saved snapshot's slot, now the most recently used; None if there is none."""
         if block_hash not in self:
@@ -196,39 +220,88 @@ class StateSnapshots:
         self.by_hash.move_to_end(block_hash)
         return self.by_hash[block_hash]
 
-    def reserve(self, block_hash: bytes) -> int | None:
-        """A slot to save the state ending at `block_hash` into (the least recently used unprotected snapshot's when
-        none is free); None when that snapshot exists already (the same tokens give the same state: nothing to save)
-        or every slot holds a protected one."""
+    def reserve(self, block_hash: bytes, key: BlockKey | None = None) -> int | None:
+        """A slot to save the state ending at `block_hash` (a block holding `key`) into (the least recently used
+        unprotected snapshot's when none is free); None when that snapshot exists already (the same tokens give the
+        same state: nothing to save) or every slot holds a protected or loading one."""
         if block_hash in self.by_hash:
             self.by_hash.move_to_end(block_hash)
             return None
         if self._free:
             slot = self._free.pop()
         else:
-            evicted = next((h for h in self.by_hash if not self.protected(h)), None)
-            if evicted is None:  # every snapshot belongs to a pinned prefix: this state is not saved
+            evicted = next((h for h in self.by_hash if not self.protected(h) and h not in self.loading), None)
+            if evicted is None:  # every snapshot belongs to a pinned prefix or a restore: this state is not saved
                 return None
-            slot = self.by_hash.pop(evicted)
-            self.pending.discard(evicted)
+            slot = self._remove(evicted)
             self.num_evictions += 1
         self.by_hash[block_hash] = slot
+        if key is not None:
+            self.keys[block_hash] = key
         self.pending.add(block_hash)
         return slot
 
+    def reserve_for_load(self, block_hash: bytes, key: BlockKey) -> int | None:
+        """A slot for the offload tier to restore the snapshot ending at `block_hash` into (see reserve); loaded()
+        says how the copy ended."""
+        slot = self.reserve(block_hash, key)
+        if slot is not None:
+            self.loading.add(block_hash)
+        return slot
+
+    def loaded(self, block_hash: bytes, restored: bool) -> None:
+        """A restore into the slot reserve_for_load gave ended: hits may start from it, or (it failed a check, or was
+        cancelled) the slot holds nothing and is free again."""
+        self.loading.discard(block_hash)
+        if restored:
+            self.num_loaded += 1
+            self.saved([block_hash])
+        elif block_hash in self.pending:
+            self._free.append(self._remove(block_hash))
+
     def saved(self, hashes: list[bytes]) -> None:
         """The runner has written these snapshots: hits may start from them."""
-        self.num_saved += sum(1 for h in hashes if h in self.pending)
-        self.pending.difference_update(hashes)
+        for h in hashes:
+            if h in self.pending:
+                self.pending.discard(h)
+                self.num_saved += 1
+                self._publish_stored(h)
 
-    def drop(self, block_hash: bytes) -> None:
-        if self.protected(block_hash):
+    def _publish_stored(self, block_hash: bytes) -> None:
+        key = self.keys.get(block_hash)
+        if self.events is None or not self.events.enabled or key is None:
             return
+        parent = key.parent.hex() if key.parent is not None else None
+        slot = self.by_hash[block_hash]
+        self.events.append(
+            BlockStored(slot, block_hash.hex(), parent, key.token_ids, len(key.token_ids), group_idx=self.group_idx)
+        )
+
+    def _remove(self, block_hash: bytes, publish: bool = True) -> int:
+        """Forget a snapshot; returns its slot (the caller reuses or frees it). A saved one leaves a BlockRemoved."""
+        slot = self.by_hash.pop(block_hash)
+        was_saved = block_hash not in self.pending
         self.pending.discard(block_hash)
-        slot = self.by_hash.pop(block_hash, None)
-        if slot is not None:
-            self._free.append(slot)
+        self.keys.pop(block_hash, None)
+        if publish and was_saved and self.events is not None and self.events.enabled:
+            self.events.append(BlockRemoved(slot, block_hash.hex(), group_idx=self.group_idx))
+        return slot
+
+    def drop(self, block_hash: bytes, publish: bool = True) -> None:
+        if self.protected(block_hash) or block_hash in self.loading or block_hash not in self.by_hash:
+            return
+        self._free.append(self._remove(block_hash, publish))
 
     def clear(self) -> None:
+        """Drop every snapshot but those of pins and of restores in flight (the pool's AllBlocksCleared covers the
+        events)."""
         for block_hash in list(self.by_hash):
-            self.drop(block_hash)
+            self.drop(block_hash, publish=False)
+
+    def check(self) -> None:
+        """The invariant: every slot is free or holds one snapshot; a restore's snapshot is pending until it ends."""
+        held = list(self.by_hash.values())
+        if len(set(held)) != len(held) or set(held) & set(self._free) or len(held) + len(self._free) != self.num_slots:
+            raise AssertionError(f"state snapshots: {len(self._free)} free + {len(held)} held != {self.num_slots}")
+        if not self.loading <= self.pending or not self.pending <= set(self.by_hash):
+            raise AssertionError("state snapshots: a loading or pending snapshot is not held")

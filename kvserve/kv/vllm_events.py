@@ -22,6 +22,9 @@ from kvserve.kv.groups import KVCacheSpec
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+# The spec kind of a hybrid model's state snapshots (published as the group after its KV cache groups): vLLM calls a
+# state layer's spec MambaSpec.
+STATE_SNAPSHOT_KIND = "mamba"
 # A model of one kind of layer has one KV cache group, a full-attention one (vLLM's "full_attention" spec, group 0).
 UNIFORM_GROUPS: tuple[KVCacheSpec, ...] = (KVCacheSpec(),)
 
@@ -104,7 +107,8 @@ def _as_map(item: _Stored | _Removed | _Cleared, medium: str, groups: Sequence[K
     multimodal inputs or a salt to report). A BlockStored carries its group's spec, as vLLM's do, so that a reader
     can tell a full-attention group's blocks from a sliding window's (docs/KV_EVENTS.md)."""
     if isinstance(item, _Stored):
-        spec = groups[item.group_idx]
+        # The group past the KV cache groups: a hybrid model's state snapshots (kv/state.py), vLLM's MambaSpec.
+        spec = groups[item.group_idx] if item.group_idx < len(groups) else None
         stored = {
             "type": "BlockStored",
             "block_hashes": item.hashes,
@@ -116,9 +120,9 @@ def _as_map(item: _Stored | _Removed | _Cleared, medium: str, groups: Sequence[K
             "lora_name": None,
             "extra_keys": [None] * len(item.hashes),
             "group_idx": item.group_idx,
-            "kv_cache_spec_kind": spec.kind,
+            "kv_cache_spec_kind": STATE_SNAPSHOT_KIND if spec is None else spec.kind,
         }
-        if spec.window is not None:
+        if spec is not None and spec.window is not None:
             stored["kv_cache_spec_sliding_window"] = spec.window
         return stored
     if isinstance(item, _Removed):

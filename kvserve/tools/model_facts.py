@@ -139,14 +139,23 @@ def dense_parameter_count(cfg: ModelConfig) -> int:
     """Parameters of a dense decoder from its config: embeddings, attention, gated MLP, norms, biases."""
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if cfg.attention_bias else 0)
+    gate = q if cfg.attention_output_gate else 0  # Qwen3.5: q_proj also makes the output gate
+    attention = h * (q + gate) + 2 * h * kv + q * h + (q + 2 * kv if cfg.attention_bias else 0)
     norms = (4 if cfg.sandwich_norms else 2) * h + (2 * hd if cfg.qk_norm else 0)
     mlp = 3 * h * cfg.intermediate_size
-    # A short-conv layer (LFM2) has in_proj (3h x h), out_proj (h x h) and h x kernel taps instead of attention.
-    conv = 4 * h * h + h * cfg.conv_kernel + ((4 * h + h) if cfg.conv_bias else 0)
+    if cfg.linear_key_heads:
+        # A Gated DeltaNet layer (Qwen3.5): q, k, v, z and b, a projections, the convolution over q, k and v, per
+        # value head dt_bias and A_log, the gated norm over a value head, out_proj.
+        key, value = cfg.linear_key_heads * cfg.linear_key_dim, cfg.linear_value_heads * cfg.linear_value_dim
+        channels = 2 * key + value
+        state = h * (channels + value + 2 * cfg.linear_value_heads) + channels * cfg.conv_kernel
+        state += 2 * cfg.linear_value_heads + cfg.linear_value_dim + value * h
+    else:
+        # A short-conv layer (LFM2) has in_proj (3h x h), out_proj (h x h) and h x kernel taps instead of attention.
+        state = 4 * h * h + h * cfg.conv_kernel + ((4 * h + h) if cfg.conv_bias else 0)
     attention_layers, state_layers = cfg.num_kv_layers, cfg.num_layers - cfg.num_kv_layers
     per_attention_layer = attention + mlp + norms
-    per_state_layer = conv + mlp + 2 * h
+    per_state_layer = state + mlp + 2 * h
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     return embeddings + attention_layers * per_attention_layer + state_layers * per_state_layer + h
 

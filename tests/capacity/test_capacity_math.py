@@ -177,3 +177,32 @@ def test_catalog_entries_cite_a_source() -> None:
     for entry in CATALOG:
         assert entry.source.startswith("https://huggingface.co/") and entry.source.endswith("config.json")
         kv_shape_from_hf_config(entry.config)  # every entry parses
+
+
+HYBRIDS = [e for e in CATALOG if e.config["model_type"] in ("lfm2", "qwen3_5_text")]
+
+
+@pytest.mark.parametrize("entry", HYBRIDS, ids=lambda e: e.name)
+def test_catalog_hybrids_have_state_layers_and_lfm2_counts_add_up(entry) -> None:
+    """The hybrid entries parse into their layer kinds (a state spec beside the attention layers); LFM2's configs add
+    up to their model cards' counts (Qwen3.5's cards count the vision tower too: only the text part is checked, in
+    test_parameter_count_of_hybrids_equals_hf)."""
+    _, model_config = kv_shape_from_hf_config(entry.config)
+    assert model_config is not None and model_config.state_spec is not None
+    assert model_config.num_kv_layers == (6 if entry.config["model_type"] == "lfm2" else model_config.num_layers // 4)
+    if entry.config["model_type"] == "lfm2":
+        assert dense_parameter_count(model_config) == pytest.approx(entry.num_parameters, rel=0.02)
+
+
+@pytest.mark.parametrize("variant", ["lfm2_hybrid", "qwen3_5_hybrid"])
+def test_parameter_count_of_hybrids_equals_hf(variant, tmp_path) -> None:
+    """dense_parameter_count on a hybrid's config equals the parameters HF transformers builds for it, exactly."""
+    import json
+
+    from tiny_models import build_tiny_hf_model
+
+    model = build_tiny_hf_model(variant)
+    model.save_pretrained(tmp_path)
+    _, model_config = kv_shape_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert model_config is not None
+    assert dense_parameter_count(model_config) == sum(p.numel() for p in model.parameters())

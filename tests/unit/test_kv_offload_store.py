@@ -244,7 +244,7 @@ def _tier_on(tmp_path: Path, queued_blocks: int):
     ]
     config = KVOffloadConfig(size_bytes=1 << 20, path=tmp_path, max_queued_bytes=queued_blocks * 512)
     snapshot = [(c.key.clone(), c.value.clone()) for c in caches]
-    return OffloadTier(config, FP, caches, block_size=4), caches, snapshot
+    return OffloadTier.for_kv_caches(config, FP, caches, block_size=4), caches, snapshot
 
 
 def test_the_disk_writers_ring_drops_what_finds_it_full_and_reuses_its_slots(tmp_path, monkeypatch):

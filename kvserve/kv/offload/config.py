@@ -6,7 +6,7 @@ must not import the tier's threads, files and torch code (kv/offload/tier.py) to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvserve.units import GiB, MiB, format_bytes, parse_size
@@ -141,4 +141,22 @@ def make_offload_config(
         backend=backend or "native",
         dtype=dtype,
         allow_other_writers=allow_other_writers,
+    )
+
+
+def split_for_state_snapshots(
+    config: KVOffloadConfig, pool_block_bytes: int, pool_snapshot_bytes: int, snapshot_bytes: int
+) -> tuple[KVOffloadConfig, KVOffloadConfig | None]:
+    """A hybrid model's tier in two: its blocks' share and its state snapshots' (kv/state.py), in the proportions the
+    pool splits its budget between them (LFM2-350M: ~2% for snapshots; Qwen3.5-0.8B, whose 19 MiB states dwarf its
+    blocks: about half), with room for at least 4 snapshots where that takes at most half the size. The writers' queue
+    is split alike. None for the snapshots: the tier has no room for 4 (then only the pool's snapshots serve hits)."""
+    total = pool_block_bytes + pool_snapshot_bytes
+    share = pool_snapshot_bytes / total if total else 0.0
+    state_size = max(int(config.size_bytes * share), 4 * snapshot_bytes)
+    if state_size > config.size_bytes // 2 and state_size > int(config.size_bytes * share):
+        return config, None
+    queued = max(int(config.max_queued_bytes * share), 4 * snapshot_bytes)
+    return replace(config, size_bytes=config.size_bytes - state_size), replace(
+        config, size_bytes=state_size, max_queued_bytes=queued
     )

@@ -9,7 +9,9 @@ The tier itself (kv/offload/tier.py) is reached only through the OffloadingManag
 
 With KV cache groups (kv/groups.py) a restore follows the same rule as a pool hit: the longest prefix every group can
 serve, each group's blocks from the pool or the tier. A full-attention group restores every block of that prefix it
-lacks, a sliding group only the blocks of its window before the hit point."""
+lacks, a sliding group only the blocks of its window before the hit point. A hybrid model's state layers (kv/state.py)
+add one condition, as in the pool: the prefix must end at a state snapshot, in the pool's snapshot slots or in the
+tier's state records (a second OffloadingManager beside the blocks'), restored into a snapshot slot with the blocks."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from kvserve.kv.block import KVCacheBlock, TierBlock
 from kvserve.kv.hashing import BlockKey
 from kvserve.kv.manager import KVCacheManager, KVRequest
+from kvserve.kv.offload.backend import done_future
 from kvserve.kv.offload.interface import OffloadingManager
 
 logger = logging.getLogger(__name__)
@@ -35,9 +38,15 @@ class RestoreCostModel:
     prefill seconds per token. Until both are measured, restore (a restore from memory copies bytes: it is cheaper
     than a forward pass on any model)."""
 
-    def __init__(self, is_async: bool, restore_cost: Callable[[], float | None]) -> None:
+    def __init__(
+        self,
+        is_async: bool,
+        restore_cost: Callable[[], float | None],
+        state_restore_cost: Callable[[], float | None] | None = None,
+    ) -> None:
         self.is_async = is_async
         self.restore_cost = restore_cost
+        self.state_restore_cost = state_restore_cost  # a state snapshot's mean restore time (hybrid models)
         self.prefill_s_per_token: float | None = None
         self.step_s: float | None = None
 
@@ -51,12 +60,14 @@ class RestoreCostModel:
         if num_prompt_tokens >= 64:
             self.prefill_s_per_token = self._ema(self.prefill_s_per_token, seconds / num_prompt_tokens)
 
-    def worth_restoring(self, num_blocks: int, num_tokens: int) -> bool:
-        """Restoring num_blocks (of all groups) against recomputing the num_tokens they give back."""
-        per_block = self.restore_cost()
-        if per_block is None or self.prefill_s_per_token is None:
+    def worth_restoring(self, num_blocks: int, num_tokens: int, num_snapshots: int = 0) -> bool:
+        """Restoring num_blocks (of all groups) and num_snapshots state snapshots against recomputing the num_tokens
+        they give back."""
+        per_block = self.restore_cost() if num_blocks else 0.0
+        per_snapshot = self.state_restore_cost() if num_snapshots and self.state_restore_cost else 0.0
+        if per_block is None or per_snapshot is None or self.prefill_s_per_token is None:
             return True
-        restore = num_blocks * per_block + (self.step_s or 0.0 if self.is_async else 0.0)
+        restore = num_blocks * per_block + num_snapshots * per_snapshot + (self.step_s or 0.0 if self.is_async else 0.0)
         return restore < num_tokens * self.prefill_s_per_token
 
 
@@ -75,6 +86,13 @@ class PendingLoad:
     cancelled: threading.Event
     pool_hit_tokens: int  # the request's hit from the pool alone, when the load started
     restored: int = -1  # blocks restored, once finished (fewer than targets: records refused or a failed copy)
+    # A hybrid model's state snapshot the hit ends at, restored into a snapshot slot (its block id), when the pool's
+    # snapshot slots lack it.
+    state_target: TierBlock | None = None
+    state_future: Future[int] | None = None
+
+    def done(self) -> bool:
+        return self.future.done() and (self.state_future is None or self.state_future.done())
 
     def rejected(self) -> frozenset[bytes]:
         """The hashes a finished restore did not bring back (their records failed a check, or the copy failed)."""
@@ -85,9 +103,16 @@ class OffloadConnector:
     """Restores and stores between one engine's KV manager and its offload tier (see the module docstring).
     Engine thread only."""
 
-    def __init__(self, kv: KVCacheManager, tier: OffloadingManager, cost: RestoreCostModel) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        tier: OffloadingManager,
+        cost: RestoreCostModel,
+        state_tier: OffloadingManager | None = None,
+    ) -> None:
         self.kv = kv
         self.tier = tier
+        self.state_tier = state_tier  # a hybrid model's state snapshots (None: no state layers, or no room for one)
         self.cost = cost
         self.loads: dict[str, PendingLoad] = {}  # restores in flight, by waiting request
         self.orphan_loads: list[PendingLoad] = []  # restores whose request left: released once their copy ends
@@ -95,6 +120,8 @@ class OffloadConnector:
         self.external_hits_tokens = 0  # of them, restored
         kv.collect_published = True
         kv.store_now = tier.prepare_store  # a leaving request's last windows: stored before its blocks are freed
+        if state_tier is not None:
+            kv.store_states_now = state_tier.prepare_store  # a leaving request's reply snapshot, before its slot goes
 
     # ---- restores --------------------------------------------------------------------------------------
 
@@ -123,6 +150,8 @@ class OffloadConnector:
             return in_pool(g, i) is not None or self.tier.lookup([(g, hashes[i])]) == 1
 
         length = kv.longest_hit(len(hashes), available)
+        if kv.state_slots is not None:
+            length = self._state_hit(hashes, length, available)
         if length * kv.block_size <= num_pool_hit_tokens:
             return None
         held: list[KVCacheBlock] = []
@@ -136,12 +165,23 @@ class OffloadConnector:
                     wanted.append((i, g))
         wanted.sort()
         saved = length * kv.block_size - num_pool_hit_tokens
-        if not wanted or not self.cost.worth_restoring(len(wanted), saved):
+        snapshots = kv.state_snapshots
+        state_wanted = snapshots is not None and hashes[length - 1] not in snapshots
+        if not wanted and not state_wanted:
+            return None
+        if not self.cost.worth_restoring(len(wanted), saved, int(state_wanted)):
             return None
         after = min(request.num_tokens - length * kv.block_size, budget)
         revived = sum(1 for b in held if b.ref_cnt == 0)
         if revived + len(wanted) + kv.num_groups * -(-after // kv.block_size) > kv.pool.num_free_blocks:
             return None
+        state_target = None
+        if state_wanted:
+            assert snapshots is not None and self.state_tier is not None  # _state_hit found it in the state tier
+            slot = snapshots.reserve_for_load(hashes[length - 1], key(length - 1))
+            if slot is None:  # every snapshot slot holds a pinned prefix's state or another restore's
+                return None
+            state_target = TierBlock(slot, hashes[length - 1], key(length - 1), kv.state_group)
         kv.pool.touch(held)
         fresh = [kv.pool.allocate(1, g)[0] for _, g in wanted]
         targets = [TierBlock(b.block_id, hashes[i], key(i), g) for b, (i, g) in zip(fresh, wanted)]
@@ -151,12 +191,32 @@ class OffloadConnector:
             held,
             fresh,
             targets,
-            self.tier.prepare_load(targets, cancelled),
+            self.tier.prepare_load(targets, cancelled) if targets else done_future(0),
             cancelled,
             num_pool_hit_tokens,
+            state_target=state_target,
         )
+        if state_target is not None and self.state_tier is not None:
+            load.state_future = self.state_tier.prepare_load([state_target], cancelled)
         self.loads[request.request_id] = load
         return load
+
+    def _state_hit(self, hashes: list[bytes], length: int, available: Callable[[int, int], bool]) -> int:
+        """The longest prefix of at most `length` blocks that the groups can serve (pool or tier) and that ends at a
+        state snapshot (the pool's, or the state tier's)."""
+        kv, snapshots, state_tier = self.kv, self.kv.state_snapshots, self.state_tier
+        if snapshots is None:
+            return 0
+
+        def has_snapshot(i: int) -> bool:
+            h = hashes[i]
+            if h in snapshots:
+                return True
+            return state_tier is not None and state_tier.readable and state_tier.lookup([(kv.state_group, h)]) == 1
+
+        while length and (not has_snapshot(length - 1) or kv.longest_hit(length, available) < length):
+            length -= 1
+        return length
 
     def finish_load(self, load: PendingLoad) -> int:
         """A done restore: its restored blocks join the prefix cache, every block it held is released (hashed ones at
@@ -171,9 +231,24 @@ class OffloadConnector:
             self.kv.pool.cache_block(block, target.block_hash, target.key)
         self.kv.pool.free(reversed([*load.held, *load.fresh]))
         self.tier.complete_load(load.targets[:restored])
+        self._finish_state_load(load)
         if self.loads.get(load.request_id) is load:
             del self.loads[load.request_id]
         return restored
+
+    def _finish_state_load(self, load: PendingLoad) -> None:
+        """The snapshot part of a done restore: usable from its slot now, or (not restored) its slot freed."""
+        target, future, snapshots = load.state_target, load.state_future, self.kv.state_snapshots
+        if target is None or future is None or snapshots is None:
+            return
+        try:
+            ok = future.result() == 1
+        except Exception as e:  # noqa: BLE001 -- a failed copy restores nothing; the state is recomputed
+            logger.warning("KV offload: a state snapshot restore failed (%s: %s)", type(e).__name__, e)
+            ok = False
+        snapshots.loaded(target.block_hash, ok)
+        if ok and self.state_tier is not None:
+            self.state_tier.complete_load([target])
 
     def record_admission(self, request: KVRequest, num_hit_tokens: int, load: PendingLoad | None) -> int:
         """Count a request's first admission in vLLM's external prefix cache counters; returns the tokens of its hit
@@ -202,13 +277,18 @@ class OffloadConnector:
     def reap_orphan_loads(self) -> None:
         """Release the restores of requests that left while their copy ran, once the copy has stopped."""
         if self.orphan_loads:
-            done = [load for load in self.orphan_loads if load.future.done()]
-            self.orphan_loads = [load for load in self.orphan_loads if not load.future.done()]
+            done = [load for load in self.orphan_loads if load.done()]
+            self.orphan_loads = [load for load in self.orphan_loads if not load.done()]
             for load in done:
                 self.finish_load(load)
 
     def load_futures(self) -> list[Future[int]]:
-        return [load.future for load in (*self.loads.values(), *self.orphan_loads)]
+        futures = []
+        for load in (*self.loads.values(), *self.orphan_loads):
+            futures.append(load.future)
+            if load.state_future is not None:
+                futures.append(load.state_future)
+        return futures
 
     def held_blocks(self) -> list[KVCacheBlock]:
         """The pool blocks the restores in flight hold (invariant checks)."""
@@ -220,8 +300,12 @@ class OffloadConnector:
         """After a step that succeeded: hand the tier the blocks it published (write-through, before any of them can
         be reused) and feed the restore cost model the step's prefill rate."""
         self.tier.prepare_store(self.kv.take_offload())
+        snapshots = self.kv.take_state_offload()
+        if self.state_tier is not None and snapshots:
+            self.state_tier.prepare_store(snapshots)
         self.cost.observe_step(num_prompt_tokens, seconds)
 
     def on_step_failed(self) -> None:
         """The step failed: the blocks it published may hold partial K/V, so none of them is stored."""
         self.kv.take_offload()
+        self.kv.take_state_offload()

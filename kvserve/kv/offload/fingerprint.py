@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import xxhash
@@ -106,6 +106,14 @@ class KVFingerprint:
     torch_version: str
     kvserve_version: str
     format_version: int = FORMAT_VERSION
+    # What the records hold: pool blocks' K/V, or a hybrid model's state snapshots (state_fingerprint): each kind
+    # has its own subdirectory, its own record size and its own share of the tier's budget.
+    records: str = "kv blocks"
+
+    def for_state_snapshots(self, state: str) -> KVFingerprint:
+        """The fingerprint of the state snapshots stored beside these blocks; `state`: what one holds
+        (StateSpec.describe)."""
+        return replace(self, records=f"state snapshots: {state}")
 
     def describe(self) -> dict[str, str | int]:
         return asdict(self)

@@ -40,8 +40,19 @@ class BlockLayout:
             tensors += [cache.key, cache.value]
             if cache.key_scale is not None and cache.value_scale is not None:
                 tensors += [cache.key_scale, cache.value_scale]
+        self._init(tensors, compress and not any(c.is_quantized for c in caches), copy_rows)
+
+    @classmethod
+    def of_rows(cls, tensors: Sequence[torch.Tensor], copy_rows: RowCopy | None = None) -> BlockLayout:
+        """The layout of row i of every tensor (indexed by their first dimension), stored as it is: a hybrid model's
+        state snapshots, one slot of every state layer's tensors a record (kv/state_cache.py)."""
+        layout = cls.__new__(cls)
+        layout._init(list(tensors), False, copy_rows)
+        return layout
+
+    def _init(self, tensors: list[torch.Tensor], compress: bool, copy_rows: RowCopy | None) -> None:
         self.tensors = tensors
-        self.compress = compress and not any(c.is_quantized for c in caches)
+        self.compress = compress
         self.format = KV_QUANT_FORMATS["int8"]
         self.values = [t[0].numel() for t in tensors]  # elements of one block's slice of each tensor
         self.sizes = [

@@ -68,23 +68,26 @@ class OffloadTier:
         self,
         config: KVOffloadConfig,
         fingerprint: KVFingerprint,
-        caches: Sequence[LayerKVCache],
+        layout: BlockLayout,
         block_size: int,
-        copy_rows: RowCopy | None = None,
+        snapshots: bool = False,
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.medium = config.medium
+        # What a record holds: a pool block's K/V, or (a state tier, beside a hybrid model's KV tier) one state
+        # snapshot of every state layer, keyed by the block it ends at (kv/state.py).
+        self.snapshots = snapshots
         self.counters = TierCounters()
         self.backoff = StoreBackoff()  # a disk backend's pauses after write errors (always clear in memory)
         self._init_error: str | None = None  # why the tier is unusable (its directory could not be used)
-        caches = unique_tensors(caches)
-        self.layout = BlockLayout(caches, compress=config.dtype == "int8", copy_rows=copy_rows)
+        self.layout = layout
         if config.size_bytes < self.layout.block_bytes:
+            what = "state snapshot" if snapshots else f"block ({block_size} tokens)"
             raise ValueError(
-                f"--kv-offloading-size {format_bytes(config.size_bytes)} holds no block: one takes "
-                f"{format_bytes(self.layout.block_bytes)} ({block_size} tokens); pass a size of many blocks, e.g. "
+                f"--kv-offloading-size {format_bytes(config.size_bytes)} holds no {what}: one takes "
+                f"{format_bytes(self.layout.block_bytes)}; pass a size of many blocks, e.g. "
                 f"{format_bytes(1000 * self.layout.block_bytes, '.0f').replace(' ', '')}"
             )
         self.backend: TierBackend | None = None
@@ -101,8 +104,21 @@ class OffloadTier:
         self._events: list[KVEvent] = []  # drained from the counters' written and evicted, for take_events
         self.index = TierIndex()  # what this process knows the tier holds: the inspector's view (kv/offload/index.py)
         if self.backend is not None:
-            self._touch_memory(caches, self.backend)
+            self._touch_memory(self.backend)
         self._log_start()
+
+    @classmethod
+    def for_kv_caches(
+        cls,
+        config: KVOffloadConfig,
+        fingerprint: KVFingerprint,
+        caches: Sequence[LayerKVCache],
+        block_size: int,
+        copy_rows: RowCopy | None = None,
+    ) -> OffloadTier:
+        """The tier of a pool's blocks: a record is one block of every layer of its KV cache group."""
+        layout = BlockLayout(unique_tensors(caches), compress=config.dtype == "int8", copy_rows=copy_rows)
+        return cls(config, fingerprint, layout, block_size)
 
     @property
     def store(self) -> BlockStore | None:
@@ -124,13 +140,13 @@ class OffloadTier:
         """Whether restores run on a thread of their own (from disk): a request then waits a step for its load."""
         return self.backend is not None and self.backend.is_async
 
-    def _touch_memory(self, caches: Sequence[LayerKVCache], backend: TierBackend) -> None:
+    def _touch_memory(self, backend: TierBackend) -> None:
         """Map the pool's K/V memory and the backend's buffers (the host tier's slab, the disk writers' ring) now
         (kv/cache.py touch_pages): restores write into fresh pool blocks and stores into fresh slots, and their pages'
         first-touch faults would otherwise land in requests (a restart's first restore, the tier's first fill). vLLM
         likewise allocates its KV cache zeroed and its host tier pinned, up front."""
         start = time.perf_counter()
-        tensors = [t for cache in caches for t in (cache.key, cache.value)] + backend.memory()
+        tensors = [*self.layout.tensors, *backend.memory()]
         touched = touch_pages(tensors)
         logger.info(
             "KV offload tier: %s of cache and tier memory mapped at start in %.2f s",
@@ -178,6 +194,17 @@ class OffloadTier:
         cap = self.config.size_bytes
         blocks = cap // self.layout.block_bytes
         usage = self.backend.store.usage()
+        if self.snapshots:
+            logger.info(
+                "KV offload tier's state snapshots in %s: %s (%d snapshots, %s each); holds %d (%s)",
+                self.backend.where(),
+                format_bytes(cap),
+                blocks,
+                format_bytes(self.layout.block_bytes),
+                usage.num_blocks,
+                format_bytes(usage.bytes_used),
+            )
+            return
         logger.info(
             "KV offload tier in %s: %s (%d blocks x %d tokens = %d tokens, %s a block); holds %d blocks (%s)",
             self.backend.where(),
