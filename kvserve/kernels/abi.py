@@ -46,11 +46,14 @@ class LayerDesc(ctypes.Structure):
         ("post_feedforward_norm", _P),
         ("q_norm", _P),
         ("k_norm", _P),
+        ("conv_weight", _P),
+        ("conv_bias", _P),
         ("hidden", _I64),
         ("heads", _I64),
         ("kv_heads", _I64),
         ("head_dim", _I64),
         ("intermediate", _I64),
+        ("conv_kernel", _I64),
         ("window", _I64),
         ("act", _I64),
         ("sandwich", _I64),
@@ -77,6 +80,8 @@ class StepDesc(ctypes.Structure):
         ("block_size", _I64),
         ("all_decode", _I64),
         ("decode_count", _I64),
+        ("state_slots", _P),
+        ("state_continues", _P),
     ]
 
 

@@ -30,7 +30,9 @@ struct Buffers {
 
 // Lays the buffers out in `base` (when given) and returns the floats they take; each starts on 64 bytes.
 int64_t carve(const KvserveLayer& l, int64_t t, int64_t decodes, float* base, Buffers* b) {
-    const int64_t q_size = l.heads * l.head_dim, qkv_size = (l.heads + 2 * l.kv_heads) * l.head_dim;
+    const int64_t q_size = l.heads * l.head_dim;
+    // A short-conv layer's in_proj output (B, C, x) lands where an attention layer's QKV does.
+    const int64_t qkv_size = std::max((l.heads + 2 * l.kv_heads) * l.head_dim, l.conv_kernel ? 3 * l.hidden : 0);
     const int64_t sizes[10] = {t * l.hidden, t * qkv_size, t * (l.heads + l.kv_heads) * l.head_dim, t * q_size,
                                t * q_size, t * l.hidden, t * 2 * l.intermediate, t * l.intermediate,
                                decodes * q_size, decodes * q_size};
@@ -156,6 +158,27 @@ void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, in
 // h: [tokens, hidden] float32, the residual stream, updated in place. cos / signed_sin: [tokens, head_dim] of
 // this layer's rope (RotaryEmbedding.cos_sin). k_cache / v_cache: [blocks, block_size, kv_heads, head_dim]
 // float32 contiguous, or int8 with k_scales / v_scales [blocks, block_size, kv_heads] float32 (else null).
+void kvserve_short_conv_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, float* conv_states) {
+    const KvserveLayer& l = *layer;
+    const KvserveStep& s = *step;
+    const int64_t t = s.tokens, hidden = l.hidden;
+    const float eps = static_cast<float>(l.eps);
+    Buffers b;
+    carve(l, t, 0, s.scratch, &b);
+    kvserve_rms_norm(h, t, hidden, 1, hidden, l.input_norm, eps, b.xn, hidden);
+    linear(l.qkv, b.xn, t, b.qkv);  // [t, 3 x hidden]: B, C, x
+    kvserve_causal_conv(b.qkv + 2 * hidden, b.qkv, b.qkv + hidden, 3 * hidden, l.conv_weight, l.conv_bias, conv_states,
+                        s.state_slots, s.query_start_loc, s.state_continues, s.seqs, hidden, l.conv_kernel, 0,
+                        b.proj);
+    linear(l.o, b.proj, t, b.xn);
+    add_into(h, b.xn, t * hidden);
+    kvserve_rms_norm(h, t, hidden, 1, hidden, l.post_attention_norm, eps, b.xn, hidden);
+    linear(l.gate_up, b.xn, t, b.gate_up);
+    kvserve_gated_act(b.gate_up, t, l.intermediate, static_cast<int32_t>(l.act), b.act);
+    linear(l.down, b.act, t, b.proj);
+    add_into(h, b.proj, t * hidden);
+}
+
 void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
                            const float* signed_sin, void* k_cache, void* v_cache, float* k_scales,
                            float* v_scales) {

@@ -29,7 +29,9 @@ struct KvserveLinear {
     int64_t int8_activations;  // GGUF blocks: 1 multiplies with 8-bit activations (kvserve_gguf_matmul_int8)
 };
 
-// The weights and shape facts of one decoder layer (decoder_layer.cpp).
+// The weights and shape facts of one decoder layer (decoder_layer.cpp). A short-convolution layer (LFM2's,
+// kvserve_short_conv_layer) keeps its in_proj in `qkv` ([3 x hidden] outputs: B, C, x), its out_proj in `o`, and
+// its taps in conv_weight.
 struct KvserveLayer {
     KvserveLinear qkv, o, gate_up, down;
     const float* input_norm;             // [hidden] each
@@ -38,7 +40,10 @@ struct KvserveLayer {
     const float* post_feedforward_norm;  // gemma3 only
     const float* q_norm;                 // [head_dim] per-head norms (qwen3, gemma3), or both null
     const float* k_norm;
+    const float* conv_weight;            // short conv: [hidden, conv_kernel]; else null
+    const float* conv_bias;              // short conv: [hidden] or null
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t conv_kernel;                 // short conv: its taps; 0 for an attention layer
     int64_t window;    // sliding window, 0: none
     int64_t act;       // kvserve_gated_act's code: 0 tanh-GELU, 1 SiLU
     int64_t sandwich;  // gemma3's norms around attention and MLP outputs
@@ -59,6 +64,8 @@ struct KvserveStep {
     int64_t tokens, seqs, table_width, block_size;
     int64_t all_decode;    // every row is a decode: one decode-attention call for the whole step
     int64_t decode_count;  // rows of decode_rows
+    const int64_t* state_slots;      // a hybrid model's state layers: each sequence's state slot [seqs], else null
+    const int64_t* state_continues;  // [seqs]: 1 where the sequence's state carries on, 0 where it starts from zeros
 };
 
 // Paged decode attention: one query per sequence, at position seq_lens[i] - 1.
@@ -167,6 +174,10 @@ void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, f
                            float* v_scales);
 void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, int64_t decode_count,
                                    int64_t* floats);
+// decoder_layer.cpp: an LFM2 short-convolution layer on h in place: norm, in_proj, B x -> causal conv with the
+// sequences' states (conv_states [slots, conv_kernel - 1, hidden], the step's state_slots / state_continues) -> C
+// gate, out_proj, residual, then the MLP as kvserve_decoder_layer's. Its scratch: kvserve_decoder_layer_scratch.
+void kvserve_short_conv_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, float* conv_states);
 void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales);
 // sizeof each struct above, in their order here, so that the ctypes mirror can be checked against them.
 void kvserve_abi_sizes(int64_t* sizes);

@@ -802,6 +802,14 @@ class NativeKernels:
             None if v_scales is None else v_scales.data_ptr(),
         )
 
+    def short_conv_layer(self, layer: LayerDesc, step: StepDesc, h: torch.Tensor, conv_states: torch.Tensor) -> None:
+        """An LFM2 short-convolution layer (decoder_layer.cpp) on h [T, hidden] float32, in place, each sequence's
+        convolution state read from and left in its slot of conv_states (the step's state_slots). As decoder_layer:
+        for the native layer path only, which checked the layouts once."""
+        self.library.kvserve_short_conv_layer(
+            ctypes.addressof(layer), ctypes.addressof(step), h.data_ptr(), conv_states.data_ptr()
+        )
+
     def quantize_int8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [rows, dim] float32 -> (int8 [rows, dim], float32 scales [rows]): the native layer's KV write."""
         x = x.float().contiguous()

@@ -185,9 +185,6 @@ class DecoderModel(nn.Module):
         earlier) and logged. The weights must be in place: the stack points into them."""
         if not self.layer_path_chosen:
             self.layer_path_chosen = True
-            if self.has_state:
-                log.info("decoder layers: the torch modules (decoder_layer.cpp has no state layers)")
-                return None
             try:
                 self.native_layers = NativeLayerStack.build(
                     self.layers, self.kernels, self.dtype, self.attention_backend
@@ -226,7 +223,7 @@ class DecoderModel(nn.Module):
         tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # type: ignore[operator]
         native = self.choose_layer_path()
         if native is not None and native.takes(kv_caches, h.shape[0], metas[0].is_decode_only):
-            return self.norm(native.run(h, tables, self.rope_index, kv_caches, metas))
+            return self.norm(native.run(h, tables, self.rope_index, kv_caches, metas, state))
         if not self.has_state:
             for layer, rope_i, kv_cache, layer_meta in zip(self.layers, self.rope_index, kv_caches, metas, strict=True):
                 cos, sin = tables[rope_i]

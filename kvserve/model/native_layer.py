@@ -36,6 +36,7 @@ from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.quantization import Q8Linear
 
 if TYPE_CHECKING:
+    from kvserve.kv.state_cache import StepState
     from kvserve.model.decoder import DecoderLayer
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,11 @@ def _describe_linear(module: nn.Module, what: str) -> LinearDesc:
 
 
 def _describe_layer(layer: DecoderLayer, index: int) -> LayerDesc:
+    if layer.has_state:
+        return _describe_conv_layer(layer, index)
     attn, mlp = layer.self_attn, layer.mlp
+    if attn.output_gate or attn.rotary_dim != attn.head_dim:
+        raise NativeLayerUnsupported(f"layer {index}'s attention has an output gate or partial rope (Qwen3.5's)")
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.sandwich:
         norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
@@ -125,6 +130,31 @@ def _describe_layer(layer: DecoderLayer, index: int) -> LayerDesc:
     return d
 
 
+def _describe_conv_layer(layer: DecoderLayer, index: int) -> LayerDesc:
+    """An LFM2 short-convolution layer (kvserve_short_conv_layer): in_proj in `qkv`, out_proj in `o`."""
+    if layer.state_mixer != "conv":
+        raise NativeLayerUnsupported(
+            f"layer {index} is a {layer.state_mixer} layer (only short convolutions are native)"
+        )
+    conv, mlp = layer.conv, layer.mlp
+    if layer.sandwich or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        raise NativeLayerUnsupported(f"layer {index}'s norms differ in eps")
+    if mlp.act not in NATIVE_ACTIVATIONS:
+        raise NativeLayerUnsupported(f"activation {mlp.act!r} has no native kernel")
+    d = LayerDesc()
+    d.qkv = _describe_linear(conv.in_proj, f"layer {index} in_proj")
+    d.o = _describe_linear(conv.out_proj, f"layer {index} out_proj")
+    d.gate_up = _describe_linear(mlp.gate_up_proj, f"layer {index} gate_up_proj")
+    d.down = _describe_linear(mlp.down_proj, f"layer {index} down_proj")
+    d.input_norm = _cpu_f32(layer.input_layernorm.weight, "a norm weight")
+    d.post_attention_norm = _cpu_f32(layer.post_attention_layernorm.weight, "a norm weight")
+    d.conv_weight = _cpu_f32(conv.conv_weight, "the conv taps")
+    d.conv_bias = None if conv.conv_bias is None else _cpu_f32(conv.conv_bias, "the conv bias")
+    d.hidden, d.intermediate, d.conv_kernel = conv.hidden, mlp.intermediate, conv.conv_weight.shape[1]
+    d.act, d.eps = NATIVE_ACTIVATIONS[mlp.act], layer.input_layernorm.eps
+    return d
+
+
 @dataclass(slots=True)
 class NativeLayerStack:
     """Every layer's description, the kernels that run them, and the scratch memory kept between steps."""
@@ -147,8 +177,8 @@ class NativeLayerStack:
         if attention_backend != "cpu":
             raise NativeLayerUnsupported(f"the attention backend is {attention_backend!r}")
         descs = [_describe_layer(layer, i) for i, layer in enumerate(layers)]  # type: ignore[arg-type]
-        shapes = {(d.hidden, d.heads, d.kv_heads, d.head_dim, d.intermediate) for d in descs}
-        if len(shapes) > 1:  # one scratch size serves every layer
+        shapes = {(d.conv_kernel, d.hidden, d.heads, d.kv_heads, d.head_dim, d.intermediate) for d in descs}
+        if len(shapes) > len({d.conv_kernel for d in descs}):  # the first layer of a kind sizes its scratch
             raise NativeLayerUnsupported("the layers differ in shape")
         float32 = any(lin.kind == LINEAR_FLOAT32 for d in descs for lin in (d.qkv, d.o, d.gate_up, d.down))
         return cls(kernels, descs, FLOAT32_MAX_ROWS if float32 else None)
@@ -182,25 +212,46 @@ class NativeLayerStack:
         rope_index: list[int],
         kv_caches: list[LayerKVCache],
         metas: Sequence[AttentionMetadata],
+        state: StepState | None = None,
     ) -> torch.Tensor:
         """h [T, hidden] float32 (a fresh tensor: it is updated in place) through every layer, each with its own
-        metadata (its KV cache group's tables; one step struct per distinct metadata); returns h."""
+        metadata (its KV cache group's tables; one step struct per distinct metadata); returns h. `kv_caches` and
+        `metas`: one per attention layer; `state`: the state layers' caches and the step's state metadata (a hybrid
+        model's short-convolution layers)."""
         h = h.contiguous()
         tokens = h.shape[0]
         keep: list[torch.Tensor] = []  # tensors the step structs point into, alive until the layers ran
         meta = metas[0]
         decode_idx = [] if meta.is_decode_only else [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        scratch = self._scratch(self.kernels.decoder_layer_scratch(self.layers[0], tokens, len(decode_idx)))
+        floats = max(self.kernels.decoder_layer_scratch(d, tokens, len(decode_idx)) for d in self.scratch_layers)
+        scratch = self._scratch(floats)
+        state_args = None if state is None else _state_args(state, keep)
         steps: dict[int, StepDesc] = {}
-        for desc, rope_i, cache, layer_meta in zip(self.layers, rope_index, kv_caches, metas, strict=True):
+        attention = iter(zip(kv_caches, metas, strict=True))
+        states = iter(() if state is None else state.caches)
+        for desc, rope_i in zip(self.layers, rope_index, strict=True):
+            if desc.conv_kernel:
+                step = steps.get(id(meta))
+                if step is None:
+                    step = steps[id(meta)] = _step_desc(meta, tokens, decode_idx, scratch, keep, state_args)
+                self.kernels.short_conv_layer(desc, step, h, next(states).conv)
+                continue
+            cache, layer_meta = next(attention)
             step = steps.get(id(layer_meta))
             if step is None:
-                step = steps[id(layer_meta)] = _step_desc(layer_meta, tokens, decode_idx, scratch, keep)
+                step = steps[id(layer_meta)] = _step_desc(layer_meta, tokens, decode_idx, scratch, keep, state_args)
             cos, sin = tables[rope_i]
             self.kernels.decoder_layer(
                 desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale, cache.value_scale
             )
         return h
+
+    @property
+    def scratch_layers(self) -> list[LayerDesc]:
+        """One layer of each kind (attention, short convolution): the scratch a step needs is the larger's."""
+        first_attention = next((d for d in self.layers if not d.conv_kernel), None)
+        first_conv = next((d for d in self.layers if d.conv_kernel), None)
+        return [d for d in (first_attention, first_conv) if d is not None]
 
     def _scratch(self, floats: int) -> torch.Tensor:
         if self.scratch.numel() >= floats:
@@ -211,8 +262,21 @@ class NativeLayerStack:
         return buffer
 
 
+def _state_args(state: StepState, keep: list[torch.Tensor]) -> tuple[int, int]:
+    """The step's state slots and continue flags as the C++ reads them (int64 arrays), kept alive in `keep`."""
+    slots = state.meta.slots.contiguous()
+    continues = torch.tensor(state.meta.continues_cpu, dtype=torch.int64)
+    keep += [slots, continues]
+    return slots.data_ptr(), continues.data_ptr()
+
+
 def _step_desc(
-    meta: AttentionMetadata, tokens: int, decode_idx: list[int], scratch: torch.Tensor, keep: list[torch.Tensor]
+    meta: AttentionMetadata,
+    tokens: int,
+    decode_idx: list[int],
+    scratch: torch.Tensor,
+    keep: list[torch.Tensor],
+    state_args: tuple[int, int] | None = None,
 ) -> StepDesc:
     """The step struct of one KV cache group's metadata: its slot mapping and block tables (and those of the step's
     decode rows, in a mixed step), the batch's shape and the shared scratch. `keep` holds the tensors it points into."""
@@ -233,4 +297,6 @@ def _step_desc(
     step.tokens, step.seqs = tokens, len(meta.seq_lens_cpu)
     step.table_width, step.block_size = ints[1].shape[1], meta.block_size
     step.all_decode, step.decode_count = int(meta.is_decode_only), len(decode_idx)
+    if state_args is not None:
+        step.state_slots, step.state_continues = state_args
     return step

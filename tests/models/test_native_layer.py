@@ -189,3 +189,52 @@ def test_int8_kv_decode_steps_run_natively(variant: str, tiny_checkpoint) -> Non
             assert differ.max() <= 1 and differ.bool().float().mean() < 0.01
         torch.testing.assert_close(got.key_scale, want.key_scale, rtol=1e-6, atol=0)
         torch.testing.assert_close(got.value_scale, want.value_scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8_0"])
+def test_lfm2_short_conv_layers_run_natively_as_the_torch_modules(quantization: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """LFM2: its short-convolution layers (kvserve_short_conv_layer, each sequence's state in its slot) and its
+    attention layers run one native call each; through the engine, with chunked prefill (8 tokens a step) beside
+    other requests' decodes, state snapshots restored for prompts sharing a prefix, and preemption on a small pool,
+    greedy tokens equal the torch modules' and top logprobs agree within 1e-4. Qwen3.5 (Gated DeltaNet, gated
+    attention) stays on the torch modules, saying why."""
+    path, _ = tiny_checkpoint("lfm2_hybrid")
+    write_char_tokenizer(path)
+    shared = _sequences(1, 14)[0]
+    prompts = [shared + p[1:] for p in _sequences(5, 21)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    results = []
+    for native in (True, False):
+        engine = LLMEngine.from_config(
+            EngineConfig(
+                model=str(path),
+                quantization=quantization,
+                block_size=4,
+                num_gpu_blocks_override=24,
+                max_num_batched_tokens=8,
+                max_num_seqs=4,
+            )
+        )
+        model = engine.core.runner.model
+        if not native:
+            model.use_torch_layers()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+            engine.check_invariants()
+        assert (model.native_layers is not None) == native
+        assert engine.core.stats().state_snapshots_restored > 0
+        results.append((done, engine.core.scheduler.num_preemptions))
+    (got, preempted), (want, _) = results
+    assert preempted > 0
+    for rid, completion in want.items():
+        assert list(got[rid].token_ids) == list(completion.token_ids)
+        for g, w in zip(got[rid].logprobs, completion.logprobs):
+            for token, entry in w.items():
+                assert abs(g[token].logprob - entry.logprob) < 1e-4
+    qwen, _ = tiny_checkpoint("qwen3_5_hybrid")
+    assert _load(qwen, "none").choose_layer_path() is None

@@ -42,6 +42,7 @@ NATIVE_ONLY = {
     "gguf_matmul_packed",
     "decoder_layer",
     "decoder_layer_scratch",
+    "short_conv_layer",
     "quantize_int8_rows",
     "quantize_int8_activations",
     "int8_dot_product",
