@@ -25,20 +25,39 @@ namespace {
 enum : int64_t { kFloat32 = 0, kQ8_0 = 1, kGGUF = 2 };
 
 struct Buffers {
-    float *xn, *qkv, *qk, *q, *attn, *proj, *gate_up, *act, *qd, *od;
+    float *xn, *qkv, *qk, *q, *attn, *proj, *gate_up, *act, *qd, *od, *gated, *mixed;
 };
 
+// The widths of a Gated DeltaNet layer's parts: its convolution's channels (q, k, v) and its values (z, o).
+inline int64_t gdn_conv_dim(const KvserveLayer& l) {
+    return 2 * l.linear_key_heads * l.linear_key_dim + l.linear_value_heads * l.linear_value_dim;
+}
+inline int64_t gdn_value_size(const KvserveLayer& l) { return l.linear_value_heads * l.linear_value_dim; }
+
 // Lays the buffers out in `base` (when given) and returns the floats they take; each starts on 64 bytes.
+// A short-conv layer's in_proj output (B, C, x), and a Gated DeltaNet layer's in_proj_qkvz output, land where an
+// attention layer's QKV does; `gated` holds an attention layer's output gate, or a Gated DeltaNet layer's b, a then
+// beta, g; `mixed` its convolution's output; `attn` its recurrence's output.
 int64_t carve(const KvserveLayer& l, int64_t t, int64_t decodes, float* base, Buffers* b) {
-    const int64_t q_size = l.heads * l.head_dim;
-    // A short-conv layer's in_proj output (B, C, x) lands where an attention layer's QKV does.
-    const int64_t qkv_size = std::max((l.heads + 2 * l.kv_heads) * l.head_dim, l.conv_kernel ? 3 * l.hidden : 0);
-    const int64_t sizes[10] = {t * l.hidden, t * qkv_size, t * (l.heads + l.kv_heads) * l.head_dim, t * q_size,
-                               t * q_size, t * l.hidden, t * 2 * l.intermediate, t * l.intermediate,
-                               decodes * q_size, decodes * q_size};
-    float** slots[10] = {&b->xn, &b->qkv, &b->qk, &b->q, &b->attn, &b->proj, &b->gate_up, &b->act, &b->qd, &b->od};
+    const int64_t q_size = l.heads * l.head_dim, gate = l.output_gate ? q_size : 0;
+    // With an output gate, `attn` first holds the queries and K side by side (the rope's input).
+    int64_t qkv_size = (l.heads + 2 * l.kv_heads) * l.head_dim + gate, gated = gate, mixed = 0;
+    int64_t attn = l.output_gate ? (l.heads + l.kv_heads) * l.head_dim : q_size;
+    if (l.linear_value_heads) {
+        qkv_size = gdn_conv_dim(l) + gdn_value_size(l);
+        gated = 4 * l.linear_value_heads;
+        mixed = gdn_conv_dim(l);
+        attn = gdn_value_size(l);
+    } else if (l.conv_kernel) {
+        qkv_size = 3 * l.hidden;
+    }
+    const int64_t sizes[12] = {t * l.hidden, t * qkv_size, t * (l.heads + l.kv_heads) * l.head_dim, t * q_size,
+                               t * attn, t * l.hidden, t * 2 * l.intermediate, t * l.intermediate,
+                               decodes * q_size, decodes * q_size, t * gated, t * mixed};
+    float** slots[12] = {&b->xn,      &b->qkv, &b->qk, &b->q,  &b->attn,  &b->proj,
+                         &b->gate_up, &b->act, &b->qd, &b->od, &b->gated, &b->mixed};
     int64_t at = 0;
-    for (int i = 0; i < 10; ++i) {
+    for (int i = 0; i < 12; ++i) {
         if (base != nullptr) *slots[i] = base + at;
         at += (sizes[i] + 15) / 16 * 16;
     }
@@ -76,6 +95,17 @@ void linear(const KvserveLinear& lin, const float* x, int64_t m, float* y) {
 
 inline void add_into(float* h, const float* x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) h[i] += x[i];
+}
+
+// A state layer's second half: h += mixer output (in x), then h += down(act(gate) * up) of its normed self.
+void residual_and_mlp(const KvserveLayer& l, const Buffers& b, int64_t t, float* h, const float* x) {
+    const int64_t hidden = l.hidden;
+    add_into(h, x, t * hidden);
+    kvserve_rms_norm(h, t, hidden, 1, hidden, l.post_attention_norm, static_cast<float>(l.eps), b.xn, hidden);
+    linear(l.gate_up, b.xn, t, b.gate_up);
+    kvserve_gated_act(b.gate_up, t, l.intermediate, static_cast<int32_t>(l.act), b.act);
+    linear(l.down, b.act, t, b.proj);
+    add_into(h, b.proj, t * hidden);
 }
 
 // One token's K or V head vector (dim floats) into an int8 cache row and its scale, as kvserve/kv/quant.py's
@@ -171,12 +201,47 @@ void kvserve_short_conv_layer(const KvserveLayer* layer, const KvserveStep* step
                         s.state_slots, s.query_start_loc, s.state_continues, s.seqs, hidden, l.conv_kernel, 0,
                         b.proj);
     linear(l.o, b.proj, t, b.xn);
-    add_into(h, b.xn, t * hidden);
-    kvserve_rms_norm(h, t, hidden, 1, hidden, l.post_attention_norm, eps, b.xn, hidden);
-    linear(l.gate_up, b.xn, t, b.gate_up);
-    kvserve_gated_act(b.gate_up, t, l.intermediate, static_cast<int32_t>(l.act), b.act);
-    linear(l.down, b.act, t, b.proj);
-    add_into(h, b.proj, t * hidden);
+    residual_and_mlp(l, b, t, h, b.xn);
+}
+
+void kvserve_gated_deltanet_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, float* conv_states,
+                                  float* recurrent_states) {
+    const KvserveLayer& l = *layer;
+    const KvserveStep& s = *step;
+    const int64_t t = s.tokens, hidden = l.hidden, n = l.linear_value_heads;
+    const int64_t conv_dim = gdn_conv_dim(l), value_size = gdn_value_size(l), width = conv_dim + value_size;
+    const int64_t key_size = l.linear_key_heads * l.linear_key_dim;
+    Buffers b;
+    carve(l, t, 0, s.scratch, &b);
+    kvserve_rms_norm(h, t, hidden, 1, hidden, l.input_norm, static_cast<float>(l.eps), b.xn, hidden);
+    linear(l.qkv, b.xn, t, b.qkv);   // [t, conv_dim + value_size]: q, k, v then z
+    linear(l.ba, b.xn, t, b.gated);  // [t, 2 n]: b then a
+    kvserve_causal_conv(b.qkv, nullptr, nullptr, width, l.conv_weight, nullptr, conv_states, s.state_slots,
+                        s.query_start_loc, s.state_continues, s.seqs, conv_dim, l.conv_kernel, 1, b.mixed);
+    float* beta = b.gated + 2 * t * n;  // [t, n] each, after the [t, 2 n] projection
+    float* g = beta + t * n;
+    for (int64_t r = 0; r < t; ++r) {
+        const float* ba = b.gated + r * 2 * n;
+        for (int64_t i = 0; i < n; ++i) {
+            beta[r * n + i] = 1.0f / (1.0f + expf(-ba[i]));
+            const float x = ba[n + i] + l.dt_bias[i];
+            const float softplus = x > 20.0f ? x : log1pf(expf(x));  // torch's softplus (threshold 20)
+            g[r * n + i] = -expf(l.a_log[i]) * softplus;
+        }
+    }
+    kvserve_gated_delta_rule(b.mixed, b.mixed + key_size, b.mixed + 2 * key_size, conv_dim, conv_dim, g, beta, n,
+                             recurrent_states, s.state_slots, s.query_start_loc, s.state_continues, s.seqs,
+                             l.linear_key_heads, n, l.linear_key_dim, l.linear_value_dim, b.attn);
+    // The gated norm: rms_norm(o) x weight x silu(z), per value head.
+    kvserve_rms_norm(b.attn, t, value_size, n, l.linear_value_dim, l.state_norm, static_cast<float>(l.eps), b.attn,
+                     value_size);
+    for (int64_t r = 0; r < t; ++r) {
+        const float* z = b.qkv + r * width + conv_dim;
+        float* o = b.attn + r * value_size;
+        for (int64_t i = 0; i < value_size; ++i) o[i] *= z[i] / (1.0f + expf(-z[i]));
+    }
+    linear(l.o, b.attn, t, b.proj);
+    residual_and_mlp(l, b, t, h, b.proj);
 }
 
 void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
@@ -186,21 +251,40 @@ void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, f
     const KvserveStep& s = *step;
     const int64_t t = s.tokens, dim = l.head_dim, hidden = l.hidden;
     const int64_t q_size = l.heads * dim, kv_size = l.kv_heads * dim, qk_size = q_size + kv_size;
-    const int64_t qkv_size = qk_size + kv_size;
+    const int64_t gate = l.output_gate ? q_size : 0, qkv_size = qk_size + kv_size + gate;
     const float eps = static_cast<float>(l.eps);
     Buffers b;
     carve(l, t, s.all_decode ? 0 : s.decode_count, s.scratch, &b);
 
     kvserve_rms_norm(h, t, hidden, 1, hidden, l.input_norm, eps, b.xn, hidden);
     linear(l.qkv, b.xn, t, b.qkv);
+    const float* qk_rows = b.qkv;  // a row's Q heads then K heads, qk_stride apart
+    int64_t qk_stride = qkv_size;
+    if (l.output_gate) {  // each head's query then its gate: the queries and K side by side in `attn` for the rope,
+        for (int64_t r = 0; r < t; ++r) {  // the gates to `gated`
+            const float* row = b.qkv + r * qkv_size;
+            float* qk = b.attn + r * qk_size;
+            for (int64_t hd = 0; hd < l.heads; ++hd) {
+                memcpy(qk + hd * dim, row + 2 * hd * dim, dim * sizeof(float));
+                memcpy(b.gated + r * q_size + hd * dim, row + (2 * hd + 1) * dim, dim * sizeof(float));
+            }
+            memcpy(qk + q_size, row + 2 * q_size, kv_size * sizeof(float));
+        }
+        qk_rows = b.attn;
+        qk_stride = qk_size;
+    }
     const bool qk_norm = l.q_norm != nullptr && l.k_norm != nullptr;
-    const KvserveQkNormRope rope{b.qkv,  qk_norm ? l.q_norm : nullptr, qk_norm ? l.k_norm : nullptr, cos,
-                                 signed_sin, b.qk, t, qkv_size, l.heads + l.kv_heads, l.heads, dim,
+    const KvserveQkNormRope rope{qk_rows,    qk_norm ? l.q_norm : nullptr, qk_norm ? l.k_norm : nullptr,
+                                 cos,        signed_sin,
+                                 b.qk,       t,
+                                 qk_stride,  l.heads + l.kv_heads,
+                                 l.heads,    dim,
+                                 l.rotary_dim ? l.rotary_dim : dim,
                                  qk_norm ? l.eps : 0.0};
     kvserve_qk_norm_rope(&rope);
     for (int64_t r = 0; r < t; ++r) {  // Q to its own rows; K (roped) and V into the cache
         const float* qk = b.qk + r * qk_size;
-        const float* v = b.qkv + r * qkv_size + qk_size;
+        const float* v = b.qkv + r * qkv_size + qk_size + gate;
         const int64_t slot = s.slot_mapping[r];
         memcpy(b.q + r * q_size, qk, q_size * sizeof(float));
         if (k_scales == nullptr) {
@@ -215,6 +299,8 @@ void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, f
         }
     }
     attention(l, s, b, k_cache, v_cache, k_scales, v_scales);
+    if (l.output_gate)  // Qwen3.5: the output times the sigmoid of its gate
+        for (int64_t i = 0; i < t * q_size; ++i) b.attn[i] /= 1.0f + expf(-b.gated[i]);
     linear(l.o, b.attn, t, b.proj);
     if (l.sandwich) kvserve_rms_norm(b.proj, t, hidden, 1, hidden, l.post_attention_norm, eps, b.proj, hidden);
     add_into(h, b.proj, t * hidden);

@@ -31,9 +31,10 @@ struct KvserveLinear {
 
 // The weights and shape facts of one decoder layer (decoder_layer.cpp). A short-convolution layer (LFM2's,
 // kvserve_short_conv_layer) keeps its in_proj in `qkv` ([3 x hidden] outputs: B, C, x), its out_proj in `o`, and
-// its taps in conv_weight.
+// its taps in conv_weight. A Gated DeltaNet layer (Qwen3.5's, kvserve_gated_deltanet_layer) keeps in_proj_qkvz in
+// `qkv`, in_proj_ba in `ba`, out_proj in `o`, its convolution's taps in conv_weight, and linear_* > 0.
 struct KvserveLayer {
-    KvserveLinear qkv, o, gate_up, down;
+    KvserveLinear qkv, o, gate_up, down, ba;
     const float* input_norm;             // [hidden] each
     const float* post_attention_norm;    // llama/qwen: before the MLP; gemma3: on the attention output
     const float* pre_feedforward_norm;   // gemma3 only (sandwich), else null
@@ -42,8 +43,14 @@ struct KvserveLayer {
     const float* k_norm;
     const float* conv_weight;            // short conv: [hidden, conv_kernel]; else null
     const float* conv_bias;              // short conv: [hidden] or null
+    const float* dt_bias;                // Gated DeltaNet: [linear_value_heads] each; else null
+    const float* a_log;
+    const float* state_norm;             // Gated DeltaNet: the gated norm's weight [linear_value_dim]
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t conv_kernel;                 // short conv: its taps; 0 for an attention layer
+    int64_t conv_kernel;                 // a state layer's convolution taps; 0 for an attention layer
+    int64_t linear_key_heads, linear_value_heads, linear_key_dim, linear_value_dim;  // Gated DeltaNet, else 0
+    int64_t output_gate;  // attention (Qwen3.5): q_proj gives each head its query then a gate, interleaved
+    int64_t rotary_dim;   // rope turns the first rotary_dim dims of each head (partial rope); head_dim: all
     int64_t window;    // sliding window, 0: none
     int64_t act;       // kvserve_gated_act's code: 0 tanh-GELU, 1 SiLU
     int64_t sandwich;  // gemma3's norms around attention and MLP outputs
@@ -106,6 +113,8 @@ struct KvserveQkNormRope {
     int64_t tokens, row_stride, heads;
     int64_t q_heads;  // how many of the heads are Q (they use q_weight; the rest use k_weight)
     int64_t dim;
+    int64_t rotary_dim;  // rope turns the first rotary_dim dims (pairs i, i + rotary_dim / 2; cos and signed_sin
+                         // [tokens, rotary_dim]); the rest are normalized only. dim: all of them
     double eps;
 };
 
@@ -178,6 +187,12 @@ void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, in
 // sequences' states (conv_states [slots, conv_kernel - 1, hidden], the step's state_slots / state_continues) -> C
 // gate, out_proj, residual, then the MLP as kvserve_decoder_layer's. Its scratch: kvserve_decoder_layer_scratch.
 void kvserve_short_conv_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, float* conv_states);
+// decoder_layer.cpp: a Qwen3.5 Gated DeltaNet layer on h in place: norm, in_proj_qkvz / in_proj_ba, SiLU causal
+// conv over q, k, v with the sequences' conv states, beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the
+// gated delta rule with their recurrent states ([slots, v_heads, key_dim, value_dim]), the gated norm (rms_norm(o) x
+// silu(z) per value head), out_proj, residual, then the MLP. Its scratch: kvserve_decoder_layer_scratch.
+void kvserve_gated_deltanet_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, float* conv_states,
+                                  float* recurrent_states);
 void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales);
 // sizeof each struct above, in their order here, so that the ctypes mirror can be checked against them.
 void kvserve_abi_sizes(int64_t* sizes);

@@ -577,6 +577,7 @@ class NativeKernels:
                 heads,
                 q_heads,
                 dim,
+                dim,
                 eps,
             )
             self.library.kvserve_qk_norm_rope(ctypes.addressof(args))
@@ -808,6 +809,16 @@ class NativeKernels:
         for the native layer path only, which checked the layouts once."""
         self.library.kvserve_short_conv_layer(
             ctypes.addressof(layer), ctypes.addressof(step), h.data_ptr(), conv_states.data_ptr()
+        )
+
+    def gated_deltanet_layer(
+        self, layer: LayerDesc, step: StepDesc, h: torch.Tensor, conv_states: torch.Tensor, recurrent: torch.Tensor
+    ) -> None:
+        """A Qwen3.5 Gated DeltaNet layer (decoder_layer.cpp) on h [T, hidden] float32, in place, each sequence's
+        convolution and recurrent states read from and left in its slot (the step's state_slots). As decoder_layer:
+        for the native layer path only, which checked the layouts once."""
+        self.library.kvserve_gated_deltanet_layer(
+            ctypes.addressof(layer), ctypes.addressof(step), h.data_ptr(), conv_states.data_ptr(), recurrent.data_ptr()
         )
 
     def quantize_int8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,31 @@ void kvserve_qk_norm_rope(const KvserveQkNormRope* args) {
     const int64_t tokens = args->tokens, row_stride = args->row_stride, heads = args->heads;
     const int64_t q_heads = args->q_heads, dim = args->dim;
     const float eps = static_cast<float>(args->eps);
-    const int64_t half = dim / 2;
+    const int64_t half = dim / 2, rotary = args->rotary_dim;
+    if (rotary != dim) {  // partial rope (Qwen3.5: a quarter of each head): scalar, it is a small part of a layer
+#pragma omp parallel for schedule(static) if (tokens * heads >= 64)
+        for (int64_t item = 0; item < tokens * heads; ++item) {
+            const int64_t t = item / heads, h = item % heads, r2 = rotary / 2;
+            const float* x = qkv + t * row_stride + h * dim;
+            const float* w = h < q_heads ? q_weight : k_weight;
+            const float* c = cos + t * rotary;
+            const float* s = signed_sin + t * rotary;
+            float* o = out + item * dim;
+            float inv = 1.0f;
+            if (w != nullptr) {
+                float ss = 0.0f;
+                for (int64_t i = 0; i < dim; ++i) ss += x[i] * x[i];
+                inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+            }
+            for (int64_t i = 0; i < dim; ++i) o[i] = x[i] * inv * (w != nullptr ? w[i] : 1.0f);
+            for (int64_t i = 0; i < r2; ++i) {
+                const float a = o[i], b = o[r2 + i];
+                o[i] = a * c[i] + b * s[i];
+                o[r2 + i] = b * c[r2 + i] + a * s[r2 + i];
+            }
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) if (tokens * heads >= 64)
     for (int64_t item = 0; item < tokens * heads; ++item) {
         const int64_t t = item / heads, h = item % heads;

@@ -94,10 +94,10 @@ def _describe_linear(module: nn.Module, what: str) -> LinearDesc:
 
 def _describe_layer(layer: DecoderLayer, index: int) -> LayerDesc:
     if layer.has_state:
-        return _describe_conv_layer(layer, index)
+        return _describe_state_layer(layer, index)
     attn, mlp = layer.self_attn, layer.mlp
-    if attn.output_gate or attn.rotary_dim != attn.head_dim:
-        raise NativeLayerUnsupported(f"layer {index}'s attention has an output gate or partial rope (Qwen3.5's)")
+    if attn.rotary_dim % 2:
+        raise NativeLayerUnsupported(f"layer {index}'s rope turns an odd number of dims ({attn.rotary_dim})")
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.sandwich:
         norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
@@ -127,31 +127,47 @@ def _describe_layer(layer: DecoderLayer, index: int) -> LayerDesc:
     d.window = attn.spec.sliding_window or 0
     d.act, d.sandwich = NATIVE_ACTIVATIONS[mlp.act], int(layer.sandwich)
     d.eps, d.scale = eps, attn.spec.scale
+    d.output_gate, d.rotary_dim = int(attn.output_gate), attn.rotary_dim
     return d
 
 
-def _describe_conv_layer(layer: DecoderLayer, index: int) -> LayerDesc:
-    """An LFM2 short-convolution layer (kvserve_short_conv_layer): in_proj in `qkv`, out_proj in `o`."""
-    if layer.state_mixer != "conv":
-        raise NativeLayerUnsupported(
-            f"layer {index} is a {layer.state_mixer} layer (only short convolutions are native)"
-        )
-    conv, mlp = layer.conv, layer.mlp
-    if layer.sandwich or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+def _describe_state_layer(layer: DecoderLayer, index: int) -> LayerDesc:
+    """A state layer: LFM2's short convolution (kvserve_short_conv_layer: in_proj in `qkv`, out_proj in `o`) or
+    Qwen3.5's Gated DeltaNet (kvserve_gated_deltanet_layer: in_proj_qkvz in `qkv`, in_proj_ba in `ba`, out_proj in
+    `o`), with the MLP both share."""
+    mlp = layer.mlp
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if layer.state_mixer == "linear_attn":
+        norms.append(layer.linear_attn.norm)
+    if layer.sandwich or any(n.eps != norms[0].eps for n in norms):
         raise NativeLayerUnsupported(f"layer {index}'s norms differ in eps")
     if mlp.act not in NATIVE_ACTIVATIONS:
         raise NativeLayerUnsupported(f"activation {mlp.act!r} has no native kernel")
     d = LayerDesc()
-    d.qkv = _describe_linear(conv.in_proj, f"layer {index} in_proj")
-    d.o = _describe_linear(conv.out_proj, f"layer {index} out_proj")
     d.gate_up = _describe_linear(mlp.gate_up_proj, f"layer {index} gate_up_proj")
     d.down = _describe_linear(mlp.down_proj, f"layer {index} down_proj")
     d.input_norm = _cpu_f32(layer.input_layernorm.weight, "a norm weight")
     d.post_attention_norm = _cpu_f32(layer.post_attention_layernorm.weight, "a norm weight")
-    d.conv_weight = _cpu_f32(conv.conv_weight, "the conv taps")
-    d.conv_bias = None if conv.conv_bias is None else _cpu_f32(conv.conv_bias, "the conv bias")
-    d.hidden, d.intermediate, d.conv_kernel = conv.hidden, mlp.intermediate, conv.conv_weight.shape[1]
+    d.hidden, d.intermediate = d.down.out_features, mlp.intermediate
     d.act, d.eps = NATIVE_ACTIVATIONS[mlp.act], layer.input_layernorm.eps
+    if layer.state_mixer == "conv":
+        conv = layer.conv
+        d.qkv = _describe_linear(conv.in_proj, f"layer {index} in_proj")
+        d.o = _describe_linear(conv.out_proj, f"layer {index} out_proj")
+        d.conv_weight = _cpu_f32(conv.conv_weight, "the conv taps")
+        d.conv_bias = None if conv.conv_bias is None else _cpu_f32(conv.conv_bias, "the conv bias")
+        d.conv_kernel = conv.conv_weight.shape[1]
+        return d
+    gdn = layer.linear_attn
+    d.qkv = _describe_linear(gdn.in_proj_qkvz, f"layer {index} in_proj_qkvz")
+    d.ba = _describe_linear(gdn.in_proj_ba, f"layer {index} in_proj_ba")
+    d.o = _describe_linear(gdn.out_proj, f"layer {index} out_proj")
+    d.conv_weight = _cpu_f32(gdn.conv_weight, "the conv taps")
+    d.dt_bias, d.a_log = _cpu_f32(gdn.dt_bias, "dt_bias"), _cpu_f32(gdn.A_log, "A_log")
+    d.state_norm = _cpu_f32(gdn.norm.weight, "the gated norm's weight")
+    d.conv_kernel = gdn.conv_weight.shape[1]
+    d.linear_key_heads, d.linear_value_heads = gdn.key_heads, gdn.value_heads
+    d.linear_key_dim, d.linear_value_dim = gdn.key_dim, gdn.value_dim
     return d
 
 
@@ -234,7 +250,11 @@ class NativeLayerStack:
                 step = steps.get(id(meta))
                 if step is None:
                     step = steps[id(meta)] = _step_desc(meta, tokens, decode_idx, scratch, keep, state_args)
-                self.kernels.short_conv_layer(desc, step, h, next(states).conv)
+                cache_state = next(states)
+                if desc.linear_value_heads and cache_state.recurrent is not None:
+                    self.kernels.gated_deltanet_layer(desc, step, h, cache_state.conv, cache_state.recurrent)
+                else:
+                    self.kernels.short_conv_layer(desc, step, h, cache_state.conv)
                 continue
             cache, layer_meta = next(attention)
             step = steps.get(id(layer_meta))
@@ -248,10 +268,10 @@ class NativeLayerStack:
 
     @property
     def scratch_layers(self) -> list[LayerDesc]:
-        """One layer of each kind (attention, short convolution): the scratch a step needs is the larger's."""
+        """One layer of each kind (attention, a state layer): the scratch a step needs is the larger's."""
         first_attention = next((d for d in self.layers if not d.conv_kernel), None)
-        first_conv = next((d for d in self.layers if d.conv_kernel), None)
-        return [d for d in (first_attention, first_conv) if d is not None]
+        first_state = next((d for d in self.layers if d.conv_kernel), None)
+        return [d for d in (first_attention, first_state) if d is not None]
 
     def _scratch(self, floats: int) -> torch.Tensor:
         if self.scratch.numel() >= floats:

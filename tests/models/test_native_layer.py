@@ -192,13 +192,15 @@ def test_int8_kv_decode_steps_run_natively(variant: str, tiny_checkpoint) -> Non
 
 
 @pytest.mark.parametrize("quantization", ["none", "q8_0"])
-def test_lfm2_short_conv_layers_run_natively_as_the_torch_modules(quantization: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """LFM2: its short-convolution layers (kvserve_short_conv_layer, each sequence's state in its slot) and its
-    attention layers run one native call each; through the engine, with chunked prefill (8 tokens a step) beside
-    other requests' decodes, state snapshots restored for prompts sharing a prefix, and preemption on a small pool,
-    greedy tokens equal the torch modules' and top logprobs agree within 1e-4. Qwen3.5 (Gated DeltaNet, gated
-    attention) stays on the torch modules, saying why."""
-    path, _ = tiny_checkpoint("lfm2_hybrid")
+@pytest.mark.parametrize("variant", sorted(STATE_VARIANTS))
+def test_hybrid_layers_run_natively_as_the_torch_modules(variant: str, quantization: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Hybrid models' state layers run one native call each, as their attention layers do: LFM2's short
+    convolutions (kvserve_short_conv_layer) and Qwen3.5's Gated DeltaNet (kvserve_gated_deltanet_layer), each
+    sequence's states in its slots, and Qwen3.5's gated attention with partial rope on the native decoder layer.
+    Through the engine, with chunked prefill (8 tokens a step) beside other requests' decodes, state snapshots
+    restored for prompts sharing a prefix, and preemption on a small pool, greedy tokens equal the torch modules'
+    and top logprobs agree within 1e-4."""
+    path, _ = tiny_checkpoint(variant)
     write_char_tokenizer(path)
     shared = _sequences(1, 14)[0]
     prompts = [shared + p[1:] for p in _sequences(5, 21)]
@@ -236,5 +238,3 @@ def test_lfm2_short_conv_layers_run_natively_as_the_torch_modules(quantization: 
         for g, w in zip(got[rid].logprobs, completion.logprobs):
             for token, entry in w.items():
                 assert abs(g[token].logprob - entry.logprob) < 1e-4
-    qwen, _ = tiny_checkpoint("qwen3_5_hybrid")
-    assert _load(qwen, "none").choose_layer_path() is None

@@ -156,7 +156,8 @@ TINY_VARIANTS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-# Variants with state layers (kv/state.py): the native decoder layer (kernels/decoder_layer.cpp) does not cover them.
+# Variants with state layers (kv/state.py): tested apart (tests/models/test_state_models.py, test_native_layer.py's
+# hybrid test), since the paged test driver keeps no states.
 STATE_VARIANTS = frozenset({"lfm2_hybrid", "qwen3_5_hybrid"})
 
 

@@ -43,6 +43,7 @@ NATIVE_ONLY = {
     "decoder_layer",
     "decoder_layer_scratch",
     "short_conv_layer",
+    "gated_deltanet_layer",
     "quantize_int8_rows",
     "quantize_int8_activations",
     "int8_dot_product",
