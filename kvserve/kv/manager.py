@@ -552,6 +552,17 @@ class KVCacheManager:
         n = min(len(hashes), request.num_prompt_tokens // self.block_size)
         return [(g, hashes[i]) for g in range(self.num_groups) for i in range(n) if self._offloads(g, i, prompt_end)]
 
+    def state_tier_keys(self, request: KVRequest) -> list[tuple[int, bytes]]:
+        """(state group, hash) of the state snapshots saved along the request's tokens, as the offload tier stores
+        them; its reply's last snapshot is handed to the tier first (it is otherwise stored as the request lets go
+        of its slot, after a retention would have looked for it)."""
+        snapshots = self.state_snapshots
+        if snapshots is None:
+            return []
+        self._offload_reply_snapshot(request)
+        hashes = self.req_hashes.get(request.request_id, [])
+        return [(self.state_group, h) for h in hashes if h in snapshots]
+
     def take_offload(self) -> list[TierBlock]:
         """The blocks published since the last call (the step that computed them succeeded: the tier may copy them)."""
         blocks, self.to_offload = self.to_offload, []

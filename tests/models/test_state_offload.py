@@ -190,3 +190,23 @@ def test_a_hybrid_prompt_batch_through_the_tier_keeps_every_slot_and_block(hybri
     for ids, out in zip(batch + batch[:2], got + again):
         assert list(out.outputs[0].token_ids) == cold_run(hybrid, ids)
     assert torch.tensor([o.num_cached_tokens for o in again]).min() > 0
+
+
+def test_prompt_cache_retention_keeps_the_snapshots_in_the_disk_tier(hybrid, tmp_path):
+    """prompt_cache_retention on a hybrid model: the request's state snapshots (its prompt's and its reply's last)
+    are retained in the state tier with its blocks (their records' times set ahead, which eviction passes over)."""
+    import time
+
+    from kvserve import SamplingParams
+
+    engine = tiny_engine(hybrid, **SMALL, kv_offloading_size="64MiB", kv_offloading_path=str(tmp_path))
+    prompt, _ = first_turn()
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_cache_retention_s=3600.0)
+    run(engine, [prompt], params)
+    engine.core.offload.flush()
+    engine.core.state_offload.flush()
+    engine.core.close()
+    records = state_records(tmp_path)
+    retained = [r for r in records if r.stat().st_mtime > time.time() + 3000]
+    snapshots = engine.core.kv_manager.state_snapshots
+    assert len(records) >= 2 and len(retained) == len(records) == len(snapshots)

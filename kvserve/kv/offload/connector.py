@@ -260,11 +260,17 @@ class OffloadConnector:
 
     def retain(self, request: KVRequest, seconds: float) -> None:
         """The request's prompt blocks, as the tier stores them (every full-attention block, a sliding group's last
-        window), are kept in the tier for `seconds` from now (OpenAI's prompt_cache_retention). Called as the request
-        finishes, before its hashes are dropped."""
+        window), and a hybrid model's state snapshots along its tokens (its reply's last included), are kept in the
+        tier for `seconds` from now (OpenAI's prompt_cache_retention). Called as the request finishes, before its
+        hashes are dropped."""
+        until = time.time() + seconds
         keys = self.kv.prompt_tier_keys(request)
         if keys:
-            self.tier.retain(keys, time.time() + seconds)
+            self.tier.retain(keys, until)
+        if self.state_tier is not None:  # and the state snapshots a hit on the request's tokens would start from
+            state_keys = self.kv.state_tier_keys(request)
+            if state_keys:
+                self.state_tier.retain(state_keys, until)
 
     def cancel(self, request_id: str) -> None:
         """The request left: a restore in flight for it is cancelled; its blocks are released once the copy into
