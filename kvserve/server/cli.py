@@ -144,7 +144,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="NAME",
         help="how the model writes tool calls, as vLLM names them: hermes (Hermes / Qwen "
-        "<tool_call> JSON), pythonic (Gemma 3's and Llama 3.2's Python call list; alias gemma3); "
+        "<tool_call> JSON), pythonic (Gemma 3's and Llama 3.2's Python call list; alias gemma3), qwen3_coder "
+        "(Qwen3-Coder's and Qwen3.5's <tool_call><function=...> XML); "
         "also the format in which tools are described to a chat template that lacks tool support",
     )
     s.add_argument(

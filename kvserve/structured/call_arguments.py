@@ -63,6 +63,8 @@ class OfferedTools:
 
     names: frozenset[str] = frozenset()
     strict_schemas: Mapping[str, dict[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
+    # Every function's parameters schema: how a format that writes arguments as text (Qwen3.5's XML) types them.
+    schemas: Mapping[str, dict[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def of(cls, tools: OfferedTools | Collection[str]) -> OfferedTools:
@@ -74,7 +76,8 @@ class OfferedTools:
         """A request's checked `tools` (the last of one name wins, as vLLM's lookup does)."""
         last = {f.name: f for f in functions}
         strict = {name: f.parameters for name, f in last.items() if f.strict}
-        return cls(frozenset(last), MappingProxyType(strict))
+        schemas = {name: f.parameters for name, f in last.items()}
+        return cls(frozenset(last), MappingProxyType(strict), MappingProxyType(schemas))
 
     def arguments(self, name: str, arguments: str) -> str | None:
         """`arguments` (whitespace stripped) if a call to `name` with them is one to return, else None: the function

@@ -9,6 +9,8 @@ Formats:
 - `pythonic` (vLLM's name; `gemma3` is kvserve's alias for it): Gemma 3's documented function-calling style and
   Llama 3.2's, a Python list of calls with keyword arguments, `[get_weather(city="Paris"), now()]`, whose literal
   values become JSON; output that does not start as such a list is content;
+- `qwen3_coder` (vLLM's name): Qwen3-Coder's and Qwen3.5's XML, `<tool_call><function=NAME><parameter=KEY>VALUE
+  </parameter></function></tool_call>`, each value typed by its parameter's schema;
 - the forced formats of tool_choice `required` (vLLM's JSON array of `{"name", "parameters"}`) and of a named
   function (the output is the arguments object).
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -46,7 +49,7 @@ from kvserve.structured.tool_calls import (
     ToolCallExtractor,
     report_call_object,
 )
-from kvserve.structured.tool_prompts import HERMES_END, HERMES_START, HermesStyle, PythonicStyle
+from kvserve.structured.tool_prompts import HERMES_END, HERMES_START, HermesStyle, PythonicStyle, Qwen3XMLStyle
 
 # -- hermes -----------------------------------------------------------------------------------------------------
 
@@ -213,6 +216,115 @@ class HermesExtractor:
 
 _FENCE = "```"
 _FENCE_TAG = "json"
+
+
+# -- qwen3_coder (Qwen3.5's XML calls) --------------------------------------------------------------------------
+
+
+class Qwen3XMLExtractor:
+    """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>` blocks (Qwen3-Coder's
+    and Qwen3.5's format; vLLM's `qwen3_coder` parser); the text outside them is content.
+
+    A value is text: it becomes the JSON its parameter's schema asks for (a number, a boolean, null, an object or an
+    array, read as JSON), else a string (a value that does not read as its schema's type stays the string, as in
+    vLLM). A call is reported whole once its block closes, and only if it passes the shared check (an offered
+    function; a strict one's schema); a block that is malformed, names another function, or is cut by max_tokens is
+    content, its markers included. A block whose `</function>` came but whose `</tool_call>` did not (the reply
+    ended) is still a call."""
+
+    def __init__(self, tools: OfferedTools | Collection[str] = ()) -> None:
+        self._tools = OfferedTools.of(tools)
+        self._content = ContentText()
+        self._calls = CallNumbering()
+        self._start = Marker(HERMES_START)
+        self._end = Marker(HERMES_END)
+        self._inside = False
+        self._raw: list[str] = []  # the open block's text after its start marker
+
+    def feed(self, text: str) -> ParsedDelta:
+        for c in text:
+            self._char(c)
+        return self._take()
+
+    def finish(self) -> ParsedDelta:
+        if self._inside:
+            self._close(ended=True)
+        else:
+            self._start.flush(self._content.char)
+        self._calls.close()
+        return self._take()
+
+    def _take(self) -> ParsedDelta:
+        return ParsedDelta(self._content.take(), self._calls.take())
+
+    def _char(self, c: str) -> None:
+        if not self._inside:
+            if self._start.char(c, self._content.char):
+                self._content.drop_held()
+                self._inside, self._raw = True, []
+            return
+        if self._end.char(c, self._raw.append):
+            self._close(ended=False)
+
+    def _close(self, ended: bool) -> None:
+        """The block closed (or the reply ended inside it): a call if it reads as one, else content."""
+        self._end.flush(self._raw.append)
+        self._inside = False
+        body = "".join(self._raw)
+        call = _xml_call(body, self._tools)
+        if call is None:
+            self._content.text(HERMES_START + body + ("" if ended else HERMES_END))
+            return
+        self._calls.start(*call)
+        self._calls.close()
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _xml_call(body: str, tools: OfferedTools) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one block's text, if it is one call of an offered function whose arguments pass
+    the shared check; else None."""
+    match = _XML_FUNCTION.fullmatch(body)
+    if match is None:
+        return None
+    name, inner = match.group(1).strip(), match.group(2)
+    arguments: dict[str, Any] = {}
+    at = 0
+    for parameter in _XML_PARAMETER.finditer(inner):
+        if inner[at : parameter.start()].strip():
+            return None
+        key = parameter.group(1).strip()
+        if key in arguments:
+            return None
+        arguments[key] = _xml_value(_strip_newline(parameter.group(2)), tools.schemas.get(name, {}), key)
+        at = parameter.end()
+    if inner[at:].strip():
+        return None
+    checked = tools.arguments(name, json.dumps(arguments, ensure_ascii=False))
+    return None if checked is None else (name, checked)
+
+
+def _strip_newline(text: str) -> str:
+    """A value without the one newline the format puts after its opening tag and before its closing one."""
+    text = text[1:] if text.startswith("\n") else text
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _xml_value(text: str, schema: Mapping[str, Any], key: str) -> Any:
+    """A parameter's text as its schema's type asks: a string parameter's (or one the schema does not describe) as
+    written, any other type's as the JSON it reads as (text that does not read stays the string, as in vLLM)."""
+    properties = schema.get("properties")
+    spec = properties.get(key) if isinstance(properties, Mapping) else None
+    kind = spec.get("type") if isinstance(spec, Mapping) else None
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if kind is None or "string" in kinds:
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 # -- pythonic ---------------------------------------------------------------------------------------------------
@@ -491,6 +603,7 @@ TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType(
     {
         "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle(), whole_calls=True),
         "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle(), whole_calls=True),
+        "qwen3_coder": ToolParserSpec("qwen3_coder", Qwen3XMLExtractor, Qwen3XMLStyle(), whole_calls=True),
     }
 )
 # kvserve's own name for the parser that reads Gemma 3's style (not a vLLM name)

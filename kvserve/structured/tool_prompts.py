@@ -40,6 +40,36 @@ class HermesStyle:
         return f"<tool_response>\n{content}\n</tool_response>"
 
 
+class Qwen3XMLStyle:
+    """Qwen3-Coder / Qwen3.5: `<tool_call>` blocks holding `<function=NAME>` and a `<parameter=KEY>` per argument, tools
+    listed in `<tools>`."""
+
+    def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(dict(t), ensure_ascii=False) for t in tools)
+        return (
+            "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+            f"signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
+            "write:\n<tool_call>\n<function=function-name>\n<parameter=parameter-name>\nvalue\n</parameter>\n"
+            "</function>\n</tool_call>"
+        )
+
+    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
+        return "\n".join(f"{HERMES_START}\n{_xml_call(n, a)}\n{HERMES_END}" for n, a in calls)
+
+    def render_result(self, content: str, name: str | None) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _xml_call(name: str, arguments: Any) -> str:
+    """One call as Qwen3.5 writes it: strings as they are, other values as JSON."""
+    parts = [f"<function={name}>"]
+    for key, value in arguments.items() if isinstance(arguments, Mapping) else ():
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        parts.append(f"<parameter={key}>\n{text}\n</parameter>")
+    parts.append("</function>")
+    return "\n".join(parts)
+
+
 class PythonicStyle:
     """Gemma 3's documented function-calling prompt: a Python list of calls."""
 

@@ -17,11 +17,13 @@ from kvserve.model.chat_template import (
     tool_fallback_messages,
     tool_support,
 )
+from kvserve.structured.call_arguments import OfferedTools
 from kvserve.structured.tool_calls import ToolCall, ToolCallAccumulator, extract_all
 from kvserve.structured.tool_parsers import (
     HermesExtractor,
     NamedFunctionExtractor,
     PythonicExtractor,
+    Qwen3XMLExtractor,
     RequiredExtractor,
     tool_parser,
 )
@@ -45,6 +47,27 @@ def HERMES():
 
 def PYTHONIC():
     return PythonicExtractor(OFFERED)
+
+
+# Qwen3.5's XML calls type their text by the parameters' schemas.
+SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "array"}, "metric": {"type": "boolean"}},
+    },
+    "now": {"type": "object", "properties": {}},
+    "f": {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": ["number", "null"]}}},
+}
+
+
+def XML():
+    return Qwen3XMLExtractor(OfferedTools(frozenset(OFFERED), schemas=SCHEMAS))
+
+
+XML_WEATHER = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n[1, 2]\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
 
 
 # (extractor factory, text, expected content, expected calls)
@@ -227,6 +250,51 @@ CASES += [
         [ToolCall("now", "{}")],
     ),
     (PYTHONIC, "[delete_all_files()]", "[delete_all_files()]", []),
+    (XML, "Just text, no call.", "Just text, no call.", []),
+    (XML, "Checking.\n" + XML_WEATHER, "Checking.", [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}')]),
+    (
+        XML,
+        XML_WEATHER + "\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+        None,
+        [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolCall("now", "{}")],
+    ),
+    (  # typed by the schema: an integer, a number or null; a string stays as written, lines and all
+        XML,
+        "<tool_call><function=f><parameter=n>\n3\n</parameter><parameter=x>null</parameter></function></tool_call>",
+        None,
+        [ToolCall("f", '{"n": 3, "x": null}')],
+    ),
+    (
+        XML,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\nnorth\n</parameter>\n<parameter=metric>\ntrue"
+        "\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [ToolCall("get_weather", '{"city": "42\\nnorth", "metric": true}')],
+    ),
+    (  # the reply ended after </function>: still a call
+        XML,
+        "<tool_call>\n<function=now>\n</function>\n",
+        None,
+        [ToolCall("now", "{}")],
+    ),
+    (
+        XML,
+        "<tool_call>\n<function=rm>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=rm>\n</function>\n</tool_call>",
+        [],
+    ),
+    (  # cut by max_tokens: content
+        XML,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        [],
+    ),
+    (  # text between parameters: not a call
+        XML,
+        "<tool_call><function=now>oops</function></tool_call>",
+        "<tool_call><function=now>oops</function></tool_call>",
+        [],
+    ),
     (PYTHONIC, '[now(), rm(path="/")]', 'rm(path="/")]', [ToolCall("now", "{}")]),
 ]
 
@@ -300,6 +368,7 @@ def test_parser_names_follow_vllm():
     assert tool_parser("hermes").name == "hermes"
     assert tool_parser("pythonic").name == "pythonic"
     assert tool_parser("gemma3").name == "pythonic"
+    assert tool_parser("qwen3_coder").name == "qwen3_coder"
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("mistral")
 
@@ -331,12 +400,12 @@ CONVERSATION = [
 ]
 
 
-@pytest.mark.parametrize("name", ["hermes", "pythonic"])
+@pytest.mark.parametrize("name", ["hermes", "pythonic", "qwen3_coder"])
 def test_a_style_writes_calls_its_parser_reads(name):
     """The calls written into a past turn are read back as the same calls by the same format's parser."""
     spec = tool_parser(name)
     text = spec.style.render_calls([("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})])
-    result = extract_all(spec.extractor(("get_weather", "now")), text)
+    result = extract_all(spec.extractor(OfferedTools(frozenset(("get_weather", "now")), schemas=SCHEMAS)), text)
     assert [(c.name, json.loads(c.arguments)) for c in result.calls] == [
         ("get_weather", {"city": "Paris", "days": [1, 2]}),
         ("now", {}),
