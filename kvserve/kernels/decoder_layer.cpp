@@ -185,9 +185,6 @@ void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, in
     *floats = carve(*layer, tokens, decode_count, nullptr, &unused);
 }
 
-// h: [tokens, hidden] float32, the residual stream, updated in place. cos / signed_sin: [tokens, head_dim] of
-// this layer's rope (RotaryEmbedding.cos_sin). k_cache / v_cache: [blocks, block_size, kv_heads, head_dim]
-// float32 contiguous, or int8 with k_scales / v_scales [blocks, block_size, kv_heads] float32 (else null).
 void kvserve_short_conv_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, float* conv_states) {
     const KvserveLayer& l = *layer;
     const KvserveStep& s = *step;
@@ -244,6 +241,9 @@ void kvserve_gated_deltanet_layer(const KvserveLayer* layer, const KvserveStep* 
     residual_and_mlp(l, b, t, h, b.proj);
 }
 
+// h: [tokens, hidden] float32, the residual stream, updated in place. cos / signed_sin: [tokens, head_dim] of
+// this layer's rope (RotaryEmbedding.cos_sin). k_cache / v_cache: [blocks, block_size, kv_heads, head_dim]
+// float32 contiguous, or int8 with k_scales / v_scales [blocks, block_size, kv_heads] float32 (else null).
 void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
                            const float* signed_sin, void* k_cache, void* v_cache, float* k_scales,
                            float* v_scales) {

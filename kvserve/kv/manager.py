@@ -260,18 +260,20 @@ class KVCacheManager:
 
         length = self.longest_hit(len(hashes), has)
         if self.state_slots is not None:
-            length = self._state_hit(request, hashes, length, has)
+            snapshots = self.state_snapshots
+            state_length = self.longest_state_hit(
+                length, has, lambda i: snapshots is not None and hashes[i] in snapshots
+            )
+            self.snapshot_cut[request.request_id] = length - state_length  # for misses: what the snapshots cut off
+            length = state_length
         return self.hit_blocks(length, lambda g, i: found[g, i]), length * self.block_size
 
-    def _state_hit(self, request: KVRequest, hashes: list[bytes], length: int, has: HasBlock) -> int:
+    def longest_state_hit(self, length: int, has: HasBlock, has_snapshot: Callable[[int], bool]) -> int:
         """A model with state layers hits only where a state snapshot ends a prefix the groups can serve: the longest
-        such prefix of at most `length` blocks (remembered: how many blocks the snapshots cut off, for misses)."""
-        snapshots, kv_length = self.state_snapshots, length
-        while length and (
-            snapshots is None or hashes[length - 1] not in snapshots or self.longest_hit(length, has) < length
-        ):
+        such prefix of at most `length` blocks. has_snapshot(i): a snapshot ends at block i (the pool's, or for a
+        restore the offload tier's too)."""
+        while length and (not has_snapshot(length - 1) or self.longest_hit(length, has) < length):
             length -= 1
-        self.snapshot_cut[request.request_id] = kv_length - length
         return length
 
     def evicted_misses(self, request: KVRequest, num_hit_tokens: int) -> int:
@@ -454,9 +456,9 @@ class KVCacheManager:
         block_hash = self.reply_snapshot.get(request.request_id)
         if self.store_states_now is None or snapshots is None or block_hash is None:
             return
-        slot, key = snapshots.slot_of(block_hash), snapshots.keys.get(block_hash)
-        if slot is not None and key is not None:
-            self.store_states_now([TierBlock(slot, block_hash, key, self.state_group)])
+        slot = snapshots.slot_of(block_hash)
+        if slot is not None:
+            self.store_states_now([TierBlock(slot, block_hash, snapshots.keys[block_hash], self.state_group)])
 
     def _free_skipped(self, request: KVRequest, state: RequestTables) -> None:
         """Give back, in each sliding group, the blocks before the window of the request's next query (their

@@ -220,7 +220,7 @@ class StateSnapshots:
         self.by_hash.move_to_end(block_hash)
         return self.by_hash[block_hash]
 
-    def reserve(self, block_hash: bytes, key: BlockKey | None = None) -> int | None:
+    def reserve(self, block_hash: bytes, key: BlockKey) -> int | None:
         """A slot to save the state ending at `block_hash` (a block holding `key`) into (the least recently used
         unprotected snapshot's when none is free); None when that snapshot exists already (the same tokens give the
         same state: nothing to save) or every slot holds a protected or loading one."""
@@ -236,8 +236,7 @@ class StateSnapshots:
             slot = self._remove(evicted)
             self.num_evictions += 1
         self.by_hash[block_hash] = slot
-        if key is not None:
-            self.keys[block_hash] = key
+        self.keys[block_hash] = key
         self.pending.add(block_hash)
         return slot
 
@@ -268,9 +267,9 @@ class StateSnapshots:
                 self._publish_stored(h)
 
     def _publish_stored(self, block_hash: bytes) -> None:
-        key = self.keys.get(block_hash)
-        if self.events is None or not self.events.enabled or key is None:
+        if self.events is None or not self.events.enabled:
             return
+        key = self.keys[block_hash]
         parent = key.parent.hex() if key.parent is not None else None
         slot = self.by_hash[block_hash]
         self.events.append(

@@ -178,6 +178,8 @@ class NativeLayerStack:
     kernels: NativeKernels
     layers: list[LayerDesc]
     max_rows: int | None = None  # steps of more rows run the torch modules (FLOAT32_MAX_ROWS); None: any
+    # The first layer of each kind (attention, a state layer): a step's scratch is the larger of theirs.
+    scratch_layers: list[LayerDesc] = field(default_factory=list)
     scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float32))
     warned_cache: bool = False
 
@@ -196,8 +198,11 @@ class NativeLayerStack:
         shapes = {(d.conv_kernel, d.hidden, d.heads, d.kv_heads, d.head_dim, d.intermediate) for d in descs}
         if len(shapes) > len({d.conv_kernel for d in descs}):  # the first layer of a kind sizes its scratch
             raise NativeLayerUnsupported("the layers differ in shape")
-        float32 = any(lin.kind == LINEAR_FLOAT32 for d in descs for lin in (d.qkv, d.o, d.gate_up, d.down))
-        return cls(kernels, descs, FLOAT32_MAX_ROWS if float32 else None)
+        linears = [lin for d in descs for lin in (d.qkv, d.o, d.gate_up, d.down)]
+        linears += [d.ba for d in descs if d.linear_value_heads]  # a Gated DeltaNet layer's fifth projection
+        float32 = any(lin.kind == LINEAR_FLOAT32 for lin in linears)
+        kinds = {bool(d.conv_kernel): d for d in reversed(descs)}  # the first of each kind
+        return cls(kernels, descs, FLOAT32_MAX_ROWS if float32 else None, list(kinds.values()))
 
     def takes(self, kv_caches: list[LayerKVCache], rows: int, decode_only: bool = False) -> bool:
         """Whether this step runs here: `rows` within max_rows, and caches the C++ reads (contiguous, on the CPU:
@@ -233,7 +238,7 @@ class NativeLayerStack:
         """h [T, hidden] float32 (a fresh tensor: it is updated in place) through every layer, each with its own
         metadata (its KV cache group's tables; one step struct per distinct metadata); returns h. `kv_caches` and
         `metas`: one per attention layer; `state`: the state layers' caches and the step's state metadata (a hybrid
-        model's short-convolution layers)."""
+        model's short convolutions or Gated DeltaNet layers)."""
         h = h.contiguous()
         tokens = h.shape[0]
         keep: list[torch.Tensor] = []  # tensors the step structs point into, alive until the layers ran
@@ -251,7 +256,8 @@ class NativeLayerStack:
                 if step is None:
                     step = steps[id(meta)] = _step_desc(meta, tokens, decode_idx, scratch, keep, state_args)
                 cache_state = next(states)
-                if desc.linear_value_heads and cache_state.recurrent is not None:
+                if desc.linear_value_heads:
+                    assert cache_state.recurrent is not None  # a Gated DeltaNet layer's cache has its matrix state
                     self.kernels.gated_deltanet_layer(desc, step, h, cache_state.conv, cache_state.recurrent)
                 else:
                     self.kernels.short_conv_layer(desc, step, h, cache_state.conv)
@@ -265,13 +271,6 @@ class NativeLayerStack:
                 desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale, cache.value_scale
             )
         return h
-
-    @property
-    def scratch_layers(self) -> list[LayerDesc]:
-        """One layer of each kind (attention, a state layer): the scratch a step needs is the larger's."""
-        first_attention = next((d for d in self.layers if not d.conv_kernel), None)
-        first_state = next((d for d in self.layers if d.conv_kernel), None)
-        return [d for d in (first_attention, first_state) if d is not None]
 
     def _scratch(self, floats: int) -> torch.Tensor:
         if self.scratch.numel() >= floats:

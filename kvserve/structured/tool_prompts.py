@@ -22,10 +22,7 @@ class HermesStyle:
     """Hermes / Qwen: `<tool_call>` blocks, tools listed in `<tools>`."""
 
     def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(dict(t), ensure_ascii=False) for t in tools)
-        return (
-            "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
-            f"signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
+        return _tools_in_tags(tools) + (
             "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )
@@ -45,10 +42,7 @@ class Qwen3XMLStyle:
     listed in `<tools>`."""
 
     def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(dict(t), ensure_ascii=False) for t in tools)
-        return (
-            "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
-            f"signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
+        return _tools_in_tags(tools) + (
             "write:\n<tool_call>\n<function=function-name>\n<parameter=parameter-name>\nvalue\n</parameter>\n"
             "</function>\n</tool_call>"
         )
@@ -58,6 +52,15 @@ class Qwen3XMLStyle:
 
     def render_result(self, content: str, name: str | None) -> str:
         return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _tools_in_tags(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The Qwen family's tool listing (Hermes' and Qwen3.5's prompts share it), up to how a call is written."""
+    listed = "\n".join(json.dumps(dict(t), ensure_ascii=False) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+        f"signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
+    )
 
 
 def _xml_call(name: str, arguments: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,6 +123,36 @@ def test_torch_path_where_the_native_layer_does_not_reach(tiny_checkpoint, caplo
             torch.testing.assert_close(g[i], w[i], atol=ATOL, rtol=RTOL)
 
 
+def _engine_run(
+    path: Path, prompts: list[list[int]], params: SamplingParams, native: bool, quantization: str, num_blocks: int
+) -> tuple[LLMEngine, dict[str, Any]]:
+    """Every prompt's completion through an engine with chunked prefill (8 tokens a step, decodes of other requests
+    in the same steps), on the native layer path or the torch modules; the pool checked after every step."""
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(path),
+            quantization=quantization,
+            block_size=4,
+            num_gpu_blocks_override=num_blocks,
+            max_num_batched_tokens=8,
+            max_num_seqs=4,
+        )
+    )
+    model = engine.core.runner.model
+    if not native:
+        model.use_torch_layers()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        engine.check_invariants()
+    assert (model.native_layers is not None) == native
+    return engine, done
+
+
 @pytest.mark.parametrize("variant", ["llama_mqa_bias_llama3rope", "gemma3_mqa_sliding"])
 def test_engine_greedy_tokens_equal_torch_layers(variant: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Chunked prefill (8 tokens a step) with decodes of other requests in the same steps, through the engine."""
@@ -131,28 +162,8 @@ def test_engine_greedy_tokens_equal_torch_layers(variant: str, tiny_checkpoint) 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = []
     for native in (True, False):
-        engine = LLMEngine.from_config(
-            EngineConfig(
-                model=str(path),
-                quantization="q8_0",
-                block_size=4,
-                num_gpu_blocks_override=128,
-                max_num_batched_tokens=8,
-                max_num_seqs=4,
-            )
-        )
-        model = engine.core.runner.model
-        if not native:
-            model.use_torch_layers()
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
-        assert (model.native_layers is not None) == native
-        outputs.append(done)
+        _, done = _engine_run(path, prompts, params, native, "q8_0", 128)
+        outputs.append({rid: list(c.token_ids) for rid, c in done.items()})
     assert outputs[0] == outputs[1]
 
 
@@ -207,28 +218,7 @@ def test_hybrid_layers_run_natively_as_the_torch_modules(variant: str, quantizat
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     results = []
     for native in (True, False):
-        engine = LLMEngine.from_config(
-            EngineConfig(
-                model=str(path),
-                quantization=quantization,
-                block_size=4,
-                num_gpu_blocks_override=24,
-                max_num_batched_tokens=8,
-                max_num_seqs=4,
-            )
-        )
-        model = engine.core.runner.model
-        if not native:
-            model.use_torch_layers()
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0]
-            engine.check_invariants()
-        assert (model.native_layers is not None) == native
+        engine, done = _engine_run(path, prompts, params, native, quantization, 24)
         assert engine.core.stats().state_snapshots_restored > 0
         results.append((done, engine.core.scheduler.num_preemptions))
     (got, preempted), (want, _) = results

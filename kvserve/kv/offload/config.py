@@ -153,9 +153,11 @@ def split_for_state_snapshots(
     is split alike. None for the snapshots: the tier has no room for 4 (then only the pool's snapshots serve hits)."""
     total = pool_block_bytes + pool_snapshot_bytes
     share = pool_snapshot_bytes / total if total else 0.0
-    state_size = max(int(config.size_bytes * share), 4 * snapshot_bytes)
-    if state_size > config.size_bytes // 2 and state_size > int(config.size_bytes * share):
-        return config, None
+    state_size, least = int(config.size_bytes * share), 4 * snapshot_bytes
+    if state_size < least:
+        if least > config.size_bytes // 2:
+            return config, None
+        state_size = least
     queued = max(int(config.max_queued_bytes * share), 4 * snapshot_bytes)
     return replace(config, size_bytes=config.size_bytes - state_size), replace(
         config, size_bytes=state_size, max_queued_bytes=queued

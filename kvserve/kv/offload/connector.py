@@ -151,7 +151,7 @@ class OffloadConnector:
 
         length = kv.longest_hit(len(hashes), available)
         if kv.state_slots is not None:
-            length = self._state_hit(hashes, length, available)
+            length = kv.longest_state_hit(length, available, lambda i: self._has_snapshot(hashes[i]))
         if length * kv.block_size <= num_pool_hit_tokens:
             return None
         held: list[KVCacheBlock] = []
@@ -177,7 +177,7 @@ class OffloadConnector:
             return None
         state_target = None
         if state_wanted:
-            assert snapshots is not None and self.state_tier is not None  # _state_hit found it in the state tier
+            assert snapshots is not None and self.state_tier is not None  # _has_snapshot found it in the state tier
             slot = snapshots.reserve_for_load(hashes[length - 1], key(length - 1))
             if slot is None:  # every snapshot slot holds a pinned prefix's state or another restore's
                 return None
@@ -201,22 +201,15 @@ class OffloadConnector:
         self.loads[request.request_id] = load
         return load
 
-    def _state_hit(self, hashes: list[bytes], length: int, available: Callable[[int, int], bool]) -> int:
-        """The longest prefix of at most `length` blocks that the groups can serve (pool or tier) and that ends at a
-        state snapshot (the pool's, or the state tier's)."""
-        kv, snapshots, state_tier = self.kv, self.kv.state_snapshots, self.state_tier
+    def _has_snapshot(self, block_hash: bytes) -> bool:
+        """Whether a state snapshot ends at this block, in the pool's snapshot slots or the state tier."""
+        snapshots, state_tier = self.kv.state_snapshots, self.state_tier
         if snapshots is None:
-            return 0
-
-        def has_snapshot(i: int) -> bool:
-            h = hashes[i]
-            if h in snapshots:
-                return True
-            return state_tier is not None and state_tier.readable and state_tier.lookup([(kv.state_group, h)]) == 1
-
-        while length and (not has_snapshot(length - 1) or kv.longest_hit(length, available) < length):
-            length -= 1
-        return length
+            return False
+        if block_hash in snapshots:
+            return True
+        key = (self.kv.state_group, block_hash)
+        return state_tier is not None and state_tier.readable and state_tier.lookup([key]) == 1
 
     def finish_load(self, load: PendingLoad) -> int:
         """A done restore: its restored blocks join the prefix cache, every block it held is released (hashed ones at
