@@ -105,6 +105,8 @@ async def create_chat_completion(
     )
     if kv_pins:
         params = params.clone(kv_pins=kv_pins)
+    if tools.keep_special_tokens:
+        params = params.clone(skip_special_tokens=False)
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
     render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
     truncate = ctx.settings.chat_history_policy == "truncate"

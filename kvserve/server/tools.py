@@ -64,6 +64,8 @@ class ToolPlan:
     # finish_reason "tool_calls" also when max_tokens cut the reply after complete calls: vLLM's rule for parsers that
     # report complete calls only (the Responses API turns it off: its status is "incomplete" then, as OpenAI's)
     tool_calls_at_length: bool = False
+    # the reply is decoded keeping special tokens: the parser's markers are special tokens (ToolParserSpec)
+    keep_special_tokens: bool = False
 
 
 def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
@@ -90,7 +92,16 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
         if not settings.enable_auto_tool_choice or parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
         reader = partial(parser.extractor, OfferedTools.of_functions(functions))
-        return ToolPlan(tools, functions, choice, None, reader, parallel, parser.whole_calls)
+        return ToolPlan(
+            tools,
+            functions,
+            choice,
+            None,
+            reader,
+            parallel,
+            parser.whole_calls,
+            keep_special_tokens=parser.special_markers,
+        )
     constraint = Constraint(
         make_params("tools", {"json": schema, **_FORCED_OPTIONS, **request_options(request)}), "tools"
     )

@@ -11,19 +11,22 @@ Formats:
   values become JSON; output that does not start as such a list is content;
 - `qwen3_coder` (vLLM's name): Qwen3-Coder's and Qwen3.5's XML, `<tool_call><function=NAME><parameter=KEY>VALUE
   </parameter></function></tool_call>`, each value typed by its parameter's schema;
+- `lfm2` (SGLang's name): LFM2's and LFM2.5's pythonic list between special tokens,
+  `<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>` (or a JSON list of `{"name", "arguments"}` there,
+  which the models write when their system prompt asks for JSON), text outside the markers being content;
 - the forced formats of tool_choice `required` (vLLM's JSON array of `{"name", "parameters"}`) and of a named
   function (the output is the arguments object).
 
 Each parser comes with its prompt style (tool_prompts.py): how a chat template without tool support gets tools,
 calls and results written into the prompt in the same format.
 
-The parsers of free text (hermes, pythonic) report a call whole, once it closes, and only after the check every such
-parser shares (kvserve.structured.call_arguments): the function is one the request offered, its `arguments` are one
-JSON object a strict parser reads (valid for its schema when the function is `strict`). Anything else, a call cut by
-max_tokens included, stays content. `arguments` is the JSON text the model wrote for them (leading and trailing
-whitespace dropped); pythonic arguments are built as JSON from the keywords. A forced call (its grammar is its check)
-streams its arguments in pieces; cut short by max_tokens, it keeps what was generated, with finish_reason "length"
-telling the client so.
+The parsers of free text (hermes, pythonic, qwen3_coder, lfm2) report a call whole, once it closes, and only after
+the check every such parser shares (kvserve.structured.call_arguments): the function is one the request offered, its
+`arguments` are one JSON object a strict parser reads (valid for its schema when the function is `strict`). Anything
+else, a call cut by max_tokens included, stays content. `arguments` is the JSON text the model wrote for them (leading
+and trailing whitespace dropped); pythonic arguments are built as JSON from the keywords. A forced call (its grammar is
+its check) streams its arguments in pieces; cut short by max_tokens, it keeps what was generated, with finish_reason
+"length" telling the client so.
 """
 
 from __future__ import annotations
@@ -47,9 +50,19 @@ from kvserve.structured.tool_calls import (
     ParsedDelta,
     StrippedText,
     ToolCallExtractor,
+    extract_all,
     report_call_object,
 )
-from kvserve.structured.tool_prompts import HERMES_END, HERMES_START, HermesStyle, PythonicStyle, Qwen3XMLStyle
+from kvserve.structured.tool_prompts import (
+    HERMES_END,
+    HERMES_START,
+    LFM2_CALL_END,
+    LFM2_CALL_START,
+    HermesStyle,
+    LFM2Style,
+    PythonicStyle,
+    Qwen3XMLStyle,
+)
 
 # -- hermes -----------------------------------------------------------------------------------------------------
 
@@ -517,6 +530,91 @@ class PythonicExtractor:
         self._content.text(raw)
 
 
+# -- lfm2 -------------------------------------------------------------------------------------------------------
+
+
+class LFM2Extractor:
+    """`<|tool_call_start|>[f(a=1), g()]<|tool_call_end|>` blocks (LFM2's format; SGLang's `lfm2` detector); the
+    text outside them is content. A block holds a pythonic call list (read as the `pythonic` parser reads one) or a
+    JSON list of `{"name": ..., "arguments": {...}}` objects. Its calls are reported once the block closes, all of
+    them or none: a block with a call that fails the shared check (an offered function, strict JSON arguments), a
+    malformed one, or one cut by max_tokens is content, its markers included. A block whose list closed but whose end
+    marker did not come (the reply ended) is still read."""
+
+    def __init__(self, tools: OfferedTools | Collection[str] = ()) -> None:
+        self._tools = OfferedTools.of(tools)
+        self._content = ContentText()
+        self._calls = CallNumbering()
+        self._start = Marker(LFM2_CALL_START)
+        self._end = Marker(LFM2_CALL_END)
+        self._inside = False
+        self._raw: list[str] = []  # the open block's text after its start marker
+
+    def feed(self, text: str) -> ParsedDelta:
+        for c in text:
+            self._char(c)
+        return self._take()
+
+    def finish(self) -> ParsedDelta:
+        if self._inside:
+            self._close(ended=True)
+        else:
+            self._start.flush(self._content.char)
+        self._calls.close()
+        return self._take()
+
+    def _take(self) -> ParsedDelta:
+        return ParsedDelta(self._content.take(), self._calls.take())
+
+    def _char(self, c: str) -> None:
+        if not self._inside:
+            if self._start.char(c, self._content.char):
+                self._content.drop_held()
+                self._inside, self._raw = True, []
+            return
+        if self._end.char(c, self._raw.append):
+            self._close(ended=False)
+
+    def _close(self, ended: bool) -> None:
+        """The block closed (or the reply ended inside it): its calls if it reads as a list of them, else content."""
+        self._end.flush(self._raw.append)
+        self._inside = False
+        body = "".join(self._raw)
+        calls = _listed_calls(body, self._tools)
+        if not calls:
+            self._content.text(LFM2_CALL_START + body + ("" if ended else LFM2_CALL_END))
+            return
+        for name, arguments in calls:
+            self._calls.start(name, arguments)
+            self._calls.close()
+
+
+def _listed_calls(body: str, tools: OfferedTools) -> list[tuple[str, str]]:
+    """(name, arguments JSON) of every call a block lists, pythonic or JSON; [] unless all of them pass the check."""
+    if body.lstrip().startswith("[{"):
+        return _json_calls(body, tools)
+    read = extract_all(PythonicExtractor(tools), body)
+    if read.content:
+        return []
+    return [(call.name, call.arguments) for call in read.calls]
+
+
+def _json_calls(body: str, tools: OfferedTools) -> list[tuple[str, str]]:
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return []
+    calls = []
+    for item in items if isinstance(items, list) else [None]:
+        if not isinstance(item, dict) or set(item) - {NAME_KEY, "arguments"} or not isinstance(item.get(NAME_KEY), str):
+            return []
+        arguments = tools.arguments(item[NAME_KEY], json.dumps(item.get("arguments", {}), ensure_ascii=False))
+        if arguments is None:
+            return []
+        calls.append((item[NAME_KEY], arguments))
+    return calls
+
+
 # -- the forced formats -----------------------------------------------------------------------------------------
 
 
@@ -597,6 +695,9 @@ class ToolParserSpec:
     extractor: Callable[[OfferedTools], ToolCallExtractor]  # given the request's functions
     style: ToolPromptStyle
     whole_calls: bool  # calls are reported only once complete (a cut one is content), so "tool_calls" even at length
+    # Its markers are special tokens of the models that write it: a reply read with it is decoded keeping special
+    # tokens (skip_special_tokens false), as vLLM's parsers of such formats adjust the request, else they vanish.
+    special_markers: bool = False
 
 
 TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType(
@@ -604,6 +705,7 @@ TOOL_PARSERS: Mapping[str, ToolParserSpec] = MappingProxyType(
         "hermes": ToolParserSpec("hermes", HermesExtractor, HermesStyle(), whole_calls=True),
         "pythonic": ToolParserSpec("pythonic", PythonicExtractor, PythonicStyle(), whole_calls=True),
         "qwen3_coder": ToolParserSpec("qwen3_coder", Qwen3XMLExtractor, Qwen3XMLStyle(), whole_calls=True),
+        "lfm2": ToolParserSpec("lfm2", LFM2Extractor, LFM2Style(), whole_calls=True, special_markers=True),
     }
 )
 # kvserve's own name for the parser that reads Gemma 3's style (not a vLLM name)

@@ -16,6 +16,9 @@ from kvserve.model.chat_template import functions_json
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
+# LFM2's markers: special tokens of its tokenizer (a reply read with them is decoded keeping special tokens)
+LFM2_CALL_START = "<|tool_call_start|>"
+LFM2_CALL_END = "<|tool_call_end|>"
 
 
 class HermesStyle:
@@ -71,6 +74,22 @@ def _xml_call(name: str, arguments: Any) -> str:
         parts.append(f"<parameter={key}>\n{text}\n</parameter>")
     parts.append("</function>")
     return "\n".join(parts)
+
+
+class LFM2Style:
+    """LFM2 / LFM2.5 (Liquid AI's chat template and model cards): tools as a JSON list between `<|tool_list_start|>`
+    and `<|tool_list_end|>`, a call as a Python list between `<|tool_call_start|>` and `<|tool_call_end|>`, a result
+    between `<|tool_response_start|>` and `<|tool_response_end|>`."""
+
+    def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        listed = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
+        return f"List of tools: <|tool_list_start|>{listed}<|tool_list_end|>"
+
+    def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
+        return LFM2_CALL_START + PythonicStyle().render_calls(calls) + LFM2_CALL_END
+
+    def render_result(self, content: str, name: str | None) -> str:
+        return f"<|tool_response_start|>{content}<|tool_response_end|>"
 
 
 class PythonicStyle:

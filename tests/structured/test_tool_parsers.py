@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Regex
 
 from kvserve.model.chat_template import (
     GEMMA_CHAT_TEMPLATE,
@@ -21,6 +22,7 @@ from kvserve.structured.call_arguments import OfferedTools
 from kvserve.structured.tool_calls import ToolCall, ToolCallAccumulator, extract_all
 from kvserve.structured.tool_parsers import (
     HermesExtractor,
+    LFM2Extractor,
     NamedFunctionExtractor,
     PythonicExtractor,
     Qwen3XMLExtractor,
@@ -63,6 +65,12 @@ SCHEMAS = {
 def XML():
     return Qwen3XMLExtractor(OfferedTools(frozenset(OFFERED), schemas=SCHEMAS))
 
+
+def LFM2():
+    return LFM2Extractor(OFFERED)
+
+
+LFM2_WEATHER = '<|tool_call_start|>[get_weather(city="Paris", days=[1, 2])]<|tool_call_end|>'
 
 XML_WEATHER = (
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n[1, 2]\n"
@@ -296,6 +304,53 @@ CASES += [
         [],
     ),
     (PYTHONIC, '[now(), rm(path="/")]', 'rm(path="/")]', [ToolCall("now", "{}")]),
+    # LFM2: a pythonic (or JSON) list between special tokens, text around it content
+    (LFM2, "No call here.", "No call here.", []),
+    (LFM2, LFM2_WEATHER, None, [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}')]),
+    (
+        LFM2,
+        "Let me check." + LFM2_WEATHER + "Checking the weather now.",
+        "Let me check.Checking the weather now.",
+        [ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}')],
+    ),
+    (
+        LFM2,
+        "<|tool_call_start|>[get_weather(city='Oslo'), now()]<|tool_call_end|>",
+        None,
+        [ToolCall("get_weather", '{"city": "Oslo"}'), ToolCall("now", "{}")],
+    ),
+    (  # the JSON form the models write when their system prompt asks for JSON
+        LFM2,
+        '<|tool_call_start|>[{"name": "f", "arguments": {"n": 3}}, {"name": "now"}]<|tool_call_end|>',
+        None,
+        [ToolCall("f", '{"n": 3}'), ToolCall("now", "{}")],
+    ),
+    (  # the reply ended after the list, before the end marker: still calls
+        LFM2,
+        "<|tool_call_start|>[now()]",
+        None,
+        [ToolCall("now", "{}")],
+    ),
+    (  # all of a block's calls or none: one not offered makes the whole block content
+        LFM2,
+        '<|tool_call_start|>[now(), rm(path="/")]<|tool_call_end|>',
+        '<|tool_call_start|>[now(), rm(path="/")]<|tool_call_end|>',
+        [],
+    ),
+    (  # cut by max_tokens
+        LFM2,
+        '<|tool_call_start|>[get_weather(city="Pa',
+        '<|tool_call_start|>[get_weather(city="Pa',
+        [],
+    ),
+    (LFM2, "<|tool_call_start|>[f(1)]<|tool_call_end|>", "<|tool_call_start|>[f(1)]<|tool_call_end|>", []),
+    (
+        LFM2,
+        '<|tool_call_start|>[{"name": "f", "arguments": "n=3"}]<|tool_call_end|>',
+        '<|tool_call_start|>[{"name": "f", "arguments": "n=3"}]<|tool_call_end|>',
+        [],
+    ),
+    (LFM2, "a <|tool_call_sta", "a <|tool_call_sta", []),
 ]
 
 
@@ -369,6 +424,8 @@ def test_parser_names_follow_vllm():
     assert tool_parser("pythonic").name == "pythonic"
     assert tool_parser("gemma3").name == "pythonic"
     assert tool_parser("qwen3_coder").name == "qwen3_coder"
+    assert tool_parser("lfm2").name == "lfm2"  # SGLang's name
+    assert [n for n in ("hermes", "pythonic", "qwen3_coder", "lfm2") if tool_parser(n).special_markers] == ["lfm2"]
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("mistral")
 
@@ -400,7 +457,7 @@ CONVERSATION = [
 ]
 
 
-@pytest.mark.parametrize("name", ["hermes", "pythonic", "qwen3_coder"])
+@pytest.mark.parametrize("name", ["hermes", "pythonic", "qwen3_coder", "lfm2"])
 def test_a_style_writes_calls_its_parser_reads(name):
     """The calls written into a past turn are read back as the same calls by the same format's parser."""
     spec = tool_parser(name)
@@ -452,3 +509,54 @@ def test_tool_messages_render_through_the_gemma_template(tiny_tokenizer):
     )
     assert text.count("<start_of_turn>user") == 2 and text.count("<start_of_turn>model") == 2
     assert '[get_weather(city="Paris")]' in text and "```tool_output\n18C\n```" in text
+
+
+def test_lfm2_markers_are_special_tokens_kept_in_the_reply(tmp_path):
+    """LFM2's tokenizer marks `<|tool_call_start|>` and `<|tool_call_end|>` special, so the default
+    skip_special_tokens would drop them and leave a bare list the parser reads as content: an `lfm2` server decodes a
+    reply to a request with tools keeping special tokens (vLLM's parsers of such formats adjust the request so)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from kvserve.engine.detokenizer import IncrementalDetokenizer
+    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.server.context import ServerSettings
+    from kvserve.server.protocol import ChatCompletionRequest
+    from kvserve.server.tools import plan_tools
+
+    markers = ["<|tool_call_start|>", "<|tool_call_end|>"]
+    chars = [chr(c) for c in range(32, 127)]
+    raw = RawTokenizer(models.WordLevel({t: i for i, t in enumerate(["<unk>", *markers, *chars])}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens(["<unk>", *markers])
+    tokenizer = Tokenizer(raw, {"unk_token": "<unk>"})
+    reply = 'ok.<|tool_call_start|>[get_weather(city="Paris"), now()]<|tool_call_end|>'
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+
+    def decoded(skip: bool) -> str:
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
+        return "".join(detok.append(i).delta_text for i in ids) + detok.finish().delta_text
+
+    assert decoded(skip=True) == reply.replace(markers[0], "").replace(markers[1], "")
+    assert decoded(skip=False) == reply
+    result = extract_all(LFM2Extractor(OFFERED), decoded(skip=False))
+    assert result.content == "ok." and result.calls == [
+        ToolCall("get_weather", '{"city": "Paris"}'),
+        ToolCall("now", "{}"),
+    ]
+
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    )
+    for parser, kept in (("lfm2", True), ("hermes", False)):
+        settings = ServerSettings(("m",), enable_auto_tool_choice=True, tool_call_parser=parser)
+        assert plan_tools(request, settings).keep_special_tokens is kept
+    forced = request.model_copy(update={"tool_choice": "required"})
+    assert (
+        plan_tools(
+            forced, ServerSettings(("m",), enable_auto_tool_choice=True, tool_call_parser="lfm2")
+        ).keep_special_tokens
+        is False
+    )
