@@ -1,6 +1,9 @@
 """The gated delta rule's recurrence (kernels/recurrent.cpp) on Qwen3.5-0.8B's shapes: a prefill of N tokens of one
-sequence and a decode step, per layer (16 value heads of 128 x 128), with the flop rate it reaches; docs/MODELS.md and
-docs/BENCHMARKS.md quote it. Median of repeats, native kernels. Not run by CI.
+sequence and a decode step, per layer (16 value heads of 128 x 128), with the flop rate it reaches; beside it, what
+the chunked form's matrix products alone cost on the same shapes through torch's BLAS (chunks of 64: per chunk and
+head W S, Q S and K^T V of [64, 128] x [128, 128], and the six [64, 64] products of the intra-chunk part; its
+triangular solve and element-wise work not counted), the floor under a chunked prefill on this CPU. docs/MODELS.md
+and docs/BENCHMARKS.md quote it. Median of repeats, native kernels. Not run by CI.
 
 Usage: python scripts/bench_gated_delta_rule.py [--tokens 512] [--repeats 5]
 """
@@ -45,6 +48,32 @@ def main() -> None:
         f"{kernels.name}: prefill of {t} tokens {prefill:.1f} ms a layer ({gflops:.1f} GFLOP/s), "
         f"x {args.layers} layers = {prefill * args.layers:.0f} ms; decode step {step:.3f} ms a layer"
     )
+    chunked = chunked_matmuls_ms(t, heads, key_dim, value_dim, args.repeats)
+    print(f"the chunked form's matrix products alone (torch, chunks of 64): {chunked:.1f} ms a layer")
+
+
+def chunked_matmuls_ms(tokens: int, heads: int, key_dim: int, value_dim: int, repeats: int, chunk: int = 64) -> float:
+    """The matrix products a chunked gated delta rule does for `tokens` tokens, timed through torch's BLAS."""
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(heads, chunk, key_dim, generator=g)  # W, Q or K of a chunk
+    cols = torch.randn(heads, key_dim, chunk, generator=g)  # K^T
+    state = torch.randn(heads, key_dim, value_dim, generator=g)
+    values = torch.randn(heads, chunk, value_dim, generator=g)
+    square = torch.randn(heads, chunk, chunk, generator=g)  # the masked intra-chunk matrices
+    runs = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for _ in range(-(-tokens // chunk)):
+            torch.bmm(rows, state)  # W S
+            torch.bmm(rows, state)  # Q S
+            torch.baddbmm(state, cols, values)  # S += K^T v_new
+            for _ in range(3):  # K K^T, Q K^T, and the WY form's K K^T
+                torch.bmm(rows, cols)
+            torch.bmm(square, values)  # U
+            torch.bmm(square, rows)  # W
+            torch.bmm(square, values)  # (Q K^T) v_new
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs[1:]) * 1000
 
 
 if __name__ == "__main__":

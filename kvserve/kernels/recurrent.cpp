@@ -11,7 +11,10 @@
 //
 // Why natively: torch runs both as a Python loop over the step's sequences (and the recurrence over its tokens);
 // here each is one call, OpenMP over sequences (and heads). The recurrence costs 4 key_dim x value_dim flops a token
-// and head, small beside the layer's projections, so prefill runs it token by token too (no chunked form).
+// and head; prefill runs it token by token too, over blocks of value columns whose share of the state stays in L1
+// (delta_rule_columns). The chunked form GPUs use (matrix products over chunks of 64 tokens, for tensor cores) does
+// about twice the flops; on the Zen 3 host its products alone took longer than this whole recurrence
+// (scripts/bench_gated_delta_rule.py measures both; docs/MODELS.md).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -19,6 +22,157 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
+
+// One value-column block of one head over a sequence's tokens. The delta rule keeps value columns independent
+// (column j of S reads only column j of S, v and out), so a block of W columns of S ([key_dim, W], W * key_dim * 4
+// bytes: 8 KiB at W 16, key_dim 128) stays in L1 across every token, where the token-by-token form streamed the whole
+// 64 KiB state through L2 twice a token. Per token: seen = exp(g) S^T k, delta = beta (v - seen), then
+// S = exp(g) S + k delta^T and out = S^T q in one pass.
+// The block holds S / scale: the decay goes into `scale` (a scalar a token) and the update into the block as
+// k (delta / scale)^T, one FMA an element where S's own decay would cost a multiply more. When the scale leaves
+// [1e-20, 1e20] (a long run of decays), that token's update is written out whole (S = scale S + k delta^T), which
+// brings the scale back to 1; at the end the block is scaled back to S.
+template <int W>
+static inline void delta_rule_columns(float* S, int64_t ld, int64_t key_dim, const float* qn, const float* kn,
+                                      const float* v, int64_t v_stride, const float* g, const float* beta,
+                                      int64_t gb_stride, float* out, int64_t out_stride, int64_t tokens) {
+    constexpr int L = W / 8;  // __m256 lanes of the block
+    float scale = 1.0f;
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float* qr = qn + t * key_dim;
+        const float* kr = kn + t * key_dim;
+        __m256 acc[4][L];  // four chains a lane: an FMA's latency (4) times the two FMA pipes, in flight
+        for (int c = 0; c < 4; ++c)
+            for (int l = 0; l < L; ++l) acc[c][l] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 3 < key_dim; i += 4)
+            for (int c = 0; c < 4; ++c) {
+                const __m256 ki = _mm256_set1_ps(kr[i + c]);
+                for (int l = 0; l < L; ++l)
+                    acc[c][l] = _mm256_fmadd_ps(_mm256_loadu_ps(S + (i + c) * ld + 8 * l), ki, acc[c][l]);
+            }
+        for (; i < key_dim; ++i) {
+            const __m256 ki = _mm256_set1_ps(kr[i]);
+            for (int l = 0; l < L; ++l)
+                acc[0][l] = _mm256_fmadd_ps(_mm256_loadu_ps(S + i * ld + 8 * l), ki, acc[0][l]);
+        }
+        const float next_scale = scale * expf(g[t * gb_stride]);
+        const bool lazy = next_scale >= 1e-20f && next_scale <= 1e20f;
+        const __m256 b = _mm256_set1_ps(beta[t * gb_stride]), ns = _mm256_set1_ps(next_scale);
+        const __m256 update = _mm256_set1_ps(lazy ? 1.0f / next_scale : 1.0f);
+        __m256 delta[L], o[2][L];
+        for (int l = 0; l < L; ++l) {
+            const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0][l], acc[1][l]), _mm256_add_ps(acc[2][l], acc[3][l]));
+            const __m256 d = _mm256_mul_ps(b, _mm256_fnmadd_ps(ns, sum, _mm256_loadu_ps(v + t * v_stride + 8 * l)));
+            delta[l] = _mm256_mul_ps(d, update);
+            o[0][l] = o[1][l] = _mm256_setzero_ps();
+        }
+        if (lazy) {
+            for (i = 0; i + 1 < key_dim; i += 2)
+                for (int c = 0; c < 2; ++c) {
+                    const __m256 ki = _mm256_set1_ps(kr[i + c]), qi = _mm256_set1_ps(qr[i + c]);
+                    for (int l = 0; l < L; ++l) {
+                        float* row = S + (i + c) * ld + 8 * l;
+                        const __m256 next = _mm256_fmadd_ps(ki, delta[l], _mm256_loadu_ps(row));
+                        _mm256_storeu_ps(row, next);
+                        o[c][l] = _mm256_fmadd_ps(next, qi, o[c][l]);
+                    }
+                }
+            for (; i < key_dim; ++i) {
+                const __m256 ki = _mm256_set1_ps(kr[i]), qi = _mm256_set1_ps(qr[i]);
+                for (int l = 0; l < L; ++l) {
+                    float* row = S + i * ld + 8 * l;
+                    const __m256 next = _mm256_fmadd_ps(ki, delta[l], _mm256_loadu_ps(row));
+                    _mm256_storeu_ps(row, next);
+                    o[0][l] = _mm256_fmadd_ps(next, qi, o[0][l]);
+                }
+            }
+            scale = next_scale;
+        } else {
+            for (i = 0; i < key_dim; ++i) {
+                const __m256 ki = _mm256_set1_ps(kr[i]), qi = _mm256_set1_ps(qr[i]);
+                for (int l = 0; l < L; ++l) {
+                    float* row = S + i * ld + 8 * l;
+                    const __m256 next = _mm256_fmadd_ps(_mm256_loadu_ps(row), ns, _mm256_mul_ps(ki, delta[l]));
+                    _mm256_storeu_ps(row, next);
+                    o[0][l] = _mm256_fmadd_ps(next, qi, o[0][l]);
+                }
+            }
+            scale = 1.0f;
+        }
+        const __m256 out_scale = _mm256_set1_ps(scale);
+        for (int l = 0; l < L; ++l)
+            _mm256_storeu_ps(out + t * out_stride + 8 * l, _mm256_mul_ps(out_scale, _mm256_add_ps(o[0][l], o[1][l])));
+    }
+    if (scale != 1.0f) {
+        const __m256 s = _mm256_set1_ps(scale);
+        for (int64_t i = 0; i < key_dim; ++i)
+            for (int l = 0; l < L; ++l) {
+                float* row = S + i * ld + 8 * l;
+                _mm256_storeu_ps(row, _mm256_mul_ps(s, _mm256_loadu_ps(row)));
+            }
+    }
+}
+
+constexpr int64_t kBlock = 16;  // value columns a block
+// Fewer tokens than this (decode) run row by row: one pass of a token over S's contiguous rows streams well, where
+// the blocks' packing and strided walks cost more than they save.
+constexpr int64_t kBlockedFrom = 8;
+
+// A sequence's tokens over whole rows of S: per token, acc = S^T k of the decayed state, then S += k delta^T and
+// out = S^T q in a second pass.
+static inline void delta_rule_rows(float* S, int64_t key_dim, int64_t value_dim, const float* qn, const float* kn,
+                                   const float* v, int64_t v_stride, const float* g, const float* beta,
+                                   int64_t gb_stride, float* out, int64_t out_stride, int64_t tokens) {
+    std::vector<float> delta(value_dim);
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float* qr = qn + t * key_dim;
+        const float* kr = kn + t * key_dim;
+        const float decay = expf(g[t * gb_stride]), b = beta[t * gb_stride];
+        for (int64_t j = 0; j < value_dim; ++j) delta[j] = 0.0f;
+        for (int64_t i = 0; i < key_dim; ++i) {  // decay S, and S^T k of the decayed state
+            float* row = S + i * value_dim;
+            for (int64_t j = 0; j < value_dim; ++j) {
+                row[j] *= decay;
+                delta[j] += row[j] * kr[i];
+            }
+        }
+        const float* vr = v + t * v_stride;
+        for (int64_t j = 0; j < value_dim; ++j) delta[j] = b * (vr[j] - delta[j]);
+        float* o = out + t * out_stride;
+        for (int64_t j = 0; j < value_dim; ++j) o[j] = 0.0f;
+        for (int64_t i = 0; i < key_dim; ++i) {  // S += k delta^T, then out = S^T q
+            float* row = S + i * value_dim;
+            const float ki = kr[i], qi = qr[i];
+            for (int64_t j = 0; j < value_dim; ++j) {
+                row[j] += ki * delta[j];
+                o[j] += row[j] * qi;
+            }
+        }
+    }
+}
+
+// The same for one column (the columns past the last whole block of 8, odd head sizes).
+static inline void delta_rule_column(float* S, int64_t value_dim, int64_t key_dim, const float* qn, const float* kn,
+                                     const float* v, int64_t v_stride, const float* g, const float* beta,
+                                     int64_t gb_stride, float* out, int64_t out_stride, int64_t tokens) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float* qr = qn + t * key_dim;
+        const float* kr = kn + t * key_dim;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < key_dim; ++i) acc += S[i * value_dim] * kr[i];
+        const float decay = expf(g[t * gb_stride]);
+        const float delta = beta[t * gb_stride] * (v[t * v_stride] - decay * acc);
+        float o = 0.0f;
+        for (int64_t i = 0; i < key_dim; ++i) {
+            const float next = S[i * value_dim] * decay + kr[i] * delta;
+            S[i * value_dim] = next;
+            o += next * qr[i];
+        }
+        out[t * out_stride] = o;
+    }
+}
 
 extern "C" {
 
@@ -70,17 +224,18 @@ void kvserve_gated_delta_rule(const float* q, const float* k, const float* v, in
                               int64_t k_heads, int64_t v_heads, int64_t key_dim, int64_t value_dim, float* out) {
     const int64_t group = v_heads / k_heads;
     const float scale = 1.0f / sqrtf((float)key_dim);
+    const int64_t out_stride = v_heads * value_dim;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < seqs; ++s) {
         for (int64_t h = 0; h < v_heads; ++h) {
             float* S = states + ((slots[s] * v_heads) + h) * key_dim * value_dim;  // [key_dim, value_dim]
             if (!continues[s]) memset(S, 0, key_dim * value_dim * sizeof(float));
-            std::vector<float> qn(key_dim), kn(key_dim), delta(value_dim);
-            const int64_t kh = h / group;
-            for (int64_t t = starts[s]; t < starts[s + 1]; ++t) {
-                const float* qr = q + t * qk_stride + kh * key_dim;
-                const float* kr = k + t * qk_stride + kh * key_dim;
-                const float* vr = v + t * v_stride + h * value_dim;
+            const int64_t kh = h / group, first = starts[s], tokens = starts[s + 1] - starts[s];
+            std::vector<float> qn(tokens * key_dim), kn(tokens * key_dim);  // q and k normalized, [tokens, key_dim]
+            std::vector<float> block(key_dim * kBlock);
+            for (int64_t t = 0; t < tokens; ++t) {
+                const float* qr = q + (first + t) * qk_stride + kh * key_dim;
+                const float* kr = k + (first + t) * qk_stride + kh * key_dim;
                 float qq = 0.0f, kk = 0.0f;
                 for (int64_t i = 0; i < key_dim; ++i) {
                     qq += qr[i] * qr[i];
@@ -88,30 +243,36 @@ void kvserve_gated_delta_rule(const float* q, const float* k, const float* v, in
                 }
                 const float qs = scale / sqrtf(qq + 1e-6f), ks = 1.0f / sqrtf(kk + 1e-6f);
                 for (int64_t i = 0; i < key_dim; ++i) {
-                    qn[i] = qr[i] * qs;
-                    kn[i] = kr[i] * ks;
-                }
-                const float decay = expf(g[t * gb_stride + h]), b = beta[t * gb_stride + h];
-                for (int64_t j = 0; j < value_dim; ++j) delta[j] = 0.0f;
-                for (int64_t i = 0; i < key_dim; ++i) {  // decay S, and S^T k of the decayed state
-                    float* row = S + i * value_dim;
-                    for (int64_t j = 0; j < value_dim; ++j) {
-                        row[j] *= decay;
-                        delta[j] += row[j] * kn[i];
-                    }
-                }
-                for (int64_t j = 0; j < value_dim; ++j) delta[j] = b * (vr[j] - delta[j]);
-                float* o = out + (t * v_heads + h) * value_dim;
-                for (int64_t j = 0; j < value_dim; ++j) o[j] = 0.0f;
-                for (int64_t i = 0; i < key_dim; ++i) {  // S += k delta^T, then out = S^T q
-                    float* row = S + i * value_dim;
-                    const float ki = kn[i], qi = qn[i];
-                    for (int64_t j = 0; j < value_dim; ++j) {
-                        row[j] += ki * delta[j];
-                        o[j] += row[j] * qi;
-                    }
+                    qn[t * key_dim + i] = qr[i] * qs;
+                    kn[t * key_dim + i] = kr[i] * ks;
                 }
             }
+            const float* vh = v + first * v_stride + h * value_dim;
+            const float* gh = g + first * gb_stride + h;
+            const float* bh = beta + first * gb_stride + h;
+            float* oh = out + first * out_stride + h * value_dim;
+            if (tokens < kBlockedFrom) {
+                delta_rule_rows(S, key_dim, value_dim, qn.data(), kn.data(), vh, v_stride, gh, bh, gb_stride, oh,
+                                out_stride, tokens);
+                continue;
+            }
+            int64_t j = 0;
+            for (; j + kBlock <= value_dim; j += kBlock) {
+                // The block's rows are value_dim floats apart in S: 512 bytes at value_dim 128, so they would fall
+                // in a few of L1's sets and evict each other; it runs on a packed copy.
+                for (int64_t i = 0; i < key_dim; ++i)
+                    memcpy(&block[i * kBlock], S + i * value_dim + j, kBlock * sizeof(float));
+                delta_rule_columns<kBlock>(block.data(), kBlock, key_dim, qn.data(), kn.data(), vh + j, v_stride, gh,
+                                           bh, gb_stride, oh + j, out_stride, tokens);
+                for (int64_t i = 0; i < key_dim; ++i)
+                    memcpy(S + i * value_dim + j, &block[i * kBlock], kBlock * sizeof(float));
+            }
+            for (; j + 8 <= value_dim; j += 8)
+                delta_rule_columns<8>(S + j, value_dim, key_dim, qn.data(), kn.data(), vh + j, v_stride, gh, bh,
+                                      gb_stride, oh + j, out_stride, tokens);
+            for (; j < value_dim; ++j)
+                delta_rule_column(S + j, value_dim, key_dim, qn.data(), kn.data(), vh + j, v_stride, gh, bh,
+                                  gb_stride, oh + j, out_stride, tokens);
         }
     }
 }

@@ -304,6 +304,22 @@ def test_native_gated_delta_rule_matches_torch(native: NativeKernels, step, k_he
     torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-4)
 
 
+@needs_native
+@pytest.mark.parametrize("strength", [8.0, 30.0])
+def test_native_gated_delta_rule_through_long_decays(native: NativeKernels, strength):
+    """The blocked prefill keeps the decay as one scale a block and writes a token out whole when that scale falls
+    below 1e-20: strong decays (e^-8 to e^-30 a token over 48 tokens) and one that underflows to 0 (e^-200) give the
+    torch reference's outputs and states."""
+    q, k, v, g, beta, states, slots = _delta_case([48, 20], 2, 2, 32, 40, 7)
+    g = g * strength
+    g[10] = -200.0
+    want_states = states.clone()
+    want = TorchKernels().gated_delta_rule(q, k, v, g, beta, want_states, slots, [0, 48, 68], [True, False])
+    got = native.gated_delta_rule(q, k, v, g, beta, states, slots, [0, 48, 68], [True, False])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-4)
+
+
 def test_torch_gated_delta_rule_equals_hf_transformers() -> None:
     """The reference against HF's own chunked form (transformers' torch_chunk_gated_delta_rule, Qwen3.5's prefill
     path): a 70-token sequence run as chunks of 30 and 40 through its state, within 1e-4."""
