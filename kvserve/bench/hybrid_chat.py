@@ -317,6 +317,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-system-prompt", action="store_true", help="one system prompt for every user")
     p.add_argument("--kv-cache-memory-bytes", default="3GiB", help="kvserve's KV budget (states come out of it)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="kvserve's token budget a step (default: its own)"
+    )
     p.add_argument("--llama-server", default=None, metavar="PATH", help="also llama-server on the same GGUF")
     add_output_args(p, "TTFT p50 per round, per system")
     p.set_defaults(func=run)
@@ -364,6 +367,8 @@ def run(args: argparse.Namespace) -> int:
         "--max-num-seqs",
         str(max(args.users, 1)),
     ]
+    if args.max_num_batched_tokens is not None:
+        kvserve_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     llama_default = ["-m", str(gguf), "-c", str(args.max_model_len * args.users)]
     llama_tuned = [*llama_default, "-np", str(args.users), *LLAMA_TUNED]
     system_args: dict[str, list[str]] = {"kvserve": kvserve_args}

@@ -88,6 +88,11 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
+    def cache_marks(self) -> tuple[int, ...]:
+        """Where the request's cache_control marks end (prompt tokens): its pins' prefixes."""
+        return tuple(pin.num_tokens for pin in self.sampling_params.kv_pins)
+
+    @property
     def skip_reading_prefix_cache(self) -> bool:
         """Prompt logprobs need every prompt position's logits, so such a request computes its whole prompt."""
         return self.sampling_params.prompt_logprobs is not None

@@ -145,7 +145,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break
-            num_new = self._state_chunk(request, request.num_computed_tokens, num_new)
+            num_new = self.kv.state_chunk(request, request.num_computed_tokens, num_new)
             drafts = self._drafts_that_fit(request, num_new, budget)
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(drafts)):
                 if drafts:  # no room to verify drafts: a plain decode, preempting nobody for a guess
@@ -191,7 +191,7 @@ class Scheduler:
                     i += 1  # (the engine refuses such prompts: its max-model-len is at most one step's budget)
                     continue
                 break
-            num_new = self._state_chunk(request, num_hit, min(remaining, budget))
+            num_new = self.kv.state_chunk(request, num_hit, min(remaining, budget))
             first = request.status is RequestStatus.WAITING  # not a retry after preemption
             lost = self.kv.evicted_misses(request, num_hit) if first else 0
             rejected = load.rejected() if load is not None else frozenset()
@@ -217,14 +217,6 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
         return out
-
-    def _state_chunk(self, request: Request, start: int, num_new: int) -> int:
-        """The tokens of a hybrid model's step that end where a state snapshot is worth taking (KVCacheManager.
-        state_chunk), its cache_control marks among them: a pinned prefix needs a state to restore."""
-        if self.kv.state_snapshots is None:
-            return num_new
-        marks = [pin.num_tokens for pin in request.sampling_params.kv_pins]
-        return self.kv.state_chunk(request, start, num_new, marks)
 
     def _refusal(
         self, request: Request, num_new: int, hit_blocks: list[list[Any]], out: SchedulerOutput
@@ -280,7 +272,7 @@ class Scheduler:
         is short (one request always fits: the engine checked max-model-len against the pool at start)."""
         out = SchedulerOutput()
         num_new = min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
-        num_new = self._state_chunk(request, request.num_computed_tokens, num_new)
+        num_new = self.kv.state_chunk(request, request.num_computed_tokens, num_new)
         while not self.kv.allocate_slots(request, num_new):
             victim = next((r for r in reversed(self.running) if r is not request), None)
             if victim is None:

@@ -47,6 +47,9 @@ class KVRequest(Protocol):
     @property
     def skip_reading_prefix_cache(self) -> bool: ...
 
+    @property
+    def cache_marks(self) -> tuple[int, ...]: ...
+
     def token_slice(self, start: int, end: int) -> list[int]: ...
 
 
@@ -371,7 +374,8 @@ class KVCacheManager:
     def _plan_state_copies(self, request: KVRequest, hit_len: int, num_tokens: int) -> None:
         """The state copies around the request's next step: its slot filled from the snapshot its prefix hit of
         `hit_len` blocks ends at, before; after, when the step ends on a block boundary, that state saved as the
-        snapshot of the boundary's block (in the reply, replacing the request's previous one there)."""
+        snapshot of the boundary's block (in the reply, replacing the request's previous one there); one at a chunk
+        end that is no snapshot point (`_is_snapshot_point`) is the first to be overwritten."""
         snapshots, rid, bs = self.state_snapshots, request.request_id, self.block_size
         assert snapshots is not None and self.state_slots is not None
         slot = self.state_slots.slot_of(rid)
@@ -388,41 +392,55 @@ class KVCacheManager:
         index = num_tokens // bs - 1
         key = self.key(request, hashes, index)
         block_hash = hashes[index]
-        target = snapshots.reserve(block_hash, key)
+        if num_tokens > request.num_prompt_tokens:  # a boundary inside the reply: the next chat turn starts here
+            # The reply's previous snapshot goes first, so that its slot takes the new one: reserved first, the new
+            # one overwrote the least recently used snapshot (another conversation's) every 16 tokens of a reply.
+            previous = self.reply_snapshot.get(rid)
+            if previous is not None and previous != block_hash:
+                snapshots.drop(previous)
+            self.reply_snapshot[rid] = block_hash
+        target = snapshots.reserve(block_hash, key, lasting=self._is_snapshot_point(request, num_tokens))
         if target is not None:
             self.state_saves.append((slot, target))
             self.state_save_hashes.append(block_hash)
             if self.collect_published and num_tokens <= request.num_prompt_tokens:  # a reply's: stored as it ends
                 self.state_save_blocks.append(TierBlock(target, block_hash, key, self.state_group))
-        if num_tokens > request.num_prompt_tokens:  # a boundary inside the reply: the next chat turn starts here
-            previous = self.reply_snapshot.get(rid)
-            if previous is not None and previous != block_hash:
-                snapshots.drop(previous)
-            self.reply_snapshot[rid] = block_hash
 
-    def state_chunk(self, request: KVRequest, start: int, num_new: int, marks: Sequence[int] = ()) -> int:
+    def state_chunk(self, request: KVRequest, start: int, num_new: int) -> int:
         """How many of `num_new` tokens from `start` a model with state snapshots computes in this step, so that the
-        step ends where a snapshot is worth taking: at the next multiple of `snapshot_interval_blocks` blocks (a long
-        prompt leaves a snapshot every interval: a later prompt sharing only its start, a system prompt, hits at the
-        last one before they part), at the prompt's own hit point (its last block boundary before its last token: the
-        same prompt sent again hits there), and otherwise, for a chunk that does not reach the end of the request's
-        tokens, at the chunk's last block boundary (vLLM's aligned chunks). `marks`: where the request's cache_control
-        marks end; each mark's last block boundary is a stop too, so that its pin has a state to restore (and keeps it:
-        StateSnapshots never evicts a pinned prefix's). Unchanged without snapshots, or when the cut would leave
-        nothing."""
+        step ends where a snapshot is worth taking (`_snapshot_stops`), and otherwise, for a chunk that does not reach
+        the end of the request's tokens, at the chunk's last block boundary (vLLM's aligned chunks). Unchanged without
+        snapshots, or when the cut would leave nothing."""
         if self.state_snapshots is None or not self.enable_caching:
             return num_new
-        bs, end = self.block_size, start + num_new
-        interval = self.snapshot_interval_blocks * bs
-        stops = [(start // interval + 1) * interval, (request.num_prompt_tokens - 1) // bs * bs]
-        stops += [m // bs * bs for m in marks]
-        cut = min((s for s in stops if start < s < end), default=None)
+        end = start + num_new
+        cut = min((s for s in self._snapshot_stops(request, start) if start < s < end), default=None)
         if cut is not None:
             return cut - start
-        aligned = end // bs * bs
+        aligned = end // self.block_size * self.block_size
         if end < request.num_tokens and aligned > start:
             return aligned - start
         return num_new
+
+    def _snapshot_stops(self, request: KVRequest, start: int) -> list[int]:
+        """The prompt positions past `start` where a state snapshot is worth taking: the next multiple of
+        `snapshot_interval_blocks` blocks (a long prompt leaves a snapshot every interval: a later prompt sharing only
+        its start, a system prompt, hits at the last one before they part), the prompt's own hit point (its last block
+        boundary before its last token: the same prompt sent again hits there), and each cache_control mark's last
+        block boundary (its pin needs a state to restore, and keeps it: StateSnapshots never evicts a pinned
+        prefix's)."""
+        bs = self.block_size
+        interval = self.snapshot_interval_blocks * bs
+        stops = [(start // interval + 1) * interval, (request.num_prompt_tokens - 1) // bs * bs]
+        return stops + [m // bs * bs for m in request.cache_marks]
+
+    def _is_snapshot_point(self, request: KVRequest, num_tokens: int) -> bool:
+        """Whether the snapshot of a step that ends at `num_tokens` (a block boundary) is one a later request is
+        likely to start from: at a stop, at the prompt's end, and in the reply (the next chat turn starts there). One
+        at the end of a chunk the token budget cut elsewhere is saved too, but overwritten first (a preempted request
+        resumes there, or a prompt that parts there; measured: saved like the others, the chunk ends of 8 prompts
+        under --max-num-batched-tokens 256 pushed 7 of their 8 prompt-end snapshots out of 32 slots)."""
+        return num_tokens >= request.num_prompt_tokens or num_tokens in self._snapshot_stops(request, num_tokens - 1)
 
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The state copies planned for the next step: (restores before it, saves after it), each (from, to) slots."""

@@ -220,12 +220,15 @@ class StateSnapshots:
         self.by_hash.move_to_end(block_hash)
         return self.by_hash[block_hash]
 
-    def reserve(self, block_hash: bytes, key: BlockKey) -> int | None:
+    def reserve(self, block_hash: bytes, key: BlockKey, lasting: bool = True) -> int | None:
         """A slot to save the state ending at `block_hash` (a block holding `key`) into (the least recently used
         unprotected snapshot's when none is free); None when that snapshot exists already (the same tokens give the
-        same state: nothing to save) or every slot holds a protected or loading one."""
+        same state: nothing to save) or every slot holds a protected or loading one. A snapshot not `lasting` (one
+        few requests will start from) goes in as the least recently used: the next to be overwritten, unless a hit
+        uses it first."""
         if block_hash in self.by_hash:
-            self.by_hash.move_to_end(block_hash)
+            if lasting:
+                self.by_hash.move_to_end(block_hash)
             return None
         if self._free:
             slot = self._free.pop()
@@ -236,6 +239,8 @@ class StateSnapshots:
             slot = self._remove(evicted)
             self.num_evictions += 1
         self.by_hash[block_hash] = slot
+        if not lasting:
+            self.by_hash.move_to_end(block_hash, last=False)
         self.keys[block_hash] = key
         self.pending.add(block_hash)
         return slot

@@ -161,6 +161,29 @@ def test_a_long_prefill_leaves_a_snapshot_every_chunk(hybrid):
     assert list(out.outputs[0].token_ids) == cold_run(path, other)
 
 
+def test_chunk_end_snapshots_are_overwritten_before_prompt_ends(hybrid):
+    """A chunk end the token budget chose (no interval, no hit point, no mark) still leaves a snapshot, but as the
+    least recently used: with 4 snapshot slots (--max-num-seqs 1) and an 8-token budget, two 41-token prompts leave
+    4 chunk-end snapshots each beside their hit points, and the next turn of *each* still hits at its hit point (40).
+    Saved as most recent, the second prompt's chunk ends overwrote the first's hit point (measured on LFM2-350M's
+    shape with 8 users and --max-num-batched-tokens 256: 7 of 8 chat turns lost their hit); and the first turn's reply
+    snapshots take the slot of the reply's previous one (reserved before it was dropped, each overwrote the second
+    prompt's hit point)."""
+    path, _ = hybrid
+    engine = tiny_engine(path, max_num_batched_tokens=8, max_num_seqs=1)
+    assert engine.core.scheduler.kv.state_snapshots.num_slots == 4
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    g = torch.Generator().manual_seed(21)
+    first, second = ([2, *torch.randint(4, 256, (40,), generator=g).tolist()] for _ in range(2))
+    for ids in (first, second):
+        run(engine, [ids], params)
+    for ids in (first, second):
+        turn = ids + [7, 8, 9, 10, 11]
+        (out,) = run(engine, [turn], GREEDY)
+        assert out.num_cached_tokens == 40
+        assert list(out.outputs[0].token_ids) == cold_run(path, turn)
+
+
 def test_hits_under_preemption_and_batching_equal_cold_runs(hybrid):
     """Requests sharing a system prompt, admitted together on a pool small enough to preempt: each resumes from its
     longest snapshot hit (or its start); greedy ids as cold runs, every slot and block back at the end."""

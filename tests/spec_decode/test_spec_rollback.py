@@ -22,6 +22,7 @@ class FakeRequest:
     num_prompt_tokens: int = 4
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    cache_marks: tuple[int, ...] = ()
     drafts: list[int] = field(default_factory=list)
 
     @property
