@@ -83,7 +83,9 @@ def plan_cache(
                 )
     num_snapshots = num_sequences = 0
     if model_config.state_spec is not None:
-        state = state_reservation(model_config.state_spec, config.max_num_seqs, budget, config.enable_prefix_caching)
+        state = state_reservation(
+            model_config.state_spec, config.max_num_seqs, budget, config.enable_prefix_caching, spec.bytes_per_block
+        )
         num_snapshots, num_sequences = state.num_snapshots, state.num_sequences
         if budget is not None:
             if state.bytes >= budget:

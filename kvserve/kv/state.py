@@ -118,18 +118,29 @@ class StateReservation:
 
 
 def state_reservation(
-    spec: StateSpec, max_num_seqs: int, budget_bytes: int | None, prefix_caching: bool = True
+    spec: StateSpec,
+    max_num_seqs: int,
+    budget_bytes: int | None,
+    prefix_caching: bool = True,
+    bytes_per_block: int | None = None,
 ) -> StateReservation:
     """The engine's sizing rule for state slots (estimate and serve share it): a slot for each of --max-num-seqs
     sequences, as many as SEQUENCE_BUDGET_FRACTION of the budget holds (a request waits for a free slot as it waits for
-    blocks), and for prefix hits SNAPSHOTS_PER_SEQUENCE snapshots a sequence slot, at most SNAPSHOT_BUDGET_FRACTION of
-    the budget. LFM2-350M's 80 KiB states in 4 GiB: 256 sequences and 1024 snapshots (100 MiB); Qwen3.5-0.8B's
-    19.3 MiB states: 106 sequences and 53 snapshots (3 GiB), leaving 1 GiB for its attention layers' KV."""
+    blocks), and for prefix hits SNAPSHOTS_PER_SEQUENCE snapshots a sequence slot, or, given the pool's
+    `bytes_per_block`, one for every SNAPSHOT_INTERVAL_BLOCKS blocks the rest of the budget holds where that is more
+    (a conversation's cached blocks are worth a hit only with a snapshot at their end, and a server that runs 8
+    sequences at once may hold the histories of hundreds), at most SNAPSHOT_BUDGET_FRACTION of the budget. LFM2-350M's
+    80 KiB states in 4 GiB: 256 sequences and 1024 snapshots (100 MiB; with --max-num-seqs 8, 682 snapshots instead
+    of 32); Qwen3.5-0.8B's 19.3 MiB states: 106 sequences and 53 snapshots (3 GiB), leaving 1 GiB for its attention
+    layers' KV."""
     sequences = max_num_seqs
     if budget_bytes is not None:
         sequences = max(1, min(max_num_seqs, int(budget_bytes * SEQUENCE_BUDGET_FRACTION) // spec.bytes_per_slot))
     snapshots = SNAPSHOTS_PER_SEQUENCE * sequences if prefix_caching else 0
     if budget_bytes is not None:
+        if prefix_caching and bytes_per_block:
+            blocks = max(budget_bytes - sequences * spec.bytes_per_slot, 0) // bytes_per_block
+            snapshots = max(snapshots, blocks // SNAPSHOT_INTERVAL_BLOCKS)
         snapshots = min(snapshots, int(budget_bytes * SNAPSHOT_BUDGET_FRACTION) // spec.bytes_per_slot)
     return StateReservation(spec, sequences, snapshots)
 

@@ -134,7 +134,8 @@ def advise(
     kv_bytes = setup.budget.kv_bytes
     if facts.state is not None:
         sequences = max(1, min(MAX_NUM_SEQS_CAP, scenario.expected_concurrency))
-        state = state_reservation(facts.state, sequences, kv_bytes)
+        block = facts.shape.bytes_per_block(layout, dtypes[0], bs)  # the engine's default KV dtype sizes snapshots
+        state = state_reservation(facts.state, sequences, kv_bytes, bytes_per_block=block)
         kv_bytes = max(kv_bytes - state.bytes, 0)
     blocks = {d.name: _blocks(facts, setup, d, kv_bytes) for d in dtypes}
     lengths = candidate_lengths(facts.context_len, scenario.needed_len)

@@ -192,7 +192,7 @@ def _dtype_section(
     budget = None if setup.budget is None else setup.budget.kv_bytes
     state = None
     if facts.state is not None:  # the state layers' slots come out of the budget first, as in the engine
-        state = state_reservation(facts.state, setup.max_num_seqs, budget)
+        state = state_reservation(facts.state, setup.max_num_seqs, budget, bytes_per_block=bytes_per_block)
         budget = None if budget is None else max(budget - state.bytes, 0)
     if setup.budget is not None or num_blocks_override is not None:
         plan = plan_kv_cache(
