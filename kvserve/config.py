@@ -97,6 +97,10 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; hits still compare block contents)
     max_pinned_kv_fraction: float = 0.5  # the pool's share that pinned prefixes may hold (kv/pins.py)
     enable_chunked_prefill: bool = True
+    # vLLM's --max-num-partial-prefills: at most this many requests whose prompts are not done after a step (None: no
+    # limit). 1 finishes bursts of prompts one after another: on a CPU, where batching prompts saves little, the median
+    # first token comes about twice as soon (docs/MODELS.md).
+    max_num_partial_prefills: int | None = None
     # Emulate a contiguous cache: each request reserves blocks for max-model-len at admission (bench memory).
     reserve_max_model_len: bool = False
     seed: int = 0
@@ -151,6 +155,11 @@ class EngineConfig:
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two from 1 to 256"),
             (self.max_num_seqs >= 1, "max_num_seqs", ">= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1"),
+            (
+                self.max_num_partial_prefills is None or self.max_num_partial_prefills >= 1,
+                "max_num_partial_prefills",
+                ">= 1",
+            ),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]"),
             (0 <= self.max_pinned_kv_fraction <= 1, "max_pinned_kv_fraction", "in [0, 1]"),

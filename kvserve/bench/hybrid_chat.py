@@ -320,6 +320,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="kvserve's token budget a step (default: its own)"
     )
+    p.add_argument(
+        "--max-num-partial-prefills", type=int, default=None, help="kvserve's limit on unfinished prompts after a step"
+    )
     p.add_argument("--llama-server", default=None, metavar="PATH", help="also llama-server on the same GGUF")
     add_output_args(p, "TTFT p50 per round, per system")
     p.set_defaults(func=run)
@@ -369,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.max_num_batched_tokens is not None:
         kvserve_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_num_partial_prefills is not None:
+        kvserve_args += ["--max-num-partial-prefills", str(args.max_num_partial_prefills)]
     llama_default = ["-m", str(gguf), "-c", str(args.max_model_len * args.users)]
     llama_tuned = [*llama_default, "-np", str(args.users), *LLAMA_TUNED]
     system_args: dict[str, list[str]] = {"kvserve": kvserve_args}

@@ -164,6 +164,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_partial_prefills=config.max_num_partial_prefills,
             offload=None if tier is None else tier[2],
             eos_token_ids=self.eos_token_ids,
         )

@@ -105,6 +105,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_num_partial_prefills: int | None = None,
         offload: OffloadConnector | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
@@ -115,6 +116,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Requests whose prompts may be unfinished after a step (vLLM's max_num_partial_prefills; None: any number)
+        self.max_num_partial_prefills = max_num_partial_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -161,6 +164,7 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
+        partial = sum(s.start + s.num_tokens < s.request.num_tokens for s in out.scheduled)  # prompts left unfinished
         i = 0  # the first waiting request not passed over (its grammar still compiling)
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[i]
@@ -192,6 +196,10 @@ class Scheduler:
                     continue
                 break
             num_new = self.kv.state_chunk(request, num_hit, min(remaining, budget))
+            unfinished = num_hit + num_new < request.num_tokens
+            if unfinished and self.max_num_partial_prefills is not None and partial >= self.max_num_partial_prefills:
+                break  # FCFS: the requests behind it wait too
+            partial += unfinished
             first = request.status is RequestStatus.WAITING  # not a retry after preemption
             lost = self.kv.evicted_misses(request, num_hit) if first else 0
             rejected = load.rejected() if load is not None else frozenset()

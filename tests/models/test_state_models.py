@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -182,6 +183,38 @@ def test_chunk_end_snapshots_are_overwritten_before_prompt_ends(hybrid):
         (out,) = run(engine, [turn], GREEDY)
         assert out.num_cached_tokens == 40
         assert list(out.outputs[0].token_ids) == cold_run(path, turn)
+
+
+@pytest.mark.parametrize("limit", [None, 1])
+def test_max_num_partial_prefills_finishes_prompts_one_after_another(hybrid, limit):
+    """--max-num-partial-prefills 1: a burst of prompts (each cut at its snapshot stops, so unfinished after its first
+    step) is prefilled one after another, at most one prompt unfinished after any step, and the first tokens come
+    in order, one prompt's a step; without the limit every prompt starts in the first step and the first tokens come
+    within a step of each other. Greedy ids as cold runs either way."""
+    path, _ = hybrid
+    engine = tiny_engine(path, max_num_partial_prefills=limit)
+    batch = [p + list(range(4, 30)) for p in prompts(4, seed=22)]
+    for i, ids in enumerate(batch):
+        engine.add_request(str(i), ids, GREEDY)
+    finished: dict[str, Any] = {}
+    first_token_step: dict[str, int] = {}
+    most_unfinished, step = 0, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            first_token_step.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = out
+        running = engine.core.scheduler.running
+        most_unfinished = max(most_unfinished, sum(r.num_computed_tokens < r.num_tokens - 1 for r in running))
+        engine.check_invariants()
+    steps = [first_token_step[str(i)] for i in range(len(batch))]
+    if limit == 1:
+        assert most_unfinished <= 1 and steps == sorted(steps) and len(set(steps)) == len(batch)
+    else:
+        assert most_unfinished > 1 and max(steps) - min(steps) <= 1
+    for i, ids in enumerate(batch):
+        assert list(finished[str(i)].outputs[0].token_ids) == cold_run(path, ids)
 
 
 def test_hits_under_preemption_and_batching_equal_cold_runs(hybrid):
