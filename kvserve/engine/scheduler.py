@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,11 @@ from kvserve.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
     from kvserve.kv.offload.connector import OffloadConnector, PendingLoad
+
+
+# The waiting requests, from the front, whose state snapshot hits each step marks recently used (keep_state_hit): those
+# next in line; a lookup each, every step.
+KEPT_STATE_HITS = 32
 
 
 @dataclass(slots=True)
@@ -141,6 +147,9 @@ class Scheduler:
                 return self._schedule_alone(suspect)
             self.suspects.clear()  # stale ids only (cannot happen: finish() discards them); never get stuck
         out = SchedulerOutput()
+        if self.kv.state_snapshots is not None:  # before this step's saves: the snapshots queued requests start from
+            for waiting in itertools.islice(self.waiting, min(self.max_num_seqs, KEPT_STATE_HITS)):
+                self.kv.keep_state_hit(waiting)
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:

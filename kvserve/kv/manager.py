@@ -271,6 +271,16 @@ class KVCacheManager:
             length = state_length
         return self.hit_blocks(length, lambda g, i: found[g, i]), length * self.block_size
 
+    def keep_state_hit(self, request: KVRequest) -> None:
+        """Mark the state snapshot a waiting request would start from as the most recently used, so that the saves of
+        the steps it waits through overwrite others first: a request queued behind others (--max-num-partial-prefills,
+        --max-num-seqs) kept losing its snapshot to theirs when slots were few (Qwen3.5's 39 in 3 GiB)."""
+        if self.state_snapshots is None:
+            return
+        _, num_hit = self.get_computed_blocks(request)
+        if num_hit:
+            self.state_snapshots.use(self.hashes(request, num_hit)[num_hit // self.block_size - 1])
+
     def longest_state_hit(self, length: int, has: HasBlock, has_snapshot: Callable[[int], bool]) -> int:
         """A model with state layers hits only where a state snapshot ends a prefix the groups can serve: the longest
         such prefix of at most `length` blocks. has_snapshot(i): a snapshot ends at block i (the pool's, or for a

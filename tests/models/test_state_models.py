@@ -217,6 +217,24 @@ def test_max_num_partial_prefills_finishes_prompts_one_after_another(hybrid, lim
         assert list(finished[str(i)].outputs[0].token_ids) == cold_run(path, ids)
 
 
+def test_a_queued_request_keeps_its_snapshot_while_others_save_theirs(hybrid):
+    """4 snapshot slots (--max-num-seqs 1): a chat's next turn queued behind a 250-token prompt, whose prefill saves 4
+    snapshots (every 64 tokens, and its hit point), still hits the snapshot of its earlier turn: each step marks the
+    snapshots that the first waiting requests would start from as recently used (keep_state_hit), so the running
+    prompt's saves overwrite its own older ones. Unmarked, its saves overwrote the queued turn's (Qwen3.5 with
+    --max-num-partial-prefills 1: round-2 hit rate 0.54 against 0.86)."""
+    path, _ = hybrid
+    engine = tiny_engine(path, max_num_seqs=1)
+    g = torch.Generator().manual_seed(23)
+    chat = [2, *torch.randint(4, 256, (40,), generator=g).tolist()]
+    other = [2, *torch.randint(4, 256, (249,), generator=g).tolist()]
+    run(engine, [chat], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    turn = chat + [7, 8, 9, 10, 11]
+    got = run(engine, [other, turn], GREEDY)
+    assert got[1].num_cached_tokens == 40
+    assert list(got[1].outputs[0].token_ids) == cold_run(path, turn)
+
+
 def test_hits_under_preemption_and_batching_equal_cold_runs(hybrid):
     """Requests sharing a system prompt, admitted together on a pool small enough to preempt: each resumes from its
     longest snapshot hit (or its start); greedy ids as cold runs, every slot and block back at the end."""
