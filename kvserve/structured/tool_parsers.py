@@ -234,25 +234,26 @@ _FENCE_TAG = "json"
 # -- qwen3_coder (Qwen3.5's XML calls) --------------------------------------------------------------------------
 
 
-class Qwen3XMLExtractor:
-    """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>` blocks (Qwen3-Coder's
-    and Qwen3.5's format; vLLM's `qwen3_coder` parser); the text outside them is content.
+class _MarkedBlocks:
+    """Calls in blocks between a start and an end marker, the text outside them content (the qwen3_coder and lfm2
+    parsers): a block is read once it closes (or the reply ends inside it), its calls reported whole, all of them or
+    none; a block that does not read (`_read` gives no call) is content, its markers included."""
 
-    A value is text: it becomes the JSON its parameter's schema asks for (a number, a boolean, null, an object or an
-    array, read as JSON), else a string (a value that does not read as its schema's type stays the string, as in
-    vLLM). A call is reported whole once its block closes, and only if it passes the shared check (an offered
-    function; a strict one's schema); a block that is malformed, names another function, or is cut by max_tokens is
-    content, its markers included. A block whose `</function>` came but whose `</tool_call>` did not (the reply
-    ended) is still a call."""
+    start_marker = ""
+    end_marker = ""
 
     def __init__(self, tools: OfferedTools | Collection[str] = ()) -> None:
         self._tools = OfferedTools.of(tools)
         self._content = ContentText()
         self._calls = CallNumbering()
-        self._start = Marker(HERMES_START)
-        self._end = Marker(HERMES_END)
+        self._start = Marker(self.start_marker)
+        self._end = Marker(self.end_marker)
         self._inside = False
         self._raw: list[str] = []  # the open block's text after its start marker
+
+    def _read(self, body: str) -> list[tuple[str, str]]:
+        """(name, arguments JSON) of every call a block's text holds, each passing the shared check; [] if not."""
+        raise NotImplementedError
 
     def feed(self, text: str) -> ParsedDelta:
         for c in text:
@@ -280,16 +281,36 @@ class Qwen3XMLExtractor:
             self._close(ended=False)
 
     def _close(self, ended: bool) -> None:
-        """The block closed (or the reply ended inside it): a call if it reads as one, else content."""
+        """The block closed (or the reply ended inside it): its calls if it reads as them, else content."""
         self._end.flush(self._raw.append)
         self._inside = False
         body = "".join(self._raw)
-        call = _xml_call(body, self._tools)
-        if call is None:
-            self._content.text(HERMES_START + body + ("" if ended else HERMES_END))
+        calls = self._read(body)
+        if not calls:
+            self._content.text(self.start_marker + body + ("" if ended else self.end_marker))
             return
-        self._calls.start(*call)
-        self._calls.close()
+        for name, arguments in calls:
+            self._calls.start(name, arguments)
+            self._calls.close()
+
+
+class Qwen3XMLExtractor(_MarkedBlocks):
+    """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>` blocks (Qwen3-Coder's
+    and Qwen3.5's format; vLLM's `qwen3_coder` parser); the text outside them is content.
+
+    A value is text: it becomes the JSON its parameter's schema asks for (a number, a boolean, null, an object or an
+    array, read as JSON), else a string (a value that does not read as its schema's type stays the string, as in
+    vLLM). A call is reported whole once its block closes, and only if it passes the shared check (an offered
+    function; a strict one's schema); a block that is malformed, names another function, or is cut by max_tokens is
+    content, its markers included. A block whose `</function>` came but whose `</tool_call>` did not (the reply
+    ended) is still a call."""
+
+    start_marker = HERMES_START
+    end_marker = HERMES_END
+
+    def _read(self, body: str) -> list[tuple[str, str]]:
+        call = _xml_call(body, self._tools)
+        return [] if call is None else [call]
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
@@ -533,7 +554,7 @@ class PythonicExtractor:
 # -- lfm2 -------------------------------------------------------------------------------------------------------
 
 
-class LFM2Extractor:
+class LFM2Extractor(_MarkedBlocks):
     """`<|tool_call_start|>[f(a=1), g()]<|tool_call_end|>` blocks (LFM2's format; SGLang's `lfm2` detector); the
     text outside them is content. A block holds a pythonic call list (read as the `pythonic` parser reads one) or a
     JSON list of `{"name": ..., "arguments": {...}}` objects. Its calls are reported once the block closes, all of
@@ -541,52 +562,11 @@ class LFM2Extractor:
     malformed one, or one cut by max_tokens is content, its markers included. A block whose list closed but whose end
     marker did not come (the reply ended) is still read."""
 
-    def __init__(self, tools: OfferedTools | Collection[str] = ()) -> None:
-        self._tools = OfferedTools.of(tools)
-        self._content = ContentText()
-        self._calls = CallNumbering()
-        self._start = Marker(LFM2_CALL_START)
-        self._end = Marker(LFM2_CALL_END)
-        self._inside = False
-        self._raw: list[str] = []  # the open block's text after its start marker
+    start_marker = LFM2_CALL_START
+    end_marker = LFM2_CALL_END
 
-    def feed(self, text: str) -> ParsedDelta:
-        for c in text:
-            self._char(c)
-        return self._take()
-
-    def finish(self) -> ParsedDelta:
-        if self._inside:
-            self._close(ended=True)
-        else:
-            self._start.flush(self._content.char)
-        self._calls.close()
-        return self._take()
-
-    def _take(self) -> ParsedDelta:
-        return ParsedDelta(self._content.take(), self._calls.take())
-
-    def _char(self, c: str) -> None:
-        if not self._inside:
-            if self._start.char(c, self._content.char):
-                self._content.drop_held()
-                self._inside, self._raw = True, []
-            return
-        if self._end.char(c, self._raw.append):
-            self._close(ended=False)
-
-    def _close(self, ended: bool) -> None:
-        """The block closed (or the reply ended inside it): its calls if it reads as a list of them, else content."""
-        self._end.flush(self._raw.append)
-        self._inside = False
-        body = "".join(self._raw)
-        calls = _listed_calls(body, self._tools)
-        if not calls:
-            self._content.text(LFM2_CALL_START + body + ("" if ended else LFM2_CALL_END))
-            return
-        for name, arguments in calls:
-            self._calls.start(name, arguments)
-            self._calls.close()
+    def _read(self, body: str) -> list[tuple[str, str]]:
+        return _listed_calls(body, self._tools)
 
 
 def _listed_calls(body: str, tools: OfferedTools) -> list[tuple[str, str]]:
