@@ -53,4 +53,34 @@ inline __m512 exp512(__m512 x) {
 }
 #endif
 
+// The float vector operations a kernel written once for both widths needs: F32x8 (AVX2) and, where the build has
+// AVX-512, F32x16; a kernel templated on one of them keeps a single body (kernels/recurrent.cpp).
+struct F32x8 {
+    using V = __m256;
+    static constexpr int kLanes = 8;
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    static V zero() { return _mm256_setzero_ps(); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }     // a b + c
+    static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }   // c - a b
+};
+
+#if defined(__AVX512F__)
+struct F32x16 {
+    using V = __m512;
+    static constexpr int kLanes = 16;
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static V set1(float x) { return _mm512_set1_ps(x); }
+    static V zero() { return _mm512_setzero_ps(); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+};
+#endif
+
 }  // namespace kvserve
