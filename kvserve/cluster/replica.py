@@ -20,10 +20,9 @@ from typing import Any
 
 from kvserve.cluster.kv_feed import KVFeed, KVSince, KVUpdate
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine, build_for_engine_thread
 from kvserve.engine.core import EngineCore
 from kvserve.engine.core_outputs import EngineCoreOutput
-from kvserve.engine.engine import LLMEngine
 from kvserve.engine.facts import EngineFacts
 from kvserve.engine.stats import EngineStats
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -51,7 +50,9 @@ class EngineReplica:
         self._events: deque[KVEvent] = deque()
         self._dropped = False
         self.engine = AsyncLLMEngine(
-            LLMEngine.from_config(config), max_queued_requests=max_queued_requests, kv_event_listeners=[self._on_event]
+            build_for_engine_thread(config),
+            max_queued_requests=max_queued_requests,
+            kv_event_listeners=[self._on_event],
         )
         # The KV inspector's publications, for the ingress (cluster/kv_view.py).
         self.kv_feed = KVFeed(self.engine.kv_publisher)

@@ -231,9 +231,8 @@ def launch_cluster(config: "EngineConfig", args: argparse.Namespace) -> "Cluster
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.async_engine import AsyncLLMEngine, build_for_engine_thread
     from kvserve.engine.client import EngineClient
-    from kvserve.engine.engine import LLMEngine
     from kvserve.server.app import build_app
     from kvserve.server.context import ServerSettings, check_tool_flags
     from kvserve.server.transport import ServerConfig, TransportLimits
@@ -268,7 +267,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_name = str(async_engine.facts.served_model_name)
         description = f"{args.data_parallel_size} replicas on Ray, router {args.router}"
     else:
-        engine = LLMEngine.from_config(config)
+        engine = build_for_engine_thread(config)
         async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_num_queued_reqs)
         served_name = str(engine.config.served_model_name)
         description = engine.core.cache_plan.describe()
