@@ -51,9 +51,10 @@ def build_for_engine_thread(config: EngineConfig) -> LLMEngine:
     own thread. Why: the build's OpenMP parallel regions (weight packing, the first forward passes) give the thread
     that runs them a libgomp thread pool, which lives as long as that thread; the engine thread then starts a second
     one, and once a process has more OpenMP threads than CPUs libgomp stops spin-waiting between parallel regions
-    (its throttled spin count), so every region of every step pays for sleeping threads to be woken: the same steps
-    took ~35% longer on 2 cores (an LFM2-350M shape's chat, round 2: median of 4 runs 1,960 ms against 1,440 ms of
-    steps). A pool whose thread has ended is released with it."""
+    (its throttled spin count), so every region of every step pays for sleeping threads to be woken: on 2 cores
+    `kvserve bench hybrid-chat --shape lfm2-350m --max-num-partial-prefills 1 --activation-quantization int8` gave
+    rounds 2-4 TTFT p50 of 672 / 692 / 660 ms with the main thread's pool left alive, 511 / 594 / 556 ms without
+    (docs/BENCHMARKS.md). A pool whose thread has ended is released with it."""
     from kvserve.engine.engine import LLMEngine
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-build") as builder:

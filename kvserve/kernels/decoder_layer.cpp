@@ -238,13 +238,9 @@ void kvserve_gated_deltanet_layer(const KvserveLayer* layer, const KvserveStep* 
         const float* z = b.qkv + r * width + conv_dim;
         float* o = b.attn + r * value_size;
         int64_t i = 0;
-        for (; i + 8 <= value_size; i += 8) {  // o *= silu(z), z / (1 + exp(-z)) with simd.h's exp
-            const __m256 zi = _mm256_loadu_ps(z + i);
-            const __m256 e = kvserve::exp256(_mm256_sub_ps(_mm256_setzero_ps(), zi));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i),
-                                                  _mm256_div_ps(zi, _mm256_add_ps(_mm256_set1_ps(1.0f), e))));
-        }
-        for (; i < value_size; ++i) o[i] *= z[i] / (1.0f + expf(-z[i]));
+        for (; i + 8 <= value_size; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), kvserve::silu256(_mm256_loadu_ps(z + i))));
+        for (; i < value_size; ++i) o[i] *= kvserve::silu1(z[i]);
     }
     linear(l.o, b.attn, t, b.proj);
     residual_and_mlp(l, b, t, h, b.proj);

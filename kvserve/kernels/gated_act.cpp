@@ -14,6 +14,8 @@
 namespace {
 
 using kvserve::exp256;
+using kvserve::silu1;
+using kvserve::silu256;
 
 // gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u) = x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3)
 inline __m256 gelu_tanh256(__m256 x) {
@@ -23,12 +25,7 @@ inline __m256 gelu_tanh256(__m256 x) {
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-inline __m256 silu256(__m256 x) {
-    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
 inline float gelu_tanh1(float x) { return x / (1.0f + expf(-2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x))); }
-inline float silu1(float x) { return x / (1.0f + expf(-x)); }
 
 }  // namespace
 

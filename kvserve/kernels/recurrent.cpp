@@ -230,17 +230,14 @@ void kvserve_causal_conv(const float* x, const float* pre, const float* gate, in
                     __m256 acc = bias ? _mm256_loadu_ps(bias + c0 + c) : _mm256_setzero_ps();
                     for (int64_t j = 0; j < kernel; ++j)
                         acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + j * channels + c), input8(t - keep + j, c), acc);
-                    if (act == 1) {  // SiLU: acc / (1 + exp(-acc))
-                        const __m256 e = kvserve::exp256(_mm256_sub_ps(_mm256_setzero_ps(), acc));
-                        acc = _mm256_div_ps(acc, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-                    }
+                    if (act == 1) acc = kvserve::silu256(acc);
                     if (gr) acc = _mm256_mul_ps(acc, _mm256_loadu_ps(gr + c));
                     _mm256_storeu_ps(y + c, acc);
                 }
                 for (; c < n; ++c) {
                     float acc = bias ? bias[c0 + c] : 0.0f;
                     for (int64_t j = 0; j < kernel; ++j) acc += wr[j * channels + c] * input1(t - keep + j, c);
-                    if (act == 1) acc = acc / (1.0f + expf(-acc));
+                    if (act == 1) acc = kvserve::silu1(acc);
                     y[c] = gr ? acc * gr[c] : acc;
                 }
             }

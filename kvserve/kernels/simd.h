@@ -3,6 +3,7 @@
 #pragma once
 
 #include <immintrin.h>
+#include <math.h>
 
 namespace kvserve {
 
@@ -32,6 +33,12 @@ inline __m256 exp256(__m256 x) {
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
+
+// SiLU, x / (1 + exp(-x)), on 8 lanes with exp256, and on one float (the tails of a vector loop).
+inline __m256 silu256(__m256 x) {
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+inline float silu1(float x) { return x / (1.0f + expf(-x)); }
 
 #if defined(__AVX512F__)
 // exp256's arithmetic on 16 lanes: the same operations in the same order, so each lane's result is bit-identical.

@@ -15,25 +15,11 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from tool_server_support import MAX_MODEL_LEN, TOOLS, sdk, start_server
+from tool_server_support import MAX_MODEL_LEN, MODEL, NAMED, SCHEMAS, TOOLS, TWO_HERMES_CALLS, USER, sdk, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from tiny_models import build_tiny_hf_model
 from tiny_tokenizer import write_char_tokenizer
-
-MODEL = "tiny-tools"
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-TWO_CALLS = {
-    "structured_outputs": {
-        "regex": (
-            r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "c", '
-            r'"days": [1-7]\}\}</tool_call><tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}'
-            r"</tool_call>"
-        )
-    }
-}
 
 
 @pytest.fixture(scope="module", params=["lfm2_hybrid", "qwen3_5_hybrid"])
@@ -71,7 +57,7 @@ def test_a_named_tool_choice_is_a_valid_call_whole_and_streamed(client):
 
 def test_auto_tool_choice_parses_the_calls_the_model_writes(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=USER, tools=TOOLS, max_tokens=300, temperature=0, extra_body=TWO_CALLS
+        model=MODEL, messages=USER, tools=TOOLS, max_tokens=300, temperature=0, extra_body=TWO_HERMES_CALLS
     )
     calls = r.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]

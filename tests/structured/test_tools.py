@@ -10,21 +10,18 @@ import json
 import jsonschema
 import openai
 import pytest
-from tool_server_support import MODEL, TIME_TOOL, TOOLS, WEATHER_TOOL, sdk, start_server
-
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-# tool_choice auto with the text constrained to two Hermes blocks: the random model "decides" to call two tools.
-TWO_HERMES_CALLS = {
-    "structured_outputs": {
-        "regex": (
-            r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "c", '
-            r'"days": [1-7]\}\}</tool_call><tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}'
-            r"</tool_call>"
-        )
-    }
-}
+from tool_server_support import (
+    MODEL,
+    NAMED,
+    SCHEMAS,
+    TIME_TOOL,
+    TOOLS,
+    TWO_HERMES_CALLS,
+    USER,
+    WEATHER_TOOL,
+    sdk,
+    start_server,
+)
 
 
 def _assert_valid_calls(calls) -> None:

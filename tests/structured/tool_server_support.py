@@ -72,6 +72,19 @@ TIME_TOOL = {
     },
 }
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# tool_choice auto with the text constrained to two Hermes blocks: the random model "decides" to call two tools.
+TWO_HERMES_CALLS = {
+    "structured_outputs": {
+        "regex": (
+            r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "c", '
+            r'"days": [1-7]\}\}</tool_call><tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}'
+            r"</tool_call>"
+        )
+    }
+}
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # extra_body: no whitespace to wander in
 
 
