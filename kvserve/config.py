@@ -96,6 +96,9 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; hits still compare block contents)
     max_pinned_kv_fraction: float = 0.5  # the pool's share that pinned prefixes may hold (kv/pins.py)
+    max_pinned_kv_fraction_per_tenant: float | None = None  # one cache salt's share (None: the whole pin budget)
+    # The share of the offload tier one tenant's prompt_cache_retention may hold (kv/offload/retention.py)
+    max_retained_kv_fraction_per_tenant: float = 0.25
     enable_chunked_prefill: bool = True
     # vLLM's --max-num-partial-prefills: at most this many requests whose prompts are not done after a step (None: no
     # limit). 1 finishes bursts of prompts one after another: on a CPU, where batching prompts saves little, the median
@@ -163,6 +166,16 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]"),
             (0 <= self.max_pinned_kv_fraction <= 1, "max_pinned_kv_fraction", "in [0, 1]"),
+            (
+                0 <= self.max_retained_kv_fraction_per_tenant <= 1,
+                "max_retained_kv_fraction_per_tenant",
+                "in [0, 1]",
+            ),
+            (
+                self.max_pinned_kv_fraction_per_tenant is None or 0 <= self.max_pinned_kv_fraction_per_tenant <= 1,
+                "max_pinned_kv_fraction_per_tenant",
+                "in [0, 1]",
+            ),
             (
                 self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                 "num_gpu_blocks_override",

@@ -146,6 +146,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "beyond it is refused and its blocks stay ordinary cached blocks (docs/PROMPT_CACHING.md). Default 0.5",
     )
     c.add_argument(
+        "--max-pinned-kv-fraction-per-tenant",
+        type=float,
+        help="the share of the KV pool's blocks that the pins of one tenant (one cache_salt; requests without a salt "
+        "are one tenant) may hold: a tenant's new pin displaces its own older pins beyond it. Without it a tenant may "
+        "pin the whole --max-pinned-kv-fraction, and a pin over that budget displaces pins of the tenant holding the "
+        "most, never of one holding less (docs/PROMPT_CACHING.md)",
+    )
+    c.add_argument(
+        "--max-retained-kv-fraction-per-tenant",
+        type=float,
+        help="the share of the KV offload tier that one tenant's (one cache_salt's) prompt_cache_retention may hold; "
+        "retained records hold at most half the tier in all, and a retention past either budget keeps the prompt's "
+        "first blocks that fit (docs/KV_OFFLOAD.md). Default 0.25",
+    )
+    c.add_argument(
         "--prefix-caching-hash-algo",
         choices=HASH_ALGOS,
         help="block hash: sha256 (collision-resistant) or xxhash (faster); hits also compare tokens",

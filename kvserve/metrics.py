@@ -161,8 +161,9 @@ class EngineStatsCollector:
             ("kv_pins_expired", "Pinned prefixes released when their TTL ran out.", s.kv_pins_expired),
             (
                 "kv_pins_displaced",
-                "Pins released before their TTL to make room under --max-pinned-kv-fraction for newer pins (least "
-                "recently used first; their blocks stay ordinary cached blocks).",
+                "Pins released before their TTL: to make room under --max-pinned-kv-fraction for newer pins (least "
+                "recently used first, of the tenant holding the most), or for a request the pool could not fit "
+                "otherwise; their blocks stay ordinary cached blocks.",
                 s.kv_pins_displaced,
             ),
             (
@@ -170,6 +171,18 @@ class EngineStatsCollector:
                 "Pins refused because alone they exceed --max-pinned-kv-fraction (the prefix stays an "
                 "ordinary cached prefix).",
                 s.kv_pins_refused,
+            ),
+            (
+                "kv_pins_tenant_capped",
+                "Pins displaced or refused because their tenant (cache_salt) held its whole "
+                "--max-pinned-kv-fraction-per-tenant.",
+                s.kv_pins_tenant_capped,
+            ),
+            (
+                "kv_retention_capped",
+                "Offload-tier records a prompt_cache_retention asked for past its budgets (half the tier in all, "
+                "--max-retained-kv-fraction-per-tenant a tenant): not retained.",
+                s.kv_retention_capped,
             ),
             ("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.generation_tokens_total),

@@ -18,6 +18,7 @@ import torch
 from kvserve.capacity import CachePlan, plan_kv_cache, resolve_quantization
 from kvserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, resolve_attention_backend
 from kvserve.engine.core import EngineCore
+from kvserve.engine.core_builder import build_engine_core
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.memory_profile import CudaMemory, gpu_kv_budget, profile_gpu_memory
 from kvserve.kv.cache import KVCacheConfig, resolve_kv_cache_dtype
@@ -176,7 +177,7 @@ def build_core(
             config=config.structured_outputs_config,
         )
     fingerprint = offload_fingerprint(config, model, spec, device, compute_dtype) if config.kv_offload else None
-    return EngineCore(config, model_config, model, spec, plan, grammar, device, fingerprint)
+    return build_engine_core(config, model_config, model, spec, plan, grammar, device, fingerprint)
 
 
 def for_state_layers(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:

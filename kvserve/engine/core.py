@@ -20,39 +20,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.engine.core_outputs import EngineCoreOutput
-from kvserve.engine.cuda_graphs import build_decode_graphs
-from kvserve.engine.facts import EngineFacts, validate_request
+from kvserve.engine.facts import validate_request
 from kvserve.engine.inspector import EngineEventRecorder, build_snapshot
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.runner import ModelRunner
-from kvserve.engine.sampler import SampledToken, Sampler, prompt_logprobs
-from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.sampler import SampledToken, prompt_logprobs
+from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequences import SequenceGroup, SequenceState, SequenceTable
 from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
-from kvserve.kv.cache import allocate_kv_cache, use_static_kv_scales
-from kvserve.kv.events import KVEventBuffer
-from kvserve.kv.events_config import start_kv_event_publisher
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.pool import BlockPool
-from kvserve.kv.state import StateSlots, StateSnapshots
-from kvserve.kv.state_cache import LayerStateCache, allocate_state_cache
-from kvserve.kv.vllm_events import medium_for_device
 from kvserve.outputs import Logprob, logprob_entry
-from kvserve.spec_decode.gate import SpecDecoder
 from kvserve.spec_decode.verify import verify_draft
-from kvserve.units import format_bytes
 
 if TYPE_CHECKING:
-    from kvserve.capacity import CachePlan
-    from kvserve.config import EngineConfig
-    from kvserve.kv.cache import KVCacheConfig, LayerKVCache
-    from kvserve.kv.offload.config import KVOffloadConfig
+    from kvserve.engine.core_builder import CoreParts
     from kvserve.kv.offload.connector import OffloadConnector
-    from kvserve.kv.offload.fingerprint import KVFingerprint
-    from kvserve.kv.offload.layout import RowCopy
-    from kvserve.kv.offload.tier import OffloadTier
-    from kvserve.model.config import ModelConfig
-    from kvserve.model.protocol import Model
     from kvserve.sampling_params import SamplingParams
     from kvserve.structured.compiler import GrammarCompiler
     from kvserve.structured.matcher import GrammarMatcher
@@ -85,190 +66,31 @@ class EngineCore:
     """Owns the KV cache, the scheduler, the runner and the requests' engine-side state. Built by
     engine/build.py (which loads the model and sizes the cache); `config` is the resolved, frozen config."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        model: Model,
-        kv_config: KVCacheConfig,
-        cache_plan: CachePlan,
-        grammar: GrammarCompiler,
-        device: torch.device,
-        offload_fingerprint: KVFingerprint | None = None,
-    ) -> None:
-        self.config, self.model_config, self.device = config, model_config, device
-        self.kv_config, self.cache_plan = kv_config, cache_plan
-        self.max_model_len = cache_plan.max_model_len
-        self.kv_events = KVEventBuffer()  # bounded: drained between steps by the async engine (the inspector)
-        self.layout = kv_config.groups  # the KV cache groups (kv/groups.py)
-        state = model_config.state_spec  # a hybrid model's state layers (kv/state.py), or None
-        self.pool = BlockPool(
-            cache_plan.num_blocks,
-            enable_caching=config.enable_prefix_caching,
-            events=self.kv_events,
-            num_groups=self.layout.num_groups,
-        )
+    def __init__(self, parts: CoreParts, grammar: GrammarCompiler) -> None:
+        """Take the parts engine/core_builder.py built (build_engine_core)."""
+        self.config, self.model_config, self.device = parts.config, parts.model_config, parts.device
+        self.kv_config, self.cache_plan = parts.kv_config, parts.cache_plan
+        self.max_model_len = parts.cache_plan.max_model_len
+        self.layout = parts.kv_config.groups  # the KV cache groups (kv/groups.py)
+        self.kv_events = parts.kv_events
+        self.pool = parts.pool
+        self.kv_event_publisher = parts.kv_event_publisher
+        self.kv_manager = parts.kv_manager
+        self.runner = parts.runner
+        self.offload, self.state_offload = parts.offload, parts.state_offload  # the tier, and a hybrid model's
+        self.scheduler = parts.scheduler
+        self.sampler = parts.sampler
+        self.spec = parts.spec
+        self.facts = parts.facts
+        self.eos_token_ids = parts.facts.eos_token_ids
+        self.grammar = grammar  # shared with the front end, which compiles a request's grammar before sending it
         self.requests = SequenceTable()
         self.event_recorder = EngineEventRecorder(self.kv_events, self.requests.user_request_id)
-        # vLLM's --kv-events-config: None (the default) imports no zmq; see kv/events_config.py.
-        self.kv_event_publisher = start_kv_event_publisher(
-            config.kv_events_config,
-            self.kv_events,
-            config.block_size,
-            medium_for_device(device.type),
-            config.enable_prefix_caching,
-            config.data_parallel_rank,
-            [g.spec for g in self.layout.groups],
-        )
-        reserve = self.max_model_len if config.reserve_max_model_len else 0
-        self.kv_manager = KVCacheManager(
-            self.pool,
-            config.block_size,
-            config.prefix_caching_hash_algo,
-            reserve,
-            self.layout,
-            max_pinned_blocks=int(self.pool.num_usable_blocks * config.max_pinned_kv_fraction),
-            state_slots=None if state is None else StateSlots(cache_plan.num_state_sequences),
-            state_snapshots=(
-                StateSnapshots(
-                    cache_plan.num_state_sequences,
-                    cache_plan.num_state_snapshots,
-                    events=self.kv_events,
-                    group_idx=self.layout.num_groups,  # KV events: the group past the KV cache groups
-                )
-                if state is not None and cache_plan.num_state_snapshots
-                else None
-            ),
-        )
-        kv_caches = allocate_kv_cache(kv_config, cache_plan.num_blocks, device)
-        use_static_kv_scales(kv_caches, model.static_kv_scales, kv_config.dtype_name)
-        state_caches = None
-        if state is not None:
-            num_slots = cache_plan.num_state_sequences + cache_plan.num_state_snapshots
-            state_caches = allocate_state_cache(state, num_slots, torch.float32, device)
-            logger.info("state layers: %s", state.describe())
-        # No CUDA graphs for state layers: their per-sequence loop reads the step's lengths on the host.
-        graphs = (
-            None
-            if state is not None
-            else build_decode_graphs(config, model, kv_caches, self.layout, self.max_model_len, device)
-        )
-        self.runner = ModelRunner(model, kv_caches, self.kv_manager, config.block_size, device, graphs, state_caches)
-        tier = self._start_offload_tier(config, kv_caches, state_caches, offload_fingerprint, model)
-        self.offload = None if tier is None else tier[0]
-        self.state_offload = None if tier is None else tier[1]  # a hybrid model's state snapshots
-        self.eos_token_ids = tuple(model_config.eos_token_ids)
-        self.scheduler = Scheduler(
-            self.kv_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            max_num_partial_prefills=config.max_num_partial_prefills,
-            offload=None if tier is None else tier[2],
-            eos_token_ids=self.eos_token_ids,
-        )
-        native = model.native_kernels
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, row_max=None if native is None else native.row_max)
-        self.spec = None if config.speculative_config is None else SpecDecoder(config.speculative_config)
-        self.grammar = grammar  # shared with the front end, which compiles a request's grammar before sending it
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.step_sizes = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # steps by their tokens (the stats' histogram)
         self.step_tokens_total = 0
-        self.facts = EngineFacts(
-            max_model_len=self.max_model_len,
-            vocab_size=model_config.vocab_size,
-            max_logprobs=config.max_logprobs,
-            max_num_seqs=config.max_num_seqs,
-            block_size=config.block_size,
-            num_blocks=self.pool.num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            kv_cache_dtype=kv_config.dtype_name,
-            eos_token_ids=self.eos_token_ids,
-            generation_defaults=model_config.generation_defaults,
-            served_model_name=config.served_model_name,
-            logits_width=grammar.vocab_size,
-            kv_cache_groups=self.layout.describe(),
-            hybrid_kv_cache_manager=self.layout.is_hybrid,
-            sliding_window_layers=sum(w is not None for w in model_config.sliding_windows),
-            max_concurrency=round(cache_plan.max_concurrency, 2),
-            retains_prompts=self.offload is not None and self.offload.retains,
-        )
-        logger.info(cache_plan.describe())
-
-    def _start_offload_tier(
-        self,
-        config: EngineConfig,
-        kv_caches: list[LayerKVCache],
-        state_caches: list[LayerStateCache] | None,
-        fingerprint: KVFingerprint | None,
-        model: Model,
-    ) -> tuple[OffloadTier, OffloadTier | None, OffloadConnector] | None:
-        """The KV offload tier under the pool, when one is configured (its modules are imported only then), and its
-        scheduler side. A hybrid model's tier keeps its state snapshots too, in records of their own (a share of the
-        size, a subdirectory of their own on disk: OffloadTier.snapshots)."""
-        offload = config.kv_offload
-        if offload is None:
-            return None
-        if not config.enable_prefix_caching:
-            logger.warning("--kv-offloading-size has no effect without prefix caching: no tier is used")
-            return None
-        if fingerprint is None:
-            raise ValueError("a KV offload tier needs the fingerprint of the engine's settings")
-        from kvserve.kv.offload.connector import OffloadConnector, RestoreCostModel
-        from kvserve.kv.offload.tier import OffloadTier
-
-        native = model.native_kernels
-        copy_rows = None if native is None else native.copy_rows
-        state_tier = None
-        snapshots = self.kv_manager.state_snapshots
-        if state_caches is not None and snapshots is not None and self.model_config.state_spec is not None:
-            offload, state_tier = self._start_state_tier(
-                offload, fingerprint, kv_caches, state_caches, snapshots.num_slots, copy_rows
-            )
-        tier = OffloadTier.for_kv_caches(offload, fingerprint, kv_caches, config.block_size, copy_rows)
-        cost = RestoreCostModel(
-            tier.is_async,
-            lambda: tier.seconds_per_restored_block,
-            None if state_tier is None else (lambda: state_tier.seconds_per_restored_block),
-        )
-        return tier, state_tier, OffloadConnector(self.kv_manager, tier, cost, state_tier)
-
-    def _start_state_tier(
-        self,
-        offload: KVOffloadConfig,
-        fingerprint: KVFingerprint,
-        kv_caches: list[LayerKVCache],
-        state_caches: list[LayerStateCache],
-        num_snapshots: int,
-        copy_rows: RowCopy | None,
-    ) -> tuple[KVOffloadConfig, OffloadTier | None]:
-        """The tier's share for a hybrid model's state snapshots (split_for_state_snapshots) and the tier that keeps
-        them, one snapshot slot of every state layer a record; returns the blocks' share of the config too."""
-        from kvserve.kv.cache import unique_tensors
-        from kvserve.kv.offload.config import split_for_state_snapshots
-        from kvserve.kv.offload.layout import BlockLayout
-        from kvserve.kv.offload.tier import OffloadTier
-
-        spec = self.model_config.state_spec
-        assert spec is not None
-        layout = BlockLayout.of_rows([t for cache in state_caches for t in cache.tensors()], copy_rows)
-        pool_bytes = sum(t.numel() * t.element_size() for c in unique_tensors(kv_caches) for t in (c.key, c.value))
-        kv_share, state_share = split_for_state_snapshots(
-            offload, pool_bytes, num_snapshots * layout.block_bytes, layout.block_bytes
-        )
-        if state_share is None:
-            logger.warning(
-                "--kv-offloading-size %s has no room for 4 of %s's state snapshots (%s each): the tier keeps blocks "
-                "only, and prefix hits need the pool's snapshots",
-                format_bytes(offload.size_bytes),
-                self.model_config.family,
-                format_bytes(layout.block_bytes),
-            )
-            return offload, None
-        state_fingerprint = fingerprint.for_state_snapshots(spec.describe())
-        return kv_share, OffloadTier(state_share, state_fingerprint, layout, self.config.block_size, snapshots=True)
+        logger.info(parts.cache_plan.describe())
 
     def close(self) -> None:
         """Release what outlives a step: the KV event publisher's thread and sockets (flushing what is queued), the
@@ -383,6 +205,8 @@ class EngineCore:
             kv_pins_expired=pins.stats.expired,
             kv_pins_displaced=pins.stats.displaced,
             kv_pins_refused=pins.stats.refused,
+            kv_pins_tenant_capped=pins.stats.tenant_capped,
+            kv_retention_capped=0 if connector is None else connector.retention_capped,
             prefix_cache_miss_reasons=self.kv_manager.miss_counts.snapshot(),
             **spec,
         )
@@ -424,11 +248,9 @@ class EngineCore:
                 if s.request.request_id in result.spec_logits
             }
         except Exception as exc:  # noqa: BLE001 -- pinned on one request, not the engine (see _on_step_failed)
-            self.kv_manager.take_offload()  # never stored: the step may have written partial K/V
             return failed + self._on_step_failed(out, exc)
         except BaseException:
-            self.kv_manager.take_offload()
-            self.kv_manager.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+            self._drop_failed_step()
             raise
         touched: dict[str, SequenceGroup] = {}
         for rid, (first, logits) in result.prompt_logits.items():
@@ -528,7 +350,7 @@ class EngineCore:
         waiting (recomputed, as after a preemption: the step may have written partial K/V) as suspects that
         the scheduler runs alone; a suspect that fails alone is the culprit and fails by itself, with an
         error output. Requests the failed step did not touch keep their progress."""
-        self.kv_manager.reset_prefix_cache()  # blocks published for this step may hold partial K/V
+        self._drop_failed_step()
         culprits = self.scheduler.quarantine(out)
         if not culprits:
             logger.warning(
@@ -545,6 +367,13 @@ class EngineCore:
             outputs.append(group.take_output())
             self._drop(group)
         return outputs
+
+    def _drop_failed_step(self) -> None:
+        """What a failed step computed may be partial: the offload tier stores none of it, and the prefix cache (whose
+        blocks the step's requests published before it ran) is dropped."""
+        if self.scheduler.offload is not None:
+            self.scheduler.offload.on_step_failed()
+        self.kv_manager.reset_prefix_cache()
 
     def _fail(self, culprit: SequenceState, exc: Exception) -> SequenceGroup:
         """Finish `culprit` with an error and its unfinished siblings as aborted (the request cannot complete
@@ -653,8 +482,7 @@ def check_kv_invariants(kv: KVCacheManager, offload: OffloadConnector | None = N
             raise AssertionError(f"state slots held by {sorted(slots.held)}, blocks by {sorted(kv.requests)}")
         if slots.num_free + len(slots.held) != slots.num_slots or len(set(slots.held.values())) != len(slots.held):
             raise AssertionError(f"state slots: {slots.num_free} free + {len(slots.held)} held != {slots.num_slots}")
-    if kv.state_snapshots is not None:
-        kv.state_snapshots.check()
+    kv.check_state()
 
 
 def _advance_grammar(matcher: GrammarMatcher, token_id: int) -> bool:

@@ -326,6 +326,8 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         out.preempted.append(request)
         out.preempted_held[request.request_id] = (request.num_computed_tokens, self.kv.num_blocks_held(request))
+        if self.offload is not None:
+            self.offload.request_leaving(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -355,7 +357,7 @@ class Scheduler:
             if s.completes_sequence:  # a suspect cleared: it got through a whole step of its own
                 self.suspects.discard(request.request_id)
         if self.offload is not None:  # write-through: the blocks this step filled, before any is reused
-            self.offload.on_step_done(prompt_tokens, step_seconds)
+            self.offload.on_step_done(out.scheduled, prompt_tokens, step_seconds)
         now = time.monotonic()
         for s in out.scheduled:
             tokens = new_tokens.get(s.request.request_id)
@@ -405,6 +407,8 @@ class Scheduler:
         if status is not RequestStatus.FINISHED_ERROR:
             params = request.sampling_params
             request.pin_outcomes = self.kv.pin_prefix(request, params.kv_pins)
-            if self.offload is not None and params.prompt_cache_retention_s > 0:
-                self.offload.retain(request, params.prompt_cache_retention_s)
+            if self.offload is not None:
+                if params.prompt_cache_retention_s > 0:
+                    self.offload.retain(request, params.prompt_cache_retention_s)
+                self.offload.request_leaving(request)
         self.kv.forget(request)

@@ -56,6 +56,8 @@ class EngineStats:
     kv_pins_expired: int = 0
     kv_pins_displaced: int = 0
     kv_pins_refused: int = 0
+    kv_pins_tenant_capped: int = 0
+    kv_retention_capped: int = 0  # tier records a prompt_cache_retention asked for past its budgets
     # Requests by why their prefix hit stopped short of the prompt (kv/misses.py MISS_REASONS), since start.
     prefix_cache_miss_reasons: tuple[tuple[str, int], ...] = ()
 

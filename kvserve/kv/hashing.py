@@ -11,6 +11,7 @@ import hashlib
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvserve.vocab import HASH_ALGOS
 
@@ -78,3 +79,58 @@ class BlockHasher:
             parent = known[-1] if known else None
             known.append(self.hash_block(parent, tokens(start, start + block_size), extra_keys))
         return known
+
+
+class KeyedRequest(Protocol):
+    """What RequestKeys reads of a request (the engine's Request satisfies it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class RequestKeys:
+    """Each live request's block hashes and content keys, each made once as its tokens grow (a waiting request is
+    looked up every step: hashing or re-slicing its whole prompt each time made lookups cost milliseconds)."""
+
+    def __init__(self, hasher: BlockHasher, block_size: int) -> None:
+        self.hasher = hasher
+        self.block_size = block_size
+        self.hashes_of: dict[str, list[bytes]] = {}
+        self.keys_of: dict[str, list[BlockKey]] = {}
+        self.extra_of: dict[str, bytes] = {}  # each request's salt key, made once
+
+    def extra_keys(self, request: KeyedRequest) -> bytes:
+        extra = self.extra_of.get(request.request_id)
+        if extra is None:
+            extra = self.extra_of[request.request_id] = salt_key(request.cache_salt)
+        return extra
+
+    def hashes(self, request: KeyedRequest, num_tokens: int) -> list[bytes]:
+        """Hashes of the full blocks among the first num_tokens tokens (the list grows; never shrinks)."""
+        hashes = self.hashes_of.setdefault(request.request_id, [])
+        num_tokens = min(num_tokens, request.num_tokens)
+        return self.hasher.extend(request.token_slice, num_tokens, self.block_size, hashes, self.extra_keys(request))
+
+    def key(self, request: KeyedRequest, hashes: list[bytes], index: int) -> BlockKey:
+        """What block `index` of the request holds (its hashes up to it made already), as a prefix hit compares it."""
+        keys = self.keys_of.setdefault(request.request_id, [])
+        if len(keys) <= index:
+            bs, extra = self.block_size, self.extra_keys(request)
+            for i in range(len(keys), index + 1):
+                keys.append(
+                    BlockKey(hashes[i - 1] if i else None, tuple(request.token_slice(i * bs, (i + 1) * bs)), extra)
+                )
+        return keys[index]
+
+    def forget(self, request_id: str) -> None:
+        self.hashes_of.pop(request_id, None)
+        self.keys_of.pop(request_id, None)
+        self.extra_of.pop(request_id, None)

@@ -28,8 +28,14 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from kvserve.kv.hashing import BlockKey
+from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
+
+if TYPE_CHECKING:
+    from kvserve.kv.coordinator import KVCacheCoordinator
+    from kvserve.kv.pins import PinTable
+    from kvserve.kv.pool import BlockPool
 
 MISS_REASONS = (
     "tier_record_failed_check",
@@ -119,3 +125,101 @@ class MissCounts:
 
     def snapshot(self) -> tuple[tuple[str, int], ...]:
         return tuple(self.counts.items())
+
+
+class MissRequest(Protocol):
+    """What the classifier reads of a request (the engine's Request satisfies it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class MissClassifier:
+    """The history behind "why did this request miss?" (see the module docstring): the seen blocks (twice the pool's
+    blocks of history), each salted request's hashes without its salt, and per request the blocks its last lookup
+    found cached past its longest state snapshot (a hit the snapshots cut short)."""
+
+    def __init__(self, pool: BlockPool, pins: PinTable, block_size: int, hasher: BlockHasher) -> None:
+        self.pool = pool
+        self.pins = pins
+        self.block_size = block_size
+        self.hasher = hasher
+        self.seen = SeenBlocks(max(2 * pool.num_usable_blocks, 4096))
+        self.unsalted_hashes: dict[str, list[bytes]] = {}
+        self.snapshot_cut: dict[str, int] = {}
+        self.counts = MissCounts()
+
+    def unsalted(self, request: MissRequest, num_tokens: int) -> list[bytes]:
+        """A salted request's block hashes as if it had no cache salt (an unsalted one's are its own hashes)."""
+        known = self.unsalted_hashes.setdefault(request.request_id, [])
+        return self.hasher.extend(request.token_slice, min(num_tokens, request.num_tokens), self.block_size, known)
+
+    def saw(self, block_hash: bytes, key: BlockKey, unsalted_hash: bytes) -> None:
+        """A block was published to the prefix cache."""
+        self.seen.add(block_hash, key, unsalted_hash)
+
+    def forget(self, request_id: str) -> None:
+        self.unsalted_hashes.pop(request_id, None)
+        self.snapshot_cut.pop(request_id, None)
+
+    def evicted_after(self, hashes: list[bytes], num_hit_tokens: int) -> int:
+        """The tokens after a hit of `num_hit_tokens` whose blocks the pool evicted shortly before (its ghost list):
+        hits lost to eviction."""
+        ghosts = self.pool.recently_evicted
+        lost = 0
+        for block_hash in hashes[num_hit_tokens // self.block_size :] if ghosts else ():
+            if block_hash not in ghosts:
+                break
+            lost += 1
+        return lost * self.block_size
+
+    def classify(
+        self,
+        request: MissRequest,
+        hashes: list[bytes],
+        num_hit_tokens: int,
+        rejected: frozenset[bytes],
+        coordinator: KVCacheCoordinator,
+    ) -> PrefixMiss | None:
+        """Why the prefix hit of `num_hit_tokens` stopped there, in the module docstring's order; None when it served
+        every block a hit can. `hashes`: the request's block hashes (its last token's block excluded)."""
+        bs = self.block_size
+        k = num_hit_tokens // bs
+        if k >= len(hashes):
+            return None
+        block_hash, at = hashes[k], k * bs
+        extra = salt_key(request.cache_salt)
+        if not rejected.isdisjoint(hashes[k:]):  # the restore stopped at a refused record: every group's hit with it
+            return PrefixMiss("tier_record_failed_check", at)
+        if self.snapshot_cut.get(request.request_id, 0):
+            return PrefixMiss("no_state_snapshot", at)
+        full = coordinator.full_groups
+        if coordinator.has_sliding and full and all(self.pool.is_cached(block_hash, g) for g in full):
+            return PrefixMiss("outside_sliding_window", at)
+        ghost = self.pool.recently_evicted.get(block_hash)
+        if ghost is not None:
+            reason = "pin_expired" if block_hash in self.pins.expired_hashes else "evicted"
+            ago = round(max(self.pool.clock() - ghost[0], 0.0), 3)
+            return PrefixMiss(reason, at, evicted_ago_s=ago, evicted_blocks_since=self.pool.num_evictions - ghost[1])
+        if block_hash in self.seen.keys:  # seen, not cached, and past the ghost list: evicted long ago
+            return PrefixMiss("evicted", at)
+        siblings = self.seen.siblings(hashes[k - 1] if k else None, extra)
+        if siblings:
+            mine = request.token_slice(at, at + bs)
+            same = max(common_prefix(mine, s.token_ids) for s in siblings)
+            # Whole blocks in common, or half a block at least: a prompt that shares only a BOS token or a chat
+            # template's header with others was never seen, it did not diverge.
+            if at > 0 or 2 * same >= bs:
+                return PrefixMiss("diverged", at, diverged_at_token=at + same)
+        unsalted = self.unsalted(request, (k + 1) * bs)[k] if request.cache_salt else block_hash
+        if self.seen.seen_under_other_salt(unsalted, extra):
+            return PrefixMiss("different_cache_salt", at)
+        return PrefixMiss("never_seen", at)

@@ -8,13 +8,20 @@ includes the cache salt: one pin per prefix and tenant, and a pin can only ever 
 A prefix is pinned when a request that asked for it finishes (its blocks are computed and cached by then); pinning
 it again, or a later request hitting it, moves its expiry to `now + ttl` when that is later. Pins expire on the
 scheduler's clock (injectable, for tests); the blocks of an expired pin go back to the pool's LRU like any freed
-block. Pinned blocks are capped at `budget_blocks` distinct blocks (a chat's successive pins share their history's
-blocks, which count once; a sliding-window group's window before each pin's end does not). A new pin that would
-exceed it displaces the least recently used pins first (the newest prefix is the one a conversation continues from;
-a displaced pin's blocks stay ordinary cached blocks, written through to the offload tier where one is configured);
-one that cannot fit even alone is refused. Both are counted. And pins never starve a live request: when the pool
-cannot give a request its blocks even after evicting every unreferenced one, the least recently used pins are
-released first (KVCacheManager.allocate_slots), before anyone is refused or preempted.
+block.
+
+Budgets. Pinned blocks are capped at `budget_blocks` distinct blocks (a chat's successive pins share their history's
+blocks, which count once; a sliding-window group's window before each pin's end does not), and each tenant (a cache
+salt; requests without one are one tenant) at `tenant_budget` (default: the whole budget). A new pin over its
+tenant's budget displaces that tenant's least recently used pins; one over the whole budget displaces the least
+recently used pin of the tenant holding the most blocks, so one tenant's pins never push out another's that holds less
+(max-min fairness). A pin larger than its budget alone is refused. Each is counted; a response reports only the
+displacement of its own tenant's pins (another tenant's pins are not its business, nor their existence).
+
+Pins never starve a live request: when the pool cannot give a request its blocks even after evicting every
+unreferenced one, pins give way (`release_for`): the least recently used pins whose blocks only pins hold, as many as
+make the request fit, and none when that would not. A pin whose blocks running requests hold too frees nothing and
+stays (releasing every pin whatever it freed left cache_control keeping nothing under load).
 """
 
 from __future__ import annotations
@@ -30,20 +37,21 @@ from kvserve.kv.pool import BlockPool
 
 @dataclass(slots=True)
 class Pin:
-    """One pinned prefix: the blocks it holds a reference on, how long it lives, and until when."""
+    """One pinned prefix: the blocks it holds a reference on, whose it is, how long it lives, and until when."""
 
     key: bytes  # the chained hash of its last block
     blocks: list[KVCacheBlock]
     num_tokens: int
     ttl_s: float
     expires_at: float
+    tenant: bytes = b""  # the cache salt's key (kv/hashing.py salt_key); b"": no salt
 
 
 @dataclass(frozen=True, slots=True)
 class PinOutcome:
     """What became of one pin a request asked for, for its response: `pinned` (new), `refreshed` (it existed),
-    `refused` (larger than the budget alone), `not_cached` (nothing of it was computed and cached: no whole block, or
-    caching off); `displaced`: older pins released to make room for it."""
+    `refused` (larger than its budget alone), `not_cached` (nothing of it was computed and cached: no whole block, or
+    caching off); `displaced`: the same tenant's older pins released to make room for it."""
 
     num_tokens: int
     outcome: str
@@ -52,14 +60,16 @@ class PinOutcome:
 
 @dataclass(slots=True)
 class PinStats:
-    """Counters since start: pins made, refreshed (pinned again or hit), expired, displaced by newer pins over the
-    budget, refused (larger than the budget alone)."""
+    """Counters since start: pins made, refreshed (pinned again or hit), expired, displaced (by newer pins over a
+    budget, or released so that a live request fits), refused (larger than a budget alone), and `tenant_capped`: pins
+    displaced or refused because their tenant's budget was full (the per-tenant cap biting)."""
 
     created: int = 0
     refreshed: int = 0
     expired: int = 0
     displaced: int = 0
     refused: int = 0
+    tenant_capped: int = 0
 
 
 @dataclass(slots=True)
@@ -69,16 +79,20 @@ class PinTable:
     pool: BlockPool
     budget_blocks: int
     clock: Callable[[], float] = time.monotonic
+    tenant_budget: int | None = None  # distinct blocks one tenant may pin (None: the whole budget)
     pins: OrderedDict[bytes, Pin] = field(default_factory=OrderedDict)  # least recently used first
     stats: PinStats = field(default_factory=PinStats)
     pinned: dict[int, int] = field(default_factory=dict)  # block id -> pins holding it: len() is the budget's count
+    by_tenant: dict[bytes, dict[int, int]] = field(default_factory=dict)  # the same, per tenant
     # The block hashes of pins that expired lately (a miss on one is "pin_expired", kv/misses.py), the last 4,096.
     expired_hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     expired_capacity: int = 4096
 
-    def pin(self, key: bytes, blocks: list[KVCacheBlock], num_tokens: int, ttl_s: float) -> PinOutcome:
+    def pin(
+        self, key: bytes, blocks: list[KVCacheBlock], num_tokens: int, ttl_s: float, tenant: bytes = b""
+    ) -> PinOutcome:
         """Pin `blocks` (the prefix ending at the block hashed `key`) for `ttl_s` seconds, or refresh the pin if it
-        exists, displacing the least recently used pins when the budget has no room."""
+        exists, displacing pins as the budgets say (see the module docstring)."""
         now = self.clock()
         existing = self.pins.get(key)
         if existing is not None:
@@ -87,29 +101,73 @@ class PinTable:
             self.pins.move_to_end(key)
             self.stats.refreshed += 1
             return PinOutcome(num_tokens, "refreshed")
-        if len({b.block_id for b in blocks}) > self.budget_blocks:
+        ids = {b.block_id for b in blocks}
+        tenant_budget = (
+            self.budget_blocks if self.tenant_budget is None else min(self.tenant_budget, self.budget_blocks)
+        )
+        if len(ids) > tenant_budget:
             self.stats.refused += 1
+            self.stats.tenant_capped += len(ids) <= self.budget_blocks
             return PinOutcome(num_tokens, "refused")
+        own = self.by_tenant.get(tenant, {})
         displaced = 0
-        while self.pins and len(self.pinned) + sum(1 for b in blocks if b.block_id not in self.pinned) > (
-            self.budget_blocks
-        ):
-            self._release(next(iter(self.pins)))  # the least recently used pin
+        while len(own) + len(ids - own.keys()) > tenant_budget:
+            self._release(self._oldest_of(tenant))
             self.stats.displaced += 1
+            self.stats.tenant_capped += 1
             displaced += 1
+            own = self.by_tenant.get(tenant, {})
+        while len(self.pinned) + len(ids - self.pinned.keys()) > self.budget_blocks:
+            victim = max(self.by_tenant, key=lambda t: len(self.by_tenant[t]))
+            self._release(self._oldest_of(victim))
+            self.stats.displaced += 1
+            displaced += victim == tenant
         self.pool.touch(blocks)
-        self.pins[key] = Pin(key, blocks, num_tokens, ttl_s, now + ttl_s)
+        self.pins[key] = Pin(key, blocks, num_tokens, ttl_s, now + ttl_s, tenant)
+        counts = self.by_tenant.setdefault(tenant, {})
         for b in blocks:
             self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
         self.stats.created += 1
         return PinOutcome(num_tokens, "pinned", displaced)
 
-    def release_oldest(self) -> bool:
-        """Release the least recently used pin (a live request needs its blocks); False when there is none."""
-        if not self.pins:
+    def pin_all(
+        self,
+        prefixes: list[tuple[bytes, list[KVCacheBlock], int] | None],
+        ttls: list[float],
+        tenant: bytes,
+    ) -> tuple[PinOutcome, ...]:
+        """Pin each (key, blocks, tokens) prefix of one request for its TTL; None or no blocks: not cached."""
+        return tuple(
+            self.pin(p[0], p[1], p[2], ttl, tenant) if p is not None and p[1] else PinOutcome(0, "not_cached")
+            for p, ttl in zip(prefixes, ttls)
+        )
+
+    def _oldest_of(self, tenant: bytes) -> bytes:
+        return next(key for key, found in self.pins.items() if found.tenant == tenant)
+
+    def release_for(self, blocks_short: int) -> bool:
+        """A live request needs `blocks_short` more blocks than the pool has free: release the least recently used pins
+        whose blocks only pins hold, as few as give it that many; none, and False, when they cannot."""
+        if blocks_short <= 0:
+            return True
+        released_refs: dict[int, int] = {}
+        chosen: list[bytes] = []
+        freed = 0
+        for key, found in self.pins.items():
+            if not any(b.ref_cnt == self.pinned[b.block_id] for b in found.blocks):
+                continue  # every block of it is held by a request too: releasing it frees nothing
+            for b in found.blocks:
+                released_refs[b.block_id] = released_refs.get(b.block_id, 0) + 1
+                freed += released_refs[b.block_id] == b.ref_cnt
+            chosen.append(key)
+            if freed >= blocks_short:
+                break
+        if freed < blocks_short:
             return False
-        self._release(next(iter(self.pins)))
-        self.stats.displaced += 1
+        for key in chosen:
+            self._release(key)
+            self.stats.displaced += 1
         return True
 
     def refresh(self, hashes: Iterable[bytes]) -> None:
@@ -148,12 +206,12 @@ class PinTable:
 
     def _release(self, key: bytes) -> None:
         found = self.pins.pop(key)
+        counts = self.by_tenant[found.tenant]
         for b in found.blocks:
-            left = self.pinned[b.block_id] - 1
-            if left:
-                self.pinned[b.block_id] = left
-            else:
-                del self.pinned[b.block_id]
+            _drop_ref(self.pinned, b.block_id)
+            _drop_ref(counts, b.block_id)
+        if not counts:
+            del self.by_tenant[found.tenant]
         self.pool.free(reversed(found.blocks))
 
     def held_blocks(self) -> list[KVCacheBlock]:
@@ -173,3 +231,11 @@ class PinTable:
     @property
     def num_pinned_tokens(self) -> int:
         return sum(found.num_tokens for found in self.pins.values())
+
+
+def _drop_ref(counts: dict[int, int], block_id: int) -> None:
+    left = counts[block_id] - 1
+    if left:
+        counts[block_id] = left
+    else:
+        del counts[block_id]

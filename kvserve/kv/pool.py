@@ -172,6 +172,7 @@ class BlockPool:
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
+        """Drop the prefix a block being reused held (it left the free or spent queue already)."""
         if block.block_hash is not None:
             cached = self.cached[block.group_id]
             if cached.get(block.block_hash) is block:
@@ -184,10 +185,6 @@ class BlockPool:
                 if self.events is not None and self.events.enabled:
                     self.events.append(BlockRemoved(block.block_id, block.block_hash.hex(), group_idx=block.group_id))
             block.block_hash = block.key = None
-        if block.spent:  # a free out-of-window block whose prefix is dropped holds nothing: reused first
-            self.spent_queue.remove(block)
-            block.spent = False
-            self.free_queue.appendleft(block)
 
     def is_cached(self, block_hash: bytes, group_id: int = 0) -> bool:
         return block_hash in self.cached[group_id]

@@ -177,12 +177,21 @@ class StateSlots:
 
 class StateSnapshots:
     """States at block boundaries, in slots of their own ([first_slot, first_slot + num_slots) of every state layer's
-    tensor), keyed by the chained hash of the block they end at; the least recently used one is overwritten first.
+    tensor), keyed by the chained hash of the block they end at and checked against that block's content (as a pool
+    block is: a hash collision never hands one request another's state); the least recently used one is overwritten
+    first.
+
+    The rule of a step (asserted by `check`): a slot the step names (a restore reads it before the forward pass, a save
+    writes it after, a tier restore writes it meanwhile) is not reassigned before the step ends (`end_step`). So
+    `reserve` never takes a `pending` snapshot's slot (a save or a load queued for it) nor a `named` one (a restore
+    source of this step), and a named snapshot dropped meanwhile keeps its slot until the step ends. Without it, two
+    reservations of one step shared a slot (both saves wrote it; with a tier, one hash's record held another's state),
+    and a tier restore overwrote a slot another request of the step was about to start from.
 
     A snapshot reserved for a step is `pending` until the runner has saved it after that step: a request admitted in
     the same step (sharing the prefix's blocks at once) must not start from a slot not yet written. One reserved for a
-    restore from the offload tier is pending and `loading` until the copy ends (reserve_for_load, loaded): never
-    overwritten meanwhile, since the tier's loader thread may be writing its slot.
+    restore from the offload tier is pending and `loading` until the copy ends (reserve_for_load, loaded), which may
+    take several steps (from disk, on the loader thread).
 
     KV events (`events`): a saved snapshot is published as a BlockStored of group `group_idx` (the one past the KV
     cache groups) whose block id is its slot, and one overwritten or dropped as a BlockRemoved (docs/KV_CACHE.md)."""
@@ -204,10 +213,12 @@ class StateSnapshots:
         self.events = events
         self.group_idx = group_idx
         self.by_hash: OrderedDict[bytes, int] = OrderedDict()
-        self.keys: dict[bytes, BlockKey] = {}  # what each snapshot's block holds (for events and the offload tier)
+        self.keys: dict[bytes, BlockKey] = {}  # what each snapshot's block holds (hits compare it, events carry it)
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self.pending: set[bytes] = set()
         self.loading: set[bytes] = set()
+        self.named: set[int] = set()  # slots this step reads (restore sources): not reassigned until end_step
+        self._released: list[int] = []  # named slots whose snapshots were dropped: free once the step ends
         self.num_evictions = 0
         self.num_saved = 0
         self.num_restored = 0
@@ -220,6 +231,10 @@ class StateSnapshots:
         """Whether a saved snapshot ends at this block (a pending one does not count)."""
         return block_hash in self.by_hash and block_hash not in self.pending
 
+    def serves(self, block_hash: bytes, key: BlockKey) -> bool:
+        """Whether a saved snapshot ends at the block hashed `block_hash` holding `key` (a prefix hit's question)."""
+        return block_hash in self and self.keys.get(block_hash) == key
+
     def slot_of(self, block_hash: bytes) -> int | None:
         """The saved snapshot's slot, its place in the LRU order unchanged; None if there is none."""
         return self.by_hash[block_hash] if block_hash in self else None
@@ -231,10 +246,25 @@ class StateSnapshots:
         self.by_hash.move_to_end(block_hash)
         return self.by_hash[block_hash]
 
+    def read(self, block_hash: bytes) -> int | None:
+        """The slot a restore of this step reads (`use`, and named until the step ends); None if there is none."""
+        slot = self.use(block_hash)
+        if slot is not None:
+            self.named.add(slot)
+            self.num_restored += 1
+        return slot
+
+    def _evictable(self, block_hash: bytes) -> bool:
+        return (
+            block_hash not in self.pending
+            and self.by_hash[block_hash] not in self.named
+            and not self.protected(block_hash)
+        )
+
     def reserve(self, block_hash: bytes, key: BlockKey, lasting: bool = True) -> int | None:
-        """A slot to save the state ending at `block_hash` (a block holding `key`) into (the least recently used
-        unprotected snapshot's when none is free); None when that snapshot exists already (the same tokens give the
-        same state: nothing to save) or every slot holds a protected or loading one. A snapshot not `lasting` (one
+        """A slot to save the state ending at `block_hash` (a block holding `key`) into: a free one, else the least
+        recently used snapshot's that the step does not name (see the class). None when that snapshot exists already
+        (the same tokens give the same state: nothing to save) or no slot can be taken. A snapshot not `lasting` (one
         few requests will start from) goes in as the least recently used: the next to be overwritten, unless a hit
         uses it first."""
         if block_hash in self.by_hash:
@@ -244,8 +274,8 @@ class StateSnapshots:
         if self._free:
             slot = self._free.pop()
         else:
-            evicted = next((h for h in self.by_hash if not self.protected(h) and h not in self.loading), None)
-            if evicted is None:  # every snapshot belongs to a pinned prefix or a restore: this state is not saved
+            evicted = next((h for h in self.by_hash if self._evictable(h)), None)
+            if evicted is None:  # every snapshot is pinned, queued or read this step: this state is not saved
                 return None
             slot = self._remove(evicted)
             self.num_evictions += 1
@@ -272,7 +302,7 @@ class StateSnapshots:
             self.num_loaded += 1
             self.saved([block_hash])
         elif block_hash in self.pending:
-            self._free.append(self._remove(block_hash))
+            self._release(self._remove(block_hash))
 
     def saved(self, hashes: list[bytes]) -> None:
         """The runner has written these snapshots: hits may start from them."""
@@ -281,6 +311,15 @@ class StateSnapshots:
                 self.pending.discard(h)
                 self.num_saved += 1
                 self._publish_stored(h)
+
+    def end_step(self) -> None:
+        """The step ran: the slots it read may be reassigned, and those whose snapshots it dropped are free."""
+        self.named.clear()
+        self._free.extend(self._released)
+        self._released.clear()
+
+    def _release(self, slot: int) -> None:
+        (self._released if slot in self.named else self._free).append(slot)
 
     def _publish_stored(self, block_hash: bytes) -> None:
         if self.events is None or not self.events.enabled:
@@ -303,20 +342,34 @@ class StateSnapshots:
         return slot
 
     def drop(self, block_hash: bytes, publish: bool = True) -> None:
-        if self.protected(block_hash) or block_hash in self.loading or block_hash not in self.by_hash:
+        """Forget a saved snapshot (a pinned one, or one queued for a save or a load, stays)."""
+        if self.protected(block_hash) or block_hash in self.pending or block_hash not in self.by_hash:
             return
-        self._free.append(self._remove(block_hash, publish))
+        self._release(self._remove(block_hash, publish))
 
     def clear(self) -> None:
-        """Drop every snapshot but those of pins and of restores in flight (the pool's AllBlocksCleared covers the
-        events)."""
+        """Drop every snapshot but those of pins and of restores in flight, and forget what the step named (a failed
+        step's saves never ran: their snapshots go too). The pool's AllBlocksCleared covers the events."""
         for block_hash in list(self.by_hash):
-            self.drop(block_hash, publish=False)
+            if block_hash in self.pending and block_hash not in self.loading:
+                self._release(self._remove(block_hash, publish=False))
+            else:
+                self.drop(block_hash, publish=False)
+        self.end_step()
 
     def check(self) -> None:
-        """The invariant: every slot is free or holds one snapshot; a restore's snapshot is pending until it ends."""
+        """The invariant: every slot is free, released at the step's end or holds one snapshot; a restore's snapshot
+        is pending until it ends; no named slot is free."""
         held = list(self.by_hash.values())
-        if len(set(held)) != len(held) or set(held) & set(self._free) or len(held) + len(self._free) != self.num_slots:
-            raise AssertionError(f"state snapshots: {len(self._free)} free + {len(held)} held != {self.num_slots}")
+        free = set(self._free)
+        released = set(self._released)
+        total = len(held) + len(self._free) + len(self._released)
+        if len(set(held)) != len(held) or (set(held) & (free | released)) or free & released or total != self.num_slots:
+            raise AssertionError(
+                f"state snapshots: {len(self._free)} free + {len(self._released)} released + {len(held)} held != "
+                f"{self.num_slots}"
+            )
         if not self.loading <= self.pending or not self.pending <= set(self.by_hash):
             raise AssertionError("state snapshots: a loading or pending snapshot is not held")
+        if self.named & free:
+            raise AssertionError(f"state snapshots: slot(s) {sorted(self.named & free)} read this step are free")

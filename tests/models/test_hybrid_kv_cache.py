@@ -82,16 +82,17 @@ class Poisoner:
         self.engine = engine
         self.freed: list[Any] = []
         self.poisoned = 0
-        kv = engine.core.kv_manager
-        original = kv._free_skipped
+        coordinator = engine.core.kv_manager.coordinator
+        original = coordinator.free_skipped
 
-        def recording(request, state) -> None:  # type: ignore[no-untyped-def]
-            before = {id(b): b for table in state.tables for b in table}
-            original(request, state)
-            after = {id(b) for table in state.tables for b in table}
+        def recording(request_id: str, num_computed_tokens: int) -> None:
+            tables = coordinator.tables(request_id)
+            before = {id(b): b for table in tables for b in table}
+            original(request_id, num_computed_tokens)
+            after = {id(b) for table in tables for b in table}
             self.freed += [b for key, b in before.items() if key not in after]
 
-        kv._free_skipped = recording  # type: ignore[method-assign]
+        coordinator.free_skipped = recording  # type: ignore[method-assign]
         self._poison([engine.core.pool.null_block])
 
     def _poison(self, blocks: list[Any]) -> None:
@@ -100,6 +101,10 @@ class Poisoner:
             for block in blocks:
                 if block.block_id != NULL_BLOCK_ID and block.block_hash is not None:
                     pool._evict(block)  # its hash gone: never revived by a hit
+                    if block.spent:  # a free block holding no prefix waits at the free queue's head
+                        pool.spent_queue.remove(block)
+                        block.spent = False
+                        pool.free_queue.appendleft(block)
                 if cache.key.is_floating_point():  # an int8 cache is poisoned through its scales
                     cache.key[block.block_id] = float("nan")
                     cache.value[block.block_id] = float("nan")

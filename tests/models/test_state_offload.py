@@ -95,7 +95,7 @@ def test_the_host_tier_restores_snapshots_the_pool_overwrote(hybrid):
         engine = tiny_engine(hybrid, **SMALL, **({} if size is None else {"kv_offloading_size": size}))
         turn, _ = chat(engine, prompt, message)
         churn(engine)
-        assert not any(h in engine.core.kv_manager.state_snapshots for h in engine.core.kv_manager.reply_snapshot)
+        assert not any(h in engine.core.kv_manager.state_snapshots for h in engine.core.kv_manager.state.reply_snapshot)
         (out,) = run(engine, [turn], GREEDY)
         want = want or cold_run(hybrid, turn)
         assert list(out.outputs[0].token_ids) == want

@@ -98,3 +98,35 @@ def test_pins_yield_to_a_request_that_could_not_fit_otherwise():
     big = [9000 + i for i in range(20 * BS)]  # 20 blocks: more than the 16 the pin leaves
     assert serve(kv, "big", big) == 0
     assert not kv.pins.pins and kv.pins.stats.displaced == 1
+
+
+def test_one_tenants_pins_never_displace_another_tenant_holding_less():
+    """Max-min fairness under the pin budget: tenant b pinning more than the budget leaves displaces b's own older pins
+    while a holds less than b, never a's; b's responses count only b's own displaced pins (a's existence is not b's
+    business)."""
+    _, kv, _ = make(num_blocks=48, budget=12)
+    serve(kv, "a", [100 + i for i in range(4 * BS + 1)], pin=4 * BS, salt="tenant-a")
+    outcomes = []
+    for n in range(4):  # 4 blocks each: b holds 8 with room, then displaces its own
+        r = serve_request(kv, f"b{n}", [2000 + 100 * n + i for i in range(4 * BS + 1)], pin=4 * BS, salt="tenant-b")
+        assert r.hit_tokens == 0
+        outcomes.append(kv.pins.stats.displaced)
+    assert outcomes == [0, 0, 1, 2]
+    assert serve(kv, "a2", [100 + i for i in range(4 * BS + 1)], salt="tenant-a") == 4 * BS  # a's pin survived
+    tenants = {p.tenant for p in kv.pins.pins.values()}
+    assert len(tenants) == 2 and kv.pins.num_pinned_blocks <= 12
+
+
+def test_a_tenants_pin_budget_displaces_its_own_pins_and_is_counted():
+    """--max-pinned-kv-fraction-per-tenant: a tenant's new pin past its share displaces its own least recently used
+    pins (counted as tenant_capped); a pin larger than the share alone is refused, counted too."""
+    layout_pool, kv, _ = make(num_blocks=48, budget=24)
+    kv.pins.tenant_budget = 8
+    serve(kv, "b0", [2000 + i for i in range(4 * BS + 1)], pin=4 * BS, salt="b")
+    serve(kv, "b1", [3000 + i for i in range(4 * BS + 1)], pin=4 * BS, salt="b")
+    assert kv.pins.stats.tenant_capped == 0 and len(kv.pins.pins) == 2
+    serve(kv, "b2", [4000 + i for i in range(4 * BS + 1)], pin=4 * BS, salt="b")
+    assert len(kv.pins.pins) == 2 and kv.pins.stats.tenant_capped == 1
+    serve(kv, "big", [5000 + i for i in range(9 * BS + 1)], pin=9 * BS, salt="b")
+    assert kv.pins.stats.refused == 1 and kv.pins.stats.tenant_capped == 2
+    check_kv_invariants(kv)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from kvserve.engine.request import Request
-from kvserve.kv.manager import KVCacheManager, PrefixCacheStats
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
+from kvserve.kv.prefix_stats import PrefixCacheStats
 
 BS = 16
 

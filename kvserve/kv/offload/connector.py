@@ -18,15 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.kv.block import KVCacheBlock, TierBlock
-from kvserve.kv.hashing import BlockKey
+from kvserve.kv.hashing import BlockKey, salt_key
 from kvserve.kv.manager import KVCacheManager, KVRequest
 from kvserve.kv.offload.backend import done_future
 from kvserve.kv.offload.interface import OffloadingManager
+from kvserve.kv.offload.retention import RetentionBudget
+from kvserve.kv.offload.write_through import Computed, WriteThrough
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +111,12 @@ class OffloadConnector:
         tier: OffloadingManager,
         cost: RestoreCostModel,
         state_tier: OffloadingManager | None = None,
+        retention: tuple[RetentionBudget, RetentionBudget | None] | None = None,
     ) -> None:
         self.kv = kv
+        # prompt_cache_retention's budgets, the blocks' and the state snapshots' (kv/offload/retention.py); None:
+        # unbounded (tests of the tier alone)
+        self.retention = retention
         self.tier = tier
         self.state_tier = state_tier  # a hybrid model's state snapshots (None: no state layers, or no room for one)
         self.cost = cost
@@ -118,10 +124,7 @@ class OffloadConnector:
         self.orphan_loads: list[PendingLoad] = []  # restores whose request left: released once their copy ends
         self.external_queries_tokens = 0  # prompt tokens looked up in the tier (past the pool's hits)
         self.external_hits_tokens = 0  # of them, restored
-        kv.collect_published = True
-        kv.store_now = tier.prepare_store  # a leaving request's last windows: stored before its blocks are freed
-        if state_tier is not None:
-            kv.store_states_now = state_tier.prepare_store  # a leaving request's reply snapshot, before its slot goes
+        self.write_through = WriteThrough(kv, tier, state_tier)  # what the tier stores, from what steps computed
 
     # ---- restores --------------------------------------------------------------------------------------
 
@@ -149,15 +152,14 @@ class OffloadConnector:
         def available(g: int, i: int) -> bool:
             return in_pool(g, i) is not None or self.tier.lookup([(g, hashes[i])]) == 1
 
-        length = kv.longest_hit(len(hashes), available)
-        if kv.state_slots is not None:
-            length = kv.longest_state_hit(length, available, lambda i: self._has_snapshot(hashes[i]))
+        has_snapshot = None if kv.state is None else (lambda i: self._has_snapshot(hashes[i], key(i)))
+        length = kv.coordinator.longest_hit(len(hashes), available, has_snapshot)
         if length * kv.block_size <= num_pool_hit_tokens:
             return None
         held: list[KVCacheBlock] = []
         wanted: list[tuple[int, int]] = []  # (block index, group), in that order: a partial restore is a prefix
         for g in range(kv.num_groups):
-            for i in range(kv.hit_start(g, length), length):
+            for i in range(kv.coordinator.hit_start(g, length), length):
                 block = in_pool(g, i)
                 if block is not None:
                     held.append(block)
@@ -166,7 +168,7 @@ class OffloadConnector:
         wanted.sort()
         saved = length * kv.block_size - num_pool_hit_tokens
         snapshots = kv.state_snapshots
-        state_wanted = snapshots is not None and hashes[length - 1] not in snapshots
+        state_wanted = snapshots is not None and not snapshots.serves(hashes[length - 1], key(length - 1))
         if not wanted and not state_wanted:
             return None
         if not self.cost.worth_restoring(len(wanted), saved, int(state_wanted)):
@@ -201,15 +203,16 @@ class OffloadConnector:
         self.loads[request.request_id] = load
         return load
 
-    def _has_snapshot(self, block_hash: bytes) -> bool:
-        """Whether a state snapshot ends at this block, in the pool's snapshot slots or the state tier."""
+    def _has_snapshot(self, block_hash: bytes, key: BlockKey) -> bool:
+        """Whether a state snapshot ends at this block (holding `key`), in the pool's snapshot slots or the state tier
+        (whose records carry their key: a restore checks it)."""
         snapshots, state_tier = self.kv.state_snapshots, self.state_tier
         if snapshots is None:
             return False
-        if block_hash in snapshots:
+        if snapshots.serves(block_hash, key):
             return True
-        key = (self.kv.state_group, block_hash)
-        return state_tier is not None and state_tier.readable and state_tier.lookup([key]) == 1
+        tier_key = (self.kv.state_group, block_hash)
+        return state_tier is not None and state_tier.readable and state_tier.lookup([tier_key]) == 1
 
     def finish_load(self, load: PendingLoad) -> int:
         """A done restore: its restored blocks join the prefix cache, every block it held is released (hashed ones at
@@ -256,14 +259,25 @@ class OffloadConnector:
         window), and a hybrid model's state snapshots along its tokens (its reply's last included), are kept in the
         tier for `seconds` from now (OpenAI's prompt_cache_retention). Called as the request finishes, before its
         hashes are dropped."""
-        until = time.time() + seconds
-        keys = self.kv.prompt_tier_keys(request)
+        now = time.time()
+        until, tenant = now + seconds, salt_key(request.cache_salt)
+        budgets = self.retention or (None, None)
+        keys = self.write_through.prompt_keys(request)
+        if budgets[0] is not None:
+            keys = budgets[0].admit(tenant, keys, until, now)
         if keys:
             self.tier.retain(keys, until)
         if self.state_tier is not None:  # and the state snapshots a hit on the request's tokens would start from
-            state_keys = self.kv.state_tier_keys(request)
+            state_keys = self.write_through.snapshot_keys(request)
+            if budgets[1] is not None:
+                state_keys = budgets[1].admit(tenant, state_keys, until, now)
             if state_keys:
                 self.state_tier.retain(state_keys, until)
+
+    @property
+    def retention_capped(self) -> int:
+        """Tier records a retention asked for past its budgets (RetentionBudget), since start."""
+        return sum(b.capped for b in self.retention or () if b is not None)
 
     def cancel(self, request_id: str) -> None:
         """The request left: a restore in flight for it is cancelled; its blocks are released once the copy into
@@ -295,16 +309,19 @@ class OffloadConnector:
 
     # ---- stores ----------------------------------------------------------------------------------------
 
-    def on_step_done(self, num_prompt_tokens: int, seconds: float) -> None:
-        """After a step that succeeded: hand the tier the blocks it published (write-through, before any of them can
-        be reused) and feed the restore cost model the step's prefill rate."""
-        self.tier.prepare_store(self.kv.take_offload())
-        snapshots = self.kv.take_state_offload()
-        if self.state_tier is not None and snapshots:
-            self.state_tier.prepare_store(snapshots)
+    def on_step_done(self, scheduled: Sequence[Computed], num_prompt_tokens: int, seconds: float) -> None:
+        """After a step that succeeded: hand the tier the blocks and snapshots it completed (write-through, before any
+        of them can be reused) and feed the restore cost model the step's prefill rate."""
+        self.write_through.step_done(scheduled)
         self.cost.observe_step(num_prompt_tokens, seconds)
 
     def on_step_failed(self) -> None:
-        """The step failed: the blocks it published may hold partial K/V, so none of them is stored."""
-        self.kv.take_offload()
-        self.kv.take_state_offload()
+        """The step failed: what it computed may be partial, so nothing of it is stored (its saved snapshots are
+        dropped; the engine drops the prefix cache, so no later step stores its blocks either)."""
+        if self.kv.state is not None:
+            self.kv.state.take_saved()
+
+    def request_leaving(self, request: KVRequest) -> None:
+        """The request is about to let go of its blocks (finished or preempted): store what only it holds that a
+        next turn would hit (WriteThrough.leaving)."""
+        self.write_through.leaving(request)
