@@ -743,7 +743,7 @@ class KVCacheManager:
             return None
         block_hash, at = hashes[k], k * self.block_size
         extra = self._extra_keys(request)
-        if block_hash in rejected:
+        if not rejected.isdisjoint(hashes[k:]):  # the restore stopped at a refused record: every group's hit with it
             return PrefixMiss("tier_record_failed_check", at)
         if self.snapshot_cut.get(request.request_id, 0):
             return PrefixMiss("no_state_snapshot", at)

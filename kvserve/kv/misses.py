@@ -9,7 +9,8 @@ seen under another salt. The pool's ghost list (recently evicted hashes, with wh
 the pins' expired keys, a restore's rejected tier records, and the groups' tables (a sliding window cut the hit
 short) give the rest. Looked at in this order, the first missed block's reason is:
 
-- `tier_record_failed_check`: a tier record of it failed its checksum or fingerprint and was recomputed;
+- `tier_record_failed_check`: a tier record the restore needed (its own, or a later one: a sliding group's window
+  after it) failed its checksum or fingerprint, so the restore stopped there and the rest was recomputed;
 - `no_state_snapshot`: a model with state layers (kv/state.py) had the blocks cached further, but no state snapshot
   where they end (the hit stops at the last snapshot);
 - `outside_sliding_window`: every full-attention group had it, a sliding group no longer had its window;
