@@ -32,6 +32,7 @@ from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from kvserve.kv.cache import allocate_kv_cache, use_static_kv_scales
 from kvserve.kv.events import KVEventBuffer
 from kvserve.kv.events_config import start_kv_event_publisher
+from kvserve.kv.hashing import check_cache_salt_length
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 from kvserve.kv.state import StateSlots, StateSnapshots
@@ -73,6 +74,7 @@ def check_cache_salt(cache_salt: str | None) -> None:
         return
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    check_cache_salt_length(cache_salt)
     try:
         cache_salt.encode("utf-8")
     except UnicodeEncodeError as e:
