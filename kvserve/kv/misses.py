@@ -17,7 +17,8 @@ short) give the rest. Looked at in this order, the first missed block's reason i
 - `pin_expired`: it was pinned (cache_control) and the pin ran out before it was evicted;
 - `evicted`: the pool evicted it (`evicted_ago_s`, and `evicted_blocks_since`: the LRU pressure after it);
 - `diverged`: an earlier prompt of the same salt shared its prefix (whole blocks, or half a block at least) and went on
-  differently, from `diverged_at_token`;
+  differently, from `diverged_at_token` (a client is told this to the token only about its own tenant's prompts:
+  `whole_blocks`, kvserve.server.kv_report);
 - `different_cache_salt`: the same tokens were seen under another salt (reported to operators only: a client
   learns nothing of other tenants, kvserve.server.kv_report);
 - `never_seen`: nothing known: a cold prefix.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.kv.hashing import BlockKey
 
@@ -53,6 +54,19 @@ class PrefixMiss:
     diverged_at_token: int | None = None
     evicted_ago_s: float | None = None
     evicted_blocks_since: int | None = None
+
+
+def whole_blocks(miss: PrefixMiss) -> PrefixMiss:
+    """The miss as whole cached blocks tell it, for a client that did not send the prompts compared with: a divergence
+    is told at its block's first token (a `diverged_at_token` inside the block would let a client guess another
+    prompt's next token: one request per candidate, padded to a block), and one inside the first block (half a block
+    in common with another prompt) is `never_seen`, since no whole block was shared. Every other reason already
+    speaks of whole blocks."""
+    if miss.reason != "diverged":
+        return miss
+    if miss.at_token == 0:
+        return PrefixMiss("never_seen", 0)
+    return replace(miss, diverged_at_token=miss.at_token)
 
 
 def salt_digest(extra_keys: bytes) -> bytes:

@@ -26,7 +26,7 @@ from kvserve.sampling_params import KVPin
 from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
-from kvserve.server.kv_report import kv_cache_report
+from kvserve.server.kv_report import check_include_kv_cache, kv_cache_report
 from kvserve.server.logprobs import LogprobEntry, chat_logprobs, context_tail
 from kvserve.server.prepare import ChatRender
 from kvserve.server.protocol import (
@@ -81,6 +81,7 @@ async def create_chat_completion(
     if not request.messages:
         raise bad_request("messages must not be empty", param="messages")
     check_retention(request, ctx.facts)
+    check_include_kv_cache(request.include_kv_cache, ctx.settings.kv_cache_report)
     if request.chat_template is not None and not ctx.settings.trust_request_chat_template:
         # A template is a program: even sandboxed, nested loops can hold the event loop for hours.
         raise bad_request(
@@ -130,7 +131,7 @@ async def create_chat_completion(
     body = ChatCompletionResponse(id=chat_id, created=created, model=model, choices=choices, usage=_usage(tracker))
     payload = body.model_dump()
     if request.include_kv_cache:
-        payload["kv_cache"] = _kv_cache(ctx, tracker)
+        payload["kv_cache"] = _kv_cache(ctx, request, tracker)
     return JSONResponse(payload, headers=headers)
 
 
@@ -181,10 +182,17 @@ def _logprobs(
     return ChatChoiceLogprobs(content=content)
 
 
-def _kv_cache(ctx: ServerContext, tracker: DeltaTracker) -> dict[str, Any]:
+def _kv_cache(ctx: ServerContext, request: ChatCompletionRequest, tracker: DeltaTracker) -> dict[str, Any]:
     t = tracker
     return kv_cache_report(
-        ctx.texts, t.prompt_token_ids, t.num_cached_tokens, t.num_restored_tokens, t.prefix_miss, t.pin_outcomes
+        ctx.texts,
+        t.prompt_token_ids,
+        t.num_cached_tokens,
+        t.num_restored_tokens,
+        t.prefix_miss,
+        t.pin_outcomes,
+        policy=ctx.settings.kv_cache_report,
+        salted=request.cache_salt is not None,
     )
 
 
@@ -226,7 +234,7 @@ async def _stream(
         payload = body.model_dump(exclude=None if usage else {"usage"})
         # known once the prompt is prefilled: with the role chunk; and again, with what became of the pins, at the end
         if (first or last) and request.include_kv_cache:
-            payload["kv_cache"] = _kv_cache(ctx, tracker)
+            payload["kv_cache"] = _kv_cache(ctx, request, tracker)
         return sse(payload)
 
     tracker = DeltaTracker(prompt)

@@ -164,6 +164,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text",
     )
+    s.add_argument(
+        "--kv-cache-report",
+        choices=["salted", "blocks", "full", "off"],  # = kv_report.KV_CACHE_REPORTS (not imported: fast --help)
+        default="salted",
+        help="what a request's include_kv_cache report tells about where its prompt diverged from earlier ones: "
+        "salted: to the token for a request with a cache_salt (its own tenant's prompts), in whole blocks for an "
+        "unsalted one (anyone's); blocks: whole blocks for every request; full: to the token for every request "
+        "(clients that trust each other); off: include_kv_cache is a 400 (docs/PROMPT_CACHING.md)",
+    )
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
     d = p.add_argument_group("scale-out (needs `pip install -e '.[cluster]'`, see docs/SCALE_OUT.md)")
     d.add_argument(
@@ -284,6 +293,7 @@ def run_serve(args: argparse.Namespace) -> int:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         disable_ui=args.disable_ui,
         ui_redact_text=args.ui_redact_text,
+        kv_cache_report=args.kv_cache_report,
     )
     app = build_app(async_engine, settings, transport)
     print(

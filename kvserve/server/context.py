@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.server.cache_diagnostics import FingerprintStore
 from kvserve.server.errors import APIError
+from kvserve.server.kv_report import check_kv_cache_report
 from kvserve.server.response_store import ResponseStore
 from kvserve.structured.tool_parsers import DEFAULT_STYLE, TOOL_PARSER_NAMES, ToolParserSpec, tool_parser
 
@@ -53,9 +54,11 @@ class ServerSettings:
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the prompt carries no tools (vLLM's flag)
     disable_ui: bool = False  # --disable-ui: no KV inspector page (its data routes stay, behind the key)
     ui_redact_text: bool = False  # --ui-redact-text: the KV inspector's data carries no token ids
+    kv_cache_report: str = "salted"  # --kv-cache-report: what include_kv_cache tells (kvserve.server.kv_report)
 
     def __post_init__(self) -> None:
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
+        check_kv_cache_report(self.kv_cache_report)
         if not self.served_model_names:
             raise ValueError("at least one served model name is required")
         if self.max_prompts_per_request < 1:
