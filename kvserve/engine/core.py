@@ -577,12 +577,12 @@ class EngineCore:
 
     # ---- diagnosis ------------------------------------------------------------------------------
 
-    def kv_snapshot(self, include_tokens: bool = True) -> dict[str, Any]:
+    def kv_snapshot(self, include_tokens: bool = True, tenant: bool | None = None) -> dict[str, Any]:
         """The KV inspector's view of the pool, requests and prefix cache: fresh plain values sharing nothing with
-        the engine (call it on the engine thread; see engine/inspector.py for the schema). Whoever asks gets the KV
-        events of the next minutes too (KVEventBuffer.lease): none are made while nobody reads them."""
+        the engine (call it on the engine thread; see engine/inspector.py for the schema, and `tenant`). Whoever asks
+        gets the KV events of the next minutes too (KVEventBuffer.lease): none are made while nobody reads them."""
         self.kv_events.lease(_EVENT_LEASE_S)
-        return build_snapshot(self, include_tokens)
+        return build_snapshot(self, include_tokens, tenant)
 
     def check_invariants(self) -> None:
         """The pool is whole: every block free or referenced, and references match requests' holdings.

@@ -69,6 +69,32 @@ def whole_blocks(miss: PrefixMiss) -> PrefixMiss:
     return replace(miss, diverged_at_token=miss.at_token)
 
 
+# Reasons only whoever runs the server may see, and what a client (or a tenant's view of the KV inspector, /metrics
+# without the admin key) is told instead: that another salt sent the same text is another tenant's business.
+OPERATOR_ONLY = {"different_cache_salt": "never_seen"}
+
+
+def without_operator_reasons(miss: PrefixMiss) -> PrefixMiss:
+    """The miss with an operator-only reason replaced by what it stands for to a client."""
+    told = OPERATOR_ONLY.get(miss.reason)
+    return miss if told is None else PrefixMiss(told, miss.at_token)
+
+
+def tenant_view(miss: PrefixMiss) -> PrefixMiss:
+    """The miss as a client that may have sent none of the prompts compared with is told it: no operator-only reason,
+    a divergence in whole blocks."""
+    return whole_blocks(without_operator_reasons(miss))
+
+
+def tenant_counts(counts: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """Requests by reason (MissCounts.snapshot) with the operator-only reasons counted as what clients are told."""
+    folded: dict[str, int] = {}
+    for reason, count in counts:
+        told = OPERATOR_ONLY.get(reason, reason)
+        folded[told] = folded.get(told, 0) + count
+    return tuple(folded.items())
+
+
 def salt_digest(extra_keys: bytes) -> bytes:
     """A short stand-in for a salt, so the history compares salts without keeping them."""
     return hashlib.sha256(extra_keys).digest()[:8] if extra_keys else b""

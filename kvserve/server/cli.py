@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 _API_KEY_ENVS = ("KVSERVE_API_KEY", "VLLM_API_KEY")
+_ADMIN_API_KEY_ENV = "KVSERVE_ADMIN_API_KEY"
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
@@ -160,9 +161,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="do not serve the KV inspector page at / and /ui (its data routes /v1/kv/* stay)",
     )
     s.add_argument(
+        "--admin-api-key",
+        default=None,
+        help=f"the operator's key (default: ${_ADMIN_API_KEY_ENV}): /metrics and the KV inspector's data (/v1/kv/*) "
+        "then need it (the --api-key does not open them: every tenant holds that one), /metrics counts the "
+        "miss reasons only operators may see (different_cache_salt), and the inspector shows prompt text; it "
+        "opens every other route too (give it to `kvserve doctor --api-key`). Without it /metrics is open and "
+        "the inspector's data needs the --api-key",
+    )
+    s.add_argument(
         "--ui-redact-text",
-        action="store_true",
-        help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text, and tells prefix misses as "
+        "clients are told them (default: on when --api-key is set without an --admin-api-key, since every client "
+        "holds that key; off otherwise)",
     )
     s.add_argument(
         "--kv-cache-report",
@@ -206,11 +219,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
-def resolve_api_key(flag: str | None) -> str | None:
-    """The key from --api-key, else $KVSERVE_API_KEY, else $VLLM_API_KEY (the first one given); None when
-    none is. A given but empty key is a ValueError (exit 2): it would silently serve without one."""
-    given = [("--api-key", flag)] if flag is not None else []
-    given += [(f"${name}", os.environ[name]) for name in _API_KEY_ENVS if name in os.environ]
+def resolve_api_key(
+    flag: str | None, flag_name: str = "--api-key", envs: tuple[str, ...] = _API_KEY_ENVS
+) -> str | None:
+    """The key from the flag, else the first of `envs` set ($KVSERVE_API_KEY, else $VLLM_API_KEY for --api-key);
+    None when none is. A given but empty key is a ValueError (exit 2): it would silently serve without one."""
+    given = [(flag_name, flag)] if flag is not None else []
+    given += [(f"${name}", os.environ[name]) for name in envs if name in os.environ]
     if not given:
         return None
     source, key = given[0]
@@ -243,11 +258,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.async_engine import AsyncLLMEngine, build_for_engine_thread
     from kvserve.engine.client import EngineClient
     from kvserve.server.app import build_app
-    from kvserve.server.context import ServerSettings, check_tool_flags
+    from kvserve.server.context import ServerSettings, check_admin_key, check_tool_flags
     from kvserve.server.transport import ServerConfig, TransportLimits
     from kvserve.server.uvicorn_server import GracefulServer
 
     api_key = resolve_api_key(args.api_key)  # before the model loads: a refused key fails at once
+    admin_api_key = resolve_api_key(args.admin_api_key, "--admin-api-key", (_ADMIN_API_KEY_ENV,))
+    check_admin_key(api_key, admin_api_key)
     check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # so do bad tool flags
     transport = TransportLimits(
         timeout_keep_alive=args.timeout_keep_alive,
@@ -292,6 +309,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         disable_ui=args.disable_ui,
+        admin_api_key=admin_api_key,
         ui_redact_text=args.ui_redact_text,
         kv_cache_report=args.kv_cache_report,
     )

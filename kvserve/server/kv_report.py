@@ -21,13 +21,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.kv.misses import PrefixMiss, whole_blocks
+from kvserve.kv.misses import PrefixMiss, tenant_view, without_operator_reasons
 from kvserve.kv.pins import PinOutcome
 from kvserve.server.errors import bad_request
 from kvserve.server.logprobs import TokenTexts
 
 CONTEXT_TOKENS = 8  # tokens of the request's own prompt shown either side of a divergence
-OPERATOR_ONLY = {"different_cache_salt": "never_seen"}
 KV_CACHE_REPORTS = ("salted", "blocks", "full", "off")  # --kv-cache-report
 
 
@@ -47,8 +46,8 @@ def check_include_kv_cache(include_kv_cache: bool, policy: str) -> None:
 def client_miss(miss: PrefixMiss, policy: str, salted: bool) -> PrefixMiss:
     """What a client may be told of its request's miss under `policy` (see the module docstring)."""
     if policy == "full" or (policy == "salted" and salted):
-        return miss
-    return whole_blocks(miss)
+        return without_operator_reasons(miss)
+    return tenant_view(miss)
 
 
 def kv_cache_report(
@@ -75,7 +74,7 @@ def kv_cache_report(
     if miss is None:
         return report
     miss = client_miss(miss, policy, salted)
-    detail: dict[str, Any] = {"reason": OPERATOR_ONLY.get(miss.reason, miss.reason), "at_token": miss.at_token}
+    detail: dict[str, Any] = {"reason": miss.reason, "at_token": miss.at_token}
     if miss.reason in ("evicted", "pin_expired"):
         detail["evicted_ago_s"] = miss.evicted_ago_s
         detail["evicted_blocks_since"] = miss.evicted_blocks_since

@@ -111,3 +111,79 @@ def test_the_operator_chooses_what_the_report_tells(make_tenant_server):
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "include_kv_cache": True}
         assert c.post("/v1/chat/completions", json=chat).status_code == 400
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+MISS_METRIC = "kvserve:prefix_cache_miss_reasons_total"
+
+
+def salt_probe(c) -> None:
+    """A tenant's prompt, then the same text under a fresh salt: the second request's true reason is
+    different_cache_salt (the issue's probe: which of five guessed salaries another tenant's prompt held)."""
+    report(c, VICTIM, cache_salt="tenant-a")
+    assert report(c, VICTIM, cache_salt="probe")["miss"]["reason"] == "never_seen"
+
+
+def reasons_counted(text: str) -> set[str]:
+    """The reasons /metrics counts at least one request for."""
+    lines = [line for line in text.splitlines() if line.startswith(MISS_METRIC)]
+    return {line.split('reason="')[1].split('"')[0] for line in lines if float(line.rsplit(" ", 1)[1]) > 0}
+
+
+def test_metrics_show_another_salts_prompts_only_to_the_admin_key(make_tenant_server):
+    """/metrics counted different_cache_salt for anyone: a client probing with fresh salts learned which guess another
+    tenant's prompt held. Without an admin key /metrics is open and counts it as never_seen (what the client is told);
+    with one, /metrics needs it (the clients' key does not open it) and counts every reason."""
+    open_server = make_tenant_server(api_key="client-key")
+    with open_server.client(headers={"Authorization": "Bearer client-key"}) as c:
+        salt_probe(c)
+        scraped = c.get("/metrics")
+        assert scraped.status_code == 200
+        assert reasons_counted(scraped.text) == {"never_seen"}
+    keyed = make_tenant_server(api_key="client-key", admin_api_key="admin-key")
+    with keyed.client(headers={"Authorization": "Bearer client-key"}) as c:
+        salt_probe(c)
+        assert c.get("/metrics").status_code == 401
+        assert keyed.client().get("/metrics").status_code == 401  # and without any key
+    with keyed.client(headers={"Authorization": "Bearer admin-key"}) as admin:
+        assert reasons_counted(admin.get("/metrics").text) == {"never_seen", "different_cache_salt"}
+        ok = admin.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})  # the admin key opens every route
+        assert ok.status_code == 200, ok.text
+
+
+def test_the_kv_inspector_shows_prompts_only_to_its_own_key(make_tenant_server):
+    """Every tenant holds the one client key, and the inspector showed each one's prompt text (and miss reasons). With
+    a client key alone its data is redacted by default: no token ids, misses as clients are told them, no
+    prompt_cache_key; with an admin key it is the admin key's alone, unredacted."""
+    shared = make_tenant_server(api_key="client-key")
+    with shared.client(headers={"Authorization": "Bearer client-key"}) as c:
+        assert c.get("/v1/kv/snapshot").status_code == 200  # a reader: events are recorded from now on
+        report(c, VICTIM)
+        changed = report(c, KNOWN + "7X" + VICTIM[len(KNOWN) + 2 :], prompt_cache_key="tenant-a-work")
+        assert changed["miss"]["diverged_at_token"] == BS
+        snapshot = c.get("/v1/kv/snapshot").json()
+        assert snapshot["redacted"] is True
+        assert all(b["token_ids"] is None for b in snapshot["blocks"])
+        cached = next(b for b in snapshot["blocks"] if b["state"] == "c")
+        detail = c.get(f"/v1/kv/blocks/{cached['id']}").json()
+        assert VICTIM[:8] not in str(detail) and detail.get("token_ids") is None
+        counts = dict(snapshot["gauges"]["prefix_cache_miss_reasons"])
+        assert "different_cache_salt" not in counts
+        events = [e for e in snapshot["events"] if e["kind"] == "prefix_missed"]
+        assert events and all(e["diverged_at_token"] in (None, e["at_token"]) for e in events)
+    own = make_tenant_server(api_key="client-key", admin_api_key="admin-key")
+    with own.client(headers={"Authorization": "Bearer client-key"}) as c, own.client() as anyone:
+        assert c.get("/v1/kv/snapshot").status_code == 401
+        assert anyone.get("/v1/kv/snapshot", headers={"Authorization": "Bearer admin-key"}).status_code == 200
+        report(c, VICTIM)
+        report(c, KNOWN + "7X" + VICTIM[len(KNOWN) + 2 :])
+    with own.client(headers={"Authorization": "Bearer admin-key"}) as admin:
+        snapshot = admin.get("/v1/kv/snapshot").json()
+        assert snapshot["redacted"] is False
+        assert any(b["token_ids"] is not None for b in snapshot["blocks"])
+        events = [e for e in snapshot["events"] if e["kind"] == "prefix_missed"]
+        assert BS + 1 in [e["diverged_at_token"] for e in events]  # the operator's view: to the token
+
+
+def test_an_admin_key_equal_to_the_client_key_is_refused():
+    with pytest.raises(ValueError, match="must differ"):
+        ServerSettings(served_model_names=(MODEL,), api_key="k", admin_api_key="k")
