@@ -42,7 +42,13 @@ from kvserve.server.cache_control import (
     breakpoint_positions,
     breakpoints,
 )
-from kvserve.server.cache_diagnostics import FingerprintStore, PromptFingerprint, cache_miss_reason
+from kvserve.server.cache_diagnostics import (
+    FingerprintStore,
+    PromptFingerprint,
+    Tenant,
+    cache_miss_reason,
+    tenant_of,
+)
 from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request
@@ -335,6 +341,7 @@ class Diagnosis:
     previous_id: str | None
     previous: PromptFingerprint | None
     store: FingerprintStore
+    tenant: Tenant  # whose messages it is compared with and kept among (its cache_salt)
 
     @classmethod
     def of(cls, ctx: ServerContext, body: MessagesRequest, model: str) -> Diagnosis | None:
@@ -346,7 +353,8 @@ class Diagnosis:
                 "diagnostics.previous_message_id must be a message id or null", "diagnostics.previous_message_id"
             )
         fingerprint = PromptFingerprint.of(body, model)
-        return cls(fingerprint, previous_id, ctx.fingerprints.get(previous_id), ctx.fingerprints)
+        tenant = tenant_of(body.cache_salt)
+        return cls(fingerprint, previous_id, ctx.fingerprints.get(tenant, previous_id), ctx.fingerprints, tenant)
 
     def body(self, usage: dict[str, Any]) -> dict[str, Any] | None:
         """The reply's `diagnostics`: null on a first turn, or when nothing diverged."""
@@ -358,7 +366,7 @@ class Diagnosis:
     def keep(self, message_id: str, usage: dict[str, Any]) -> None:
         """Remember this request's fingerprint, with its prompt's tokens, for the next turn to name."""
         tokens = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
-        self.store.put(message_id, replace(self.fingerprint, prompt_tokens=tokens))
+        self.store.put(self.tenant, message_id, replace(self.fingerprint, prompt_tokens=tokens))
 
 
 @dataclass(frozen=True, slots=True)
