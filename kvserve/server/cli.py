@@ -40,8 +40,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve a model with the OpenAI API (completions, chat, models, tokenize, metrics)",
-        description="Serve a model over HTTP with the OpenAI API. With no flags: the default model "
+        help="serve a model over HTTP: OpenAI's completions, chat and Responses APIs, Anthropic's Messages API, "
+        "models, tokenize, metrics and the KV inspector",
+        description="Serve a model over HTTP: OpenAI's API (/v1/completions, /v1/chat/completions, /v1/responses, "
+        "/v1/models), Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), vLLM's /tokenize and "
+        "/detokenize, /metrics, /health and the KV inspector (/). With no flags: the default model "
         f"(Gemma 3 270M) on 127.0.0.1:{DEFAULT_PORT}.",
         formatter_class=_HelpFormatter,
     )
