@@ -435,3 +435,19 @@ def test_a_null_cache_control_is_no_mark(client):
     assert reply.usage.cache_creation_input_tokens == 0
     ttl_null = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": None}}]
     assert client.messages.create(model=MODEL, max_tokens=2, system=ttl_null, messages=HI).stop_reason
+
+
+def test_the_prompt_caching_docs_example_runs_and_shows_the_cache(tools_server, capsys):
+    """docs/PROMPT_CACHING.md's client example, as written but for the address and the model (the tiny one here): it
+    once tripped on `temperature` (the SDK takes it in extra_body only) and its marked system prompt was shorter than
+    a block, so it showed no cache creation."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "PROMPT_CACHING.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    code = code.replace("http://127.0.0.1:8000", tools_server.base_url).replace("qwen2.5-coder-0.5b-instruct", MODEL)
+    exec(compile(code, "PROMPT_CACHING.md", "exec"), {})
+    written, read = re.findall(r"written to the cache: (\d+) read from it: (\d+)", capsys.readouterr().out)
+    assert int(written[0]) > 0 and int(written[1]) == 0  # the first request writes the marked prefix
+    assert int(read[0]) == 0 and int(read[1]) > 0  # the second reads it back
