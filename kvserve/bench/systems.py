@@ -43,10 +43,11 @@ class Timeline:
     def decode_step_s(self) -> float | None:
         """Seconds per decode step once every sequence is decoding: the median step, None with no decode step.
 
-        Why the median, not the mean: one stall of the host (a page fault storm after a long prompt's fresh KV
-        blocks, another process's burst) lasting seconds made the mean over 31 steps report 1,698 ms a token where the
-        steps took 23 ms (bench latency on the instruct model after a 1,024-token prompt). Steps of one run do the
-        same work give or take a block's allocation, so their median is the step time, whatever one of them met."""
+        Why the median, not the mean: one stall of the host (page faults on a long prompt's fresh KV blocks under
+        memory pressure, another process's burst) lasting seconds moves the mean over a run's steps by orders of
+        magnitude (bench latency once reported 1,698 ms a token on the instruct model after a 1,024-token prompt,
+        whose steps take 23 ms). Steps of one run do the same work give or take a block's allocation, so their
+        median is the step time, whatever one of them met."""
         from kvserve.bench.stats import median
 
         steps = self.decode_steps_s
