@@ -21,6 +21,15 @@ class CatalogEntry:
     source: str  # the config.json the facts come from
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def repo_id(self) -> str:
+        """The Hugging Face repository the facts come from (its weights are there too), e.g. LiquidAI/LFM2-1.2B."""
+        return self.source.removeprefix(f"{HF}/").split("/blob/", 1)[0]
+
+    def download_hint(self, directory: str) -> str:
+        """How a user gets the weights `serve` needs: kvserve itself never downloads from a hub."""
+        return f"hf download {self.repo_id} --local-dir {directory}"
+
 
 def _cfg(
     model_type: str,

@@ -32,6 +32,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS
+from kvserve.kv.misses import tenant_counts
 
 if TYPE_CHECKING:
     from kvserve.engine.stats import EngineStats
@@ -101,11 +102,14 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
 
 
 class EngineStatsCollector:
-    """Gauges, counters and the step-size histogram computed from the engine's latest EngineStats at each scrape."""
+    """Gauges, counters and the step-size histogram computed from the engine's latest EngineStats at each scrape.
+    `operator`: the scrape is the operator's (behind --admin-api-key), so it counts the miss reasons only operators
+    may see; otherwise those count as what clients are told (kv/misses.py OPERATOR_ONLY)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, operator: bool = False) -> None:
         self._stats = stats
         self._model = [model_name]
+        self._operator = operator
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -198,11 +202,13 @@ class EngineStatsCollector:
             misses = CounterMetricFamily(
                 PREFIX + "prefix_cache_miss_reasons",
                 "Requests whose prefix hit stopped short of their prompt, by why (docs/PROMPT_CACHING.md): "
-                "never_seen, evicted, pin_expired, diverged, different_cache_salt, outside_sliding_window, "
-                "no_state_snapshot, tier_record_failed_check.",
+                "never_seen, evicted, pin_expired, diverged, outside_sliding_window, no_state_snapshot, "
+                "tier_record_failed_check; different_cache_salt only on a server with --admin-api-key (else counted "
+                "as never_seen, as clients are told).",
                 labels=["model_name", "reason"],
             )
-            for reason, count in s.prefix_cache_miss_reasons:
+            reasons = s.prefix_cache_miss_reasons if self._operator else tenant_counts(s.prefix_cache_miss_reasons)
+            for reason, count in reasons:
                 misses.add_metric([*model, reason], count)
             yield misses
         if s.offload is not None:
@@ -318,9 +324,10 @@ class ServerMetrics:
         cache_config: Mapping[str, object],
         model_name: str,
         max_model_len: int,
+        operator: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(EngineStatsCollector(stats, model_name, operator))
         info = Info(PREFIX + "cache_config", "KV cache configuration.", registry=self.registry)
         info.info({k: str(v) for k, v in cache_config.items()})
         self.model_name = model_name

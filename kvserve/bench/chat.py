@@ -55,6 +55,20 @@ def one_request(engine: LLMEngine, prompt: list[int], output_len: int, rid: str)
                 return Done(ttft or 0.0, list(out.outputs[0].token_ids), out.num_restored_tokens)
 
 
+# How long a round's end waits for an offload tier's writes (a host so busy that they take longer is reported, by the
+# hit rates, as it is).
+TIER_WRITES_WAIT_S = 120.0
+
+
+def wait_for_tier_writes(engine: LLMEngine) -> None:
+    """Wait until what the engine's offload tiers queued is stored. Why: a disk tier's writers run on idle cores only
+    (DiskTier._write_loop), so on a host busy with other work the next round's restore found nothing written and the
+    disk tier's hit rate came out 0.0; a chat's rounds are a user's think time apart, in which the writes are done."""
+    for tier in (engine.core.offload, engine.core.state_offload):
+        if tier is not None:
+            tier.flush(TIER_WRITES_WAIT_S)
+
+
 def multi_round_chat(
     engines: dict[str, LLMEngine],
     workload: ChatWorkload,
@@ -63,7 +77,8 @@ def multi_round_chat(
     exclude: list[int],
     bos: list[int],
 ) -> tuple[dict[str, dict[str, Any]], int]:
-    """Round by round, user by user, every engine answers the same question on its own history. Per engine: TTFT
+    """Round by round, user by user, every engine answers the same question on its own history (and between rounds
+    the offload tiers finish their writes: wait_for_tier_writes). Per engine: TTFT
     p50/p90 (ms, every request's in `ttft_ms`), throughput (prompt + generated tokens over its wall time), and the
     share of prompt tokens served from the pool and from an offload tier; and the working set in tokens."""
     from kvserve.bench.stats import percentile
@@ -88,6 +103,8 @@ def multi_round_chat(
                 u.tokens += len(prompt) + len(done.output_ids)
                 u.ttfts_ms.append(1e3 * done.ttft_s)
                 histories[name][user] = prompt + done.output_ids
+        for engine in engines.values():  # users think between rounds: the tiers finish writing what they queued
+            wait_for_tier_writes(engine)
     rows: dict[str, dict[str, Any]] = {}
     for name, engine in engines.items():
         s, b, u = engine.stats(), before[name], usage[name]

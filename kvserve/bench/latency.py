@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 SCHEMA = """\
 results: {
   "single": [{"system", "prompt_len", "output_len", "ttft_ms", "ttft_ms_runs", "decode_ms_per_token",
-              "decode_ms_per_token_runs", "decode_tokens_per_s", "prefill_floor_ms", "decode_floor_ms"}],
+              "decode_ms_per_token_runs", "decode_ms_per_token_mean_runs", "decode_tokens_per_s",
+              "prefill_floor_ms", "decode_floor_ms"}],
   "batch": [{"system", "batch_size", "prompt_len", "output_len", "ms_per_step", "ms_per_step_runs",
              "ms_per_token", "tokens_per_s", "floor_ms_per_step"}],
   "ceilings": {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "int8_matmul_gops" (null unless
@@ -39,8 +40,10 @@ ratios: {"prefill_speed@prompt<L>:kvserve/<peer>", "decode_speed@prompt<L>:kvser
          "decode_speed@batch<B>:kvserve/<peer>", "floor/kvserve decode@batch<B>"} (> 1: kvserve is faster;
          the floor ratio is the share of the floor's speed that kvserve reaches); with --peer kvserve-int8 the same
          keys with kvserve-int8 in kvserve's place, against every other system (kvserve, the exact path, included)
-Times are medians over --repeats runs; floors are max(bytes read / bandwidth, FLOPs / matmul rate) with
-both rates measured in the same run. llama.cpp rows come from llama-bench (pp and tg at empty context)."""
+Times are medians over --repeats runs, a run's decode time its median step (a stall of the host moves a mean over
+the steps, not the median: decode_ms_per_token_mean_runs has the means); floors are max(bytes read / bandwidth,
+FLOPs / matmul rate) with both rates measured in the same run. llama.cpp rows come from llama-bench (pp and tg at
+empty context)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +196,7 @@ def single_row(system: str, prompt_len: int, output_len: int, timelines: list[Ti
     ttft = [1e3 * t.ttft_s for t in timelines]
     decode = [1e3 * t.decode_step_s for t in timelines if t.decode_step_s is not None]
     decode_ms = median(decode) if decode else None
+    means = [1e3 * t.decode_step_mean_s for t in timelines if t.decode_step_mean_s is not None]
     return {
         "system": system,
         "prompt_len": prompt_len,
@@ -201,6 +205,7 @@ def single_row(system: str, prompt_len: int, output_len: int, timelines: list[Ti
         "ttft_ms_runs": ttft,
         "decode_ms_per_token": decode_ms,
         "decode_ms_per_token_runs": decode,
+        "decode_ms_per_token_mean_runs": means,  # each run's mean step, stalls included (decode_ms: its median step)
         "decode_tokens_per_s": 1e3 / decode_ms if decode_ms else None,
     }
 
@@ -254,6 +259,7 @@ def llama_cpp_rows(args: argparse.Namespace, plan: LatencyPlan, report: Report) 
             "ttft_ms_runs": [],
             "decode_ms_per_token": decode_ms,
             "decode_ms_per_token_runs": [],
+            "decode_ms_per_token_mean_runs": [],
             "decode_tokens_per_s": tg,
         }
         for n in plan.prompt_lens

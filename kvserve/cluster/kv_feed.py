@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.inspector import KVSnapshot
+from kvserve.engine.inspector import KVSnapshot, tenant_event
 from kvserve.engine.kv_publisher import KVPublisher
 
 LEASE_S = 10.0  # a watcher that has not asked for this long is dropped
@@ -68,8 +68,8 @@ class KVFeed:
         if snapshot is not None and snapshot.seq <= floor:
             snapshot = None
         events = _after(published.events, since.event_seq if fresh else -1)
-        if not include_tokens:  # events drained before the ingress said so still carry token ids
-            events = tuple({**e, "token_ids": None} if e.get("token_ids") is not None else e for e in events)
+        if not include_tokens:  # events drained before the ingress said so are still the operator's view
+            events = tuple(tenant_event(e) for e in events)
         if fresh and snapshot is None and not events:
             return None
         return KVUpdate(self.epoch, snapshot, events)

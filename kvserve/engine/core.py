@@ -27,6 +27,7 @@ from kvserve.engine.sampler import SampledToken, prompt_logprobs
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequences import SequenceGroup, SequenceState, SequenceTable
 from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
+from kvserve.kv.hashing import check_cache_salt_length
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import Logprob, logprob_entry
 from kvserve.spec_decode.verify import verify_draft
@@ -54,6 +55,7 @@ def check_cache_salt(cache_salt: str | None) -> None:
         return
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    check_cache_salt_length(cache_salt)
     try:
         cache_salt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -404,12 +406,12 @@ class EngineCore:
 
     # ---- diagnosis ------------------------------------------------------------------------------
 
-    def kv_snapshot(self, include_tokens: bool = True) -> dict[str, Any]:
+    def kv_snapshot(self, include_tokens: bool = True, tenant: bool | None = None) -> dict[str, Any]:
         """The KV inspector's view of the pool, requests and prefix cache: fresh plain values sharing nothing with
-        the engine (call it on the engine thread; see engine/inspector.py for the schema). Whoever asks gets the KV
-        events of the next minutes too (KVEventBuffer.lease): none are made while nobody reads them."""
+        the engine (call it on the engine thread; see engine/inspector.py for the schema, and `tenant`). Whoever asks
+        gets the KV events of the next minutes too (KVEventBuffer.lease): none are made while nobody reads them."""
         self.kv_events.lease(_EVENT_LEASE_S)
-        return build_snapshot(self, include_tokens)
+        return build_snapshot(self, include_tokens, tenant)
 
     def check_invariants(self) -> None:
         """The pool is whole: every block free or referenced, and references match requests' holdings.

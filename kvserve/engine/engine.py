@@ -108,8 +108,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def kv_snapshot(self, include_tokens: bool = True) -> dict[str, Any]:
-        return self.core.kv_snapshot(include_tokens)
+    def kv_snapshot(self, include_tokens: bool = True, tenant: bool | None = None) -> dict[str, Any]:
+        return self.core.kv_snapshot(include_tokens, tenant)
 
     def check_invariants(self) -> None:
         """The core's pool invariants (EngineCore.check_invariants), checked between steps."""

@@ -20,13 +20,15 @@ Schema (version 2; the JSON of GET /v1/kv/snapshot, documented in docs/UI.md):
   (every group's table, in group order; a sliding group's entries before its window are the null block's id),
   num_prompt_tokens, num_output_tokens, num_computed_tokens, prefix_hit_tokens, restored_tokens, prefix_miss (why
   the prefix hit stopped short, kv/misses.py: reason, at_token, diverged_at_token, evicted_ago_s,
-  evicted_blocks_since; null when it served all it could), prompt_cache_key, age_s, num_preemptions
+  evicted_blocks_since; null when it served all it could; when redacted, as clients are told it: kv/misses.py
+  tenant_view), prompt_cache_key (null when redacted), age_s, num_preemptions
 - prefix_cache: nodes, one per cached block of group 0 (a full-attention group where the model has one: every
   prefix's whole chain): hash, parent (hash prefix or null), block_id, hits, ref_cnt, evict_rank, groups (how many
   groups hold this hash's block)
 - pins: the live cache_control pins (kv/pins.py): hash (of the prefix's last block), num_tokens, block_ids, ttl_s,
   expires_in_s
-- gauges: the EngineStats fields; capacity: the cache plan (kvserve estimate's figures for this server)
+- gauges: the EngineStats fields (when redacted, the miss reasons counted as clients are told them); capacity: the
+  cache plan (kvserve estimate's figures for this server)
 - offload_tier: null without a KV offload tier; else medium, available, num_blocks, bytes_used, capacity_bytes,
   indexed_blocks (those this process knows, kv/offload/index.py) and prefixes: the largest 64 prefixes it holds,
   each root (hash prefix), blocks, tokens, in_pool (of its blocks, also in the pool), token_ids (the root block's;
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.capacity import NULL_BLOCK_ID
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.events import Aborted, KVEventBuffer, Preempted, PrefixMissed
+from kvserve.kv.misses import PrefixMiss, tenant_counts, tenant_view
 
 if TYPE_CHECKING:
     from kvserve.engine.core import EngineCore
@@ -171,7 +174,7 @@ def _blocks(engine: EngineCore, include_tokens: bool) -> tuple[str, list[dict[st
     return "".join(states), detail
 
 
-def _request(engine: EngineCore, request: Request, now: float) -> dict[str, Any]:
+def _request(engine: EngineCore, request: Request, now: float, tenant: bool) -> dict[str, Any]:
     seq = engine.requests.sequences.get(request.request_id)
     return {
         "request_id": seq.group_id if seq is not None else request.request_id,
@@ -186,18 +189,37 @@ def _request(engine: EngineCore, request: Request, now: float) -> dict[str, Any]
         "num_computed_tokens": request.num_computed_tokens,
         "prefix_hit_tokens": request.num_cached_tokens,
         "restored_tokens": request.num_restored_tokens,  # of prefix_hit_tokens, from the KV offload tier
-        # why the prefix hit stopped short (kv/misses.py), the operator's view: every reason, another salt's too
-        "prefix_miss": dataclasses.asdict(request.prefix_miss) if request.prefix_miss is not None else None,
-        "prompt_cache_key": request.sampling_params.prompt_cache_key,  # OpenAI's: requests that belong together
+        # why the prefix hit stopped short (kv/misses.py), the operator's view: every reason, another salt's too;
+        # a tenant's view (redacted) tells what clients are told
+        "prefix_miss": _miss(request.prefix_miss, tenant),
+        # OpenAI's: requests that belong together (a tenant's name for its work: not in a tenant's view)
+        "prompt_cache_key": None if tenant else request.sampling_params.prompt_cache_key,
         "age_s": round(now - request.arrival_time, 3),
         "num_preemptions": request.num_preemptions,
     }
 
 
-def _requests(engine: EngineCore) -> list[dict[str, Any]]:
+def _miss(miss: PrefixMiss | None, tenant: bool) -> dict[str, Any] | None:
+    if miss is None:
+        return None
+    return dataclasses.asdict(tenant_view(miss) if tenant else miss)
+
+
+def tenant_event(data: dict[str, Any]) -> dict[str, Any]:
+    """An event's JSON as a tenant's view of the inspector shows it (redacted): no token ids, a prefix miss as
+    clients are told it (kv/misses.py tenant_view)."""
+    if data.get("token_ids") is not None:
+        data = {**data, "token_ids": None}
+    if data.get("kind") == "prefix_missed":
+        told = tenant_view(PrefixMiss(data["reason"], data["at_token"], data.get("diverged_at_token")))
+        data = {**data, "reason": told.reason, "diverged_at_token": told.diverged_at_token}
+    return data
+
+
+def _requests(engine: EngineCore, tenant: bool) -> list[dict[str, Any]]:
     now = time.monotonic()
     queued = [*engine.scheduler.running, *engine.scheduler.waiting]
-    return [_request(engine, r, now) for r in queued if r.status is not RequestStatus.FINISHED_ABORTED]
+    return [_request(engine, r, now, tenant) for r in queued if r.status is not RequestStatus.FINISHED_ABORTED]
 
 
 def _prefix_cache(engine: EngineCore, ranks: dict[int, int]) -> list[dict[str, Any]]:
@@ -314,8 +336,14 @@ def _state_tier(tier: OffloadTier) -> dict[str, Any]:
     }
 
 
-def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str, Any]:
-    """The whole view, built from the engine's live state on the engine thread (see the module docstring)."""
+def build_snapshot(engine: EngineCore, include_tokens: bool = True, tenant: bool | None = None) -> dict[str, Any]:
+    """The whole view, built from the engine's live state on the engine thread (see the module docstring). `tenant`
+    (default: without token ids): a tenant's view, whose prefix misses and their counts are what clients are told
+    (kv/misses.py tenant_view) and which names no prompt_cache_key."""
+    tenant = not include_tokens if tenant is None else tenant
+    stats = dataclasses.asdict(engine.stats())
+    if tenant:
+        stats["prefix_cache_miss_reasons"] = tenant_counts(stats["prefix_cache_miss_reasons"])
     pool = engine.pool
     states, blocks = _blocks(engine, include_tokens)
     ranks = {b["id"]: b["evict_rank"] for b in blocks if b["evict_rank"] is not None}
@@ -332,11 +360,11 @@ def build_snapshot(engine: EngineCore, include_tokens: bool = True) -> dict[str,
         "kv_cache_groups": _groups(engine),
         "block_states": states,
         "blocks": blocks,
-        "requests": _requests(engine),
+        "requests": _requests(engine, tenant),
         "prefix_cache": _prefix_cache(engine, ranks),
         "pins": _pins(engine),
         "state": _state_layers(engine),
-        "gauges": dataclasses.asdict(engine.stats()),
+        "gauges": stats,
         "capacity": _capacity(engine),
         "offload_tier": None
         if engine.offload is None

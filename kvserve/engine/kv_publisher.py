@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvserve.engine.inspector import KVSnapshot
+from kvserve.engine.inspector import KVSnapshot, tenant_event
 from kvserve.kv.events import KVEvent, event_to_json
 
 if TYPE_CHECKING:
@@ -113,9 +113,7 @@ class KVPublisher:
 
     def _event_json(self, seq: int, at: float, event: KVEvent) -> dict[str, Any]:
         data = event_to_json(seq, at, event)
-        if not self.include_tokens and "token_ids" in data:
-            data["token_ids"] = None
-        return data
+        return data if self.include_tokens else tenant_event(data)
 
     def due(self) -> bool:
         return self._watchers > 0 and self._dirty and time.monotonic() - self._last_at >= self._gap_s
@@ -129,7 +127,8 @@ class KVPublisher:
     def _publish(self) -> None:
         self._seq += 1
         start = time.monotonic()
-        data = self.engine.kv_snapshot(False)  # token ids only on demand (GET /v1/kv/blocks/{id}): 10x smaller
+        # token ids only on demand (GET /v1/kv/blocks/{id}): 10x smaller; a tenant's view when redacted
+        data = self.engine.kv_snapshot(False, tenant=not self.include_tokens)
         data["redacted"] = not self.include_tokens
         self.published = KVPublication(KVSnapshot(self._seq, time.time(), data), tuple(self._events))
         self._last_at = time.monotonic()

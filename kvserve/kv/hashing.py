@@ -28,12 +28,31 @@ class BlockKey:
     extra_keys: bytes
 
 
+# The longest `cache_salt` a request may carry, in characters (as OpenAI bounds `prompt_cache_key`): a salt is a
+# tenant's name or secret, and one of megabytes only costs memory and hashing time.
+MAX_CACHE_SALT_CHARS = 1024
+_SALT_DOMAIN = b"kvserve cache_salt\x00"
+
+
+def check_cache_salt_length(cache_salt: str) -> None:
+    """ValueError for a salt longer than MAX_CACHE_SALT_CHARS, saying both lengths."""
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(
+            f"cache_salt is {len(cache_salt):,} characters; at most {MAX_CACHE_SALT_CHARS:,} are accepted (a salt "
+            "names a tenant: a random 32-character secret is plenty)"
+        )
+
+
 def salt_key(cache_salt: str | None) -> bytes:
-    """The extra key a request's `cache_salt` adds to every block hash: its UTF-8 bytes (b"" without a salt).
-    surrogatepass: a lone surrogate must never raise on the engine thread (the server rejects one up front); its
-    bytes cannot equal any valid string's, so salts still never collide. One function, so that whoever predicts
-    an engine's hashes (a KV-aware router) computes exactly the engine's."""
-    return cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+    """The extra key a request's `cache_salt` adds to every block hash: a 32-byte sha256 digest of its UTF-8 bytes
+    (b"" without a salt), so that every block key, miss-history entry and tier record holds 32 bytes whatever the
+    salt's length, and the salt itself is kept nowhere (sha256: two salts never share a key). surrogatepass: a lone
+    surrogate must never raise on the engine thread (the server rejects one up front); its bytes cannot equal any
+    valid string's, so salts still never collide. One function, so that whoever predicts an engine's hashes (a
+    KV-aware router) computes exactly the engine's."""
+    if not cache_salt:
+        return b""
+    return hashlib.sha256(_SALT_DOMAIN + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def _digest_fn(algo: str) -> Callable[[bytes], bytes]:

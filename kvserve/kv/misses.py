@@ -9,14 +9,16 @@ seen under another salt. The pool's ghost list (recently evicted hashes, with wh
 the pins' expired keys, a restore's rejected tier records, and the groups' tables (a sliding window cut the hit
 short) give the rest. Looked at in this order, the first missed block's reason is:
 
-- `tier_record_failed_check`: a tier record of it failed its checksum or fingerprint and was recomputed;
+- `tier_record_failed_check`: a tier record the restore needed (its own, or a later one: a sliding group's window
+  after it) failed its checksum or fingerprint, so the restore stopped there and the rest was recomputed;
 - `no_state_snapshot`: a model with state layers (kv/state.py) had the blocks cached further, but no state snapshot
   where they end (the hit stops at the last snapshot);
 - `outside_sliding_window`: every full-attention group had it, a sliding group no longer had its window;
 - `pin_expired`: it was pinned (cache_control) and the pin ran out before it was evicted;
 - `evicted`: the pool evicted it (`evicted_ago_s`, and `evicted_blocks_since`: the LRU pressure after it);
 - `diverged`: an earlier prompt of the same salt shared its prefix (whole blocks, or half a block at least) and went on
-  differently, from `diverged_at_token`;
+  differently, from `diverged_at_token` (a client is told this to the token only about its own tenant's prompts:
+  `whole_blocks`, kvserve.server.kv_report);
 - `different_cache_salt`: the same tokens were seen under another salt (reported to operators only: a client
   learns nothing of other tenants, kvserve.server.kv_report);
 - `never_seen`: nothing known: a cold prefix.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
@@ -58,6 +60,45 @@ class PrefixMiss:
     diverged_at_token: int | None = None
     evicted_ago_s: float | None = None
     evicted_blocks_since: int | None = None
+
+
+def whole_blocks(miss: PrefixMiss) -> PrefixMiss:
+    """The miss as whole cached blocks tell it, for a client that did not send the prompts compared with: a divergence
+    is told at its block's first token (a `diverged_at_token` inside the block would let a client guess another
+    prompt's next token: one request per candidate, padded to a block), and one inside the first block (half a block
+    in common with another prompt) is `never_seen`, since no whole block was shared. Every other reason already
+    speaks of whole blocks."""
+    if miss.reason != "diverged":
+        return miss
+    if miss.at_token == 0:
+        return PrefixMiss("never_seen", 0)
+    return replace(miss, diverged_at_token=miss.at_token)
+
+
+# Reasons only whoever runs the server may see, and what a client (or a tenant's view of the KV inspector, /metrics
+# without the admin key) is told instead: that another salt sent the same text is another tenant's business.
+OPERATOR_ONLY = {"different_cache_salt": "never_seen"}
+
+
+def without_operator_reasons(miss: PrefixMiss) -> PrefixMiss:
+    """The miss with an operator-only reason replaced by what it stands for to a client."""
+    told = OPERATOR_ONLY.get(miss.reason)
+    return miss if told is None else PrefixMiss(told, miss.at_token)
+
+
+def tenant_view(miss: PrefixMiss) -> PrefixMiss:
+    """The miss as a client that may have sent none of the prompts compared with is told it: no operator-only reason,
+    a divergence in whole blocks."""
+    return whole_blocks(without_operator_reasons(miss))
+
+
+def tenant_counts(counts: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """Requests by reason (MissCounts.snapshot) with the operator-only reasons counted as what clients are told."""
+    folded: dict[str, int] = {}
+    for reason, count in counts:
+        told = OPERATOR_ONLY.get(reason, reason)
+        folded[told] = folded.get(told, 0) + count
+    return tuple(folded.items())
 
 
 def salt_digest(extra_keys: bytes) -> bytes:

@@ -27,6 +27,14 @@ _HF_FAMILIES = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",
 }
+
+
+def runs_hf_model_type(model_type: object) -> bool:
+    """Whether kvserve runs checkpoints of this HF model_type (a config it refuses is then an error, not a family to
+    size from its attention fields alone)."""
+    return isinstance(model_type, str) and model_type in _HF_FAMILIES
+
+
 # GGUF general.architecture -> our family name.
 _GGUF_FAMILIES = {
     "llama": "llama",
@@ -102,6 +110,13 @@ class ModelConfig:
             raise ValueError(f"a state layer's convolution needs at least 2 taps, got {self.conv_kernel}")
         if len(set(self.layer_kinds) - {ATTENTION}) > 1:
             raise NotImplementedError("a model mixing short convolutions and linear attention is not supported")
+        if n and ATTENTION not in self.layer_kinds:
+            raise NotImplementedError(
+                f"this {self.family} model has no attention layer (all {n} are {self.layer_kinds[0]} layers), which "
+                "kvserve does not support: its prefix cache keeps the attention layers' KV in blocks and a state "
+                "layer's snapshots at those blocks' boundaries (docs/MODELS.md); a model of state layers only has "
+                "neither"
+            )
         if LINEAR_ATTENTION in self.layer_kinds and (
             min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim) < 1
             or self.linear_value_heads % self.linear_key_heads
@@ -218,9 +233,9 @@ class ModelConfig:
             raise NotImplementedError("attention logit softcapping is not supported")
         if cfg.get("use_bidirectional_attention"):
             raise NotImplementedError("bidirectional attention is not supported")
-        n_layers = int(cfg["num_hidden_layers"])
-        hidden = int(cfg["hidden_size"])
-        n_heads = int(cfg["num_attention_heads"])
+        n_layers = _positive(cfg, "num_hidden_layers")
+        hidden = _positive(cfg, "hidden_size")
+        n_heads = _positive(cfg, "num_attention_heads")
         head_dim = int(cfg.get("head_dim") or hidden // n_heads)
         layer_types = _hf_layer_types(cfg, family, n_layers)
         if model_type == "mistral" and cfg.get("sliding_window") and "layer_types" not in cfg:
@@ -266,9 +281,9 @@ class ModelConfig:
         """LFM2 / LFM2.5 (HF `lfm2`): short-convolution layers ("conv") beside GQA attention layers with q/k norms;
         a SwiGLU MLP whose width HF derives from intermediate_size (block_auto_adjust_ff_dim); one final norm
         (HF's embedding_norm)."""
-        n_layers = int(cfg["num_hidden_layers"])
-        hidden = int(cfg["hidden_size"])
-        n_heads = int(cfg["num_attention_heads"])
+        n_layers = _positive(cfg, "num_hidden_layers")
+        hidden = _positive(cfg, "hidden_size")
+        n_heads = _positive(cfg, "num_attention_heads")
         types = cfg.get("layer_types")
         if types is None:
             full = set(cfg.get("full_attn_idxs") or range(n_layers))
@@ -327,7 +342,7 @@ class ModelConfig:
             cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
         if cfg.get("num_experts") or cfg.get("num_local_experts"):
             raise NotImplementedError("Qwen3.5 mixture-of-experts models are not supported (the dense ones are)")
-        n_layers = int(cfg["num_hidden_layers"])
+        n_layers = _positive(cfg, "num_hidden_layers")
         types = cfg.get("layer_types") or [
             "linear_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) else "full_attention"
             for i in range(n_layers)
@@ -342,7 +357,7 @@ class ModelConfig:
                 f"Qwen3.5 layer type(s) {names} are not supported (linear_attention, full_attention)"
             )
         params = cfg.get("rope_parameters") or {}
-        hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        hidden, n_heads = _positive(cfg, "hidden_size"), _positive(cfg, "num_attention_heads")
         bos, eos_ids = _hf_special_ids(cfg, gen)
         return cls(
             family="qwen3_5",
@@ -394,9 +409,9 @@ class ModelConfig:
                 raise ValueError(f"{f.path}: GGUF metadata key {arch}.{key} is missing")
             return value
 
-        n_layers = int(need("block_count"))
-        hidden = int(need("embedding_length"))
-        n_heads = int(need("attention.head_count"))
+        n_layers, hidden, n_heads = (
+            _positive({key: need(key)}, key) for key in ("block_count", "embedding_length", "attention.head_count")
+        )
         n_kv = f.arch_value("attention.head_count_kv", n_heads)
         kinds: list[str] = []
         linear: dict[str, Any] = {}
@@ -466,6 +481,15 @@ class ModelConfig:
             conv_bias=any(name.endswith("shortconv.in_proj.bias") for name in f.tensors),
             **({"conv_kernel": int(f.arch_value("shortconv.l_cache", 3))} if family == "lfm2" else linear),
         )
+
+
+def _positive(cfg: dict[str, Any], key: str) -> int:
+    """A config.json size that divides others (heads into the hidden size): a positive integer, or a ValueError
+    naming it (zero heads was a ZeroDivisionError traceback)."""
+    value = int(cfg[key])
+    if value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value}")
+    return value
 
 
 def _hf_special_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int | None, list[int]]:

@@ -82,6 +82,16 @@ def resolve_model(model: str | None) -> ModelSource:
                 return ModelSource(ModelFormat.GGUF, ggufs[0].resolve(), ggufs[0].stem)
             raise ValueError(f"{path}: not a model directory: config.json is missing")
         return ModelSource(ModelFormat.HF, path.resolve(), path.name)
+    from kvserve.capacity_catalog import find_entry
+
+    entry = find_entry(model)
+    if entry is not None:  # a name `kvserve estimate` and `advise` know: its facts, not its weights
+        directory = entry.repo_id.rsplit("/", 1)[-1]
+        raise ValueError(
+            f"{model!r} is a name of the sizing catalog that `kvserve estimate` and `advise` read (a config's "
+            f"facts, no weights); to run it, get its checkpoint ({entry.download_hint(directory)}, or see "
+            f"docs/MODELS.md) and pass the directory: --model {directory}; kvserve never downloads from a hub"
+        )
     raise ValueError(
         f"model {model!r} not found: pass a .gguf file, a Hugging Face checkpoint directory, "
         f"a packaged model's name ({', '.join(PACKAGED_MODELS)}), "

@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 def build_app(engine: EngineClient, settings: ServerSettings, transport: TransportLimits | None = None) -> FastAPI:
     """The app serving `engine`; `transport` sets the body read timeout (the same limits go to ServerConfig)."""
     transport = transport or TransportLimits()
-    if settings.api_key is not None:
-        check_api_key(settings.api_key)  # here, not when Starlette first builds the middleware stack
+    for key in (settings.api_key, settings.admin_api_key):
+        if key is not None:
+            check_api_key(key)  # here, not when Starlette first builds the middleware stack
     facts = engine.facts
     metrics = ServerMetrics(
         engine.stats,
@@ -69,6 +70,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
         },
         model_name=settings.served_model_names[0],
         max_model_len=facts.max_model_len,
+        operator=settings.admin_api_key is not None,  # then only the admin key reads /metrics (server/auth.py)
     )
     metrics.registry.register(GrammarCollector(lambda: engine.grammar.num_compiles_in_flight, metrics.model_name))
     for collector in engine.metric_collectors():
@@ -104,12 +106,17 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
         read_timeout_s=transport.timeout_body_read,
         json_limits=JSONLimits.for_context(facts.max_model_len),
     )
-    if settings.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
+    if settings.api_key is not None or settings.admin_api_key is not None:
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_key=settings.api_key,
+            admin_key=settings.admin_api_key,
+            max_body_bytes=settings.max_request_body_bytes,
+        )
     app.include_router(_open_routes(ctx))
     app.include_router(_api_routes(ctx))
     app.state.shutting_down = asyncio.Event()  # set by GracefulServer: the KV inspector's streams end
-    inspected = inspected_engines(engine, include_tokens=not settings.ui_redact_text)  # one, or each replica
+    inspected = inspected_engines(engine, include_tokens=not settings.redacts_ui_text)  # one, or each replica
     if inspected:
         app.include_router(kv_data_routes(ctx, inspected, app.state.shutting_down))
         if not settings.disable_ui:
@@ -122,7 +129,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
 
 
 def _open_routes(ctx: ServerContext) -> APIRouter:
-    """Health, version and metrics: never behind the API key (probes and scrapers carry none)."""
+    """Health, version and metrics: never behind the clients' API key (probes and scrapers carry none); /metrics is
+    behind the admin key where there is one (server/auth.py)."""
     router = APIRouter()
 
     @router.get("/health")

@@ -41,7 +41,9 @@ def _ttl(mark: Any, param: str) -> str:
     """A cache_control mark's TTL, the mark checked (`param`: where it is)."""
     if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
         raise bad_request(f"{param}.type must be 'ephemeral'", param=f"{param}.type")
-    ttl = mark.get("ttl", "5m")
+    ttl = mark.get("ttl")
+    if ttl is None:  # optional, and may be null
+        ttl = "5m"
     if ttl not in TTLS:
         raise bad_request(f"{param}.ttl must be '5m' or '1h', got {ttl!r}", param=f"{param}.ttl")
     unknown = sorted(set(mark) - {"type", "ttl"})
@@ -50,22 +52,27 @@ def _ttl(mark: Any, param: str) -> str:
     return str(ttl)
 
 
+def _marked(block: Any) -> bool:
+    """Whether a block carries a mark: `cache_control` present and not null (Anthropic's optional field may be)."""
+    return isinstance(block, dict) and block.get("cache_control") is not None
+
+
 def breakpoints(body: PromptBody) -> list[Breakpoint]:
     """The request's cache_control marks in prompt order (tools, system, messages), checked: a 400 naming the field
     for a bad mark, more than four, or a 1h mark after a 5m one (Anthropic's rules)."""
     found: list[Breakpoint] = []
     for i, tool in enumerate(body.tools or []):
-        if isinstance(tool, dict) and "cache_control" in tool:
+        if _marked(tool):
             found.append(Breakpoint(f"tools[{i}]", _ttl(tool["cache_control"], f"tools[{i}].cache_control"), "tools"))
     if isinstance(body.system, list):
         for j, block in enumerate(body.system):
-            if isinstance(block, dict) and "cache_control" in block:
+            if _marked(block):
                 ttl = _ttl(block["cache_control"], f"system[{j}].cache_control")
                 found.append(Breakpoint(f"system[{j}]", ttl, "system", block=j))
     for i, message in enumerate(body.messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else []):
-            if isinstance(block, dict) and "cache_control" in block:
+            if _marked(block):
                 where = f"messages[{i}].content[{j}]"
                 ttl = _ttl(block["cache_control"], f"{where}.cache_control")
                 found.append(Breakpoint(where, ttl, "messages", i, j))

@@ -3,8 +3,10 @@ not reuse the previous one's cached prefix, answered in the reply's `diagnostics
 
 Why fingerprints, not prompts: to say which part changed (model, tools, system, an earlier message) it is enough to
 keep one digest per part of each opted-in request, never its text. They live in this process's memory, the last
-1,024 opted-in messages (an LRU); a previous id that is unknown, evicted, or another tenant's (a different
-`cache_salt`: another tenant's requests are never compared with, nor revealed) is `previous_message_not_found`.
+1,024 opted-in messages, kept per tenant (a `cache_salt`, held as its digest; the unsalted requests are one tenant):
+a previous id is looked up among its own tenant's messages only, so another tenant's (known or guessed) id is
+`previous_message_not_found` as an unknown or evicted one is, and a tenant that sends many messages evicts its own
+oldest first (the tenant holding the most loses one when the store is full), never pushing out the others'.
 
 The reasons, in prompt order (Anthropic renders tools, then system, then messages): `model_changed`,
 `tools_changed`, `system_changed`, `messages_changed` (an earlier message differs; appending is no change), and
@@ -20,6 +22,8 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvserve.kv.hashing import salt_key
 
 
 def digest(value: Any) -> str:
@@ -37,7 +41,6 @@ class PromptFingerprint:
     system: str
     messages: tuple[str, ...]
     settings: str  # tool_choice and thinking
-    cache_salt: str | None
     prompt_tokens: int = 0
 
     @classmethod
@@ -48,7 +51,6 @@ class PromptFingerprint:
             digest(body.system or ""),
             tuple(digest(m) for m in body.messages),
             digest([body.tool_choice, body.thinking]),
-            body.cache_salt,
             prompt_tokens,
         )
 
@@ -57,7 +59,7 @@ def cache_miss_reason(
     previous: PromptFingerprint | None, current: PromptFingerprint, cache_read_tokens: int
 ) -> dict[str, Any] | None:
     """Why `current` could not reuse `previous`'s prefix (Anthropic's CacheMissReason), or None: no divergence."""
-    if previous is None or previous.cache_salt != current.cache_salt:
+    if previous is None:
         return {"type": "previous_message_not_found"}
     missed = max(previous.prompt_tokens - cache_read_tokens, 0)
     for kind, changed in (
@@ -73,23 +75,43 @@ def cache_miss_reason(
     return None
 
 
+Tenant = bytes  # a cache_salt's digest (kv/hashing.py salt_key; b"" for the unsalted requests)
+
+
+def tenant_of(cache_salt: str | None) -> Tenant:
+    return salt_key(cache_salt)
+
+
 @dataclass(slots=True)
 class FingerprintStore:
-    """The fingerprints of the last `capacity` opted-in messages, by message id (used on the event loop only)."""
+    """The fingerprints of the last `capacity` opted-in messages, by tenant and message id (used on the event loop
+    only). A full store drops the least recently used message of the tenant that holds the most."""
 
     capacity: int = 1024
-    _entries: OrderedDict[str, PromptFingerprint] = field(default_factory=OrderedDict)
+    _tenants: dict[Tenant, OrderedDict[str, PromptFingerprint]] = field(default_factory=dict)
+    _size: int = 0
 
-    def get(self, message_id: str | None) -> PromptFingerprint | None:
-        if message_id is None:
+    def get(self, tenant: Tenant, message_id: str | None) -> PromptFingerprint | None:
+        own = self._tenants.get(tenant)
+        if message_id is None or own is None:
             return None
-        found = self._entries.get(message_id)
+        found = own.get(message_id)
         if found is not None:
-            self._entries.move_to_end(message_id)
+            own.move_to_end(message_id)
         return found
 
-    def put(self, message_id: str, fingerprint: PromptFingerprint) -> None:
-        self._entries[message_id] = fingerprint
-        self._entries.move_to_end(message_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+    def put(self, tenant: Tenant, message_id: str, fingerprint: PromptFingerprint) -> None:
+        own = self._tenants.setdefault(tenant, OrderedDict())
+        self._size += message_id not in own
+        own[message_id] = fingerprint
+        own.move_to_end(message_id)
+        while self._size > self.capacity:
+            largest_key = max(self._tenants, key=lambda t: len(self._tenants[t]))
+            largest = self._tenants[largest_key]
+            largest.popitem(last=False)
+            self._size -= 1
+            if not largest:
+                del self._tenants[largest_key]
+
+    def __len__(self) -> int:
+        return self._size

@@ -26,7 +26,7 @@ from kvserve.sampling_params import KVPin
 from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
-from kvserve.server.kv_report import kv_cache_report
+from kvserve.server.kv_report import check_include_kv_cache, kv_cache_report
 from kvserve.server.logprobs import LogprobEntry, chat_logprobs, context_tail
 from kvserve.server.prepare import ChatRender
 from kvserve.server.protocol import (
@@ -57,7 +57,15 @@ from kvserve.server.streaming import (
     submit,
     unless_disconnected,
 )
-from kvserve.server.tools import StreamedCalls, ToolPlan, compile_tools, finish_reason, parse_reply, plan_tools
+from kvserve.server.tools import (
+    ParsedReply,
+    StreamedCalls,
+    ToolPlan,
+    compile_tools,
+    finish_reason,
+    parse_reply,
+    plan_tools,
+)
 from kvserve.server.tracker import ChoiceDelta, DeltaTracker
 
 TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
@@ -70,10 +78,13 @@ async def create_chat_completion(
     *,
     length_wins: bool = False,
     kv_pins: tuple[KVPin, ...] = (),
+    ordered_parts: bool = False,
 ) -> Response:
     """The chat completion, whole or streamed. `length_wins`: a reply cut by max_tokens finishes "length" even after
     complete tool calls (the Responses API's view; chat's own says "tool_calls" there, as vLLM's). `kv_pins`: prompt
-    prefixes to pin in the KV cache (the Messages API's cache_control marks)."""
+    prefixes to pin in the KV cache (the Messages API's cache_control marks). `ordered_parts`: a whole reply's
+    messages also carry `parts` (ParsedReply.parts: its text and calls in the order written, which OpenAI's message
+    cannot say), for the Messages API's translation to read; never sent to a chat client."""
     model = ctx.resolve_model(request.model)
     reject_unsupported(
         request, {"functions": request.functions, "function_call": request.function_call}, max_n=ctx.facts.max_num_seqs
@@ -81,6 +92,7 @@ async def create_chat_completion(
     if not request.messages:
         raise bad_request("messages must not be empty", param="messages")
     check_retention(request, ctx.facts)
+    check_include_kv_cache(request.include_kv_cache, ctx.settings.kv_cache_report)
     if request.chat_template is not None and not ctx.settings.trust_request_chat_template:
         # A template is a program: even sandboxed, nested loops can hold the event loop for hours.
         raise bad_request(
@@ -126,11 +138,15 @@ async def create_chat_completion(
     except ClientDisconnected:
         return Response(status_code=499)
     output = tracker.result()
-    choices = [_choice(ctx, request, tools, ids, c) for c in output.outputs]
+    replies = [parse_reply(tools, c.text, ordered_parts) for c in output.outputs]
+    choices = [_choice(ctx, request, tools, ids, c, r) for c, r in zip(output.outputs, replies)]
     body = ChatCompletionResponse(id=chat_id, created=created, model=model, choices=choices, usage=_usage(tracker))
     payload = body.model_dump()
+    if ordered_parts:
+        for choice, reply in zip(payload["choices"], replies):
+            choice["message"]["parts"] = list(reply.parts)
     if request.include_kv_cache:
-        payload["kv_cache"] = _kv_cache(ctx, tracker)
+        payload["kv_cache"] = _kv_cache(ctx, request, tracker)
     return JSONResponse(payload, headers=headers)
 
 
@@ -149,10 +165,14 @@ def _compile(ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None,
 
 
 def _choice(
-    ctx: ServerContext, request: ChatCompletionRequest, tools: ToolPlan, prompt: list[int], c: CompletionOutput
+    ctx: ServerContext,
+    request: ChatCompletionRequest,
+    tools: ToolPlan,
+    prompt: list[int],
+    c: CompletionOutput,
+    reply: ParsedReply,
 ) -> ChatChoice:
-    """One whole choice: its text as content, or read by the tool plan into content and calls."""
-    reply = parse_reply(tools, c.text)
+    """One whole choice: its text as content, or read by the tool plan into content and calls (`reply`)."""
     message = ChatResponseMessage(content=reply.content, tool_calls=reply.tool_calls or None)
     return ChatChoice(
         index=c.index,
@@ -181,10 +201,17 @@ def _logprobs(
     return ChatChoiceLogprobs(content=content)
 
 
-def _kv_cache(ctx: ServerContext, tracker: DeltaTracker) -> dict[str, Any]:
+def _kv_cache(ctx: ServerContext, request: ChatCompletionRequest, tracker: DeltaTracker) -> dict[str, Any]:
     t = tracker
     return kv_cache_report(
-        ctx.texts, t.prompt_token_ids, t.num_cached_tokens, t.num_restored_tokens, t.prefix_miss, t.pin_outcomes
+        ctx.texts,
+        t.prompt_token_ids,
+        t.num_cached_tokens,
+        t.num_restored_tokens,
+        t.prefix_miss,
+        t.pin_outcomes,
+        policy=ctx.settings.kv_cache_report,
+        salted=request.cache_salt is not None,
     )
 
 
@@ -226,7 +253,7 @@ async def _stream(
         payload = body.model_dump(exclude=None if usage else {"usage"})
         # known once the prompt is prefilled: with the role chunk; and again, with what became of the pins, at the end
         if (first or last) and request.include_kv_cache:
-            payload["kv_cache"] = _kv_cache(ctx, tracker)
+            payload["kv_cache"] = _kv_cache(ctx, request, tracker)
         return sse(payload)
 
     tracker = DeltaTracker(prompt)
@@ -269,14 +296,17 @@ async def _stream(
 def _tool_chunks(
     tools: ToolPlan, streamed: StreamedCalls, d: ChoiceDelta, logprobs: ChatChoiceLogprobs | None
 ) -> list[ChatStreamChoice]:
-    """A piece of a reply read for tool calls: its content and call pieces in one chunk, then (at the end) the finish
-    reason in a chunk of its own, "tool_calls" when it called any."""
+    """A piece of a reply read for tool calls: its content and call pieces, a chunk for each part in the order written
+    (the piece's logprobs with the first), then (at the end) the finish reason in a chunk of its own, "tool_calls" when
+    it called any."""
     finished = d.finish_reason is not None
-    content, pieces = streamed.add(d.text, finished)
+    parts = streamed.add(d.text, finished)
+    if not parts and logprobs is not None and logprobs.content:
+        parts = [("", [])]
     frames = []
-    if content or pieces or (logprobs is not None and logprobs.content):
+    for i, (content, pieces) in enumerate(parts):  # in the order written: a call, then text, are two chunks
         delta = DeltaMessage(content=content or None, tool_calls=pieces or None)
-        frames.append(ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs))
+        frames.append(ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs if i == 0 else None))
     if finished:
         frames.append(
             ChatStreamChoice(

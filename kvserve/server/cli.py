@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 _API_KEY_ENVS = ("KVSERVE_API_KEY", "VLLM_API_KEY")
+_ADMIN_API_KEY_ENV = "KVSERVE_ADMIN_API_KEY"
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
@@ -39,8 +40,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve a model with the OpenAI API (completions, chat, models, tokenize, metrics)",
-        description="Serve a model over HTTP with the OpenAI API. With no flags: the default model "
+        help="serve a model over HTTP: OpenAI's completions, chat and Responses APIs, Anthropic's Messages API, "
+        "models, tokenize, metrics and the KV inspector",
+        description="Serve a model over HTTP: OpenAI's API (/v1/completions, /v1/chat/completions, /v1/responses, "
+        "/v1/models), Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), vLLM's /tokenize and "
+        "/detokenize, /metrics, /health and the KV inspector (/). With no flags: the default model "
         f"(Gemma 3 270M) on 127.0.0.1:{DEFAULT_PORT}.",
         formatter_class=_HelpFormatter,
     )
@@ -160,9 +164,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="do not serve the KV inspector page at / and /ui (its data routes /v1/kv/* stay)",
     )
     s.add_argument(
+        "--admin-api-key",
+        default=None,
+        help=f"the operator's key (default: ${_ADMIN_API_KEY_ENV}): /metrics and the KV inspector's data (/v1/kv/*) "
+        "then need it (the --api-key does not open them: every tenant holds that one), /metrics counts the "
+        "miss reasons only operators may see (different_cache_salt), and the inspector shows prompt text; it "
+        "opens every other route too (give it to `kvserve doctor --api-key`). Without it /metrics is open and "
+        "the inspector's data needs the --api-key",
+    )
+    s.add_argument(
         "--ui-redact-text",
-        action="store_true",
-        help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the KV inspector's data (/v1/kv/*) carries no token ids, so no prompt text, and tells prefix misses as "
+        "clients are told them (default: on when --api-key is set without an --admin-api-key, since every client "
+        "holds that key; off otherwise)",
+    )
+    s.add_argument(
+        "--kv-cache-report",
+        choices=["salted", "blocks", "full", "off"],  # = kv_report.KV_CACHE_REPORTS (not imported: fast --help)
+        default="salted",
+        help="what a request's include_kv_cache report tells about where its prompt diverged from earlier ones: "
+        "salted: to the token for a request with a cache_salt (its own tenant's prompts), in whole blocks for an "
+        "unsalted one (anyone's); blocks: whole blocks for every request; full: to the token for every request "
+        "(clients that trust each other); off: include_kv_cache is a 400 (docs/PROMPT_CACHING.md)",
     )
     s.add_argument("--uvicorn-log-level", choices=_LOG_LEVELS, default="info", help="uvicorn's own log level")
     d = p.add_argument_group("scale-out (needs `pip install -e '.[cluster]'`, see docs/SCALE_OUT.md)")
@@ -197,11 +222,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
-def resolve_api_key(flag: str | None) -> str | None:
-    """The key from --api-key, else $KVSERVE_API_KEY, else $VLLM_API_KEY (the first one given); None when
-    none is. A given but empty key is a ValueError (exit 2): it would silently serve without one."""
-    given = [("--api-key", flag)] if flag is not None else []
-    given += [(f"${name}", os.environ[name]) for name in _API_KEY_ENVS if name in os.environ]
+def resolve_api_key(
+    flag: str | None, flag_name: str = "--api-key", envs: tuple[str, ...] = _API_KEY_ENVS
+) -> str | None:
+    """The key from the flag, else the first of `envs` set ($KVSERVE_API_KEY, else $VLLM_API_KEY for --api-key);
+    None when none is. A given but empty key is a ValueError (exit 2): it would silently serve without one."""
+    given = [(flag_name, flag)] if flag is not None else []
+    given += [(f"${name}", os.environ[name]) for name in envs if name in os.environ]
     if not given:
         return None
     source, key = given[0]
@@ -234,11 +261,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.async_engine import AsyncLLMEngine, build_for_engine_thread
     from kvserve.engine.client import EngineClient
     from kvserve.server.app import build_app
-    from kvserve.server.context import ServerSettings, check_tool_flags
+    from kvserve.server.context import ServerSettings, check_admin_key, check_tool_flags
     from kvserve.server.transport import ServerConfig, TransportLimits
     from kvserve.server.uvicorn_server import GracefulServer
 
     api_key = resolve_api_key(args.api_key)  # before the model loads: a refused key fails at once
+    admin_api_key = resolve_api_key(args.admin_api_key, "--admin-api-key", (_ADMIN_API_KEY_ENV,))
+    check_admin_key(api_key, admin_api_key)
     check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # so do bad tool flags
     transport = TransportLimits(
         timeout_keep_alive=args.timeout_keep_alive,
@@ -283,7 +312,9 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         disable_ui=args.disable_ui,
+        admin_api_key=admin_api_key,
         ui_redact_text=args.ui_redact_text,
+        kv_cache_report=args.kv_cache_report,
     )
     app = build_app(async_engine, settings, transport)
     print(

@@ -19,7 +19,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import bad_request
-from kvserve.server.kv_report import kv_cache_report
+from kvserve.server.kv_report import check_include_kv_cache, kv_cache_report
 from kvserve.server.logprobs import LogprobEntry, completion_logprobs, context_tail
 from kvserve.server.prepare import Prompt
 from kvserve.server.protocol import (
@@ -103,6 +103,7 @@ async def _plan(ctx: ServerContext, request: CompletionRequest, raw: Request) ->
     check_retention(request, ctx.facts)
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
+    check_include_kv_cache(request.include_kv_cache, ctx.settings.kv_cache_report)
     if request.include_kv_cache and request.stream:
         raise bad_request(
             "include_kv_cache is not supported on streamed completions (it is on chat, responses and messages)",
@@ -137,8 +138,17 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, raw:
         return Response(status_code=499)
     body = _response(ctx, plan, [t.result() for t in trackers], trackers).model_dump()
     if request.include_kv_cache:  # one report per prompt, in prompt order
+        policy, salted = ctx.settings.kv_cache_report, request.cache_salt is not None
         body["kv_cache"] = [
-            kv_cache_report(ctx.texts, t.prompt_token_ids, t.num_cached_tokens, t.num_restored_tokens, t.prefix_miss)
+            kv_cache_report(
+                ctx.texts,
+                t.prompt_token_ids,
+                t.num_cached_tokens,
+                t.num_restored_tokens,
+                t.prefix_miss,
+                policy=policy,
+                salted=salted,
+            )
             for t in trackers
         ]
     return JSONResponse(body)

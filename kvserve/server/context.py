@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvserve.server.cache_diagnostics import FingerprintStore
 from kvserve.server.errors import APIError
+from kvserve.server.kv_report import check_kv_cache_report
 from kvserve.server.response_store import ResponseStore
 from kvserve.structured.tool_parsers import DEFAULT_STYLE, TOOL_PARSER_NAMES, ToolParserSpec, tool_parser
 
@@ -36,6 +37,12 @@ def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None
         tool_parser(tool_call_parser)
 
 
+def check_admin_key(api_key: str | None, admin_api_key: str | None) -> None:
+    """ValueError for an admin key equal to the clients' key: it would open the operator's routes to every client."""
+    if admin_api_key is not None and api_key is not None and admin_api_key.strip() == api_key.strip():
+        raise ValueError("--admin-api-key must differ from --api-key: every client holds the API key")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """Server-side options (the engine's live in EngineConfig). The first served name is the one
@@ -51,11 +58,18 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is a 400 without it (vLLM)
     tool_call_parser: str | None = None  # reads "auto" replies' calls; its style writes tools for template-less chats
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the prompt carries no tools (vLLM's flag)
+    # --admin-api-key: the operator's key, which alone opens /metrics and the KV inspector's data (server/auth.py)
+    admin_api_key: str | None = None
     disable_ui: bool = False  # --disable-ui: no KV inspector page (its data routes stay, behind the key)
-    ui_redact_text: bool = False  # --ui-redact-text: the KV inspector's data carries no token ids
+    # --ui-redact-text / --no-ui-redact-text: the KV inspector's data carries no token ids (so no prompt text) and
+    # tells misses as clients are told them; None: redacted when clients hold a key and no admin key is set
+    ui_redact_text: bool | None = None
+    kv_cache_report: str = "salted"  # --kv-cache-report: what include_kv_cache tells (kvserve.server.kv_report)
 
     def __post_init__(self) -> None:
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
+        check_kv_cache_report(self.kv_cache_report)
+        check_admin_key(self.api_key, self.admin_api_key)
         if not self.served_model_names:
             raise ValueError("at least one served model name is required")
         if self.max_prompts_per_request < 1:
@@ -67,6 +81,14 @@ class ServerSettings:
                 f"--chat-history-policy must be one of {', '.join(CHAT_HISTORY_POLICIES)}, "
                 f"got {self.chat_history_policy!r}"
             )
+
+    @property
+    def redacts_ui_text(self) -> bool:
+        """Whether the KV inspector's data is redacted: as asked, else when it is served to the clients' key (every
+        tenant holds that one) rather than an admin key of its own."""
+        if self.ui_redact_text is not None:
+            return self.ui_redact_text
+        return self.api_key is not None and self.admin_api_key is None
 
     @property
     def tool_parser(self) -> ToolParserSpec | None:

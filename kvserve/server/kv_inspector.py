@@ -56,7 +56,7 @@ def kv_data_routes(ctx: ServerContext, engines: Mapping[str, InspectedEngine], c
     """The read-only data routes (behind the API key when one is set) of `engines`, each of which is one engine whose
     pool they show, chosen by `?replica=NAME` (default: the first that is up)."""
     router = APIRouter()
-    include_tokens = not ctx.settings.ui_redact_text
+    include_tokens = not ctx.settings.redacts_ui_text
     hubs = {name: KVStreamHub(engine, closing) for name, engine in engines.items()}  # shared by that engine's streams
 
     def chosen(replica: str | None) -> tuple[str, InspectedEngine]:

@@ -42,7 +42,13 @@ from kvserve.server.cache_control import (
     breakpoint_positions,
     breakpoints,
 )
-from kvserve.server.cache_diagnostics import FingerprintStore, PromptFingerprint, cache_miss_reason
+from kvserve.server.cache_diagnostics import (
+    FingerprintStore,
+    PromptFingerprint,
+    Tenant,
+    cache_miss_reason,
+    tenant_of,
+)
 from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request
@@ -50,6 +56,7 @@ from kvserve.server.prepare import ChatRender
 from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
 from kvserve.server.streaming import chat_chunks
 from kvserve.server.tools import plan_tools
+from kvserve.structured.partial_json import partial_object
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +81,7 @@ class MessagesRequest(CacheFields):
     cache_control: dict[str, Any] | None = None  # automatic caching: a mark on the last block of the last message
     output_config: dict[str, Any] | None = None  # `format`: a json_schema the reply must follow; `effort` is ignored
     diagnostics: dict[str, Any] | None = None  # previous_message_id: why this request missed that one's cache
+    structured_outputs: dict[str, Any] | None = None  # vLLM's, as on chat and the Responses API
 
 
 class CountTokensRequest(CacheFields):
@@ -307,6 +315,7 @@ def chat_request(body: PromptBody, stream: bool) -> ChatCompletionRequest:
     if isinstance(body, MessagesRequest):
         chat |= {
             "response_format": _response_format(body.output_config),
+            "structured_outputs": body.structured_outputs,
             "max_tokens": body.max_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
@@ -335,6 +344,7 @@ class Diagnosis:
     previous_id: str | None
     previous: PromptFingerprint | None
     store: FingerprintStore
+    tenant: Tenant  # whose messages it is compared with and kept among (its cache_salt)
 
     @classmethod
     def of(cls, ctx: ServerContext, body: MessagesRequest, model: str) -> Diagnosis | None:
@@ -346,7 +356,8 @@ class Diagnosis:
                 "diagnostics.previous_message_id must be a message id or null", "diagnostics.previous_message_id"
             )
         fingerprint = PromptFingerprint.of(body, model)
-        return cls(fingerprint, previous_id, ctx.fingerprints.get(previous_id), ctx.fingerprints)
+        tenant = tenant_of(body.cache_salt)
+        return cls(fingerprint, previous_id, ctx.fingerprints.get(tenant, previous_id), ctx.fingerprints, tenant)
 
     def body(self, usage: dict[str, Any]) -> dict[str, Any] | None:
         """The reply's `diagnostics`: null on a first turn, or when nothing diverged."""
@@ -358,7 +369,7 @@ class Diagnosis:
     def keep(self, message_id: str, usage: dict[str, Any]) -> None:
         """Remember this request's fingerprint, with its prompt's tokens, for the next turn to name."""
         tokens = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
-        self.store.put(message_id, replace(self.fingerprint, prompt_tokens=tokens))
+        self.store.put(self.tenant, message_id, replace(self.fingerprint, prompt_tokens=tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,15 +425,30 @@ def stop_reason(finish: str | None, chat_stop: Any, called: bool) -> tuple[str, 
     return "end_turn", None
 
 
-def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+def _tool_use(call: dict[str, Any], cut: bool) -> dict[str, Any]:
+    """A call as a tool_use block; `cut`: max_tokens ended the reply, so its arguments may stop short (a forced call's
+    grammar is cut too): its input is what they say so far (partial_object), as Anthropic's partial block."""
     f = call["function"]
     try:
         arguments = json.loads(f["arguments"] or "{}")
     except json.JSONDecodeError:
-        arguments = None
+        arguments = partial_object(f["arguments"]) if cut else None
     if not isinstance(arguments, dict):  # the parsers hand over JSON objects only; never a silent {}
         raise APIError(500, f"tool call {f['name']!r} has arguments that are not a JSON object: {f['arguments']!r}")
     return {"type": "tool_use", "id": call["id"], "name": f["name"], "input": arguments}
+
+
+def content_blocks(message: dict[str, Any], cut: bool) -> list[dict[str, Any]]:
+    """A chat reply's message as content blocks in the order the model wrote them (its `parts`: chat's
+    ordered_parts), text and tool_use; `cut`: max_tokens ended it."""
+    calls = message.get("tool_calls") or []
+    blocks: list[dict[str, Any]] = []
+    for part in message["parts"]:
+        if isinstance(part, str):
+            blocks.append({"type": "text", "text": part})
+        else:
+            blocks.append(_tool_use(calls[part], cut))
+    return blocks
 
 
 def _new_id(prefix: str) -> str:
@@ -442,7 +468,8 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     diagnosis = Diagnosis.of(ctx, body, model)
     shell = MessageShell(_new_id("msg"), model, marks, positions, ctx.facts.block_size, diagnosis)
     pins = tuple(KVPin(p, TTL_SECONDS[m.ttl]) for m, p in zip(marks, positions) if p >= ctx.facts.block_size)
-    reply = await create_chat_completion(ctx, request, raw, kv_pins=pins)
+    # length_wins: a reply cut after a whole call says max_tokens, as Anthropic's (chat's says "tool_calls")
+    reply = await create_chat_completion(ctx, request, raw, kv_pins=pins, length_wins=True, ordered_parts=True)
     dropped = reply.headers.get(TRUNCATED_TURNS_HEADER)
     headers = {TRUNCATED_TURNS_HEADER: dropped} if dropped is not None else {}
     if isinstance(reply, StreamingResponse):
@@ -452,10 +479,8 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     chat = json.loads(bytes(reply.body))
     choice = chat["choices"][0]
     message = choice["message"]
-    content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-    calls = message.get("tool_calls") or []
-    content += [_tool_use(call) for call in calls]
-    stop = stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
+    content = content_blocks(message, cut=choice["finish_reason"] == "length")
+    stop = stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(message.get("tool_calls")))
     usage = shell.usage(chat.get("usage"))
     shell.keep(usage)
     message = shell.build(content, stop, usage)

@@ -20,6 +20,8 @@ from pydantic import (
     model_serializer,
 )
 
+from kvserve.kv.hashing import check_cache_salt_length
+
 _SCALARS = frozenset({int, float, bool, type(None)})
 
 _T = TypeVar("_T")
@@ -108,9 +110,12 @@ class CacheFields(OpenAIRequest):
     @field_validator("cache_salt")
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
-        """An empty salt would silently share the unsalted prefix cache (vLLM refuses it too)."""
+        """An empty salt would silently share the unsalted prefix cache (vLLM refuses it too); one of megabytes cost
+        memory and engine time (bounded as `prompt_cache_key` is)."""
         if value == "":
             raise ValueError("cache_salt must not be empty: leave the field out for no salt")
+        if value is not None:
+            check_cache_salt_length(value)
         return value
 
 

@@ -29,7 +29,14 @@ from kvserve.server.errors import bad_request
 from kvserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.structured.backend import GrammarCompileError
 from kvserve.structured.call_arguments import OfferedTools
-from kvserve.structured.tool_calls import CallPiece, ParsedDelta, ToolCallExtractor, extract_all
+from kvserve.structured.tool_calls import (
+    CallPiece,
+    ParsedDelta,
+    ToolCallAccumulator,
+    ToolCallExtractor,
+    extract_all,
+    feed_in_order,
+)
 from kvserve.structured.tool_parsers import NamedFunctionExtractor, RequiredExtractor
 from kvserve.structured.tool_schemas import (
     FunctionTool,
@@ -145,25 +152,57 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+# A reply's parts in the order written: a piece of content text, or the index of one of its tool calls.
+ReplyPart = str | int
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedReply:
     """One whole choice's reply: content (None when empty beside calls, as OpenAI's; "" when empty alone, as a reply
-    without tools) and calls."""
+    without tools) and calls; `parts` (when asked for: parse_reply's `ordered`) the same in the order written, which
+    OpenAI's message cannot say and Anthropic's content blocks do."""
 
     content: str | None
     tool_calls: list[ToolCall]
+    parts: tuple[ReplyPart, ...] = ()
 
 
-def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
-    """A non-streamed choice through the plan's extractor (the same machine a stream runs)."""
+def parse_reply(plan: ToolPlan, text: str, ordered: bool = False) -> ParsedReply:
+    """A non-streamed choice through the plan's extractor (the same machine a stream runs); `ordered`: also its parts
+    in order (the text read a character at a time: feed_in_order)."""
     if plan.extractor is None:
-        return ParsedReply(text, [])
-    result = extract_all(plan.extractor(), text)
+        return ParsedReply(text, [], (text,) if ordered and text else ())
+    if not ordered:
+        result = extract_all(plan.extractor(), text)
+        parts: tuple[ReplyPart, ...] = ()
+    else:
+        deltas = feed_in_order(plan.extractor(), text, finished=True)
+        acc = ToolCallAccumulator()
+        for delta in deltas:
+            acc.add(delta)
+        result = acc.result()
+        parts = _ordered_parts(deltas, len(result.calls) if plan.parallel else 1)
     calls = result.calls if plan.parallel else result.calls[:1]
     return ParsedReply(
         result.content if calls else result.content or "",
         [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls],
+        parts,
     )
+
+
+def _ordered_parts(deltas: list[ParsedDelta], num_calls: int) -> tuple[ReplyPart, ...]:
+    """Parts in order from feed_in_order's deltas: each content piece, and each of the first `num_calls` calls where
+    its first piece is."""
+    parts: list[ReplyPart] = []
+    seen: set[int] = set()
+    for delta in deltas:
+        if delta.content:
+            parts.append(delta.content)
+        for piece in delta.calls:
+            if piece.index < num_calls and piece.index not in seen:
+                seen.add(piece.index)
+                parts.append(piece.index)
+    return tuple(parts)
 
 
 def finish_reason(plan: ToolPlan, reason: str | None, has_calls: bool) -> str | None:
@@ -187,12 +226,11 @@ class StreamedCalls:
     def has_calls(self) -> bool:
         return bool(self._ids)
 
-    def add(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
-        """(new content, new call pieces) for the next piece of text; `finished`: it is the last."""
-        delta = self._extractor.feed(text)
-        if finished:
-            delta.extend(self._extractor.finish())
-        return delta.content, self._pieces(delta)
+    def add(self, text: str, finished: bool) -> list[tuple[str, list[DeltaToolCall]]]:
+        """(new content, new call pieces) for the next piece of text, as parts in the order written (each content or
+        call pieces: feed_in_order); `finished`: it is the last."""
+        parts = [(delta.content, self._pieces(delta)) for delta in feed_in_order(self._extractor, text, finished)]
+        return [(content, pieces) for content, pieces in parts if content or pieces]
 
     def _pieces(self, delta: ParsedDelta) -> list[DeltaToolCall]:
         return [self._piece(p) for p in delta.calls if self._parallel or p.index == 0]

@@ -114,6 +114,32 @@ def extract_all(extractor: ToolCallExtractor, text: str) -> ExtractedToolCalls:
     return acc.result()
 
 
+def feed_in_order(extractor: ToolCallExtractor, text: str, finished: bool) -> list[ParsedDelta]:
+    """`text` through `extractor` a character at a time (then its finish, when `finished`): what it reports, as parts
+    in the order the text has them, each content only or call pieces only (neighbours of a kind joined). A delta puts
+    its content before its calls whatever the text did (a call closed, then text, within one piece): the Messages API
+    gives its blocks in the order written."""
+    parts: list[ParsedDelta] = []
+
+    def add(delta: ParsedDelta) -> None:
+        if delta.content:
+            if parts and parts[-1].content:
+                parts[-1].content += delta.content
+            else:
+                parts.append(ParsedDelta(delta.content))
+        if delta.calls:
+            if parts and parts[-1].calls:
+                parts[-1].extend(ParsedDelta("", delta.calls))
+            else:
+                parts.append(ParsedDelta("", [CallPiece(p.index, p.name, p.arguments) for p in delta.calls]))
+
+    for c in text:
+        add(extractor.feed(c))
+    if finished:
+        add(extractor.finish())
+    return parts
+
+
 # -- shared pieces ---------------------------------------------------------------------------------------------
 
 

@@ -71,10 +71,12 @@ class HermesExtractor:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text outside them is content.
 
     Two rules of kvserve's own (docs/AGENTS.md):
-    - a call is reported whole, once its JSON object closes (name and arguments in one piece), so that a stream
-      never carries half a call: a block that is malformed (not strict JSON, arguments that are no object), names
-      a function the request did not offer, or is cut by max_tokens is content, its markers included, streamed or
-      not (vLLM returns a cut call as content too, but reads any name and Python's lax JSON);
+    - a call is reported whole (name and arguments in one piece), once its block closes: the JSON object, then
+      `</tool_call>` (or the end of the reply), so that a stream never carries half a call: a block that is
+      malformed (not strict JSON, arguments that are no object, a second object or other text after the call
+      before its `</tool_call>`), names a function the request did not offer, or is cut by max_tokens inside its
+      object is content, its markers included, streamed or not (vLLM returns a cut call as content too, but reads
+      any name and Python's lax JSON);
     - given the request's tool names, a reply that *opens* with a bare call object (`{"name": "get_weather",
       "arguments": {...}}`) or with one in a ```json fence is read as calls as well, when the name is one of the
       request's tools; several such objects in a row (bare, or one after another in one fence) are parallel calls.
@@ -98,6 +100,7 @@ class HermesExtractor:
         self._object: CallObjectScanner | None = None
         self._raw: list[str] = []  # the open call's text, content if it turns out not to be a call
         self._object_text: list[str] = []  # the call object's own text (its wrapping left out)
+        self._closed_call: tuple[str, str] | None = None  # a tag's call (name, arguments), until its </tool_call>
 
     def feed(self, text: str) -> ParsedDelta:
         for c in text:
@@ -109,6 +112,8 @@ class HermesExtractor:
             self._give_back()
         elif self._state == "outside":
             self._start.flush(self._content.char)
+        elif self._state == "after_tag":  # the reply ended after a whole call: its `</tool_call>` may be left out
+            self._report_tag_call()
         self._calls.close()
         return self._take()
 
@@ -128,7 +133,7 @@ class HermesExtractor:
         elif state == "fence_open":
             self._fence_open_char(c)
         elif state == "after_tag":
-            self._after_call_char(c, self._end)
+            self._after_tag_char(c)
         else:  # after_fence
             self._after_call_char(c, self._fence_end)
 
@@ -182,10 +187,44 @@ class HermesExtractor:
             if obj.name is None or arguments is None:
                 self._give_back()
                 return
+            if self._form == "tag":  # reported when its </tool_call> comes: a tag holds one call and nothing else
+                self._closed_call = (obj.name, arguments)
+                self._state = "after_tag"
+                return
             self._calls.start(obj.name, arguments)
             self._calls.close()
-            self._state = {"tag": "after_tag", "fence": "after_fence"}.get(self._form, "lead")
+            self._state = "after_fence" if self._form == "fence" else "lead"
             self._raw = []
+
+    def _after_tag_char(self, c: str) -> None:
+        """Whitespace, then `</tool_call>`: the tag's call is reported. Anything else (a second object, text): the
+        whole block so far is content, and what broke it is read again from outside a block."""
+        self._raw.append(c)
+        end = self._end
+        if end.pending == "" and c.isspace():
+            return
+        leftover: list[str] = []
+        if end.char(c, leftover.append):
+            self._report_tag_call()
+            self._state = "lead" if self._tools.names else "outside"
+            return
+        if leftover:
+            again = leftover + list(end.pending)
+            end.pending = ""
+            self._closed_call = None
+            self._raw = self._raw[: len(self._raw) - len(again)]
+            self._give_back()
+            for x in again:
+                self._char(x)
+
+    def _report_tag_call(self) -> None:
+        assert self._closed_call is not None
+        name, arguments = self._closed_call
+        self._closed_call = None
+        self._raw = []
+        self._end.pending = ""
+        self._calls.start(name, arguments)
+        self._calls.close()
 
     def _checked_arguments(self, obj: CallObjectScanner) -> str | None:
         """The closed call's arguments if it is one to report (the shared check, OfferedTools.arguments, after the

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from kvserve.capacity import max_concurrent_requests, num_blocks_for_budget, resolve_kv_dtype, tier_prefix_tokens
+from kvserve.capacity_catalog import find_entry
 from kvserve.kv.offload.config import parse_offloading_size
 from kvserve.kv.state import state_reservation
 from kvserve.tools.estimate import catalog_text
@@ -51,7 +53,8 @@ SCHEMA = (
     "formula}, scenario: {name, description, typical_len, needed_len, expected_concurrency}, "
     "candidates: [{max_model_len, kv_cache_dtype, num_blocks, max_concurrent_requests (all at max_model_len), "
     "concurrent_requests_at_typical_len}], recommendation: {max_model_len, max_num_seqs, kv_cache_dtype, "
-    "command}, offload: {bytes, kv_cache_dtype, num_blocks, num_tokens, typical_requests} | null "
+    "command, weights: how to get them | null}, offload: {bytes, kv_cache_dtype, num_blocks, num_tokens, "
+    "typical_requests} | null "
     "(with --kv-offloading-size), warnings: [str], explanation: str}"
 )
 
@@ -109,6 +112,26 @@ def run(args: argparse.Namespace) -> int:
     doc = advise(facts, setup, scenario, args.model, args.kv_offloading_size)
     emit(doc, render_advice(doc), args.json)
     return 0
+
+
+def _serve_model(facts: ModelFacts, model_arg: str | None) -> tuple[str | None, str | None]:
+    """What `kvserve serve --model` takes for the model advised on, and how to get its weights when they are not on
+    this machine (None: they are): a catalog name is facts without weights, so the command names a placeholder
+    directory to download them into; a config.json's directory is the checkpoint serve loads."""
+    if model_arg is None:
+        return None, None
+    if facts.kind == "catalog":
+        entry = find_entry(model_arg)
+        assert entry is not None
+        directory = f"/path/to/{entry.repo_id.rsplit('/', 1)[-1]}"
+        return (
+            directory,
+            f"not on this machine: {entry.download_hint(directory)} (docs/MODELS.md), then run the command",
+        )
+    path = Path(model_arg).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        return str(path.parent), None
+    return model_arg, None
 
 
 def candidate_lengths(context_len: int, needed_len: int) -> list[int]:
@@ -186,8 +209,9 @@ def advise(
             f"{chosen['max_model_len']} together, only {chosen['max_concurrent_requests']} fit; the "
             f"others are preempted and recomputed later (slower, nothing lost)."
         )
+    serve_model, weights = _serve_model(facts, model_arg)
     command = (
-        f"kvserve serve{'' if model_arg is None else ' --model ' + model_arg} "
+        f"kvserve serve{'' if serve_model is None else ' --model ' + serve_model} "
         f"--max-model-len {chosen['max_model_len']} --max-num-seqs {max_num_seqs} "
         f"--kv-cache-dtype {chosen['kv_cache_dtype']} --kv-cache-memory-bytes {setup.budget.kv_bytes}"
     )
@@ -215,6 +239,7 @@ def advise(
             "max_num_seqs": max_num_seqs,
             "kv_cache_dtype": chosen["kv_cache_dtype"],
             "command": command,
+            "weights": weights,
         },
         "offload": offload,
         "state_slots": None if state is None else state.to_json(),
@@ -303,6 +328,7 @@ def render_advice(doc: dict[str, Any]) -> str:
             f"--kv-cache-dtype {r['kv_cache_dtype']}"
         ),
         f"  {r['command']}",
+        *([f"Weights: {r['weights']}"] if r.get("weights") else []),
         f"Why: {doc['explanation']}",
     ]
     if doc.get("offload"):

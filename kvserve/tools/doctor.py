@@ -72,7 +72,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="1,4,16",
         help="concurrency levels of the probe's 16-token requests",
     )
-    p.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token, if the server wants one (its --admin-api-key where it has one: /metrics needs that key)",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
     add_json_arg(p, SCHEMA)
     p.set_defaults(func=run)

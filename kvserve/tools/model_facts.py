@@ -18,7 +18,7 @@ from kvserve.capacity import KVShape
 from kvserve.capacity_catalog import CATALOG, find_entry
 from kvserve.json_files import read_json_object
 from kvserve.kv.state import StateSpec
-from kvserve.model.config import ModelConfig
+from kvserve.model.config import ModelConfig, runs_hf_model_type
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +100,16 @@ def kv_shape_from_hf_config(cfg: dict[str, Any]) -> tuple[KVShape, ModelConfig |
     """KV shape of an HF config dict; the ModelConfig too when kvserve can run the family."""
     text = cfg.get("text_config") or cfg  # multimodal wrappers keep the decoder in text_config
     layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+    if layers < 1 or heads < 1:
+        raise ValueError(f"num_hidden_layers and num_attention_heads must be positive, got {layers} and {heads}")
     if text.get("kv_lora_rank"):
         return KVShape.mla(layers, int(text["kv_lora_rank"]), int(text["qk_rope_head_dim"]), heads), None
     try:
         model_config = ModelConfig.from_hf_dict(text)
-    except (ValueError, NotImplementedError):  # a family kvserve does not run: read attention fields only
-        model_config = None
+    except (ValueError, NotImplementedError):
+        if runs_hf_model_type(text.get("model_type")):  # a family kvserve runs: what serve would refuse, said now
+            raise
+        model_config = None  # a family kvserve does not run: read attention fields only
     if model_config is not None:
         return KVShape.from_model_config(model_config), model_config
     hidden = int(text["hidden_size"])

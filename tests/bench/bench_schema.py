@@ -30,6 +30,7 @@ LATENCY_SINGLE = {
     "ttft_ms_runs",
     "decode_ms_per_token",
     "decode_ms_per_token_runs",
+    "decode_ms_per_token_mean_runs",
     "decode_tokens_per_s",
     "prefill_floor_ms",
     "decode_floor_ms",

@@ -47,6 +47,20 @@ def test_timeline_splits_prefill_from_decode():
     assert Timeline(start=0.0, stamps=[0.3]).decode_step_s is None
 
 
+def test_a_stall_does_not_move_the_decode_step_time():
+    """bench latency reported 1,698 ms a token after a 1,024-token prompt on the instruct model where the steps took
+    23 ms: 31 steps, one of which met a 52 s stall of the host, averaged. The step time is now the median step (the
+    mean is kept beside it, stalls included)."""
+    steps = [0.023] * 30 + [52.0]
+    stamps = [3.5]
+    for s in steps:
+        stamps.append(stamps[-1] + s)
+    t = Timeline(start=0.0, stamps=stamps, first_all=0)
+    assert t.decode_step_s == pytest.approx(0.023)
+    assert t.decode_step_mean_s == pytest.approx(sum(steps) / 31) and t.decode_step_mean_s > 1.6
+    assert t.decode_steps_s == pytest.approx(steps)
+
+
 def _report() -> Report:
     r = Report("demo", machine_info(), {"flag": 1}, results={"x": [1.5]}, ratios={"a/b": 2.0}, notes=["n"])
     t = Table("T", ["name", "value"])

@@ -157,3 +157,33 @@ def test_advise_warns_below_expected_concurrency(capsys) -> None:
     assert doc["recommendation"]["max_model_len"] == 40960  # the model's context, below the 131072 wanted
     assert any("context is 40960" in w for w in doc["warnings"])
     assert any("fewer than the expected 4" in w for w in doc["warnings"])
+
+
+def test_advise_on_a_catalog_name_prints_a_command_that_runs(capsys, tmp_path: Path) -> None:
+    """`advise --model lfm2-1.2b` printed `kvserve serve --model lfm2-1.2b`, which serve refuses (a catalog name is
+    facts, not weights): the command names a directory to download the weights into, says how, and parses as serve's;
+    serve itself, given the catalog name, says the same. A config.json's command names its checkpoint directory."""
+    import shlex
+
+    from kvserve.cli import build_parser
+
+    doc = run_json(capsys, "advise", "--model", "lfm2-1.2b", "--memory", "8GiB")
+    r = doc["recommendation"]
+    assert r["command"].startswith("kvserve serve --model /path/to/LFM2-1.2B ")
+    assert r["weights"].startswith("not on this machine: hf download LiquidAI/LFM2-1.2B --local-dir /path/to/LFM2-1.2B")
+    args = build_parser().parse_args(shlex.split(r["command"])[1:])
+    assert args.model == "/path/to/LFM2-1.2B" and args.max_model_len == r["max_model_len"]
+    assert main(["advise", "--model", "lfm2-1.2b", "--memory", "8GiB"]) == 0
+    assert "Weights: not on this machine: hf download LiquidAI/LFM2-1.2B" in capsys.readouterr().out
+    assert main(["serve", "--model", "lfm2-1.2b"]) == 2
+    refused = capsys.readouterr().err
+    assert "sizing catalog" in refused and "hf download LiquidAI/LFM2-1.2B --local-dir LFM2-1.2B" in refused
+    config = tmp_path / "ckpt" / "config.json"
+    config.parent.mkdir()
+    from kvserve.capacity_catalog import find_entry
+
+    entry = find_entry("lfm2-1.2b")
+    assert entry is not None
+    config.write_text(json.dumps(entry.config))
+    doc = run_json(capsys, "advise", "--model", str(config), "--memory", "8GiB")
+    assert f"--model {config.parent} " in doc["recommendation"]["command"] and doc["recommendation"]["weights"] is None

@@ -181,3 +181,51 @@ def test_a_sustained_rise_with_prefill_time_is_still_growing_prompts() -> None:
     assert "4 windows" in found[0].summary
     # three windows of the same rise are not enough to call it a trend
     assert [f.code for f in findings(steps[1:])] == ["kv_cache_pressure"]
+
+
+# (c) the same queue on a busy, shared host: requests run so slowly that few (or none) end between the scrapes, so the
+# histograms, observed as requests end, say little or nothing; doctor called it healthy, twice.
+
+
+def timed(steps: list[Step], interval_s: float) -> list[Snapshot]:
+    """The scrapes of `steps`, taken `interval_s` apart (as doctor takes them from a server)."""
+    return [Snapshot.parse(p, time=i * interval_s) for i, p in enumerate(scrapes(steps))]
+
+
+def test_a_queue_on_a_busy_host_is_a_finding_whatever_the_histograms_say() -> None:
+    stuck = Step(requests=0, prompt_mean=70, ttft_mean=0.0, queue_mean=0.0, usage=0.004, running=2, waiting=6)
+    found = diagnose(Evidence(timed([stuck] * 4, 5.0)))  # 20 s, nobody ended: waited 20 s at least
+    assert [f.code for f in found] == ["requests_queued"]
+    assert found[0].evidence["limited_by"] == "max_num_seqs" and found[0].evidence["queue_time_mean_s"] == 20.0
+    assert found[0].evidence["queue_time_source"].startswith("num_requests_waiting")
+    # A few ended, early arrivals that hardly waited (their histogram says 0.3 s); 6 stood waiting throughout:
+    # Little's law, 6 waiting x 20 s / 8 ended, is 15 s.
+    trickle = Step(requests=2, prompt_mean=70, ttft_mean=0.5, queue_mean=0.3, usage=0.004, running=2, waiting=6)
+    found = diagnose(Evidence(timed([trickle] * 4, 5.0)))
+    assert [f.code for f in found] == ["requests_queued"] and found[0].evidence["queue_time_mean_s"] == 15.0
+    # Busy but fine: a burst or two waiting while 40 requests a window go through is a 0.25 s wait.
+    flowing = Step(requests=40, prompt_mean=70, ttft_mean=0.4, queue_mean=0.2, usage=0.3, running=8, waiting=2)
+    assert diagnose(Evidence(timed([flowing] * 4, 5.0))) == []
+
+
+def test_doctor_against_a_server_under_injected_load(capsys) -> None:
+    """Through the CLI against a server whose requests never end while the scrapes run (what a host busy with other
+    work looks like from /metrics): a finding, not "healthy"."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from test_doctor import FakeServer
+
+    class Loaded(FakeServer):
+        page = exposition(usage=0.004, running=2, waiting=6, requests=40, ttft_sum=20.0, queue_sum=8.0)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Loaded)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert main(["doctor", "--url", url, "--scrapes", "2", "--interval", "1.2", "--json"]) == 1
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    doc = json.loads(capsys.readouterr().out)
+    assert not doc["healthy"] and [f["code"] for f in doc["findings"]] == ["requests_queued"]

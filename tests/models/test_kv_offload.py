@@ -18,6 +18,7 @@ from tiny_models import tiny_engine
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv.offload.stores import RECORD_SUFFIX, DiskStore
+from kvserve.outputs import RequestOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logprob_check import assert_logprobs_close
@@ -47,10 +48,8 @@ FILLERS = [prompt(s) for s in (1, 2, 3)]
 MORE_FILLERS = [prompt(s) for s in (4, 5, 6)]
 
 
-def run(
-    engine: LLMEngine, ids: list[int], salt: str | None = None, request_id: str = "r"
-) -> tuple[list[int], int, int]:
-    """(greedy tokens, cached tokens, of them restored from the tier) of one request run to its end."""
+def run_to_end(engine: LLMEngine, ids: list[int], salt: str | None = None, request_id: str = "r") -> RequestOutput:
+    """One request run to its end (the invariants checked after every step): its final output."""
     engine.add_request(request_id, ids, GREEDY, cache_salt=salt)
     final = None
     while engine.has_unfinished_requests():
@@ -59,6 +58,14 @@ def run(
             if out.finished:
                 final = out
     assert final is not None
+    return final
+
+
+def run(
+    engine: LLMEngine, ids: list[int], salt: str | None = None, request_id: str = "r"
+) -> tuple[list[int], int, int]:
+    """(greedy tokens, cached tokens, of them restored from the tier) of one request run to its end."""
+    final = run_to_end(engine, ids, salt, request_id)
     return list(final.outputs[0].token_ids), final.num_cached_tokens, final.num_restored_tokens
 
 
@@ -216,11 +223,19 @@ def test_damaged_records_are_recomputed(model_dir, cold, tmp_path, damage):
     else:  # another block's (valid) record under this block's name
         victim.write_bytes(files[0].read_bytes() if victim != files[0] else files[1].read_bytes())
     second = disk_engine(model_dir, tmp_path)
-    tokens, cached, restored = run(second, PROMPT)
+    final = run_to_end(second, PROMPT)
+    tokens, cached, restored = list(final.outputs[0].token_ids), final.num_cached_tokens, final.num_restored_tokens
     assert tokens == cold
     assert restored == cached < 56  # the chain stops at the damaged block; the rest is computed
     stats = second.core.stats().offload
     assert stats.restore_failures == (0 if damage == "delete" else 1)
+    # Why the hit stopped, through the real restore: a record the restore refused is named where the hit stopped; a
+    # deleted one, or a truncated one (the start-up scan removes a file of no record's size), is no record at all, and
+    # this fresh process has seen nothing else.
+    reason = "never_seen" if damage in ("delete", "truncate") else "tier_record_failed_check"
+    assert final.prefix_miss is not None and (final.prefix_miss.reason, final.prefix_miss.at_token) == (reason, cached)
+    counts = dict(second.core.kv_manager.miss_counts.snapshot())
+    assert counts[reason] == 1 and sum(counts.values()) == 1
     assert_pool_whole(second)
     # The bad record was dropped and the recomputed block stored again: a third start restores everything.
     flushed(second).core.close()

@@ -73,6 +73,31 @@ def test_unknown_layer_types_are_refused_by_name(lfm2, tmp_path):
         ModelConfig.from_hf_dict(cfg)
 
 
+def test_malformed_hybrid_configs_are_clear_errors(hybrid):
+    """A hostile run's configs: zero attention heads was a ZeroDivisionError traceback; an LFM2 of conv layers only or
+    a Qwen3.5 of linear-attention layers only was refused as "a model needs at least one layer". Each is now an error
+    saying what is wrong, or what is not supported, from the config alone (so estimate and serve say the same)."""
+    import json
+
+    path, _ = hybrid
+    cfg = json.loads((path / "config.json").read_text())
+    for field in ("num_attention_heads", "hidden_size", "num_hidden_layers"):
+        with pytest.raises(ValueError, match=f"{field} must be a positive integer, got 0"):
+            ModelConfig.from_hf_dict({**cfg, field: 0})
+    state_kind = "conv" if cfg["model_type"] == "lfm2" else "linear_attention"
+    only_state = {**cfg, "layer_types": [state_kind] * cfg["num_hidden_layers"]}
+    with pytest.raises(NotImplementedError, match="has no attention layer") as refused:
+        ModelConfig.from_hf_dict(only_state)
+    assert "needs at least one layer" not in str(refused.value)
+    # kvserve estimate / advise read the same config the same way (they sized such a model as if it ran)
+    from kvserve.tools.model_facts import kv_shape_from_hf_config
+
+    with pytest.raises(NotImplementedError, match="has no attention layer"):
+        kv_shape_from_hf_config(only_state)
+    with pytest.raises(ValueError, match="must be positive"):
+        kv_shape_from_hf_config({**cfg, "num_attention_heads": 0})
+
+
 SETTINGS = {
     "one_chunk": dict(max_num_batched_tokens=256),
     "chunked": dict(max_num_batched_tokens=16),

@@ -169,6 +169,23 @@ def test_empty_cache_salt_is_a_400(guarded_server, auth):
         assert c.post(CMPL, json={"prompt": "x", "cache_salt": "t", "max_tokens": 2}).status_code == 200
 
 
+def test_an_oversized_cache_salt_is_a_400(guarded_server, auth):
+    """Bounded as prompt_cache_key is (1,024 characters): a 7 MiB salt once held memory per block and stalled the
+    engine for seconds. The bound itself is accepted, on every generating route."""
+    long = "s" * 1025
+    bodies = [
+        (CMPL, {"prompt": "x", "max_tokens": 1}),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+    ]
+    with guarded_server.client(headers=auth) as c:
+        for path, body in bodies:
+            r = c.post(path, json=body | {"cache_salt": long})
+            assert r.status_code == 400, r.text
+            assert "1,025 characters; at most 1,024" in r.text and "cache_salt" in r.text, r.text
+            assert c.post(path, json=body | {"cache_salt": long[:-1]}).status_code == 200
+
+
 def test_hostile_input_leaves_the_pool_whole(guarded_server, auth):
     with guarded_server.client(headers=auth) as c:
         for _, path, body, _ in SURROGATES:

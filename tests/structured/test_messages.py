@@ -324,8 +324,8 @@ def test_cache_diagnostics_say_which_part_changed(client):
 
 def test_kv_cache_report_says_why_a_prompt_missed(client, tools_client, tools_server):
     """include_kv_cache: a cold prompt was never seen; the same prompt changed at one character diverged there (the
-    text either side decoded from this request's own prompt); under another salt a client is told never_seen, while
-    the operator's metric counts a different salt."""
+    text either side decoded from this request's own prompt); under another salt a client is told never_seen, and so
+    is an open /metrics (the operator's, with the admin key, counts a different salt: test_tenant_isolation.py)."""
     key = salt() | {"include_kv_cache": True}
     base = "The quick brown fox jumps over the lazy dog, again and again and again. Then it rests."
     ask = lambda text, extra: tools_client.chat.completions.create(  # noqa: E731
@@ -341,8 +341,11 @@ def test_kv_cache_report_says_why_a_prompt_missed(client, tools_client, tools_se
     assert miss["at_token"] <= miss["diverged_at_token"] < miss["at_token"] + tools_server.engine.facts.block_size
     other = ask(base, salt() | {"include_kv_cache": True}).model_extra["kv_cache"]["miss"]
     assert other["reason"] == "never_seen"  # not "different_cache_salt": that is another tenant's business
-    metrics = httpx.get(f"{tools_server.base_url}/metrics").text
-    assert f'kvserve:prefix_cache_miss_reasons_total{{model_name="{MODEL}",reason="different_cache_salt"}}' in metrics
+    metrics = httpx.get(f"{tools_server.base_url}/metrics").text  # no admin key: a client may read it too
+    assert f'kvserve:prefix_cache_miss_reasons_total{{model_name="{MODEL}",reason="never_seen"}}' in metrics
+    assert (
+        'reason="different_cache_salt"' not in metrics
+    )  # the operator's, behind --admin-api-key (test_tenant_isolation.py)
     message = client.messages.create(
         model=MODEL, max_tokens=1, messages=[{"role": "user", "content": base}], extra_body=key
     )
@@ -363,3 +366,88 @@ def test_completions_report_per_prompt(tools_client):
     assert [r["miss"]["reason"] for r in reports] == ["never_seen", "never_seen"]
     with pytest.raises(openai.BadRequestError, match="include_kv_cache"):
         tools_client.completions.create(model=MODEL, prompt="x", max_tokens=1, stream=True, extra_body=extra)
+
+
+def scripted(text: str) -> dict[str, object]:
+    """extra_body that makes the reply exactly `text` (a one-string choice: one token a character here); vLLM's
+    structured_outputs, taken by /v1/messages as by chat and the Responses API."""
+    return GREEDY | {"structured_outputs": {"choice": [text]}}
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "days": 1}}</tool_call>'
+CALL_INPUT = {"city": "Paris", "unit": "c", "days": 1}
+
+
+def final_message(client, stream: bool, **kw):
+    if not stream:
+        return client.messages.create(**kw)
+    with client.messages.stream(**kw) as events:
+        return events.get_final_message()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_blocks_come_in_the_order_the_model_wrote_them(client, stream):
+    """A call, then text: the tool_use block first (the text block came first whatever the model wrote); a reply
+    that ends by itself after its call says tool_use."""
+    kw = dict(model=MODEL, max_tokens=400, tools=[WEATHER], messages=HI)
+    reply = final_message(client, stream, **kw, extra_body=scripted(CALL + "Checking now."))
+    assert [b.type for b in reply.content] == ["tool_use", "text"]
+    assert reply.content[0].input == CALL_INPUT and reply.content[1].text == "Checking now."
+    assert reply.stop_reason == "tool_use"
+    before = final_message(client, stream, **kw, extra_body=scripted("Checking." + CALL))
+    assert [b.type for b in before.content] == ["text", "tool_use"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_after_its_call_says_max_tokens(client, stream):
+    """max_tokens cut the text after a complete call: stop_reason max_tokens, as Anthropic's (it said tool_use, chat's
+    "tool_calls" for a parser that reports whole calls only)."""
+    kw = dict(model=MODEL, max_tokens=len(CALL) + 4, tools=[WEATHER], messages=HI)
+    reply = final_message(client, stream, **kw, extra_body=scripted(CALL + "Checking now."))
+    assert reply.stop_reason == "max_tokens"
+    assert [b.type for b in reply.content] == ["tool_use", "text"] and reply.content[1].text == "Chec"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
+def test_a_forced_call_cut_by_max_tokens_is_a_partial_tool_use(client, choice, stream):
+    """A forced call (tool_choice tool or any) cut by max_tokens was a 500 (its arguments are not a whole JSON
+    object): 200 with stop_reason max_tokens and the partial block, its input what the cut arguments say so far."""
+    kw = dict(model=MODEL, tools=[WEATHER], messages=HI, tool_choice=choice, extra_body=GREEDY)
+    whole = client.messages.create(**kw, max_tokens=200)
+    (use,) = [b for b in whole.content if b.type == "tool_use"]
+    for max_tokens in (4, 12, 20):
+        reply = final_message(client, stream, **kw, max_tokens=max_tokens)
+        assert reply.stop_reason == "max_tokens"
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        assert all(b.name == "get_weather" and isinstance(b.input, dict) for b in uses)
+        for partial in uses:  # what it says is what the whole call says
+            assert all(use.input[k] == v or str(use.input[k]).startswith(str(v)) for k, v in partial.input.items())
+
+
+def test_a_null_cache_control_is_no_mark(client):
+    """Anthropic's cache_control is optional and may be null (so may a mark's ttl): no mark, not a 400."""
+    system = [{"type": "text", "text": "Be brief.", "cache_control": None}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello there", "cache_control": None}]}]
+    reply = client.messages.create(
+        model=MODEL, max_tokens=2, system=system, messages=messages, extra_body=GREEDY | {"cache_control": None}
+    )
+    assert reply.usage.cache_creation_input_tokens == 0
+    ttl_null = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": None}}]
+    assert client.messages.create(model=MODEL, max_tokens=2, system=ttl_null, messages=HI).stop_reason
+
+
+def test_the_prompt_caching_docs_example_runs_and_shows_the_cache(tools_server, capsys):
+    """docs/PROMPT_CACHING.md's client example, as written but for the address and the model (the tiny one here): it
+    once tripped on `temperature` (the SDK takes it in extra_body only) and its marked system prompt was shorter than
+    a block, so it showed no cache creation."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "PROMPT_CACHING.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    code = code.replace("http://127.0.0.1:8000", tools_server.base_url).replace("qwen2.5-coder-0.5b-instruct", MODEL)
+    exec(compile(code, "PROMPT_CACHING.md", "exec"), {})
+    written, read = re.findall(r"written to the cache: (\d+) read from it: (\d+)", capsys.readouterr().out)
+    assert int(written[0]) > 0 and int(written[1]) == 0  # the first request writes the marked prefix
+    assert int(read[0]) == 0 and int(read[1]) > 0  # the second reads it back

@@ -109,6 +109,26 @@ CASES = [
     (HERMES, "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
     (HERMES, "a <tool_c b <toolbox> <tool_call", "a <tool_c b <toolbox> <tool_call", []),
     (HERMES, '<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [ToolCall("f", '{"a": 1}')]),
+    # a tag holds one call: two objects in a row (or anything but its closing marker after the call) are content
+    # (whitespace before markup is never content)
+    (
+        HERMES,
+        '<tool_call>{"name": "f", "arguments": {}}{"name": "now", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}{"name": "now", "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        HERMES,
+        'Two: <tool_call>{"name": "f", "arguments": {}}\n{"name": "now"}</tool_call> done',
+        'Two:<tool_call>{"name": "f", "arguments": {}}\n{"name": "now"}</tool_call> done',
+        [],
+    ),
+    (
+        HERMES,
+        '<tool_call>{"name": "f", "arguments": {}} </tool_c x<tool_call>{"name": "now"}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}} </tool_c x',
+        [ToolCall("now", "{}")],
+    ),
     # cut by max_tokens, or malformed after the name: content, markers included (a call is reported whole)
     (
         HERMES,

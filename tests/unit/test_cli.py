@@ -59,3 +59,15 @@ def test_one_output_is_printed_as_it_is_and_a_batch_under_headers() -> None:
         "=== prompt 2 of 2, completion 2 of 2: 'The sky is' ===",
         " grey",
     ]
+
+
+def test_the_top_level_help_names_every_api_serve_serves(capsys) -> None:
+    """`kvserve --help` described serve as completions and chat only: the Responses and Messages APIs were missing."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listing = " ".join(capsys.readouterr().out.split())
+    assert "Responses" in listing and "Messages" in listing
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    serve_help = " ".join(capsys.readouterr().out.split())
+    assert "/v1/responses" in serve_help and "/v1/messages" in serve_help

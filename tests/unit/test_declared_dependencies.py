@@ -114,3 +114,38 @@ def test_the_allow_list_is_still_needed():
     for name, (dist, _) in OPTIONAL_IMPORTS.items():
         assert name in imports, f"{name} is no longer imported: drop it from OPTIONAL_IMPORTS"
         assert _normalize(dist) not in core, f"{dist} is a core dependency now: drop it from OPTIONAL_IMPORTS"
+
+
+def test_a_cpu_install_runs_structured_output_without_triton(tmp_path) -> None:
+    """xgrammar declares triton on Linux x86_64 (999 MB of the 3 GB a plain install takes) though kvserve never uses
+    it on a CPU: README says `pip uninstall -y triton` is safe there. A greedy generation under xgrammar's JSON grammar,
+    in a process where `import triton` fails, gives the same JSON as in one where it works."""
+    import json
+    import subprocess
+
+    models = Path(__file__).resolve().parents[1] / "models"
+    script = f"""
+import json, sys
+from pathlib import Path
+if sys.argv[1] == "blocked":
+    sys.modules["triton"] = None  # `import triton` raises ImportError, as when it is not installed
+sys.path.insert(0, {str(models)!r})
+from tiny_models import build_tiny_hf_model
+from tiny_tokenizer import write_char_tokenizer
+from kvserve import LLM, SamplingParams
+from kvserve.sampling_params import StructuredOutputsParams
+build_tiny_hf_model("llama_gqa").save_pretrained({str(tmp_path)!r})
+write_char_tokenizer(Path({str(tmp_path)!r}))
+llm = LLM(model={str(tmp_path)!r}, num_gpu_blocks_override=64, block_size=4, structured_outputs_backend="xgrammar")
+schema = {{"type": "object", "properties": {{"a": {{"type": "integer"}}}}, "required": ["a"]}}
+params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+text = llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0].text
+print(json.dumps({{"text": text, "triton": "triton" in sys.modules and sys.modules["triton"] is not None}}))
+"""
+    runs = {}
+    for mode in ("blocked", "allowed"):
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["blocked"]["triton"] is False
+    assert runs["blocked"]["text"] == runs["allowed"]["text"] and json.loads(runs["blocked"]["text"])["a"] is not None

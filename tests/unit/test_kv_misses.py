@@ -26,14 +26,18 @@ def test_a_cold_prompt_was_never_seen_and_a_full_hit_has_no_miss():
 
 
 def test_an_evicted_prefix_says_when_and_under_what_pressure():
-    _, kv, clock = make()
+    """A 24-block pool: `a` leaves 6 cached blocks; the first flood prompt (12 blocks) takes the 18 free blocks without
+    a hash; the second evicts `a`'s 6 and 6 of the first's; the third and fourth evict 12 each: 30 evictions, of which
+    `a`'s first block's is the 6th (blocks are evicted in the order they were freed: a request frees its last block
+    first, so the first is freed, and evicted, last of its six), leaving 24 after it."""
+    pool, kv, clock = make()
     serve(kv, "a", PROMPT)
     clock.now = 5.0
     flood(kv)
+    assert pool.num_evictions == 30
+    clock.now = 7.5
     miss = serve(kv, "b", PROMPT)
-    assert miss is not None and miss.reason == "evicted" and miss.at_token == 0
-    assert miss.evicted_blocks_since is not None and miss.evicted_blocks_since >= 0
-    assert miss.evicted_ago_s is not None and miss.evicted_ago_s >= 0
+    assert miss == PrefixMiss("evicted", 0, evicted_ago_s=2.5, evicted_blocks_since=24)
 
 
 def test_a_prompt_that_diverged_names_the_token():

@@ -425,3 +425,75 @@ def test_a_failed_store_is_retried_with_backoff_and_counted(tmp_path, monkeypatc
     tier.flush()
     assert tier.available and tier.stored_blocks == 2 and tier.io_errors == 2 and tier.backoff.delay == 0
     tier.close()
+
+
+SMALL = 4096  # a small payload: many records, quickly
+
+
+def small_block(i: int) -> tuple[tuple[int, bytes], BlockKey, torch.Tensor]:
+    tokens = (i, i + 1, i + 2, i + 3)
+    return (0, BlockHasher().hash_block(None, tokens)), BlockKey(None, tokens, b""), torch.full((SMALL,), i % 251)
+
+
+def on_disk(root: Path) -> tuple[int, int]:
+    """(records, bytes) of every fingerprint's records under `root`."""
+    sizes = [p.stat().st_size for p in root.glob("*/blocks/*/*.kvb")]
+    return len(sizes), sum(sizes)
+
+
+def test_the_budget_holds_under_churn_and_the_count_is_the_directorys(tmp_path):
+    """Two writer threads (the disk tier runs two) storing at once: the directory ended a record or two over its budget
+    and the store's count of it below the truth (a scan set the count while a write landed: the write's bytes were
+    lost, so the next scan came late). Room is now made before a record is written, under one lock with the scans."""
+    import threading
+
+    record_bytes = len(encode_record(FP.digest, small_block(0)[0][1], small_block(0)[1], bytes(SMALL)))
+    capacity = 20 * record_bytes
+    store = DiskStore(tmp_path, FP, capacity_bytes=capacity, payload_bytes=SMALL)
+    worst = [0]
+
+    def writer(start: int) -> None:
+        for i in range(start, start + 300):
+            key, content, payload = small_block(i)
+            store.write(key, content, payload.to(torch.uint8))
+            with store._mutex:
+                worst[0] = max(worst[0], store._bytes_estimate)
+
+    threads = [threading.Thread(target=writer, args=(n * 1000,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records, used = on_disk(tmp_path)
+    assert used <= capacity and worst[0] <= capacity
+    assert store.usage().num_blocks == records and store.usage().bytes_used == used
+
+
+def test_other_fingerprints_records_count_against_the_budget_and_go_first(tmp_path):
+    """D9: each upgrade or flag change (a new fingerprint) left a full budget of dead records; the directory grew to N
+    budgets. Every fingerprint's records now count against the one budget, least recently used first: the old
+    fingerprint's, untouched since, go before the new one's. The records a process keeps beside its blocks (a hybrid
+    model's state snapshots: the same fingerprint but for what a record holds) have their own share and are never
+    evicted by the blocks' store."""
+    from dataclasses import replace
+
+    record_bytes = len(encode_record(FP.digest, small_block(0)[0][1], small_block(0)[1], bytes(SMALL)))
+    capacity = 10 * record_bytes
+    old = DiskStore(tmp_path, replace(FP, kvserve_version="old"), capacity_bytes=capacity, payload_bytes=SMALL)
+    for i in range(9):
+        old.write(*small_block(i)[:2], small_block(i)[2].to(torch.uint8))
+        os.utime(old.path_for(small_block(i)[0]), (1000 + i, 1000 + i))
+    old.close()
+    state = DiskStore(tmp_path, FP.for_state_snapshots("s"), capacity_bytes=capacity, payload_bytes=SMALL)
+    for i in range(100, 103):
+        state.write(*small_block(i)[:2], small_block(i)[2].to(torch.uint8))
+    for i in range(100, 103):  # older than everything: still never the blocks' store's to evict
+        os.utime(state.path_for(small_block(i)[0]), (500, 500))
+    new = DiskStore(tmp_path, FP, capacity_bytes=capacity, payload_bytes=SMALL)
+    for i in range(200, 209):
+        new.write(*small_block(i)[:2], small_block(i)[2].to(torch.uint8))
+    records, used = on_disk(tmp_path)
+    assert used - 3 * record_bytes <= capacity  # the blocks' budget, beside the state snapshots' share
+    assert all(new.contains(small_block(i)[0]) for i in range(200, 209))  # the new fingerprint's are all there
+    assert all(state.contains(small_block(i)[0]) for i in range(100, 103))
+    assert len(list(tmp_path.glob(f"{old.fingerprint.name}/blocks/*/*.kvb"))) < 9  # the dead ones went first

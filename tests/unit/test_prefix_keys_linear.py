@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvserve.engine.request import Request
+from kvserve.kv.hashing import MAX_CACHE_SALT_CHARS, check_cache_salt_length
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool import BlockPool
 
@@ -91,3 +92,23 @@ def test_a_lone_surrogate_salt_keys_without_raising_and_isolates() -> None:
     assert kv.get_computed_blocks(Request("b", tokens, Params(), cache_salt="\ud800"))[1] == 32
     for other in (None, "\ufffd", "?"):
         assert kv.get_computed_blocks(Request("c", tokens, Params(), cache_salt=other))[1] == 0
+
+
+def test_a_salt_costs_its_digest_per_block_not_its_length() -> None:
+    """Twelve 7 MiB salts once took a server from 1.9 to 7.1 GiB: every block key and history entry held its own copy,
+    and hashing joined it to every block. A key now holds a 32-byte digest whatever the salt's length (the longest
+    accepted, 1,024 characters, here), salts still never share blocks, and a longer salt is a ValueError naming both
+    lengths."""
+    kv = manager(64)
+    tokens = list(range(33))
+    salt = "s" * MAX_CACHE_SALT_CHARS
+    r = Request("a", tokens, Params(), cache_salt=salt)
+    assert kv.allocate_slots(r, len(tokens))
+    hashes = kv.hashes(r, len(tokens))
+    assert [len(kv.key(r, hashes, i).extra_keys) for i in range(2)] == [32, 32]
+    assert kv.get_computed_blocks(Request("b", tokens, Params(), cache_salt=salt))[1] == 32
+    for other in (None, salt[:-1], salt[:-1] + "t"):
+        assert kv.get_computed_blocks(Request("c", tokens, Params(), cache_salt=other))[1] == 0
+    check_cache_salt_length(salt)
+    with pytest.raises(ValueError, match=r"1,025 characters; at most 1,024"):
+        check_cache_salt_length(salt + "s")

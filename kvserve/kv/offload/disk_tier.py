@@ -194,7 +194,7 @@ class DiskTier:
             return
         try:
             written, evicted = self.store.write(tier_key(block), block.key, self._ring[slot])
-        except RecordError as e:  # a block no record can hold (a cache salt past MAX_IDENTITY_BYTES): not stored
+        except RecordError as e:  # a block no record can hold (an identity past MAX_IDENTITY_BYTES): not stored
             counters.add(dropped_blocks=1)
             logger.debug("KV offload: block %s not stored (%s)", block.block_hash.hex()[:16], e)
             return

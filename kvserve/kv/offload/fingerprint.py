@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -126,3 +127,16 @@ class KVFingerprint:
     @property
     def name(self) -> str:
         return self.digest.hex()
+
+    @property
+    def family(self) -> str:
+        """What one process's subdirectories share: the fingerprint but for what a record holds (its blocks' and its
+        state snapshots' subdirectories have one family). A subdirectory of another family is another model's, flags'
+        or version's, whose records count against the directory's budget (stores.py)."""
+        return family_of(self.describe())
+
+
+def family_of(description: Mapping[str, object]) -> str:
+    """The family (KVFingerprint.family) of a fingerprint's description, as fingerprint.json holds it."""
+    rest = {k: v for k, v in description.items() if k != "records"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -22,12 +22,13 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.kv.hashing import BlockKey
-from kvserve.kv.offload.fingerprint import KVFingerprint
+from kvserve.kv.offload.fingerprint import KVFingerprint, family_of
 from kvserve.kv.offload.interface import StoreUsage, TierKey
 from kvserve.kv.offload.record import (
     CHECKSUM_BYTES,
@@ -153,6 +154,13 @@ class DiskStore:
         _warn_if_open(self._blocks)
         self._closer = weakref.finalize(self, _close_dirs, self._dir, self._blocks)
         self._digest = fingerprint.digest  # computed once: every record carries it
+        self._family = fingerprint.family  # subdirectories of this family are this process's own (its other stores)
+        self._trust = trust
+        # The budget: scans, and each write's room and rename, under one lock, so the directory's size is known
+        # exactly between them (a scan that counted while a write landed lost that write's bytes).
+        self._budget = threading.Lock()
+        self._inflight = 0  # bytes of records being written, their room made (under _budget)
+        self._foreign_bytes = 0  # other families' records, as the last scan found them (under _budget)
         self._mutex = threading.Lock()  # guards the counters below between this process's threads
         self._bytes_estimate = 0
         self._num_blocks_estimate = 0
@@ -293,13 +301,36 @@ class DiskStore:
                     self._present.add(key)
                 return False, []
             parts = record_parts(self._digest, key[1], content, payload.numpy().data, key[0])
-            size = _write_new(directory, name, parts)
-        with self._mutex:
-            self._bytes_estimate += size
-            self._num_blocks_estimate += 1
-            self._present.add(key)
-            over = self._bytes_estimate > self.capacity_bytes
-        return True, self.scan() if over else []
+            size = sum(len(p) for p in parts)
+            evicted = self._make_room(size)  # before the write: the directory never holds more than its budget
+            try:
+                tmp = _write_tmp(directory, parts)
+                with self._budget:
+                    try:
+                        directory.rename(tmp, name)
+                    except BaseException:
+                        _unlink_quietly(directory, tmp)
+                        raise
+                    with self._mutex:
+                        self._bytes_estimate += size
+                        self._num_blocks_estimate += 1
+                        self._present.add(key)
+            finally:
+                with self._budget:
+                    self._inflight -= size
+        return True, evicted
+
+    def _make_room(self, size: int) -> list[TierKey]:
+        """Reserve `size` bytes for a record about to be written, evicting first (scan) if the directory, with the
+        records being written, would pass its budget: returns the evicted keys."""
+        with self._budget:
+            with self._mutex:
+                known = self._bytes_estimate
+            evicted = []
+            if known + self._foreign_bytes + self._inflight + size > self.capacity_bytes:
+                evicted = self._scan_locked(room=size)
+            self._inflight += size
+            return evicted
 
     def retain(self, key: TierKey, until: float) -> bool:
         """Keep the block's record until `until` (time.time()): its mtime is set there, so eviction, which goes by
@@ -377,30 +408,21 @@ class DiskStore:
         """Under the lock: count the records, remove dead writers' temporary files, and evict the least recently used
         records while the directory holds more than its budget; the index is what remains. Returns the evicted keys.
         A read-only store only counts."""
+        with self._budget:
+            return self._scan_locked(room=0)
+
+    def _scan_locked(self, room: int) -> list[TierKey]:
+        """scan, under _budget; `room`: bytes a write about to start needs besides those being written. The budget is
+        the whole directory's: another family's records (another model's, flags' or kvserve version's subdirectory:
+        each upgrade left a budget of dead ones) count against it and are evicted with this store's, least recently
+        used first (the dead ones are, being never used again); this process's other stores (its family) have their
+        own share and are left alone. Evicted down to 90% of the budget, so that a scan comes once per tenth of it."""
         evicted: list[TierKey] = []
         writable = not self.read_only
         with self._locked():
             now = time.time()
-            records: list[tuple[float, int, str, str]] = []  # (mtime, size, shard, name)
-            refused = 0
-            for shard, directory in self._shards():
-                with directory, os.scandir(directory.fd) as entries:
-                    for entry in entries:
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        if entry.name.startswith(TMP_PREFIX):
-                            if writable and now - st.st_mtime > STALE_TMP_SECONDS:
-                                _unlink_quietly(directory, entry.name)
-                        elif _key_in(shard, entry.name) is None:
-                            continue
-                        elif self._well_formed(st, directory.where([entry.name])):
-                            records.append((st.st_mtime, st.st_size, shard, entry.name))
-                        else:
-                            refused += 1
-                            if writable:
-                                _unlink_quietly(directory, entry.name)
+            records, refused = self._own_records(now, writable)
+            foreign = self._foreign_records() if writable else []
             if refused:
                 logger.warning(
                     "KV offload tier: %d entries at records' names in %s are no records of it (wrong size or type, "
@@ -409,25 +431,93 @@ class DiskStore:
                     self.blocks_dir,
                     "removed" if writable else "left (read-only)",
                 )
-            total = sum(r[1] for r in records)
-            if writable and total > self.capacity_bytes:
+            own_total = sum(r.size for r in records)
+            foreign_total = sum(r.size for r in foreign)
+            if writable and own_total + foreign_total + self._inflight + room > self.capacity_bytes:
                 # Least recently used first; retained records (mtime in the future, retain) after every other, the
                 # soonest to expire first: they go only when nothing else is left to evict.
-                records.sort(key=lambda r: (r[0] > now, r[0]))
+                candidates = sorted([*records, *foreign], key=lambda r: (r.mtime > now, r.mtime))
                 target = self.capacity_bytes * _EVICT_TO
-                while records and total > target:
-                    _, size, shard, name = records.pop(0)
-                    self._unlink(shard, name)
-                    total -= size
-                    key = parse_record_name(name)
-                    if key is not None:
-                        evicted.append(key)
-            present = {key for key in (parse_record_name(r[3]) for r in records) if key is not None}
+                gone: set[int] = set()
+                for r in candidates:
+                    if own_total + foreign_total + self._inflight + room <= target:
+                        break
+                    gone.add(id(r))
+                    if r.family_dir is None:
+                        self._unlink(r.shard, r.name)
+                        own_total -= r.size
+                        key = parse_record_name(r.name)
+                        if key is not None:
+                            evicted.append(key)
+                    else:
+                        self._unlink_foreign(r)
+                        foreign_total -= r.size
+                records = [r for r in records if id(r) not in gone]
+            present = {key for key in (parse_record_name(r.name) for r in records) if key is not None}
+            self._foreign_bytes = foreign_total
             with self._mutex:
-                self._bytes_estimate, self._num_blocks_estimate = total, len(records)
+                self._bytes_estimate, self._num_blocks_estimate = own_total, len(records)
                 self._present = present
                 self.refused_records += refused
         return evicted
+
+    def _own_records(self, now: float, writable: bool) -> tuple[list[_Found], int]:
+        """This store's well-formed records, and how many entries at records' names were refused (removed when
+        writable), dead writers' temporary files removed on the way."""
+        records: list[_Found] = []
+        refused = 0
+        for shard, directory in self._shards():
+            with directory, os.scandir(directory.fd) as entries:
+                for entry in entries:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if entry.name.startswith(TMP_PREFIX):
+                        if writable and now - st.st_mtime > STALE_TMP_SECONDS:
+                            _unlink_quietly(directory, entry.name)
+                    elif _key_in(shard, entry.name) is None:
+                        continue
+                    elif self._well_formed(st, directory.where([entry.name])):
+                        records.append(_Found(st.st_mtime, st.st_size, shard, entry.name))
+                    else:
+                        refused += 1
+                        if writable:
+                            _unlink_quietly(directory, entry.name)
+        return records, refused
+
+    def _foreign_records(self) -> list[_Found]:
+        """The records of the top directory's other families' subdirectories: regular files of this user's at
+        records' names (whatever their size: another store's records are another size). A subdirectory whose
+        fingerprint.json is missing or unreadable counts as another family's."""
+        found: list[_Found] = []
+        try:
+            top = CheckedDir.open_top(self.top, self._trust, create=False)
+        except OSError:
+            return found
+        with top:
+            for name in sorted(os.listdir(top.fd)):
+                if name == self.fingerprint.name or not _is_fingerprint_name(name):
+                    continue
+                try:
+                    with top.subdir([name]) as sub:
+                        if _family_in(sub) == self._family:
+                            continue
+                        with sub.subdir(["blocks"]) as blocks:
+                            found += _records_in(blocks, name)
+                except OSError:  # not a directory of this user's, or gone: not this store's to count
+                    continue
+        return found
+
+    def _unlink_foreign(self, record: _Found) -> None:
+        """Remove another family's record (best effort: its own process may have evicted it meanwhile)."""
+        assert record.family_dir is not None
+        try:
+            with CheckedDir.open_top(self.top, self._trust, create=False) as top:
+                with top.subdir([record.family_dir, "blocks", record.shard]) as directory:
+                    directory.unlink(record.name)
+        except OSError:
+            pass
 
     def _well_formed(self, st: os.stat_result, where: str) -> bool:
         """Whether an entry at a record's name can be a record of this store, from its stat alone: a regular file of
@@ -473,17 +563,79 @@ class DiskStore:
             return StoreUsage(self._num_blocks_estimate, self._bytes_estimate)
 
 
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """A record a scan found: its mtime (LRU age), size, shard and file name, and for another family's record the
+    subdirectory it is in (None: this store's own)."""
+
+    mtime: float
+    size: int
+    shard: str
+    name: str
+    family_dir: str | None = None
+
+
+def _is_fingerprint_name(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _family_in(directory: CheckedDir) -> str | None:
+    """The family of a fingerprint subdirectory, from its fingerprint.json; None when it has none readable."""
+    try:
+        fd = directory.open([_FINGERPRINT_FILE])
+    except OSError:
+        return None
+    try:
+        description = json.loads(os.pread(fd, _HEAD_READ * 16, 0))
+    except ValueError:
+        return None
+    finally:
+        os.close(fd)
+    return family_of(description) if isinstance(description, dict) else None
+
+
+def _records_in(blocks: CheckedDir, family_dir: str) -> list[_Found]:
+    found: list[_Found] = []
+    for shard in sorted(n for n in os.listdir(blocks.fd) if _is_shard_name(n)):
+        try:
+            with blocks.subdir([shard]) as directory, os.scandir(directory.fd) as entries:
+                for entry in entries:
+                    if _key_in(shard, entry.name) is None:
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                        blocks.trust.check(st, directory.where([entry.name]), directory=False)
+                    except OSError:
+                        continue
+                    found.append(_Found(st.st_mtime, st.st_size, shard, entry.name, family_dir))
+        except OSError:
+            continue
+    return found
+
+
 def _close_dirs(*dirs: CheckedDir) -> None:
     for directory in dirs:
         directory.close()
 
 
 def _write_new(directory: CheckedDir, name: str, parts: Sequence[bytes | memoryview]) -> int:
-    """Write `parts` as the file `name` of `directory`, whole or not at all: into a new temporary file (an
-    unpredictable name, created exclusively, so that nothing planted at it is written through), then renamed over
-    `name` (atomic on POSIX: a reader sees the old entry or the whole new file). Returns the bytes written. O_TMPFILE
-    would leave no name at all, but linking it into place needs /proc or a privilege and cannot replace an entry
-    atomically; a crash leaves this temporary name to the next scan instead."""
+    """Write `parts` as the file `name` of `directory`, whole or not at all: into a new temporary file (_write_tmp),
+    then renamed over `name` (atomic on POSIX: a reader sees the old entry or the whole new file). Returns the bytes
+    written."""
+    tmp = _write_tmp(directory, parts)
+    try:
+        directory.rename(tmp, name)
+    except BaseException:
+        _unlink_quietly(directory, tmp)
+        raise
+    return sum(len(p) for p in parts)
+
+
+def _write_tmp(directory: CheckedDir, parts: Sequence[bytes | memoryview]) -> str:
+    """Write `parts` into a new temporary file of `directory` (an unpredictable name, created exclusively, so that
+    nothing planted at it is written through): its name, for the caller to rename into place. O_TMPFILE would leave
+    no name at all, but linking it into place needs /proc or a privilege and cannot replace an entry atomically; a
+    crash leaves this temporary name to the next scan instead."""
     size = sum(len(p) for p in parts)
     tmp = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     try:
@@ -497,11 +649,10 @@ def _write_new(directory: CheckedDir, name: str, parts: Sequence[bytes | memoryv
                     rest = rest[n:]
         finally:
             os.close(fd)
-        directory.rename(tmp, name)
     except BaseException:
         _unlink_quietly(directory, tmp)
         raise
-    return size
+    return tmp
 
 
 def _unlink_quietly(directory: CheckedDir, name: str) -> None:
