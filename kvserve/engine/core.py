@@ -165,6 +165,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_partial_prefills=config.max_num_partial_prefills,
+            long_prefill_token_threshold=config.long_prefill_threshold,
+            max_long_partial_prefills=config.max_long_partial_prefills,
             offload=None if tier is None else tier[2],
             eos_token_ids=self.eos_token_ids,
         )
