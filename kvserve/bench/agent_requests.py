@@ -65,6 +65,26 @@ def turn_body(conversation: AgentConversation, index: int, model: str, output_le
     return body
 
 
+def new_conversation(conversation: AgentConversation, body: dict[str, Any], text: str) -> dict[str, Any]:
+    """A first turn's body as the client would send it to start another conversation in the same project: the same
+    system prompt, tools and context, with `text` for the user's own words (the last text of the last user message)."""
+    key = "messages" if conversation.endpoint == "/v1/messages" else "input"
+    messages = [dict(m) for m in body[key]]
+    for message in reversed(messages):
+        if message.get("role") != "user":
+            continue
+        if isinstance(message.get("content"), str):
+            message["content"] = text
+            return {**body, key: messages}
+        parts = [dict(part) for part in message.get("content") or []]
+        for part in reversed(parts):
+            if part.get("type") in ("text", "input_text"):
+                part["text"] = text
+                message["content"] = parts
+                return {**body, key: messages}
+    raise ValueError(f"{conversation.client}: its first turn has no user text to change")
+
+
 def _text(content: Any) -> str:
     """A Responses message's content (a string or parts with text) as one string."""
     if isinstance(content, str):

@@ -34,7 +34,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.agent_requests import AgentConversation, StreamedReply, responses_to_chat, stream_request, turn_body
+from kvserve.bench.agent_requests import (
+    AgentConversation,
+    StreamedReply,
+    new_conversation,
+    responses_to_chat,
+    stream_request,
+    turn_body,
+)
 from kvserve.bench.options import add_output_args, new_command
 
 SCHEMA = """\
@@ -42,6 +49,8 @@ results: {"conversations": [{"client", "version", "endpoint", "turns"}],
           "systems": {NAME: {"args", "turns": [{"conversation", "turn", "endpoint", "ttft_ms", "latency_ms",
                                                  "prompt_tokens", "cached_tokens", "cached_fraction", "error"}],
                              "first_turn_ttft_ms": {CLIENT: ms}, "later_turns_ttft_ms_p50",
+                             "new_conversations": [a turn's fields and "phase": "new conversation" or
+                                                   "after restart"] (with --new-conversations),
                              "injected": {"solo_latency_ms": [...], "solo_latency_ms_median", "solo_ttft_ms_median",
                                           "errors": [solo failures], "latency_ms", "ttft_ms", "latency_over_solo",
                                           "sent_during_turn", "error"}}}}
@@ -50,6 +59,9 @@ ratios: {"later_turns_ttft_p50_kvserve_over_llama_server", "first_turn_ttft_<cli
          "injected_latency_over_solo_<system>"}"""
 
 SERVED_NAME = "bench"
+# The user's words of the new conversations (--new-conversations): on the same servers, then after restarting them.
+NEW_TASKS = ("Add a --verbose flag to the command line.", "Explain what the tests in this project cover.")
+PHASES = ("replay (cold)", "new conversation", "after restart")
 DEFAULT_CONVERSATIONS = ("claude-code.json", "codex.json")
 # Words of the injected chat's questions (a seeded draw: every question different from its first word on).
 WORDS = (
@@ -98,9 +110,14 @@ class Replay:
         self.questions += 1
         return chat_body(chat_question(self.rng, self.args.chat_words, self.questions), self.args.chat_output_len)
 
-    def request(self, system: str, conversation: AgentConversation, turn: int) -> tuple[str, dict[str, Any], dict]:
-        """(endpoint path, body, headers) of a turn for `system`."""
+    def request(
+        self, system: str, conversation: AgentConversation, turn: int, new_text: str | None = None
+    ) -> tuple[str, dict[str, Any], dict]:
+        """(endpoint path, body, headers) of a turn for `system`; with `new_text`, the turn (a first one) starting
+        another conversation with those words."""
         body = turn_body(conversation, turn, SERVED_NAME, self.args.output_len)
+        if new_text is not None:
+            body = new_conversation(conversation, body, new_text)
         peer_chat = self.args.llama_server_codex_endpoint == "chat"
         if system != "kvserve" and conversation.endpoint == "/v1/responses" and peer_chat:
             return "/v1/chat/completions", responses_to_chat(body, self.args.output_len), {}
@@ -140,6 +157,24 @@ class Replay:
                         out[name]["turns"].append(self._turn_row(conversation, t, path, reply))
                         on_request()
                     k += 1
+        return out
+
+    async def new_conversations(
+        self, urls: dict[str, str], phase: str, text: str, on_request: Any
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Each conversation's first turn with other words from the user (`text`): another conversation of the same
+        agent in the same project, whose system prompt and tools are those the replay's first turn sent."""
+        import httpx
+
+        names = list(urls)
+        out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.args.timeout)) as client:
+            for k, conversation in enumerate(self.conversations):
+                for name in names[k % len(names) :] + names[: k % len(names)]:
+                    path, body, headers = self.request(name, conversation, 0, text)
+                    reply = await stream_request(client, urls[name] + path, body, headers)
+                    out[name].append({"phase": phase, **self._turn_row(conversation, 0, path, reply)})
+                    on_request()
         return out
 
     async def _with_injected(
@@ -223,6 +258,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-words", type=int, default=16, help="words of the injected chat's question")
     p.add_argument("--chat-output-len", type=int, default=32, help="tokens of the injected chat's answer")
     p.add_argument("--solo-repeats", type=int, default=3, help="solo chats per system (their median is the base)")
+    p.add_argument(
+        "--new-conversations",
+        action="store_true",
+        help="then each conversation's first turn with other words from the user (a new conversation of the same "
+        "agent: the same system prompt and tools), on the same servers and again after restarting them (kvserve "
+        "keeps what its tier holds when --kvserve-args gives it a --kv-offloading-path)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p, "TTFT per turn, per system and conversation (log scale)")
@@ -251,23 +293,42 @@ def run(args: argparse.Namespace) -> int:
     llama_args = ["-m", model, "-c", str(args.max_model_len), "--alias", SERVED_NAME]
     llama_args += shlex.split(args.llama_server_args)
     system_args = {"kvserve": kvserve_args}
+    if args.llama_server:
+        system_args["llama-server"] = llama_args
     replay = Replay(conversations, args)
     servers: list[Any] = []
-    try:
-        kv = ServerProcess.start(kvserve_args, logs / "kvserve.log", timeout_s=900.0)
+
+    def start(run: int) -> dict[str, str]:
+        """Both servers, fresh processes (run 0: the replay; 1: after a restart); their base URLs."""
+        kv = ServerProcess.start(kvserve_args, logs / f"kvserve-{run}.log", timeout_s=900.0)
         servers.append(kv)
         urls = {"kvserve": kv.base_url}
         if args.llama_server:
-            peer = LlamaServer(args.llama_server, llama_args, logs / "llama-server.log")
+            peer = LlamaServer(args.llama_server, llama_args, logs / f"llama-server-{run}.log")
             servers.append(peer)
             urls["llama-server"] = peer.base_url
-            system_args["llama-server"] = llama_args
-        total = len(urls) * (args.solo_repeats + sum(len(c.turns) for c in conversations))
-        with tqdm(total=total, desc="bench agents", unit="request", disable=None) as bar:
+        return urls
+
+    def stop() -> None:
+        while servers:
+            servers.pop().stop()
+
+    per_turn = sum(len(c.turns) for c in conversations) + (2 * len(conversations) if args.new_conversations else 0)
+    try:
+        urls = start(0)
+        with tqdm(
+            total=len(urls) * (args.solo_repeats + per_turn), desc="bench agents", unit="request", disable=None
+        ) as bar:
             systems = asyncio.run(replay.run(urls, lambda: bar.update(1)))
+            if args.new_conversations:
+                first = asyncio.run(replay.new_conversations(urls, "new conversation", NEW_TASKS[0], bar.update))
+                stop()
+                urls = start(1)
+                again = asyncio.run(replay.new_conversations(urls, "after restart", NEW_TASKS[1], bar.update))
+                for name in systems:
+                    systems[name]["new_conversations"] = first[name] + again[name]
     finally:
-        for server in servers:
-            server.stop()
+        stop()
     report = Report("agents", machine_info(), config_of(args))
     report.results = {
         "conversations": [
@@ -279,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
     report.ratios = ratios(report.results["systems"], conversations)
     report.tables.append(turn_table(report.results["systems"], conversations))
     report.tables.append(injected_table(report.results["systems"], args))
+    if args.new_conversations:
+        report.tables.append(new_conversation_table(report.results["systems"]))
     report.notes.append(f"server logs in {logs}")
     emit(report, args.json)
     if args.plot:
@@ -298,6 +361,7 @@ def summarize(row: dict[str, Any], args: list[str]) -> dict[str, Any]:
         "first_turn_ttft_ms": first,
         "later_turns_ttft_ms_p50": percentile(later, 50) if later else None,
         "injected": row["injected"],
+        "new_conversations": row.get("new_conversations", []),
     }
 
 
@@ -349,6 +413,33 @@ def injected_table(systems: dict[str, dict[str, Any]], args: argparse.Namespace)
     for name, row in systems.items():
         i = row["injected"]
         table.add(name, i["solo_latency_ms_median"], i.get("latency_ms"), i.get("ttft_ms"), i.get("latency_over_solo"))
+    return table
+
+
+def new_conversation_table(systems: dict[str, dict[str, Any]]) -> Any:
+    """Per conversation, its first turn in the replay (cold), as a new conversation, and again after a restart."""
+    from kvserve.bench.report import Table
+
+    names = list(systems)
+    columns = ["conversation", "first turn"]
+    for name in names:
+        columns += [f"{name} TTFT ms", f"{name} cached"]
+    table = Table(
+        "A new conversation's first turn (the same system prompt and tools, other words from the user)", columns
+    )
+    rows: dict[str, dict[tuple[str, str], dict[str, Any]]] = {name: {} for name in names}
+    for name in names:
+        for t in systems[name]["turns"]:
+            if t["turn"] == 1:
+                rows[name][(t["conversation"], "replay (cold)")] = t
+        for t in systems[name]["new_conversations"]:
+            rows[name][(t["conversation"], t["phase"])] = t
+    for conversation, phase in sorted(rows[names[0]], key=lambda k: (k[0], PHASES.index(k[1]))):
+        cells: list[Any] = [conversation, phase]
+        for name in names:
+            t = rows[name][(conversation, phase)]
+            cells += [("error: " + t["error"][:40]) if t["error"] else t["ttft_ms"], t["cached_fraction"]]
+        table.add(*cells)
     return table
 
 

@@ -15,7 +15,14 @@ import pytest
 from tiny_models import build_tiny_hf_model
 from tiny_tokenizer import write_char_tokenizer
 
-from kvserve.bench.agent_requests import AgentConversation, StreamedReply, _read_usage, responses_to_chat, turn_body
+from kvserve.bench.agent_requests import (
+    AgentConversation,
+    StreamedReply,
+    _read_usage,
+    new_conversation,
+    responses_to_chat,
+    turn_body,
+)
 from kvserve.bench.agents import DEFAULT_CONVERSATIONS, fixtures_dir
 from kvserve.cli import main
 
@@ -80,6 +87,10 @@ def test_a_turn_is_sent_as_recorded_but_for_model_and_output_length(tmp_path):
     codex = tmp_path / "x.json"
     codex.write_text(json.dumps(codex_like()))
     assert turn_body(AgentConversation.load(codex), 0, "bench", 2)["max_output_tokens"] == 2
+    other = new_conversation(conversation, body, "Fix the build.")
+    assert other["messages"][0]["content"] == [{"type": "text", "text": "Fix the build."}]
+    assert {k: v for k, v in other.items() if k != "messages"} == {k: v for k, v in body.items() if k != "messages"}
+    assert body["messages"][0]["content"][0]["text"] == "List the files."  # the recorded turn is left as it was
     path.write_text(json.dumps({"client": "x", "version": "0", "endpoint": "/v1/completions", "turns": [{}]}))
     with pytest.raises(ValueError, match="not a recorded agent conversation"):
         AgentConversation.load(path)
@@ -134,10 +145,11 @@ def test_a_run_on_the_tiny_model_against_the_fake_llama_server(tmp_path, fake_ll
         conversations += ["--conversation", str(tmp_path / name)]
     out, png = tmp_path / "agents.json", tmp_path / "agents.png"
     serve = f"--chat-template {template} --enable-auto-tool-choice --tool-call-parser hermes --block-size 4"
+    serve += f" --kv-offloading-size 16MiB --kv-offloading-path {tmp_path / 'tier'}"
     args = ["bench", "agents", "--model", str(model), *conversations, "--max-model-len", "2048"]
     args += ["--kv-cache-memory-bytes", "8MiB", "--kvserve-args", serve + " --cpu-threads 1", "--inject-after", "0"]
     args += ["--chat-words", "4", "--chat-output-len", "4", "--solo-repeats", "2"]
-    args += ["--llama-server", str(fake_llama_server), "--json", str(out), "--plot", str(png)]
+    args += ["--llama-server", str(fake_llama_server), "--new-conversations", "--json", str(out), "--plot", str(png)]
     assert main(args) == 0
     report = json.loads(out.read_text())
     systems = report["results"]["systems"]
@@ -164,6 +176,13 @@ def test_a_run_on_the_tiny_model_against_the_fake_llama_server(tmp_path, fake_ll
     assert systems["kvserve"]["turns"][0]["cached_fraction"] == 0
     assert [t["endpoint"] for t in systems["llama-server"]["turns"][3:]] == ["/v1/chat/completions"] * 2
     assert [t["endpoint"] for t in systems["kvserve"]["turns"][3:]] == ["/v1/responses"] * 2
+    # a new conversation's first turn reads the system prompt and tools from kvserve's cache, and after a restart
+    # from its disk tier; the fake llama-server restarts empty
+    new = {(t["conversation"], t["phase"]): t for t in systems["kvserve"]["new_conversations"]}
+    assert sorted(new) == [(c, p) for c in ("claude-code", "codex") for p in ("after restart", "new conversation")]
+    assert all(t["error"] is None and t["cached_fraction"] > 0.5 for t in new.values()), new
+    peer = {(t["conversation"], t["phase"]): t for t in systems["llama-server"]["new_conversations"]}
+    assert peer[("claude-code", "after restart")]["cached_fraction"] < 0.1
     assert report["ratios"]["later_turns_ttft_p50_kvserve_over_llama_server"] > 0
     assert set(report["ratios"]) >= {
         "first_turn_ttft_codex_kvserve_over_llama_server",
