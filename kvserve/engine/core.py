@@ -167,6 +167,7 @@ class EngineCore:
             max_num_partial_prefills=config.max_num_partial_prefills,
             long_prefill_token_threshold=config.long_prefill_threshold,
             max_long_partial_prefills=config.max_long_partial_prefills,
+            attention_break_even_tokens=model_config.attention_break_even_tokens,
             offload=None if tier is None else tier[2],
             eos_token_ids=self.eos_token_ids,
         )

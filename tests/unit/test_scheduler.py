@@ -32,15 +32,27 @@ class Params:
 
 
 def make(
-    num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False, windows=(None,), long=0
+    num_blocks=16,
+    block_size=4,
+    max_seqs=4,
+    budget=32,
+    max_len=48,
+    caching=True,
+    reserve=False,
+    windows=(None,),
+    long=0,
+    break_even=0,
 ):
     """A scheduler over a pool of num_blocks usable blocks (plus the null block), with the KV cache groups of layers
     whose sliding windows are `windows` (None: full attention; the default is one full-attention group), and
-    --long-prefill-token-threshold `long`."""
+    --long-prefill-token-threshold `long` (chunks scaled by the attention break-even `break_even`)."""
     layout = make_kv_cache_layout(windows)
     pool = BlockPool(num_blocks + 1, enable_caching=caching, num_groups=layout.num_groups)
     kv = KVCacheManager(pool, block_size, reserve_tokens=max_len if reserve else 0, layout=layout)
-    return Scheduler(kv, max_seqs, budget, max_len, long_prefill_token_threshold=long), pool, kv
+    sched = Scheduler(
+        kv, max_seqs, budget, max_len, long_prefill_token_threshold=long, attention_break_even_tokens=break_even
+    )
+    return sched, pool, kv
 
 
 def req(rid: str, n: int, max_tokens: int = 8, base: int = 0) -> Request:
@@ -240,6 +252,7 @@ LAYOUTS = [(None,), (None, 5), (7, None, 7), (6, 6)]
     reserve=st.booleans(),
     windows=st.sampled_from(LAYOUTS),
     long=st.sampled_from([0, 0, 3, 8]),
+    break_even=st.sampled_from([0, 8]),
 )
 # A preempted request re-admitted through a prefix hit once counted its cached tokens twice and never fit.
 @example(
@@ -250,8 +263,11 @@ LAYOUTS = [(None,), (None, 5), (7, None, 7), (6, 6)]
     reserve=False,
     windows=(None,),
     long=0,
+    break_even=0,
 )
-def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching, reserve, windows, long):
+def test_random_add_step_abort_keeps_the_pool_whole(
+    ops, num_blocks, budget, caching, reserve, windows, long, break_even
+):
     """Any sequence of adds, steps and aborts keeps the pool whole and ends every request, with long prompts yielding
     (--long-prefill-token-threshold `long`) or not."""
     block_size = 4
@@ -271,6 +287,7 @@ def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, cac
         reserve=reserve,
         windows=windows,
         long=long,
+        break_even=break_even,
     )
     live: list[Request] = []
     count = 0
@@ -402,3 +419,37 @@ def test_a_prompt_mostly_cached_is_not_long():
     sched.add(req("next-turn", 44, max_tokens=1))  # 40 tokens cached: 4 to compute (+ the last block's)
     assert step_shape(sched) == [("next-turn", 4)]
     check(sched, pool, kv)
+
+
+def test_a_long_prompts_chunks_shrink_as_its_context_grows():
+    """With the model's attention break-even K (the context at which a token's attention costs as much as its matrix
+    products), a long prompt's chunk at context P is threshold x K / (K + P), so each step costs about the same; the
+    prompt stays long (yielding) while more than one chunk is left."""
+    layout = make_kv_cache_layout((None,))
+    pool = BlockPool(129, num_groups=layout.num_groups)
+    kv = KVCacheManager(pool, 4, layout=layout)
+    sched = Scheduler(kv, 4, 64, 512, long_prefill_token_threshold=16, attention_break_even_tokens=32)
+    sched.add(req("long", 120, max_tokens=1))
+    chunks = [n for _ in range(9) for _, n in step_shape(sched)]
+    assert chunks == [16, 10, 8, 7, 7, 6, 5, 5, 5]  # 16 x 32 // (32 + P) at P = 0, 16, 26, 34, 41, 48, 54, 59, 64
+    sched.add(req("short", 4, max_tokens=3, base=900))  # the long prompt yields to it
+    assert step_shape(sched) == [("short", 4)]
+    while num_unfinished(sched):
+        chunks += [n for rid, n in step_shape(sched) if rid == "long"]
+    assert chunks[9:] == [5, 4, 4, 4, 4, 4, 4, 3, 3, 3, 3, 3, 3, 3, 1] and sum(chunks) == 120  # each step's cost alike
+    check(sched, pool, kv)
+
+
+def test_the_attention_break_even_of_a_models_shape():
+    """Qwen2.5-Coder-0.5B's shape: 24 layers of 896 wide, 14 heads / 2 KV heads of 64, MLP 4864: 2 x 357.8M FLOPs of
+    matrix products a token against 4 x 14 x 64 x 24 a key of context: 8,320. Sliding-window layers do not grow with
+    the context (Gemma 3: 3 of 18 count); none that attends to it all: 0."""
+    from kvserve.model.config import ModelConfig
+
+    shape = dict(family="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2)
+    shape |= dict(head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768)
+    shape |= dict(tie_word_embeddings=True, bos_token_id=None, eos_token_ids=[151645])
+    assert ModelConfig(**shape).attention_break_even_tokens == 8320
+    windows = [None if i % 6 == 5 else 512 for i in range(24)]
+    assert ModelConfig(**shape, sliding_windows=windows).attention_break_even_tokens == 8320 * 6
+    assert ModelConfig(**shape, sliding_windows=[512] * 24).attention_break_even_tokens == 0
