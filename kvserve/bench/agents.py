@@ -53,7 +53,9 @@ results: {"conversations": [{"client", "version", "endpoint", "turns"}],
                                                    "after restart"] (with --new-conversations),
                              "injected": {"solo_latency_ms": [...], "solo_latency_ms_median", "solo_ttft_ms_median",
                                           "errors": [solo failures], "latency_ms", "ttft_ms", "latency_over_solo",
-                                          "sent_during_turn", "error"}}}}
+                                          "sent_during_turn", "error",
+                                          "first_turn_slowdown_at_most": the first turn's TTFT over that TTFT less
+                                          the chat's latency (the turn lost at most the time the chat was served)}}}}
 NAME: "kvserve", "llama-server" (with --llama-server). Times in ms; a failed turn has "error" and null times.
 ratios: {"later_turns_ttft_p50_kvserve_over_llama_server", "first_turn_ttft_<client>_kvserve_over_llama_server",
          "injected_latency_over_solo_<system>"}"""
@@ -355,6 +357,11 @@ def summarize(row: dict[str, Any], args: list[str]) -> dict[str, Any]:
 
     later = [t["ttft_ms"] for t in row["turns"] if t["turn"] > 1 and t["ttft_ms"] is not None]
     first = {t["conversation"]: t["ttft_ms"] for t in row["turns"] if t["turn"] == 1}
+    injected, turn = row["injected"], row["turns"][0]["ttft_ms"]
+    chat = injected.get("latency_ms")
+    # The first turn lost at most the time the chat was served: its slowdown is at most turn / (turn - chat).
+    ok = chat is not None and turn is not None and turn > chat and injected.get("sent_during_turn")
+    injected["first_turn_slowdown_at_most"] = turn / (turn - chat) if ok else None
     return {
         "args": args,
         "turns": row["turns"],
@@ -408,11 +415,13 @@ def injected_table(systems: dict[str, dict[str, Any]], args: argparse.Namespace)
     table = Table(
         f"A {args.chat_words}-word chat ({args.chat_output_len} tokens out) sent {args.inject_after:g} s into the "
         "first turn, against the same chat alone",
-        ["system", "solo latency ms (median)", "injected latency ms", "injected TTFT ms", "injected / solo"],
-    )
+        ["system", "solo latency ms (median)", "injected latency ms", "injected TTFT ms", "injected / solo",
+         "first turn slowed at most"],
+    )  # fmt: skip
     for name, row in systems.items():
         i = row["injected"]
-        table.add(name, i["solo_latency_ms_median"], i.get("latency_ms"), i.get("ttft_ms"), i.get("latency_over_solo"))
+        cells = [i["solo_latency_ms_median"], i.get("latency_ms"), i.get("ttft_ms"), i.get("latency_over_solo")]
+        table.add(name, *cells, i.get("first_turn_slowdown_at_most"))
     return table
 
 

@@ -170,6 +170,8 @@ def test_a_run_on_the_tiny_model_against_the_fake_llama_server(tmp_path, fake_ll
         assert injected["latency_over_solo"] == pytest.approx(
             injected["latency_ms"] / injected["solo_latency_ms_median"]
         )
+        slowed = injected["first_turn_slowdown_at_most"]
+        assert slowed is None or slowed > 1  # None: the tiny model's turn ended before the chat did
     # kvserve reads every later turn's prompt up to its new messages from its cache (the fake's cache holds only the
     # request before: the injected chat, for turn 2)
     assert all(t["cached_fraction"] > 0.5 for t in systems["kvserve"]["turns"] if t["turn"] > 1)
