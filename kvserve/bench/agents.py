@@ -282,12 +282,14 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench.server_process import ServerProcess
     from kvserve.model.source import resolve_model
 
-    if args.plot:
-        from kvserve.bench.plot import check_plot_target
-
-        check_plot_target(args.plot)
     paths = [Path(p) for p in args.conversation or [fixtures_dir() / n for n in DEFAULT_CONVERSATIONS]]
     conversations = [AgentConversation.load(p) for p in paths]
+    clients = [c.client for c in conversations]
+    if len(set(clients)) != len(clients):
+        raise ValueError(f"--conversation: one conversation a client, got {clients} (the tables name them by client)")
+    for flag in ("output_len", "chat_output_len", "chat_words", "solo_repeats"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     model = str(resolve_model(args.model).path)
     logs = Path(tempfile.mkdtemp(prefix="kvserve-bench-agents-"))
     kvserve_args = ["--model", model, "--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len)]

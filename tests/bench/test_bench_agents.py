@@ -193,3 +193,13 @@ def test_a_run_on_the_tiny_model_against_the_fake_llama_server(tmp_path, fake_ll
     }
     assert report["machine"]["cpu_model"] and png.stat().st_size > 0
     assert "Recorded agent turns" in capsys.readouterr().out
+
+
+def test_bad_settings_fail_before_any_server_starts(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(claude_like()))
+    assert main(["bench", "agents", "--conversation", str(path), "--conversation", str(path)]) != 0
+    assert "one conversation a client" in capsys.readouterr().err
+    assert main(["bench", "agents", "--conversation", str(path), "--solo-repeats", "0"]) != 0
+    assert "--solo-repeats must be at least 1" in capsys.readouterr().err
+    assert main(["bench", "agents", "--conversation", str(tmp_path / "missing.json")]) != 0
