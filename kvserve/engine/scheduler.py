@@ -180,11 +180,10 @@ class Scheduler:
         """The most tokens a long prompt with `start` tokens computed takes this step. On a CPU a chunk's time grows
         with its context (each token attends to all before it): with K the context at which a token's attention costs
         as much as its matrix products, the threshold's tokens at context 0 cost what threshold x K / (K + start) do
-        at `start`. Qwen2.5-Coder-0.5B (K 8,320), threshold 256: 256 tokens at the start, 75 at 20k, 51 at 32k."""
-        k = self.attention_break_even_tokens
-        return (
-            self.long_prefill_token_threshold if not k else max(1, self.long_prefill_token_threshold * k // (k + start))
-        )
+        at `start`. Qwen2.5-Coder-0.5B (K 8,320), threshold 256: 256 tokens at the start, 75 at 20k, 51 at 32k. Never
+        less than a block (a step's fixed cost, a tiny model's small K)."""
+        threshold, k = self.long_prefill_token_threshold, self.attention_break_even_tokens
+        return threshold if not k else max(min(threshold, self.kv.block_size), threshold * k // (k + start))
 
     def _is_long(self, request: Request, start: int) -> bool:
         """Whether a request with `start` tokens computed is a long prompt's prefill: more left than one chunk (vLLM's
