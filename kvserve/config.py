@@ -33,6 +33,10 @@ from kvserve.vocab import (
 )
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
+# --long-prefill-token-threshold on CPU: a long prompt's chunk a step, sized so that the step a short request arrives
+# during ends soon, yet long enough that a step's fixed cost stays a small part of it (docs/KV_CACHE.md, "Long prompts
+# beside short requests", gives the measured step costs).
+DEFAULT_CPU_LONG_PREFILL_TOKENS = 256
 # Weight quantizations that exist only as kvserve's CPU kernels (int8 / GGUF blocks read by AVX2 code): all but none.
 CPU_ONLY_QUANTIZATIONS: tuple[str, ...] = tuple(m for m in QUANTIZATION_METHODS if m != "none")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -104,6 +108,13 @@ class EngineConfig:
     # limit). 1 finishes bursts of prompts one after another: on a CPU, where batching prompts saves little, the median
     # first token comes about twice as soon (docs/MODELS.md).
     max_num_partial_prefills: int | None = None
+    # vLLM's --long-prefill-token-threshold: a prompt with more tokens than this left to compute is long; it takes at
+    # most this many tokens a step and yields to the other requests (engine/scheduler.py). 0: no long prompts. None:
+    # DEFAULT_CPU_LONG_PREFILL_TOKENS on CPU, 0 on CUDA (vLLM's default with one partial prefill); see
+    # long_prefill_threshold and docs/KV_CACHE.md.
+    long_prefill_token_threshold: int | None = None
+    # vLLM's --max-long-partial-prefills: long prompts prefilled at once (the others wait; shorter ones pass them).
+    max_long_partial_prefills: int = 1
     # Emulate a contiguous cache: each request reserves blocks for max-model-len at admission (bench memory).
     reserve_max_model_len: bool = False
     seed: int = 0
@@ -162,6 +173,17 @@ class EngineConfig:
                 self.max_num_partial_prefills is None or self.max_num_partial_prefills >= 1,
                 "max_num_partial_prefills",
                 ">= 1",
+            ),
+            (
+                self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+                "long_prefill_token_threshold",
+                ">= 0",
+            ),
+            (
+                self.max_long_partial_prefills >= 1
+                and self.max_long_partial_prefills <= (self.max_num_partial_prefills or self.max_long_partial_prefills),
+                "max_long_partial_prefills",
+                ">= 1 and at most --max-num-partial-prefills",
             ),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]"),
@@ -232,6 +254,17 @@ class EngineConfig:
             self.kv_offloading_dtype,
             self.kv_offloading_allow_other_writers,
         )
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """--long-prefill-token-threshold as the scheduler takes it (0: no long prompts): unset, CPU's default on CPU
+        (a step's time grows with its tokens there, so short requests wait behind long prompts' chunks) and none on
+        CUDA; never without chunked prefill."""
+        if not self.enable_chunked_prefill:
+            return 0
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return DEFAULT_CPU_LONG_PREFILL_TOKENS if self.device_type == "cpu" else 0
 
     @property
     def device_type(self) -> str:

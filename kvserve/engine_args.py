@@ -220,6 +220,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="most requests whose prompts are unfinished after a step (default: no limit); 1 finishes a burst of "
         "prompts one after another, so the median first token comes sooner on a CPU",
     )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="a prompt with more tokens than this left to compute is long: it takes at most this many tokens a step "
+        "and yields to shorter requests, which keep moving during its prefill (0: off; default: 256 on CPU, off on "
+        "CUDA; docs/KV_CACHE.md)",
+    )
+    s.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        help="most long prompts prefilled at once (default 1); the others wait, and shorter prompts pass them",
+    )
     s.add_argument("--max-logprobs", type=int)
     o = _EngineFlags(parser.add_argument_group("structured output"))
     o.add_argument(

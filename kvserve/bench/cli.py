@@ -22,6 +22,7 @@ BENCH_COMMANDS: tuple[str, ...] = (
     "kvserve.bench.router",
     "kvserve.bench.prompt_cache",
     "kvserve.bench.hybrid_chat",
+    "kvserve.bench.agents",
     "kvserve.bench.suite",
 )
 

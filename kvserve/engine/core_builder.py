@@ -126,6 +126,9 @@ def build_engine_core(
         max_model_len=cache_plan.max_model_len,
         enable_chunked_prefill=config.enable_chunked_prefill,
         max_num_partial_prefills=config.max_num_partial_prefills,
+        long_prefill_token_threshold=config.long_prefill_threshold,
+        max_long_partial_prefills=config.max_long_partial_prefills,
+        attention_break_even_tokens=model_config.attention_break_even_tokens,
         offload=None if tier is None else tier[2],
         eos_token_ids=eos,
     )

@@ -114,6 +114,9 @@ class Scheduler:
         max_num_partial_prefills: int | None = None,
         offload: OffloadConnector | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        long_prefill_token_threshold: int = 0,
+        max_long_partial_prefills: int = 1,
+        attention_break_even_tokens: int = 0,
     ) -> None:
         self.kv = kv_manager
         self.eos_token_ids = eos_token_ids
@@ -124,6 +127,17 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         # Requests whose prompts may be unfinished after a step (vLLM's max_num_partial_prefills; None: any number)
         self.max_num_partial_prefills = max_num_partial_prefills
+        # Long prompts (vLLM's --long-prefill-token-threshold; 0: none): a prompt with more than this many tokens left
+        # to compute (more than one chunk, where chunks shrink with the context) takes at most this many a step, at
+        # most max_long_partial_prefills of them at once, and yields to the other requests (_fill says how). Only with
+        # chunked prefill.
+        self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
+        self.max_long_partial_prefills = max_long_partial_prefills
+        # A long prompt's chunk shrinks as its context grows, so that every chunk's step costs about what the first
+        # did: threshold x K / (K + context), K the model's attention_break_even_tokens (0: not scaled).
+        self.attention_break_even_tokens = attention_break_even_tokens
+        # Tokens computed for other requests since a long prompt last got a chunk (at most the threshold: owed then).
+        self.tokens_since_long_chunk = self.long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -150,13 +164,57 @@ class Scheduler:
         if self.kv.state_snapshots is not None:  # before this step's saves: the snapshots queued requests start from
             for waiting in itertools.islice(self.waiting, min(self.max_num_seqs, KEPT_STATE_HITS)):
                 self.kv.keep_state_hit(waiting)
+        threshold = self.long_prefill_token_threshold
+        long_turn = self.tokens_since_long_chunk >= threshold
+        if self._fill(out, long_turn) and not out.scheduled:  # long prompts yielded to requests that could not run
+            out.refused = None
+            self._fill(out, long_turn=True)
+        if threshold:
+            if any(self._is_long(s.request, s.start) for s in out.scheduled):
+                self.tokens_since_long_chunk = 0
+            else:
+                self.tokens_since_long_chunk = min(threshold, self.tokens_since_long_chunk + out.num_tokens)
+        return out
+
+    def _long_chunk(self, start: int) -> int:
+        """The most tokens a long prompt with `start` tokens computed takes this step. On a CPU a chunk's time grows
+        with its context (each token attends to all before it): with K the context at which a token's attention costs
+        as much as its matrix products, the threshold's tokens at context 0 cost what threshold x K / (K + start) do
+        at `start`. Qwen2.5-Coder-0.5B (K 8,320), threshold 256: 256 tokens at the start, 75 at 20k, 51 at 32k. Never
+        less than a block (a step's fixed cost, a tiny model's small K)."""
+        threshold, k = self.long_prefill_token_threshold, self.attention_break_even_tokens
+        return threshold if not k else max(min(threshold, self.kv.block_size), threshold * k // (k + start))
+
+    def _is_long(self, request: Request, start: int) -> bool:
+        """Whether a request with `start` tokens computed is a long prompt's prefill: more left than one chunk (vLLM's
+        rule, more than the threshold, where chunks are not scaled)."""
+        return self.long_prefill_token_threshold > 0 and request.num_tokens - start > self._long_chunk(start)
+
+    def _fill(self, out: SchedulerOutput, long_turn: bool) -> bool:
+        """Schedule one step into `out`: running requests first (decodes, prefills under way), then waiting ones (FCFS,
+        passing those that must wait). Long prompts take at most one chunk (_long_chunk), at most
+        max_long_partial_prefills of them at once; outside `long_turn` they yield. Returns whether one yielded.
+
+        Why long prompts yield on a CPU: a step's time grows with its tokens, so a short request sharing steps with a
+        long prompt's chunks waits a chunk's time for each of its tokens. Yielding, a short request waits at most for
+        the step in progress, and gets `threshold` tokens (its prompt, then its decodes) before the long prompt's next
+        chunk (tokens_since_long_chunk counts them); the long prompt loses the time the short one used, as it would
+        sharing steps with it, and is never starved. A step where nothing else can run is the long prompts' turn."""
         budget = self.max_num_batched_tokens
+        num_long = sum(self._is_long(r, r.num_computed_tokens) for r in self.running)
+        num_yielded = 0  # running long prompts that yielded (their prompts are unfinished after this step)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not long_turn and self._is_long(request, request.num_computed_tokens):
+                num_yielded += 1
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break
+            if self._is_long(request, request.num_computed_tokens):
+                num_new = min(num_new, self._long_chunk(request.num_computed_tokens))
             num_new = self.kv.state_chunk(request, request.num_computed_tokens, num_new)
             drafts = self._drafts_that_fit(request, num_new, budget)
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(drafts)):
@@ -173,7 +231,8 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
-        partial = sum(s.start + s.num_tokens < s.request.num_tokens for s in out.scheduled)  # prompts left unfinished
+        partial = sum(s.start + s.num_tokens < s.request.num_tokens for s in out.scheduled) + num_yielded
+        yielded = num_yielded > 0
         i = 0  # the first waiting request not passed over (its grammar still compiling)
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[i]
@@ -204,7 +263,15 @@ class Scheduler:
                     i += 1  # (the engine refuses such prompts: its max-model-len is at most one step's budget)
                     continue
                 break
-            num_new = self.kv.state_chunk(request, num_hit, min(remaining, budget))
+            long = self._is_long(request, num_hit)
+            if long and (not long_turn or num_long >= self.max_long_partial_prefills):
+                yielded |= not long_turn
+                i += 1  # the shorter requests behind it go first
+                continue
+            num_long += long
+            num_new = self.kv.state_chunk(
+                request, num_hit, min(remaining, budget, self._long_chunk(num_hit) if long else remaining)
+            )
             unfinished = num_hit + num_new < request.num_tokens
             if unfinished and self.max_num_partial_prefills is not None and partial >= self.max_num_partial_prefills:
                 break  # FCFS: the requests behind it wait too
@@ -233,7 +300,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
-        return out
+        return yielded
 
     def _refusal(
         self, request: Request, num_new: int, hit_blocks: list[list[Any]], out: SchedulerOutput

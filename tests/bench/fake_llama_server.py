@@ -1,8 +1,10 @@
-"""A stand-in for llama.cpp's llama-server in tests of `bench offload --llama-server` and `bench long-context`: `--help`
-lists --cache-ram, and it serves /health and streaming /v1/completions (one SSE frame per token, then usage and [DONE])
-on --port, ignoring every other flag. At start it logs its KV caches' sizes as llama.cpp does (the full-attention
-layers' and, unless --swa-full, a small SWA cache), and it records the flags it was started with next to itself
-(args.json), for the test to read."""
+"""A stand-in for llama.cpp's llama-server in tests of `bench offload --llama-server`, `bench long-context` and `bench
+agents`: `--help` lists --cache-ram, and it serves /health and streaming /v1/completions (one SSE frame per token, then
+usage and [DONE]), /v1/chat/completions (chat deltas, then usage and llama-server's timings) and /v1/messages
+(Anthropic's events) on --port, ignoring every other flag. Its prompt cache is a character count: the prefix a request's
+body shares with the one before it, a token every 4 characters. At start it logs its KV caches' sizes as llama.cpp does
+(the full-attention layers' and, unless --swa-full, a small SWA cache), and it records the flags it was started with
+next to itself (args.json), for the test to read."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    last_prompt = ""  # the previous request's prompt text (the fake prompt cache)
+
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         self.send_response(200)
@@ -32,12 +36,48 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         n = int(request["max_tokens"])
-        for i in range(n):
-            self._frame({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]})
-        prompt = request["prompt"]
-        self._frame({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}})
-        self._chunk(b"data: [DONE]\n\n")
+        path = self.path.partition("?")[0]
+        if path == "/v1/messages":
+            self._messages(request, n)
+        elif path == "/v1/chat/completions":
+            self._chat(request, n)
+        else:
+            for i in range(n):
+                self._frame({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]})
+            prompt = request["prompt"]
+            self._frame({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}})
+            self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
+
+    def _cache(self, request: dict) -> tuple[int, int]:
+        """(prompt tokens, of them cached) of a request: its text's characters / 4, the prefix shared with the last."""
+        text = json.dumps({k: request.get(k) for k in ("system", "tools", "messages")})
+        last = Handler.last_prompt
+        shared = next((i for i, (a, b) in enumerate(zip(text, last)) if a != b), min(len(text), len(last)))
+        Handler.last_prompt = text
+        return len(text) // 4, shared // 4
+
+    def _chat(self, request: dict, n: int) -> None:
+        prompt, cached = self._cache(request)
+        for i in range(n):
+            self._frame({"choices": [{"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": None}]})
+        usage = {"prompt_tokens": prompt, "completion_tokens": n}
+        self._frame({"choices": [], "usage": usage, "timings": {"cache_n": cached, "prompt_n": prompt - cached}})
+        self._chunk(b"data: [DONE]\n\n")
+
+    def _messages(self, request: dict, n: int) -> None:
+        prompt, cached = self._cache(request)
+        usage = {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "output_tokens": 0}
+        self._event("message_start", {"message": {"role": "assistant", "content": [], "usage": usage}})
+        self._event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        for i in range(n):
+            self._event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": f" t{i}"}})
+        self._event("content_block_stop", {"index": 0})
+        self._event("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": n}})
+        self._event("message_stop", {})
+
+    def _event(self, kind: str, doc: dict) -> None:
+        self._chunk(f"event: {kind}\ndata: {json.dumps({'type': kind, **doc})}\n\n".encode())
 
     def _frame(self, doc: dict) -> None:
         self._chunk(f"data: {json.dumps(doc)}\n\n".encode())

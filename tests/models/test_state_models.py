@@ -103,6 +103,8 @@ SETTINGS = {
     "chunked": dict(max_num_batched_tokens=16),
     # 40 blocks of 4 tokens for 6 requests of up to 80 tokens: some are preempted and recomputed from their start
     "preempt": dict(max_num_batched_tokens=16, num_gpu_blocks_override=41),
+    # prompts longer than 12 tokens take 12 a step (cut further at snapshot stops) and yield to the shorter ones
+    "long_prompts": dict(max_num_batched_tokens=64, long_prefill_token_threshold=12),
 }
 
 

@@ -87,3 +87,22 @@ def test_the_constructor_itself_takes_parsed_values_only(raw: dict) -> None:
 def test_the_cli_still_reports_a_bad_json_flag_in_one_line() -> None:
     with pytest.raises(ValueError, match="--speculative-config is not valid JSON"):
         engine_config_from_args(parser().parse_args(["--speculative-config", "{"]))
+
+
+def test_long_prefill_flags_resolve_per_device_and_are_checked() -> None:
+    """--long-prefill-token-threshold unset: the CPU default on CPU, off on CUDA (vLLM's default with one partial
+    prefill), off without chunked prefill; --max-long-partial-prefills at least 1 and at most
+    --max-num-partial-prefills (vLLM's rule)."""
+    args = parser().parse_args(["--long-prefill-token-threshold", "512", "--max-long-partial-prefills", "2"])
+    config = engine_config_from_args(args)
+    assert (config.long_prefill_threshold, config.max_long_partial_prefills) == (512, 2)
+    assert EngineConfig().long_prefill_threshold == kvserve.config.DEFAULT_CPU_LONG_PREFILL_TOKENS
+    assert EngineConfig(device="cuda").long_prefill_threshold == 0
+    assert EngineConfig(enable_chunked_prefill=False).long_prefill_threshold == 0
+    assert EngineConfig(long_prefill_token_threshold=0).long_prefill_threshold == 0
+    with pytest.raises(ValueError, match="--long-prefill-token-threshold must be >= 0"):
+        EngineConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="--max-long-partial-prefills must be >= 1 and at most"):
+        EngineConfig(max_long_partial_prefills=0)
+    with pytest.raises(ValueError, match="--max-long-partial-prefills must be >= 1 and at most"):
+        EngineConfig(max_long_partial_prefills=2, max_num_partial_prefills=1)

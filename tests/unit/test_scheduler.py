@@ -31,13 +31,28 @@ class Params:
     prompt_cache_retention_s: float = 0.0
 
 
-def make(num_blocks=16, block_size=4, max_seqs=4, budget=32, max_len=48, caching=True, reserve=False, windows=(None,)):
+def make(
+    num_blocks=16,
+    block_size=4,
+    max_seqs=4,
+    budget=32,
+    max_len=48,
+    caching=True,
+    reserve=False,
+    windows=(None,),
+    long=0,
+    break_even=0,
+):
     """A scheduler over a pool of num_blocks usable blocks (plus the null block), with the KV cache groups of layers
-    whose sliding windows are `windows` (None: full attention; the default is one full-attention group)."""
+    whose sliding windows are `windows` (None: full attention; the default is one full-attention group), and
+    --long-prefill-token-threshold `long` (chunks scaled by the attention break-even `break_even`)."""
     layout = make_kv_cache_layout(windows)
     pool = BlockPool(num_blocks + 1, enable_caching=caching, num_groups=layout.num_groups)
     kv = KVCacheManager(pool, block_size, reserve_tokens=max_len if reserve else 0, layout=layout)
-    return Scheduler(kv, max_seqs, budget, max_len), pool, kv
+    sched = Scheduler(
+        kv, max_seqs, budget, max_len, long_prefill_token_threshold=long, attention_break_even_tokens=break_even
+    )
+    return sched, pool, kv
 
 
 def req(rid: str, n: int, max_tokens: int = 8, base: int = 0) -> Request:
@@ -236,12 +251,25 @@ LAYOUTS = [(None,), (None, 5), (7, None, 7), (6, 6)]
     caching=st.booleans(),
     reserve=st.booleans(),
     windows=st.sampled_from(LAYOUTS),
+    long=st.sampled_from([0, 0, 3, 8]),
+    break_even=st.sampled_from([0, 8]),
 )
 # A preempted request re-admitted through a prefix hit once counted its cached tokens twice and never fit.
 @example(
-    ops=[("add", 13, 9, 0), ("add", 22, 4, 1)], num_blocks=12, budget=5, caching=True, reserve=False, windows=(None,)
+    ops=[("add", 13, 9, 0), ("add", 22, 4, 1)],
+    num_blocks=12,
+    budget=5,
+    caching=True,
+    reserve=False,
+    windows=(None,),
+    long=0,
+    break_even=0,
 )
-def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, caching, reserve, windows):
+def test_random_add_step_abort_keeps_the_pool_whole(
+    ops, num_blocks, budget, caching, reserve, windows, long, break_even
+):
+    """Any sequence of adds, steps and aborts keeps the pool whole and ends every request, with long prompts yielding
+    (--long-prefill-token-threshold `long`) or not."""
     block_size = 4
     assume(not reserve or windows == (None,))  # a contiguous cache's emulation is the uniform layout's
     layout = make_kv_cache_layout(windows)
@@ -258,6 +286,8 @@ def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, cac
         caching=caching,
         reserve=reserve,
         windows=windows,
+        long=long,
+        break_even=break_even,
     )
     live: list[Request] = []
     count = 0
@@ -287,3 +317,140 @@ def test_random_add_step_abort_keeps_the_pool_whole(ops, num_blocks, budget, cac
     assert not live and not num_unfinished(sched)
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert not kv.requests
+
+
+def make_long(threshold=8, max_long=1, budget=32, max_seqs=4, num_blocks=64, partial=None):
+    """A scheduler with --long-prefill-token-threshold `threshold` and --max-long-partial-prefills `max_long`."""
+    layout = make_kv_cache_layout((None,))
+    pool = BlockPool(num_blocks + 1, num_groups=layout.num_groups)
+    kv = KVCacheManager(pool, 4, layout=layout)
+    sched = Scheduler(
+        kv,
+        max_seqs,
+        budget,
+        256,
+        max_num_partial_prefills=partial,
+        long_prefill_token_threshold=threshold,
+        max_long_partial_prefills=max_long,
+    )
+    return sched, pool, kv
+
+
+def step_shape(sched: Scheduler) -> list[tuple[str, int]]:
+    """One fake step; the (request id, tokens) it scheduled."""
+    out = sched.schedule()
+    sched.update_from_output(out, sevens(out))
+    return [(s.request.request_id, s.num_tokens) for s in out.scheduled]
+
+
+def test_a_long_prompt_alone_takes_the_threshold_a_step_and_the_last_chunk_whole():
+    """vLLM's --long-prefill-token-threshold: a prompt with more tokens left than the threshold computes at most that
+    many a step, though the budget holds more; alone, it gets a chunk every step."""
+    sched, pool, kv = make_long(threshold=8, budget=32)
+    sched.add(req("long", 30, max_tokens=2))
+    assert [step_shape(sched) for _ in range(5)] == [[("long", 8)]] * 3 + [[("long", 6)], [("long", 1)]]
+    check(sched, pool, kv)
+
+
+def test_a_short_request_runs_alone_during_a_long_prefill_until_it_has_had_the_threshold():
+    """The CPU rule: a short request arriving during a long prefill is admitted the next step without the long chunk,
+    and its decodes run without it until the others have had `threshold` tokens since the long prompt's last chunk;
+    then the long prompt gets a chunk beside them (never starved). Before, the long prompt's chunk took each step's
+    budget first (a 32-token chat sent during a 13k-token prefill answered in 19x its time alone, #55)."""
+    sched, pool, kv = make_long(threshold=8, budget=32)
+    sched.add(req("long", 60, max_tokens=1))
+    assert step_shape(sched) == [("long", 8)]
+    sched.add(req("short", 5, max_tokens=20, base=500))
+    assert step_shape(sched) == [("short", 5)]  # 5 tokens owed to nobody yet
+    assert step_shape(sched) == [("short", 1)]
+    assert step_shape(sched) == [("short", 1)]
+    assert step_shape(sched) == [("short", 1)]  # 8 tokens since the long chunk: its turn next
+    assert step_shape(sched) == [("long", 8), ("short", 1)]
+    assert step_shape(sched) == [("short", 1)]
+    check(sched, pool, kv)
+
+
+def test_without_a_threshold_the_running_prefill_takes_the_budget_first():
+    """--long-prefill-token-threshold 0 (CUDA's default, vLLM's with one partial prefill): as before."""
+    sched, pool, kv = make_long(threshold=0, budget=16)
+    sched.add(req("long", 60, max_tokens=1))
+    assert step_shape(sched) == [("long", 16)]
+    sched.add(req("short", 5, max_tokens=4, base=500))
+    assert step_shape(sched) == [("long", 16)]  # the short one waits for the whole prefill
+    check(sched, pool, kv)
+
+
+def test_a_second_long_prompt_waits_for_the_first_and_a_short_one_passes_it():
+    """--max-long-partial-prefills 1: the second long prompt stays queued while the first is prefilled; a short
+    prompt behind it is admitted. With 2 both long prompts go (in the same long turn)."""
+    sched, pool, kv = make_long(threshold=8, budget=32)
+    for r in (req("a", 40, max_tokens=1), req("b", 40, max_tokens=1, base=100), req("c", 4, base=200)):
+        sched.add(r)
+    assert step_shape(sched) == [("a", 8), ("c", 4)]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    sched, pool, kv = make_long(threshold=8, max_long=2, budget=32)
+    for r in (req("a", 40, max_tokens=1), req("b", 40, max_tokens=1, base=100), req("c", 4, base=200)):
+        sched.add(r)
+    assert step_shape(sched) == [("a", 8), ("b", 8), ("c", 4)]
+    check(sched, pool, kv)
+
+
+def test_a_long_prompt_runs_when_what_it_yields_to_cannot():
+    """A yielding long prompt never leaves a step empty: with --max-num-seqs 1 held by it, the waiting short request
+    cannot be admitted, so the long prompt's chunk runs (a step without it would run nothing, for ever)."""
+    sched, pool, kv = make_long(threshold=8, budget=32, max_seqs=1)
+    sched.add(req("long", 30, max_tokens=1))
+    assert step_shape(sched) == [("long", 8)]
+    sched.add(req("short", 4, base=500))
+    assert step_shape(sched) == [("long", 8)]
+    assert step_shape(sched) == [("long", 8)]
+    check(sched, pool, kv)
+
+
+def test_a_prompt_mostly_cached_is_not_long():
+    """Long means tokens left to compute: a long prompt whose prefix is cached (an agent's next turn) runs at once,
+    even with another long prompt being prefilled."""
+    sched, pool, kv = make_long(threshold=8, budget=32)
+    sched.add(req("first", 40, max_tokens=1))
+    while num_unfinished(sched):
+        step_shape(sched)
+    sched.add(req("other", 60, max_tokens=1, base=1000))
+    assert step_shape(sched) == [("other", 8)]
+    sched.add(req("next-turn", 44, max_tokens=1))  # 40 tokens cached: 4 to compute (+ the last block's)
+    assert step_shape(sched) == [("next-turn", 4)]
+    check(sched, pool, kv)
+
+
+def test_a_long_prompts_chunks_shrink_as_its_context_grows():
+    """With the model's attention break-even K (the context at which a token's attention costs as much as its matrix
+    products), a long prompt's chunk at context P is threshold x K / (K + P), so each step costs about the same, and at
+    least a block; the prompt stays long (yielding) while more than one chunk is left."""
+    layout = make_kv_cache_layout((None,))
+    pool = BlockPool(129, num_groups=layout.num_groups)
+    kv = KVCacheManager(pool, 4, layout=layout)
+    sched = Scheduler(kv, 4, 64, 512, long_prefill_token_threshold=16, attention_break_even_tokens=32)
+    sched.add(req("long", 120, max_tokens=1))
+    chunks = [n for _ in range(9) for _, n in step_shape(sched)]
+    assert chunks == [16, 10, 8, 7, 7, 6, 5, 5, 5]  # 16 x 32 // (32 + P) at P = 0, 16, 26, 34, 41, 48, 54, 59, 64
+    sched.add(req("short", 4, max_tokens=3, base=900))  # the long prompt yields to it
+    assert step_shape(sched) == [("short", 4)]
+    while num_unfinished(sched):
+        chunks += [n for rid, n in step_shape(sched) if rid == "long"]
+    # each step's cost alike, but never less than a block (4 tokens)
+    assert chunks[9:] == [5] + [4] * 11 + [2] and sum(chunks) == 120
+    check(sched, pool, kv)
+
+
+def test_the_attention_break_even_of_a_models_shape():
+    """Qwen2.5-Coder-0.5B's shape: 24 layers of 896 wide, 14 heads / 2 KV heads of 64, MLP 4864: 2 x 357.8M FLOPs of
+    matrix products a token against 4 x 14 x 64 x 24 a key of context: 8,320. Sliding-window layers do not grow with
+    the context (Gemma 3: 3 of 18 count); none that attends to it all: 0."""
+    from kvserve.model.config import ModelConfig
+
+    shape = dict(family="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2)
+    shape |= dict(head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768)
+    shape |= dict(tie_word_embeddings=True, bos_token_id=None, eos_token_ids=[151645])
+    assert ModelConfig(**shape).attention_break_even_tokens == 8320
+    windows = [None if i % 6 == 5 else 512 for i in range(24)]
+    assert ModelConfig(**shape, sliding_windows=windows).attention_break_even_tokens == 8320 * 6
+    assert ModelConfig(**shape, sliding_windows=[512] * 24).attention_break_even_tokens == 0
