@@ -11,7 +11,7 @@ What a workload can hold, each drawn with a probability (see `generate`):
 - cache salts, cache_control marks with TTLs on an injected clock (advanced between steps), prompt retention,
   n > 1, stop strings, aborts mid-prefill and mid-decode;
 - pools and snapshot slots small enough to force eviction, preemption and pin pressure; token budgets down to one
-  block; a partial-prefill limit; speculative decoding (n-gram); int8 / fp8 KV;
+  block; a partial-prefill limit; a long-prefill threshold; speculative decoding (n-gram); int8 / fp8 KV;
 - a host or disk offload tier, with restarts (a new engine over the same directory) and records deleted or damaged
   between rounds.
 """
@@ -44,6 +44,7 @@ class EngineSettings:
     speculative: bool = False
     tier: str | None = None  # None, "host" or "disk"
     max_pinned_kv_fraction: float = 0.5
+    long_prefill_token_threshold: int = 0  # vLLM's flag (0: off); the scheduler's long-prompt rules
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -55,6 +56,7 @@ class EngineSettings:
             max_num_partial_prefills=self.max_num_partial_prefills,
             kv_cache_dtype=self.kv_cache_dtype,
             max_pinned_kv_fraction=self.max_pinned_kv_fraction,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         if self.speculative:
             kw["speculative_config"] = {
@@ -131,7 +133,8 @@ class Workload:
         return (
             f"seed {self.seed}: {s.variant}, {s.num_blocks} blocks, budget {s.max_num_batched_tokens} tokens, "
             f"{s.max_num_seqs} seqs, partial {s.max_num_partial_prefills}, kv {s.kv_cache_dtype}, "
-            f"{'ngram' if s.speculative else 'no spec'}, {tier}; {len(self.requests)} requests in "
+            f"{'ngram' if s.speculative else 'no spec'}, long prefill {s.long_prefill_token_threshold}, {tier}; "
+            f"{len(self.requests)} requests in "
             f"{self.num_rounds} rounds"
         )
 
@@ -155,6 +158,7 @@ def generate(seed: int, variant: str | None = None) -> Workload:
         speculative=not stateful and rng.random() < 0.25,
         tier=rng.choice([None, "host", "disk", "disk"] if stateful else [None, None, "host", "disk"]),
         max_pinned_kv_fraction=rng.choice([0.5, 0.5, 0.25]),
+        long_prefill_token_threshold=rng.choice([0, 0, 8, 16]),
     )
     system_prompts = [(BOS, *_tokens(rng, 3, 36)) for _ in range(rng.randint(1, 3))]
     salts = [None, None, None, "tenant-a", "tenant-b"]
