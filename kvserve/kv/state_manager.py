@@ -161,9 +161,13 @@ class StateManager:
         block_hash, key = hashes[end // bs - 1], keys.key(request, hashes, end // bs - 1)
         in_reply = end > request.num_prompt_tokens
         if in_reply:  # a boundary inside the reply: the next chat turn starts here, not at the reply's previous one
-            previous = self.reply_snapshot.pop(rid, None)
-            if previous is not None and previous != block_hash:
-                snapshots.drop(previous)  # first, so that its slot takes the new one
+            previous = self.reply_snapshot.get(rid)
+            if previous == block_hash and block_hash in snapshots.by_hash:  # planned again (a recompute): ours
+                return
+            if previous is not None:
+                del self.reply_snapshot[rid]
+                if previous != block_hash:
+                    snapshots.drop(previous)  # first, so that its slot takes the new one
         target = snapshots.reserve(block_hash, key, lasting=self._lasting(request, end))
         if target is None:  # it exists already (the same tokens: another's, never to be dropped as ours) or no room
             return
