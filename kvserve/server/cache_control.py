@@ -101,30 +101,59 @@ def breakpoints(body: PromptBody) -> list[Breakpoint]:
 # -- where the breakpoints fall, in tokens ----------------------------------------------------------------------
 
 
+# Two texts no message starts with both of: a placeholder turn after a mark ends where the real continuation starts to
+# differ from one of them (the common prefix of two renders, each with one, is the mark's end).
+_PLACEHOLDERS = ("0", "1")
+
+
 def breakpoint_positions(
     prep: PromptPreparer,
     whole: list[dict[str, Any]],
     parts: list[tuple[str, list[dict[str, Any]]]],
     render: ChatRender,
 ) -> list[int]:
-    """On the preparation thread: each breakpoint's end in the prompt's tokens, the longest common prefix of the whole
-    conversation's prompt and the conversation up to the marked block (`parts`: (where, chat messages) per mark). A
-    template that cannot render a part (one that insists on a user turn, say) puts that mark at 0: nothing is
-    credited to it."""
+    """On the preparation thread: each breakpoint's end in the prompt's tokens (`parts`: (where, chat messages up to
+    the marked block) per mark), 0 where it cannot be placed (logged).
+
+    The end is the longest prefix the whole conversation's tokens share with a render of the conversation up to the
+    mark, over three renders: the part alone, and the part followed by a placeholder turn of each role (user,
+    assistant), each placeholder's end being where two different placeholders part. Why the placeholder: a template
+    may write nothing of what comes before a turn until that turn (Gemma 3's renders the system text inside the first
+    user turn: the system blocks alone rendered as a BOS token, and a mark on them pinned nothing); with a turn after
+    the mark, everything before it is written as in the real prompt. A template that refuses a render (one that
+    insists on alternating roles, say) has that candidate skipped."""
     if not parts:
         return []
     ids_whole = prep.tokenize_messages(whole, render)
     partial = ChatRender(False, render.chat_template, render.tools, render.tool_style)
+    # What any conversation shares with this prompt (a BOS token, a template's header): a mark ending there is no mark.
+    header = min(
+        _shared(prep, ids_whole, [{"role": "user", "content": p}], partial, "an empty prompt") for p in _PLACEHOLDERS
+    )
     positions = []
     for where, messages in parts:
-        try:
-            ids = prep.tokenize_messages(messages, partial)
-        except Exception as e:  # noqa: BLE001 - a template's own error on a partial conversation
-            logger.debug("could not render the prompt up to %s: %s", where, e)
-            positions.append(0)
-            continue
-        positions.append(common_prefix(ids_whole, ids))
+        end = _shared(prep, ids_whole, messages, partial, where)
+        if end <= header:  # the template wrote nothing of the part on its own: try it before a placeholder turn
+            for role in ("user", "assistant"):
+                turns = [[*messages, {"role": role, "content": p}] for p in _PLACEHOLDERS]
+                end = max(end, min(_shared(prep, ids_whole, t, partial, where) for t in turns))
+        if end <= header:
+            logger.warning("cache_control at %s could not be placed in the prompt: it pins nothing", where)
+            end = 0
+        positions.append(end)
     return positions
+
+
+def _shared(
+    prep: PromptPreparer, ids_whole: list[int], messages: list[dict[str, Any]], render: ChatRender, where: str
+) -> int:
+    """The tokens the whole prompt shares with a render of `messages`; 0 when the template refuses it."""
+    try:
+        ids = prep.tokenize_messages(messages, render)
+    except Exception as e:  # noqa: BLE001 - a template's own error on a partial conversation
+        logger.debug("could not render the prompt up to %s: %s", where, e)
+        return 0
+    return common_prefix(ids_whole, ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -448,6 +448,10 @@ def test_the_prompt_caching_docs_example_runs_and_shows_the_cache(tools_server, 
     code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
     code = code.replace("http://127.0.0.1:8000", tools_server.base_url).replace("qwen2.5-coder-0.5b-instruct", MODEL)
     exec(compile(code, "PROMPT_CACHING.md", "exec"), {})
-    written, read = re.findall(r"written to the cache: (\d+) read from it: (\d+)", capsys.readouterr().out)
-    assert int(written[0]) > 0 and int(written[1]) == 0  # the first request writes the marked prefix
-    assert int(read[0]) == 0 and int(read[1]) > 0  # the second reads it back
+    out = capsys.readouterr().out
+    (first_written, _), (second_written, second_read) = [
+        tuple(map(int, row)) for row in re.findall(r"written to the cache: (\d+) read from it: (\d+)", out)
+    ]
+    # The first request writes the marked prefix (it may read a block another test's prompt shares with it, such as the
+    # template's header: the server is shared); the second reads it all back and writes nothing.
+    assert first_written > 0 and second_written == 0 and second_read >= first_written, out
