@@ -63,10 +63,12 @@ from kvserve.server.tools import (
     ToolPlan,
     compile_tools,
     finish_reason,
+    ignored_keywords_header,
     parse_reply,
     plan_tools,
 )
 from kvserve.server.tracker import ChoiceDelta, DeltaTracker
+from kvserve.structured.tool_schemas import ForcedGrammar
 
 TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
 
@@ -123,11 +125,15 @@ async def create_chat_completion(
     render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
     truncate = ctx.settings.chat_history_policy == "truncate"
     try:
-        await compile_for(ctx, raw, lambda caller: _compile(ctx, tools, constraint, caller))
+        forced = await compile_for(ctx, raw, lambda caller: _compile(ctx, tools, constraint, caller))
     except ClientDisconnected:
         return Response(status_code=499)
+    if forced is not None and forced.ignored:  # the grammar that compiled: the schema without what the backend lacks
+        params = params.clone(structured_outputs=forced.params)
     ids, dropped = await ctx.preparer.run(ctx.preparer.chat_prompt, messages, render, params, max_tokens, truncate)
-    headers = {TRUNCATED_TURNS_HEADER: str(dropped)} if dropped else None
+    headers = ignored_keywords_header(tools, forced)
+    if dropped:
+        headers[TRUNCATED_TURNS_HEADER] = str(dropped)
     chat_id, created = ctx.new_id("chatcmpl"), int(time.time())
     streams = submit(ctx, chat_id, [ids], params, request.cache_salt)
     if request.stream:
@@ -157,11 +163,15 @@ def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Co
     return forced or requested
 
 
-def _compile(ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None, caller: Future[Any]) -> None:
-    """On a compile thread: the tools' schemas and the constraint, so that a bad one is a 400 now."""
-    compile_tools(ctx.engine.grammar, tools, caller)
+def _compile(
+    ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None, caller: Future[Any]
+) -> ForcedGrammar | None:
+    """On a compile thread: a forced call's grammar (what it compiled as) and the request's constraint, so that a bad
+    one is a 400 now."""
+    forced = compile_tools(ctx.engine.grammar, tools, caller)
     if constraint is not None and constraint is not tools.constraint:
         compile_constraint(ctx.engine.grammar, constraint, caller)
+    return forced
 
 
 def _choice(

@@ -131,13 +131,14 @@ async def collect(
     return trackers
 
 
-async def compile_for(ctx: ServerContext, raw: Request, job: Callable[[Future[Any]], None]) -> None:
+async def compile_for(ctx: ServerContext, raw: Request, job: Callable[[Future[T]], T]) -> T:
     """A request's compiles (`job`, given its own future to pass to GrammarCompiler.compile) on the compile pool,
-    never the preparation thread, so that prompts and /tokenize never wait behind a compile. A client that leaves
-    meanwhile abandons them: the compile it is in is killed and its slot freed (ClientDisconnected is raised)."""
+    never the preparation thread, so that prompts and /tokenize never wait behind a compile; what the job returns.
+    A client that leaves meanwhile abandons them: the compile it is in is killed and its slot freed
+    (ClientDisconnected is raised)."""
     future = ctx.engine.grammar.run_async(job)  # GrammarBusy (a 503) when the compile queue is full
     try:
-        await unless_disconnected(raw, asyncio.wrap_future(future))
+        return await unless_disconnected(raw, asyncio.wrap_future(future))
     finally:
         future.cancel()  # done already, or abandoned: a running compile sees it and stops
 
