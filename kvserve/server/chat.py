@@ -81,12 +81,15 @@ async def create_chat_completion(
     length_wins: bool = False,
     kv_pins: tuple[KVPin, ...] = (),
     ordered_parts: bool = False,
+    fill_context: bool = False,
 ) -> Response:
     """The chat completion, whole or streamed. `length_wins`: a reply cut by max_tokens finishes "length" even after
     complete tool calls (the Responses API's view; chat's own says "tool_calls" there, as vLLM's). `kv_pins`: prompt
     prefixes to pin in the KV cache (the Messages API's cache_control marks). `ordered_parts`: a whole reply's
     messages also carry `parts` (ParsedReply.parts: its text and calls in the order written, which OpenAI's message
-    cannot say), for the Messages API's translation to read; never sent to a chat client."""
+    cannot say), for the Messages API's translation to read; never sent to a chat client. `fill_context` (the
+    Messages API; any request under --clamp-max-tokens): max_tokens beyond the context left after the prompt is no
+    400, the reply generates until the window is full (the engine bounds every request by max-model-len)."""
     model = ctx.resolve_model(request.model)
     reject_unsupported(
         request, {"functions": request.functions, "function_call": request.function_call}, max_n=ctx.facts.max_num_seqs
@@ -130,7 +133,8 @@ async def create_chat_completion(
         return Response(status_code=499)
     if forced is not None and forced.ignored:  # the grammar that compiled: the schema without what the backend lacks
         params = params.clone(structured_outputs=forced.params)
-    ids, dropped = await ctx.preparer.run(ctx.preparer.chat_prompt, messages, render, params, max_tokens, truncate)
+    fits_with = None if fill_context or ctx.settings.clamp_max_tokens else max_tokens  # None: the prompt alone
+    ids, dropped = await ctx.preparer.run(ctx.preparer.chat_prompt, messages, render, params, fits_with, truncate)
     headers = ignored_keywords_header(tools, forced)
     if dropped:
         headers[TRUNCATED_TURNS_HEADER] = str(dropped)
@@ -154,6 +158,12 @@ async def create_chat_completion(
     if request.include_kv_cache:
         payload["kv_cache"] = _kv_cache(ctx, request, tracker)
     return JSONResponse(payload, headers=headers)
+
+
+def kvserve_headers(reply: Response) -> dict[str, str]:
+    """A chat reply's X-Kvserve-* headers (dropped turns, ignored schema keywords): what the Messages and Responses
+    APIs, translations onto chat, owe their clients too."""
+    return {k: v for k, v in reply.headers.items() if k.lower().startswith("x-kvserve-")}
 
 
 def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Constraint | None:
