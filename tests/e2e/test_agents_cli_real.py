@@ -81,15 +81,30 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _cached_fraction(base: str) -> float:
-    metrics = httpx.get(f"{base}/metrics", timeout=10).text
-    values = {}
-    for line in metrics.splitlines():
+_SUMMED = (
+    "kvserve:prefix_cache_queries_total",
+    "kvserve:prefix_cache_hits_total",
+    "kvserve:time_to_first_token_seconds_sum",
+    "kvserve:time_to_first_token_seconds_count",
+    "kvserve:request_prompt_tokens_sum",
+)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    """The server's counters this test reads, summed over labels (printed: -rA shows them)."""
+    values = dict.fromkeys(_SUMMED, 0.0)
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
         name = line.split("{")[0].split(" ")[0]
-        if name in ("kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total"):
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    queries = values.get("kvserve:prefix_cache_queries_total", 0.0)
-    return values.get("kvserve:prefix_cache_hits_total", 0.0) / queries if queries else 0.0
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    print({k.removeprefix("kvserve:"): v for k, v in values.items()})
+    return values
+
+
+def _cached_fraction(base: str) -> float:
+    values = _metrics(base)
+    queries = values["kvserve:prefix_cache_queries_total"]
+    return values["kvserve:prefix_cache_hits_total"] / queries if queries else 0.0
 
 
 def test_claude_code_runs_a_task(server: str, project: Path) -> None:
@@ -108,6 +123,7 @@ def test_claude_code_runs_a_task(server: str, project: Path) -> None:
     cmd = [claude, "-p", TASK, "--output-format", "json", "--max-turns", "3"]
     done = subprocess.run(cmd, cwd=project / "project", env=env, capture_output=True, text=True, timeout=TASK_TIMEOUT_S)
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    print({k: result.get(k) for k in ("subtype", "num_turns", "duration_ms", "result")})
     assert result["api_error_status"] is None, result
     assert result["subtype"] in ("success", "error_max_turns"), result
     assert result["num_turns"] >= 1
@@ -135,5 +151,6 @@ def test_codex_runs_a_task(server: str, project: Path) -> None:
         stdin=subprocess.DEVNULL,
     )
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print([e["item"]["type"] for e in events if e["type"] == "item.completed"], _cached_fraction(server))
     kinds = [e["type"] for e in events]
     assert "turn.completed" in kinds and "turn.failed" not in kinds, done.stdout[-2000:] + done.stderr[-2000:]
