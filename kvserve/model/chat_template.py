@@ -4,6 +4,14 @@ Why a built-in template: GGUF files of Gemma 3 carry no `tokenizer.chat_template
 must be formatted exactly as Gemma was trained (turn markers, BOS first, system text folded into the
 first user turn, since Gemma has no system role).
 
+Why a fallback for system messages past the first: clients send them mid-conversation (Claude Code puts its agent
+and skill lists in one after the first user turn), and templates differ: Qwen's renders a system turn anywhere,
+Gemma's has no system role at all (it folds a leading system message into the first user turn and refuses any
+other). A conversation is rendered as sent when the template has a system turn of its own (system_turn_probe: a leading
+system message is not folded into the user turn after it) and renders every system message in it; otherwise each
+system message past the first is merged into the user turn next to it, as the template does its leading system text
+(folded_system_messages).
+
 Why a fallback for tools: many templates (Gemma's among them) render no `tools`, no `tool` role and no assistant
 `tool_calls`, and some refuse them (Gemma's requires user/assistant turns to alternate). A request that carries
 them must still work, as in vLLM with a template that ignores them, but without the tools silently vanishing from
@@ -218,3 +226,79 @@ def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[st
         content = first.get("content") or ""
         return [{**first, "content": f"{content}\n\n{text}" if content else text}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+# -- system messages past the first ------------------------------------------------------------------------------
+
+
+_SYSTEM_PROBE = "kvserve-probe-system-text"
+_USER_PROBE = "kvserve-probe-user-text"
+SYSTEM_TURN_PROBE = [{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": _USER_PROBE}]
+
+
+def has_system_turn(probe_rendered: str) -> bool:
+    """Whether a template has a system turn of its own, from its rendering of SYSTEM_TURN_PROBE: the system text is
+    there and something other than whitespace (a turn's end and the next one's start) separates it from the user's.
+    Gemma's writes `{system}\n\n{user}` in one user turn: no system turn; Qwen's ends a system turn between them."""
+    start = probe_rendered.find(_SYSTEM_PROBE)
+    end = probe_rendered.find(_USER_PROBE)
+    if start < 0 or end < 0 or end < start:
+        return False
+    return bool(probe_rendered[start + len(_SYSTEM_PROBE) : end].strip())
+
+
+def has_inner_system(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a system message comes after the first message (a mid-conversation instruction)."""
+    return any(m.get("role") == "system" for m in messages[1:])
+
+
+def renders_inner_system(messages: Sequence[Mapping[str, Any]], rendered: str) -> bool:
+    """Whether every system message past the first reached the rendered prompt (its text, as templates trim it)."""
+    return all(str(m.get("content") or "").strip() in rendered for m in messages[1:] if m.get("role") == "system")
+
+
+def folded_system_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that has no system turn past the first: the leading system messages joined
+    into one (the template folds it into the first user turn), and each later one merged into the user turn next to
+    it: appended to the user message just before it (it stays before the reply it precedes), else put before the user
+    message just after it (as a leading system text is), else a user message of its own; user messages that end up
+    adjacent are joined, so that turns still alternate. Texts are joined with a blank line."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []  # system texts waiting for the next user message
+    leading = True
+    for message in messages:
+        role = message.get("role")
+        text = str(message.get("content") or "")
+        if role == "system" and leading:
+            if out:
+                out[0] = {**out[0], "content": _joined(out[0].get("content"), text)}
+            else:
+                out.append(dict(message))
+            continue
+        leading = False
+        if role == "system":
+            if out and out[-1].get("role") == "user" and not pending:
+                out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), text)}
+            else:
+                pending.append(text)
+            continue
+        if role == "user" and pending:
+            message = {**message, "content": _joined(*pending, message.get("content"))}
+            pending.clear()
+        elif pending:  # an assistant (or other) turn follows: the waiting texts become a user turn before it
+            out.append({"role": "user", "content": _joined(*pending)})
+            pending.clear()
+        if role == "user" and out and out[-1].get("role") == "user":
+            out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), message.get("content"))}
+            continue
+        out.append(dict(message))
+    if pending:
+        if out and out[-1].get("role") == "user":
+            out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), *pending)}
+        else:
+            out.append({"role": "user", "content": _joined(*pending)})
+    return out
+
+
+def _joined(*texts: Any) -> str:
+    return "\n\n".join(str(t) for t in texts if t)

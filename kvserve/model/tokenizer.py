@@ -22,9 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.model.chat_template import (
+    SYSTEM_TURN_PROBE,
     JSONToolStyle,
     ToolPromptStyle,
     builtin_chat_template,
+    folded_system_messages,
+    has_inner_system,
+    has_system_turn,
+    renders_inner_system,
     resolve_chat_template,
     tool_fallback_messages,
     tool_support,
@@ -39,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 2  # bump when what is stored in a tokenizer cache entry changes
 _META_FILE = "kvserve_tokenizer.json"
+_MAX_PROBED_TEMPLATES = 16  # templates whose system-turn probe is remembered (a request may bring its own)
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -80,6 +86,7 @@ class Tokenizer:
         specials.update(extra_special_ids)
         specials.update(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self.special_ids: frozenset[int] = frozenset(specials)
+        self._system_turns: dict[str, bool] = {}  # template -> whether it has a system turn (probed on first need)
 
     @classmethod
     def from_hf(cls, hf: PreTrainedTokenizerBase, chat_template: str | None = None, name: str = "") -> Tokenizer:
@@ -175,21 +182,62 @@ class Tokenizer:
             normalized, rendered_tools = tool_fallback_messages(normalized, tools, tool_support(template), style)
             template_tools = list(rendered_tools) if rendered_tools is not None else None
         from jinja2 import TemplateError
-        from transformers.utils.chat_template_utils import render_jinja_template
 
         # As transformers' apply_chat_template does: None-valued keys dropped, the named special tokens visible.
         conversation = [{k: v for k, v in m.items() if v is not None} for m in normalized]
+        if not has_inner_system(conversation):
+            return self._render(template, conversation, template_tools, add_generation_prompt)
+        # System messages past the first: as sent where the template has a system turn and renders them all, else
+        # folded into user turns (kvserve.model.chat_template.folded_system_messages).
+        if self._has_system_turn(template):
+            try:
+                out = self._render(template, conversation, template_tools, add_generation_prompt, raw_errors=True)
+                if renders_inner_system(conversation, out):
+                    return out
+            except TemplateError:
+                pass
+        folded = folded_system_messages(conversation)
+        return self._render(template, folded, template_tools, add_generation_prompt)
+
+    def _has_system_turn(self, template: str) -> bool:
+        """Whether `template` has a system turn of its own (chat_template.has_system_turn), probed once per
+        template."""
+        known = self._system_turns.get(template)
+        if known is None:
+            try:
+                known = has_system_turn(self._render(template, list(SYSTEM_TURN_PROBE), None, False))
+            except (ValueError, TypeError):
+                known = False
+            if len(self._system_turns) >= _MAX_PROBED_TEMPLATES:
+                self._system_turns.clear()
+            self._system_turns[template] = known
+        return known
+
+    def _render(
+        self,
+        template: str,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[Any, Any] | Callable[..., Any]] | None,
+        add_generation_prompt: bool,
+        raw_errors: bool = False,
+    ) -> str:
+        """The template applied to one conversation; its errors as ValueError (`raw_errors`: jinja2's own)."""
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         template_vars: dict[str, Any] = dict(self.special_tokens)  # template variables, not the named parameters
         try:
             # transformers annotates render_jinja_template "-> str", but it returns (rendered, generation indices)
             rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
                 conversations=[conversation],
                 chat_template=template,
-                tools=template_tools,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 **template_vars,
             )
         except TemplateError as e:
+            if raw_errors:
+                raise
             raise ValueError(f"chat template error: {e}") from e
         out = rendered[0]
         if not isinstance(out, str):

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve import __version__
 from kvserve.engine.client import EngineClient
@@ -28,7 +28,13 @@ from kvserve.server.errors import APIError, bad_request, install_error_handlers
 from kvserve.server.json_limits import JSONLimits
 from kvserve.server.kv_inspector import inspected_engines, kv_data_routes, ui_routes
 from kvserve.server.logprobs import TokenTexts
-from kvserve.server.messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
+from kvserve.server.messages import (
+    ANTHROPIC_PING,
+    CountTokensRequest,
+    MessagesRequest,
+    count_tokens,
+    create_message,
+)
 from kvserve.server.prepare import ChatRender, PromptPreparer
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -41,6 +47,7 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.responses import ResponsesRequest, create_response, delete_response, retrieve_response
+from kvserve.server.streaming import SSE_KEEPALIVE, keepalive
 from kvserve.server.transport import TransportLimits
 
 __all__ = ["ServerSettings", "build_app"]
@@ -128,6 +135,14 @@ def build_app(engine: EngineClient, settings: ServerSettings, transport: Transpo
     return app
 
 
+def _kept_alive(response: Response, interval_s: float, ping: str) -> Response:
+    """A streamed reply with a keepalive every `interval_s` seconds it sends nothing (streaming.keepalive), from the
+    moment the request is accepted: the outermost API's own (the Messages and Responses APIs wrap chat's stream)."""
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = keepalive(response.body_iterator, interval_s, ping)
+    return response
+
+
 def _open_routes(ctx: ServerContext) -> APIRouter:
     """Health, version and metrics: never behind the clients' API key (probes and scrapers carry none); /metrics is
     behind the admin key where there is one (server/auth.py)."""
@@ -165,25 +180,27 @@ def _api_routes(ctx: ServerContext) -> APIRouter:
         ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
+    interval = ctx.settings.stream_keepalive_s
+
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         ctx.engine.check_alive()
-        return await create_completion(ctx, body, raw)
+        return _kept_alive(await create_completion(ctx, body, raw), interval, SSE_KEEPALIVE)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         ctx.engine.check_alive()
-        return await create_chat_completion(ctx, body, raw)
+        return _kept_alive(await create_chat_completion(ctx, body, raw), interval, SSE_KEEPALIVE)
 
     @router.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         ctx.engine.check_alive()
-        return await create_response(ctx, body, raw)
+        return _kept_alive(await create_response(ctx, body, raw), interval, SSE_KEEPALIVE)
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         ctx.engine.check_alive()
-        return await create_message(ctx, body, raw)
+        return _kept_alive(await create_message(ctx, body, raw), interval, ANTHROPIC_PING)
 
     @router.post("/v1/messages/count_tokens")
     async def messages_count_tokens(body: CountTokensRequest) -> JSONResponse:

@@ -63,10 +63,12 @@ from kvserve.server.tools import (
     ToolPlan,
     compile_tools,
     finish_reason,
+    ignored_keywords_header,
     parse_reply,
     plan_tools,
 )
 from kvserve.server.tracker import ChoiceDelta, DeltaTracker
+from kvserve.structured.tool_schemas import ForcedGrammar
 
 TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
 
@@ -79,12 +81,15 @@ async def create_chat_completion(
     length_wins: bool = False,
     kv_pins: tuple[KVPin, ...] = (),
     ordered_parts: bool = False,
+    fill_context: bool = False,
 ) -> Response:
     """The chat completion, whole or streamed. `length_wins`: a reply cut by max_tokens finishes "length" even after
     complete tool calls (the Responses API's view; chat's own says "tool_calls" there, as vLLM's). `kv_pins`: prompt
     prefixes to pin in the KV cache (the Messages API's cache_control marks). `ordered_parts`: a whole reply's
     messages also carry `parts` (ParsedReply.parts: its text and calls in the order written, which OpenAI's message
-    cannot say), for the Messages API's translation to read; never sent to a chat client."""
+    cannot say), for the Messages API's translation to read; never sent to a chat client. `fill_context` (the
+    Messages API; any request under --clamp-max-tokens): max_tokens beyond the context left after the prompt is no
+    400, the reply generates until the window is full (the engine bounds every request by max-model-len)."""
     model = ctx.resolve_model(request.model)
     reject_unsupported(
         request, {"functions": request.functions, "function_call": request.function_call}, max_n=ctx.facts.max_num_seqs
@@ -123,11 +128,16 @@ async def create_chat_completion(
     render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
     truncate = ctx.settings.chat_history_policy == "truncate"
     try:
-        await compile_for(ctx, raw, lambda caller: _compile(ctx, tools, constraint, caller))
+        forced = await compile_for(ctx, raw, lambda caller: _compile(ctx, tools, constraint, caller))
     except ClientDisconnected:
         return Response(status_code=499)
-    ids, dropped = await ctx.preparer.run(ctx.preparer.chat_prompt, messages, render, params, max_tokens, truncate)
-    headers = {TRUNCATED_TURNS_HEADER: str(dropped)} if dropped else None
+    if forced is not None and forced.ignored:  # the grammar that compiled: the schema without what the backend lacks
+        params = params.clone(structured_outputs=forced.params)
+    fits_with = None if fill_context or ctx.settings.clamp_max_tokens else max_tokens  # None: the prompt alone
+    ids, dropped = await ctx.preparer.run(ctx.preparer.chat_prompt, messages, render, params, fits_with, truncate)
+    headers = ignored_keywords_header(tools, forced)
+    if dropped:
+        headers[TRUNCATED_TURNS_HEADER] = str(dropped)
     chat_id, created = ctx.new_id("chatcmpl"), int(time.time())
     streams = submit(ctx, chat_id, [ids], params, request.cache_salt)
     if request.stream:
@@ -150,6 +160,12 @@ async def create_chat_completion(
     return JSONResponse(payload, headers=headers)
 
 
+def kvserve_headers(reply: Response) -> dict[str, str]:
+    """A chat reply's X-Kvserve-* headers (dropped turns, ignored schema keywords): what the Messages and Responses
+    APIs, translations onto chat, owe their clients too."""
+    return {k: v for k, v in reply.headers.items() if k.lower().startswith("x-kvserve-")}
+
+
 def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Constraint | None:
     """The output constraint: a forced tool call's, else the request's own (response_format, structured_outputs,
     guided_*; checked even when a forced call overrides it, as vLLM lets the call win)."""
@@ -157,11 +173,15 @@ def _constraint(request: ChatCompletionRequest, forced: Constraint | None) -> Co
     return forced or requested
 
 
-def _compile(ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None, caller: Future[Any]) -> None:
-    """On a compile thread: the tools' schemas and the constraint, so that a bad one is a 400 now."""
-    compile_tools(ctx.engine.grammar, tools, caller)
+def _compile(
+    ctx: ServerContext, tools: ToolPlan, constraint: Constraint | None, caller: Future[Any]
+) -> ForcedGrammar | None:
+    """On a compile thread: a forced call's grammar (what it compiled as) and the request's constraint, so that a bad
+    one is a 400 now."""
+    forced = compile_tools(ctx.engine.grammar, tools, caller)
     if constraint is not None and constraint is not tools.constraint:
         compile_constraint(ctx.engine.grammar, constraint, caller)
+    return forced
 
 
 def _choice(

@@ -159,6 +159,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "answers from a tool result instead of calling again; the prompt no longer shares the tool turns' prefix",
     )
     s.add_argument(
+        "--clamp-max-tokens",
+        action="store_true",
+        help="max_tokens beyond the context left after the prompt generates until the context window is full "
+        "(finish_reason length) instead of a 400, on chat, completions and Responses; the Messages API always "
+        "does (stop_reason model_context_window_exceeded, as Anthropic's)",
+    )
+    s.add_argument(
+        "--ignore-unsupported-tools",
+        action="store_true",
+        help="drop hosted tools the server cannot run (Responses' web_search, file_search, ...; Anthropic's server "
+        "tools) from the prompt with a warning, instead of a 400 naming this flag (Codex sends web_search)",
+    )
+    s.add_argument(
+        "--stream-keepalive-interval",
+        type=float,
+        default=5.0,  # = context.DEFAULT_STREAM_KEEPALIVE_S
+        metavar="SECONDS",
+        help="a stream that has sent nothing for this long (a long prompt being computed) sends a keepalive: an "
+        "SSE comment, an Anthropic ping event on /v1/messages (0: never)",
+    )
+    s.add_argument(
         "--disable-ui",
         action="store_true",
         help="do not serve the KV inspector page at / and /ui (its data routes /v1/kv/* stay)",
@@ -315,6 +336,9 @@ def run_serve(args: argparse.Namespace) -> int:
         admin_api_key=admin_api_key,
         ui_redact_text=args.ui_redact_text,
         kv_cache_report=args.kv_cache_report,
+        clamp_max_tokens=args.clamp_max_tokens,
+        ignore_unsupported_tools=args.ignore_unsupported_tools,
+        stream_keepalive_s=args.stream_keepalive_interval,
     )
     app = build_app(async_engine, settings, transport)
     print(

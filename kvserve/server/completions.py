@@ -117,7 +117,11 @@ async def _plan(ctx: ServerContext, request: CompletionRequest, raw: Request) ->
         grammar = ctx.engine.grammar
         await compile_for(ctx, raw, lambda caller: compile_constraint(grammar, constraint, caller))
     prompts = await ctx.preparer.run(
-        ctx.preparer.completion_prompts, items, params, request.max_tokens, request.skip_special_tokens
+        ctx.preparer.completion_prompts,
+        items,
+        params,
+        None if ctx.settings.clamp_max_tokens else request.max_tokens,  # None: the prompt alone must fit
+        request.skip_special_tokens,
     )
     return _Plan(ctx.new_id("cmpl"), model, request, prompts, params, max_tokens)
 

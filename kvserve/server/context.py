@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 CHAT_HISTORY_POLICIES = ("reject", "truncate")
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+DEFAULT_STREAM_KEEPALIVE_S = 5.0
 
 
 def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
@@ -65,6 +66,13 @@ class ServerSettings:
     # tells misses as clients are told them; None: redacted when clients hold a key and no admin key is set
     ui_redact_text: bool | None = None
     kv_cache_report: str = "salted"  # --kv-cache-report: what include_kv_cache tells (kvserve.server.kv_report)
+    # --clamp-max-tokens: max_tokens beyond the context left generates until the window is full (chat, completions,
+    # Responses; the Messages API always does, as Anthropic's) instead of a 400
+    clamp_max_tokens: bool = False
+    # --ignore-unsupported-tools: hosted tools the server cannot run (web_search, ...) are dropped with a warning
+    ignore_unsupported_tools: bool = False
+    # --stream-keepalive-interval: seconds without a byte after which a stream sends a keepalive (0: never)
+    stream_keepalive_s: float = DEFAULT_STREAM_KEEPALIVE_S
 
     def __post_init__(self) -> None:
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
@@ -76,6 +84,8 @@ class ServerSettings:
             raise ValueError(f"--max-prompts-per-request must be >= 1, got {self.max_prompts_per_request}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
+        if not self.stream_keepalive_s >= 0:
+            raise ValueError(f"--stream-keepalive-interval must be >= 0 seconds, got {self.stream_keepalive_s}")
         if self.chat_history_policy not in CHAT_HISTORY_POLICIES:
             raise ValueError(
                 f"--chat-history-policy must be one of {', '.join(CHAT_HISTORY_POLICIES)}, "

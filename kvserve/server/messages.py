@@ -15,16 +15,26 @@ last breakpoint, in whole KV blocks (what the prefix cache keeps), are `cache_cr
 `input_tokens`, so the three add up to the prompt, which count_tokens returns. A breakpoint's token position is found
 by rendering the conversation up to its block and taking the longest common prefix with the whole prompt.
 
+What Claude Code sends besides (issue 55, tests/fixtures/agents/claude-code.json): `role: "system"` messages inside
+`messages` (beta `mid-conversation-system-2026-04-07`), rendered as the model's template allows (a system turn where
+it has one, else merged into the user turn next to it: kvserve.model.chat_template); `max_tokens` beyond the context
+left after its prompt, which generates until the window is full and stops with `model_context_window_exceeded`, as
+Anthropic's API does; `thinking`, `context_management`, `output_config.effort`, `metadata` and `service_tier`, which
+are accepted and change nothing (the models kvserve serves write no thinking blocks; nothing is cleared from a
+context the client resends whole), and named in the X-Kvserve-Ignored-Fields header, with any unknown field.
+
 What kvserve does not have is a 400 naming the field: images and documents, server tools (web search, code
-execution, ...), a final assistant message to continue (prefill). `thinking` is accepted and changes nothing (the
-models kvserve serves write no thinking blocks); `metadata`, `service_tier` and unknown fields are accepted.
-Errors have Anthropic's shape (kvserve.server.errors); the key may come as `x-api-key` (kvserve.server.auth).
+execution, ...; dropped with a warning under --ignore-unsupported-tools), a final assistant message to continue
+(prefill). Errors have Anthropic's shape (kvserve.server.errors) and name the Messages fields the client sent
+(`tools[3].input_schema`, never chat's `tools[3].function.parameters`: messages_error); the key may come as
+`x-api-key` (kvserve.server.auth).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, replace
@@ -35,6 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from kvserve.sampling_params import KVPin
+from kvserve.server.api_tools import ChatTools, unsupported_tool
 from kvserve.server.cache_control import (
     TTL_SECONDS,
     Breakpoint,
@@ -49,9 +60,9 @@ from kvserve.server.cache_diagnostics import (
     cache_miss_reason,
     tenant_of,
 )
-from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
+from kvserve.server.chat import create_chat_completion, kvserve_headers
 from kvserve.server.context import ServerContext
-from kvserve.server.errors import APIError, bad_request
+from kvserve.server.errors import APIError, bad_request, from_exception
 from kvserve.server.prepare import ChatRender
 from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
 from kvserve.server.streaming import chat_chunks
@@ -78,6 +89,7 @@ class MessagesRequest(CacheFields):
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     service_tier: str | None = None
+    context_management: dict[str, Any] | None = None  # Claude Code's clear_thinking edits: ignored (nothing to clear)
     cache_control: dict[str, Any] | None = None  # automatic caching: a mark on the last block of the last message
     output_config: dict[str, Any] | None = None  # `format`: a json_schema the reply must follow; `effort` is ignored
     diagnostics: dict[str, Any] | None = None  # previous_message_id: why this request missed that one's cache
@@ -93,10 +105,22 @@ class CountTokensRequest(CacheFields):
     tools: FastList[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
 
 
 PromptBody = MessagesRequest | CountTokensRequest
+
+IGNORED_FIELDS_HEADER = "X-Kvserve-Ignored-Fields"
+_ACCEPTED_NO_EFFECT = ("thinking", "context_management", "metadata", "service_tier")
+
+
+def ignored_fields(body: MessagesRequest) -> list[str]:
+    """The request's fields that change nothing here: the ones accepted for Claude Code's sake, and unknown ones."""
+    names = [name for name in _ACCEPTED_NO_EFFECT if name in body.model_fields_set]
+    if "effort" in (body.output_config or {}):
+        names.append("output_config.effort")
+    return names + sorted(body.unknown_fields())
 
 
 # -- request: Messages -> chat ----------------------------------------------------------------------------------
@@ -196,14 +220,16 @@ def _message(message: Any, where: str, blocks: int | None = None) -> list[dict[s
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object", param=where)
     role = message.get("role")
-    if role not in ("user", "assistant"):
-        raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+    if role not in ("user", "assistant", "system"):
+        raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system', got {role!r}", param=f"{where}.role")
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
     content = content if blocks is None else content[:blocks]
+    if role == "system":  # mid-conversation (Claude Code's beta): text blocks, rendered as the template allows
+        return [{"role": "system", "content": _text_blocks(content, f"{where}.content")}]
     return _user_messages(content, where) if role == "user" else [_assistant_message(content, where)]
 
 
@@ -226,21 +252,22 @@ def chat_messages(body: PromptBody, upto: Breakpoint | None = None) -> list[dict
     return out
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def chat_tools(tools: list[dict[str, Any]] | None, ignore_unsupported: bool = False) -> ChatTools:
+    """Custom tools (name, description, input_schema) as chat's functions; Anthropic's server tools (web search,
+    code execution, ...) are a 400, or left out under --ignore-unsupported-tools."""
     if not tools:
-        return None
-    out = []
+        return ChatTools()
+    out, origin, dropped = [], [], []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise bad_request(f"{where} must be an object", param=where)
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            raise bad_request(
-                f"{where}: server tool {kind!r} is not supported by kvserve; only custom tools (name, description,"
-                " input_schema) are",
-                param=f"{where}.type",
+            dropped.append(
+                unsupported_tool(where, kind, ignore_unsupported, "only custom tools: name, description, input_schema")
             )
+            continue
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise bad_request(f"{where}.input_schema must be a JSON schema object", param=f"{where}.input_schema")
@@ -248,7 +275,8 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
-    return out
+        origin.append(where)
+    return ChatTools(out or None, tuple(origin), tuple(dropped))
 
 
 def _chat_tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any] | None, bool | None]:
@@ -296,14 +324,15 @@ def _check_turns(body: PromptBody) -> None:
         )
 
 
-def chat_request(body: PromptBody, stream: bool) -> ChatCompletionRequest:
-    """The chat request this Messages request stands for (count_tokens: the same prompt, one token to generate)."""
+def chat_request(body: PromptBody, stream: bool, tools: ChatTools) -> ChatCompletionRequest:
+    """The chat request this Messages request stands for (count_tokens: the same prompt, one token to generate),
+    with `tools` (chat_tools of its tools)."""
     _check_turns(body)
     tool_choice, parallel = _chat_tool_choice(body.tool_choice)
     chat: dict[str, Any] = {
         "model": body.model,
         "messages": chat_messages(body),
-        "tools": _chat_tools(body.tools),
+        "tools": tools.tools,
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
         "cache_salt": body.cache_salt,
@@ -330,6 +359,34 @@ def chat_request(body: PromptBody, stream: bool) -> ChatCompletionRequest:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise bad_request(f"{where}: {first.get('msg', 'invalid')}", param=where or None) from None
+
+
+# Chat's names of the fields a Messages request has under other names: in `param` (and the message) of an error of
+# the chat path underneath. Tool fields are ChatTools.renamed's (it knows where each tool came from).
+_MESSAGES_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), name)
+    for pattern, name in (
+        (r"\bresponse_format\.json_schema\.schema\b", "output_config.format.schema"),
+        (r"\bresponse_format\b", "output_config.format"),
+        (r"\btool_choice\.function\.name\b", "tool_choice.name"),
+        (r"\btool_choice\.function\b", "tool_choice"),
+        (r"\bmax_completion_tokens\b", "max_tokens"),
+    )
+)
+# Bare names, renamed in `param` only (in prose, "the prompt" is English).
+_MESSAGES_PARAMS = {"prompt": "messages", "stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
+
+
+def messages_error(error: APIError, tools: ChatTools) -> APIError:
+    """A chat-path error as this request's own: the fields it names are the Messages fields the client sent."""
+    error = tools.renamed(error, "input_schema")
+    message, param = error.message, error.param
+    for pattern, name in _MESSAGES_NAMES:
+        message = pattern.sub(name, message)
+        param = pattern.sub(name, param) if param is not None else None
+    if param is not None:
+        param = _MESSAGES_PARAMS.get(param, param)
+    return APIError(error.status, message, param=param, code=error.code)
 
 
 # -- reply: chat -> Messages ------------------------------------------------------------------------------------
@@ -381,7 +438,19 @@ class MessageShell:
     marks: list[Breakpoint]
     positions: list[int]
     block_size: int
+    max_tokens: int  # as the client asked: more than the context left is no error here
+    max_model_len: int
     diagnosis: Diagnosis | None = None
+
+    def stop(
+        self, finish: str | None, chat_stop: Any, called: bool, chat_usage: dict[str, Any] | None
+    ) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence); a reply cut where the context window ends, before its max_tokens, is
+        Anthropic's `model_context_window_exceeded`."""
+        usage = chat_usage or {}
+        total = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+        window_full = total >= self.max_model_len and int(usage.get("completion_tokens", 0)) < self.max_tokens
+        return stop_reason(finish, chat_stop, called, window_full)
 
     def usage(self, chat_usage: dict[str, Any] | None) -> dict[str, Any]:
         chat_usage = chat_usage or {}
@@ -413,11 +482,11 @@ class MessageShell:
             self.diagnosis.keep(self.message_id, usage)
 
 
-def stop_reason(finish: str | None, chat_stop: Any, called: bool) -> tuple[str, str | None]:
+def stop_reason(finish: str | None, chat_stop: Any, called: bool, window_full: bool = False) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) for chat's finish_reason and stop_reason (the matched stop string, or the stop
-    token's id)."""
+    token's id); `window_full`: the reply ended where the context window does, before max_tokens."""
     if finish == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if window_full else "max_tokens"), None
     if called or finish == "tool_calls":
         return "tool_use", None
     if isinstance(chat_stop, str):
@@ -460,18 +529,28 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     marks = breakpoints(body)
-    request = chat_request(body, body.stream)
-    model = ctx.resolve_model(body.model)
-    render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
-    parts = [(m.where, chat_messages(body, m)) for m in marks]
-    positions = await ctx.preparer.run(breakpoint_positions, ctx.preparer, chat_messages(body), parts, render)
-    diagnosis = Diagnosis.of(ctx, body, model)
-    shell = MessageShell(_new_id("msg"), model, marks, positions, ctx.facts.block_size, diagnosis)
-    pins = tuple(KVPin(p, TTL_SECONDS[m.ttl]) for m, p in zip(marks, positions) if p >= ctx.facts.block_size)
-    # length_wins: a reply cut after a whole call says max_tokens, as Anthropic's (chat's says "tool_calls")
-    reply = await create_chat_completion(ctx, request, raw, kv_pins=pins, length_wins=True, ordered_parts=True)
-    dropped = reply.headers.get(TRUNCATED_TURNS_HEADER)
-    headers = {TRUNCATED_TURNS_HEADER: dropped} if dropped is not None else {}
+    tools = chat_tools(body.tools, ctx.settings.ignore_unsupported_tools)
+    try:
+        request = chat_request(body, body.stream, tools)
+        model = ctx.resolve_model(body.model)
+        render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
+        parts = [(m.where, chat_messages(body, m)) for m in marks]
+        positions = await ctx.preparer.run(breakpoint_positions, ctx.preparer, chat_messages(body), parts, render)
+        diagnosis = Diagnosis.of(ctx, body, model)
+        shell = MessageShell(
+            _new_id("msg"), model, marks, positions, ctx.facts.block_size, body.max_tokens, ctx.max_model_len, diagnosis
+        )
+        pins = tuple(KVPin(p, TTL_SECONDS[m.ttl]) for m, p in zip(marks, positions) if p >= ctx.facts.block_size)
+        # length_wins: a reply cut after a whole call says max_tokens, as Anthropic's (chat's says "tool_calls")
+        reply = await create_chat_completion(
+            ctx, request, raw, kv_pins=pins, length_wins=True, ordered_parts=True, fill_context=True
+        )
+    except (APIError, ValueError) as e:
+        raise messages_error(from_exception(e), tools) from None
+    headers = kvserve_headers(reply) | tools.headers()
+    ignored = ignored_fields(body)
+    if ignored:
+        headers[IGNORED_FIELDS_HEADER] = ", ".join(ignored)
     if isinstance(reply, StreamingResponse):
         return StreamingResponse(_events(shell, reply.body_iterator), media_type="text/event-stream", headers=headers)
     if not isinstance(reply, JSONResponse):
@@ -480,7 +559,9 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     choice = chat["choices"][0]
     message = choice["message"]
     content = content_blocks(message, cut=choice["finish_reason"] == "length")
-    stop = stop_reason(choice["finish_reason"], choice.get("stop_reason"), bool(message.get("tool_calls")))
+    stop = shell.stop(
+        choice["finish_reason"], choice.get("stop_reason"), bool(message.get("tool_calls")), chat.get("usage")
+    )
     usage = shell.usage(chat.get("usage"))
     shell.keep(usage)
     message = shell.build(content, stop, usage)
@@ -493,11 +574,15 @@ async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> JSONResp
     """The prompt's tokens as POST /v1/messages would count them (input + cache read + cache creation)."""
     breakpoints(body)  # a bad cache_control is the same 400 here
     ctx.resolve_model(body.model)
-    request = chat_request(body, stream=False)
-    render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
-    messages = [m.model_dump(exclude_none=True) for m in request.messages]
-    ids = await ctx.preparer.run(ctx.preparer.tokenize_messages, messages, render)
-    return JSONResponse({"input_tokens": len(ids)})
+    tools = chat_tools(body.tools, ctx.settings.ignore_unsupported_tools)
+    try:
+        request = chat_request(body, False, tools)
+        render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        ids = await ctx.preparer.run(ctx.preparer.tokenize_messages, messages, render)
+    except (APIError, ValueError) as e:
+        raise messages_error(from_exception(e), tools) from None
+    return JSONResponse({"input_tokens": len(ids)}, headers=tools.headers())
 
 
 # -- the event stream -------------------------------------------------------------------------------------------
@@ -512,6 +597,9 @@ _OPENAI_TO_ANTHROPIC_TYPES = {
 
 def _event(kind: str, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+
+ANTHROPIC_PING = _event("ping")  # the keepalive of a Messages stream (Anthropic's SDKs skip it, wherever it comes)
 
 
 class _Blocks:
@@ -593,7 +681,7 @@ async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterato
         yield _event("message_start", message=shell.build([], (None, None), shell.usage(usage)))
     for frame in blocks.stop():
         yield frame
-    reason, sequence = stop_reason(finish, chat_stop, called)
+    reason, sequence = shell.stop(finish, chat_stop, called, usage)
     final = shell.usage(usage)
     shell.keep(final)
     extra = {"kv_cache": kv_cache} if kv_cache is not None else {}  # the last report: with what became of the pins

@@ -18,8 +18,15 @@ body is typed as strictly as chat's; `cache_salt` is chat's (a chained request w
 `structured_outputs` vLLM's. Fields clients send routinely (`include`, `truncation`, `metadata`, `user`,
 `service_tier`, `safety_identifier`, `reasoning`) are accepted; `metadata` is echoed, the rest
 change nothing. What kvserve does not have is a 400 naming the field: built-in tools (web search, file search, code
-interpreter, computer use, MCP, image generation), `background: true`, non-text input parts (images, files, audio).
-Errors of the chat path underneath are renamed to the fields this request has (responses_error).
+interpreter, computer use, MCP, image generation: left out of the prompt with a warning under
+--ignore-unsupported-tools, kvserve.server.api_tools), `background: true`, non-text input parts (images, files,
+audio). Errors of the chat path underneath are renamed to the fields this request has (responses_error).
+
+What Codex sends (issue 55, tests/fixtures/agents/codex.json): `store: false` and the whole conversation every turn,
+`prompt_cache_key`, its instructions as `developer` messages, `reasoning` and `include`, `client_metadata`, and a
+`{"type": "namespace"}` tool, a group of functions: each is offered to the model as `namespace__name` (Codex's own
+flat form) and a call of one comes back as `"name"` plus `"namespace"`, the only form Codex dispatches (a flat or
+dotted name is "unsupported call" there); a call it sends back with its `namespace` is rendered by that name again.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
-from kvserve.server.chat import TRUNCATED_TURNS_HEADER, create_chat_completion
+from kvserve.server.api_tools import NAMESPACE_SEPARATOR, ChatTools, unsupported_tool
+from kvserve.server.chat import create_chat_completion, kvserve_headers
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request, from_exception
 from kvserve.server.protocol import CacheFields, ChatCompletionRequest, FastList
@@ -125,10 +133,14 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             content = _content_text(item.get("content"), where)
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
+            name = _string(item, "name", where)
+            namespace = item.get("namespace")
+            if namespace is not None:  # a call of a namespace tool's function: its name in the prompt
+                name = prompt_name(_string(item, "namespace", where), name)
             call = {
                 "id": _string(item, "call_id", where),
                 "type": "function",
-                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+                "function": {"name": name, "arguments": _string(item, "arguments", where)},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -145,27 +157,67 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def prompt_name(namespace: str, name: str) -> str:
+    """A namespace tool's function as the prompt names it (Codex's flat form, `namespace__name`)."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _function(tool: dict[str, Any], name: str, description: str | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {k: tool[k] for k in ("parameters", "strict") if k in tool}
+    text = "\n".join(t for t in (description, tool.get("description")) if isinstance(t, str) and t)
+    if text:
+        function["description"] = text
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+def chat_tools(tools: list[dict[str, Any]] | None, ignore_unsupported: bool = False) -> ChatTools:
+    """Function tools as chat's; a `namespace` tool's functions each as one, named `namespace__name` (its description
+    before theirs), so that a call of one is read back as `name` plus `namespace`, as Codex dispatches it; built-in
+    tools (web search, file search, ...) a 400, or left out under --ignore-unsupported-tools."""
     if not tools:
-        return None
-    out = []
+        return ChatTools()
+    out: list[dict[str, Any]] = []
+    origin: list[str] = []
+    dropped: list[str] = []
+    namespaced: dict[str, tuple[str, str]] = {}
     for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{where} must be an object", param=where)
         kind = tool.get("type")
-        if kind != "function":
-            raise bad_request(
-                f"tools[{i}]: built-in tool {kind!r} is not supported by kvserve; only function tools are",
-                param=f"tools[{i}].type",
-            )
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        out.append({"type": "function", "function": function})
-    return out
+        if kind == "function":
+            out.append(_function(tool, _string(tool, "name", where)))
+            origin.append(where)
+        elif kind == "namespace":
+            namespace = _string(tool, "name", where)
+            inner = tool.get("tools")
+            if not isinstance(inner, list):
+                raise bad_request(f"{where}.tools must be a list of function tools", param=f"{where}.tools")
+            for j, function in enumerate(inner):
+                at = f"{where}.tools[{j}]"
+                if not isinstance(function, dict) or function.get("type", "function") != "function":
+                    raise bad_request(f"{at} must be a function tool", param=f"{at}.type")
+                name = prompt_name(namespace, _string(function, "name", at))
+                namespaced[name] = (namespace, function["name"])
+                out.append(_function(function, name, tool.get("description")))
+                origin.append(at)
+        else:
+            dropped.append(unsupported_tool(where, kind, ignore_unsupported, "only function and namespace tools"))
+    names = [t["function"]["name"] for t in out]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None and twice in namespaced:
+        raise bad_request(f"tools: two functions are named {twice!r} in the prompt", param="tools")
+    return ChatTools(out or None, tuple(origin), tuple(dropped), namespaced)
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        name = choice["name"]
+        if isinstance(choice.get("namespace"), str):
+            name = prompt_name(choice["namespace"], name)
+        return {"type": "function", "function": {"name": name}}
     raise bad_request(
         f"tool_choice {choice!r}: only 'none', 'auto', 'required' or a function are supported", param="tool_choice"
     )
@@ -192,10 +244,15 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def chat_request(
-    body: ResponsesRequest, history: list[dict[str, Any]], stream: bool, cache_salt: str | None = None
+    body: ResponsesRequest,
+    history: list[dict[str, Any]],
+    stream: bool,
+    cache_salt: str | None = None,
+    tools: ChatTools | None = None,
 ) -> ChatCompletionRequest:
     """The chat request this Responses request stands for, after `history` (a chain's conversation so far), computed
-    under `cache_salt` (the request's own, or its chain's)."""
+    under `cache_salt` (the request's own, or its chain's), with `tools` (chat_tools of its tools; default: them)."""
+    tools = tools if tools is not None else chat_tools(body.tools)
     if body.background:
         raise bad_request("background mode is not supported by kvserve", param="background")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -208,7 +265,7 @@ def chat_request(
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "tools": _chat_tools(body.tools),
+        "tools": tools.tools,
         "tool_choice": _chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text),
@@ -226,7 +283,8 @@ def chat_request(
     except ValidationError as e:  # a value the Responses fields let through and chat's do not
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        raise responses_error(bad_request(f"{where}: {first.get('msg', 'invalid')}", param=where or None)) from None
+        error = bad_request(f"{where}: {first.get('msg', 'invalid')}", param=where or None)
+        raise responses_error(error, tools) from None
 
 
 # Chat's field names as a Responses client knows them (what it sent): the errors of the chat path underneath are
@@ -236,7 +294,6 @@ _RESPONSES_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     for pattern, name in (
         (r"\bresponse_format\.json_schema\.schema\b", "text.format.schema"),
         (r"\bresponse_format\b", "text.format"),
-        (r"\btools\[(\d+)\]\.function\b", r"tools[\1]"),
         (r"\btool_choice\.function\b", "tool_choice"),
         (r"\bmax_(?:completion_)?tokens\b", "max_output_tokens"),
         (r"\bmessages\b", "input"),
@@ -251,8 +308,10 @@ def _responses_names(text: str) -> str:
     return text
 
 
-def responses_error(error: APIError) -> APIError:
-    """A chat-path error as this request's own: the fields it names are the Responses fields the client sent."""
+def responses_error(error: APIError, tools: ChatTools) -> APIError:
+    """A chat-path error as this request's own: the fields it names are the Responses fields the client sent (a
+    tool's, where that tool came from: ChatTools.renamed)."""
+    error = tools.renamed(error, "parameters")
     param = _responses_names(error.param) if error.param is not None else None
     return APIError(error.status, _responses_names(error.message), param=param, code=error.code)
 
@@ -285,8 +344,11 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {
+def call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed", namespace: str | None = None
+) -> dict[str, Any]:
+    """A function_call output item; a namespace tool's function's call carries its `namespace` (what Codex reads)."""
+    item = {
         "id": item_id,
         "type": "function_call",
         "call_id": call_id,
@@ -294,6 +356,9 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
         "arguments": arguments,
         "status": status,
     }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 @dataclass(slots=True)
@@ -307,6 +372,12 @@ class ResponseShell:
     body: ResponsesRequest
     conversation: list[dict[str, Any]]
     cache_salt: str | None
+    tools: ChatTools
+
+    def call(self, item_id: str, call_id: str, prompt_name: str, arguments: str, status: str) -> dict[str, Any]:
+        """The output item of a call the model wrote as `prompt_name`."""
+        namespace, name = self.tools.call_name(prompt_name)
+        return call_item(item_id, call_id, name, arguments, status, namespace)
 
     def keep(self, store: ResponseStore, final: dict[str, Any]) -> None:
         """Store the finished response (`store: true`, the default), for GET and previous_response_id."""
@@ -357,15 +428,16 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
     previous = store.get(body.previous_response_id) if body.previous_response_id else None
     history = previous.conversation if previous is not None else []
     cache_salt = previous.chained_salt(body.cache_salt) if previous is not None else body.cache_salt
-    request = chat_request(body, history, body.stream, cache_salt)
+    tools = chat_tools(body.tools, ctx.settings.ignore_unsupported_tools)
+    request = chat_request(body, history, body.stream, cache_salt, tools)
     conversation = history + input_messages(body.input)
     model = ctx.resolve_model(body.model)
-    shell = ResponseShell(_new_id("resp"), int(time.time()), model, body, conversation, cache_salt)
+    shell = ResponseShell(_new_id("resp"), int(time.time()), model, body, conversation, cache_salt, tools)
     try:
         reply = await create_chat_completion(ctx, request, raw, length_wins=True)
     except (APIError, ValueError) as e:
-        raise responses_error(from_exception(e)) from None
-    headers = _passed_on_headers(reply)
+        raise responses_error(from_exception(e), tools) from None
+    headers = kvserve_headers(reply) | tools.headers()
     if isinstance(reply, StreamingResponse):
         events = _events(ctx, shell, reply.body_iterator)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -379,7 +451,7 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: Reque
         output.append(message_item(_new_id("msg"), message["content"], _status(choice["finish_reason"])))
     for call in message.get("tool_calls") or []:
         f = call["function"]
-        output.append(call_item(_new_id("fc"), call["id"], f["name"], f["arguments"]))
+        output.append(shell.call(_new_id("fc"), call["id"], f["name"], f["arguments"], "completed"))
     result = shell.build(output, _status(choice["finish_reason"]), _usage(chat.get("usage")), choice["finish_reason"])
     if "kv_cache" in chat:
         result["kv_cache"] = chat["kv_cache"]
@@ -396,12 +468,6 @@ def delete_response(ctx: ServerContext, response_id: str) -> JSONResponse:
     """DELETE /v1/responses/{id}: forget it (a later GET or previous_response_id is a 404); OpenAI's reply shape."""
     ctx.responses.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-
-
-def _passed_on_headers(reply: Response) -> dict[str, str]:
-    """The chat reply's headers a Responses client is owed too: how many old turns the truncate policy dropped."""
-    dropped = reply.headers.get(TRUNCATED_TURNS_HEADER)
-    return {TRUNCATED_TURNS_HEADER: dropped} if dropped is not None else {}
 
 
 class _EventWriter:
@@ -474,7 +540,7 @@ async def _events(
                 if index not in calls:
                     for frame in close_text():
                         yield frame
-                    item = call_item(_new_id("fc"), piece.get("id", ""), f.get("name", ""), "", "in_progress")
+                    item = shell.call(_new_id("fc"), piece.get("id", ""), f.get("name", ""), "", "in_progress")
                     calls[index] = (len(output), item)
                     output.append(item)
                     yield w.event("response.output_item.added", output_index=calls[index][0], item=item)

@@ -63,6 +63,45 @@ async def sse_with_errors(frames: AsyncIterator[str]) -> AsyncIterator[str]:
         yield SSE_DONE
 
 
+SSE_KEEPALIVE = ": keepalive\n\n"  # an SSE comment: every client's parser skips it, every byte counter sees it
+
+
+async def keepalive(frames: AsyncIterable[Any], interval_s: float, ping: str) -> AsyncIterator[Any]:
+    """`frames`, with `ping` sent whenever `interval_s` seconds pass without one (0: never).
+
+    Why: nothing else is sent while a long prompt is computed, and a 25k-token prompt takes minutes on a CPU; clients
+    and proxies that drop a connection idle for N seconds then drop the reply the server is about to send. The source
+    is never cancelled by a ping (its next frame is awaited as one task across pings); closing this stream (the client
+    went away) cancels that task, so the source's own cleanup (aborting its engine requests) runs."""
+    if interval_s <= 0:
+        async for frame in frames:
+            yield frame
+        return
+    source = aiter(frames)
+    pending: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield ping
+                continue
+            finished, pending = pending, None
+            try:
+                frame = finished.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
+
+
 async def chat_chunks(body: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
     """A streamed chat reply's JSON chunks (the SSE frames' data), [DONE] excluded: what the Responses and Messages
     APIs rewrite into their own events."""
@@ -131,13 +170,14 @@ async def collect(
     return trackers
 
 
-async def compile_for(ctx: ServerContext, raw: Request, job: Callable[[Future[Any]], None]) -> None:
+async def compile_for(ctx: ServerContext, raw: Request, job: Callable[[Future[T]], T]) -> T:
     """A request's compiles (`job`, given its own future to pass to GrammarCompiler.compile) on the compile pool,
-    never the preparation thread, so that prompts and /tokenize never wait behind a compile. A client that leaves
-    meanwhile abandons them: the compile it is in is killed and its slot freed (ClientDisconnected is raised)."""
+    never the preparation thread, so that prompts and /tokenize never wait behind a compile; what the job returns.
+    A client that leaves meanwhile abandons them: the compile it is in is killed and its slot freed
+    (ClientDisconnected is raised)."""
     future = ctx.engine.grammar.run_async(job)  # GrammarBusy (a 503) when the compile queue is full
     try:
-        await unless_disconnected(raw, asyncio.wrap_future(future))
+        return await unless_disconnected(raw, asyncio.wrap_future(future))
     finally:
         future.cancel()  # done already, or abandoned: a running compile sees it and stops
 

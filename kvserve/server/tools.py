@@ -11,12 +11,18 @@ As vLLM does:
   parallel_tool_calls false). Forced output is compact JSON (disable_any_whitespace, unless the request's
   structured_outputs options say otherwise): the arguments are one line, and a small model cannot wander off
   into whitespace. A forced tool call takes precedence over response_format, as in vLLM.
-Every tool's `parameters` schema is compiled on the preparation thread (cached), whatever tool_choice says, so an
-invalid one is a 400 naming `tools[i].function.parameters`.
+
+Tool schemas are never a reason to refuse a request whose tools are not forced: under "auto" and "none" they only
+shape the prompt, and nothing compiles them (coding agents send dozens of schemas, written by zod and pydantic,
+with keywords no grammar backend has; vLLM does not compile them either). A forced call's grammar is compiled on a
+compile thread before the request is queued: a schema the backend refuses only for keywords it lacks is compiled
+without them (compile_forced; `auto` has tried llguidance after xgrammar first), and the reply says which in the
+X-Kvserve-Ignored-Schema-Keywords header; any other refusal is a 400 naming `tools[i].function.parameters`.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -29,6 +35,7 @@ from kvserve.server.errors import bad_request
 from kvserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from kvserve.structured.backend import GrammarCompileError
 from kvserve.structured.call_arguments import OfferedTools
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.structured.tool_calls import (
     CallPiece,
     ParsedDelta,
@@ -39,9 +46,11 @@ from kvserve.structured.tool_calls import (
 )
 from kvserve.structured.tool_parsers import NamedFunctionExtractor, RequiredExtractor
 from kvserve.structured.tool_schemas import (
+    ForcedGrammar,
     FunctionTool,
-    check_tool_schemas,
+    compile_forced,
     forced_function,
+    ignored_by_tool,
     named_choice,
     parse_tools,
     tool_choice_schema,
@@ -51,6 +60,8 @@ if TYPE_CHECKING:
     from kvserve.server.context import ServerSettings
     from kvserve.server.protocol import ChatCompletionRequest
     from kvserve.structured.compiler import GrammarCompiler
+
+logger = logging.getLogger(__name__)
 
 _FORCED_OPTIONS = {"disable_any_whitespace": True}
 AUTO_NEEDS_FLAGS = (
@@ -73,6 +84,7 @@ class ToolPlan:
     tool_calls_at_length: bool = False
     # the reply is decoded keeping special tokens: the parser's markers are special tokens (ToolParserSpec)
     keep_special_tokens: bool = False
+    forced: tuple[FunctionTool, ...] = ()  # required / named: the functions the grammar may call
 
 
 def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
@@ -115,7 +127,8 @@ def plan_tools(request: ChatCompletionRequest, settings: ServerSettings) -> Tool
     extractor: Callable[[], ToolCallExtractor] = (
         partial(NamedFunctionExtractor, forced.name) if forced is not None else RequiredExtractor
     )
-    return ToolPlan(tools, functions, choice, constraint, extractor, parallel)
+    callable_functions = (forced,) if forced is not None else tuple(functions)
+    return ToolPlan(tools, functions, choice, constraint, extractor, parallel, forced=callable_functions)
 
 
 def _choice(tool_choice: object, has_tools: bool) -> str:
@@ -132,17 +145,38 @@ def _choice(tool_choice: object, has_tools: bool) -> str:
     return "named"
 
 
-def compile_tools(grammar: GrammarCompiler, plan: ToolPlan, caller: Future[Any] | None = None) -> None:
-    """On a compile thread (GrammarCompiler.run_async; `caller` its job's future): every tool's parameters schema (a
-    refused one is a 400 naming its field), then the forcing grammar (cached: the engine's compile is a hit)."""
-    if not plan.functions:
-        return
+IGNORED_SCHEMA_KEYWORDS_HEADER = "X-Kvserve-Ignored-Schema-Keywords"
+
+
+def compile_tools(grammar: GrammarCompiler, plan: ToolPlan, caller: Future[Any] | None = None) -> ForcedGrammar | None:
+    """On a compile thread (GrammarCompiler.run_async; `caller` its job's future): a forced call's grammar (cached:
+    the engine's compile is a hit), without the schema keywords the backend lacks (compile_forced); None when no
+    call is forced. A schema refused for anything else is a 400 naming the tool's field."""
+    if plan.constraint is None:
+        return None
+
+    def compile_one(params: StructuredOutputsParams) -> object:
+        return grammar.compile(params, caller)
+
     try:
-        check_tool_schemas(lambda params: grammar.compile(params, caller), plan.functions)
-        if plan.constraint is not None:
-            grammar.compile(plan.constraint.params, caller)
+        return compile_forced(compile_one, plan.constraint.params)
     except GrammarCompileError as e:
+        for tool in plan.forced:  # the tool at fault, if one is, alone (and as forgiving)
+            try:
+                compile_forced(compile_one, StructuredOutputsParams(json=tool.parameters))
+            except GrammarCompileError as alone:
+                raise compile_failed(alone.renamed(tool.field)) from None
         raise compile_failed(e if e.field.startswith("tools[") else e.renamed("tools")) from None
+
+
+def ignored_keywords_header(plan: ToolPlan, forced: ForcedGrammar | None) -> dict[str, str]:
+    """The reply's header naming the schema keywords a forced call's grammar left out, per function (none: {})."""
+    if forced is None or not forced.ignored:
+        return {}
+    per_tool = ignored_by_tool(plan.forced, forced.ignored)
+    text = "; ".join(f"{name}: {', '.join(keys)}" for name, keys in per_tool.items()) or ", ".join(forced.ignored)
+    logger.warning("forced tool call: schema keywords the grammar backend lacks are not enforced (%s)", text)
+    return {IGNORED_SCHEMA_KEYWORDS_HEADER: text.encode("ascii", "backslashreplace").decode("ascii")}
 
 
 # -- reading calls out of a reply ------------------------------------------------------------------------------

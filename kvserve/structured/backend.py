@@ -33,7 +33,7 @@ from kvserve.structured.matcher import (
     allowed_tokens,
 )
 from kvserve.structured.params import ConstraintKind, StructuredOutputsParams
-from kvserve.structured.schema_check import XGRAMMAR_UNSUPPORTED, first_unsupported
+from kvserve.structured.schema_check import XGRAMMAR_UNSUPPORTED, first_unsupported, used_keywords
 from kvserve.vocab import STRUCTURED_OUTPUTS_BACKENDS
 
 if TYPE_CHECKING:
@@ -60,16 +60,19 @@ class GrammarCompileError(ValueError):
     """A constraint the backend cannot compile: a 400 naming the request field and the reason.
 
     `field` is the StructuredOutputsParams field ("structured_outputs.json"); a server that took the schema from
-    another field (response_format.json_schema.schema, guided_json, tools[i].function.parameters) rewrites it."""
+    another field (response_format.json_schema.schema, guided_json, tools[i].function.parameters) rewrites it.
+    `unsupported`: the JSON-schema keywords the backend lacks, when that is why it refused (a forced tool call may
+    then be compiled without them: kvserve.structured.tool_schemas.compile_forced)."""
 
-    def __init__(self, field: str, what: str, reason: str) -> None:
+    def __init__(self, field: str, what: str, reason: str, unsupported: tuple[str, ...] = ()) -> None:
         self.field = field
         self.what = what
         self.reason = reason
+        self.unsupported = unsupported
         super().__init__(f"{field}: {what}: {reason}")
 
     def renamed(self, field: str) -> GrammarCompileError:
-        return type(self)(field, self.what, self.reason)
+        return type(self)(field, self.what, self.reason, self.unsupported)
 
 
 class GrammarCompileLimit(GrammarCompileError):
@@ -328,6 +331,7 @@ class XgrammarBackend(CachedBackend):
                     "not supported by xgrammar",
                     f"{found[1]} at {found[0]} would not be enforced; use --structured-outputs-backend guidance "
                     "(auto does), which enforces it or refuses the schema",
+                    used_keywords(params.schema, XGRAMMAR_UNSUPPORTED),
                 )
         try:
             if self._workers is None:
@@ -454,8 +458,25 @@ class GuidanceBackend(CachedBackend):
             raise _compile_error(params, e) from e
         prototype = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if prototype.is_error():
-            raise _compile_error(params, prototype.get_error())
+            error = _compile_error(params, prototype.get_error())
+            error.unsupported = _guidance_unimplemented(error.reason)
+            raise error
         return CompiledGrammar(params.key, self.name, params.kind, prototype)
+
+
+_UNIMPLEMENTED_RE = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+
+
+def _guidance_unimplemented(reason: str) -> tuple[str, ...]:
+    """The keywords llguidance names in its refusal of a schema ("Unimplemented keys: ["propertyNames"]"), if any."""
+    found = _UNIMPLEMENTED_RE.search(reason)
+    if found is None:
+        return ()
+    try:
+        keys = json.loads(found.group(1))
+    except json.JSONDecodeError:
+        return ()
+    return tuple(k for k in keys if isinstance(k, str))
 
 
 def _guidance_grammar(params: StructuredOutputsParams) -> str:

@@ -87,3 +87,30 @@ def first_unsupported(schema: Any, unsupported: frozenset[str]) -> tuple[str, st
         if key in unsupported:
             return path or "/", key
     return None
+
+
+def used_keywords(schema: Any, among: frozenset[str]) -> tuple[str, ...]:
+    """The keywords of `among` the schema uses anywhere, in the order first met."""
+    return tuple(dict.fromkeys(key for _, key, _ in keywords(schema) if key in among))
+
+
+def without_keywords(schema: Any, dropped: frozenset[str]) -> Any:
+    """A copy of `schema` in which no subschema has the keywords of `dropped` (property names that happen to be
+    spelled like one stay: only keywords go)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in dropped:
+            continue
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: without_keywords(sub, dropped) for name, sub in value.items()}
+        elif key in _SUBSCHEMAS:
+            out[key] = (
+                [without_keywords(sub, dropped) for sub in value]
+                if isinstance(value, list)
+                else without_keywords(value, dropped)
+            )
+        else:
+            out[key] = value
+    return out

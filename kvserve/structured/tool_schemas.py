@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from kvserve.structured.backend import CompiledGrammar, GrammarBackend, GrammarCompileError
-from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured.backend import CompiledGrammar, GrammarBackend, GrammarCompileError, GrammarCompileLimit
+from kvserve.structured.params import ConstraintKind, StructuredOutputsParams
+from kvserve.structured.schema_check import used_keywords, without_keywords
 from kvserve.structured.schema_validate import unchecked_keyword
 
 NAME_KEY = "name"
@@ -226,6 +227,52 @@ def compile_tool_choice(
     except GrammarCompileError as e:
         check_tool_schemas(backend.compile, parse_tools(tools))  # raises for the first tool at fault, if one is
         raise e.renamed("tools") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedGrammar:
+    """The constraint a forced call compiled as, and the schema keywords it had to leave out (none: as sent)."""
+
+    params: StructuredOutputsParams
+    ignored: tuple[str, ...] = ()
+
+
+_RELAX_ROUNDS = 4  # each round drops the keywords one refusal named; a schema needs one or two
+
+
+def compile_forced(
+    compile_one: Callable[[StructuredOutputsParams], object], params: StructuredOutputsParams
+) -> ForcedGrammar:
+    """Compile a forced call's constraint; a schema the backend refuses only for keywords it lacks (llguidance's
+    `propertyNames`, xgrammar's `patternProperties`, ... : GrammarCompileError.unsupported) is compiled again
+    without those keywords, so that the call is forced by everything else in the schema. (A tool's schema is the
+    client's, not the user's: Claude Code's zod records all carry `propertyNames`, and refusing them refused every
+    forced call.) Anything else refused raises as before; a budget (GrammarCompileLimit) is never relaxed."""
+    ignored: list[str] = []
+    for _ in range(_RELAX_ROUNDS):
+        try:
+            compile_one(params)
+            return ForcedGrammar(params, tuple(ignored))
+        except GrammarCompileLimit:
+            raise
+        except GrammarCompileError as e:
+            new = [k for k in e.unsupported if k not in ignored]
+            if not new or params.kind is not ConstraintKind.JSON:
+                raise
+            ignored += new
+            params = replace(params, json=without_keywords(params.schema, frozenset(ignored)))
+    compile_one(params)
+    return ForcedGrammar(params, tuple(ignored))
+
+
+def ignored_by_tool(tools: Sequence[FunctionTool], ignored: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Function name -> the ignored keywords its schema uses (what a response header reports)."""
+    out = {}
+    for tool in tools:
+        used = used_keywords(tool.parameters, frozenset(ignored))
+        if used:
+            out[tool.name] = used
+    return out
 
 
 def check_tool_schemas(compile_one: Callable[[StructuredOutputsParams], object], tools: list[FunctionTool]) -> None:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from server_support import RunningServer, make_engine
-from tool_server_support import MODEL, TOOLS_TEMPLATE, WEATHER_TOOL
+from tool_server_support import MODEL, TOOLS_TEMPLATE, WEATHER_TOOL, start_server
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.app import build_app
@@ -455,3 +455,91 @@ def test_the_prompt_caching_docs_example_runs_and_shows_the_cache(tools_server, 
     # The first request writes the marked prefix (it may read a block another test's prompt shares with it, such as the
     # template's header: the server is shared); the second reads it all back and writes nothing.
     assert first_written > 0 and second_written == 0 and second_read >= first_written, out
+
+
+# -- what Claude Code sends (issue 55) ----------------------------------------------------------------------------
+
+
+def test_mid_conversation_system_messages_and_the_fields_that_change_nothing(client, tools_server):
+    """Claude Code (for a model it does not know) puts a `role: "system"` message inside `messages`, and sends
+    thinking, context_management, output_config.effort and metadata: a 200 rendered as the template allows (this
+    one renders roles as turns: the system text is in the prompt, counted as count_tokens counts it), and a header
+    naming the fields that changed nothing."""
+    messages = [*HI, {"role": "system", "content": [{"type": "text", "text": "Agents: explore, plan."}]}]
+    extra = {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    raw = client.messages.with_raw_response.create(
+        model=MODEL,
+        max_tokens=4,
+        messages=messages,
+        thinking={"type": "adaptive"},
+        metadata={"user_id": "u"},
+        extra_body=GREEDY | extra | {"output_config": {"effort": "high"}},
+    )
+    assert raw.http_response.status_code == 200
+    ignored = raw.headers["x-kvserve-ignored-fields"].split(", ")
+    assert ignored == ["thinking", "context_management", "metadata", "output_config.effort"]
+    reply = raw.parse()
+    count = client.messages.count_tokens(model=MODEL, messages=messages, extra_body=extra)
+    without = client.messages.count_tokens(model=MODEL, messages=HI)
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == count.input_tokens
+    assert count.input_tokens >= without.input_tokens + len("Agents: explore, plan.")
+    with pytest.raises(anthropic.BadRequestError, match="'user', 'assistant' or 'system'"):
+        client.messages.create(model=MODEL, max_tokens=4, messages=[*HI, {"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_beyond_the_context_fills_the_window(client, tools_server, stream):
+    """Claude Code asks for max_tokens 32000 whatever its prompt: not a 400 (chat's rule), the reply generates until
+    the context window is full and stops with Anthropic's model_context_window_exceeded."""
+    max_model_len = tools_server.engine.facts.max_model_len
+    long = [{"role": "user", "content": "x" * (max_model_len - 40)}]  # one token a character: about 20 tokens left
+    kw = dict(model=MODEL, max_tokens=32000, messages=long, extra_body=GREEDY)
+    if stream:
+        with client.messages.stream(**kw) as events:
+            reply = events.get_final_message()
+    else:
+        reply = client.messages.create(**kw)
+    assert reply.stop_reason == "model_context_window_exceeded"
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens + reply.usage.output_tokens == max_model_len
+    fits = client.messages.create(**kw | {"max_tokens": 3})
+    assert fits.stop_reason == "max_tokens" and fits.usage.output_tokens == 3
+    with pytest.raises(anthropic.BadRequestError) as too_long:
+        client.messages.create(**kw | {"messages": [{"role": "user", "content": "x" * max_model_len}]})
+    assert too_long.value.body["error"]["message"].startswith("messages: ")  # the prompt alone does not fit
+
+
+def test_errors_name_anthropics_fields(client):
+    """A forced call whose schema no backend compiles is a 400 naming the Messages field (tools[1].input_schema),
+    never chat's tools[1].function.parameters; a stop sequence, Anthropic's stop_sequences."""
+    bogus = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(
+            model=MODEL, max_tokens=4, messages=HI, tools=[WEATHER, bogus], tool_choice={"type": "tool", "name": "f"}
+        )
+    message = refused.value.body["error"]["message"]
+    assert message.startswith("tools[1].input_schema: invalid JSON schema") and "function" not in message, message
+    auto = client.messages.create(model=MODEL, max_tokens=4, messages=HI, tools=[WEATHER, bogus], extra_body=GREEDY)
+    assert auto.stop_reason in ("max_tokens", "end_turn", "tool_use")  # unforced: the schema only shapes the prompt
+
+
+def _prompt_tokens(usage) -> int:
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+def test_server_tools_are_left_out_under_the_flag(tools_model_dir):
+    """Anthropic's server tools run on Anthropic's servers: a 400 naming --ignore-unsupported-tools (the default,
+    test_refused_in_anthropics_shape), and with the flag left out of the prompt, named in a header."""
+    server = start_server(
+        tools_model_dir, enable_auto_tool_choice=True, tool_call_parser="hermes", ignore_unsupported_tools=True
+    )
+    try:
+        sdk = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        search = {"type": "web_search_20250305", "name": "web_search"}
+        raw = sdk.messages.with_raw_response.create(
+            model=MODEL, max_tokens=4, messages=HI, tools=[search, WEATHER], extra_body=GREEDY
+        )
+        assert raw.headers["x-kvserve-ignored-tools"] == "tools[0] (web_search_20250305)"
+        plain = sdk.messages.create(model=MODEL, max_tokens=4, messages=HI, tools=[WEATHER], extra_body=GREEDY)
+        assert _prompt_tokens(raw.parse().usage) == _prompt_tokens(plain.usage)  # the same prompt: no search in it
+    finally:
+        server.stop()

@@ -10,7 +10,7 @@ from typing import Literal
 
 import openai
 import pytest
-from tool_server_support import MODEL, TIME_TOOL, WEATHER_TOOL
+from tool_server_support import MODEL, TIME_TOOL, WEATHER_TOOL, start_server
 
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat function tool
 TIME = {"type": "function", **TIME_TOOL["function"]}
@@ -406,3 +406,88 @@ def test_a_strict_function_tool_is_validated(tools_client):
     assert [o.type for o in strict.output] == ["message"]
     lax = tools_client.responses.create(**kw, tools=[WEATHER])
     assert [o.type for o in lax.output] == ["function_call"]
+
+
+# -- what Codex sends (issue 55) ----------------------------------------------------------------------------------
+
+CLOSE = {
+    "type": "function",
+    "name": "close_agent",
+    "description": "Close an agent.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"target": {"type": "string", "enum": ["a1", "a2"]}},
+        "required": ["target"],
+        "additionalProperties": False,
+    },
+}
+AGENTS = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [CLOSE]}
+# the same function as a plain one, as the prompt names it
+FLAT = {**CLOSE, "name": "agents__close_agent", "description": "Sub-agents.\nClose an agent."}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_namespace_tools_are_called_as_codex_expects(tools_server, stream):
+    """Codex's default tool list holds a `namespace` tool (a group of functions): a 400 before. Its functions are
+    offered as `namespace__name`, and a call of one comes back as `name` plus `namespace`, the only form Codex
+    dispatches (a flat or dotted name is 'unsupported call' there)."""
+    body = {"input": "close a1", "tools": [WEATHER, AGENTS], "temperature": 0, "max_output_tokens": 60}
+    body["tool_choice"] = {"type": "function", "name": "close_agent", "namespace": "agents"}
+    if not stream:
+        output = _post(tools_server, body).json()["output"]
+    else:
+        import httpx
+
+        with httpx.stream(
+            "POST", f"{tools_server.base_url}/v1/responses", json={"model": MODEL, **body, "stream": True}, timeout=60
+        ) as r:
+            frames = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        added = next(f["item"] for f in frames if f["type"] == "response.output_item.added")
+        assert (added["name"], added["namespace"]) == ("close_agent", "agents")
+        output = frames[-1]["response"]["output"]
+    (call,) = [o for o in output if o["type"] == "function_call"]
+    assert (call["name"], call["namespace"]) == ("close_agent", "agents")
+    assert json.loads(call["arguments"])["target"] in ("a1", "a2")
+
+
+def test_a_namespaced_call_sent_back_is_rendered_by_its_prompt_name(tools_server):
+    """Codex sends the call back with its namespace, and its output: the prompt is the one a plain function of the
+    prompt name gives, so the turn's prefix is the same as the model saw it."""
+    call = {"type": "function_call", "call_id": "call_1", "arguments": '{"target": "a1"}', "status": "completed"}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "closed"}
+    turn = [{"role": "user", "content": "close a1"}]
+    kw = {"max_output_tokens": 2, "temperature": 0}
+    namespaced = _post(
+        tools_server,
+        {"input": [*turn, {**call, "name": "close_agent", "namespace": "agents"}, output], "tools": [AGENTS], **kw},
+    )
+    flat = _post(
+        tools_server, {"input": [*turn, {**call, "name": "agents__close_agent"}, output], "tools": [FLAT], **kw}
+    )
+    assert namespaced.status_code == flat.status_code == 200
+    assert namespaced.json()["usage"]["input_tokens"] == flat.json()["usage"]["input_tokens"]
+    assert namespaced.json()["output"][0]["content"] == flat.json()["output"][0]["content"]  # greedy, same prompt
+
+
+def test_hosted_tools_left_out_under_the_flag(tools_model_dir):
+    """Codex sends the hosted web_search tool: a 400 naming --ignore-unsupported-tools by default; with the flag, left
+    out of the prompt with a warning and named in a header."""
+    body = {"input": "hi", "tools": [{"type": "web_search", "external_web_access": False}, WEATHER]}
+    body |= {"max_output_tokens": 2, "temperature": 0}
+    server = start_server(tools_model_dir, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    try:
+        refused = _post(server, body)
+        assert refused.status_code == 400 and "--ignore-unsupported-tools" in refused.json()["error"]["message"]
+    finally:
+        server.stop()
+    server = start_server(
+        tools_model_dir, enable_auto_tool_choice=True, tool_call_parser="hermes", ignore_unsupported_tools=True
+    )
+    try:
+        kept = _post(server, body)
+        plain = _post(server, {**body, "tools": [WEATHER]})
+        assert kept.status_code == 200 and kept.headers["x-kvserve-ignored-tools"] == "tools[0] (web_search)"
+        assert kept.json()["usage"]["input_tokens"] == plain.json()["usage"]["input_tokens"]
+    finally:
+        server.stop()

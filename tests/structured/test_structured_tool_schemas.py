@@ -9,10 +9,13 @@ import jsonschema
 import pytest
 from structured_support import walk
 
-from kvserve.structured.backend import GrammarCompileError
+from kvserve.structured.backend import GrammarCompileError, GrammarCompileLimit
 from kvserve.structured.params import StructuredOutputsParams
+from kvserve.structured.schema_check import used_keywords, without_keywords
 from kvserve.structured.tool_schemas import (
+    ForcedGrammar,
     ForcedToolCall,
+    compile_forced,
     compile_tool_choice,
     parse_forced_tool_calls,
     parse_tools,
@@ -171,3 +174,76 @@ def test_a_schema_the_backend_refuses_names_its_tool(tiny_backends: dict, name: 
     with pytest.raises(GrammarCompileError, match=r"^tools\[3\]\.function\.parameters: "):
         compile_tool_choice(tiny_backends[name], tools, named("broken"))
     assert compile_tool_choice(tiny_backends[name], tools, "auto") is None
+
+
+# -- a forced call's schema keywords the backend lacks --------------------------------------------------------------
+
+RECORD: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        # a property *named* like a keyword stays; the keyword goes, at every depth
+        "propertyNames": {"type": "string"},
+        "labels": {
+            "type": "object",
+            "propertyNames": {"pattern": "^[a-z]+$"},
+            "additionalProperties": {"type": "integer"},
+        },
+        "list": {"type": "array", "items": {"type": "object", "propertyNames": {"type": "string"}}},
+    },
+    "required": ["labels"],
+}
+
+
+def test_without_keywords_drops_the_keyword_not_a_property_of_that_name() -> None:
+    relaxed = without_keywords(RECORD, frozenset({"propertyNames"}))
+    assert set(relaxed["properties"]) == {"propertyNames", "labels", "list"}
+    assert relaxed["properties"]["labels"] == {"type": "object", "additionalProperties": {"type": "integer"}}
+    assert relaxed["properties"]["list"]["items"] == {"type": "object"}
+    assert RECORD["properties"]["labels"]["propertyNames"]  # the request's schema is not changed in place
+    assert used_keywords(RECORD, frozenset({"propertyNames", "not"})) == ("propertyNames",)
+
+
+def _accepts(backend: Any, grammar: Any, tokenizer: Any, value: object) -> bool:
+    """Whether the grammar takes `value` as json.dumps writes it, to the end (the character tokenizer: one token a
+    character)."""
+    matcher = backend.matcher(grammar)
+    for ch in json.dumps(value):
+        if not matcher.accept_token(tokenizer.token_to_id(ch)):
+            return False
+    return bool(matcher.accept_token(tokenizer.eos_token_id))
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "guidance", "auto"])
+def test_compile_forced_leaves_out_only_what_the_backend_lacks(tiny_backends: dict, tiny_tokenizer, name: str) -> None:
+    """Each backend refuses `propertyNames` (xgrammar would not enforce it, llguidance has not implemented it):
+    compile_forced compiles the schema without it and reports it; the rest (the integer values) is still enforced."""
+    backend = tiny_backends[name]
+    params = StructuredOutputsParams(json=RECORD, disable_any_whitespace=True)
+    with pytest.raises(GrammarCompileError) as refused:
+        backend.compile(params)
+    assert "propertyNames" in refused.value.unsupported
+    forced = compile_forced(backend.compile, params)
+    assert forced.ignored == ("propertyNames",)
+    grammar = backend.compile(forced.params)
+    assert _accepts(backend, grammar, tiny_tokenizer, {"labels": {"a": 1}})
+    assert not _accepts(backend, grammar, tiny_tokenizer, {"labels": {"a": "x"}})
+
+
+def test_compile_forced_relaxes_nothing_else() -> None:
+    """A refusal that names no missing keyword, or a budget, raises as it was; a constraint that compiles is kept."""
+    params = StructuredOutputsParams(json=RECORD)
+    calls: list[StructuredOutputsParams] = []
+
+    def refuse(error: GrammarCompileError):
+        def compile_one(p: StructuredOutputsParams) -> None:
+            calls.append(p)
+            raise error
+
+        return compile_one
+
+    with pytest.raises(GrammarCompileError, match="bad type"):
+        compile_forced(refuse(GrammarCompileError("f", "invalid JSON schema", "bad type")), params)
+    with pytest.raises(GrammarCompileLimit):
+        compile_forced(refuse(GrammarCompileLimit("f", "too large", "x", ("propertyNames",))), params)
+    assert len(calls) == 2
+    assert compile_forced(lambda p: None, params) == ForcedGrammar(params, ())

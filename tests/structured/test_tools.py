@@ -282,7 +282,7 @@ def test_a_call_cut_by_max_tokens_is_length(tools_client):
                         },
                     }
                 ],
-                "tool_choice": "none",
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
             },
             "tools[0].function.parameters",
             "invalid JSON schema",
@@ -315,6 +315,74 @@ def test_bad_tools_are_400s_naming_the_field(tools_client, body, param, words):
     assert words in info.value.body["message"], info.value.body
 
 
+# Claude Code's zod records: `propertyNames` on an object of string values, beside a property the call must have.
+RECORD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "tag",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome"]},
+                "labels": {
+                    "type": "object",
+                    "propertyNames": {"type": "string"},
+                    "additionalProperties": {"type": "integer"},
+                },
+            },
+            "required": ["city", "labels"],
+            "additionalProperties": False,
+        },
+    },
+}
+BOGUS_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}},
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", None])
+def test_unforced_tool_schemas_only_shape_the_prompt(tools_client, tool_choice):
+    """Issue 55: a schema no backend compiles (llguidance lacks propertyNames; `bogus` is no type) refused requests
+    that forced nothing. Under auto and none the schemas are only rendered: the reply is the same as with a tool
+    whose schema compiles, on the same prompt length."""
+    kw = dict(model=MODEL, messages=USER, max_tokens=5, temperature=0)
+    if tool_choice is not None:
+        kw["tool_choice"] = tool_choice
+    for tool in (RECORD_TOOL, BOGUS_TOOL):
+        r = tools_client.chat.completions.with_raw_response.create(tools=[tool], **kw)
+        assert r.http_response.status_code == 200
+        assert "x-kvserve-ignored-schema-keywords" not in r.headers  # nothing was compiled, so nothing ignored
+        assert r.parse().usage.prompt_tokens > 50
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "tag"}}])
+def test_a_forced_call_ignores_only_the_keywords_the_backend_lacks(tools_client, tool_choice):
+    """A forced call whose schema has a keyword neither backend enforces (auto tried llguidance after xgrammar)
+    is compiled without that keyword alone, and says so in a header: the rest of the schema still forces the call
+    (its required city from the enum, integer label values). Before: a 400 naming tools[0].function.parameters."""
+    r = tools_client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=USER,
+        tools=[RECORD_TOOL, WEATHER_TOOL],
+        tool_choice=tool_choice,
+        max_tokens=300,
+        temperature=0,
+        parallel_tool_calls=False,
+    )
+    assert r.http_response.status_code == 200
+    assert r.headers["x-kvserve-ignored-schema-keywords"] == "tag: propertyNames"
+    reply = r.parse().choices[0]
+    assert reply.finish_reason == "tool_calls"
+    (call,) = reply.message.tool_calls
+    if call.function.name == "tag":
+        arguments = json.loads(call.function.arguments)
+        assert arguments["city"] in ("Paris", "Rome") and set(arguments) == {"city", "labels"}
+        assert all(isinstance(v, int) for v in arguments["labels"].values())
+    else:
+        _assert_valid_calls([call])
+
+
 def test_auto_needs_the_server_flags(tools_model_dir):
     """As vLLM: tool_choice auto (the default with tools) is a 400 unless the server enables it; none, required
     and named work without."""
@@ -335,7 +403,8 @@ def test_auto_needs_the_server_flags(tools_model_dir):
 
 def test_exclude_tools_when_tool_choice_none(tools_model_dir):
     """--exclude-tools-when-tool-choice-none (vLLM's flag): an explicit tool_choice none renders the prompt without
-    the tools (so a small model answers from a tool result); auto still renders them; a bad tool is still a 400."""
+    the tools (so a small model answers from a tool result); auto still renders them; a schema no backend takes is
+    no reason to refuse either (nothing is forced)."""
     server = start_server(
         tools_model_dir,
         enable_auto_tool_choice=True,
@@ -353,8 +422,10 @@ def test_exclude_tools_when_tool_choice_none(tools_model_dir):
         assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 200
         assert none.choices[0].message.content == plain.choices[0].message.content
         bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
-        with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model=MODEL, messages=USER, tools=bad, tool_choice="none", max_tokens=5)
+        answer = client.chat.completions.create(
+            model=MODEL, messages=USER, tools=bad, tool_choice="none", max_tokens=5, temperature=0
+        )
+        assert answer.choices[0].message.content == plain.choices[0].message.content
     finally:
         server.stop()
 

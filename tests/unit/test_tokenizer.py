@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from kvserve.model.chat_template import GEMMA_CHAT_TEMPLATE, resolve_chat_template
+from kvserve.model.chat_template import GEMMA_CHAT_TEMPLATE, folded_system_messages, resolve_chat_template
 from kvserve.model.source import ModelFormat, ModelSource
 from kvserve.model.tokenizer import load_tokenizer
 
@@ -106,6 +106,75 @@ def test_gemma_template(tok):
     assert no_prompt == "<bos><start_of_turn>user\nhi<end_of_turn>\n"
     with pytest.raises(ValueError, match="alternate"):
         tok.apply_chat_template([{"role": "assistant", "content": "x"}], chat_template=GEMMA_CHAT_TEMPLATE)
+
+
+# A system turn anywhere, as Qwen's template renders it (TEMPLATE_WITH_BOS renders every role as a turn too, but its
+# leading system message is a turn of its own: it has a system turn).
+SYSTEM_TURN_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Drops every system message but the first (as the tool tests' template does when it renders tools).
+DROPPING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] != 'system' or loop.first %}<{{ m['role'] }}>{{ m['content'] }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# Claude Code's shape: a system message after the first user turn, another after a later one.
+MID_SYSTEM = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "system", "content": "A"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "there"},
+    {"role": "system", "content": "B"},
+]
+
+
+def test_mid_conversation_system_messages_as_the_template_allows(tok):
+    """Issue 55: Claude Code sends `role: "system"` messages inside the conversation. A template with a system turn
+    renders them where they are; Gemma's (no system role: its leading system text goes into the first user turn, and
+    any other system message was a 400 or an invented `system` turn) gets each merged into the user turn next to it;
+    a template that would drop one gets it merged too."""
+    native = tok.apply_chat_template(MID_SYSTEM, chat_template=SYSTEM_TURN_TEMPLATE)
+    assert native == (
+        "<|system|>be brief<|end|><|user|>hi<|end|><|system|>A<|end|><|assistant|>hello<|end|>"
+        "<|user|>there<|end|><|system|>B<|end|><|assistant|>"
+    )
+    gemma = tok.apply_chat_template(MID_SYSTEM, chat_template=GEMMA_CHAT_TEMPLATE)
+    assert gemma == (
+        "<bos><start_of_turn>user\nbe brief\n\nhi\n\nA<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+        "<start_of_turn>user\nthere\n\nB<end_of_turn>\n<start_of_turn>model\n"
+    )
+    # the first turn of Claude Code's conversation, and a prefix of the second: the same merge, so a cacheable prefix
+    first = tok.apply_chat_template(MID_SYSTEM[:3], chat_template=GEMMA_CHAT_TEMPLATE)
+    assert first == "<bos><start_of_turn>user\nbe brief\n\nhi\n\nA<end_of_turn>\n<start_of_turn>model\n"
+    dropped = tok.apply_chat_template(MID_SYSTEM[:4], chat_template=DROPPING_TEMPLATE)
+    assert dropped == "<system>be brief\n<user>hi\n\nA\n<assistant>hello\n<assistant>"
+
+
+@pytest.mark.parametrize(
+    "messages,expected",
+    [
+        # several leading system messages: one (Codex's two developer messages)
+        ([("system", "a"), ("system", "b"), ("user", "u")], [("system", "a\n\nb"), ("user", "u")]),
+        # after an assistant turn: before the next user message, as a leading system text is
+        (
+            [("user", "u"), ("assistant", "x"), ("system", "s"), ("user", "v")],
+            [("user", "u"), ("assistant", "x"), ("user", "s\n\nv")],
+        ),
+        # between two assistant turns, or last after one: a user turn of its own
+        (
+            [("user", "u"), ("assistant", "x"), ("system", "s"), ("assistant", "y")],
+            [("user", "u"), ("assistant", "x"), ("user", "s"), ("assistant", "y")],
+        ),
+        ([("user", "u"), ("assistant", "x"), ("system", "s")], [("user", "u"), ("assistant", "x"), ("user", "s")]),
+        # adjacent user messages end up one (turns alternate)
+        ([("user", "u"), ("system", "s"), ("user", "v")], [("user", "u\n\ns\n\nv")]),
+    ],
+)
+def test_folded_system_messages(messages, expected):
+    folded = folded_system_messages([{"role": r, "content": c} for r, c in messages])
+    assert [(m["role"], m["content"]) for m in folded] == expected
 
 
 def test_chat_template_override(tmp_path):
