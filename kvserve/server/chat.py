@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.kv.misses import common_prefix
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import KVPin
 from kvserve.server.constraints import Constraint, compile_constraint, request_constraint
@@ -73,6 +74,15 @@ from kvserve.structured.tool_schemas import ForcedGrammar
 TRUNCATED_TURNS_HEADER = "X-Kvserve-Truncated-Turns"
 
 
+@dataclass(slots=True)
+class KeptPrefix:
+    """Set by create_chat_completion when the truncate policy dropped turns: how many tokens of the whole
+    conversation's prompt the prompt it sent still starts with. Marks placed in the whole conversation (the Messages
+    API's pins and its usage split) hold only up to there: past it they would point into another prompt."""
+
+    tokens: int | None = None
+
+
 async def create_chat_completion(
     ctx: ServerContext,
     request: ChatCompletionRequest,
@@ -80,12 +90,15 @@ async def create_chat_completion(
     *,
     length_wins: bool = False,
     kv_pins: tuple[KVPin, ...] = (),
+    kept: KeptPrefix | None = None,
     ordered_parts: bool = False,
     fill_context: bool = False,
 ) -> Response:
     """The chat completion, whole or streamed. `length_wins`: a reply cut by max_tokens finishes "length" even after
     complete tool calls (the Responses API's view; chat's own says "tool_calls" there, as vLLM's). `kv_pins`: prompt
-    prefixes to pin in the KV cache (the Messages API's cache_control marks). `ordered_parts`: a whole reply's
+    prefixes to pin in the KV cache (the Messages API's cache_control marks), as placed in the whole conversation;
+    when the truncate policy drops turns, only those within the prefix the prompt sent still shares with it are
+    pinned (`kept` is told that prefix). `ordered_parts`: a whole reply's
     messages also carry `parts` (ParsedReply.parts: its text and calls in the order written, which OpenAI's message
     cannot say), for the Messages API's translation to read; never sent to a chat client. `fill_context` (the
     Messages API; any request under --clamp-max-tokens): max_tokens beyond the context left after the prompt is no
@@ -138,6 +151,12 @@ async def create_chat_completion(
     headers = ignored_keywords_header(tools, forced)
     if dropped:
         headers[TRUNCATED_TURNS_HEADER] = str(dropped)
+        if kv_pins or kept is not None:  # the marks were placed in the whole conversation: keep what is still there
+            whole = await ctx.preparer.run(ctx.preparer.tokenize_messages, messages, render)
+            shared = common_prefix(whole, ids)
+            if kept is not None:
+                kept.tokens = shared
+            params = params.clone(kv_pins=tuple(p for p in kv_pins if p.num_tokens <= shared))
     chat_id, created = ctx.new_id("chatcmpl"), int(time.time())
     streams = submit(ctx, chat_id, [ids], params, request.cache_salt)
     if request.stream:

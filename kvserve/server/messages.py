@@ -60,7 +60,7 @@ from kvserve.server.cache_diagnostics import (
     cache_miss_reason,
     tenant_of,
 )
-from kvserve.server.chat import create_chat_completion, kvserve_headers
+from kvserve.server.chat import KeptPrefix, create_chat_completion, kvserve_headers
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request, from_exception
 from kvserve.server.prepare import ChatRender
@@ -429,7 +429,7 @@ class Diagnosis:
         self.store.put(self.tenant, message_id, replace(self.fingerprint, prompt_tokens=tokens))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MessageShell:
     """What every Message object of one request carries besides its content, stop reason and usage."""
 
@@ -451,6 +451,24 @@ class MessageShell:
         total = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
         window_full = total >= self.max_model_len and int(usage.get("completion_tokens", 0)) < self.max_tokens
         return stop_reason(finish, chat_stop, called, window_full)
+
+    def keep_prefix(self, kept: KeptPrefix) -> None:
+        """The truncate policy dropped turns: a mark past the prefix the prompt sent shares with the whole conversation
+        marked text that was dropped (or moved: past it, its position would point into another prompt): not placed."""
+        if kept.tokens is not None:
+            self.positions = [p if p <= kept.tokens else 0 for p in self.positions]
+
+    def kv_cache(self, report: dict[str, Any]) -> dict[str, Any]:
+        """The include_kv_cache report with a `not_placed` entry in `pins` for each mark that pinned nothing because it
+        could not be placed in the prompt (kvserve.server.cache_control.breakpoint_positions), in mark order, once
+        the report has the placed marks' outcomes (its last one)."""
+        pins = report.get("pins")
+        placed = [p >= self.block_size for p in self.positions]
+        if not isinstance(pins, list) or len(pins) != sum(placed) or all(placed):
+            return report
+        outcomes = iter(pins)
+        entry = {"num_tokens": 0, "outcome": "not_placed", "displaced": 0}
+        return report | {"pins": [next(outcomes) if ok else dict(entry) for ok in placed]}
 
     def usage(self, chat_usage: dict[str, Any] | None) -> dict[str, Any]:
         chat_usage = chat_usage or {}
@@ -542,9 +560,11 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
         )
         pins = tuple(KVPin(p, TTL_SECONDS[m.ttl]) for m, p in zip(marks, positions) if p >= ctx.facts.block_size)
         # length_wins: a reply cut after a whole call says max_tokens, as Anthropic's (chat's says "tool_calls")
+        kept = KeptPrefix()
         reply = await create_chat_completion(
-            ctx, request, raw, kv_pins=pins, length_wins=True, ordered_parts=True, fill_context=True
+            ctx, request, raw, kv_pins=pins, kept=kept, length_wins=True, ordered_parts=True, fill_context=True
         )
+        shell.keep_prefix(kept)
     except (APIError, ValueError) as e:
         raise messages_error(from_exception(e), tools) from None
     headers = kvserve_headers(reply) | tools.headers()
@@ -566,7 +586,7 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     shell.keep(usage)
     message = shell.build(content, stop, usage)
     if "kv_cache" in chat:
-        message["kv_cache"] = chat["kv_cache"]
+        message["kv_cache"] = shell.kv_cache(chat["kv_cache"])
     return JSONResponse(message, headers=headers)
 
 
@@ -684,6 +704,6 @@ async def _events(shell: MessageShell, body: AsyncIterable[Any]) -> AsyncIterato
     reason, sequence = shell.stop(finish, chat_stop, called, usage)
     final = shell.usage(usage)
     shell.keep(final)
-    extra = {"kv_cache": kv_cache} if kv_cache is not None else {}  # the last report: with what became of the pins
+    extra = {"kv_cache": shell.kv_cache(kv_cache)} if kv_cache is not None else {}  # the last: with the pins
     yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final, **extra)
     yield _event("message_stop")

@@ -543,3 +543,49 @@ def test_server_tools_are_left_out_under_the_flag(tools_model_dir):
         assert _prompt_tokens(raw.parse().usage) == _prompt_tokens(plain.usage)  # the same prompt: no search in it
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def truncating(tools_model_dir):
+    """The tools model behind --chat-history-policy truncate with a 160-token context: long chats lose old turns."""
+    engine = make_engine(
+        tools_model_dir, chat_template=TOOLS_TEMPLATE, num_gpu_blocks_override=96, block_size=16, max_model_len=160
+    )
+    async_engine = AsyncLLMEngine(engine)
+    settings = ServerSettings(served_model_names=(MODEL,), chat_history_policy="truncate")
+    server = RunningServer(build_app(async_engine, settings), async_engine).start()
+    yield server, anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    server.stop()
+
+
+def test_marks_in_turns_the_truncate_policy_dropped_pin_nothing_of_another_prompt(truncating):
+    """D6 (issue 54): mark positions were computed on the whole conversation, then --chat-history-policy truncate
+    dropped old turns, so pins and the usage split pointed into another prompt: a mark on the first (dropped) turn
+    pinned and counted blocks of the turns after it. Now a mark holds only the prefix the prompt sent still shares
+    with the whole conversation: the system text survives, the dropped turn's mark says not_placed."""
+    server, client = truncating
+    system = [{"type": "text", "text": "S" * 40, "cache_control": {"type": "ephemeral"}}]
+    first = {
+        "role": "user",
+        "content": [{"type": "text", "text": "q" * 60, "cache_control": {"type": "ephemeral", "ttl": "5m"}}],
+    }
+    later = []
+    for i in range(4):
+        later += [
+            {"role": "assistant", "content": f"answer {i} " * 3},
+            {"role": "user", "content": f"question {i} " * 3},
+        ]
+    key = salt() | {"include_kv_cache": True}
+    raw = client.messages.with_raw_response.create(
+        model=MODEL, max_tokens=1, system=system, messages=[first, *later], extra_body=key
+    )
+    assert int(raw.headers["X-Kvserve-Truncated-Turns"]) >= 1
+    reply = raw.parse()
+    pins = reply.model_extra["kv_cache"]["pins"]
+    assert [p["outcome"] for p in pins] == ["pinned", "not_placed"]
+    kept = server.engine.core.kv_manager.pins.pins
+    (pin,) = kept.values()
+    assert pin.num_tokens <= 48 + 16  # the system text's blocks (40 characters and the template's own), no more
+    usage = reply.usage
+    assert usage.cache_creation_input_tokens == pin.num_tokens
+    assert usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens <= 160
