@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
                 only = None
                 if not args.no_shrink:
                     bar.write(f"seed {seed} failed ({failures[0]}); shrinking ...")
+                    first = failures
                     only, failures = shrink(workload, models, reference, bar.write, not args.outputs_only)
+                    if not failures:  # it did not fail again: report it as it was, unshrunk
+                        only, failures = None, [f for f in first]
+                        bar.write(f"seed {seed} did not fail when run again: its failure depends on timing")
                 command = replay_command(seed, args.variant, only)
                 bar.write(f"FAILED {workload.describe()}\n  {failures[0]}\n  replay: {command}")
                 summary["failures"].append({"seed": seed, "failure": str(failures[0]), "replay": command})

@@ -10,7 +10,9 @@ What counts as a failure (`Failure`), each named by its kind:
 - `invariant`: the pool's and state slots' invariants (EngineCore.check_invariants) after a step; the state-copy
   rule before each forward pass (a snapshot slot named by the step's saves is that save's alone, and no restore reads
   a slot the step writes); a pin released for a live request freed no block; after a round, blocks or slots still held;
-- `hang`: a round did not finish within MAX_STEPS steps.
+- `hang`: a round's engine computed nothing for STALL_STEPS steps and STALL_SECONDS (a restore from disk may keep a
+  request waiting while the loader thread works: steps alone, on a loaded host, are no measure); the failure says
+  what was waiting on what.
 
 Tolerances: float32 KV: LOGPROB_TOL 2e-3 nats (chunked prefill and decode sum in another order than a whole
 prompt's single pass); 8-bit KV: 5e-2 (a chunk's queries read the earlier chunks' K/V back quantized, a whole-prompt
@@ -22,6 +24,7 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +42,8 @@ from kvserve.sampling_params import KVPin, SamplingParams
 from .workload import MAX_MODEL_LEN, RequestSpec, Transcript, Workload
 
 LOGPROB_TOL = {"auto": 2e-3, "int8": 5e-2, "fp8": 5e-2}
-MAX_STEPS = 3000
+STALL_STEPS = 3000
+STALL_SECONDS = 120.0
 RETENTION_S = 3600.0
 
 
@@ -340,6 +344,7 @@ class Run:
         aborted: set[int] = set()
         live: dict[int, int] = {}  # index -> the step it was added
         step = 0
+        last_computed, stalled_since, stall_steps = engine.core.step_tokens_total, time.monotonic(), 0
         with ExitStack() as checks:
             if self.step_checks:
                 checks.enter_context(checked_state_copies(engine, self.failures))
@@ -370,8 +375,14 @@ class Run:
                 step += 1
                 if self.failures:
                     return
-                if step > MAX_STEPS:
-                    raise FuzzFailure(Failure("hang", f"round {r} did not finish in {MAX_STEPS} steps"))
+                computed = engine.core.step_tokens_total
+                if computed != last_computed:
+                    last_computed, stalled_since, stall_steps = computed, time.monotonic(), 0
+                stall_steps += 1
+                if stall_steps > STALL_STEPS and time.monotonic() - stalled_since > STALL_SECONDS:
+                    raise FuzzFailure(
+                        Failure("hang", f"round {r}: nothing computed for {stall_steps} steps; {_waits(engine)}")
+                    )
         self._idle_checks(engine, r)
         for index, out in sorted(outputs.items()):
             self._check_output(self._spec(index), out, index in aborted)
@@ -422,6 +433,19 @@ def replay_command(seed: int, variant: str | None, only: frozenset[int] | None) 
     if only is not None:
         cmd += f" --only {','.join(map(str, sorted(only)))}"
     return cmd
+
+
+def _waits(engine: LLMEngine) -> str:
+    """What a stalled engine's requests wait on: the queues, restores in flight, free blocks and state slots."""
+    core = engine.core
+    sched = core.scheduler
+    loads = {} if sched.offload is None else {rid: load.done() for rid, load in sched.offload.loads.items()}
+    slots = core.kv_manager.state_slots
+    return (
+        f"waiting {[r.request_id for r in sched.waiting]}, running {[r.request_id for r in sched.running]}, "
+        f"restores in flight (done?) {loads}, {core.pool.num_free_blocks} free blocks, "
+        f"{'-' if slots is None else slots.num_free} free state slots"
+    )
 
 
 def run_workload(workload: Workload, models: Models, reference: Reference, step_checks: bool = True) -> list[Failure]:
