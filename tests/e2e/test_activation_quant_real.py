@@ -62,8 +62,11 @@ def test_int8_engine_agrees_with_hf_and_with_itself_under_batching(int8_engine) 
         "alone": None,
         "chunked-96": dict(max_num_batched_tokens=96),
         "prefix-cache": dict(enable_prefix_caching=True),
-        # 310 one-group blocks cannot hold them all while they prefill in 128-token chunks
-        "preempt": dict(num_gpu_blocks_override=310, max_model_len=800, max_num_batched_tokens=128),
+        # 310 one-group blocks cannot hold them all while they prefill in 128-token chunks side by side (no
+        # long-prefill threshold: with it, long prompts take turns and never hold that much at once)
+        "preempt": dict(
+            num_gpu_blocks_override=310, max_model_len=800, max_num_batched_tokens=128, long_prefill_token_threshold=0
+        ),
         "spec-ngram": dict(speculative_config=SPEC),
         "int8-kv": dict(kv_cache_dtype="int8"),
     }
