@@ -155,6 +155,7 @@ class Scheduler:
         self.kv.expire_pins()
         if self.offload is not None:
             self.offload.reap_orphan_loads()
+            self.offload.release_done_loads()
         if self.suspects:
             suspect = self._next_suspect()
             if suspect is not None:

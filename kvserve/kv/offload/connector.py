@@ -215,8 +215,26 @@ class OffloadConnector:
         return state_tier is not None and state_tier.readable and state_tier.lookup([tier_key]) == 1
 
     def finish_load(self, load: PendingLoad) -> int:
-        """A done restore: its restored blocks join the prefix cache, every block it held is released (hashed ones at
-        the free queue's tail, so the admission that follows revives them). Returns the blocks restored."""
+        """A done restore, its request being admitted (or gone): its blocks given back (release_done_loads may have
+        done that already) and the load forgotten. Returns the blocks restored."""
+        self._release(load)
+        if self.loads.get(load.request_id) is load:
+            del self.loads[load.request_id]
+        return load.restored
+
+    def release_done_loads(self) -> None:
+        """Give back the blocks of every restore that is done, at the start of a step, whoever waits before its request
+        in the queue: a done restore held them until its request was reached, and a request at the head of the queue
+        refused for lack of blocks never let that happen (with nothing running, no step computed again)."""
+        for load in self.loads.values():
+            if load.restored < 0 and load.done():
+                self._release(load)
+
+    def _release(self, load: PendingLoad) -> None:
+        """Once per load: its restored blocks join the prefix cache, every block it held is released (hashed ones at
+        the free queue's tail, so the admission that follows revives them), its snapshot is usable or its slot free."""
+        if load.restored >= 0:
+            return
         try:
             restored = load.future.result()
         except Exception as e:  # noqa: BLE001 -- a failed copy restores nothing; the blocks are recomputed
@@ -228,9 +246,6 @@ class OffloadConnector:
         self.kv.pool.free(reversed([*load.held, *load.fresh]))
         self.tier.complete_load(load.targets[:restored])
         self._finish_state_load(load)
-        if self.loads.get(load.request_id) is load:
-            del self.loads[load.request_id]
-        return restored
 
     def _finish_state_load(self, load: PendingLoad) -> None:
         """The snapshot part of a done restore: usable from its slot now, or (not restored) its slot freed."""
@@ -304,8 +319,9 @@ class OffloadConnector:
         return futures
 
     def held_blocks(self) -> list[KVCacheBlock]:
-        """The pool blocks the restores in flight hold (invariant checks)."""
-        return [b for load in (*self.loads.values(), *self.orphan_loads) for b in (*load.held, *load.fresh)]
+        """The pool blocks the restores in flight hold (invariant checks): those not given back yet."""
+        loads = (*self.loads.values(), *self.orphan_loads)
+        return [b for load in loads if load.restored < 0 for b in (*load.held, *load.fresh)]
 
     # ---- stores ----------------------------------------------------------------------------------------
 
