@@ -30,9 +30,9 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from kvserve.kv.hashing import BlockHasher, BlockKey, salt_key
+from kvserve.kv.hashing import BlockHasher, BlockKey, KeyedRequest, salt_key
 
 if TYPE_CHECKING:
     from kvserve.kv.coordinator import KVCacheCoordinator
@@ -168,21 +168,6 @@ class MissCounts:
         return tuple(self.counts.items())
 
 
-class MissRequest(Protocol):
-    """What the classifier reads of a request (the engine's Request satisfies it)."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def cache_salt(self) -> str | None: ...
-
-    def token_slice(self, start: int, end: int) -> list[int]: ...
-
-
 class MissClassifier:
     """The history behind "why did this request miss?" (see the module docstring): the seen blocks (twice the pool's
     blocks of history), each salted request's hashes without its salt, and per request the blocks its last lookup
@@ -198,7 +183,7 @@ class MissClassifier:
         self.snapshot_cut: dict[str, int] = {}
         self.counts = MissCounts()
 
-    def unsalted(self, request: MissRequest, num_tokens: int) -> list[bytes]:
+    def unsalted(self, request: KeyedRequest, num_tokens: int) -> list[bytes]:
         """A salted request's block hashes as if it had no cache salt (an unsalted one's are its own hashes)."""
         known = self.unsalted_hashes.setdefault(request.request_id, [])
         return self.hasher.extend(request.token_slice, min(num_tokens, request.num_tokens), self.block_size, known)
@@ -224,7 +209,7 @@ class MissClassifier:
 
     def classify(
         self,
-        request: MissRequest,
+        request: KeyedRequest,
         hashes: list[bytes],
         num_hit_tokens: int,
         rejected: frozenset[bytes],
