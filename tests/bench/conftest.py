@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,3 +19,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_tiny_hf_model("llama_gqa").save_pretrained(path)
     write_char_tokenizer(path)
     return path
+
+
+@pytest.fixture
+def fake_llama_server(tmp_path: Path) -> Path:
+    """An executable named llama-server that runs tests/bench/fake_llama_server.py (the peer of the bench tests)."""
+    fake = tmp_path / "fake_llama_server.py"
+    shutil.copy(Path(__file__).with_name("fake_llama_server.py"), fake)
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@"\n')
+    binary.chmod(0o755)
+    return binary

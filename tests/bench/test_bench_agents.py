@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -115,22 +114,10 @@ def test_the_cache_report_of_each_api(event, prompt, cached):
 
 
 def test_the_repositorys_recorded_conversations_load():
-    """The default conversations (the fixtures the API work records), where this checkout has them."""
+    """The default conversations: Claude Code's and Codex's recorded requests (tests/fixtures/agents)."""
     paths = [fixtures_dir() / n for n in DEFAULT_CONVERSATIONS]
-    if not all(p.is_file() for p in paths):
-        pytest.skip("tests/fixtures/agents is not in this checkout yet")
     loaded = [AgentConversation.load(p) for p in paths]
     assert [c.endpoint for c in loaded] == ["/v1/messages", "/v1/responses"] and all(len(c.turns) > 1 for c in loaded)
-
-
-@pytest.fixture
-def fake_llama_server(tmp_path: Path) -> Path:
-    fake = tmp_path / "fake_llama_server.py"
-    shutil.copy(Path(__file__).with_name("fake_llama_server.py"), fake)
-    binary = tmp_path / "llama-server"
-    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@"\n')
-    binary.chmod(0o755)
-    return binary
 
 
 def test_a_run_on_the_tiny_model_against_the_fake_llama_server(tmp_path, fake_llama_server, capsys):

@@ -6,8 +6,6 @@ counts). Timings are not asserted."""
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,16 +22,6 @@ def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_tiny_hf_model("gemma3_mqa_sliding").save_pretrained(path)
     write_char_tokenizer(path)
     return path
-
-
-@pytest.fixture
-def fake_llama_server(tmp_path: Path) -> Path:
-    fake = tmp_path / "fake_llama_server.py"
-    shutil.copy(Path(__file__).with_name("fake_llama_server.py"), fake)
-    binary = tmp_path / "llama-server"
-    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@"\n')
-    binary.chmod(0o755)
-    return binary
 
 
 SMALL = [
