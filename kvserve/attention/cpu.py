@@ -5,10 +5,11 @@
   with a padding mask. The query heads sharing a KV head are folded into the query-length
   axis ([B, kv_heads, group, D]), so GQA/MQA never copies K/V per query head and each step is a small
   matmul instead of `group` matrix-vector products.
-- With the native kernels and a float32 cache, decode rows skip the gather: kernels.paged_decode_attention
-  reads K/V through the block tables in place (kvserve/kernels/paged_attention.cpp); so do prefill chunks,
-  through kernels.paged_prefill_attention (a flash-attention kernel, kvserve/kernels/prefill_attention.cpp).
-- An 8-bit cache is dequantized in the gather (LayerKVCache.read): only the context rows of this step's
+- With the native kernels and float32 queries, decode rows skip the gather: kernels.paged_decode_attention
+  reads K/V through the block tables in place (kvserve/kernels/paged_attention.cpp), in the cache's own element
+  type (float32, bfloat16, float16, and the 8-bit ones with their scales: kernels/kv_dtypes.h); so do prefill
+  chunks, through kernels.paged_prefill_attention (a flash-attention kernel, kvserve/kernels/prefill_attention.cpp).
+- Otherwise an 8-bit cache is dequantized in the gather (LayerKVCache.read): only the context rows of this step's
   sequences are ever converted, never the whole cache.
 - Otherwise prefill chunks run one SDPA call per sequence (enable_gqa), with `is_causal` when the chunk is the
   whole context and no window applies, else an explicit mask (later chunks, sliding windows).
@@ -41,11 +42,13 @@ def cpu_attention(
 ) -> torch.Tensor:
     """The AttentionBackend "cpu" (kvserve/attention/backend.py); the paths are in the module's docstring."""
     window, scale = layer.sliding_window, layer.scale
-    k_cache, v_cache = cache.key, cache.value
-    paged = not cache.is_quantized and kernels.has_paged_attention(k_cache) and q.dtype == k_cache.dtype
+    k_cache, v_cache, k_scales, v_scales = cache.key, cache.value, cache.key_scale, cache.value_scale
+    paged = kernels.has_paged_attention(k_cache) and q.dtype == torch.float32
     if meta.is_decode_only:
         if paged:
-            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, window, scale)
+            return kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, window, scale, k_scales, v_scales
+            )
         slots, mask = meta.memo(
             ("decode", window),
             lambda: _decode_gather(meta.block_tables, meta.seq_lens, meta.seq_lens_cpu, meta.block_size, window),
@@ -59,7 +62,9 @@ def cpu_attention(
         rows = meta.memo(("decode-rows",), lambda: meta.query_start_loc[idx])
         if paged:
             tables, lens = meta.memo(("decode-tables",), lambda: (meta.block_tables[idx], meta.seq_lens[idx]))
-            out[rows] = kernels.paged_decode_attention(q[rows], k_cache, v_cache, tables, lens, window, scale)
+            out[rows] = kernels.paged_decode_attention(
+                q[rows], k_cache, v_cache, tables, lens, window, scale, k_scales, v_scales
+            )
         else:
             slots, mask = meta.memo(
                 ("decode-subset", window),
@@ -78,7 +83,16 @@ def cpu_attention(
         s, e = starts[i], starts[i + 1]
         if paged:
             kernels.paged_prefill_attention(
-                q[s:e], k_cache, v_cache, meta.block_tables[i], seq_len, window, scale, out=out[s:e]
+                q[s:e],
+                k_cache,
+                v_cache,
+                meta.block_tables[i],
+                seq_len,
+                window,
+                scale,
+                out=out[s:e],
+                k_scales=k_scales,
+                v_scales=v_scales,
             )
             continue
         slots, mask = meta.memo(

@@ -12,6 +12,9 @@ import ctypes
 _P, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 LINEAR_FLOAT32, LINEAR_Q8_0, LINEAR_GGUF = 0, 1, 2
+# kernels.h's KvserveKvDtype codes, by the --kv-cache-dtype name of the storage (kvserve/dtypes.py): the element types
+# the native attention kernels read in place and the native decoder layer writes.
+KV_DTYPE_CODES: dict[str, int] = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "fp8_e4m3": 4, "fp8_e5m2": 5}
 MAX_PARTS = 3  # a fused QKV stored as three GGUF tensors of different types
 
 
@@ -96,7 +99,7 @@ class StepDesc(ctypes.Structure):
 
 
 class DecodeAttentionArgs(ctypes.Structure):
-    """KvserveDecodeAttention: paged decode attention, float32 cache (null scales) or int8 with its scales."""
+    """KvserveDecodeAttention: paged decode attention on a cache of kv_dtype (8-bit ones with their scales)."""
 
     _fields_ = [
         ("q", _P),
@@ -114,17 +117,20 @@ class DecodeAttentionArgs(ctypes.Structure):
         ("dim", _I64),
         ("block_size", _I64),
         ("window", _I64),
+        ("kv_dtype", _I64),
         ("scale", _F64),
     ]
 
 
 class PrefillAttentionArgs(ctypes.Structure):
-    """KvservePrefillAttention: one sequence's chunk, causal over its paged context."""
+    """KvservePrefillAttention: one sequence's chunk, causal over its paged context (any kv_dtype)."""
 
     _fields_ = [
         ("q", _P),
         ("k_cache", _P),
         ("v_cache", _P),
+        ("k_scales", _P),
+        ("v_scales", _P),
         ("block_table", _P),
         ("out", _P),
         ("q_len", _I64),
@@ -134,6 +140,7 @@ class PrefillAttentionArgs(ctypes.Structure):
         ("dim", _I64),
         ("block_size", _I64),
         ("window", _I64),
+        ("kv_dtype", _I64),
         ("scale", _F64),
     ]
 

@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "kernels.h"
+#include "kv_dtypes.h"
 #include "simd.h"
 #include "widened_matmul.h"
 
@@ -109,35 +110,41 @@ void residual_and_mlp(const KvserveLayer& l, const Buffers& b, int64_t t, float*
     add_into(h, b.proj, t * hidden);
 }
 
-// One token's K or V head vector (dim floats) into an int8 cache row and its scale, as kvserve/kv/quant.py's
-// compute_scales + quantize do it, to the bit: scale = amax / 127 (at least 1e-30, and one ulp lower where
-// 127 x scale would pass amax), q = x / scale clamped to [-127, 127], rounded half to even.
-void quantize_int8_row(const float* x, int64_t dim, int8_t* q, float* scale_out) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
-    float scale = std::max(amax / 127.0f, 1e-30f);
-    if (scale * 127.0f > amax) scale = std::nextafter(scale, 0.0f);
-    for (int64_t i = 0; i < dim; ++i)
-        q[i] = static_cast<int8_t>(std::nearbyint(std::clamp(x[i] / scale, -127.0f, 127.0f)));
-    *scale_out = scale;
+// Each row's new K (roped, in b.qk after the queries) and V (in b.qkv) into the caches at its slot, per KV head, as
+// kvserve/kv/quant.py's store writes them (kv_dtypes.h's store_row).
+template <typename E>
+void write_kv(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, void* k_cache, void* v_cache,
+              float* k_scales, float* v_scales) {
+    using T = typename E::T;
+    const int64_t dim = l.head_dim, q_size = l.heads * dim, kv_size = l.kv_heads * dim, qk_size = q_size + kv_size;
+    const int64_t qkv_size = qk_size + kv_size + (l.output_gate ? q_size : 0), v_at = qk_size + (l.output_gate ? q_size : 0);
+#pragma omp parallel for schedule(static) if (s.tokens >= 64)
+    for (int64_t r = 0; r < s.tokens; ++r) {
+        const float* k = b.qk + r * qk_size + q_size;
+        const float* v = b.qkv + r * qkv_size + v_at;
+        for (int64_t h = 0; h < l.kv_heads; ++h) {
+            const int64_t row = s.slot_mapping[r] * l.kv_heads + h;
+            kvserve::kv::store_row<E>(k + h * dim, dim, static_cast<T*>(k_cache) + row * dim,
+                                      E::kScaled ? k_scales + row : nullptr);
+            kvserve::kv::store_row<E>(v + h * dim, dim, static_cast<T*>(v_cache) + row * dim,
+                                      E::kScaled ? v_scales + row : nullptr);
+        }
+    }
 }
 
-// Attention of every query row in b.q ([tokens, heads, dim]) into b.attn, as kvserve/attention/cpu.py does it.
-// An int8 cache (k_scales non-null) is read in place by the decode kernel; the caller (native_layer.py) sends
-// such a cache only steps whose rows are all decodes.
+// Attention of every query row in b.q ([tokens, heads, dim]) into b.attn, as kvserve/attention/cpu.py does it: the
+// decode kernel for the decode rows, the prefill kernel for each longer chunk; both read the cache in place.
 void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, const void* k_cache,
-               const void* v_cache, const float* k_scales, const float* v_scales) {
+               const void* v_cache, const float* k_scales, const float* v_scales, int64_t kv_dtype) {
     const int64_t q_size = l.heads * l.head_dim;
     // One decode call's arguments; a mixed step points them at its decode rows only.
-    KvserveDecodeAttention d{b.q,          k_cache,      v_cache, k_scales,   v_scales,   s.block_tables,
-                             s.seq_lens,   b.attn,       s.table_width, s.seqs, l.heads, l.kv_heads,
-                             l.head_dim,   s.block_size, l.window, l.scale};
-    if (k_scales != nullptr || s.all_decode) {
+    KvserveDecodeAttention d{b.q,          k_cache,      v_cache,  k_scales,      v_scales, s.block_tables,
+                             s.seq_lens,   b.attn,       s.table_width, s.seqs,  l.heads,  l.kv_heads,
+                             l.head_dim,   s.block_size, l.window, kv_dtype,      l.scale};
+    if (s.all_decode) {
         kvserve_paged_decode_attention(&d);
         return;
     }
-    const float* kf = static_cast<const float*>(k_cache);
-    const float* vf = static_cast<const float*>(v_cache);
     if (s.decode_count > 0) {
         for (int64_t i = 0; i < s.decode_count; ++i)
             memcpy(b.qd + i * q_size, b.q + s.decode_rows[i] * q_size, q_size * sizeof(float));
@@ -153,9 +160,11 @@ void attention(const KvserveLayer& l, const KvserveStep& s, const Buffers& b, co
     for (int64_t i = 0; i < s.seqs; ++i) {
         const int64_t start = s.query_start_loc[i], q_len = s.query_start_loc[i + 1] - start;
         if (q_len <= 1) continue;
-        const KvservePrefillAttention p{b.q + start * q_size, kf, vf, s.block_tables + i * s.table_width,
-                                        b.attn + start * q_size, q_len, s.seq_lens[i], l.heads, l.kv_heads,
-                                        l.head_dim, s.block_size, l.window, l.scale};
+        const KvservePrefillAttention p{b.q + start * q_size, k_cache,     v_cache,      k_scales,
+                                        v_scales,             s.block_tables + i * s.table_width,
+                                        b.attn + start * q_size, q_len,    s.seq_lens[i], l.heads,
+                                        l.kv_heads,           l.head_dim,  s.block_size, l.window,
+                                        kv_dtype,             l.scale};
         kvserve_paged_prefill_attention(&p);
     }
 }
@@ -173,9 +182,14 @@ void kvserve_abi_sizes(int64_t* sizes) {
     sizes[5] = sizeof(KvserveQkNormRope);
 }
 
-// rows x dim float32 -> int8 rows and a scale per row, by the layer's KV-write quantizer (for its tests).
-void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales) {
-    for (int64_t r = 0; r < rows; ++r) quantize_int8_row(x + r * dim, dim, q + r * dim, scales + r);
+// rows x dim float32 head vectors as the layer writes them into a cache of kv_dtype (for its tests).
+void kvserve_store_kv_rows(const float* x, int64_t rows, int64_t dim, int64_t kv_dtype, void* out, float* scales) {
+    kvserve::kv::dispatch(kv_dtype, [&](auto type) {
+        using E = decltype(type);
+        for (int64_t r = 0; r < rows; ++r)
+            kvserve::kv::store_row<E>(x + r * dim, dim, static_cast<typename E::T*>(out) + r * dim,
+                                      E::kScaled ? scales + r : nullptr);
+    });
 }
 
 // The scratch floats kvserve_decoder_layer needs for `tokens` rows, `decode_count` of them decodes of a
@@ -247,11 +261,11 @@ void kvserve_gated_deltanet_layer(const KvserveLayer* layer, const KvserveStep* 
 }
 
 // h: [tokens, hidden] float32, the residual stream, updated in place. cos / signed_sin: [tokens, head_dim] of
-// this layer's rope (RotaryEmbedding.cos_sin). k_cache / v_cache: [blocks, block_size, kv_heads, head_dim]
-// float32 contiguous, or int8 with k_scales / v_scales [blocks, block_size, kv_heads] float32 (else null).
+// this layer's rope (RotaryEmbedding.cos_sin). k_cache / v_cache: [blocks, block_size, kv_heads, head_dim] of
+// kv_dtype, contiguous, with k_scales / v_scales [blocks, block_size, kv_heads] float32 for an 8-bit type (else null).
 void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
-                           const float* signed_sin, void* k_cache, void* v_cache, float* k_scales,
-                           float* v_scales) {
+                           const float* signed_sin, void* k_cache, void* v_cache, float* k_scales, float* v_scales,
+                           int64_t kv_dtype) {
     const KvserveLayer& l = *layer;
     const KvserveStep& s = *step;
     const int64_t t = s.tokens, dim = l.head_dim, hidden = l.hidden;
@@ -287,23 +301,11 @@ void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, f
                                  l.rotary_dim ? l.rotary_dim : dim,
                                  qk_norm ? l.eps : 0.0};
     kvserve_qk_norm_rope(&rope);
-    for (int64_t r = 0; r < t; ++r) {  // Q to its own rows; K (roped) and V into the cache
-        const float* qk = b.qk + r * qk_size;
-        const float* v = b.qkv + r * qkv_size + qk_size + gate;
-        const int64_t slot = s.slot_mapping[r];
-        memcpy(b.q + r * q_size, qk, q_size * sizeof(float));
-        if (k_scales == nullptr) {
-            memcpy(static_cast<float*>(k_cache) + slot * kv_size, qk + q_size, kv_size * sizeof(float));
-            memcpy(static_cast<float*>(v_cache) + slot * kv_size, v, kv_size * sizeof(float));
-            continue;
-        }
-        for (int64_t h = 0; h < l.kv_heads; ++h) {  // int8: per token and KV head
-            const int64_t row = slot * l.kv_heads + h;
-            quantize_int8_row(qk + q_size + h * dim, dim, static_cast<int8_t*>(k_cache) + row * dim, k_scales + row);
-            quantize_int8_row(v + h * dim, dim, static_cast<int8_t*>(v_cache) + row * dim, v_scales + row);
-        }
-    }
-    attention(l, s, b, k_cache, v_cache, k_scales, v_scales);
+    for (int64_t r = 0; r < t; ++r) memcpy(b.q + r * q_size, b.qk + r * qk_size, q_size * sizeof(float));
+    kvserve::kv::dispatch(kv_dtype, [&](auto type) {
+        write_kv<decltype(type)>(l, s, b, k_cache, v_cache, k_scales, v_scales);
+    });
+    attention(l, s, b, k_cache, v_cache, k_scales, v_scales, kv_dtype);
     if (l.output_gate)  // Qwen3.5: the output times the sigmoid of its gate
         for (int64_t i = 0; i < t * q_size; ++i) b.attn[i] /= 1.0f + expf(-b.gated[i]);
     linear(l.o, b.attn, t, b.proj);

@@ -75,30 +75,39 @@ struct KvserveStep {
     const int64_t* state_continues;  // [seqs]: 1 where the sequence's state carries on, 0 where it starts from zeros
 };
 
+// The element type of a paged KV cache (kv_dtypes.h says how each is read and written; kvserve/kernels/ops.py maps
+// torch dtypes onto these codes). The 8-bit types come with a float32 scale per token and KV head
+// ([blocks, block_size, kv_heads], kvserve/kv/quant.py's layout).
+enum : int64_t { kKvFloat32 = 0, kKvBfloat16 = 1, kKvFloat16 = 2, kKvInt8 = 3, kKvFp8E4m3 = 4, kKvFp8E5m2 = 5 };
+
 // Paged decode attention: one query per sequence, at position seq_lens[i] - 1.
 struct KvserveDecodeAttention {
     const float* q;               // [batch, heads, dim] contiguous
-    const void* k_cache;          // [blocks, block_size, kv_heads, dim] contiguous: float32, or int8 with scales
+    const void* k_cache;          // [blocks, block_size, kv_heads, dim] contiguous, of kv_dtype
     const void* v_cache;
-    const float* k_scales;        // int8 caches (kvserve/kv/quant.py's layout): [blocks, block_size, kv_heads];
-    const float* v_scales;        // null for a float32 cache
+    const float* k_scales;        // 8-bit caches: [blocks, block_size, kv_heads]; else null
+    const float* v_scales;
     const int64_t* block_tables;  // [batch, table_width]
     const int64_t* seq_lens;      // [batch]
     float* out;                   // [batch, heads, dim] contiguous
     int64_t table_width, batch, heads, kv_heads, dim, block_size;
     int64_t window;  // <= 0: no sliding window; else keys at positions > seq_len - 1 - window only
+    int64_t kv_dtype;  // the caches' element type (kKv*)
     double scale;
 };
 
 // Paged prefill attention of one sequence's chunk: queries at positions seq_len - q_len .. seq_len - 1, causal.
 struct KvservePrefillAttention {
     const float* q;              // [q_len, heads, dim] contiguous
-    const float* k_cache;        // [blocks, block_size, kv_heads, dim] float32 contiguous
-    const float* v_cache;
+    const void* k_cache;         // [blocks, block_size, kv_heads, dim] contiguous, of kv_dtype
+    const void* v_cache;
+    const float* k_scales;       // 8-bit caches: [blocks, block_size, kv_heads]; else null
+    const float* v_scales;
     const int64_t* block_table;  // covering seq_len
     float* out;                  // [q_len, heads, dim] contiguous
     int64_t q_len, seq_len, heads, kv_heads, dim, block_size;
     int64_t window;  // <= 0: none; else a query at position p sees keys at positions in (p - window, p]
+    int64_t kv_dtype;  // the caches' element type (kKv*)
     double scale;
 };
 
@@ -172,15 +181,15 @@ void kvserve_row_max(const float* x, int64_t rows, int64_t cols, int64_t stride,
 void kvserve_copy_rows(int64_t parts, const int64_t* dst, const int64_t* dst_stride, const int64_t* src,
                        const int64_t* src_stride, const int64_t* part_bytes, int64_t rows, const int64_t* dst_row,
                        const int64_t* src_row);
-// paged_attention.cpp: float32 or int8 caches (k_scales null or not).
+// paged_attention.cpp: any KvserveKvDtype cache, read in place.
 void kvserve_paged_decode_attention(const KvserveDecodeAttention* args);
 // prefill_attention.cpp
 void kvserve_paged_prefill_attention(const KvservePrefillAttention* args);
-// decoder_layer.cpp: a whole decoder layer on the residual stream h [tokens, hidden], in place (k_scales /
-// v_scales: an int8 cache's, else null), the scratch floats it needs, and its KV-write int8 quantizer.
+// decoder_layer.cpp: a whole decoder layer on the residual stream h [tokens, hidden], in place, its new K/V written
+// into caches of kv_dtype (k_scales / v_scales: an 8-bit cache's, else null); the scratch floats it needs.
 void kvserve_decoder_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, const float* cos,
-                           const float* signed_sin, void* k_cache, void* v_cache, float* k_scales,
-                           float* v_scales);
+                           const float* signed_sin, void* k_cache, void* v_cache, float* k_scales, float* v_scales,
+                           int64_t kv_dtype);
 void kvserve_decoder_layer_scratch(const KvserveLayer* layer, int64_t tokens, int64_t decode_count,
                                    int64_t* floats);
 // decoder_layer.cpp: an LFM2 short-convolution layer on h in place: norm, in_proj, B x -> causal conv with the
@@ -193,7 +202,9 @@ void kvserve_short_conv_layer(const KvserveLayer* layer, const KvserveStep* step
 // silu(z) per value head), out_proj, residual, then the MLP. Its scratch: kvserve_decoder_layer_scratch.
 void kvserve_gated_deltanet_layer(const KvserveLayer* layer, const KvserveStep* step, float* h, float* conv_states,
                                   float* recurrent_states);
-void kvserve_quantize_int8_rows(const float* x, int64_t rows, int64_t dim, int8_t* q, float* scales);
+// decoder_layer.cpp: rows x dim float32 head vectors as the layer writes them into a cache of kv_dtype (out: rows x
+// dim elements; scales: rows floats for an 8-bit type, else unused), for tests.
+void kvserve_store_kv_rows(const float* x, int64_t rows, int64_t dim, int64_t kv_dtype, void* out, float* scales);
 // sizeof each struct above, in their order here, so that the ctypes mirror can be checked against them.
 void kvserve_abi_sizes(int64_t* sizes);
 }

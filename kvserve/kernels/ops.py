@@ -19,7 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.dtypes import dtype_name
 from kvserve.kernels.abi import (
+    KV_DTYPE_CODES,
     STRUCTS,
     DecodeAttentionArgs,
     LayerDesc,
@@ -147,7 +149,7 @@ class Kernels(Protocol):
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
         """Whether `paged_decode_attention` and `paged_prefill_attention` take this cache (else the caller
-        gathers K/V and uses SDPA)."""
+        gathers K/V and uses SDPA): a contiguous CPU cache of one of kernels/abi.py's KV_DTYPE_CODES."""
         ...
 
     def paged_decode_attention(
@@ -163,8 +165,9 @@ class Kernels(Protocol):
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, H, D] (one token per sequence, at position seq_len - 1) over each sequence's context in the
-        paged cache [blocks, block_size, kv_heads, D], read through block_tables [B, W] -> [B, H, D]. With k_scales
-        and v_scales ([blocks, block_size, kv_heads]): an int8 cache (kvserve/kv/quant.py's layout), read in place."""
+        paged cache [blocks, block_size, kv_heads, D] of any KV dtype has_paged_attention takes, read in place through
+        block_tables [B, W] -> [B, H, D] float32. An 8-bit cache comes with its k_scales and v_scales ([blocks,
+        block_size, kv_heads], kvserve/kv/quant.py's layout)."""
         ...
 
     def paged_prefill_attention(
@@ -177,9 +180,12 @@ class Kernels(Protocol):
         window: int | None,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [L, H, D] (one sequence's chunk, at positions seq_len - L .. seq_len - 1), causal over its context
-        in the paged cache, read through block_table [W] -> [L, H, D]; into `out` (contiguous) when given."""
+        in the paged cache, read in place through block_table [W] -> [L, H, D] float32; into `out` (contiguous)
+        when given. Caches and scales as paged_decode_attention's."""
         ...
 
 
@@ -340,6 +346,8 @@ class TorchKernels:
         window: int | None,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError("the torch kernels have no paged attention; check has_paged_attention first")
 
@@ -688,7 +696,7 @@ class NativeKernels:
         return out
 
     def has_paged_attention(self, cache: torch.Tensor) -> bool:
-        return cache.dtype == torch.float32 and cache.device.type == "cpu" and cache.is_contiguous()
+        return kv_dtype_code(cache.dtype) is not None and cache.device.type == "cpu" and cache.is_contiguous()
 
     def paged_decode_attention(
         self,
@@ -704,16 +712,13 @@ class NativeKernels:
     ) -> torch.Tensor:
         batch, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
+        code, k_ptr, v_ptr, keep = _paged_cache_args(k_cache, v_cache, k_scales, v_scales)
         q = q.float().contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
         out = torch.empty(batch, heads, dim, dtype=torch.float32)
         if not batch:
             return out
-        k_ptr = v_ptr = None  # a float32 cache; an int8 one comes with its scales
-        if k_scales is not None and v_scales is not None:
-            k_scales, v_scales = k_scales.contiguous(), v_scales.contiguous()
-            k_ptr, v_ptr = k_scales.data_ptr(), v_scales.data_ptr()
         args = DecodeAttentionArgs(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -730,9 +735,11 @@ class NativeKernels:
             dim,
             block_size,
             window or 0,
+            code,
             scale,
         )
         self.library.kvserve_paged_decode_attention(ctypes.addressof(args))
+        del keep
         return out
 
     def paged_prefill_attention(
@@ -745,6 +752,8 @@ class NativeKernels:
         window: int | None,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q_len, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
@@ -754,6 +763,7 @@ class NativeKernels:
                 f"paged prefill attention: {q_len} queries, context {seq_len}, a table of "
                 f"{table.numel()} blocks of {block_size}, {heads} heads over {kv_heads} KV heads"
             )
+        code, k_ptr, v_ptr, keep = _paged_cache_args(k_cache, v_cache, k_scales, v_scales)
         q = q.float().contiguous()
         direct = out is not None and out.is_contiguous() and out.dtype == torch.float32
         dst = out if out is not None and direct else torch.empty(q_len, heads, dim, dtype=torch.float32)
@@ -761,6 +771,8 @@ class NativeKernels:
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            k_ptr,
+            v_ptr,
             table.data_ptr(),
             dst.data_ptr(),
             q_len,
@@ -770,9 +782,11 @@ class NativeKernels:
             dim,
             block_size,
             window or 0,
+            code,
             scale,
         )
         self.library.kvserve_paged_prefill_attention(ctypes.addressof(args))
+        del keep
         return dst if out is None or direct else out.copy_(dst)
 
     def decoder_layer(
@@ -786,11 +800,13 @@ class NativeKernels:
         v_cache: torch.Tensor,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        kv_dtype: int = 0,
     ) -> None:
-        """A whole decoder layer (decoder_layer.cpp) on the residual stream h [T, hidden] float32, in place.
-        Only for the native layer path (model/native_layer.py), which has checked every layout and dtype the
-        call relies on, once per model or once per step: this is the hot path, so it checks nothing. An int8
-        cache comes with its scales (kvserve/kv/quant.py's layout)."""
+        """A whole decoder layer (decoder_layer.cpp) on the residual stream h [T, hidden] float32, in place, its new
+        K/V written into caches of kv_dtype (a KV_DTYPE_CODES code; an 8-bit cache comes with its scales,
+        kvserve/kv/quant.py's layout). Only for the native layer path (model/native_layer.py), which has checked
+        every layout and dtype the call relies on, once per model or once per step: this is the hot path, so it
+        checks nothing."""
         self.library.kvserve_decoder_layer(
             ctypes.addressof(layer),
             ctypes.addressof(step),
@@ -801,6 +817,7 @@ class NativeKernels:
             v_cache.data_ptr(),
             None if k_scales is None else k_scales.data_ptr(),
             None if v_scales is None else v_scales.data_ptr(),
+            kv_dtype,
         )
 
     def short_conv_layer(self, layer: LayerDesc, step: StepDesc, h: torch.Tensor, conv_states: torch.Tensor) -> None:
@@ -821,12 +838,18 @@ class NativeKernels:
             ctypes.addressof(layer), ctypes.addressof(step), h.data_ptr(), conv_states.data_ptr(), recurrent.data_ptr()
         )
 
-    def quantize_int8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [rows, dim] float32 -> (int8 [rows, dim], float32 scales [rows]): the native layer's KV write."""
+    def store_kv_rows(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [rows, dim] float32 -> (rows of `dtype` [rows, dim], float32 scales [rows] for an 8-bit dtype, else
+        None): the native layer's KV write (kv_dtypes.h), for tests against kvserve/kv/quant.py's store."""
+        code = kv_dtype_code(dtype)
+        if code is None:
+            raise ValueError(f"no native KV cache element type for {dtype}")
         x = x.float().contiguous()
-        q = torch.empty(x.shape, dtype=torch.int8)
-        scales = torch.empty(x.shape[0], dtype=torch.float32)
-        self.library.kvserve_quantize_int8_rows(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scales.data_ptr())
+        q = torch.empty(x.shape, dtype=dtype)
+        scales = torch.empty(x.shape[0], dtype=torch.float32) if dtype.itemsize == 1 else None
+        self.library.kvserve_store_kv_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], code, q.data_ptr(), None if scales is None else scales.data_ptr()
+        )
         return q, scales
 
     def quantize_int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -863,6 +886,30 @@ class NativeKernels:
 
 
 TORCH_KERNELS = TorchKernels()  # stateless: the default of every module until the loader hands out its kernels
+
+
+def kv_dtype_code(dtype: torch.dtype) -> int | None:
+    """kernels.h's KvserveKvDtype code of a KV cache's storage dtype, or None where the native kernels take none."""
+    return KV_DTYPE_CODES.get(dtype_name(dtype))
+
+
+def _paged_cache_args(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None
+) -> tuple[int, int | None, int | None, list[torch.Tensor]]:
+    """The attention kernels' view of a cache: its element type code and its scales' addresses (an 8-bit cache must
+    come with both, a 16/32-bit one with none), and the tensors those addresses point into (kept alive by the caller
+    until the call returns). ValueError for a cache the kernels cannot read."""
+    code = kv_dtype_code(k_cache.dtype)
+    if code is None or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"paged attention reads contiguous K/V caches of {', '.join(KV_DTYPE_CODES)}, not these")
+    scaled = k_cache.dtype.itemsize == 1
+    given = [k_scales is not None, v_scales is not None]
+    if given != [scaled, scaled]:
+        raise ValueError(f"a {k_cache.dtype} KV cache {'needs' if scaled else 'takes no'} scales")
+    if k_scales is None or v_scales is None:
+        return code, None, None, []
+    keep = [k_scales.float().contiguous(), v_scales.float().contiguous()]
+    return code, keep[0].data_ptr(), keep[1].data_ptr(), keep
 
 
 def _gguf_matmul_operands(

@@ -1,17 +1,33 @@
-// Decode attention straight on the paged KV cache (float32): one query token per sequence attends to its
-// context, read through its block table, with no gathered copy of K and V.
+// Decode attention straight on the paged KV cache: one query token per sequence attends to its context, read
+// through its block table in place, in the cache's own element type (kv_dtypes.h), with no gathered copy.
 //
-// Why: the torch path gathers each sequence's K and V into new padded tensors every layer of every step and
-// then calls SDPA; at decode those copies and the op overheads cost more than the attention arithmetic.
-// Work items are (sequence, KV head) pairs, split across OpenMP threads; the query heads sharing a KV head
-// (GQA/MQA) are handled together, so each K and V row is read once per step. Softmax is exact (two passes
-// over the scores, kept in a per-thread buffer), also when a context is split over threads.
+// Why: the torch path gathers each sequence's K and V into new padded tensors every layer of every step and then
+// calls SDPA; at decode those copies cost more than the attention arithmetic, and over a long context (an agent's
+// 25k tokens) attention is most of a step: 14 query heads x 64 dims x 4 FLOPs a key and layer.
+// How:
+// - Work items are (sequence, KV head, part of its keys). A decode step has few (sequence, KV head) pairs at batch 1
+//   (2 on Qwen2.5-0.5B, 1 on Gemma 3 270M), so with fewer pairs than threads each context is split into parts
+//   (split-K, flash-decoding): each part keeps its running max, its sum of exp(score - max) and its exp-weighted
+//   sum of V rows, and a merge rescales the parts to their common max (the log-sum-exp merge).
+// - Within a part, keys go by chunks of `chunk` keys whose K and V rows (16-32 KB) stay in L1/L2 between the scores
+//   and the weighted sum; the softmax is online across chunks (each chunk's max, the earlier sums rescaled).
+// - Scores: the query heads sharing a KV head (GQA: 7 on Qwen2.5-0.5B) against kLanes keys at a time (16 with
+//   AVX-512, 8 with AVX2): each key's dot product accumulates over head_dim in one register (one FMA per vector of
+//   dims, the key's row read from L1), and the kLanes sums then reduce together by a tree of shuffles (simd.h's
+//   sum_lanes: about 3 operations a key, where a horizontal sum takes 8). The rows come straight from a float32
+//   cache; other types are first converted, kLanes rows at a time, into an L1 tile (each element once, whatever the
+//   group size).
+// - Weighted sum of V: the group's heads x a slice of columns accumulate in registers across the chunk's keys, each
+//   V row converted in registers once (bf16 by a shift, fp16 and fp8 by F16C, int8 by a widening convert).
+// - An 8-bit cache's K scale multiplies each score, its V scale each softmax weight (after their sum).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels.h"
+#include "kv_dtypes.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -20,222 +36,290 @@
 
 namespace {
 
-inline void axpy(float w, const float* x, float* y, int64_t n) {  // y += w * x
-    const __m256 wv = _mm256_set1_ps(w);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; ++i) y[i] += w * x[i];
-}
-
-// 8 cache elements at p as float32: a float32 cache as it is, an int8 one as its integers (the scale of the row
-// is applied by the caller, once per dot product or per weight).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Keys per group_dots call and V columns per weighted_columns pass, sized to the vector registers: AVX-512's 32
-// hold 4 heads x 4 keys (or x 32 columns) of sums plus the operands, AVX2's 16 half that.
 #if defined(__AVX512F__)
-constexpr int64_t kDotKeys = 4;
-constexpr int kWideColumns = 4;
+using L = kvserve::F32x16;
+constexpr int kAccRegs = 24;  // of 32 vector registers: the weighted sum's accumulators
 #else
-constexpr int64_t kDotKeys = 2;
-constexpr int kWideColumns = 2;
+using L = kvserve::F32x8;
+constexpr int kAccRegs = 12;  // of 16
 #endif
+using V = L::V;
+constexpr int64_t kLanes = L::kLanes;
+constexpr int kMaxHeads = 8;       // query heads a weighted-sum pass holds (more: several passes)
+constexpr int64_t kMinPart = 64;   // keys a part of a split context gets at least
 
-// scores[g * n + c] = scale_c * (q_g . k_c) for G query heads (q rows dim apart) and C keys: each key is read
-// once, and each query vector loaded once serves C keys, so the loop issues fewer loads than FMAs (one key at a
-// time it was load-bound: G + 1 loads for G FMAs). Each dot product is summed in the same order whatever C is
-// (8-lane partial sums over d, then hsum), so the results do not depend on how keys are grouped.
-template <int G, int C, typename T>
-inline void group_dots(const float* q, const T* const* k, int64_t dim, const float* scale, float* scores, int64_t n) {
-    __m256 acc[G][C];
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-        __m256 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = load8(k[c] + i);
+// Per-thread scratch, kept between calls (the threads of OpenMP's pool persist). Per query head unless said.
+struct Scratch {
+    std::vector<float> qs;           // [heads, dim]: the queries times the softmax scale
+    std::vector<float> s;            // [heads, chunk]: scores, then softmax weights
+    std::vector<float> o;            // [heads, dim]: the running weighted sums of V
+    std::vector<float> m, l, alpha;  // [heads]: running max, running sum, this chunk's rescale
+    std::vector<float> tile;         // [kLanes, dim]: K rows converted to float32
+    std::vector<float> kscale;       // [kv_heads, chunk + kLanes]: each key's K scale (8-bit caches), padded
+    std::vector<float> vscale;       // [kv_heads, chunk + kLanes]
+    std::vector<int64_t> slot;       // [chunk]: each key's slot in the cache
+    std::vector<const void*> vrow;   // [kv_heads, chunk]: each key's V row
+    std::vector<const char*> ahead;  // [chunk]: the next chunk's slots (K, then V at `v_offset`), prefetched meanwhile
+};
+
+// Every cache line of `bytes` at p into L2: the next chunk's rows are fetched while this one is computed (its rows lie
+// in blocks scattered over the cache, a few KB each, which the hardware prefetchers follow only within a block).
+__attribute__((always_inline)) inline void prefetch_bytes(const char* p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
+// s[t] = q . k_t over the first `dims` (a multiple of kLanes) elements, for the kLanes rows k + t * stride. Inlined,
+// so that the kLanes sums stay in registers through simd.h's sum_lanes.
+__attribute__((always_inline)) inline V dots(const float* q, const float* k, int64_t stride, int64_t dims) {
+    V acc[kLanes];
+    for (int t = 0; t < kLanes; ++t) acc[t] = L::zero();
+    for (int64_t d = 0; d < dims; d += kLanes) {
+        const V qv = L::load(q + d);
+        for (int t = 0; t < kLanes; ++t) acc[t] = L::fmadd(qv, L::load(k + t * stride + d), acc[t]);
+    }
+    return L::sum_lanes(acc);
+}
+
+// o[g][c0 .. c0 + W vectors) = alpha[g] o[g][...] + sum over the n keys of p[g * ld + j] V_j[...], for G heads.
+template <typename E, int G, int W>
+inline void weighted_columns(const float* p, int64_t ld, const void* const* vrow, int64_t n, int64_t c0,
+                             const float* alpha, float* o, int64_t dim) {
+    V acc[G][W];
+    for (int g = 0; g < G; ++g) {
+        const V a = L::set1(alpha[g]);
+        for (int w = 0; w < W; ++w) acc[g][w] = L::mul(L::load(o + g * dim + c0 + w * kLanes), a);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const typename E::T* row = static_cast<const typename E::T*>(vrow[j]) + c0;
+        V vv[W];
+        for (int w = 0; w < W; ++w) vv[w] = L::template load_kv<E>(row + w * kLanes);
         for (int g = 0; g < G; ++g) {
-            const __m256 qv = _mm256_loadu_ps(q + g * dim + i);
-            for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(qv, kv[c], acc[g][c]);
+            const V pj = L::set1(p[g * ld + j]);
+            for (int w = 0; w < W; ++w) acc[g][w] = L::fmadd(pj, vv[w], acc[g][w]);
         }
     }
     for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) {
-            float r = kvserve::hsum(acc[g][c]);
-            for (int64_t j = i; j < dim; ++j) r += q[g * dim + j] * static_cast<float>(k[c][j]);
-            scores[g * n + c] = r * scale[c];
-        }
+        for (int w = 0; w < W; ++w) L::store(o + g * dim + c0 + w * kLanes, acc[g][w]);
 }
 
-// out[g] (dim floats each, `stride` apart) = sum over the n keys of w[g * n + p] * V row p, for G query heads.
-// Columns are taken 16 at a time with all G x 16 sums in registers across the keys, instead of adding each V
-// row into memory once per head: the V rows of a sequence stay in L2 between the column passes.
-// Columns [c, c + 8V) of out for G heads: V vectors of each V row, G x V sums in registers.
-template <int G, int V, typename T>
-inline void weighted_columns(const T* const* v_rows, int64_t n, const float* w, int64_t c, float* out,
-                             int64_t stride) {
-    __m256 acc[G][V];
-    for (int g = 0; g < G; ++g)
-        for (int x = 0; x < V; ++x) acc[g][x] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < n; ++p) {
-        __m256 vv[V];
-        for (int x = 0; x < V; ++x) vv[x] = load8(v_rows[p] + c + 8 * x);
-        for (int g = 0; g < G; ++g) {
-            const __m256 wv = _mm256_broadcast_ss(w + g * n + p);
-            for (int x = 0; x < V; ++x) acc[g][x] = _mm256_fmadd_ps(wv, vv[x], acc[g][x]);
-        }
-    }
-    for (int g = 0; g < G; ++g)
-        for (int x = 0; x < V; ++x) _mm256_storeu_ps(out + g * stride + c + 8 * x, acc[g][x]);
-}
-
-template <int G, typename T>
-inline void group_weighted_sum(const T* const* v_rows, int64_t n, const float* w, int64_t dim, float* out,
-                               int64_t stride) {
-    // 8 x kWideColumns columns a pass where the sums fit the registers, else 16; each column's sum runs over the
-    // keys in order either way.
-    constexpr int kWide = G <= 4 ? kWideColumns : 2;
-    int64_t c = 0;
-    for (; c + 8 * kWide <= dim; c += 8 * kWide) weighted_columns<G, kWide>(v_rows, n, w, c, out, stride);
-    for (; c + 16 <= dim; c += 16) weighted_columns<G, 2>(v_rows, n, w, c, out, stride);
-    for (; c < dim; ++c)  // a head size that is not a multiple of 16
-        for (int g = 0; g < G; ++g) {
-            float sum = 0.0f;
-            for (int64_t p = 0; p < n; ++p) sum += w[g * n + p] * static_cast<float>(v_rows[p][c]);
-            out[g * stride + c] = sum;
-        }
-}
-
-// exp(s[i] - m) in place over n scores; returns their sum.
-inline float exp_shifted(float* s, int64_t n, float m) {
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sum = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 e = kvserve::exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
-        _mm256_storeu_ps(s + i, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    float total = kvserve::hsum(sum);
-    for (; i < n; ++i) total += (s[i] = expf(s[i] - m));
-    return total;
-}
-
-// Up to four query heads at a time (the group of a KV head may be larger: MQA with many heads).
-template <typename Call>
-inline void by_heads(int64_t group, const Call& call) {
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        switch (std::min<int64_t>(4, group - g0)) {
-            case 4: call(g0, std::integral_constant<int, 4>{}); break;
-            case 3: call(g0, std::integral_constant<int, 3>{}); break;
-            case 2: call(g0, std::integral_constant<int, 2>{}); break;
-            default: call(g0, std::integral_constant<int, 1>{}); break;
-        }
+template <typename E, int W>
+inline void weighted_heads(int64_t g, const float* p, int64_t ld, const void* const* vrow, int64_t n, int64_t c0,
+                           const float* alpha, float* o, int64_t dim) {
+    switch (g) {
+        case 8: weighted_columns<E, 8, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
+        case 7: weighted_columns<E, 7, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
+        case 6: weighted_columns<E, 6, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
+        case 5: weighted_columns<E, 5, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
+        case 4: weighted_columns<E, 4, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
+        case 3: weighted_columns<E, 3, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
+        case 2: weighted_columns<E, 2, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
+        default: weighted_columns<E, 1, W>(p, ld, vrow, n, c0, alpha, o, dim); break;
     }
 }
 
-// The kernel for a cache of T (float32, or int8 with a float32 scale per token and KV head in k_scales /
-// v_scales, [blocks, block_size, kv_heads]: read in place, each row's scale applied to its dot product or to
-// its softmax weight).
-template <typename T>
-void decode_attention(const float* q, const T* k_cache, const T* v_cache, const float* k_scales,
-                      const float* v_scales, const int64_t* block_tables, int64_t table_width,
-                      const int64_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t block_size, int64_t window, float scale, float* out) {
-    constexpr bool kScaled = !std::is_same_v<T, float>;
-    const int64_t group = heads / kv_heads;
-    // With fewer (sequence, KV head) pairs than threads (one sequence of a one-KV-head model: Gemma 3 270M at
-    // batch 1), each pair's context is split into parts on different threads, whose partial softmax sums are
-    // merged at the end (flash-decoding); otherwise one thread would read the whole context alone.
-    const int64_t pairs = batch * kv_heads;
+// The chunk's weighted sum of V for all `group` heads: column slices of 4, 2 or 1 vectors (the widest whose
+// accumulators for up to kMaxHeads heads fit kAccRegs), heads in even passes of at most kMaxHeads; columns past the
+// last whole vector (a head size that is no multiple of kLanes) one at a time.
+template <typename E>
+void weighted_sum(int64_t group, const float* p, int64_t ld, const void* const* vrow, int64_t n,
+                  const float* alpha, float* o, int64_t dim) {
+    const int64_t vecs = dim / kLanes;
+    const int64_t heads = std::min<int64_t>(group, kMaxHeads);
+    const int wide = heads * 4 <= kAccRegs ? 4 : heads * 2 <= kAccRegs ? 2 : 1;
+    const int64_t passes = (group + kMaxHeads - 1) / kMaxHeads;
+    for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t g0 = pass * group / passes, g1 = (pass + 1) * group / passes;
+        const float* pg = p + g0 * ld;
+        float* og = o + g0 * dim;
+        int64_t v = 0;
+        for (; wide >= 4 && v + 4 <= vecs; v += 4)
+            weighted_heads<E, 4>(g1 - g0, pg, ld, vrow, n, v * kLanes, alpha + g0, og, dim);
+        for (; wide >= 2 && v + 2 <= vecs; v += 2)
+            weighted_heads<E, 2>(g1 - g0, pg, ld, vrow, n, v * kLanes, alpha + g0, og, dim);
+        for (; v < vecs; ++v) weighted_heads<E, 1>(g1 - g0, pg, ld, vrow, n, v * kLanes, alpha + g0, og, dim);
+    }
+    for (int64_t d = vecs * kLanes; d < dim; ++d)
+        for (int64_t g = 0; g < group; ++g) {
+            float acc = o[g * dim + d] * alpha[g];
+            for (int64_t j = 0; j < n; ++j) acc += p[g * ld + j] * E::load1(static_cast<const typename E::T*>(vrow[j]) + d);
+            o[g * dim + d] = acc;
+        }
+}
+
+// Keys [first, last) of sequence b, every KV head -> part[g] = (max, sum, weighted V [dim]) for each query head g.
+// An item reads whole slots (all KV heads of a token are adjacent in the cache), block after block.
+template <typename E>
+void attend_part(const KvserveDecodeAttention& a, int64_t chunk, int64_t b, int64_t first, int64_t last, Scratch& sc,
+                 float* part) {
+    using T = typename E::T;
+    const int64_t heads = a.heads, kv_heads = a.kv_heads, group = heads / kv_heads;
+    const int64_t dim = a.dim, dims = dim / kLanes * kLanes, block_size = a.block_size, stride = kv_heads * dim;
+    const int64_t* table = a.block_tables + b * a.table_width;
+    const T* k_cache = static_cast<const T*>(a.k_cache);
+    const T* v_cache = static_cast<const T*>(a.v_cache);
+    const float scale = static_cast<float>(a.scale);
+    const float* q = a.q + b * heads * dim;
+    for (int64_t i = 0; i < heads * dim; ++i) sc.qs[i] = q[i] * scale;
+    std::fill(sc.o.begin(), sc.o.begin() + heads * dim, 0.0f);
+    std::fill(sc.m.begin(), sc.m.begin() + heads, -INFINITY);
+    std::fill(sc.l.begin(), sc.l.begin() + heads, 0.0f);
+    const int64_t slot_bytes = stride * static_cast<int64_t>(sizeof(T));
+    const int64_t v_offset = reinterpret_cast<const char*>(v_cache) - reinterpret_cast<const char*>(k_cache);
+    const int64_t padded = chunk + kLanes;
+    auto slot_of = [&](int64_t pos) { return table[pos / block_size] * block_size + pos % block_size; };
+    // Chunks end at multiples of kLanes positions, so that after the first one each run of kLanes keys lies in one
+    // block wherever blocks hold a multiple of kLanes tokens, and is read in place (float32).
+    for (int64_t c0 = first; c0 < last;) {
+        const int64_t c1 = std::min(last, (c0 / kLanes) * kLanes + chunk), n = c1 - c0;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t slot = sc.slot[j] = slot_of(c0 + j);
+            for (int64_t h = 0; h < kv_heads; ++h) {
+                const int64_t row = slot * kv_heads + h;
+                sc.vrow[h * chunk + j] = v_cache + row * dim;
+                if constexpr (E::kScaled) {
+                    sc.kscale[h * padded + j] = a.k_scales[row] * E::kUnit;
+                    sc.vscale[h * padded + j] = a.v_scales[row] * E::kUnit;
+                }
+            }
+        }
+        const int64_t n_next = std::min(last, c1 + chunk) - c1;  // the next chunk's slots, prefetched tile by tile
+        for (int64_t j = 0; j < n_next; ++j)
+            sc.ahead[j] = reinterpret_cast<const char*>(k_cache + slot_of(c1 + j) * stride);
+        const int64_t tiles = (n + kLanes - 1) / kLanes, all_tiles = tiles * kv_heads;
+        const int64_t ahead_per_tile = (n_next + all_tiles - 1) / all_tiles;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            // Scores of the group's heads, kLanes keys at a time; lanes past the chunk's end get -inf.
+            for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+                const int64_t nt = std::min(kLanes, n - t0);
+                const int64_t a0 = (h * tiles + t0 / kLanes) * ahead_per_tile, a1 = std::min(n_next, a0 + ahead_per_tile);
+                for (int64_t j = a0; j < a1; ++j) {
+                    prefetch_bytes(sc.ahead[j], slot_bytes);
+                    prefetch_bytes(sc.ahead[j] + v_offset, slot_bytes);
+                }
+                const float* base;
+                int64_t row_stride;
+                const T* k0 = k_cache + (sc.slot[t0] * kv_heads + h) * dim;
+                if (std::is_same_v<E, kvserve::kv::Float32> && nt == kLanes &&
+                    (c0 + t0) / block_size == (c0 + t0 + kLanes - 1) / block_size) {
+                    base = reinterpret_cast<const float*>(k0), row_stride = stride;  // one block's rows, in place
+                } else {
+                    for (int64_t t = 0; t < kLanes; ++t) {  // missing rows repeat the first (their lanes are masked)
+                        const T* src = k_cache + (sc.slot[t0 + (t < nt ? t : 0)] * kv_heads + h) * dim;
+                        float* dst = sc.tile.data() + t * dim;
+                        int64_t d = 0;
+                        for (; d < dims; d += kLanes) L::store(dst + d, L::template load_kv<E>(src + d));
+                        for (; d < dim; ++d) dst[d] = E::load1(src + d);
+                    }
+                    base = sc.tile.data(), row_stride = dim;
+                }
+                for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+                    float* sg = sc.s.data() + g * chunk + t0;
+                    const float* qg = sc.qs.data() + g * dim;
+                    V sv = dims ? dots(qg, base, row_stride, dims) : L::zero();
+                    if (dims < dim) {  // a head size that is no multiple of kLanes: the rest of each dot product
+                        alignas(64) float tail[kLanes];
+                        for (int64_t t = 0; t < kLanes; ++t) {
+                            float r = 0.0f;
+                            for (int64_t d = dims; d < dim; ++d) r += qg[d] * base[t * row_stride + d];
+                            tail[t] = r;
+                        }
+                        sv = L::add(sv, L::load(tail));
+                    }
+                    if constexpr (E::kScaled) sv = L::mul(sv, L::load(sc.kscale.data() + h * padded + t0));
+                    L::store(sg, sv);
+                    for (int64_t t = nt; t < kLanes; ++t) sg[t] = -INFINITY;
+                }
+            }
+            // The online softmax over the chunk, per head: scores -> weights exp(s - max), earlier sums rescaled.
+            const int64_t vec_n = tiles * kLanes;
+            for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+                float* sg = sc.s.data() + g * chunk;
+                V mx = L::load(sg);
+                for (int64_t j = kLanes; j < vec_n; j += kLanes) mx = L::max(mx, L::load(sg + j));
+                const float m_new = std::max(sc.m[g], L::hmax(mx));
+                sc.alpha[g] = expf(sc.m[g] - m_new);  // 0 for the first chunk (m = -inf), whose sums are 0 anyway
+                const V mv = L::set1(m_new);
+                for (int64_t j = 0; j < vec_n; j += kLanes) L::store(sg + j, L::exp(L::sub(L::load(sg + j), mv)));
+                for (int64_t j = n; j < vec_n; ++j) sg[j] = 0.0f;
+                V sum = L::zero();
+                for (int64_t j = 0; j < vec_n; j += kLanes) sum = L::add(sum, L::load(sg + j));
+                sc.l[g] = sc.l[g] * sc.alpha[g] + L::hsum(sum);
+                sc.m[g] = m_new;
+                if constexpr (E::kScaled)  // V's scales ride on the weights, after their sum
+                    for (int64_t j = 0; j < vec_n; j += kLanes)
+                        L::store(sg + j, L::mul(L::load(sg + j), L::load(sc.vscale.data() + h * padded + j)));
+            }
+            weighted_sum<E>(group, sc.s.data() + h * group * chunk, chunk, sc.vrow.data() + h * chunk, n,
+                            sc.alpha.data() + h * group, sc.o.data() + h * group * dim, dim);
+        }
+        c0 = c1;
+    }
+    const int64_t stride_out = dim + 2;
+    for (int64_t g = 0; g < heads; ++g) {
+        float* pg = part + g * stride_out;
+        pg[0] = sc.m[g];
+        pg[1] = sc.l[g];
+        memcpy(pg + 2, sc.o.data() + g * dim, dim * sizeof(float));
+    }
+}
+
+template <typename E>
+void decode_attention(const KvserveDecodeAttention& a) {
+    const int64_t batch = a.batch, heads = a.heads, kv_heads = a.kv_heads, dim = a.dim;
+    // Keys of a chunk: each KV head's K (or converted) and V rows in about 32 KB of float32, a multiple of kLanes.
+    const int64_t chunk = std::clamp<int64_t>(8192 / std::max<int64_t>(dim, 1) / kLanes * kLanes, kLanes, 256);
+    auto visible = [&](int64_t b) {  // [lo, len) of sequence b's keys
+        const int64_t len = a.seq_lens[b];
+        return std::pair<int64_t, int64_t>{a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0, len};
+    };
+    // Items: (sequence, part of its keys). With fewer sequences than twice the threads, contexts are split so that
+    // there are about that many items (a thread that the OS parks for a while leaves its share to the others), in
+    // parts of kMinPart keys at least.
     const int64_t threads = omp_get_max_threads();
-    const int64_t splits = pairs < threads ? (threads + pairs - 1) / pairs : 1;
-    // Per (pair, split, query head): the part's max score, its sum of exp(score - max), then the
-    // exp-weighted sum of V rows (dim values).
-    const int64_t stride = dim + 2;
-    std::vector<float> partial(static_cast<size_t>(pairs * splits * group * stride));
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, visible(b).second - visible(b).first);
+    const int64_t splits = batch >= 2 * threads ? 1
+                                                : std::clamp<int64_t>((longest + kMinPart - 1) / kMinPart, 1,
+                                                                      (2 * threads + batch - 1) / batch);
+    const int64_t stride_out = dim + 2;
+    std::vector<float> partial(static_cast<size_t>(batch * splits * heads * stride_out));
 #pragma omp parallel
     {
-        std::vector<float> scores;
-        std::vector<const T*> keys, rows;  // each key's K and V row
-        std::vector<float> k_scale;        // each key's softmax scale (times its K scale in a scaled cache)
-        std::vector<float> v_scale;        // each key's V scale (scaled caches)
+        thread_local Scratch sc;
+        sc.qs.resize(heads * dim), sc.o.resize(heads * dim), sc.s.resize(heads * chunk);
+        sc.m.resize(heads), sc.l.resize(heads), sc.alpha.resize(heads);
+        sc.tile.resize(kLanes * dim), sc.kscale.resize(kv_heads * (chunk + kLanes));
+        sc.vscale.resize(kv_heads * (chunk + kLanes));
+        sc.slot.resize(chunk), sc.vrow.resize(kv_heads * chunk), sc.ahead.resize(chunk);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < pairs * splits; ++item) {
-            const int64_t pair = item / splits, part = item % splits;
-            const int64_t b = pair / kv_heads, h = pair % kv_heads;
-            const int64_t len = seq_lens[b];
-            const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-            const int64_t per = (len - lo + splits - 1) / splits;
-            const int64_t first = lo + part * per, last = std::min(len, first + per);
-            const int64_t n = std::max<int64_t>(0, last - first);
-            const int64_t* table = block_tables + b * table_width;
-            float* acc = partial.data() + item * group * stride;
-            scores.assign(static_cast<size_t>(group * n), 0.0f);
-            keys.resize(static_cast<size_t>(n)), rows.resize(static_cast<size_t>(n));
-            k_scale.resize(static_cast<size_t>(n));
-            if (kScaled) v_scale.resize(static_cast<size_t>(n));
-            const float* q_pair = q + (b * heads + h * group) * dim;
-            for (int64_t p = 0; p < n; ++p) {
-                const int64_t pos = first + p;
-                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                keys[p] = k_cache + (slot * kv_heads + h) * dim;
-                rows[p] = v_cache + (slot * kv_heads + h) * dim;
-                k_scale[p] = kScaled ? scale * k_scales[slot * kv_heads + h] : scale;
-                if (kScaled) v_scale[p] = v_scales[slot * kv_heads + h];
-            }
-            for (int64_t p = 0; p < n; p += kDotKeys) {
-                by_heads(group, [&](int64_t g0, auto heads_here) {
-                    constexpr int G = decltype(heads_here)::value;
-                    const float* qg = q_pair + g0 * dim;
-                    float* sg = scores.data() + g0 * n + p;
-                    switch (std::min<int64_t>(kDotKeys, n - p)) {
-                        case 4: group_dots<G, 4>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
-                        case 3: group_dots<G, 3>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
-                        case 2: group_dots<G, 2>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
-                        default: group_dots<G, 1>(qg, keys.data() + p, dim, k_scale.data() + p, sg, n); break;
-                    }
-                });
-            }
-            for (int64_t g = 0; g < group; ++g) {
-                float* s = scores.data() + g * n;
-                float* a = acc + g * stride;
-                const float m = n ? *std::max_element(s, s + n) : -INFINITY;
-                a[0] = m;
-                a[1] = n ? exp_shifted(s, n, m) : 0.0f;
-                if (n == 0) std::fill(a + 2, a + stride, 0.0f);
-                if (kScaled)  // the V rows' scales ride on the weights (after their sum, which must not see them)
-                    for (int64_t p = 0; p < n; ++p) s[p] *= v_scale[p];
-            }
-            if (n > 0)
-                by_heads(group, [&](int64_t g0, auto heads_here) {
-                    group_weighted_sum<decltype(heads_here)::value>(rows.data(), n, scores.data() + g0 * n, dim,
-                                                                    acc + g0 * stride + 2, stride);
-                });
+        for (int64_t item = 0; item < batch * splits; ++item) {
+            const int64_t b = item / splits, part = item % splits;
+            const auto [lo, len] = visible(b);
+            // Parts at multiples of kLanes positions (their ends excepted), so that their chunks align.
+            const int64_t base = lo / kLanes * kLanes;
+            const int64_t per = ((len - base + splits - 1) / splits + kLanes - 1) / kLanes * kLanes;
+            const int64_t first = std::max(lo, base + part * per), last = std::min(len, base + (part + 1) * per);
+            attend_part<E>(a, chunk, b, first, std::max(first, last), sc, partial.data() + item * heads * stride_out);
         }
-        // Merge the parts of each (pair, query head): rescale each part's sums to the overall max.
+        // Merge the parts of each (sequence, query head): each part's sums rescaled to their common max.
 #pragma omp for schedule(static)
-        for (int64_t row = 0; row < pairs * group; ++row) {
-            const int64_t pair = row / group, g = row % group;
-            const int64_t b = pair / kv_heads, h = pair % kv_heads;
-            const float* first = partial.data() + (pair * splits * group + g) * stride;
+        for (int64_t row = 0; row < batch * heads; ++row) {
+            const int64_t b = row / heads, g = row % heads;
+            const float* first = partial.data() + (b * splits * heads + g) * stride_out;
             float m = -INFINITY;
-            for (int64_t part = 0; part < splits; ++part) m = std::max(m, first[part * group * stride]);
-            float* o = out + (b * heads + h * group + g) * dim;
+            for (int64_t part = 0; part < splits; ++part) m = std::max(m, first[part * heads * stride_out]);
+            float* o = a.out + row * dim;
             std::fill(o, o + dim, 0.0f);
             float total = 0.0f;
             for (int64_t part = 0; part < splits; ++part) {
-                const float* a = first + part * group * stride;
-                if (a[1] == 0.0f) continue;  // an empty part
-                const float w = expf(a[0] - m);
-                total += w * a[1];
-                axpy(w, a + 2, o, dim);
+                const float* p = first + part * heads * stride_out;
+                if (p[1] == 0.0f) continue;  // an empty part
+                const float w = expf(p[0] - m);
+                total += w * p[1];
+                for (int64_t d = 0; d < dim; ++d) o[d] += w * p[2 + d];
             }
             const float inv = 1.0f / total;
-            for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
+            for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
         }
     }
 }
@@ -244,19 +328,9 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
 
 extern "C" {
 
-// The query of each sequence over its context (kernels.h: KvserveDecodeAttention); the cache's type is told by
-// its scales: a float32 cache has none, an int8 one (kvserve/kv/quant.py's layout) is read in place with them.
+// The query of each sequence over its context (kernels.h: KvserveDecodeAttention).
 void kvserve_paged_decode_attention(const KvserveDecodeAttention* a) {
-    const float scale = static_cast<float>(a->scale);
-    if (a->k_scales == nullptr) {
-        decode_attention<float>(a->q, static_cast<const float*>(a->k_cache), static_cast<const float*>(a->v_cache),
-                                nullptr, nullptr, a->block_tables, a->table_width, a->seq_lens, a->batch, a->heads,
-                                a->kv_heads, a->dim, a->block_size, a->window, scale, a->out);
-        return;
-    }
-    decode_attention<int8_t>(a->q, static_cast<const int8_t*>(a->k_cache), static_cast<const int8_t*>(a->v_cache),
-                             a->k_scales, a->v_scales, a->block_tables, a->table_width, a->seq_lens, a->batch,
-                             a->heads, a->kv_heads, a->dim, a->block_size, a->window, scale, a->out);
+    kvserve::kv::dispatch(a->kv_dtype, [&](auto type) { decode_attention<decltype(type)>(*a); });
 }
 
 }

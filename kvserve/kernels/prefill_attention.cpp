@@ -1,6 +1,8 @@
-// Prefill attention straight on the paged KV cache (float32): a chunk of L query tokens of one sequence (the
-// last L positions of its context) attends causally, optionally within a sliding window, to the context read
-// through the sequence's block table, with no gathered copy of K and V.
+// Prefill attention straight on the paged KV cache: a chunk of L query tokens of one sequence (the last L positions
+// of its context) attends causally, optionally within a sliding window, to the context read through the sequence's
+// block table, with no gathered copy of K and V. A cache of another element type than float32 (kv_dtypes.h) has each
+// key tile's K and V rows converted (and an 8-bit one's scales applied) into the tile's float32 buffers as they are
+// read, 64 keys at a time.
 //
 // Why: torch's CPU flash SDPA ran at ~76 GFLOP/s on Gemma 3's prefill shapes (4 query heads, 1 KV head,
 // head_dim 256), and the torch path first gathers and transposes K/V out of the cache every layer.
@@ -29,10 +31,12 @@
 #include <unistd.h>
 
 #include "kernels.h"
+#include "kv_dtypes.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -213,20 +217,36 @@ struct Tile {
     std::vector<float> m, l, alpha;     // running max, running sum, this step's rescale; per row
     std::vector<float> lo, hi;          // each row's visible keys [lo, hi) in the current key tile
     Floats vp;                          // the key tile's V rows [kKeyTile, vld]
+    Floats kp;                          // a converted cache's K rows [kKeyTile, vld] (a float32 cache's are read
+                                        // in place)
     std::vector<const float*> src;      // each row's query in q
     std::vector<const float*> k, v;     // the key tile's K rows (in the cache) and V rows (in vp)
     std::vector<int64_t> j0, j1;        // per block of kRows rows: the keys any of its rows sees
 };
 
-}  // namespace
+// One cache row (dim elements of E) to float32 at dst, times `scale` for an 8-bit type.
+template <typename E>
+inline void widen_row(const typename E::T* src, int64_t dim, float scale, float* dst) {
+    if constexpr (std::is_same_v<E, kvserve::kv::Float32>) {
+        std::copy(src, src + dim, dst);
+    } else {
+        const __m256 sv = _mm256_set1_ps(scale);
+        int64_t d = 0;
+        for (; d + 8 <= dim; d += 8) {
+            const __m256 x = E::load8(src + d);
+            _mm256_storeu_ps(dst + d, E::kScaled ? _mm256_mul_ps(x, sv) : x);
+        }
+        for (; d < dim; ++d) dst[d] = E::kScaled ? E::load1(src + d) * scale : E::load1(src + d);
+    }
+}
 
-extern "C" {
-
-// One sequence's chunk of queries, causal over its context (kernels.h: KvservePrefillAttention).
-void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
+// One sequence's chunk of queries, causal over its context (kernels.h: KvservePrefillAttention), on a cache of E.
+template <typename E>
+void prefill_attention(const KvservePrefillAttention* a) {
+    using T = typename E::T;
     const float* q = a->q;
-    const float* k_cache = a->k_cache;
-    const float* v_cache = a->v_cache;
+    const T* k_cache = static_cast<const T*>(a->k_cache);
+    const T* v_cache = static_cast<const T*>(a->v_cache);
     const int64_t* block_table = a->block_table;
     float* out = a->out;
     const int64_t q_len = a->q_len, seq_len = a->seq_len, heads = a->heads, kv_heads = a->kv_heads, dim = a->dim;
@@ -266,6 +286,7 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
         t.qt.resize(dim * ld), t.st.resize(kKeyTile * ld), t.o.resize(ld * dim);
         t.m.resize(ld), t.l.resize(ld), t.alpha.resize(ld), t.lo.resize(ld), t.hi.resize(ld);
         t.vp.resize(kKeyTile * vld), t.src.resize(ld), t.k.resize(kKeyTile), t.v.resize(kKeyTile);
+        if (!std::is_same_v<E, kvserve::kv::Float32>) t.kp.resize(kKeyTile * vld);
         t.j0.resize(ld / kRows), t.j1.resize(ld / kRows);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < q_tiles * kv_heads; ++item) {
@@ -298,10 +319,16 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
                 const int64_t nk = std::min(kKeyTile, p_last + 1 - k0);
                 for (int64_t j = 0; j < nk; ++j) {
                     const int64_t pos = k0 + j;
-                    const int64_t slot = block_table[pos / block_size] * block_size + pos % block_size;
-                    t.k[j] = k_cache + (slot * kv_heads + h) * dim;
-                    const float* src = v_cache + (slot * kv_heads + h) * dim;
-                    std::copy(src, src + dim, t.vp.data() + j * vld);
+                    const int64_t row = (block_table[pos / block_size] * block_size + pos % block_size) * kv_heads + h;
+                    if constexpr (std::is_same_v<E, kvserve::kv::Float32>) {
+                        t.k[j] = k_cache + row * dim;
+                    } else {
+                        widen_row<E>(k_cache + row * dim, dim, E::kScaled ? a->k_scales[row] * E::kUnit : 1.0f,
+                                     t.kp.data() + j * vld);
+                        t.k[j] = t.kp.data() + j * vld;
+                    }
+                    widen_row<E>(v_cache + row * dim, dim, E::kScaled ? a->v_scales[row] * E::kUnit : 1.0f,
+                                 t.vp.data() + j * vld);
                     t.v[j] = t.vp.data() + j * vld;
                 }
                 for (int64_t r = 0; r < ld; ++r) {
@@ -428,6 +455,14 @@ void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
             }
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+void kvserve_paged_prefill_attention(const KvservePrefillAttention* a) {
+    kvserve::kv::dispatch(a->kv_dtype, [&](auto type) { prefill_attention<decltype(type)>(a); });
 }
 
 }

@@ -73,6 +73,29 @@ struct F32x8 {
     static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }     // a b + c
     static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }   // c - a b
+    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    static V exp(V x) { return exp256(x); }
+    static float hsum(V v) { return kvserve::hsum(v); }
+    static float hmax(V v) {
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    }
+    // Lane t of the result = the sum of a[t]'s lanes, for kLanes vectors at once: a tree of unpacks, shuffles and
+    // adds (21 operations for 8 sums, where 8 horizontal sums take about 40).
+    __attribute__((always_inline)) static V sum_lanes(const V* a) {
+        V s[4], u[2];
+        for (int i = 0; i < 4; ++i)  // per 128-bit lane: a0 + a2, b0 + b2, a1 + a3, b1 + b3
+            s[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+        for (int i = 0; i < 2; ++i)  // per 128-bit lane: a, b, c, d over that lane's 4 elements
+            u[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                                 _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+        return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+    }
+    // kv_dtypes.h's element types, kLanes at a time, as float32.
+    template <typename E>
+    static V load_kv(const typename E::T* p) { return E::load8(p); }
 };
 
 #if defined(__AVX512F__)
@@ -87,6 +110,27 @@ struct F32x16 {
     static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    static V exp(V x) { return exp512(x); }
+    static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+    static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+    // F32x8::sum_lanes for 16 vectors: then the four 128-bit lanes are added across by two more levels (45
+    // operations for 16 sums).
+    __attribute__((always_inline)) static V sum_lanes(const V* a) {
+        V s[8], u[4], w[2];
+        for (int i = 0; i < 8; ++i)
+            s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+        for (int i = 0; i < 4; ++i)  // per 128-bit lane: keys 4i .. 4i + 3 over that lane's 4 elements
+            u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+        for (int i = 0; i < 2; ++i)  // lanes (0 + 1, 2 + 3) of u[2i], then of u[2i + 1]
+            w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+        return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    }
+    template <typename E>
+    static V load_kv(const typename E::T* p) { return E::load16(p); }
 };
 #endif
 

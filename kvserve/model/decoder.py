@@ -222,7 +222,7 @@ class DecoderModel(nn.Module):
         # nn.ModuleList yields untyped nn.Module items (torch's stubs): these are RotaryEmbedding
         tables = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # type: ignore[operator]
         native = self.choose_layer_path()
-        if native is not None and native.takes(kv_caches, h.shape[0], metas[0].is_decode_only):
+        if native is not None and native.takes(kv_caches, h.shape[0]):
             return self.norm(native.run(h, tables, self.rope_index, kv_caches, metas, state))
         if not self.has_state:
             for layer, rope_i, kv_cache, layer_meta in zip(self.layers, self.rope_index, kv_caches, metas, strict=True):

@@ -6,8 +6,9 @@ weight reads.
 `NativeLayerStack.build` describes every layer's weights once (ctypes structs pointing into the parameters and
 buffers, which the loader fills in place) and raises `NativeLayerUnsupported` with the reason when a model is
 outside what the C++ covers; DecoderModel then keeps the torch path, which stays the reference. Per step the
-stack checks only what can change between steps: the KV cache (an 8-bit cache goes to the torch path, which
-dequantizes it) and the batch's shape (one step struct and one scratch buffer per step)."""
+stack checks only what can change between steps: the KV cache (a cache of an element type the kernels do not read,
+or with a checkpoint's static fp8 scales, goes to the torch path) and the batch's shape (one step struct and one
+scratch buffer per step)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from kvserve.kernels.abi import (
     StepDesc,
 )
 from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES
-from kvserve.kernels.ops import NATIVE_ACTIVATIONS, Kernels, NativeKernels
+from kvserve.kernels.ops import NATIVE_ACTIVATIONS, Kernels, NativeKernels, kv_dtype_code
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.gguf_layers import GGUFLinear
 from kvserve.model.quantization import Q8Linear
@@ -204,21 +205,23 @@ class NativeLayerStack:
         kinds = {bool(d.conv_kernel): d for d in reversed(descs)}  # the first of each kind
         return cls(kernels, descs, FLOAT32_MAX_ROWS if float32 else None, list(kinds.values()))
 
-    def takes(self, kv_caches: list[LayerKVCache], rows: int, decode_only: bool = False) -> bool:
-        """Whether this step runs here: `rows` within max_rows, and caches the C++ reads (contiguous, on the CPU:
-        float32; or int8 with computed scales, on steps of decodes only, whose attention reads it in place; says
-        once if not)."""
+    def takes(self, kv_caches: list[LayerKVCache], rows: int) -> bool:
+        """Whether this step runs here: `rows` within max_rows, and caches the C++ reads and writes (contiguous, on
+        the CPU, of an element type of kernels/abi.py's KV_DTYPE_CODES; an 8-bit one with scales it computes per
+        token, not a checkpoint's static ones; says once if not)."""
         if self.max_rows is not None and rows > self.max_rows:
             return False
         c = kv_caches[0] if kv_caches else None
-        if c is None or c.key.device.type != "cpu" or not (c.key.is_contiguous() and c.value.is_contiguous()):
-            ok = False
-        elif c.is_quantized:
-            if c.key.dtype == torch.int8 and c.static_key_scale is None and c.static_value_scale is None:
-                return decode_only  # its prefill steps run on the torch path (no native int8 prefill kernel)
-            ok = False
-        else:
-            ok = c.key.dtype == c.value.dtype == torch.float32
+        ok = (
+            c is not None
+            and c.key.device.type == "cpu"
+            and c.key.is_contiguous()
+            and c.value.is_contiguous()
+            and c.key.dtype == c.value.dtype
+            and kv_dtype_code(c.key.dtype) is not None
+            and c.static_key_scale is None
+            and c.static_value_scale is None
+        )
         if not ok and not self.warned_cache:
             log.info(
                 "decoder layers: this KV cache (%s) runs on the torch path", c.key.dtype if c is not None else "none"
@@ -249,6 +252,9 @@ class NativeLayerStack:
         state_args = None if state is None else _state_args(state, keep)
         steps: dict[int, StepDesc] = {}
         attention = iter(zip(kv_caches, metas, strict=True))
+        kv_code = kv_dtype_code(kv_caches[0].key.dtype) if kv_caches else 0
+        if kv_code is None:  # takes() said no to such a cache
+            raise ValueError(f"the native layers have no kernels for a {kv_caches[0].key.dtype} KV cache")
         states = iter(() if state is None else state.caches)
         for desc, rope_i in zip(self.layers, rope_index, strict=True):
             if desc.conv_kernel:
@@ -268,7 +274,7 @@ class NativeLayerStack:
                 step = steps[id(layer_meta)] = _step_desc(layer_meta, tokens, decode_idx, scratch, keep, state_args)
             cos, sin = tables[rope_i]
             self.kernels.decoder_layer(
-                desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale, cache.value_scale
+                desc, step, h, cos, sin, cache.key, cache.value, cache.key_scale, cache.value_scale, kv_code
             )
         return h
 

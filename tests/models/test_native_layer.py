@@ -57,13 +57,16 @@ def _load(path: Path, quantization: str, fmt: ModelFormat = ModelFormat.HF) -> D
 
 
 def _teacher_forced(
-    model: DecoderModel, seqs: list[list[int]], kv_dtype: torch.dtype = torch.float32
+    model: DecoderModel, seqs: list[list[int]], kv_dtype: torch.dtype = torch.float32, static_scales: bool = False
 ) -> list[dict[int, torch.Tensor]]:
     driver = PagedDriver(model, seqs, block_size=4)
-    if kv_dtype != torch.float32:  # an 8-bit cache (with its scales), of the driver's shape
+    if kv_dtype != torch.float32:  # a cache of another element type (8-bit ones with scales), of the driver's shape
         c = model.config
         spec = KVCacheConfig(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
         driver.kv = allocate_kv_cache(spec, driver.kv[0].key.shape[0], torch.device("cpu"))
+        for cache in driver.kv:
+            if static_scales:  # a checkpoint's calibrated fp8 scales (kv/cache.py use_static_kv_scales)
+                cache.static_key_scale, cache.static_value_scale = 0.05, 0.05
     return [driver.step(plan) for plan in PLAN]
 
 
@@ -111,8 +114,8 @@ def test_torch_path_where_the_native_layer_does_not_reach(tiny_checkpoint, caplo
     assert float32 is not None and float32.max_rows == FLOAT32_MAX_ROWS
     assert float32.takes(_float32_caches(model), FLOAT32_MAX_ROWS)
     assert not float32.takes(_float32_caches(model), FLOAT32_MAX_ROWS + 1)
-    # An fp8 KV cache: its steps run the torch modules (which dequantize), the choice stays native.
-    _teacher_forced(model, seqs, kv_dtype=torch.float8_e4m3fn)
+    # An fp8 KV cache with a checkpoint's static scales: its steps run the torch modules, the choice stays native.
+    _teacher_forced(model, seqs, kv_dtype=torch.float8_e4m3fn, static_scales=True)
     assert model.native_layers is not None and model.native_layers.warned_cache
     # The torch kernels: no native layer at all, and the same logits.
     model.use_kernels(TorchKernels())
@@ -167,11 +170,17 @@ def test_engine_greedy_tokens_equal_torch_layers(variant: str, tiny_checkpoint) 
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize(
+    "kv_dtype",
+    [torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+    ids=["bf16", "f16", "int8", "fp8_e4m3", "fp8_e5m2"],
+)
 @pytest.mark.parametrize("variant", ["gemma3_mqa_sliding", "qwen2_gqa"])
-def test_int8_kv_decode_steps_run_natively(variant: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """An int8 KV cache: steps whose rows are all decodes run the native layer, which writes each token's K/V
-    with the torch path's quantization to the bit (kvserve/kv/quant.py) and reads the cache in place; prefill
-    steps run the torch modules. Logits agree with the torch path to float32 summation order."""
+def test_every_kv_dtype_runs_natively(variant: str, kv_dtype: torch.dtype, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """16-bit and 8-bit KV caches: every step (prefill chunks over a cached prefix, verification rows, decodes) runs
+    the native layer, which writes each token's K/V as the torch path's store does (kvserve/kv/quant.py; the writer
+    alone is compared bit for bit in tests/unit/test_kv_dtype_kernels.py) and reads the cache in place. Logits agree
+    with the torch path to float32 summation order."""
     path, _ = tiny_checkpoint(variant)
     native, reference = _load(path, "q8_0"), _load(path, "q8_0")
     reference.use_torch_layers()
@@ -180,26 +189,27 @@ def test_int8_kv_decode_steps_run_natively(variant: str, tiny_checkpoint) -> Non
     for model in (native, reference):
         driver = PagedDriver(model, seqs, block_size=4)
         c = model.config
-        spec = KVCacheConfig(c.num_layers, c.num_kv_heads, c.head_dim, 4, torch.int8)
+        spec = KVCacheConfig(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
         driver.kv = allocate_kv_cache(spec, driver.kv[0].key.shape[0], torch.device("cpu"))
         for cache in driver.kv:  # allocated empty: zero the slots no step writes, so that the caches compare
-            cache.key.zero_(), cache.value.zero_()
+            cache.key.view(torch.uint8).zero_(), cache.value.view(torch.uint8).zero_()
         logits.append([driver.step(plan) for plan in PLAN])
         caches.append(driver.kv)
     assert native.native_layers is not None and not native.native_layers.warned_cache
-    assert native.native_layers.takes(caches[0], 4, decode_only=True)
-    assert not native.native_layers.takes(caches[0], 4, decode_only=False)
+    assert native.native_layers.takes(caches[0], 4)
     for step, (g, w) in enumerate(zip(*logits)):
         for i in w:
             torch.testing.assert_close(g[i], w[i], atol=ATOL, rtol=RTOL, msg=lambda m, s=step: f"step {s}: {m}")
-    # The decode steps' tokens in the same bytes and scales, but for summation order: K and V themselves may differ
-    # in the last bit between the paths (the quantizer alone is compared bit for bit in tests/unit/test_kernels.py)
+    # The tokens in the same codes and scales, but for summation order: K and V themselves may differ in the last
+    # bit between the paths, and then their codes by one
+    bits = torch.int16 if kv_dtype.itemsize == 2 else torch.int8
     for got, want in zip(*caches):
         for g, w in ((got.key, want.key), (got.value, want.value)):
-            differ = (g.int() - w.int()).abs()
+            differ = (g.view(bits).int() - w.view(bits).int()).abs()
             assert differ.max() <= 1 and differ.bool().float().mean() < 0.01
-        torch.testing.assert_close(got.key_scale, want.key_scale, rtol=1e-6, atol=0)
-        torch.testing.assert_close(got.value_scale, want.value_scale, rtol=1e-6, atol=0)
+        if kv_dtype.itemsize == 1:
+            torch.testing.assert_close(got.key_scale, want.key_scale, rtol=1e-6, atol=0)
+            torch.testing.assert_close(got.value_scale, want.value_scale, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("quantization", ["none", "q8_0"])

@@ -44,7 +44,7 @@ NATIVE_ONLY = {
     "decoder_layer_scratch",
     "short_conv_layer",
     "gated_deltanet_layer",
-    "quantize_int8_rows",
+    "store_kv_rows",
     "quantize_int8_activations",
     "int8_dot_product",
     "abi_matches",
@@ -133,6 +133,17 @@ def test_the_gguf_kernel_takes_exactly_the_types_python_routes_to_it() -> None:
     enum = re.search(r"enum : int32_t \{([^}]*)\}", (KERNELS / "gguf_formats.h").read_text())
     assert enum is not None
     assert {int(v) for v in re.findall(r"= (\d+)", enum.group(1))} == set(NATIVE_GGUF_TYPES)
+
+
+def test_the_kv_dtype_codes_are_the_headers() -> None:
+    """kernels.h's KvserveKvDtype codes and abi.KV_DTYPE_CODES (which ops.py maps torch dtypes through) agree, and
+    kv_dtypes.h dispatches on every one of them."""
+    enum = re.search(r"enum : int64_t \{([^}]*)\}", HEADER.read_text())
+    assert enum is not None
+    declared = {name: int(v) for name, v in re.findall(r"(kKv\w+) = (\d+)", enum.group(1))}
+    assert sorted(declared.values()) == sorted(abi.KV_DTYPE_CODES.values())
+    dispatch = (KERNELS / "kv_dtypes.h").read_text()
+    assert all(f"case {name}:" in dispatch for name in declared)
 
 
 @NATIVE

@@ -485,9 +485,9 @@ def test_native_qk_norm_rope_matches_torch(
 
 @needs_native
 def test_native_int8_kv_quantizer_equals_the_torch_one(native: NativeKernels) -> None:
-    """The native layer's int8 KV write (decoder_layer.cpp) gives kvserve/kv/quant.py's bytes and scales to the
-    bit: random rows, a zero row, huge and tiny magnitudes, and values that land exactly halfway between two
-    integers (rounded half to even)."""
+    """The native layer's int8 KV write (kv_dtypes.h) gives kvserve/kv/quant.py's bytes and scales to the bit: random
+    rows, a zero row, huge and tiny magnitudes, and values that land exactly halfway between two integers (rounded
+    half to even). The other element types: tests/unit/test_kv_dtype_kernels.py."""
     from kvserve.kv.quant import compute_scales, quant_format, quantize
 
     g = torch.Generator().manual_seed(5)
@@ -498,7 +498,7 @@ def test_native_int8_kv_quantizer_equals_the_torch_one(native: NativeKernels) ->
     fmt = quant_format(torch.int8)
     assert fmt is not None
     scale = compute_scales(x, fmt)
-    q, scales = native.quantize_int8_rows(x)
+    q, scales = native.store_kv_rows(x, torch.int8)
     assert torch.equal(scales, scale.squeeze(-1))
     assert torch.equal(q, quantize(x, scale, fmt))
 
