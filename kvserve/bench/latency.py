@@ -1,5 +1,6 @@
-"""`kvserve bench latency`: one request's TTFT and decode speed at several prompt lengths, and decode
-step time at several batch sizes, against HF transformers and llama.cpp, with each figure's floor."""
+"""`kvserve bench latency`: one request's TTFT and decode speed at several prompt lengths, decode step time at
+several batch sizes, and (--depth) decode over a cached prompt of N tokens at each KV cache dtype asked for, against
+HF transformers and llama.cpp (llama-bench, and its -d at depth), with each figure's floor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvserve.bench import depth as depth_section
 from kvserve.bench.options import (
     add_engine_args,
     add_output_args,
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA = """\
+SCHEMA = (
+    """\
 results: {
   "single": [{"system", "prompt_len", "output_len", "ttft_ms", "ttft_ms_runs", "decode_ms_per_token",
               "decode_ms_per_token_runs", "decode_ms_per_token_mean_runs", "decode_tokens_per_s",
@@ -35,15 +38,22 @@ results: {
   "ceilings": {"copy_bandwidth_gbps", "read_bandwidth_gbps", "matmul_gflops", "int8_matmul_gops" (null unless
                an int8 system ran), "bandwidth_gbps_used"},
   "model_cost": {"weight_bytes_per_step", "matmul_params", "lm_head_params", "kv_bytes_per_token", "num_layers",
-                 "num_heads", "head_dim", "sliding_windows"}}
+                 "num_heads", "head_dim", "sliding_windows"},
+"""
+    + depth_section.SCHEMA
+    + """}
 ratios: {"prefill_speed@prompt<L>:kvserve/<peer>", "decode_speed@prompt<L>:kvserve/<peer>",
          "decode_speed@batch<B>:kvserve/<peer>", "floor/kvserve decode@batch<B>"} (> 1: kvserve is faster;
          the floor ratio is the share of the floor's speed that kvserve reaches); with --peer kvserve-int8 the same
-         keys with kvserve-int8 in kvserve's place, against every other system (kvserve, the exact path, included)
+         keys with kvserve-int8 in kvserve's place, against every other system (kvserve, the exact path, included);
+         with --depth:"""
+    + depth_section.RATIOS
+    + """
 Times are medians over --repeats runs, a run's decode time its median step (a stall of the host moves a mean over
 the steps, not the median: decode_ms_per_token_mean_runs has the means); floors are max(bytes read / bandwidth,
 FLOPs / matmul rate) with both rates measured in the same run. llama.cpp rows come from llama-bench (pp and tg at
-empty context)."""
+empty context; tg after a context of N tokens at depth)."""
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FILE.gguf",
         help="the GGUF llama-bench loads (default: --model when it is a .gguf file or the default model)",
     )
+    depth_section.add_args(w)
     add_repeats_arg(p, default=3)
     add_output_args(p, "TTFT by prompt length and decode ms/token by batch size, with floors")
     add_engine_args(p)
@@ -132,8 +143,14 @@ def run(args: argparse.Namespace) -> int:
     assert isinstance(model, torch.nn.Module), "the floor is counted over a loaded torch module's tensors"
     cost = model_cost(model, engine.core.model_config, engine.core.kv_config.bytes_per_token)
     single, batch = measure(systems, plan, engine)
+    depth_plan, depth_rows = depth_section.plan_from_args(args), []
+    if depth_plan is not None:
+        llama = llama_cpp_depth(args, engine, report) if "llama-cpp" in args.peer else None
+        depth_systems = depth_section.depth_systems(args, depth_plan, kvserve)
+        depth_rows = depth_section.measure(depth_plan, depth_systems, llama, report, args.seed)
     # Measured again afterwards: on a shared machine the ceilings drift too, and a floor must be the best case.
     ceilings = ceilings.best_of(measure_ceilings(device=device, int8=ceilings.int8_matmul_gops is not None))
+    depth_section.add_floors(depth_rows, cost, ceilings, int8="kvserve" in int8)
     if "llama-cpp" in args.peer:
         llama_rows = llama_cpp_rows(args, plan, report)
         single += llama_rows[0]
@@ -150,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     report.results = {"single": single, "batch": batch, "ceilings": ceilings.to_json(), "model_cost": cost.to_json()}
     report.ratios = ratios(single, batch)
     report.tables += tables(single, batch, plan)
+    if depth_plan is not None:
+        report.results["depth"] = depth_rows
+        report.ratios.update(depth_section.ratios(depth_rows))
+        report.tables.append(depth_section.table(depth_rows, depth_plan))
     report.notes.append(
         f"Floors: {cost.weight_bytes_per_step / 1e6:.0f} MB of weights per step at "
         f"{ceilings.bandwidth_gbps:.1f} GB/s (measured: copy {ceilings.copy_bandwidth_gbps:.1f}, read "
@@ -162,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     if args.plot:
-        plot(args.plot, single, batch)
+        plot(args.plot, single, batch, depth_rows)
     emit(report, args.json)
     return 0
 
@@ -227,16 +248,41 @@ def batch_row(system: str, batch_size: int, plan: LatencyPlan, timelines: list[T
     }
 
 
-def llama_cpp_rows(args: argparse.Namespace, plan: LatencyPlan, report: Report) -> tuple[list[dict], list[dict]]:
-    """llama-bench's pp/tg rates as rows of the same tables (TTFT = prompt / pp rate)."""
-    from kvserve.bench.peers.llama_cpp import run_llama_bench
+def llama_cpp_gguf(args: argparse.Namespace) -> tuple[Path | None, str]:
+    """The GGUF file llama-bench loads and, where there is none or no binary, why the peer is skipped."""
     from kvserve.model.source import ModelFormat, resolve_model
 
     source = resolve_model(args.model)
     gguf = args.llama_cpp_model or (source.path if source.format == ModelFormat.GGUF else None)
     if args.llama_bench is None or gguf is None:
         why = "no --llama-bench PATH given" if args.llama_bench is None else "no GGUF file (--llama-cpp-model)"
-        report.notes.append(f"llama.cpp peer skipped: {why} (scripts/build_llama_cpp.sh builds llama-bench)")
+        return None, f"llama.cpp peer skipped: {why} (scripts/build_llama_cpp.sh builds llama-bench)"
+    return gguf, ""
+
+
+def llama_cpp_depth(args: argparse.Namespace, engine: LLMEngine, report: Report) -> depth_section.LlamaDepth | None:
+    """llama-bench -d at each depth, on the GGUF kvserve's engine loaded (None, with a note, where it cannot run)."""
+    import torch
+
+    gguf, why = llama_cpp_gguf(args)
+    if gguf is None:
+        if why not in report.notes:
+            report.notes.append(why)
+        return None
+    c = engine.core.kv_config
+    return depth_section.LlamaDepth(
+        str(args.llama_bench), str(gguf), torch.get_num_threads(), c.num_layers, c.num_kv_heads, c.head_dim
+    )
+
+
+def llama_cpp_rows(args: argparse.Namespace, plan: LatencyPlan, report: Report) -> tuple[list[dict], list[dict]]:
+    """llama-bench's pp/tg rates as rows of the same tables (TTFT = prompt / pp rate)."""
+    from kvserve.bench.peers.llama_cpp import run_llama_bench
+
+    gguf, why = llama_cpp_gguf(args)
+    if gguf is None:
+        if why not in report.notes:
+            report.notes.append(why)
         return [], []
     import torch
 
@@ -340,7 +386,7 @@ def tables(single: list[dict], batch: list[dict], plan: LatencyPlan) -> list[Tab
     return [t1, t2]
 
 
-def plot(path: str, single: list[dict], batch: list[dict]) -> None:
+def plot(path: str, single: list[dict], batch: list[dict], depth_rows: list[dict]) -> None:
     from kvserve.bench.plot import Panel, Series, line_plot
 
     names = list(dict.fromkeys(r["system"] for r in single + batch))
@@ -357,24 +403,24 @@ def plot(path: str, single: list[dict], batch: list[dict]) -> None:
         mine = sorted((r for r in rows if r["system"] == "kvserve"), key=lambda r: r[x])
         return Series("floor", [r[x] for r in mine], [r[y] for r in mine], style="k--")
 
-    line_plot(
-        path,
-        [
-            Panel(
-                "Time to first token (one request)",
-                "prompt tokens",
-                "ms",
-                series(single, "prompt_len", "ttft_ms") + [floor_series(single, "prompt_len", "prefill_floor_ms")],
-                log_x=True,
-                log_y=True,
-            ),
-            Panel(
-                "Decode step time",
-                "batch size",
-                "ms per step",
-                series(batch, "batch_size", "ms_per_step") + [floor_series(batch, "batch_size", "floor_ms_per_step")],
-                log_x=True,
-                log_y=True,
-            ),
-        ],
-    )
+    panels = [
+        Panel(
+            "Time to first token (one request)",
+            "prompt tokens",
+            "ms",
+            series(single, "prompt_len", "ttft_ms") + [floor_series(single, "prompt_len", "prefill_floor_ms")],
+            log_x=True,
+            log_y=True,
+        ),
+        Panel(
+            "Decode step time",
+            "batch size",
+            "ms per step",
+            series(batch, "batch_size", "ms_per_step") + [floor_series(batch, "batch_size", "floor_ms_per_step")],
+            log_x=True,
+            log_y=True,
+        ),
+    ]
+    if depth_rows:
+        panels.append(depth_section.panel(depth_rows))
+    line_plot(path, panels)

@@ -35,6 +35,16 @@ LATENCY_SINGLE = {
     "prefill_floor_ms",
     "decode_floor_ms",
 }
+LATENCY_DEPTH = {
+    "system",
+    "kv_cache_dtype",
+    "depth",
+    "output_len",
+    "decode_ms_per_token",
+    "decode_ms_per_token_runs",
+    "kv_bytes_per_token",
+    "floor_ms",
+}
 LATENCY_BATCH = {
     "system",
     "batch_size",

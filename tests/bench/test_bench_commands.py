@@ -13,6 +13,7 @@ from bench_schema import (
     KV_CACHE_POINT,
     KV_CACHE_RESULTS,
     LATENCY_BATCH,
+    LATENCY_DEPTH,
     LATENCY_RESULTS,
     LATENCY_SINGLE,
     MODEL_COST,
@@ -130,6 +131,62 @@ def test_latency_with_hf_and_a_llama_bench_stand_in(tiny_model_dir, tmp_path, ca
     assert [r["batch_size"] for r in kv] == [1, 3] and all(r["ms_per_step"] > 0 for r in kv)
     assert "decode_speed@batch1:kvserve/hf" in doc["ratios"]
     assert "decode_speed@batch1:kvserve/llama.cpp" in doc["ratios"]
+
+
+# A llama-bench stand-in for -d: one tg row at the depth it is asked for, its rate telling the cache type apart.
+FAKE_DEPTH_BENCH = r"""#!/bin/sh
+depth=0; ctk=f16
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -d) depth=$2; shift ;;
+    -ctk) ctk=$2; shift ;;
+  esac
+  shift
+done
+rate=40.0; [ "$ctk" = q8_0 ] && rate=50.0
+echo "[{\"n_prompt\": 0, \"n_gen\": 3, \"n_depth\": $depth, \"avg_ts\": $rate}]"
+"""
+
+
+def test_latency_at_depth_for_each_kv_dtype_and_llama_bench_d(tiny_model_dir, tmp_path, capsys):
+    """--depth: kvserve at its own KV dtype and each --depth-kv-cache-dtypes one (an engine each), llama-bench -d at
+    each cache type, rows with floors at each row's own KV bytes a token, ratios per depth, a third plot panel."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_DEPTH_BENCH)
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    depth_args = ["--depth", "20,12", "--depth-kv-cache-dtypes", "bfloat16,int8", "--llama-cpp-kv-types", "f16,q8_0"]
+    doc, table = run(
+        [
+            "latency",
+            *("--prompt-lens", "8", "--output-len", "3", "--batch-sizes", "1", "--batch-prompt-len", "6"),
+            *("--batch-output-len", "2", "--repeats", "2", *depth_args),
+            *("--peer", "llama-cpp", "--llama-bench", str(fake), "--llama-cpp-model", str(fake)),
+        ],
+        tiny_model_dir,
+        tmp_path,
+        capsys,
+    )
+    results = doc["results"]
+    assert set(results) == LATENCY_RESULTS | {"depth"}
+    rows = results["depth"]
+    assert all(set(r) == LATENCY_DEPTH for r in rows)
+    systems = ["kvserve (float32 KV)", "kvserve (bfloat16 KV)", "kvserve (int8 KV)"]
+    systems += ["llama.cpp (f16 KV)", "llama.cpp (q8_0 KV)"]
+    assert sorted((r["system"], r["depth"]) for r in rows) == sorted((s, d) for s in systems for d in (12, 20))
+    by = {(r["system"], r["depth"]): r for r in rows}
+    for depth in (12, 20):
+        f32, bf16, int8 = (by[(s, depth)] for s in systems[:3])
+        assert len(f32["decode_ms_per_token_runs"]) == 2 and f32["decode_ms_per_token"] > 0
+        # the floor counts each row's own KV bytes a token: 4 / 2 / 1 + a scale per head vector
+        assert f32["kv_bytes_per_token"] == 2 * bf16["kv_bytes_per_token"] > int8["kv_bytes_per_token"]
+        assert f32["floor_ms"] >= bf16["floor_ms"] >= int8["floor_ms"] > 0
+        assert by[("llama.cpp (f16 KV)", depth)]["decode_ms_per_token"] == 1e3 / 40.0
+        assert by[("llama.cpp (q8_0 KV)", depth)]["decode_ms_per_token"] == 1e3 / 50.0
+        assert by[("llama.cpp (f16 KV)", depth)]["kv_bytes_per_token"] == bf16["kv_bytes_per_token"]
+    ratios = doc["ratios"]
+    assert "decode_speed@depth20:kvserve (bfloat16 KV)/llama.cpp (f16 KV)" in ratios
+    assert "floor/kvserve (int8 KV) decode@depth12" in ratios
+    assert "Decode over a cached prompt" in table
 
 
 def test_latency_skips_llama_cpp_without_a_binary(tiny_model_dir, tmp_path, capsys):

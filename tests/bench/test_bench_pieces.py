@@ -11,7 +11,7 @@ import torch
 
 from kvserve.bench.floor import model_cost
 from kvserve.bench.machine import Ceilings, machine_info
-from kvserve.bench.peers.llama_cpp import parse_llama_bench_json
+from kvserve.bench.peers.llama_cpp import parse_llama_bench_depth_json, parse_llama_bench_json
 from kvserve.bench.report import Report, Table, emit
 from kvserve.bench.systems import Timeline
 from kvserve.bench.workload import (
@@ -151,6 +151,19 @@ def test_llama_bench_json_parsing():
     ]
     result = parse_llama_bench_json(json.dumps(rows), 128)
     assert result.prompt_tokens_per_s == {512: 330.5, 32: 250.0} and result.decode_tokens_per_s == 44.0
+
+
+def test_llama_bench_depth_rows_are_told_apart():
+    """llama-bench -d N adds n_depth to each test: the depth's tg is found by it, and the empty-context figures
+    ignore depth rows."""
+    rows = [
+        {"n_prompt": 0, "n_gen": 32, "n_depth": 4096, "avg_ts": 30.0},
+        {"n_prompt": 0, "n_gen": 32, "n_depth": 16384, "avg_ts": 20.0},
+        {"n_prompt": 0, "n_gen": 32, "n_depth": 0, "avg_ts": 60.0},
+    ]
+    text = json.dumps(rows)
+    assert parse_llama_bench_depth_json(text, 16384) == 20.0 and parse_llama_bench_depth_json(text, 8) is None
+    assert parse_llama_bench_json(text, 32).decode_tokens_per_s == 60.0
 
 
 def test_bench_help_documents_each_schema():
