@@ -74,16 +74,59 @@ inline void widen_blocks(const uint8_t* w, int64_t k, int64_t n, int64_t n0, int
 // register bounds the speed) while the rows ahead are prefetched (prefetch_ahead). Each run of 32 integers
 // is converted in registers and dotted with x; its scale is applied to the partial sum (s * sum(q x) instead of sum((s q) x):
 // the same terms, rounded in another order), and a K-quant's min as min * sum(x) over the run, with the runs'
-// sums of x computed once per call (xsum).
+// sums of x computed once per call (xsum). Where the library is built for AVX-512 a run is two 16-lane vectors
+// (half the instructions of four 8-lane ones: these gemvs are bound by instructions, not bytes, on 4-6-bit blocks).
+#if defined(__AVX512F__)
+using GemvVec = __m512;
+constexpr int kGemvLanes = 16;
+inline GemvVec gemv_zero() { return _mm512_setzero_ps(); }
+inline float gemv_hsum(GemvVec v) { return _mm512_reduce_add_ps(v); }
+// s_lo * sum(q[0:16) x[0:16)) + s_hi * sum(q[16:32) x[16:32)) + acc, as 16 lane sums.
+template <bool kSplit>
+__attribute__((always_inline)) inline GemvVec gemv_run(const int8_t* q, const float* x, float s_lo, float s_hi,
+                                                       GemvVec acc) {
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(reinterpret_cast<const uint8_t*>(q))));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(reinterpret_cast<const uint8_t*>(q) + 16)));
+    if constexpr (kSplit) {
+        return _mm512_fmadd_ps(_mm512_mul_ps(q0, _mm512_loadu_ps(x)), _mm512_set1_ps(s_lo),
+                               _mm512_fmadd_ps(_mm512_mul_ps(q1, _mm512_loadu_ps(x + 16)), _mm512_set1_ps(s_hi), acc));
+    } else {
+        const __m512 p = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(x)));
+        return _mm512_fmadd_ps(p, _mm512_set1_ps(s_lo), acc);
+    }
+}
+#else
+using GemvVec = __m256;
+constexpr int kGemvLanes = 8;
+inline GemvVec gemv_zero() { return _mm256_setzero_ps(); }
+inline float gemv_hsum(GemvVec v) { return hsum(v); }
+template <bool kSplit>
+__attribute__((always_inline)) inline GemvVec gemv_run(const int8_t* q, const float* xr, float s_lo, float s_hi,
+                                                       GemvVec acc) {
+    const __m256 q0 = cvt8(q), q1 = cvt8(q + 8), q2 = cvt8(q + 16), q3 = cvt8(q + 24);
+    if constexpr (kSplit) {
+        const __m256 lo = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), _mm256_mul_ps(q0, _mm256_loadu_ps(xr)));
+        const __m256 hi = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), _mm256_mul_ps(q2, _mm256_loadu_ps(xr + 16)));
+        return _mm256_fmadd_ps(lo, _mm256_set1_ps(s_lo), _mm256_fmadd_ps(hi, _mm256_set1_ps(s_hi), acc));
+    } else {
+        __m256 p = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+        p = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), p);
+        p = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), p);
+        p = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), p);
+        return _mm256_fmadd_ps(p, _mm256_set1_ps(s_lo), acc);
+    }
+}
+#endif
+
 template <typename F, int R, int C>
 inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, int64_t groups_after,
                       const float* xsum, float* y, int64_t ldy) {
     alignas(32) int8_t tmp[32];
-    __m256 acc[R][C];
+    GemvVec acc[R][C];
     float mins[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
-            acc[r][c] = _mm256_setzero_ps();
+            acc[r][c] = gemv_zero();
             mins[r][c] = 0.0f;
         }
     const int64_t runs = k / 32;
@@ -92,24 +135,9 @@ inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t ro
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
             prefetch_ahead<F>(block, R * row_bytes, groups_after);
             F::visit(block, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
-                const __m256 q0 = cvt8(q), q1 = cvt8(q + 8), q2 = cvt8(q + 16), q3 = cvt8(q + 24);
                 const int64_t at = b * F::kBlock + offset;
                 for (int c = 0; c < C; ++c) {
-                    const float* xr = x + c * k + at;
-                    if constexpr (F::kSplitScale) {
-                        const __m256 lo = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8),
-                                                          _mm256_mul_ps(q0, _mm256_loadu_ps(xr)));
-                        const __m256 hi = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24),
-                                                          _mm256_mul_ps(q2, _mm256_loadu_ps(xr + 16)));
-                        acc[r][c] = _mm256_fmadd_ps(lo, _mm256_set1_ps(s_lo),
-                                                    _mm256_fmadd_ps(hi, _mm256_set1_ps(s_hi), acc[r][c]));
-                    } else {
-                        __m256 p = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
-                        p = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), p);
-                        p = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), p);
-                        p = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), p);
-                        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(s_lo), acc[r][c]);
-                    }
+                    acc[r][c] = gemv_run<F::kSplitScale>(q, x + c * k + at, s_lo, s_hi, acc[r][c]);
                     if constexpr (F::kMin) mins[r][c] += min * xsum[c * runs + at / 32];
                 }
             });
@@ -117,6 +145,7 @@ inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t ro
     }
     for (int c = 0; c < C; ++c) {
         float* out = y + c * ldy;
+#if !defined(__AVX512F__)
         if constexpr (R == 4) {
             // four adjacent outputs reduced together, as widened_matmul.h's micro-kernel does
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][c], acc[1][c]),
@@ -124,9 +153,10 @@ inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t ro
             __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
             if constexpr (F::kMin) s = _mm_sub_ps(s, _mm_setr_ps(mins[0][c], mins[1][c], mins[2][c], mins[3][c]));
             _mm_storeu_ps(out, s);
-        } else {
-            for (int r = 0; r < R; ++r) out[r] = hsum(acc[r][c]) - mins[r][c];
+            continue;
         }
+#endif
+        for (int r = 0; r < R; ++r) out[r] = gemv_hsum(acc[r][c]) - mins[r][c];
     }
 }
 
