@@ -266,6 +266,17 @@ void prefill_attention(const KvservePrefillAttention* a) {
                                ? one_each
                                : std::max<int64_t>(1, std::min(kRowTile / group, fill));
     const int64_t q_tiles = (q_len + tile_q - 1) / tile_q;
+    // Split-K: with fewer (query tile, KV head) items than twice the threads (a speculative verification's k + 1
+    // queries over a long context: 1-2 items, one per KV head), each item's keys are split into parts of whole key
+    // tiles, each part's running max, sum and unnormalized output kept per row and merged by their log-sum-exp at the
+    // end, so that every thread works; at least 4 key tiles a part.
+    const int64_t tile_items = q_tiles * kv_heads;
+    const int64_t span = window > 0 ? std::min(seq_len, window + tile_q) : seq_len;  // keys an item sees at most
+    const int64_t parts = tile_items >= 2 * threads
+                              ? 1
+                              : std::clamp<int64_t>(span / (4 * kKeyTile), 1, (2 * threads + tile_items - 1) / tile_items);
+    const int64_t part_stride = dim + 2;  // a row of a part: max, sum, output
+    std::vector<float> partial(parts > 1 ? static_cast<size_t>(tile_items * parts * tile_q * group * part_stride) : 0);
     // Row vectors padded to 16 rows, and then so that the transposed tiles' stride is no multiple of 256 bytes:
     // a power-of-two stride maps the 16-row column of Q^T walked in the scores step onto a quarter of L1's
     // sets, and it thrashes. AVX2: 8 more rows. AVX-512: an odd number of cache lines per row (whole lines,
@@ -289,9 +300,10 @@ void prefill_attention(const KvservePrefillAttention* a) {
         if (!std::is_same_v<E, kvserve::kv::Float32>) t.kp.resize(kKeyTile * vld);
         t.j0.resize(ld / kRows), t.j1.resize(ld / kRows);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < q_tiles * kv_heads; ++item) {
-            const int64_t h = item % kv_heads;
-            const int64_t i0 = (q_tiles - 1 - item / kv_heads) * tile_q;  // latest (costliest) tiles first
+        for (int64_t item = 0; item < tile_items * parts; ++item) {
+            const int64_t tile_item = item / parts, part = item % parts;
+            const int64_t h = tile_item % kv_heads;
+            const int64_t i0 = (q_tiles - 1 - tile_item / kv_heads) * tile_q;  // latest (costliest) tiles first
             const int64_t nq = std::min(tile_q, q_len - i0);
             const int64_t rows = nq * group;
             for (int64_t d = 0; d < dim; ++d)  // padding rows score 0 and are never read
@@ -314,9 +326,11 @@ void prefill_attention(const KvservePrefillAttention* a) {
             std::fill(t.m.begin(), t.m.end(), -INFINITY);
             std::fill(t.l.begin(), t.l.end(), 0.0f);
             const int64_t p_first = first_pos + i0, p_last = first_pos + i0 + nq - 1;
-            const int64_t k_begin = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
-            for (int64_t k0 = k_begin; k0 <= p_last; k0 += kKeyTile) {
-                const int64_t nk = std::min(kKeyTile, p_last + 1 - k0);
+            const int64_t k_first = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
+            const int64_t per = ((p_last + 1 - k_first + parts - 1) / parts + kKeyTile - 1) / kKeyTile * kKeyTile;
+            const int64_t k_begin = k_first + part * per, k_end = std::min(p_last + 1, k_begin + per);
+            for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeyTile) {
+                const int64_t nk = std::min(kKeyTile, k_end - k0);
                 for (int64_t j = 0; j < nk; ++j) {
                     const int64_t pos = k0 + j;
                     const int64_t row = (block_table[pos / block_size] * block_size + pos % block_size) * kv_heads + h;
@@ -447,11 +461,46 @@ void prefill_attention(const KvservePrefillAttention* a) {
                         t.o[r * dim + d] = acc;
                     }
             }
+            if (parts > 1) {  // this part's sums, merged below
+                float* dst = partial.data() + item * tile_q * group * part_stride;
+                for (int64_t r = 0; r < rows; ++r) {
+                    dst[r * part_stride] = t.m[r];
+                    dst[r * part_stride + 1] = t.l[r];
+                    std::copy(t.o.data() + r * dim, t.o.data() + (r + 1) * dim, dst + r * part_stride + 2);
+                }
+                continue;
+            }
             for (int64_t r = 0; r < rows; ++r) {
                 const float inv = 1.0f / t.l[r];
                 const float* src = t.o.data() + r * dim;
                 float* dst = out + ((i0 + r / group) * heads + h * group + r % group) * dim;
                 for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * inv;
+            }
+        }
+        if (parts > 1) {
+            // Each row's parts rescaled to their common max; a part that saw none of the row's keys has sum 0.
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < tile_items * tile_q * group; ++row) {
+                const int64_t tile_item = row / (tile_q * group), r = row % (tile_q * group);
+                const int64_t h = tile_item % kv_heads, i0 = (q_tiles - 1 - tile_item / kv_heads) * tile_q;
+                if (i0 + r / group >= q_len) continue;  // the last tile's missing queries
+                const float* first = partial.data() + (tile_item * parts * tile_q * group + r) * part_stride;
+                const int64_t part_step = tile_q * group * part_stride;
+                float m = -INFINITY;
+                for (int64_t p = 0; p < parts; ++p)
+                    if (first[p * part_step + 1] > 0.0f) m = std::max(m, first[p * part_step]);
+                float* dst = out + ((i0 + r / group) * heads + h * group + r % group) * dim;
+                std::fill(dst, dst + dim, 0.0f);
+                float total = 0.0f;
+                for (int64_t p = 0; p < parts; ++p) {
+                    const float* src = first + p * part_step;
+                    if (!(src[1] > 0.0f)) continue;
+                    const float w = expf(src[0] - m);
+                    total += w * src[1];
+                    for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[2 + d];
+                }
+                const float inv = 1.0f / total;
+                for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
             }
         }
     }

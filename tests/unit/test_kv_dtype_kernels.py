@@ -140,6 +140,28 @@ def test_split_context_at_its_boundaries(  # type: ignore[no-untyped-def]
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("seqs", "heads", "kv_heads", "window"),
+    [([(1100, 5)], 4, 1, None), ([(2000, 4)], 4, 1, 512), ([(700, 6)], 14, 2, None), ([(300, 3)], 14, 2, 100)],
+    ids=["gemma_verify", "gemma_verify_window", "qwen_verify", "qwen_verify_window"],
+)
+def test_verification_rows_split_over_threads(  # type: ignore[no-untyped-def]
+    seqs: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, threads: int, native
+) -> None:
+    """A speculative verification's few query rows over a long context: the prefill kernel splits each (query tile,
+    KV head) item's keys into parts over the threads (parts that see none of a row's keys included) and merges
+    them, on a bfloat16 and an int8 cache."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in (torch.bfloat16, torch.int8):
+            q, cache, meta = _cache(seqs, 16, heads, kv_heads, 64, dtype, seed=seqs[0][0] + threads)
+            _check(q, cache, meta, window, native)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_isa_builds_agree() -> None:
     """The AVX-512 and AVX2 builds group keys by their vector widths (16 and 8) and so sum in different orders: the
     same result within float32 rounding, on a long split context."""
