@@ -58,7 +58,7 @@ def main() -> None:
             key, value = rounded(key, chosen[0]), rounded(value, chosen[0])
         return original(module, query, key, value, *rest, **kwargs)
 
-    setattr(modeling, "eager_attention_forward", attention)  # noqa: B010 (the module's own name for it)
+    modeling.eager_attention_forward = attention
     x = torch.tensor([ids])
     print(f"HF transformers on {source.path.name}, {len(ids) - 1} tokens of {GPL3.name}, KV as kvserve stores it")
     for name in DTYPES:
