@@ -162,6 +162,22 @@ def test_verification_rows_split_over_threads(  # type: ignore[no-untyped-def]
         torch.set_num_threads(before)
 
 
+def test_a_cache_without_its_scales_or_of_an_unknown_type_is_refused(native) -> None:  # type: ignore[no-untyped-def]
+    """The kernels never guess: an 8-bit cache without scales, a 16-bit one with scales, or an element type they do
+    not read is a ValueError naming it, never a misread cache."""
+    q, cache, meta = _cache([(20, 1)], 4, 4, 1, 16, torch.int8, seed=3)
+    args = (q, cache.key, cache.value, meta.block_tables, meta.seq_lens, None, 0.25)
+    with pytest.raises(ValueError, match="needs scales"):
+        native.paged_decode_attention(*args)
+    bf16 = cache.key.float().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="takes no scales"):
+        native.paged_decode_attention(q, bf16, bf16, *args[3:], cache.key_scale, cache.value_scale)
+    doubles = cache.key.double()
+    with pytest.raises(ValueError, match="paged attention reads"):
+        native.paged_prefill_attention(q, doubles, doubles, meta.block_tables[0], 20, None, 0.25)
+    assert not native.has_paged_attention(doubles) and native.has_paged_attention(bf16)
+
+
 def test_isa_builds_agree() -> None:
     """The AVX-512 and AVX2 builds group keys by their vector widths (16 and 8) and so sum in different orders: the
     same result within float32 rounding, on a long split context."""
