@@ -154,7 +154,11 @@ class EngineCore:
             self._drop(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to step for, or the restore of a request that left while its copy ran: the step that follows the
+        copy gives its blocks back (OffloadConnector.reap_orphan_loads), so the loops that step while this is true
+        (the server's, `LLM.generate`'s) do not go idle holding them."""
+        connector = self.scheduler.offload
+        return bool(self.requests) or (connector is not None and bool(connector.orphan_loads))
 
     @property
     def num_running(self) -> int:

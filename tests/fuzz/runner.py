@@ -349,7 +349,7 @@ class Run:
             if self.step_checks:
                 checks.enter_context(checked_state_copies(engine, self.failures))
                 checks.enter_context(checked_pin_releases(engine, self.failures))
-            while specs or live:
+            while specs or live or engine.has_unfinished_requests():  # the last: an aborted request's restore
                 while specs and specs[0].arrival <= step:
                     spec = specs.pop(0)
                     prompt = self.transcript.prompt_of(spec)

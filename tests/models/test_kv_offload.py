@@ -450,10 +450,14 @@ def test_a_request_aborted_while_its_restore_runs_releases_every_block(model_dir
     second.check_invariants()  # the restore's blocks are held, counted
     second.abort_request("leaves")
     assert kv.orphan_loads and not kv.loads
+    # Its blocks are still held by the copy: the engine has work until a step gives them back, so a loop that steps
+    # while it has unfinished requests (the server's) does not go idle holding them.
+    assert second.has_unfinished_requests()
     deadline = time.monotonic() + 30
-    while kv.orphan_loads and time.monotonic() < deadline:
+    while second.has_unfinished_requests() and time.monotonic() < deadline:
         second.step()
         time.sleep(0.01)
+    assert not kv.orphan_loads
     assert_pool_whole(second)
     # What the cancelled restore did copy joined the prefix cache; the rest comes from the tier again.
     tokens, cached, _ = run(second, PROMPT, request_id="stays")
