@@ -261,8 +261,10 @@ class KVCacheManager:
         if rid in self.requests:
             self.coordinator.free_skipped(rid, request.num_computed_tokens)
         needed = self._blocks_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
-        if needed > self.pool.num_free_blocks and not self.pins.release_for(needed - self.pool.num_free_blocks):
-            return False
+        if needed > self.pool.num_free_blocks:
+            hit_ids = {b.block_id for blocks in new_computed_blocks or () for b in blocks}
+            if not self.pins.release_for(needed - self.pool.num_free_blocks, hit_ids):
+                return False
         if self.state is not None and not self.state.acquire(rid):
             return False
         hit_len = len(new_computed_blocks[0]) if new_computed_blocks and new_computed_blocks[0] else 0

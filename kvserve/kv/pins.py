@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from kvserve.kv.block import KVCacheBlock
@@ -146,20 +146,22 @@ class PinTable:
     def _oldest_of(self, tenant: bytes) -> bytes:
         return next(key for key, found in self.pins.items() if found.tenant == tenant)
 
-    def release_for(self, blocks_short: int) -> bool:
+    def release_for(self, blocks_short: int, keep: Collection[int] = ()) -> bool:
         """A live request needs `blocks_short` more blocks than the pool has free: release the least recently used pins
-        whose blocks only pins hold, as few as give it that many; none, and False, when they cannot."""
+        whose blocks only pins hold, as few as give it that many; none, and False, when they cannot. `keep`: the ids
+        of the request's own prefix-hit blocks: one a release frees is revived by the request at once, so it gives
+        the request nothing (counting it made the allocation that followed fail, a case the fuzzer found)."""
         if blocks_short <= 0:
             return True
         released_refs: dict[int, int] = {}
         chosen: list[bytes] = []
         freed = 0
         for key, found in self.pins.items():
-            if not any(b.ref_cnt == self.pinned[b.block_id] for b in found.blocks):
-                continue  # every block of it is held by a request too: releasing it frees nothing
+            if not any(b.ref_cnt == self.pinned[b.block_id] and b.block_id not in keep for b in found.blocks):
+                continue  # every block of it is held by a request too, or is the request's own hit: frees nothing
             for b in found.blocks:
                 released_refs[b.block_id] = released_refs.get(b.block_id, 0) + 1
-                freed += released_refs[b.block_id] == b.ref_cnt
+                freed += released_refs[b.block_id] == b.ref_cnt and b.block_id not in keep
             chosen.append(key)
             if freed >= blocks_short:
                 break

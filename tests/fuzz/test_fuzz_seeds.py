@@ -4,8 +4,9 @@ invariants after every step (tests/fuzz/runner.py). A failure names the command 
 
 Seeds 10, 18, 23 and 67 are among those that found the defects of issue 54 on be018a6 (docs/RELIABILITY.md): a pin
 released for a request it did not help (D4), two state saves of one step into one slot (D1), a restore source
-reassigned within its step (D3), a tier restore taking the slot of a save queued in its step (D2); the rest are
-consecutive."""
+reassigned within its step (D3), a tier restore taking the slot of a save queued in its step (D2); 8688 and 8947
+found a pin over a request's own prefix hit counted as blocks freed for it (the allocation then failed); the rest
+are consecutive."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from .runner import Models, Reference, replay_command, run_workload, shrink
 from .workload import generate
 
-FOUND_DEFECTS = (10, 18, 23, 67)
+FOUND_DEFECTS = (10, 18, 23, 67, 8688, 8947)
 SEEDS = sorted({*FOUND_DEFECTS, *range(100, 148)})
 
 

@@ -217,3 +217,21 @@ def test_a_pin_is_released_for_a_request_only_as_far_as_it_needs():
     assert kv.allocate_slots(big, big.num_tokens)
     assert list(kv.pins.pins) == [kv.req_hashes.get("p2", [b""])[-1]] or len(kv.pins.pins) == 1
     check_kv_invariants(kv)
+
+
+def test_a_pin_over_the_requests_own_hit_frees_nothing_for_it():
+    """The fuzzer's long run (seeds 8108, 8606, 8688, 8947): a request whose prefix hit is pinned, short of blocks,
+    released that pin and counted its blocks as freed, but the request revives its own hit blocks at once, so the
+    allocation that followed found the pool short and raised (the request failed with "cannot allocate"). A release
+    counts only blocks the request does not take back; here none, so nothing is released and the request waits."""
+    _, kv, _ = make(num_blocks=24)
+    prompt = list(range(1000, 1000 + 6 * BS + 1))
+    serve_request(kv, "pin", prompt, pin=6 * BS)
+    filler = Request("filler", [5000 + i for i in range(kv.pool.num_free_blocks * BS)], Params())
+    assert kv.allocate_slots(filler, filler.num_tokens) and kv.pool.num_free_blocks == 0
+    again = Request("again", prompt + list(range(7000, 7000 + 2 * BS)), Params())
+    hit, num_hit = kv.get_computed_blocks(again)
+    assert num_hit == 6 * BS
+    assert not kv.allocate_slots(again, again.num_tokens - num_hit, hit)  # it raised ValueError
+    assert len(kv.pins.pins) == 1
+    check_kv_invariants(kv)
