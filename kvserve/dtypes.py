@@ -19,6 +19,16 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
 }
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+# The KV storage dtypes the native kernels read in place and the native decoder layer writes, by kernels.h's
+# KvserveKvDtype code (kernels/abi.py passes them; tests/unit/test_kernel_contract.py checks the header agrees).
+NATIVE_KV_DTYPE_CODES: dict[str, int] = {
+    "float32": 0,
+    "bfloat16": 1,
+    "float16": 2,
+    "int8": 3,
+    "fp8_e4m3": 4,
+    "fp8_e5m2": 5,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:

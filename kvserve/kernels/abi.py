@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ctypes
 
+from kvserve.dtypes import NATIVE_KV_DTYPE_CODES
+
 _P, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 LINEAR_FLOAT32, LINEAR_Q8_0, LINEAR_GGUF = 0, 1, 2
-# kernels.h's KvserveKvDtype codes, by the --kv-cache-dtype name of the storage (kvserve/dtypes.py): the element types
-# the native attention kernels read in place and the native decoder layer writes.
-KV_DTYPE_CODES: dict[str, int] = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "fp8_e4m3": 4, "fp8_e5m2": 5}
+# kernels.h's KvserveKvDtype codes, by the --kv-cache-dtype name of the storage: declared with the other dtype names
+# in kvserve/dtypes.py (the registry), named here for the ctypes side.
+KV_DTYPE_CODES = NATIVE_KV_DTYPE_CODES
 MAX_PARTS = 3  # a fused QKV stored as three GGUF tensors of different types
 
 
