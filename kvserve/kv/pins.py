@@ -173,16 +173,23 @@ class PinTable:
         return True
 
     def refresh(self, hashes: Iterable[bytes]) -> None:
-        """A request hit these blocks: every pin ending at one of them lives another TTL from now."""
+        """A request hit these blocks: every pin ending at one of them lives another TTL from now (the content was
+        used, as Anthropic's refresh-on-read says). For displacement's order only two of them become most recent:
+        the first pin along the hit (the shared system prompt, which other conversations hit too) and the last (the
+        one the request ends at, which its next turn will hit). Pins in between are earlier turns of the same
+        conversation: the newest pin holds all their full-attention blocks, so they keep only their sliding-window
+        blocks and are what goes first when the budget is short (moving every one to the front made them as recent
+        as the newest, so a new pin displaced the system prompt's pin, or a live conversation's, before them)."""
         if not self.pins:
             return
         now = self.clock()
-        for block_hash in hashes:
-            found = self.pins.get(block_hash)
-            if found is not None:
-                found.expires_at = max(found.expires_at, now + found.ttl_s)
-                self.pins.move_to_end(block_hash)
-                self.stats.refreshed += 1
+        found_keys = [block_hash for block_hash in hashes if block_hash in self.pins]
+        for key in found_keys:
+            found = self.pins[key]
+            found.expires_at = max(found.expires_at, now + found.ttl_s)
+            self.stats.refreshed += 1
+        for key in dict.fromkeys(found_keys[:1] + found_keys[-1:]):
+            self.pins.move_to_end(key)
 
     def expire(self) -> int:
         """Release the pins whose time is up; returns how many."""

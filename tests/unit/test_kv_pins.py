@@ -130,3 +130,20 @@ def test_a_tenants_pin_budget_displaces_its_own_pins_and_is_counted():
     serve(kv, "big", [5000 + i for i in range(9 * BS + 1)], pin=9 * BS, salt="b")
     assert kv.pins.stats.refused == 1 and kv.pins.stats.tenant_capped == 2
     check_kv_invariants(kv)
+
+
+def test_a_hit_keeps_its_first_and_last_pins_recent_and_earlier_turns_go_first():
+    """A chat pins its system prompt, then each turn's end (full attention + a 32-token window: each pin holds its own
+    two window blocks). A later turn hits all three; a new pin past the budget then displaces the earlier turn's pin,
+    whose full-attention blocks the newest pin holds anyway, not the system prompt's (other conversations hit it) nor
+    the newest (the next turn hits it). Moving every pin along the hit to the front made them as recent as the newest,
+    and the system prompt's pin went first."""
+    _, kv, _ = make(num_blocks=60, windows=[None, 32], budget=14)
+    for rid, blocks in [("system", 2), ("turn1", 4), ("turn2", 6)]:
+        serve(kv, rid, PROMPT, pin=blocks * BS)
+    assert kv.pins.num_pinned_blocks == 12  # 6 full-attention blocks, 2 window blocks per pin
+    assert serve(kv, "turn3", PROMPT) == 8 * BS
+    serve(kv, "other", [7000 + i for i in range(2 * BS + 1)], pin=2 * BS)  # 4 more blocks: 16 > 14
+    assert sorted(p.num_tokens for p in kv.pins.pins.values()) == [2 * BS, 2 * BS, 6 * BS]
+    assert kv.pins.stats.displaced == 1
+    check_kv_invariants(kv)
