@@ -17,7 +17,6 @@ On a GPU the float32 dots run in true float32 ("ieee"), so the float32 tolerance
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 import zlib
@@ -26,6 +25,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from paged_tables import shuffled_block_tables
 
 from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.metadata import AttentionMetadata
@@ -53,17 +53,8 @@ def make_case(
     """q for sequences given as (seq_len, query_len), and a cache holding their whole contexts (written through
     LayerKVCache.write, so 8-bit caches are quantized as the engine does) with NaN everywhere else; built on
     the CPU (same random numbers everywhere), then moved to `device`."""
-    rng = random.Random(seed)
     torch.manual_seed(seed)
-    need = [-(-s // block_size) for s, _ in seqs]
-    num_blocks = sum(need) + 3
-    ids = list(range(1, num_blocks))  # block 0 is the table padding, never handed out
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at : at + n])
-        at += n
-    meta = AttentionMetadata.build(tables, [s for s, _ in seqs], [q for _, q in seqs], block_size, torch.device("cpu"))
+    tables, meta, num_blocks = shuffled_block_tables(seqs, block_size, seed, spare_blocks=3)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     nan = float("nan")
     quantized = quant_format(kv_dtype) is not None
@@ -80,7 +71,6 @@ def make_case(
     moved = LayerKVCache(
         *(t.to(device) if t is not None else None for t in (cache.key, cache.value, cache.key_scale, cache.value_scale))
     )
-    tables = [row[:n].tolist() for row, n in zip(meta.block_tables, need)]
     meta = AttentionMetadata.build(tables, meta.seq_lens_cpu, meta.query_lens_cpu, block_size, device)
     return q.to(device), moved, meta
 

@@ -6,12 +6,12 @@ native prefill kernel's polynomial exp adds ~2e-7 relative; it measures ~1e-6 ab
 
 from __future__ import annotations
 
-import random
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from paged_tables import context_slot_mask, shuffled_block_tables
 
 from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.cpu import cpu_attention
@@ -29,24 +29,12 @@ def _scenario(
     seqs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, seed: int, head_dim: int = 16
 ):
     """Random caches + shuffled (non-contiguous) block tables for sequences given as (seq_len, query_len)."""
-    rng = random.Random(seed)
     torch.manual_seed(seed)
-    need = [-(-s // block_size) for s, _ in seqs]
-    num_blocks = sum(need) + 5
-    ids = list(range(1, num_blocks))  # block 0 stays unused, as padding
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at : at + n])
-        at += n
-    meta = AttentionMetadata.build(tables, [s for s, _ in seqs], [q for _, q in seqs], block_size, torch.device("cpu"))
+    tables, meta, num_blocks = shuffled_block_tables(seqs, block_size, seed, spare_blocks=5)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
     # Slots outside every context hold NaN: a backend that reads them (even masked) fails the comparison.
-    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    for table, (seq_len, _) in zip(tables, seqs):
-        for p in range(seq_len):
-            used[table[p // block_size] * block_size + p % block_size] = True
+    used = context_slot_mask(tables, seqs, block_size, num_blocks)
     k_cache.view(-1, num_kv_heads, head_dim)[~used] = float("nan")
     v_cache.view(-1, num_kv_heads, head_dim)[~used] = float("nan")
     q = torch.randn(sum(q for _, q in seqs), num_heads, head_dim)

@@ -14,10 +14,10 @@ sliding windows; 1-4 threads (the split over threads)."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
+from paged_tables import context_slot_mask, shuffled_block_tables
 
 from kvserve.attention.backend import AttentionLayerSpec
 from kvserve.attention.cpu import cpu_attention
@@ -48,17 +48,8 @@ def _cache(
 ) -> tuple[torch.Tensor, LayerKVCache, AttentionMetadata]:
     """Queries for sequences given as (seq_len, query_len), and a cache of `dtype` holding random K/V at every
     context slot, through shuffled block tables; the other slots poisoned."""
-    rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    need = [-(-s // block_size) for s, _ in seqs]
-    num_blocks = sum(need) + 3
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at : at + n])
-        at += n
-    meta = AttentionMetadata.build(tables, [s for s, _ in seqs], [q for _, q in seqs], block_size, torch.device("cpu"))
+    tables, meta, num_blocks = shuffled_block_tables(seqs, block_size, seed, spare_blocks=3)
     cache = allocate_kv_cache(KVCacheConfig(1, kv_heads, dim, block_size, dtype), num_blocks, torch.device("cpu"))[0]
     slots = torch.arange(num_blocks * block_size)
     # Rows of mixed magnitudes, so that the 8-bit scales differ from row to row.
@@ -66,10 +57,7 @@ def _cache(
     k = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g) * magnitude
     v = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g) * magnitude
     cache.write(k, v, slots)
-    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    for table, (seq_len, _) in zip(tables, seqs):
-        for p in range(seq_len):
-            used[table[p // block_size] * block_size + p % block_size] = True
+    used = context_slot_mask(tables, seqs, block_size, num_blocks)
     if cache.key_scale is not None and cache.value_scale is not None:
         cache.key_scale.view(-1, kv_heads)[~used] = float("nan")
         cache.value_scale.view(-1, kv_heads)[~used] = float("nan")
