@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attention_merge.h"
 #include "kernels.h"
 #include "kv_dtypes.h"
 #include "simd.h"
@@ -334,20 +335,7 @@ void decode_attention(const KvserveDecodeAttention& a) {
         for (int64_t row = 0; row < batch * heads; ++row) {
             const int64_t b = row / heads, g = row % heads;
             const float* first = partial.data() + (b * splits * heads + g) * stride_out;
-            float m = -INFINITY;
-            for (int64_t part = 0; part < splits; ++part) m = std::max(m, first[part * heads * stride_out]);
-            float* o = a.out + row * dim;
-            std::fill(o, o + dim, 0.0f);
-            float total = 0.0f;
-            for (int64_t part = 0; part < splits; ++part) {
-                const float* p = first + part * heads * stride_out;
-                if (p[1] == 0.0f) continue;  // an empty part
-                const float w = expf(p[0] - m);
-                total += w * p[1];
-                for (int64_t d = 0; d < dim; ++d) o[d] += w * p[2 + d];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+            kvserve::merge_attention_parts(first, splits, heads * stride_out, dim, a.out + row * dim);
         }
     }
 }

@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <unistd.h>
 
+#include "attention_merge.h"
 #include "kernels.h"
 #include "kv_dtypes.h"
 #include "simd.h"
@@ -486,21 +487,8 @@ void prefill_attention(const KvservePrefillAttention* a) {
                 if (i0 + r / group >= q_len) continue;  // the last tile's missing queries
                 const float* first = partial.data() + (tile_item * parts * tile_q * group + r) * part_stride;
                 const int64_t part_step = tile_q * group * part_stride;
-                float m = -INFINITY;
-                for (int64_t p = 0; p < parts; ++p)
-                    if (first[p * part_step + 1] > 0.0f) m = std::max(m, first[p * part_step]);
                 float* dst = out + ((i0 + r / group) * heads + h * group + r % group) * dim;
-                std::fill(dst, dst + dim, 0.0f);
-                float total = 0.0f;
-                for (int64_t p = 0; p < parts; ++p) {
-                    const float* src = first + p * part_step;
-                    if (!(src[1] > 0.0f)) continue;
-                    const float w = expf(src[0] - m);
-                    total += w * src[1];
-                    for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[2 + d];
-                }
-                const float inv = 1.0f / total;
-                for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+                kvserve::merge_attention_parts(first, parts, part_step, dim, dst);
             }
         }
     }
