@@ -33,7 +33,8 @@ HasBlock = Callable[[int, int], bool]
 @dataclass(slots=True)
 class RequestTables:
     """One request's blocks: a table per KV cache group (all equally long: one entry per block of its tokens), and per
-    group how many leading entries are already the null block (blocks given back as the request moved past them)."""
+    group how many leading entries are already the null block (blocks given back as the request moved past them: the
+    group's first_needed_block as of the last free_skipped, vLLM's skipped blocks)."""
 
     tables: GroupBlocks
     skipped: list[int]
@@ -57,11 +58,11 @@ class KVCacheCoordinator:
         self.reserve_tokens = reserve_tokens
         self.num_groups = layout.num_groups
         self.managers: list[SingleTypeKVCacheManager] = [manager_for(g.spec, block_size) for g in layout.groups]
-        self.full_groups = [g for g, m in enumerate(self.managers) if m.need is None]
+        self.full_groups = [g for g, m in enumerate(self.managers) if m.window_blocks is None]
         windows: dict[int, list[int]] = {}
         for g, m in enumerate(self.managers):
-            if m.need is not None:
-                windows.setdefault(m.need, []).append(g)
+            if m.window_blocks is not None:
+                windows.setdefault(m.window_blocks, []).append(g)
         self.windows = list(windows.items())  # (blocks a hit needs before its end, the groups of that window)
         self.requests: dict[str, RequestTables] = {}
 
@@ -83,7 +84,7 @@ class KVCacheCoordinator:
             if not all(has(g, i) for g in self.full_groups):
                 length = i
                 break
-        scans = [WindowScan(need, _served(has, groups)) for need, groups in self.windows]
+        scans = [WindowScan(blocks, _served(has, groups)) for blocks, groups in self.windows]
         while length > 0:
             gap = next((g for g in (s.gap(length) for s in scans) if g is not None), None)
             if gap is not None:
@@ -94,16 +95,17 @@ class KVCacheCoordinator:
                 break
         return length
 
-    def hit_start(self, group_id: int, length: int) -> int:
-        """The first block a prefix hit of `length` blocks needs in this group."""
-        return self.managers[group_id].hit_start(length)
+    def first_needed_block(self, group_id: int, num_computed_tokens: int) -> int:
+        """The first block of this group a request computed up to `num_computed_tokens` reads, or a prefix hit of
+        num_computed_tokens / block_size blocks needs (single_type.py)."""
+        return self.managers[group_id].first_needed_block(num_computed_tokens)
 
     def hit_tables(self, length: int, block_of: Callable[[int, int], KVCacheBlock]) -> GroupBlocks:
         """Per group, the table of a prefix hit of `length` blocks: null entries before a sliding group's window, then
         block_of(group, index) for each block the group needs."""
         out: GroupBlocks = []
         for g in range(self.num_groups):
-            first = self.hit_start(g, length)
+            first = self.first_needed_block(g, length * self.block_size)
             out.append([self.null_block] * first + [block_of(g, i) for i in range(first, length)])
         return out
 
@@ -111,7 +113,7 @@ class KVCacheCoordinator:
         """The cached blocks a hit of `length` blocks needs, every group; [] if one is missing (not cached)."""
         blocks = []
         for g in range(self.num_groups):
-            for i in range(self.hit_start(g, length), length):
+            for i in range(self.first_needed_block(g, length * self.block_size), length):
                 block = self.pool.cached[g].get(hashes[i])
                 if block is None:
                     return []

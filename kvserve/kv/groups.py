@@ -64,9 +64,9 @@ class KVCacheSpec:
             return 0
         return max(0, num_computed_tokens - self.window + 1) // block_size
 
-    def hit_blocks(self, block_size: int) -> int | None:
-        """Blocks a prefix hit of this spec needs before the hit point: those covering the W - 1 tokens the first
-        computed token still sees (vLLM's sliding_window_contiguous_blocks). None: every block (full attention)."""
+    def window_blocks(self, block_size: int) -> int | None:
+        """Blocks covering the W - 1 tokens before a position that a query there still sees: what a prefix hit of
+        this spec needs before its end (vLLM's sliding_window_contiguous_blocks). None: every block (full attention)."""
         return None if self.window is None else cdiv(self.window - 1, block_size)
 
     def blocks_held(self, num_tokens: int, block_size: int) -> int:

@@ -19,19 +19,19 @@ from kvserve.kv.groups import KVCacheSpec
 
 
 class SingleTypeKVCacheManager:
-    """The rules of one spec's groups; `need` is how many blocks before a hit's end a group of it needs (None: all)."""
+    """The rules of one spec's groups; `window_blocks` is how many blocks before a hit's end a group of it needs
+    (None: all)."""
 
     def __init__(self, spec: KVCacheSpec, block_size: int) -> None:
         self.spec = spec
         self.block_size = block_size
-        self.need = spec.hit_blocks(block_size)
-
-    def hit_start(self, length: int) -> int:
-        """The first block a prefix hit of `length` blocks needs from this group."""
-        return 0 if self.need is None else max(0, length - self.need)
+        self.window_blocks = spec.window_blocks(block_size)
 
     def first_needed_block(self, num_computed_tokens: int) -> int:
-        """The first block a step starting at `num_computed_tokens` may read; the ones before go back to the pool."""
+        """The first block a step starting at `num_computed_tokens` may read; the ones before go back to the pool.
+        One boundary for running requests and hits alike: a prefix hit of L blocks is a request whose next step
+        starts at token L x block_size, so it needs this group's blocks from first_needed_block(L x block_size),
+        which is L - window_blocks (at least 0)."""
         return self.spec.first_needed_block(num_computed_tokens, self.block_size)
 
 
@@ -48,13 +48,13 @@ def manager_for(spec: KVCacheSpec, block_size: int) -> SingleTypeKVCacheManager:
 
 
 class WindowScan:
-    """For one window (groups that need `need` blocks before a hit's end), the question a right-to-left hit search
-    asks of each candidate length L: are blocks [L - need, L) all served (all of [0, L) for a shorter prefix)? Asked
-    for decreasing L within one lookup, each block is looked at once: `low` is the lowest block of a run known served
-    up to the current candidate."""
+    """For one window (groups that need `window_blocks` blocks before a hit's end), the question a right-to-left hit
+    search asks of each candidate length L: are blocks [L - window_blocks, L) all served (all of [0, L) for a shorter
+    prefix)? Asked for decreasing L within one lookup, each block is looked at once: `low` is the lowest block of a
+    run known served up to the current candidate."""
 
-    def __init__(self, need: int, served: Callable[[int], bool]) -> None:
-        self.need = need
+    def __init__(self, window_blocks: int, served: Callable[[int], bool]) -> None:
+        self.window_blocks = window_blocks
         self.served = served
         self.low: int | None = None
 
@@ -63,7 +63,7 @@ class WindowScan:
         block's index), or None: the window is whole."""
         if self.low is None or self.low > length:
             self.low = length
-        bottom = max(0, length - self.need)
+        bottom = max(0, length - self.window_blocks)
         while self.low > bottom:
             if not self.served(self.low - 1):
                 gap = self.low - 1

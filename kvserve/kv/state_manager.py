@@ -141,18 +141,18 @@ class StateManager:
 
     # ---- a step's copies ---------------------------------------------------------------------------------
 
-    def plan_step(self, request: StateRequest, hit_blocks: int, end: int, keys: RequestKeys | None) -> None:
+    def plan_step(self, request: StateRequest, num_hit_blocks: int, end: int, keys: RequestKeys | None) -> None:
         """The copies around the request's next step: before it, its slot filled from the snapshot its prefix hit of
-        `hit_blocks` blocks ends at; after it, when the step ends on a block boundary (`end` tokens computed then),
+        `num_hit_blocks` blocks ends at; after it, when the step ends on a block boundary (`end` tokens computed then),
         that state saved as the boundary block's snapshot. `keys`: the request's block hashes and keys (None: no
         prefix caching, no snapshots)."""
         snapshots, rid, bs = self.snapshots, request.request_id, self.block_size
         if snapshots is None or keys is None:
             return
         slot = self.slot(rid)
-        hashes = keys.hashes(request, end if not end % bs and end <= request.num_tokens else hit_blocks * bs)
-        if hit_blocks:
-            source = snapshots.read(hashes[hit_blocks - 1])
+        hashes = keys.hashes(request, end if not end % bs and end <= request.num_tokens else num_hit_blocks * bs)
+        if num_hit_blocks:
+            source = snapshots.read(hashes[num_hit_blocks - 1])
             if source is None:
                 raise ValueError(f"request {rid}: the state snapshot of its prefix hit is gone")
             self.restores.append((source, slot))

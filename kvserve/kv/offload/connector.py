@@ -159,7 +159,7 @@ class OffloadConnector:
         held: list[KVCacheBlock] = []
         wanted: list[tuple[int, int]] = []  # (block index, group), in that order: a partial restore is a prefix
         for g in range(kv.num_groups):
-            for i in range(kv.coordinator.hit_start(g, length), length):
+            for i in range(kv.coordinator.first_needed_block(g, length * kv.block_size), length):
                 block = in_pool(g, i)
                 if block is not None:
                     held.append(block)

@@ -51,7 +51,9 @@ class WriteThrough:
         """Whether block `index` of a group is one the tier keeps: every block of a full-attention group; of a
         sliding group, those of its window before `hit_point`."""
         manager = self.kv.coordinator.managers[group_id]
-        return manager.need is None or manager.hit_start(hit_point) <= index < hit_point
+        if manager.window_blocks is None:
+            return True
+        return manager.first_needed_block(hit_point * manager.block_size) <= index < hit_point
 
     def step_done(self, scheduled: Sequence[Computed]) -> None:
         """After a step that succeeded: the blocks it completed that are their group's cached blocks (a private
@@ -93,9 +95,9 @@ class WriteThrough:
             end = 0 if state is None else min(request.num_computed_tokens // kv.block_size, state.num_published)
             blocks = []
             for g, table in enumerate(kv.group_tables(request.request_id)):
-                if kv.coordinator.managers[g].need is None:
+                if kv.coordinator.managers[g].window_blocks is None:
                     continue
-                for i in range(kv.coordinator.hit_start(g, end), min(end, len(hashes))):
+                for i in range(kv.coordinator.first_needed_block(g, end * kv.block_size), min(end, len(hashes))):
                     block = table[i]
                     if block.block_hash == hashes[i] and kv.pool.cached[g].get(hashes[i]) is block and block.key:
                         blocks.append(TierBlock(block.block_id, hashes[i], block.key, g))
