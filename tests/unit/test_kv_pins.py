@@ -147,3 +147,21 @@ def test_a_hit_keeps_its_first_and_last_pins_recent_and_earlier_turns_go_first()
     assert sorted(p.num_tokens for p in kv.pins.pins.values()) == [2 * BS, 2 * BS, 6 * BS]
     assert kv.pins.stats.displaced == 1
     check_kv_invariants(kv)
+
+
+def test_pins_another_pin_extends_go_before_a_conversations_newest():
+    """Two conversations, each pinning its system prompt (4 blocks) and then its newest turn (6 blocks), a 32-token
+    window (each pin holds its own two window blocks): 10 blocks each, over a budget of 17. B's newest pin displaces
+    the system prompts' pins, which the newest pins extend (they keep only window blocks), and both newest pins stay:
+    A's next turn still hits all of its history. Least recently used alone released A's system pin and then A's newest,
+    and A recomputed everything (bench prompt-cache's oldest agent on Gemma 3)."""
+    _, kv, _ = make(num_blocks=80, windows=[None, 32], budget=17)
+    chats = {name: [base + i for i in range(6 * BS + 5)] for name, base in (("a", 1000), ("b", 5000))}
+    for name, tokens in chats.items():
+        serve(kv, f"{name}-system", tokens[: 4 * BS + 1], pin=4 * BS)
+        serve(kv, f"{name}-turn", tokens, pin=6 * BS)
+    assert sorted(p.num_tokens for p in kv.pins.pins.values()) == [6 * BS, 6 * BS]
+    assert kv.pins.num_pinned_blocks == 16
+    flood(kv)
+    assert serve(kv, "a-next", chats["a"] + [9] * BS) == 6 * BS
+    check_kv_invariants(kv)
