@@ -5,6 +5,7 @@ prompt's tokens, and the usage they give (cache read / cache creation / input), 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -125,7 +126,7 @@ def breakpoint_positions(
     if not parts:
         return []
     ids_whole = prep.tokenize_messages(whole, render)
-    partial = ChatRender(False, render.chat_template, render.tools, render.tool_style)
+    partial = dataclasses.replace(render, add_generation_prompt=False)
     # What any conversation shares with this prompt (a BOS token, a template's header): a mark ending there is no mark.
     header = min(
         _shared(prep, ids_whole, [{"role": "user", "content": p}], partial, "an empty prompt") for p in _PLACEHOLDERS

@@ -138,7 +138,9 @@ async def create_chat_completion(
     if tools.keep_special_tokens:
         params = params.clone(skip_special_tokens=False)
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
-    render = ChatRender(request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style)
+    render = ChatRender(
+        request.add_generation_prompt, request.chat_template, tools.tools, ctx.settings.tool_style, request.cache_salt
+    )
     truncate = ctx.settings.chat_history_policy == "truncate"
     try:
         forced = await compile_for(ctx, raw, lambda caller: _compile(ctx, tools, constraint, caller))

@@ -551,7 +551,11 @@ async def create_message(ctx: ServerContext, body: MessagesRequest, raw: Request
     try:
         request = chat_request(body, body.stream, tools)
         model = ctx.resolve_model(body.model)
-        render = ChatRender(tools=plan_tools(request, ctx.settings).tools, tool_style=ctx.settings.tool_style)
+        render = ChatRender(
+            tools=plan_tools(request, ctx.settings).tools,
+            tool_style=ctx.settings.tool_style,
+            cache_salt=body.cache_salt,
+        )
         parts = [(m.where, chat_messages(body, m)) for m in marks]
         positions = await ctx.preparer.run(breakpoint_positions, ctx.preparer, chat_messages(body), parts, render)
         diagnosis = Diagnosis.of(ctx, body, model)
