@@ -35,7 +35,7 @@ from tiny_models import build_tiny_hf_model
 from tiny_tokenizer import write_char_tokenizer
 
 from kvserve.engine.engine import LLMEngine
-from kvserve.kv.offload.stores import RECORD_SUFFIX
+from kvserve.kv.offload.store_dir import RECORD_SUFFIX
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import KVPin, SamplingParams
 

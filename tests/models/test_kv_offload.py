@@ -17,7 +17,8 @@ from tiny_models import tiny_engine
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.engine import LLMEngine
-from kvserve.kv.offload.stores import RECORD_SUFFIX, DiskStore
+from kvserve.kv.offload.store_dir import RECORD_SUFFIX
+from kvserve.kv.offload.stores import DiskStore
 from kvserve.outputs import RequestOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

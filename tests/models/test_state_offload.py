@@ -16,7 +16,7 @@ from tiny_models import build_tiny_hf_model, tiny_engine
 from tiny_tokenizer import write_char_tokenizer
 
 from kvserve.kv.events import BlockRemoved, BlockStored
-from kvserve.kv.offload.stores import RECORD_SUFFIX
+from kvserve.kv.offload.store_dir import RECORD_SUFFIX
 
 # 4 snapshot slots (max_num_seqs 1): a few other prompts evict a conversation's snapshots from the pool.
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=1)

@@ -54,7 +54,7 @@ def test_prompt_cache_retention_keeps_the_prompt_in_the_disk_tier(make_server, t
     """OpenAI's prompt_cache_retention "24h": every whole block of the prompt is retained in the disk tier (its record's
     time set a day ahead, which eviction passes over and a restart keeps: tests/unit/test_kv_offload_store.py); another
     request's blocks are not. Without a disk tier it is a 400."""
-    from kvserve.kv.offload.stores import parse_record_name
+    from kvserve.kv.offload.store_dir import parse_record_name
 
     server = make_server(kv_offloading_size="16MiB", kv_offloading_path=str(tmp_path))
     with server.client() as c:

@@ -15,7 +15,8 @@ import torch
 from kvserve.kv.hashing import BlockHasher, BlockKey
 from kvserve.kv.offload.fingerprint import KVFingerprint
 from kvserve.kv.offload.record import RecordError, decode_record, encode_record
-from kvserve.kv.offload.stores import STALE_TMP_SECONDS, TMP_PREFIX, DiskStore
+from kvserve.kv.offload.store_dir import STALE_TMP_SECONDS, TMP_PREFIX
+from kvserve.kv.offload.stores import DiskStore
 
 FP = KVFingerprint(
     weights="w", weight_quantization="none", activation_quantization="none", kernels="torch",

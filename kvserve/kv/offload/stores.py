@@ -10,25 +10,20 @@ directory's budget is enforced under a lock file by whichever process finds it e
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import logging
 import os
-import secrets
 import stat
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from kvserve.kv.hashing import BlockKey
-from kvserve.kv.offload.fingerprint import KVFingerprint, family_of
+from kvserve.kv.offload.fingerprint import KVFingerprint
 from kvserve.kv.offload.interface import StoreUsage, TierKey
 from kvserve.kv.offload.record import (
     CHECKSUM_BYTES,
@@ -40,20 +35,21 @@ from kvserve.kv.offload.record import (
     record_size_bounds,
     size_refusal,
 )
-from kvserve.kv.offload.safedir import ALLOW_OTHER_WRITERS_FLAG, CheckedDir, Trust, UnsafeEntry, others_can_write
+from kvserve.kv.offload.safedir import UnsafeEntry
+from kvserve.kv.offload.store_dir import (
+    HEAD_READ,
+    StoreDirectory,
+    parse_record_name,
+    record_name,
+    unlink_quietly,
+    write_tmp,
+)
 
 logger = logging.getLogger(__name__)
 
-RECORD_SUFFIX = ".kvb"
-TMP_PREFIX = ".tmp-"
-# A temporary file older than this belongs to a writer that died (a write takes milliseconds): the next scan removes it.
-STALE_TMP_SECONDS = 600.0
 # Eviction frees down to this share of the budget, so that the directory is scanned once per tenth of it written.
 _EVICT_TO = 0.9
 _LOCK_FILE = "lock"
-# Enough of a file's start to say why it is not a record (its header and more), when its size already says it is not.
-_HEAD_READ = 4096
-_FINGERPRINT_FILE = "fingerprint.json"
 
 
 class HostMemoryStore:
@@ -138,24 +134,12 @@ class DiskStore:
         # The sizes a record of this store can have: any other file at a record's name is not one, known unread.
         self._min_size, self._max_size = record_size_bounds(payload_bytes)
         self.refused_records = 0  # records the scans refused (malformed, planted), under _mutex
-        self.top = root
         self.dir = root / fingerprint.name
         self.blocks_dir = self.dir / "blocks"
-        trust = Trust(os.geteuid(), other_writers=allow_other_writers)
-        with CheckedDir.open_top(root, trust, create=True) as top:
-            _warn_if_open(top)
-            self._dir = top.subdir([fingerprint.name], create=True)
-        try:
-            _warn_if_open(self._dir)
-            self._blocks = self._dir.subdir(["blocks"], create=True)
-        except BaseException:
-            self._dir.close()
-            raise
-        _warn_if_open(self._blocks)
-        self._closer = weakref.finalize(self, _close_dirs, self._dir, self._blocks)
+        self._store_dir = StoreDirectory.open(root, fingerprint, (self._min_size, self._max_size), allow_other_writers)
+        self._blocks = self._store_dir.blocks
+        self._closer = weakref.finalize(self, self._store_dir.close)
         self._digest = fingerprint.digest  # computed once: every record carries it
-        self._family = fingerprint.family  # subdirectories of this family are this process's own (its other stores)
-        self._trust = trust
         # The budget: scans, and each write's room and rename, under one lock, so the directory's size is known
         # exactly between them (a scan that counted while a write landed lost that write's bytes).
         self._budget = threading.Lock()
@@ -165,29 +149,11 @@ class DiskStore:
         self._bytes_estimate = 0
         self._num_blocks_estimate = 0
         self._present: set[TierKey] = set()  # the records known to exist (see the class docstring)
-        self._shard_mtimes: dict[str, float] = {}  # what refresh saw of each shard directory
-        self._warned: set[str] = set()  # unsafe entries already logged (once each)
         # A directory this process may not write (a read-only mount, chmod a-w, another user's lock) is still read.
-        self.read_only = not self._can_write()
+        self.read_only = not self._store_dir.can_write()
         if not self.read_only:
-            self._describe_fingerprint()
+            self._store_dir.describe()
         self.scan()
-
-    def _can_write(self) -> bool:
-        """Whether this process may write the directory: its lock opens read-write (created if missing). One that
-        refuses (EACCES, EPERM, EROFS) is used read-only: restores from what earlier runs stored; nothing is stored,
-        evicted, removed or touched (a user who made it read-only meant it). An unsafe lock (a link, another user's)
-        refuses the tier instead."""
-        try:
-            fd = self._dir.open([_LOCK_FILE], os.O_RDWR | os.O_CREAT)
-        except UnsafeEntry:
-            raise
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return False
-            raise
-        os.close(fd)
-        return True
 
     def close(self) -> None:
         """Release the directories' descriptors (the tier's close, once its threads have stopped)."""
@@ -196,19 +162,8 @@ class DiskStore:
     # ---- layout ------------------------------------------------------------------------------------
 
     def path_for(self, key: TierKey) -> Path:
-        shard, name = _record_name(key)
+        shard, name = record_name(key)
         return self.blocks_dir / shard / name
-
-    def _describe_fingerprint(self) -> None:
-        """fingerprint.json beside the blocks: what the subdirectory's KV was computed under, for a person. Written
-        by a new temporary file renamed over whatever is at the name (a link there is replaced, never followed)."""
-        try:
-            if stat.S_ISREG(self._dir.lstat(_FINGERPRINT_FILE).st_mode):
-                return
-        except FileNotFoundError:
-            pass
-        text = json.dumps(self.fingerprint.describe(), indent=2, sort_keys=True) + "\n"
-        _write_new(self._dir, _FINGERPRINT_FILE, [text.encode()])
 
     # ---- reads ---------------------------------------------------------------------------------------
 
@@ -218,7 +173,7 @@ class DiskStore:
     def _open_record(self, key: TierKey) -> int:
         """A descriptor of the block's record; KeyError when it is missing, RecordError (the entry removed) when
         what is at its name is not a record this store may read (a link, a FIFO, another user's file)."""
-        shard, name = _record_name(key)
+        shard, name = record_name(key)
         try:
             return self._blocks.open([shard, name])
         except FileNotFoundError:
@@ -238,7 +193,7 @@ class DiskStore:
             size = os.fstat(fd).st_size
             try:
                 if not self._min_size <= size <= self._max_size:
-                    raise size_refusal(os.pread(fd, _HEAD_READ, 0), size, self._digest, self.payload_bytes)
+                    raise size_refusal(os.pread(fd, HEAD_READ, 0), size, self._digest, self.payload_bytes)
                 payload = decode_record(os.pread(fd, size, 0), self._digest, key[1], content, key[0])
             except RecordError:
                 self._remove_record(key)
@@ -290,7 +245,7 @@ class DiskStore:
         a directory this store made; EROFS: a read-only store)."""
         if self.read_only:
             raise OSError(errno.EROFS, "the KV offload directory is read-only for this process", str(self.dir))
-        shard, name = _record_name(key)
+        shard, name = record_name(key)
         with self._blocks.subdir([shard], create=True) as directory:
             try:
                 there = stat.S_ISREG(directory.lstat(name).st_mode)
@@ -304,12 +259,12 @@ class DiskStore:
             size = sum(len(p) for p in parts)
             evicted = self._make_room(size)  # before the write: the directory never holds more than its budget
             try:
-                tmp = _write_tmp(directory, parts)
+                tmp = write_tmp(directory, parts)
                 with self._budget:
                     try:
                         directory.rename(tmp, name)
                     except BaseException:
-                        _unlink_quietly(directory, tmp)
+                        unlink_quietly(directory, tmp)
                         raise
                     with self._mutex:
                         self._bytes_estimate += size
@@ -355,7 +310,7 @@ class DiskStore:
         """A record that failed a check: gone from the directory and the index, so that it is recomputed."""
         self._forget(key)
         if not self.read_only:
-            self._unlink(*_record_name(key))
+            self._unlink(*record_name(key))
 
     def _unlink(self, shard: str, name: str) -> None:
         """Remove an entry of a shard (best effort: it may be gone already, or the shard be unusable)."""
@@ -366,43 +321,6 @@ class DiskStore:
             pass
 
     # ---- the budget ------------------------------------------------------------------------------------
-
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The directory's lock file, held exclusively: one process at a time scans and evicts. A read-only store
-        takes none (it evicts and removes nothing, and its reads never depend on the lock)."""
-        if self.read_only:
-            yield
-            return
-        fd = self._dir.open([_LOCK_FILE], os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the lock
-
-    def _shards(self) -> Iterator[tuple[str, CheckedDir]]:
-        """Each shard directory of blocks/, open and checked (the caller closes it). An entry at a shard's name that
-        is not a directory of this store's (a link, a file, another user's) is skipped, logged once."""
-        try:
-            names = sorted(n for n in os.listdir(self._blocks.fd) if _is_shard_name(n))
-        except FileNotFoundError:
-            return
-        for name in names:
-            try:
-                directory = self._blocks.subdir([name])
-            except UnsafeEntry as e:
-                self._warn_once(e)
-                continue
-            except FileNotFoundError:
-                continue
-            yield name, directory
-
-    def _warn_once(self, e: OSError) -> None:
-        where = str(e.filename)
-        if where not in self._warned:
-            self._warned.add(where)
-            logger.warning("KV offload tier: %s is %s: not used", where, e.strerror)
 
     def scan(self) -> list[TierKey]:
         """Under the lock: count the records, remove dead writers' temporary files, and evict the least recently used
@@ -419,10 +337,10 @@ class DiskStore:
         own share and are left alone. Evicted down to 90% of the budget, so that a scan comes once per tenth of it."""
         evicted: list[TierKey] = []
         writable = not self.read_only
-        with self._locked():
+        with self._store_dir.locked(self.read_only):
             now = time.time()
-            records, refused = self._own_records(now, writable)
-            foreign = self._foreign_records() if writable else []
+            records, refused = self._store_dir.own_records(now, writable)
+            foreign = self._store_dir.foreign_records() if writable else []
             if refused:
                 logger.warning(
                     "KV offload tier: %d entries at records' names in %s are no records of it (wrong size or type, "
@@ -450,7 +368,7 @@ class DiskStore:
                         if key is not None:
                             evicted.append(key)
                     else:
-                        self._unlink_foreign(r)
+                        self._store_dir.unlink_foreign(r)
                         foreign_total -= r.size
                 records = [r for r in records if id(r) not in gone]
             present = {key for key in (parse_record_name(r.name) for r in records) if key is not None}
@@ -461,95 +379,13 @@ class DiskStore:
                 self.refused_records += refused
         return evicted
 
-    def _own_records(self, now: float, writable: bool) -> tuple[list[_Found], int]:
-        """This store's well-formed records, and how many entries at records' names were refused (removed when
-        writable), dead writers' temporary files removed on the way."""
-        records: list[_Found] = []
-        refused = 0
-        for shard, directory in self._shards():
-            with directory, os.scandir(directory.fd) as entries:
-                for entry in entries:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if entry.name.startswith(TMP_PREFIX):
-                        if writable and now - st.st_mtime > STALE_TMP_SECONDS:
-                            _unlink_quietly(directory, entry.name)
-                    elif _key_in(shard, entry.name) is None:
-                        continue
-                    elif self._well_formed(st, directory.where([entry.name])):
-                        records.append(_Found(st.st_mtime, st.st_size, shard, entry.name))
-                    else:
-                        refused += 1
-                        if writable:
-                            _unlink_quietly(directory, entry.name)
-        return records, refused
-
-    def _foreign_records(self) -> list[_Found]:
-        """The records of the top directory's other families' subdirectories: regular files of this user's at
-        records' names (whatever their size: another store's records are another size). A subdirectory whose
-        fingerprint.json is missing or unreadable counts as another family's."""
-        found: list[_Found] = []
-        try:
-            top = CheckedDir.open_top(self.top, self._trust, create=False)
-        except OSError:
-            return found
-        with top:
-            for name in sorted(os.listdir(top.fd)):
-                if name == self.fingerprint.name or not _is_fingerprint_name(name):
-                    continue
-                try:
-                    with top.subdir([name]) as sub:
-                        if _family_in(sub) == self._family:
-                            continue
-                        with sub.subdir(["blocks"]) as blocks:
-                            found += _records_in(blocks, name)
-                except OSError:  # not a directory of this user's, or gone: not this store's to count
-                    continue
-        return found
-
-    def _unlink_foreign(self, record: _Found) -> None:
-        """Remove another family's record (best effort: its own process may have evicted it meanwhile)."""
-        assert record.family_dir is not None
-        try:
-            with CheckedDir.open_top(self.top, self._trust, create=False) as top:
-                with top.subdir([record.family_dir, "blocks", record.shard]) as directory:
-                    directory.unlink(record.name)
-        except OSError:
-            pass
-
-    def _well_formed(self, st: os.stat_result, where: str) -> bool:
-        """Whether an entry at a record's name can be a record of this store, from its stat alone: a regular file of
-        this user's that others cannot write, of a size a record of this payload has. Only such entries count
-        against the budget (a planted terabyte file evicted every good record)."""
-        try:
-            self._blocks.trust.check(st, where, directory=False)
-        except UnsafeEntry:
-            return False
-        return self._min_size <= st.st_size <= self._max_size
-
     def refresh(self) -> tuple[list[TierKey], list[TierKey]]:
-        """Bring the index up to date with the directory: list the shards whose directory changed since the last look
+        """Bring the index up to date with the directory: the shards whose directory changed since the last look
         (records other processes wrote or evicted). Returns (keys found, keys gone). A thread's call, never the
         engine thread's."""
         found: list[TierKey] = []
         gone: list[TierKey] = []
-        try:
-            names = [n for n in os.listdir(self._blocks.fd) if _is_shard_name(n)]
-        except FileNotFoundError:
-            return found, gone
-        for shard in names:
-            try:
-                mtime = os.stat(shard, dir_fd=self._blocks.fd, follow_symlinks=False).st_mtime
-                if self._shard_mtimes.get(shard) == mtime:
-                    continue
-                with self._blocks.subdir([shard]) as directory, os.scandir(directory.fd) as entries:
-                    listed = [e.name for e in entries if e.is_file(follow_symlinks=False)]
-            except OSError:
-                continue
-            self._shard_mtimes[shard] = mtime
-            keys = {key for key in (_key_in(shard, n) for n in listed) if key is not None}
+        for shard, keys in self._store_dir.changed_shards().items():
             with self._mutex:
                 known = {key for key in self._present if key[1].hex()[:2] == shard}
                 found += keys - known
@@ -563,105 +399,6 @@ class DiskStore:
             return StoreUsage(self._num_blocks_estimate, self._bytes_estimate)
 
 
-@dataclass(frozen=True, slots=True)
-class _Found:
-    """A record a scan found: its mtime (LRU age), size, shard and file name, and for another family's record the
-    subdirectory it is in (None: this store's own)."""
-
-    mtime: float
-    size: int
-    shard: str
-    name: str
-    family_dir: str | None = None
-
-
-def _is_fingerprint_name(name: str) -> bool:
-    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
-
-
-def _family_in(directory: CheckedDir) -> str | None:
-    """The family of a fingerprint subdirectory, from its fingerprint.json; None when it has none readable."""
-    try:
-        fd = directory.open([_FINGERPRINT_FILE])
-    except OSError:
-        return None
-    try:
-        description = json.loads(os.pread(fd, _HEAD_READ * 16, 0))
-    except ValueError:
-        return None
-    finally:
-        os.close(fd)
-    return family_of(description) if isinstance(description, dict) else None
-
-
-def _records_in(blocks: CheckedDir, family_dir: str) -> list[_Found]:
-    found: list[_Found] = []
-    for shard in sorted(n for n in os.listdir(blocks.fd) if _is_shard_name(n)):
-        try:
-            with blocks.subdir([shard]) as directory, os.scandir(directory.fd) as entries:
-                for entry in entries:
-                    if _key_in(shard, entry.name) is None:
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                        blocks.trust.check(st, directory.where([entry.name]), directory=False)
-                    except OSError:
-                        continue
-                    found.append(_Found(st.st_mtime, st.st_size, shard, entry.name, family_dir))
-        except OSError:
-            continue
-    return found
-
-
-def _close_dirs(*dirs: CheckedDir) -> None:
-    for directory in dirs:
-        directory.close()
-
-
-def _write_new(directory: CheckedDir, name: str, parts: Sequence[bytes | memoryview]) -> int:
-    """Write `parts` as the file `name` of `directory`, whole or not at all: into a new temporary file (_write_tmp),
-    then renamed over `name` (atomic on POSIX: a reader sees the old entry or the whole new file). Returns the bytes
-    written."""
-    tmp = _write_tmp(directory, parts)
-    try:
-        directory.rename(tmp, name)
-    except BaseException:
-        _unlink_quietly(directory, tmp)
-        raise
-    return sum(len(p) for p in parts)
-
-
-def _write_tmp(directory: CheckedDir, parts: Sequence[bytes | memoryview]) -> str:
-    """Write `parts` into a new temporary file of `directory` (an unpredictable name, created exclusively, so that
-    nothing planted at it is written through): its name, for the caller to rename into place. O_TMPFILE would leave
-    no name at all, but linking it into place needs /proc or a privilege and cannot replace an entry atomically; a
-    crash leaves this temporary name to the next scan instead."""
-    size = sum(len(p) for p in parts)
-    tmp = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    try:
-        fd = directory.open([tmp], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            written = os.writev(fd, parts)
-            if written != size:  # a short write (a full disk, a signal): finish it or fail
-                rest = b"".join(bytes(p) for p in parts)[written:]
-                while rest:
-                    n = os.write(fd, rest)
-                    rest = rest[n:]
-        finally:
-            os.close(fd)
-    except BaseException:
-        _unlink_quietly(directory, tmp)
-        raise
-    return tmp
-
-
-def _unlink_quietly(directory: CheckedDir, name: str) -> None:
-    try:
-        directory.unlink(name)
-    except OSError:
-        pass
-
-
 def _touch(fd: int) -> None:
     """A record was used: its mtime is its LRU age (a hint only: the directory may be read-only). A retained record's
     mtime lies in the future (DiskStore.retain): using it never shortens that."""
@@ -672,35 +409,6 @@ def _touch(fd: int) -> None:
         pass
 
 
-def _record_name(key: TierKey) -> tuple[str, str]:
-    """(shard, file name) of a block's record: blocks/<first two hex digits>/<hash hex>-<group>.kvb."""
-    group_id, block_hash = key
-    name = block_hash.hex()
-    return name[:2], f"{name}-{group_id}{RECORD_SUFFIX}"
-
-
-def _is_shard_name(name: str) -> bool:
-    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
-
-
-def _key_in(shard: str, name: str) -> TierKey | None:
-    """The key of a record named `name` in `shard`; None for any other name, or a record in the wrong shard (where
-    no read would look for it)."""
-    key = parse_record_name(name)
-    return key if key is not None and key[1].hex()[:2] == shard else None
-
-
-def parse_record_name(name: str) -> TierKey | None:
-    """The key of a record's file name (<hash hex>-<group>.kvb); None for any other name."""
-    if not name.endswith(RECORD_SUFFIX) or name.startswith(TMP_PREFIX):
-        return None
-    stem, _, group = name[: -len(RECORD_SUFFIX)].rpartition("-")
-    try:
-        return int(group), bytes.fromhex(stem)
-    except ValueError:
-        return None
-
-
 def _refusal(data: bytes, fingerprint: bytes, key: TierKey, content: BlockKey, payload_len: int) -> None:
     """Raise the RecordError that says why `data`, a record that did not check out, must not be used: decode_record's
     reason, or that its payload does not fit a block, or (all checks passing on a second read) that it changed while
@@ -709,27 +417,3 @@ def _refusal(data: bytes, fingerprint: bytes, key: TierKey, content: BlockKey, p
     if len(payload) != payload_len:
         raise RecordError(f"payload of {len(payload)} bytes, a block holds {payload_len}")
     raise RecordError("the record changed while it was read")
-
-
-def _warn_if_open(directory: CheckedDir) -> None:
-    """A directory of the tier that other users can read or enter is used, with a warning: it holds data derived
-    from prompts; chmod 700 it. One that others can write, or another user's, gets here only when the user allowed
-    it (ALLOW_OTHER_WRITERS_FLAG): warned about too, since the tier then restores whatever they put there."""
-    st = os.fstat(directory.fd)
-    mode = stat.S_IMODE(st.st_mode)
-    if others_can_write(st) or st.st_uid != directory.trust.uid:
-        logger.warning(
-            "the KV offload directory %s (mode %o, uid %d) is one other users can write: used because of %s; "
-            "the tier restores whatever they put there",
-            directory.path,
-            mode,
-            st.st_uid,
-            ALLOW_OTHER_WRITERS_FLAG,
-        )
-    elif mode & 0o077:
-        logger.warning(
-            "the KV offload directory %s is open to other users (mode %o): it holds data derived from prompts; "
-            "chmod 700 it",
-            directory.path,
-            mode,
-        )
