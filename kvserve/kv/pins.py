@@ -158,14 +158,20 @@ class PinTable:
         passing over a pin that frees none of the `counted` blocks (a budget's references per block); the least
         recently used when every one is passed over."""
         own = self.by_tenant[tenant]
-        mine = [found for found in self.pins.values() if found.tenant == tenant]
-        frees = [found for found in mine if any(counted[b.block_id] == 1 for b in found.blocks)]
-        extended = [
-            found
-            for found in frees
-            if any(own[b.block_id] > 1 or b.block_id in incoming for b in found.blocks if b.block_hash == found.key)
-        ]
-        return (extended or frees or mine)[0].key
+        oldest: Pin | None = None  # the least recently used of the tenant's pins
+        oldest_freeing: Pin | None = None  # ... of those whose release frees a counted block
+        for found in self.pins.values():  # least recently used first: the first extended one that frees is it
+            if found.tenant != tenant:
+                continue
+            oldest = oldest or found
+            if not any(counted[b.block_id] == 1 for b in found.blocks):
+                continue
+            oldest_freeing = oldest_freeing or found
+            if any(own[b.block_id] > 1 or b.block_id in incoming for b in found.blocks if b.block_hash == found.key):
+                return found.key
+        chosen = oldest_freeing or oldest
+        assert chosen is not None, "a tenant over its budget holds a pin"
+        return chosen.key
 
     def release_for(self, blocks_short: int, keep: Collection[int] = ()) -> bool:
         """A live request needs `blocks_short` more blocks than the pool has free: release the least recently used pins
