@@ -206,7 +206,7 @@ class StoreDirectory:
             return found
         with top:
             for name in sorted(os.listdir(top.fd)):
-                if name == self.fingerprint.name or not is_fingerprint_name(name):
+                if name == self.fingerprint.name or not _is_fingerprint_name(name):
                     continue
                 try:
                     with top.subdir([name]) as sub:
@@ -251,7 +251,7 @@ class FoundRecord:
     family_dir: str | None = None
 
 
-def is_fingerprint_name(name: str) -> bool:
+def _is_fingerprint_name(name: str) -> bool:
     return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
 
 

@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 # Eviction frees down to this share of the budget, so that the directory is scanned once per tenth of it written.
 _EVICT_TO = 0.9
-_LOCK_FILE = "lock"
 
 
 class HostMemoryStore:
