@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from kv_pin_support import Params
 
@@ -82,3 +83,27 @@ def test_a_done_restore_behind_a_refused_request_gives_its_blocks_back():
             break
     assert [s.request.request_id for s in out.scheduled][:1] == ["a"]
     assert a.status is RequestStatus.RUNNING and a.num_restored_tokens == 8
+
+
+class EndsBetweenLooks:
+    """An orphaned restore whose copy ends right after the first time it is asked whether it is done."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def done(self) -> bool:
+        self.asked += 1
+        return self.asked > 1
+
+
+def test_an_orphaned_restore_ending_while_it_is_reaped_is_finished_later_never_dropped():
+    """reap_orphan_loads asked each load twice whether it was done (once to finish it, once to keep it): a copy that
+    ended between the two looks was neither, so its blocks stayed referenced with no holder (the fuzzer's seed 30435,
+    a disk tier under load, caught it as 'ref_cnt 1 but 0 holders')."""
+    load = EndsBetweenLooks()
+    finished: list[object] = []
+    connector = SimpleNamespace(orphan_loads=[load], finish_load=finished.append)
+    OffloadConnector.reap_orphan_loads(connector)  # type: ignore[arg-type]
+    assert connector.orphan_loads == [load] and not finished  # not done at its one look: kept for the next step
+    OffloadConnector.reap_orphan_loads(connector)  # type: ignore[arg-type]
+    assert finished == [load] and connector.orphan_loads == []

@@ -305,8 +305,11 @@ class OffloadConnector:
     def reap_orphan_loads(self) -> None:
         """Release the restores of requests that left while their copy ran, once the copy has stopped."""
         if self.orphan_loads:
-            done = [load for load in self.orphan_loads if load.done()]
-            self.orphan_loads = [load for load in self.orphan_loads if not load.done()]
+            # Each load asked once: a copy ending between two looks was neither finished nor kept, and its blocks
+            # stayed referenced with no holder (the fuzzer, seed 30435, only under load).
+            ended = [load.done() for load in self.orphan_loads]
+            done = [load for load, end in zip(self.orphan_loads, ended) if end]
+            self.orphan_loads = [load for load, end in zip(self.orphan_loads, ended) if not end]
             for load in done:
                 self.finish_load(load)
 
