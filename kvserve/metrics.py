@@ -35,7 +35,7 @@ from kvserve.engine.stats import ITERATION_TOKEN_BUCKETS
 from kvserve.kv.misses import tenant_counts
 
 if TYPE_CHECKING:
-    from kvserve.engine.stats import EngineStats
+    from kvserve.engine.stats import EngineStats, RequestMetrics
     from kvserve.outputs import RequestOutput
     from kvserve.sampling_params import SamplingParams
 
@@ -395,7 +395,7 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, params: SamplingParams | None = None) -> None:
         self._metrics = metrics
         self._params = params
-        self._last_time: float | None = None
+        self._last_times: dict[int, float] = {}  # by sample index: when its latest tokens arrived
         self._finish_reasons: list[str] = []
         self._num_generated = 0
 
@@ -405,14 +405,25 @@ class RequestTracker:
         new = sum(len(c.token_ids) for c in output.outputs)
         self._num_generated += new
         self._finish_reasons.extend(c.finish_reason for c in output.outputs if c.finish_reason is not None)
-        if new > 0 and self._last_time is not None:
-            gap = (now - self._last_time) / new  # outputs that arrive together share the gap evenly
-            for _ in range(new):
-                self._metrics.itl.observe(gap)
-        if new > 0:
-            self._last_time = now
+        for sample in output.outputs:
+            self._observe_gaps(sample.index, len(sample.token_ids), now, output.metrics)
         if output.finished:
             self._finish(output, now)
+
+    def _observe_gaps(self, index: int, new: int, now: float, metrics: RequestMetrics | None) -> None:
+        """One sample's inter-token gaps: tokens that arrive together share the time since its previous tokens evenly.
+        A sample's first tokens count from the engine's first-token time, so that a reader slower than the engine
+        (whose outputs then arrive coalesced) still sees every gap but the first token's."""
+        if new == 0:
+            return
+        previous = self._last_times.get(index)
+        if previous is None:
+            previous, new = (metrics.first_token_time if metrics is not None else None), new - 1
+        if previous is not None and new > 0:
+            gap = max(now - previous, 0.0) / new
+            for _ in range(new):
+                self._metrics.itl.observe(gap)
+        self._last_times[index] = now
 
     def _finish(self, output: RequestOutput, now: float) -> None:
         reasons = self._finish_reasons
