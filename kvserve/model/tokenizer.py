@@ -127,10 +127,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; with add_special_tokens, BOS once if the model wants it, even if `text` wrote it."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
+        return [*self.bos_prefix(ids), *ids] if add_special_tokens else ids
+
+    def bos_prefix(self, ids: Sequence[int]) -> list[int]:
+        """What encode with special tokens puts before a text's plain ids: BOS where the model wants it and the text
+        did not write it."""
         bos = self.bos_token_id  # never None when add_bos holds
-        if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
-            ids = [bos, *ids]
-        return ids
+        return [bos] if self.add_bos and bos is not None and list(ids[:1]) != [bos] else []
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -7,17 +7,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.model.prefix_encoding import EncodedText, PrefixEncoder
 from kvserve.server.cache_control import breakpoint_positions
 from kvserve.server.prepare import ChatRender, RenderedTokens
 
 
-class CountingEncoder:
+class CountingEncoder(PrefixEncoder):
+    """A PrefixEncoder's interface (none of its tokenizer): a character a token, every text encoded whole, recorded
+    with the earlier renders it was offered."""
+
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.offered: list[list[str]] = []
 
-    def __call__(self, text: str) -> list[int]:
+    def extend(self, text: str, earlier: list[EncodedText]) -> EncodedText:
         self.calls.append(text)
-        return [ord(c) for c in text]
+        self.offered.append([e.text for e in earlier])
+        return EncodedText(text, tuple(ord(c) for c in text), (), ())
 
 
 def test_a_text_is_encoded_once_per_salt_and_a_hit_gives_a_fresh_copy():
@@ -28,6 +34,8 @@ def test_a_text_is_encoded_once_per_salt_and_a_hit_gives_a_fresh_copy():
     assert encode.calls == ["hello"]
     assert memo.get("tenant-b", "hello", encode) == [ord(c) for c in "hello"]
     assert encode.calls == ["hello", "hello"]  # another salt never reads tenant None's entry
+    memo.get("tenant-b", "hello!", encode)
+    assert encode.offered[-1] == ["hello"]  # a new text is offered its own salt's renders only (tenant-b's "hello")
 
 
 def test_the_memo_keeps_at_most_its_bound_least_recently_used_out_first():
