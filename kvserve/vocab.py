@@ -54,7 +54,7 @@ LM_HEAD_QUANTIZATIONS: tuple[str, ...] = ("q4_0",)
 # GGUF matmul: integer dot products, kernels/gguf_int8_matmul.cpp; opt-in, lossy).
 ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
 # `--kernel-isa`: the instruction set the CPU kernels are built for (kernels/native.py); auto: the best the CPU has.
-KERNEL_ISAS: tuple[str, ...] = ("auto", "avx512vnni", "avx512", "avxvnni", "avx2")
+KERNEL_ISAS: tuple[str, ...] = ("auto", "avx512bf16", "avx512vnni", "avx512", "avxvnni", "avx2")
 # `--prefix-caching-hash-algo`: sha256 is collision-resistant; xxhash (xxh3-128) is faster (kv/hashing.py).
 HASH_ALGOS: tuple[str, ...] = ("sha256", "xxhash")
 # `--attention-backend`: "cpu" is the fast CPU path, "reference" the plain torch truth, "triton" the paged

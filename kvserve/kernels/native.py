@@ -25,10 +25,12 @@ COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fP
 # flags it adds. The library is built on the machine that runs it, for the best set its CPU has: AVX-512 doubles
 # the float32 FLOPs per instruction of the blocked matmul (widened_matmul.h), which bounds a step at batch >= 8.
 # The VNNI sets add integer dot products (`vpdpbusd`) for --activation-quantization int8
-# (gguf_int8_matmul.cpp); without them its dot products use AVX2's vpmaddubsw.
+# (gguf_int8_matmul.cpp); without them its dot products use AVX2's vpmaddubsw. AVX512_BF16 adds bfloat16 dot products
+# (`vdpbf16ps`) for prefill attention on a bfloat16 KV cache (prefill_attention.cpp).
 _AVX512 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
 _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 ISA_REQUIREMENTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx512bf16": (_AVX512 | {"avx512_vnni", "avx512_bf16"}, (*_AVX512_FLAGS, "-mavx512vnni", "-mavx512bf16")),
     "avx512vnni": (_AVX512 | {"avx512_vnni"}, (*_AVX512_FLAGS, "-mavx512vnni")),
     "avx512": (_AVX512, _AVX512_FLAGS),
     "avxvnni": (frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-mavxvnni",)),

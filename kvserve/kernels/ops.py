@@ -863,6 +863,12 @@ class NativeKernels:
             self.library.kvserve_quantize_int8_activations(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr())
         return q, d
 
+    def bf16_dot_products(self, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether prefill attention on a cache of kv_dtype rounds its queries and softmax weights to bfloat16 for
+        AVX512_BF16's dot products (kernels/prefill_attention.cpp's condition): a bfloat16 cache, head_dim a multiple
+        of 16, on the avx512bf16 build."""
+        return self.isa == "avx512bf16" and kv_dtype == torch.bfloat16 and head_dim % 16 == 0
+
     def int8_dot_product(self) -> str:
         """The integer dot product this build's int8 matmul uses: "avx512vnni", "avxvnni" or "avx2"."""
         code = ctypes.c_int64()

@@ -8,10 +8,10 @@
 // head_dim 256), and the torch path first gathers and transposes K/V out of the cache every layer.
 // How (flash attention, online softmax):
 // - A work item is (KV head, tile of queries); its rows are the tile's queries x the query heads sharing that
-//   KV head (GQA/MQA folded: 16 queries x 4 heads = 64 rows), query-major, so a block of `group` rows shares
-//   one position and one mask. Each key tile (K and V rows, found through the block table) is then used by
-//   all rows while it sits in L1/L2, and key tiles and micro-blocks that the causal or window mask hides
-//   entirely are never computed.
+//   KV head (GQA/MQA folded: 16 queries x 4 heads = 64 rows at head_dim 256; more at smaller heads, row_tile),
+//   query-major, so a block of `group` rows shares one position and one mask. Each key tile (K and V rows, found
+//   through the block table) is then used by all rows while it sits in L1/L2, and key tiles and micro-blocks that
+//   the causal or window mask hides entirely are never computed.
 // - Scores (Q K^T) and the output (P V) are small GEMMs with register-blocked FMA micro-kernels: 16 query rows x
 //   6 keys (Q is packed transposed, so each step broadcasts a key element against two vectors of rows and no
 //   horizontal sums are needed), and 4 rows x 24 output columns over the keys. Scores and probabilities stay
@@ -22,6 +22,9 @@
 //   (85 queries x 1,485 keys: 1.8 against 2.7 ms on this project's 2-core Intel host, scripts/ab_kernel_shapes.py).
 // - The packed tiles' strides avoid multiples of 256 bytes, which map a column walk onto a few L1 sets; the
 //   V tile is copied for that reason (its rows lie kv_heads x dim floats apart in the cache, often 1 KB).
+// - On a bfloat16 cache where the library is built for AVX512_BF16, both GEMMs take bfloat16 dot products
+//   (vdpbf16ps, twice a float32 FMA's multiply-adds): K straight from the cache, the queries and the softmax weights
+//   rounded to bfloat16, every sum in float32 (the "bfloat16 dot-product path" below; docs/KV_QUANT.md).
 // - Work items are handed out dynamically, heaviest (latest queries, most keys) first, so that the two ends
 //   of the causal triangle balance across threads.
 #include <immintrin.h>
@@ -44,17 +47,24 @@ namespace {
 
 using kvserve::exp256;
 
-constexpr int64_t kRowTile = 64;  // query rows per work item: Q and O tiles of 64 KB each at head_dim 256
 constexpr int64_t kKeyTile = 64;  // keys per online-softmax step: the K and V tiles stay in L2 (64 KB each)
 constexpr int kRows = 4;          // output micro-kernel rows (one query's 4 heads for Gemma 3)
 constexpr int kKeys = 6;          // AVX2 scores micro-kernel: 6 keys x 16 rows = 12 accumulators
 constexpr int kVecs = 3;          // output micro-kernel width in 8-float vectors: 4 x 3 accumulators
-// Rows per item for a short chunk taken whole by each thread (see kvserve_paged_prefill_attention): its Q and O
-// tiles are ~200 KB each at head_dim 256, so only where a core's L2 holds 1 MiB or more (the AVX-512 hosts here:
-// 2 MiB); elsewhere kRowTile's 64 rows.
-int64_t short_chunk_rows() {
-    static const int64_t rows = sysconf(_SC_LEVEL2_CACHE_SIZE) >= (1 << 20) ? 192 : kRowTile;
-    return rows;
+// Query rows per work item: 64 at head_dim 256 (Q and O tiles of 64 KB each), as many more as a smaller head leaves
+// room for in the same bytes, at most 256 (Qwen2.5's head_dim 64: 256 rows). Every item walks every key tile of its
+// KV head, so taller items read the context fewer times: at head_dim 64, 512 queries over 16k keys, 24 layers'
+// caches (so K and V come from memory, as in the model), 256 rows against 64 took 4.3 against 5.2 s on a float32
+// cache and 2.8 against 3.3 on a bfloat16 one (Zen 4, 2 threads).
+int64_t row_tile(int64_t dim) { return std::clamp<int64_t>(64 * 256 / std::max<int64_t>(dim, 1), 64, 256); }
+// Rows per item for a short chunk taken whole by each thread (see kvserve_paged_prefill_attention): 192 at head_dim
+// 256 (Q and O tiles of ~200 KB each), scaled to the same bytes for smaller heads up to 768 rows, only where a core's
+// L2 holds 1 MiB or more (the AVX-512 hosts here: 1-2 MiB); elsewhere row_tile's. At head_dim 64 an agent's later
+// turn (52 new tokens over 19k cached, 90 over 9k) is then one item per KV head: 552 against 793 ms (float32 cache)
+// and 386 against 475 ms (bfloat16) over 24 layers, against 192 rows.
+int64_t short_chunk_rows(int64_t dim) {
+    static const bool large_l2 = sysconf(_SC_LEVEL2_CACHE_SIZE) >= (1 << 20);
+    return large_l2 ? std::clamp<int64_t>(192 * 256 / std::max<int64_t>(dim, 1), 192, 768) : row_tile(dim);
 }
 
 // Transposes the 8 x 8 block in r0..r7 (rows) in place: r_i becomes column i.
@@ -211,6 +221,7 @@ struct LineAligned {
     bool operator!=(const LineAligned<U>&) const { return false; }
 };
 using Floats = std::vector<float, LineAligned<float>>;
+using Pairs = std::vector<uint32_t, LineAligned<uint32_t>>;  // bfloat16 pairs (the bfloat16 dot-product path)
 
 struct Tile {
     Floats qt, st, o;                   // Q^T [dim, ld] (scaled); scores, then probabilities, [kKeyTile, ld];
@@ -223,6 +234,9 @@ struct Tile {
     std::vector<const float*> src;      // each row's query in q
     std::vector<const float*> k, v;     // the key tile's K rows (in the cache) and V rows (in vp)
     std::vector<int64_t> j0, j1;        // per block of kRows rows: the keys any of its rows sees
+    Pairs qp, pp, vp2;                  // the bfloat16 dot-product path's Q^T [dim / 2, ld], P^T [kKeyTile / 2, ld]
+                                        // and V [kKeyTile / 2, vld], as pairs
+    std::vector<const uint16_t*> k16, v16;  // its key tile's K and V rows, in the cache
 };
 
 // One cache row (dim elements of E) to float32 at dst, times `scale` for an 8-bit type.
@@ -241,6 +255,139 @@ inline void widen_row(const typename E::T* src, int64_t dim, float scale, float*
     }
 }
 
+#if defined(__AVX512BF16__)
+// The bfloat16 dot-product path (a bfloat16 cache on a CPU with AVX512_BF16): vdpbf16ps multiplies pairs of bfloat16
+// values and adds both products to a float32 lane, twice the multiply-adds of a float32 FMA per instruction. The
+// scores pair the head dimensions (Q^T packed as [dim / 2][rows] pairs, each key's pair broadcast straight from the
+// cache: no widened copy of K), the output pairs the keys (P packed as [keys / 2][rows] pairs, V as [keys / 2][dim]).
+// Queries and probabilities are rounded to bfloat16 (nearest even) where they enter a product, as flash attention
+// does on a GPU; every sum is float32.
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// st[c * ld + r] = q_r . k_c over pairs of dimensions: qp[d2 * ld + r] holds row r's (d, d + 1) = (2 d2, 2 d2 + 1).
+template <int C, int N>
+inline void scores_micro_bf16(const uint32_t* qp, int64_t ld, const uint16_t* const* k, int64_t dim, float* st) {
+    __m512 acc[C][N];
+    for (int c = 0; c < C; ++c)
+        for (int n = 0; n < N; ++n) acc[c][n] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < dim / 2; ++d2) {
+        __m512i qv[N];
+        for (int n = 0; n < N; ++n) qv[n] = _mm512_loadu_si512(qp + d2 * ld + 16 * n);
+        for (int c = 0; c < C; ++c) {
+            uint32_t pair;
+            memcpy(&pair, k[c] + 2 * d2, 4);
+            const __m512i kc = _mm512_set1_epi32(static_cast<int>(pair));
+            for (int n = 0; n < N; ++n) acc[c][n] = _mm512_dpbf16_ps(acc[c][n], as_bh(kc), as_bh(qv[n]));
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int n = 0; n < N; ++n) _mm512_storeu_ps(st + c * ld + 16 * n, acc[c][n]);
+}
+
+template <int C, int N>
+inline void scores_tail_bf16(int64_t left, const uint32_t* qp, int64_t ld, const uint16_t* const* k, int64_t dim,
+                             float* st) {
+    if (left == C) scores_micro_bf16<C, N>(qp, ld, k, dim, st);
+    else if constexpr (C > 1) scores_tail_bf16<C - 1, N>(left, qp, ld, k, dim, st);
+}
+
+template <int C, int N>
+inline void scores_block_bf16(const uint32_t* qp, int64_t ld, const uint16_t* const* k, int64_t j0, int64_t j1,
+                              int64_t dim, float* st) {
+    int64_t j = j0;
+    for (; j + C <= j1; j += C) scores_micro_bf16<C, N>(qp, ld, k + j, dim, st + j * ld);
+    if (j < j1) scores_tail_bf16<C - 1, N>(j1 - j, qp, ld, k + j, dim, st + j * ld);
+}
+
+// o_r[d0 : d0 + 16 V] = alpha_r o_r + sum over the key pairs [j0 / 2, ceil(j1 / 2)) of pp[j2 * ld + r] . vp[j2][d]:
+// a pair's key outside [j0, j1) has probability 0 for these rows (masked, or zeroed where P was packed).
+template <int R, int V>
+inline void output_micro_bf16(const uint32_t* pp, int64_t ld, const uint32_t* vp, int64_t vld, int64_t j0,
+                              int64_t j1, int64_t d0, const float* alpha, float* o, int64_t dim) {
+    __m512 acc[R][V];
+    for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int n = 0; n < V; ++n) acc[r][n] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + d0 + 16 * n), a);
+    }
+    for (int64_t j2 = j0 / 2; j2 < (j1 + 1) / 2; ++j2) {
+        __m512i vv[V];
+        for (int n = 0; n < V; ++n) vv[n] = _mm512_loadu_si512(vp + j2 * vld + d0 + 16 * n);
+        for (int r = 0; r < R; ++r) {
+            const __m512i pr = _mm512_set1_epi32(static_cast<int>(pp[j2 * ld + r]));
+            for (int n = 0; n < V; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], as_bh(pr), as_bh(vv[n]));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int n = 0; n < V; ++n) _mm512_storeu_ps(o + r * dim + d0 + 16 * n, acc[r][n]);
+}
+
+template <int V>
+inline void output_columns_bf16(const uint32_t* pp, int64_t ld, const uint32_t* vp, int64_t vld, const int64_t* j0,
+                                const int64_t* j1, int64_t rows, int64_t d0, const float* alpha, float* o,
+                                int64_t dim) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+        const int64_t b = r0 / kRows;
+        if (j1[b] <= j0[b]) continue;
+        const uint32_t* p = pp + r0;
+        float* orow = o + r0 * dim;
+        switch (std::min<int64_t>(kRows, rows - r0)) {
+            case 4: output_micro_bf16<4, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            case 3: output_micro_bf16<3, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            case 2: output_micro_bf16<2, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+            default: output_micro_bf16<1, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
+        }
+    }
+}
+
+// Q^T as bfloat16 pairs of dimensions, scaled: qp[d2 * ld + r] = (q_r[2 d2], q_r[2 d2 + 1]) x scale, rounded to
+// nearest even; rows past `rows` (padding up to ld) are 0.
+inline void pack_queries_bf16(const float* const* src, int64_t rows, int64_t ld, int64_t dim, float scale,
+                              uint32_t* qp) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    alignas(64) uint32_t pairs[16];
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < dim; d += 32) {  // 32 dimensions: 16 pairs, in order
+            const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src[r] + d), sv);
+            const __m512 hi = d + 16 < dim ? _mm512_mul_ps(_mm512_loadu_ps(src[r] + d + 16), sv) : _mm512_setzero_ps();
+            _mm512_store_si512(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+            for (int i = 0; i < 16 && d / 2 + i < dim / 2; ++i) qp[(d / 2 + i) * ld + r] = pairs[i];
+        }
+    for (int64_t d2 = 0; d2 < dim / 2; ++d2) std::fill(qp + d2 * ld + rows, qp + d2 * ld + ld, 0u);
+}
+
+// Two bfloat16 rows (dim values each, dim a multiple of 16) as pairs: out[d] = a[d] | b[d] << 16; b null: zeros.
+inline void pair_rows(const uint16_t* a, const uint16_t* b, int64_t dim, uint32_t* out) {
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+        const __m512i hi = b != nullptr
+                               ? _mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d))),
+                                     16)
+                               : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + d, _mm512_or_si512(lo, hi));
+    }
+}
+
+// P^T (float32 [keys][ld]) as bfloat16 pairs of keys, 8 rows at a time: pp[j2 * ld + r] = (p[2 j2][r], p[2 j2 + 1][r]),
+// a key outside the 8 rows' visible range [lo, hi) (never written by this tile's softmax) taken as 0.
+inline void pack_probabilities(const float* st, int64_t ld, int64_t rows, const float* lo, const float* hi,
+                               uint32_t* pp) {
+    const __m256i interleave = _mm256_setr_epi16(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        int64_t j0, j1;
+        key_union(lo, hi, r0, std::min(rows, r0 + 8), &j0, &j1);
+        for (int64_t j2 = j0 / 2; j2 < (j1 + 1) / 2; ++j2) {
+            const int64_t j = 2 * j2;
+            const __m256 x = j >= j0 ? _mm256_loadu_ps(st + j * ld + r0) : _mm256_setzero_ps();
+            const __m256 y = j + 1 < j1 ? _mm256_loadu_ps(st + (j + 1) * ld + r0) : _mm256_setzero_ps();
+            const __m256i both = reinterpret_cast<__m256i>(_mm256_cvtne2ps_pbh(y, x));  // x's 8 then y's 8
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j2 * ld + r0),
+                                _mm256_permutexvar_epi16(interleave, both));
+        }
+    }
+}
+#endif
+
 // One sequence's chunk of queries, causal over its context (kernels.h: KvservePrefillAttention), on a cache of E.
 template <typename E>
 void prefill_attention(const KvservePrefillAttention* a) {
@@ -255,17 +402,22 @@ void prefill_attention(const KvservePrefillAttention* a) {
     const float scale = static_cast<float>(a->scale);
     const int64_t group = heads / kv_heads;
     const int64_t first_pos = seq_len - q_len;
-    // Queries per item: rows up to kRowTile, but smaller tiles when a short chunk would leave threads idle. A
+#if defined(__AVX512BF16__)
+    const bool dot16 = std::is_same_v<E, kvserve::kv::Bfloat16> && dim % 16 == 0;
+#else
+    constexpr bool dot16 = false;
+#endif
+    // Queries per item: rows up to row_tile, but smaller tiles when a short chunk would leave threads idle. A
     // short chunk over a long context (a chat turn after a prefix-cache hit: ~90 queries, 1,500 keys) instead
-    // takes one item per thread when its rows fit kShortChunkRows and the core's L2 holds the larger tiles: every
+    // takes one item per thread when its rows fit short_chunk_rows and the core's L2 holds the larger tiles: every
     // item walks every key tile (its K rows read and its V rows copied once per item), so fewer, taller items
     // repeat less of that (85 queries x 1,485 keys, Gemma 3's shapes, 2 threads: 2.84 against 3.39 ms).
     const int64_t threads = omp_get_max_threads();
     const int64_t fill = (q_len * kv_heads + 2 * threads - 1) / (2 * threads);
     const int64_t one_each = (q_len * kv_heads + threads - 1) / threads;
-    const int64_t tile_q = one_each * group <= short_chunk_rows()
+    const int64_t tile_q = one_each * group <= short_chunk_rows(dim)
                                ? one_each
-                               : std::max<int64_t>(1, std::min(kRowTile / group, fill));
+                               : std::max<int64_t>(1, std::min(row_tile(dim) / group, fill));
     const int64_t q_tiles = (q_len + tile_q - 1) / tile_q;
     // Split-K: with fewer (query tile, KV head) items than twice the threads (a speculative verification's k + 1
     // queries over a long context: 1-2 items, one per KV head), each item's keys are split into parts of whole key
@@ -300,6 +452,10 @@ void prefill_attention(const KvservePrefillAttention* a) {
         t.vp.resize(kKeyTile * vld), t.src.resize(ld), t.k.resize(kKeyTile), t.v.resize(kKeyTile);
         if (!std::is_same_v<E, kvserve::kv::Float32>) t.kp.resize(kKeyTile * vld);
         t.j0.resize(ld / kRows), t.j1.resize(ld / kRows);
+        if (dot16) {
+            t.qp.resize(dim / 2 * ld), t.pp.resize(kKeyTile / 2 * ld), t.vp2.resize(kKeyTile / 2 * vld);
+            t.k16.resize(kKeyTile), t.v16.resize(kKeyTile);
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < tile_items * parts; ++item) {
             const int64_t tile_item = item / parts, part = item % parts;
@@ -307,22 +463,28 @@ void prefill_attention(const KvservePrefillAttention* a) {
             const int64_t i0 = (q_tiles - 1 - tile_item / kv_heads) * tile_q;  // latest (costliest) tiles first
             const int64_t nq = std::min(tile_q, q_len - i0);
             const int64_t rows = nq * group;
-            for (int64_t d = 0; d < dim; ++d)  // padding rows score 0 and are never read
-                std::fill(&t.qt[d * ld + rows], &t.qt[d * ld + ld], 0.0f);
-            // Q^T, scaled, in 8 x 8 blocks (a scalar loop does the remaining rows and columns).
-            const __m256 sv = _mm256_set1_ps(scale);
             for (int64_t r = 0; r < rows; ++r)
                 t.src[r] = q + ((i0 + r / group) * heads + h * group + r % group) * dim;
-            const int64_t r8 = rows & ~int64_t{7}, d8 = dim & ~int64_t{7};
-            for (int64_t r0 = 0; r0 < r8; r0 += 8)
-                for (int64_t d0 = 0; d0 < d8; d0 += 8) {
-                    __m256 b[8];
-                    for (int i = 0; i < 8; ++i) b[i] = _mm256_mul_ps(_mm256_loadu_ps(t.src[r0 + i] + d0), sv);
-                    transpose8(b);
-                    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(&t.qt[(d0 + i) * ld + r0], b[i]);
-                }
-            for (int64_t r = 0; r < rows; ++r)
-                for (int64_t d = r < r8 ? d8 : 0; d < dim; ++d) t.qt[d * ld + r] = t.src[r][d] * scale;
+            if (dot16) {
+#if defined(__AVX512BF16__)
+                pack_queries_bf16(t.src.data(), rows, ld, dim, scale, t.qp.data());
+#endif
+            } else {
+                for (int64_t d = 0; d < dim; ++d)  // padding rows score 0 and are never read
+                    std::fill(&t.qt[d * ld + rows], &t.qt[d * ld + ld], 0.0f);
+                // Q^T, scaled, in 8 x 8 blocks (a scalar loop does the remaining rows and columns).
+                const __m256 sv = _mm256_set1_ps(scale);
+                const int64_t r8 = rows & ~int64_t{7}, d8 = dim & ~int64_t{7};
+                for (int64_t r0 = 0; r0 < r8; r0 += 8)
+                    for (int64_t d0 = 0; d0 < d8; d0 += 8) {
+                        __m256 b[8];
+                        for (int i = 0; i < 8; ++i) b[i] = _mm256_mul_ps(_mm256_loadu_ps(t.src[r0 + i] + d0), sv);
+                        transpose8(b);
+                        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(&t.qt[(d0 + i) * ld + r0], b[i]);
+                    }
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int64_t d = r < r8 ? d8 : 0; d < dim; ++d) t.qt[d * ld + r] = t.src[r][d] * scale;
+            }
             std::fill(t.o.begin(), t.o.begin() + rows * dim, 0.0f);
             std::fill(t.m.begin(), t.m.end(), -INFINITY);
             std::fill(t.l.begin(), t.l.end(), 0.0f);
@@ -335,6 +497,11 @@ void prefill_attention(const KvservePrefillAttention* a) {
                 for (int64_t j = 0; j < nk; ++j) {
                     const int64_t pos = k0 + j;
                     const int64_t row = (block_table[pos / block_size] * block_size + pos % block_size) * kv_heads + h;
+                    if (dot16) {  // K read in place, V paired below
+                        t.k16[j] = reinterpret_cast<const uint16_t*>(k_cache + row * dim);
+                        t.v16[j] = reinterpret_cast<const uint16_t*>(v_cache + row * dim);
+                        continue;
+                    }
                     if constexpr (std::is_same_v<E, kvserve::kv::Float32>) {
                         t.k[j] = k_cache + row * dim;
                     } else {
@@ -346,6 +513,11 @@ void prefill_attention(const KvservePrefillAttention* a) {
                                  t.vp.data() + j * vld);
                     t.v[j] = t.vp.data() + j * vld;
                 }
+#if defined(__AVX512BF16__)
+                if (dot16)
+                    for (int64_t j = 0; j < nk; j += 2)
+                        pair_rows(t.v16[j], j + 1 < nk ? t.v16[j + 1] : nullptr, dim, t.vp2.data() + j / 2 * vld);
+#endif
                 for (int64_t r = 0; r < ld; ++r) {
                     const int64_t pos = first_pos + i0 + r / group;
                     t.lo[r] = r < rows ? std::max<int64_t>(0, (window > 0 ? pos - window + 1 : 0) - k0) : 0;
@@ -353,8 +525,18 @@ void prefill_attention(const KvservePrefillAttention* a) {
                 }
                 int64_t j0, j1;
                 // Scores, per 16 rows (32 with AVX-512) over the keys any of them sees.
+#if defined(__AVX512BF16__)
+                if (dot16)
+                    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+                        key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + 32), &j0, &j1);
+                        const uint32_t* qp = t.qp.data() + r0;
+                        float* st = t.st.data() + r0;
+                        if (rows - r0 > 16) scores_block_bf16<kKeys512, 2>(qp, ld, t.k16.data(), j0, j1, dim, st);
+                        else scores_block_bf16<kKeys512, 1>(qp, ld, t.k16.data(), j0, j1, dim, st);
+                    }
+#endif
 #if defined(__AVX512F__)
-                for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+                for (int64_t r0 = 0; r0 < rows && !dot16; r0 += 32) {
                     key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + 32), &j0, &j1);
                     const float* qt = t.qt.data() + r0;
                     float* st = t.st.data() + r0;
@@ -438,6 +620,19 @@ void prefill_attention(const KvservePrefillAttention* a) {
                 for (int64_t r0 = 0; r0 < rows; r0 += kRows)
                     key_union(t.lo.data(), t.hi.data(), r0, std::min(rows, r0 + kRows), &t.j0[r0 / kRows],
                               &t.j1[r0 / kRows]);
+#if defined(__AVX512BF16__)
+                if (dot16) {
+                    pack_probabilities(t.st.data(), ld, rows, t.lo.data(), t.hi.data(), t.pp.data());
+                    int64_t d = 0;
+                    for (; d + 64 <= dim; d += 64)
+                        output_columns_bf16<4>(t.pp.data(), ld, t.vp2.data(), vld, t.j0.data(), t.j1.data(), rows, d,
+                                               t.alpha.data(), t.o.data(), dim);
+                    for (; d < dim; d += 16)
+                        output_columns_bf16<1>(t.pp.data(), ld, t.vp2.data(), vld, t.j0.data(), t.j1.data(), rows, d,
+                                               t.alpha.data(), t.o.data(), dim);
+                    continue;
+                }
+#endif
                 const int64_t dv = dim & ~int64_t{7};
                 int64_t d = 0;
 #if defined(__AVX512F__)

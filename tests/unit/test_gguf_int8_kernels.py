@@ -24,7 +24,13 @@ from kvserve.model.tokenizer import default_cache_dir
 
 NATIVE_OK, WHY = cpu_supports_native()
 REFERENCE = TorchKernels(activation_quantization="int8")
-EXPECTED_DOT = {"avx512vnni": "avx512vnni", "avxvnni": "avxvnni", "avx512": "avx2", "avx2": "avx2"}
+EXPECTED_DOT = {
+    "avx512bf16": "avx512vnni",
+    "avx512vnni": "avx512vnni",
+    "avxvnni": "avxvnni",
+    "avx512": "avx2",
+    "avx2": "avx2",
+}
 
 
 @pytest.fixture(scope="module", params=supported_isas() or ["none"])

@@ -34,7 +34,7 @@ C_SIZES = {"int64_t": 8, "double": 8, "float": 4, "int32_t": 4}
 # NativeKernels' members beyond the protocol: the native decoder layer's (model/native_layer.py), the ABI check, and
 # the two the engine borrows through Model.native_kernels where the model runs on them (the offload tier's row copy,
 # greedy sampling's row max; their callers keep torch paths for the rest), and the LM head's int8 panels packed once
-# (model/gguf_layers.py).
+# (model/gguf_layers.py). The two that say which dot products a build uses are for tests and reports.
 NATIVE_ONLY = {
     "copy_rows",
     "row_max",
@@ -47,6 +47,7 @@ NATIVE_ONLY = {
     "store_kv_rows",
     "quantize_int8_activations",
     "int8_dot_product",
+    "bf16_dot_products",
     "abi_matches",
     "library",
     "fallback",

@@ -72,6 +72,14 @@ def _check(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, window
     layer = AttentionLayerSpec(q.shape[-1] ** -0.5, window)
     want = reference_attention(q, cache, meta, layer)
     got = cpu_attention(q, cache, meta, layer, kernels=native)
+    if native.bf16_dot_products(cache.key.dtype, q.shape[-1]) and max(meta.query_lens_cpu) > 1:
+        # The prefill kernel's bfloat16 dot products round the scaled queries and the softmax weights to bfloat16
+        # (8 significant bits): each output off by up to ~1% of the outputs' scale, a few parts in a thousand on
+        # average (measured: at most 0.6% and 0.25%; the float32 paths' bugs this file catches are errors of order 1).
+        err = (got - want).abs()
+        assert err.max() <= 0.02 * want.abs().max(), (err.max(), want.abs().max())
+        assert err.mean() <= 0.005 * want.abs().mean(), (err.mean(), want.abs().mean())
+        return
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
