@@ -55,7 +55,7 @@ constexpr int kVecs = 3;          // output micro-kernel width in 8-float vector
 // room for in the same bytes, at most 256 (Qwen2.5's head_dim 64: 256 rows). Every item walks every key tile of its
 // KV head, so taller items read the context fewer times: at head_dim 64, 512 queries over 16k keys, 24 layers'
 // caches (so K and V come from memory, as in the model), 256 rows against 64 took 4.3 against 5.2 s on a float32
-// cache and 2.8 against 3.3 on a bfloat16 one (Zen 4, 2 threads).
+// cache and 2.8 against 3.3 on a bfloat16 one (Zen 4, 2 threads; scripts/ab_prefill_attention_depth.py).
 int64_t row_tile(int64_t dim) { return std::clamp<int64_t>(64 * 256 / std::max<int64_t>(dim, 1), 64, 256); }
 // Rows per item for a short chunk taken whole by each thread (see kvserve_paged_prefill_attention): 192 at head_dim
 // 256 (Q and O tiles of ~200 KB each), scaled to the same bytes for smaller heads up to 768 rows, only where a core's
