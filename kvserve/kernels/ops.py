@@ -864,9 +864,9 @@ class NativeKernels:
         return q, d
 
     def bf16_dot_products(self, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether prefill attention on a cache of kv_dtype rounds its queries and softmax weights to bfloat16 for
-        AVX512_BF16's dot products (kernels/prefill_attention.cpp's condition): a bfloat16 cache, head_dim a multiple
-        of 16, on the avx512bf16 build."""
+        """Whether paged attention (prefill and decode) on a cache of kv_dtype rounds its queries and softmax weights
+        to bfloat16 for AVX512_BF16's dot products (kernels/prefill_attention.cpp's and paged_attention.cpp's
+        condition): a bfloat16 cache, head_dim a multiple of 16, on the avx512bf16 build."""
         return self.isa == "avx512bf16" and kv_dtype == torch.bfloat16 and head_dim % 16 == 0
 
     def int8_dot_product(self) -> str:

@@ -12,7 +12,8 @@
 //   of V rows per query head, and a merge rescales the parts to their common max (the log-sum-exp merge).
 // - Within a part, keys go by chunks of kChunk keys whose K and V rows (32-128 KB a KV head) stay in L1/L2 between
 //   the scores and the weighted sum; the softmax is online across chunks (each chunk's max, the earlier sums
-//   rescaled). The next chunk's slots are prefetched into L2 while one is computed.
+//   rescaled). The next chunk's slots are prefetched into L2 while one is computed, a few lines at a time from inside
+//   the arithmetic's loops (LinePrefetcher).
 // - Scores: the query heads sharing a KV head (GQA: 7 on Qwen2.5-0.5B) against kLanes keys at a time (16 with
 //   AVX-512, 8 with AVX2): each key's dot product accumulates over head_dim in one register (one FMA per vector of
 //   dims, the key's row read from L1), and the kLanes sums then reduce together by a tree of shuffles (simd.h's
@@ -22,6 +23,11 @@
 // - Weighted sum of V: the group's heads x a slice of columns accumulate in registers across the chunk's keys, each
 //   V row converted in registers once (bf16 by a shift, fp16 and fp8 by F16C, int8 by a widening convert).
 // - An 8-bit cache's K scale multiplies each score, its V scale each softmax weight (after their sum).
+// - On a bfloat16 cache where the library is built for AVX512_BF16, scores and the weighted sum take bfloat16 dot
+//   products (vdpbf16ps: a pair of products a float32 lane, twice a float32 FMA's multiply-adds), as prefill attention
+//   does (the "bfloat16 dot-product path" below): K's rows are transposed in registers, 16 keys at a time, into pairs
+//   of dimensions with the keys on the lanes (no horizontal sums, nothing widened), V's rows are interleaved two keys
+//   at a time; the queries and the softmax weights are rounded to bfloat16, every sum is float32.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -67,15 +73,34 @@ struct Scratch {
     std::vector<int64_t> slot;       // [kChunk]: each key's slot in the cache
     std::vector<const void*> vrow;   // [kv_heads, kChunk]: each key's V row
     std::vector<const char*> ahead;  // [kChunk]: the next chunk's slots (K, then V at `v_offset`), prefetched meanwhile
+    std::vector<uint32_t> qp;        // bfloat16 path: [heads, padded dim / 2] the scaled queries as bfloat16 pairs
+    std::vector<uint32_t> pp;        // bfloat16 path: [heads, kChunk / 2] the softmax weights as bfloat16 pairs
+    std::vector<uint32_t> kt;        // bfloat16 path: [padded dim / 2, 32] a tile's K, pairs of dims by key
 };
 
-// `bytes` at p into L2, every cache line: the next chunk's rows are fetched while this one is computed (its rows lie
-// in blocks scattered over the cache, a few KB each, which the hardware prefetchers follow only within a block).
-// Every other line was tried (the L2 fetching pairs): decode at 16k tokens of float16 KV took 47-52 ms a step on the
-// instruct model against 40-43 with every line; into L1 instead of L2, 46-47.
-__attribute__((always_inline)) inline void prefetch_bytes(const char* p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-}
+// The next chunk's K and V rows, prefetched into L2 a few cache lines at a time from inside the arithmetic's loops
+// (step), so that the requests spread over the chunk's compute. Issued in bursts (all of a tile's share before its
+// scores, as an earlier version did), they filled the core's queue of outstanding misses and stalled the loads of the
+// chunk being computed: one decode step's attention over 16k tokens on the instruct model's shapes (24 layers' caches,
+// scripts/ab_decode_attention_depth.py; Zen 5, 2 threads) took 15.0 ms on a float32 cache against 19.2, 12.5 against
+// 18.0 on a float16 one. (Every other line, or only each block's first lines for the hardware's streamer to follow,
+// were slower still: the rows of a KV head are 128-512 bytes apart, too sparse for it.)
+struct LinePrefetcher {
+    const char* const* slot = nullptr;  // each slot's K row (all KV heads); its V row `v_offset` bytes on
+    int64_t slots = 0, lines = 0, v_offset = 0;  // lines: a slot's K (or V) row in cache lines
+    int64_t per_step = 0, j = 0, line = 0;       // line: 0 .. 2 lines, K's then V's
+    __attribute__((always_inline)) void step() {
+        for (int64_t i = 0; i < per_step && j < slots; ++i) {
+            const char* p = slot[j] + (line < lines ? 64 * line : v_offset + 64 * (line - lines));
+            _mm_prefetch(p, _MM_HINT_T1);
+            if (++line == 2 * lines) line = 0, ++j;
+        }
+    }
+    void rest() {  // whatever the steps left
+        per_step = 2 * lines * slots;
+        step();
+    }
+};
 
 // s[t] = q . k_t over the first `dims` (a multiple of kLanes) elements, for the kLanes rows k + t * stride: a vector of
 // q against the same slice of every row, the rows addressed four at a time from one pointer (16 row pointers, as a
@@ -100,13 +125,14 @@ __attribute__((always_inline)) inline V dots(const float* q, const float* k, int
 // o[g][c0 .. c0 + W vectors) = alpha[g] o[g][...] + sum over the n keys of p[g * ld + j] V_j[...], for G heads.
 template <typename E, int G, int W>
 inline void weighted_columns(const float* p, const void* const* vrow, int64_t n, int64_t c0, const float* alpha,
-                             float* o, int64_t dim) {
+                             float* o, int64_t dim, LinePrefetcher& pf) {
     V acc[G][W];
     for (int g = 0; g < G; ++g) {
         const V a = L::set1(alpha[g]);
         for (int w = 0; w < W; ++w) acc[g][w] = L::mul(L::load(o + g * dim + c0 + w * kLanes), a);
     }
     for (int64_t j = 0; j < n; ++j) {
+        pf.step();
         const typename E::T* row = static_cast<const typename E::T*>(vrow[j]) + c0;
         V vv[W];
         for (int w = 0; w < W; ++w) vv[w] = L::template load_kv<E>(row + w * kLanes);
@@ -121,16 +147,16 @@ inline void weighted_columns(const float* p, const void* const* vrow, int64_t n,
 
 template <typename E, int W>
 inline void weighted_heads(int64_t g, const float* p, const void* const* vrow, int64_t n, int64_t c0,
-                           const float* alpha, float* o, int64_t dim) {
+                           const float* alpha, float* o, int64_t dim, LinePrefetcher& pf) {
     switch (g) {
-        case 8: weighted_columns<E, 8, W>(p, vrow, n, c0, alpha, o, dim); break;
-        case 7: weighted_columns<E, 7, W>(p, vrow, n, c0, alpha, o, dim); break;
-        case 6: weighted_columns<E, 6, W>(p, vrow, n, c0, alpha, o, dim); break;
-        case 5: weighted_columns<E, 5, W>(p, vrow, n, c0, alpha, o, dim); break;
-        case 4: weighted_columns<E, 4, W>(p, vrow, n, c0, alpha, o, dim); break;
-        case 3: weighted_columns<E, 3, W>(p, vrow, n, c0, alpha, o, dim); break;
-        case 2: weighted_columns<E, 2, W>(p, vrow, n, c0, alpha, o, dim); break;
-        default: weighted_columns<E, 1, W>(p, vrow, n, c0, alpha, o, dim); break;
+        case 8: weighted_columns<E, 8, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
+        case 7: weighted_columns<E, 7, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
+        case 6: weighted_columns<E, 6, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
+        case 5: weighted_columns<E, 5, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
+        case 4: weighted_columns<E, 4, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
+        case 3: weighted_columns<E, 3, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
+        case 2: weighted_columns<E, 2, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
+        default: weighted_columns<E, 1, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
     }
 }
 
@@ -139,7 +165,7 @@ inline void weighted_heads(int64_t g, const float* p, const void* const* vrow, i
 // last whole vector (a head size that is no multiple of kLanes) one at a time.
 template <typename E>
 void weighted_sum(int64_t group, const float* p, const void* const* vrow, int64_t n, const float* alpha, float* o,
-                  int64_t dim) {
+                  int64_t dim, LinePrefetcher& pf) {
     const int64_t vecs = dim / kLanes;
     const int64_t heads = std::min<int64_t>(group, kMaxHeads);
     const int wide = heads * 4 <= kAccRegs ? 4 : heads * 2 <= kAccRegs ? 2 : 1;
@@ -150,10 +176,10 @@ void weighted_sum(int64_t group, const float* p, const void* const* vrow, int64_
         float* og = o + g0 * dim;
         int64_t v = 0;
         for (; wide >= 4 && v + 4 <= vecs; v += 4)
-            weighted_heads<E, 4>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim);
+            weighted_heads<E, 4>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim, pf);
         for (; wide >= 2 && v + 2 <= vecs; v += 2)
-            weighted_heads<E, 2>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim);
-        for (; v < vecs; ++v) weighted_heads<E, 1>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim);
+            weighted_heads<E, 2>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim, pf);
+        for (; v < vecs; ++v) weighted_heads<E, 1>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim, pf);
     }
     for (int64_t d = vecs * kLanes; d < dim; ++d)
         for (int64_t g = 0; g < group; ++g) {
@@ -162,6 +188,194 @@ void weighted_sum(int64_t group, const float* p, const void* const* vrow, int64_
                 acc += p[g * kChunk + j] * E::load1(static_cast<const typename E::T*>(vrow[j]) + d);
             o[g * dim + d] = acc;
         }
+}
+
+#if defined(__AVX512BF16__)
+// The bfloat16 dot-product path. A head's dims go by blocks of 32 (one 64-byte vector of a row; a last partial block is
+// loaded masked, its missing dims 0), which vdpbf16ps takes as 16 pairs of dimensions.
+constexpr bool kBf16DotProducts = true;
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// The dims of block blk (dims [32 blk, 32 blk + 32)) that a row of `dim` has, as a mask of 16-bit elements.
+inline __mmask32 block_mask(int64_t blk, int64_t dim) {
+    const int64_t left = dim - 32 * blk;
+    return left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+}
+
+// r[k] (16 vectors of 16 32-bit lanes) -> r[j] lane k = the old r[k] lane j: unpacks of 32- then 64-bit elements
+// within the 128-bit lanes, then the 128-bit lanes moved across by two levels of shuffles (64 operations).
+__attribute__((always_inline)) inline void transpose16(__m512i* r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; ++i) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // b[4i + m] lane L = rows 4i .. 4i + 3 at column 4L + m
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {  // column 4L + m: lane L of b[m], b[4 + m], b[8 + m], b[12 + m]
+        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88), r[4 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(c0, c2, 0xDD), r[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
+// 32 keys' K rows (bfloat16, `dim`; k[t] for key t) -> kt[p * 32 + t] = key t's pair of dims p (kt: `pairs` = dim
+// rounded up to 32, halved, pairs of 32 lanes): each block of 32 dims of 16 rows loaded (masked past dim, so 0) and
+// transposed in registers. Done once per tile and KV head, for all the heads of its group.
+inline void transpose_keys_bf16(const uint16_t* const* k, int64_t dim, uint32_t* kt) {
+    for (int half = 0; half < 2; ++half)
+        for (int64_t blk = 0; blk * 32 < dim; ++blk) {
+            const __mmask32 mask = block_mask(blk, dim);
+            __m512i r[16];
+            for (int t = 0; t < 16; ++t) r[t] = _mm512_maskz_loadu_epi16(mask, k[16 * half + t] + 32 * blk);
+            transpose16(r);
+            for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kt + (16 * blk + j) * 32 + 16 * half, r[j]);
+        }
+}
+
+// s[g * kChunk + t] = q_g . k_t for G heads and the 32 keys of kt (transpose_keys_bf16), over `pairs` pairs of dims:
+// each head's pair (qp: the heads' pairs, `pairs` apart, 0 past dim) broadcast against the keys' pair, 2 G
+// independent sums.
+template <int G>
+inline void scores_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt, float* s, LinePrefetcher& pf) {
+    __m512 acc0[G], acc1[G];
+    for (int g = 0; g < G; ++g) acc0[g] = _mm512_setzero_ps(), acc1[g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        pf.step();
+        const __m512bh k0 = as_bh(_mm512_loadu_si512(kt + 32 * p)), k1 = as_bh(_mm512_loadu_si512(kt + 32 * p + 16));
+        for (int g = 0; g < G; ++g) {
+            const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(qp[g * pairs + p])));
+            acc0[g] = _mm512_dpbf16_ps(acc0[g], k0, qv);
+            acc1[g] = _mm512_dpbf16_ps(acc1[g], k1, qv);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        _mm512_storeu_ps(s + g * kChunk, acc0[g]);
+        _mm512_storeu_ps(s + g * kChunk + 16, acc1[g]);
+    }
+}
+
+inline void scores_heads_bf16(int64_t g, const uint32_t* qp, int64_t pairs, const uint32_t* kt, float* s,
+                              LinePrefetcher& pf) {
+    switch (g) {
+        case 8: scores_bf16<8>(qp, pairs, kt, s, pf); break;
+        case 7: scores_bf16<7>(qp, pairs, kt, s, pf); break;
+        case 6: scores_bf16<6>(qp, pairs, kt, s, pf); break;
+        case 5: scores_bf16<5>(qp, pairs, kt, s, pf); break;
+        case 4: scores_bf16<4>(qp, pairs, kt, s, pf); break;
+        case 3: scores_bf16<3>(qp, pairs, kt, s, pf); break;
+        case 2: scores_bf16<2>(qp, pairs, kt, s, pf); break;
+        default: scores_bf16<1>(qp, pairs, kt, s, pf); break;
+    }
+}
+
+// o[g][block c0 / 32 ..) = alpha[g] o[g] + sum over the keys of p[g][j] V_j, for G heads and W / 2 blocks of 32 dims
+// from dim c0, the keys in pairs: two rows' blocks interleaved by 16-bit unpacks (within 128-bit lanes), so that o
+// holds each block's dims permuted (lanes 0-15: dims 0-3, 8-11, 16-19, 24-27; lanes 16-31: 4-7, 12-15, ...; see
+// unpermute_bf16). pp[g * (kChunk / 2) + j2]: head g's weights of keys 2 j2 and 2 j2 + 1 as a bfloat16 pair.
+template <int G, int W>
+inline void weighted_columns_bf16(const uint32_t* pp, const void* const* vrow, int64_t n, int64_t c0,
+                                  const float* alpha, float* o, int64_t odim, int64_t dim, LinePrefetcher& pf) {
+    __m512 acc[G][W];
+    for (int g = 0; g < G; ++g) {
+        const __m512 a = _mm512_set1_ps(alpha[g]);
+        for (int w = 0; w < W; ++w) acc[g][w] = _mm512_mul_ps(_mm512_loadu_ps(o + g * odim + c0 + 16 * w), a);
+    }
+    __mmask32 mask[W / 2];
+    for (int w = 0; w < W; w += 2) mask[w / 2] = block_mask(c0 / 32 + w / 2, dim);
+    for (int64_t j2 = 0; 2 * j2 < n; ++j2) {  // an odd last key pairs with itself, at weight 0
+        pf.step();
+        const uint16_t* r0 = static_cast<const uint16_t*>(vrow[2 * j2]);
+        const uint16_t* r1 = static_cast<const uint16_t*>(vrow[2 * j2 + 1 < n ? 2 * j2 + 1 : 2 * j2]);
+        __m512i vv[W];
+        for (int w = 0; w < W; w += 2) {
+            const __m512i x0 = _mm512_maskz_loadu_epi16(mask[w / 2], r0 + c0 + 16 * w);
+            const __m512i x1 = _mm512_maskz_loadu_epi16(mask[w / 2], r1 + c0 + 16 * w);
+            vv[w] = _mm512_unpacklo_epi16(x0, x1), vv[w + 1] = _mm512_unpackhi_epi16(x0, x1);
+        }
+        for (int g = 0; g < G; ++g) {
+            const __m512i pj = _mm512_set1_epi32(static_cast<int>(pp[g * (kChunk / 2) + j2]));
+            for (int w = 0; w < W; ++w) acc[g][w] = _mm512_dpbf16_ps(acc[g][w], as_bh(pj), as_bh(vv[w]));
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int w = 0; w < W; ++w) _mm512_storeu_ps(o + g * odim + c0 + 16 * w, acc[g][w]);
+}
+
+template <int W>
+inline void weighted_heads_bf16(int64_t g, const uint32_t* pp, const void* const* vrow, int64_t n, int64_t c0,
+                                const float* alpha, float* o, int64_t odim, int64_t dim, LinePrefetcher& pf) {
+    switch (g) {
+        case 8: weighted_columns_bf16<8, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+        case 7: weighted_columns_bf16<7, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+        case 6: weighted_columns_bf16<6, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+        case 5: weighted_columns_bf16<5, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+        case 4: weighted_columns_bf16<4, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+        case 3: weighted_columns_bf16<3, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+        case 2: weighted_columns_bf16<2, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+        default: weighted_columns_bf16<1, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
+    }
+}
+
+// The chunk's weighted sum of V for all `group` heads (o: `odim` = dim rounded up to 32 floats a head): blocks of 64
+// dims where the accumulators of up to kMaxHeads heads fit kAccRegs, else of 32; heads in even passes.
+inline void weighted_sum_bf16(int64_t group, const uint32_t* pp, const void* const* vrow, int64_t n,
+                              const float* alpha, float* o, int64_t odim, int64_t dim, LinePrefetcher& pf) {
+    const int64_t heads = std::min<int64_t>(group, kMaxHeads), passes = (group + kMaxHeads - 1) / kMaxHeads;
+    const bool wide = heads * 4 <= kAccRegs;
+    for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t g0 = pass * group / passes, g1 = (pass + 1) * group / passes;
+        int64_t c = 0;
+        for (; wide && c + 64 <= odim; c += 64)
+            weighted_heads_bf16<4>(g1 - g0, pp + g0 * (kChunk / 2), vrow, n, c, alpha + g0, o + g0 * odim, odim, dim, pf);
+        for (; c < odim; c += 32)
+            weighted_heads_bf16<2>(g1 - g0, pp + g0 * (kChunk / 2), vrow, n, c, alpha + g0, o + g0 * odim, odim, dim, pf);
+    }
+}
+
+// A head's queries times the softmax scale as bfloat16 pairs (rounded to nearest even), padded with 0 to `qld` pairs.
+inline void pack_query_bf16(const float* q, int64_t dim, float scale, int64_t qld, uint32_t* qp) {
+    alignas(64) float x[32];
+    for (int64_t d = 0; d < 2 * qld; d += 32) {
+        for (int i = 0; i < 32; ++i) x[i] = d + i < dim ? q[d + i] * scale : 0.0f;
+        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_load_ps(x + 16), _mm512_load_ps(x));
+        _mm512_storeu_si512(qp + d / 2, reinterpret_cast<__m512i>(h));
+    }
+}
+
+// A head's vec_n weights (a multiple of 16; 0 past the chunk's keys) -> bfloat16 pairs of keys, 0 up to 32.
+inline void pack_weights_bf16(const float* p, int64_t vec_n, uint32_t* pp) {
+    for (int64_t j = 0; j < vec_n; j += 32) {
+        const __m512 lo = _mm512_loadu_ps(p + j), hi = j + 16 < vec_n ? _mm512_loadu_ps(p + j + 16) : _mm512_setzero_ps();
+        _mm512_storeu_si512(pp + j / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+}
+
+// A head's weighted sum as weighted_columns_bf16 left it (each block of 32 dims permuted) -> dims in order.
+inline void unpermute_bf16(const float* o, int64_t dim, float* out) {
+    for (int64_t d = 0; d < dim; ++d) {
+        const int64_t e = d % 32, lane = e / 8, r = e % 8;
+        out[d] = o[d - e + (r < 4 ? 0 : 16) + 4 * lane + r % 4];
+    }
+}
+#else
+constexpr bool kBf16DotProducts = false;
+#endif
+
+// The passes over a chunk's keys that weighted_sum (bf16: weighted_sum_bf16) makes for `group` heads of `dim` sums:
+// head passes x column slices (dims past the last whole vector, done one at a time, excepted).
+inline int64_t weighted_passes(int64_t group, int64_t dim, bool bf16) {
+    const int64_t heads = std::min<int64_t>(group, kMaxHeads), head_passes = (group + kMaxHeads - 1) / kMaxHeads;
+    if (bf16) return head_passes * (heads * 4 <= kAccRegs ? dim / 64 + dim % 64 / 32 : dim / 32);
+    const int64_t vecs = dim / kLanes;
+    const int wide = heads * 4 <= kAccRegs ? 4 : heads * 2 <= kAccRegs ? 2 : 1;
+    return head_passes * (wide == 4 ? vecs / 4 + vecs % 4 / 2 + vecs % 2 : wide == 2 ? vecs / 2 + vecs % 2 : vecs);
 }
 
 // Keys [first, last) of sequence b, every KV head -> part[g] = (max, sum, weighted V [dim]) for each query head g.
@@ -176,8 +390,23 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
     const T* v_cache = static_cast<const T*>(a.v_cache);
     const float scale = static_cast<float>(a.scale);
     const float* q = a.q + b * heads * dim;
+    // The scratch's arrays by pointer: the pointers stored into them would otherwise make the compiler reload each
+    // vector's own pointer (through the thread-local's address) after every store.
+    int64_t* const slots = sc.slot.data();
+    const void** const vrows = sc.vrow.data();
+    const char** const ahead = sc.ahead.data();
+    float* const scores = sc.s.data();
+    float* const kscales = sc.kscale.data();
+    float* const vscales = sc.vscale.data();
+    // The bfloat16 dot-product path (kBf16DotProducts) keeps each head's sums in whole blocks of 32 dims (odim).
+    const bool pairs = kBf16DotProducts && std::is_same_v<E, kvserve::kv::Bfloat16> && dim % 16 == 0;
+    const int64_t odim = pairs ? (dim + 31) / 32 * 32 : dim, qld = odim / 2;
     for (int64_t i = 0; i < heads * dim; ++i) sc.qs[i] = q[i] * scale;
-    std::fill(sc.o.begin(), sc.o.begin() + heads * dim, 0.0f);
+#if defined(__AVX512BF16__)
+    if (pairs)
+        for (int64_t g = 0; g < heads; ++g) pack_query_bf16(q + g * dim, dim, scale, qld, sc.qp.data() + g * qld);
+#endif
+    std::fill(sc.o.begin(), sc.o.begin() + heads * odim, 0.0f);
     std::fill(sc.m.begin(), sc.m.begin() + heads, -INFINITY);
     std::fill(sc.l.begin(), sc.l.begin() + heads, 0.0f);
     const int64_t slot_bytes = stride * static_cast<int64_t>(sizeof(T));
@@ -196,40 +425,60 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
     for (int64_t c0 = first; c0 < last;) {
         const int64_t c1 = std::min(last, (c0 / kLanes) * kLanes + kChunk), n = c1 - c0;
         slots_of(c0, n, [&](int64_t j, int64_t slot) {
-            sc.slot[j] = slot;
+            slots[j] = slot;
             for (int64_t h = 0; h < kv_heads; ++h) {
                 const int64_t row = slot * kv_heads + h;
-                sc.vrow[h * kChunk + j] = v_cache + row * dim;
+                vrows[h * kChunk + j] = v_cache + row * dim;
                 if constexpr (E::kScaled) {
-                    sc.kscale[h * kChunk + j] = a.k_scales[row] * E::kUnit;
-                    sc.vscale[h * kChunk + j] = a.v_scales[row] * E::kUnit;
+                    kscales[h * kChunk + j] = a.k_scales[row] * E::kUnit;
+                    vscales[h * kChunk + j] = a.v_scales[row] * E::kUnit;
                 }
             }
         });
-        const int64_t n_next = std::min(last, c1 + kChunk) - c1;  // the next chunk's slots, prefetched tile by tile
+        const int64_t n_next = std::min(last, c1 + kChunk) - c1;  // the next chunk's slots, prefetched meanwhile
         slots_of(c1, n_next, [&](int64_t j, int64_t slot) {
-            sc.ahead[j] = reinterpret_cast<const char*>(k_cache + slot * stride);
+            ahead[j] = reinterpret_cast<const char*>(k_cache + slot * stride);
         });
-        const int64_t tiles = (n + kLanes - 1) / kLanes, all_tiles = tiles * kv_heads;
-        const int64_t ahead_per_tile = (n_next + all_tiles - 1) / all_tiles;
+        const int64_t tiles = (n + kLanes - 1) / kLanes;
+        // The steps of this chunk (LinePrefetcher): on the bfloat16 path each pair of dims of a 32-key tile's scores
+        // and each key pair of a weighted-sum pass; else each head's scores of a tile and each key of a pass.
+        const int64_t steps = kv_heads * (pairs ? (group + kMaxHeads - 1) / kMaxHeads * (n + 31) / 32 * qld +
+                                                      (n + 1) / 2 * weighted_passes(group, odim, true)
+                                                : tiles * group + n * weighted_passes(group, dim, false));
+        LinePrefetcher pf;
+        pf.slot = ahead, pf.slots = n_next, pf.lines = (slot_bytes + 63) / 64, pf.v_offset = v_offset;
+        pf.per_step = (2 * pf.lines * n_next + steps - 1) / std::max<int64_t>(steps, 1);
         for (int64_t h = 0; h < kv_heads; ++h) {
             // Scores of the group's heads, kLanes keys at a time; lanes past the chunk's end get -inf.
             for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
                 const int64_t nt = std::min(kLanes, n - t0);
-                const int64_t a0 = (h * tiles + t0 / kLanes) * ahead_per_tile, a1 = std::min(n_next, a0 + ahead_per_tile);
-                for (int64_t j = a0; j < a1; ++j) {
-                    prefetch_bytes(sc.ahead[j], slot_bytes);
-                    prefetch_bytes(sc.ahead[j] + v_offset, slot_bytes);
+#if defined(__AVX512BF16__)
+                if (pairs) {  // 32 keys at a time (two tiles); missing rows repeat the first (their lanes are masked)
+                    if (t0 % 32 == 0) {
+                        const int64_t nt2 = std::min<int64_t>(32, n - t0);
+                        const uint16_t* rows[32];
+                        for (int64_t t = 0; t < 32; ++t)
+                            rows[t] = reinterpret_cast<const uint16_t*>(k_cache +
+                                                                        (slots[t0 + (t < nt2 ? t : 0)] * kv_heads + h) * dim);
+                        transpose_keys_bf16(rows, dim, sc.kt.data());
+                        for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kMaxHeads)
+                            scores_heads_bf16(std::min<int64_t>(kMaxHeads, (h + 1) * group - g0), sc.qp.data() + g0 * qld,
+                                              qld, sc.kt.data(), scores + g0 * kChunk + t0, pf);
+                        for (int64_t g = h * group; g < (h + 1) * group; ++g)
+                            for (int64_t t = nt2; t < 32; ++t) scores[g * kChunk + t0 + t] = -INFINITY;
+                    }
+                    continue;
                 }
+#endif
                 const float* base;
                 int64_t row_stride;
-                const T* k0 = k_cache + (sc.slot[t0] * kv_heads + h) * dim;
+                const T* k0 = k_cache + (slots[t0] * kv_heads + h) * dim;
                 if (std::is_same_v<E, kvserve::kv::Float32> && nt == kLanes &&
                     (c0 + t0) / block_size == (c0 + t0 + kLanes - 1) / block_size) {
                     base = reinterpret_cast<const float*>(k0), row_stride = stride;  // one block's rows, in place
                 } else {
                     for (int64_t t = 0; t < kLanes; ++t) {  // missing rows repeat the first (their lanes are masked)
-                        const T* src = k_cache + (sc.slot[t0 + (t < nt ? t : 0)] * kv_heads + h) * dim;
+                        const T* src = k_cache + (slots[t0 + (t < nt ? t : 0)] * kv_heads + h) * dim;
                         float* dst = sc.tile.data() + t * dim;
                         int64_t d = 0;
                         for (; d < dims; d += kLanes) L::store(dst + d, L::template load_kv<E>(src + d));
@@ -238,7 +487,8 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
                     base = sc.tile.data(), row_stride = dim;
                 }
                 for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-                    float* sg = sc.s.data() + g * kChunk + t0;
+                    pf.step();
+                    float* sg = scores + g * kChunk + t0;
                     const float* qg = sc.qs.data() + g * dim;
                     V sv = dims ? dots(qg, base, row_stride, dims) : L::zero();
                     if (dims < dim) {  // a head size that is no multiple of kLanes: the rest of each dot product
@@ -250,7 +500,7 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
                         }
                         sv = L::add(sv, L::load(tail));
                     }
-                    if constexpr (E::kScaled) sv = L::mul(sv, L::load(sc.kscale.data() + h * kChunk + t0));
+                    if constexpr (E::kScaled) sv = L::mul(sv, L::load(kscales + h * kChunk + t0));
                     L::store(sg, sv);
                     for (int64_t t = nt; t < kLanes; ++t) sg[t] = -INFINITY;
                 }
@@ -258,7 +508,7 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
             // The online softmax over the chunk, per head: scores -> weights exp(s - max), earlier sums rescaled.
             const int64_t vec_n = tiles * kLanes;
             for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-                float* sg = sc.s.data() + g * kChunk;
+                float* sg = scores + g * kChunk;
                 V mx = L::load(sg);
                 for (int64_t j = kLanes; j < vec_n; j += kLanes) mx = L::max(mx, L::load(sg + j));
                 const float m_new = std::max(sc.m[g], L::hmax(mx));
@@ -275,15 +525,26 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
                     }
                     sum = L::add(sum, e);
                     if constexpr (E::kScaled)  // V's scales ride on the weights, after their sum
-                        e = L::mul(e, L::load(sc.vscale.data() + h * kChunk + j));
+                        e = L::mul(e, L::load(vscales + h * kChunk + j));
                     L::store(sg + j, e);
                 }
                 sc.l[g] = sc.l[g] * sc.alpha[g] + L::hsum(sum);
                 sc.m[g] = m_new;
+#if defined(__AVX512BF16__)
+                if (pairs) pack_weights_bf16(sg, vec_n, sc.pp.data() + g * (kChunk / 2));
+#endif
             }
-            weighted_sum<E>(group, sc.s.data() + h * group * kChunk, sc.vrow.data() + h * kChunk, n,
-                            sc.alpha.data() + h * group, sc.o.data() + h * group * dim, dim);
+#if defined(__AVX512BF16__)
+            if (pairs) {
+                weighted_sum_bf16(group, sc.pp.data() + h * group * (kChunk / 2), vrows + h * kChunk, n,
+                                  sc.alpha.data() + h * group, sc.o.data() + h * group * odim, odim, dim, pf);
+                continue;
+            }
+#endif
+            weighted_sum<E>(group, scores + h * group * kChunk, vrows + h * kChunk, n,
+                            sc.alpha.data() + h * group, sc.o.data() + h * group * dim, dim, pf);
         }
+        pf.rest();
         c0 = c1;
     }
     const int64_t stride_out = dim + 2;
@@ -291,6 +552,12 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
         float* pg = part + g * stride_out;
         pg[0] = sc.m[g];
         pg[1] = sc.l[g];
+#if defined(__AVX512BF16__)
+        if (pairs) {
+            unpermute_bf16(sc.o.data() + g * odim, dim, pg + 2);
+            continue;
+        }
+#endif
         memcpy(pg + 2, sc.o.data() + g * dim, dim * sizeof(float));
     }
 }
@@ -316,7 +583,9 @@ void decode_attention(const KvserveDecodeAttention& a) {
 #pragma omp parallel
     {
         thread_local Scratch sc;
-        sc.qs.resize(heads * dim), sc.o.resize(heads * dim), sc.s.resize(heads * kChunk);
+        const int64_t odim = (dim + 31) / 32 * 32;  // the bfloat16 path's blocks of 32 dims
+        sc.qs.resize(heads * dim), sc.o.resize(heads * odim), sc.s.resize(heads * kChunk);
+        sc.qp.resize(heads * odim / 2), sc.pp.resize(heads * kChunk / 2), sc.kt.resize(odim / 2 * 32);
         sc.m.resize(heads), sc.l.resize(heads), sc.alpha.resize(heads);
         sc.tile.resize(kLanes * dim), sc.kscale.resize(kv_heads * kChunk), sc.vscale.resize(kv_heads * kChunk);
         sc.slot.resize(kChunk), sc.vrow.resize(kv_heads * kChunk), sc.ahead.resize(kChunk);

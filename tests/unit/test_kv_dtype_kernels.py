@@ -72,8 +72,8 @@ def _check(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, window
     layer = AttentionLayerSpec(q.shape[-1] ** -0.5, window)
     want = reference_attention(q, cache, meta, layer)
     got = cpu_attention(q, cache, meta, layer, kernels=native)
-    if native.bf16_dot_products(cache.key.dtype, q.shape[-1]) and max(meta.query_lens_cpu) > 1:
-        # The prefill kernel's bfloat16 dot products round the scaled queries and the softmax weights to bfloat16
+    if native.bf16_dot_products(cache.key.dtype, q.shape[-1]):
+        # The attention kernels' bfloat16 dot products round the scaled queries and the softmax weights to bfloat16
         # (8 significant bits): each output off by up to ~1% of the outputs' scale, a few parts in a thousand on
         # average (measured: at most 0.6% and 0.25%; the float32 paths' bugs this file catches are errors of order 1).
         err = (got - want).abs()
@@ -91,6 +91,7 @@ DECODE_CASES = {
     "block_5_tail_dims": ([(77, 1), (3, 1)], 5, 6, 2, 40, None),
     "block_1_window": ([(90, 1), (33, 1)], 1, 3, 1, 12, 17),
     "mha_many_heads": ([(50, 1)], 4, 9, 1, 16, None),
+    "dims_past_whole_pair_blocks": ([(150, 1), (33, 1)], 16, 8, 2, 48, None),
 }
 PREFILL_CASES = {
     "qwen_chunk_over_cached_prefix": ([(600, 37), (9, 1)], 16, 14, 2, 64, None),
