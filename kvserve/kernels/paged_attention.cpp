@@ -131,8 +131,9 @@ inline void weighted_columns(const float* p, const void* const* vrow, int64_t n,
         const V a = L::set1(alpha[g]);
         for (int w = 0; w < W; ++w) acc[g][w] = L::mul(L::load(o + g * dim + c0 + w * kLanes), a);
     }
+    LinePrefetcher ahead = pf;  // a local copy, held in registers across the loop
     for (int64_t j = 0; j < n; ++j) {
-        pf.step();
+        ahead.step();
         const typename E::T* row = static_cast<const typename E::T*>(vrow[j]) + c0;
         V vv[W];
         for (int w = 0; w < W; ++w) vv[w] = L::template load_kv<E>(row + w * kLanes);
@@ -143,6 +144,7 @@ inline void weighted_columns(const float* p, const void* const* vrow, int64_t n,
     }
     for (int g = 0; g < G; ++g)
         for (int w = 0; w < W; ++w) L::store(o + g * dim + c0 + w * kLanes, acc[g][w]);
+    pf = ahead;
 }
 
 template <typename E, int W>
@@ -246,8 +248,9 @@ template <int G>
 inline void scores_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt, float* s, LinePrefetcher& pf) {
     __m512 acc0[G], acc1[G];
     for (int g = 0; g < G; ++g) acc0[g] = _mm512_setzero_ps(), acc1[g] = _mm512_setzero_ps();
+    LinePrefetcher ahead = pf;  // a local copy, held in registers across the loop
     for (int64_t p = 0; p < pairs; ++p) {
-        pf.step();
+        ahead.step();
         const __m512bh k0 = as_bh(_mm512_loadu_si512(kt + 32 * p)), k1 = as_bh(_mm512_loadu_si512(kt + 32 * p + 16));
         for (int g = 0; g < G; ++g) {
             const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(qp[g * pairs + p])));
@@ -259,6 +262,7 @@ inline void scores_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt, f
         _mm512_storeu_ps(s + g * kChunk, acc0[g]);
         _mm512_storeu_ps(s + g * kChunk + 16, acc1[g]);
     }
+    pf = ahead;
 }
 
 inline void scores_heads_bf16(int64_t g, const uint32_t* qp, int64_t pairs, const uint32_t* kt, float* s,
@@ -289,8 +293,9 @@ inline void weighted_columns_bf16(const uint32_t* pp, const void* const* vrow, i
     }
     __mmask32 mask[W / 2];
     for (int w = 0; w < W; w += 2) mask[w / 2] = block_mask(c0 / 32 + w / 2, dim);
+    LinePrefetcher ahead = pf;  // a local copy, held in registers across the loop
     for (int64_t j2 = 0; 2 * j2 < n; ++j2) {  // an odd last key pairs with itself, at weight 0
-        pf.step();
+        ahead.step();
         const uint16_t* r0 = static_cast<const uint16_t*>(vrow[2 * j2]);
         const uint16_t* r1 = static_cast<const uint16_t*>(vrow[2 * j2 + 1 < n ? 2 * j2 + 1 : 2 * j2]);
         __m512i vv[W];
@@ -306,6 +311,7 @@ inline void weighted_columns_bf16(const uint32_t* pp, const void* const* vrow, i
     }
     for (int g = 0; g < G; ++g)
         for (int w = 0; w < W; ++w) _mm512_storeu_ps(o + g * odim + c0 + 16 * w, acc[g][w]);
+    pf = ahead;
 }
 
 template <int W>
