@@ -56,7 +56,8 @@ open(path[: -len(".json")] + ".md", "w").write(render_section(doc, path, command
 # The instruct model (the agents' model): float32 KV (the CPU default), the two 16-bit dtypes and int8.
 run instruct --model qwen2.5-coder-0.5b-instruct --depth-kv-cache-dtypes float16,bfloat16,int8
 # The same with llama.cpp's own arithmetic on its Q8_0 activations (--activation-quantization int8).
+# bfloat16 first: on a CPU with AVX512_BF16 its attention takes bfloat16 dot products (docs/KV_QUANT.md).
 run instruct_int8 --model qwen2.5-coder-0.5b-instruct --activation-quantization int8 \
-    --depth-kv-cache-dtypes float16,int8
+    --depth-kv-cache-dtypes bfloat16,float16,int8
 # The default model (Gemma 3 270M: one KV head of 256, sliding windows of 512 on 15 of its 18 layers).
 run default --depth-kv-cache-dtypes bfloat16,float16,int8
