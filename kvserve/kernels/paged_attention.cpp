@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "attention_merge.h"
+#include "dispatch.h"
 #include "kernels.h"
 #include "kv_dtypes.h"
 #include "simd.h"
@@ -147,21 +148,6 @@ inline void weighted_columns(const float* p, const void* const* vrow, int64_t n,
     pf = ahead;
 }
 
-template <typename E, int W>
-inline void weighted_heads(int64_t g, const float* p, const void* const* vrow, int64_t n, int64_t c0,
-                           const float* alpha, float* o, int64_t dim, LinePrefetcher& pf) {
-    switch (g) {
-        case 8: weighted_columns<E, 8, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-        case 7: weighted_columns<E, 7, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-        case 6: weighted_columns<E, 6, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-        case 5: weighted_columns<E, 5, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-        case 4: weighted_columns<E, 4, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-        case 3: weighted_columns<E, 3, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-        case 2: weighted_columns<E, 2, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-        default: weighted_columns<E, 1, W>(p, vrow, n, c0, alpha, o, dim, pf); break;
-    }
-}
-
 // The chunk's weighted sum of V for all `group` heads: column slices of 4, 2 or 1 vectors (the widest whose
 // accumulators for up to kMaxHeads heads fit kAccRegs), heads in even passes of at most kMaxHeads; columns past the
 // last whole vector (a head size that is no multiple of kLanes) one at a time.
@@ -177,11 +163,15 @@ void weighted_sum(int64_t group, const float* p, const void* const* vrow, int64_
         const float* pg = p + g0 * kChunk;
         float* og = o + g0 * dim;
         int64_t v = 0;
-        for (; wide >= 4 && v + 4 <= vecs; v += 4)
-            weighted_heads<E, 4>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim, pf);
-        for (; wide >= 2 && v + 2 <= vecs; v += 2)
-            weighted_heads<E, 2>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim, pf);
-        for (; v < vecs; ++v) weighted_heads<E, 1>(g1 - g0, pg, vrow, n, v * kLanes, alpha + g0, og, dim, pf);
+        auto columns = [&](auto W) {  // W vectors of columns from v, for the pass's heads
+            kvserve::with_count<kMaxHeads>(g1 - g0, [&](auto G) {
+                weighted_columns<E, decltype(G)::value, decltype(W)::value>(pg, vrow, n, v * kLanes, alpha + g0, og,
+                                                                             dim, pf);
+            });
+        };
+        for (; wide >= 4 && v + 4 <= vecs; v += 4) columns(std::integral_constant<int, 4>{});
+        for (; wide >= 2 && v + 2 <= vecs; v += 2) columns(std::integral_constant<int, 2>{});
+        for (; v < vecs; ++v) columns(std::integral_constant<int, 1>{});
     }
     for (int64_t d = vecs * kLanes; d < dim; ++d)
         for (int64_t g = 0; g < group; ++g) {
@@ -265,20 +255,6 @@ inline void scores_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt, f
     pf = ahead;
 }
 
-inline void scores_heads_bf16(int64_t g, const uint32_t* qp, int64_t pairs, const uint32_t* kt, float* s,
-                              LinePrefetcher& pf) {
-    switch (g) {
-        case 8: scores_bf16<8>(qp, pairs, kt, s, pf); break;
-        case 7: scores_bf16<7>(qp, pairs, kt, s, pf); break;
-        case 6: scores_bf16<6>(qp, pairs, kt, s, pf); break;
-        case 5: scores_bf16<5>(qp, pairs, kt, s, pf); break;
-        case 4: scores_bf16<4>(qp, pairs, kt, s, pf); break;
-        case 3: scores_bf16<3>(qp, pairs, kt, s, pf); break;
-        case 2: scores_bf16<2>(qp, pairs, kt, s, pf); break;
-        default: scores_bf16<1>(qp, pairs, kt, s, pf); break;
-    }
-}
-
 // o[g][block c0 / 32 ..) = alpha[g] o[g] + sum over the keys of p[g][j] V_j, for G heads and W / 2 blocks of 32 dims
 // from dim c0, the keys in pairs: two rows' blocks interleaved by 16-bit unpacks (within 128-bit lanes), so that o
 // holds each block's dims permuted (lanes 0-15: dims 0-3, 8-11, 16-19, 24-27; lanes 16-31: 4-7, 12-15, ...; see
@@ -314,21 +290,6 @@ inline void weighted_columns_bf16(const uint32_t* pp, const void* const* vrow, i
     pf = ahead;
 }
 
-template <int W>
-inline void weighted_heads_bf16(int64_t g, const uint32_t* pp, const void* const* vrow, int64_t n, int64_t c0,
-                                const float* alpha, float* o, int64_t odim, int64_t dim, LinePrefetcher& pf) {
-    switch (g) {
-        case 8: weighted_columns_bf16<8, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-        case 7: weighted_columns_bf16<7, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-        case 6: weighted_columns_bf16<6, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-        case 5: weighted_columns_bf16<5, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-        case 4: weighted_columns_bf16<4, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-        case 3: weighted_columns_bf16<3, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-        case 2: weighted_columns_bf16<2, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-        default: weighted_columns_bf16<1, W>(pp, vrow, n, c0, alpha, o, odim, dim, pf); break;
-    }
-}
-
 // The chunk's weighted sum of V for all `group` heads (o: `odim` = dim rounded up to 32 floats a head): blocks of 64
 // dims where the accumulators of up to kMaxHeads heads fit kAccRegs, else of 32; heads in even passes.
 inline void weighted_sum_bf16(int64_t group, const uint32_t* pp, const void* const* vrow, int64_t n,
@@ -338,10 +299,14 @@ inline void weighted_sum_bf16(int64_t group, const uint32_t* pp, const void* con
     for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t g0 = pass * group / passes, g1 = (pass + 1) * group / passes;
         int64_t c = 0;
-        for (; wide && c + 64 <= odim; c += 64)
-            weighted_heads_bf16<4>(g1 - g0, pp + g0 * (kChunk / 2), vrow, n, c, alpha + g0, o + g0 * odim, odim, dim, pf);
-        for (; c < odim; c += 32)
-            weighted_heads_bf16<2>(g1 - g0, pp + g0 * (kChunk / 2), vrow, n, c, alpha + g0, o + g0 * odim, odim, dim, pf);
+        auto columns = [&](auto W) {  // W / 2 blocks of 32 dims from c, for the pass's heads
+            kvserve::with_count<kMaxHeads>(g1 - g0, [&](auto G) {
+                weighted_columns_bf16<decltype(G)::value, decltype(W)::value>(pp + g0 * (kChunk / 2), vrow, n, c,
+                                                                               alpha + g0, o + g0 * odim, odim, dim, pf);
+            });
+        };
+        for (; wide && c + 64 <= odim; c += 64) columns(std::integral_constant<int, 4>{});
+        for (; c < odim; c += 32) columns(std::integral_constant<int, 2>{});
     }
 }
 
@@ -468,8 +433,10 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
                                                                         (slots[t0 + (t < nt2 ? t : 0)] * kv_heads + h) * dim);
                         transpose_keys_bf16(rows, dim, sc.kt.data());
                         for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kMaxHeads)
-                            scores_heads_bf16(std::min<int64_t>(kMaxHeads, (h + 1) * group - g0), sc.qp.data() + g0 * qld,
-                                              qld, sc.kt.data(), scores + g0 * kChunk + t0, pf);
+                            kvserve::with_count<kMaxHeads>((h + 1) * group - g0, [&](auto G) {
+                                scores_bf16<decltype(G)::value>(sc.qp.data() + g0 * qld, qld, sc.kt.data(),
+                                                                scores + g0 * kChunk + t0, pf);
+                            });
                         for (int64_t g = h * group; g < (h + 1) * group; ++g)
                             for (int64_t t = nt2; t < 32; ++t) scores[g * kChunk + t0 + t] = -INFINITY;
                     }

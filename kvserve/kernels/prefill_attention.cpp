@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "attention_merge.h"
+#include "dispatch.h"
 #include "kernels.h"
 #include "kv_dtypes.h"
 #include "simd.h"
@@ -171,24 +172,24 @@ inline void output_micro(const float* pt, int64_t ld, const float* const* v, int
         for (int n = 0; n < V; ++n) L::store(o + r * dim + d0 + L::kWidth * n, acc[r][n]);
 }
 
+// Each block of kRows rows that sees any key (j0[b] < j1[b]): f(R, r0, b), R its rows as a compile-time count.
+template <typename Fn>
+__attribute__((always_inline)) inline void for_row_blocks(int64_t rows, const int64_t* j0, const int64_t* j1, Fn&& f) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+        const int64_t b = r0 / kRows;
+        if (j1[b] > j0[b]) kvserve::with_count<kRows>(rows - r0, [&](auto R) { f(R, r0, b); });
+    }
+}
+
 // Output columns [d0, d0 + V vectors) of every row: each block of kRows rows over the keys any of them sees
 // (j0[b], j1[b]). The columns are the outer loop so that this slice of the V tile (64 keys x V vectors) and the
 // probabilities stay in L1 while every row block uses them.
 template <typename L, int V>
 inline void output_columns(const float* pt, int64_t ld, const float* const* v, const int64_t* j0,
                            const int64_t* j1, int64_t rows, int64_t d0, const float* alpha, float* o, int64_t dim) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int64_t b = r0 / kRows;
-        if (j1[b] <= j0[b]) continue;
-        const float* p = pt + r0;
-        float* orow = o + r0 * dim;
-        switch (std::min<int64_t>(kRows, rows - r0)) {
-            case 4: output_micro<L, 4, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 3: output_micro<L, 3, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 2: output_micro<L, 2, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            default: output_micro<L, 1, V>(p, ld, v, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-        }
-    }
+    for_row_blocks(rows, j0, j1, [&](auto R, int64_t r0, int64_t b) {
+        output_micro<L, decltype(R)::value, V>(pt + r0, ld, v, j0[b], j1[b], d0, alpha + r0, o + r0 * dim, dim);
+    });
 }
 
 // The AVX-512 build's scores step takes 32 rows (two vectors) by 12 keys, 24 accumulators, so that its loads (two
@@ -325,18 +326,9 @@ template <int V>
 inline void output_columns_bf16(const uint32_t* pp, int64_t ld, const uint32_t* vp, int64_t vld, const int64_t* j0,
                                 const int64_t* j1, int64_t rows, int64_t d0, const float* alpha, float* o,
                                 int64_t dim) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int64_t b = r0 / kRows;
-        if (j1[b] <= j0[b]) continue;
-        const uint32_t* p = pp + r0;
-        float* orow = o + r0 * dim;
-        switch (std::min<int64_t>(kRows, rows - r0)) {
-            case 4: output_micro_bf16<4, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 3: output_micro_bf16<3, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            case 2: output_micro_bf16<2, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-            default: output_micro_bf16<1, V>(p, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, orow, dim); break;
-        }
-    }
+    for_row_blocks(rows, j0, j1, [&](auto R, int64_t r0, int64_t b) {
+        output_micro_bf16<decltype(R)::value, V>(pp + r0, ld, vp, vld, j0[b], j1[b], d0, alpha + r0, o + r0 * dim, dim);
+    });
 }
 
 // Q^T as bfloat16 pairs of dimensions, scaled: qp[d2 * ld + r] = (q_r[2 d2], q_r[2 d2 + 1]) x scale, rounded to
