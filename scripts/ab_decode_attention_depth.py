@@ -11,25 +11,15 @@ Usage: python scripts/ab_decode_attention_depth.py [--old OLD.so] [--dtype bfloa
 from __future__ import annotations
 
 import argparse
-import ctypes
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels.native import SIGNATURES, supported_isas
-from kvserve.kernels.ops import NativeKernels, load_kernels
-from kvserve.model.tokenizer import default_cache_dir
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_prefill_attention_depth import DIM, HEADS, LAYERS, fastest_alternated, kernel_builds, layer_caches
 
-HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 14, 2, 64, 16, 24
-
-
-def older_build(path: Path) -> NativeKernels:
-    """An older library with only its decode attention bound (today's signature)."""
-    library = ctypes.CDLL(str(path))
-    function = library.kvserve_paged_decode_attention
-    function.argtypes, function.restype = SIGNATURES["kvserve_paged_decode_attention"], None
-    return NativeKernels(library, isa="old")
+from kvserve.kernels.ops import NativeKernels
 
 
 def main() -> None:
@@ -39,32 +29,22 @@ def main() -> None:
     parser.add_argument("--contexts", default="4096,16384,32000", help="cached tokens, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    cache_dir = default_cache_dir() / "kernels"
-    builds = {"new": load_kernels(cache_dir)}
-    if "avx512bf16" in supported_isas() and "avx512vnni" in supported_isas():
-        builds["avx512vnni"] = load_kernels(cache_dir, isa="avx512vnni")
-    if args.old:
-        builds["old"] = older_build(args.old)
+    builds = kernel_builds(args.old, "kvserve_paged_decode_attention")
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
-    print(f"new build: {getattr(builds['new'], 'isa', 'torch')}; {args.dtype} cache, {LAYERS} layers' caches")
+    print(f"new build: {builds['new'].isa}; {args.dtype} cache, {LAYERS} layers' caches")
     for seq_len in map(int, args.contexts.split(",")):
-        per = -(-seq_len // BLOCK)
-        caches = [
-            tuple(torch.randn(per, BLOCK, KV_HEADS, DIM, generator=g).to(dtype) for _ in range(2))
-            for _ in range(LAYERS)
-        ]
-        table = torch.randperm(per, generator=g).view(1, per)
+        caches = layer_caches(seq_len, dtype, g)
+        table = torch.randperm(caches[0][0].shape[0], generator=g).view(1, -1)
         lens = torch.tensor([seq_len], dtype=torch.int64)
         q = torch.randn(1, HEADS, DIM, generator=g)
-        times: dict[str, list[float]] = {name: [] for name in builds}
-        for _ in range(args.repeats):
-            for name, kernels in builds.items():
-                start = time.perf_counter()
-                for k, v in caches:
-                    kernels.paged_decode_attention(q, k, v, table, lens, None, DIM**-0.5)
-                times[name].append(time.perf_counter() - start)
-        print(f"{seq_len} cached: " + ", ".join(f"{n} {1e3 * min(t):.2f} ms" for n, t in times.items()))
+
+        def run(kernels: NativeKernels) -> None:
+            for k, v in caches:  # noqa: B023 - run is called within this iteration
+                kernels.paged_decode_attention(q, k, v, table, lens, None, DIM**-0.5)  # noqa: B023
+
+        best = fastest_alternated(builds, args.repeats, run)
+        print(f"{seq_len} cached: " + ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in best.items()))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,12 +26,45 @@ from kvserve.model.tokenizer import default_cache_dir
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 14, 2, 64, 16, 24
 
 
-def older_build(path: Path) -> NativeKernels:
-    """An older library with only its prefill attention bound (today's signature)."""
-    library = ctypes.CDLL(str(path))
-    function = library.kvserve_paged_prefill_attention
-    function.argtypes, function.restype = SIGNATURES["kvserve_paged_prefill_attention"], None
-    return NativeKernels(library, isa="old")
+def kernel_builds(old: Path | None, entry: str) -> dict[str, NativeKernels]:
+    """This build ("new"); the avx512vnni build where the CPU also has AVX512_BF16 (it widens a bfloat16 cache); and
+    with `old`, an older library with only its `entry` bound (today's signature). Shared with
+    scripts/ab_decode_attention_depth.py."""
+    cache_dir = default_cache_dir() / "kernels"
+    builds: dict[str, NativeKernels] = {}
+    for name, isa in (("new", None), ("avx512vnni", "avx512vnni")):
+        if isa is None or {"avx512bf16", isa} <= set(supported_isas()):
+            kernels = load_kernels(cache_dir, isa=isa)
+            if not isinstance(kernels, NativeKernels):
+                raise SystemExit("the native kernels did not build on this machine")
+            builds[name] = kernels
+    if old:
+        library = ctypes.CDLL(str(old))
+        function = getattr(library, entry)
+        function.argtypes, function.restype = SIGNATURES[entry], None
+        builds["old"] = NativeKernels(library, isa="old")
+    return builds
+
+
+def layer_caches(seq_len: int, dtype: torch.dtype, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """LAYERS layers' K and V caches of seq_len random tokens (the callers shuffle the block table)."""
+    shape = (-(-seq_len // BLOCK), BLOCK, KV_HEADS, DIM)
+    return [
+        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)) for _ in range(LAYERS)
+    ]
+
+
+def fastest_alternated(
+    builds: dict[str, NativeKernels], repeats: int, run: Callable[[NativeKernels], None]
+) -> dict[str, float]:
+    """Each build's fastest of `repeats` timings of run(kernels), the builds alternated within each repeat."""
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    for _ in range(repeats):
+        for name, kernels in builds.items():
+            start = time.perf_counter()
+            run(kernels)
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -44,32 +78,22 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
-    cache_dir = default_cache_dir() / "kernels"
-    builds = {"new": load_kernels(cache_dir)}
-    if "avx512bf16" in supported_isas() and "avx512vnni" in supported_isas():
-        builds["avx512vnni"] = load_kernels(cache_dir, isa="avx512vnni")
-    if args.old:
-        builds["old"] = older_build(args.old)
+    builds = kernel_builds(args.old, "kvserve_paged_prefill_attention")
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
-    print(f"new build: {getattr(builds['new'], 'isa', 'torch')}; {args.dtype} cache, {LAYERS} layers' caches")
+    print(f"new build: {builds['new'].isa}; {args.dtype} cache, {LAYERS} layers' caches")
     for shape in args.shapes.split(","):
         seq_len, q_len = map(int, shape.split("x"))
-        per = -(-seq_len // BLOCK)
-        caches = [
-            tuple(torch.randn(per, BLOCK, KV_HEADS, DIM, generator=g).to(dtype) for _ in range(2))
-            for _ in range(LAYERS)
-        ]
-        table = torch.randperm(per, generator=g)
+        caches = layer_caches(seq_len, dtype, g)
+        table = torch.randperm(caches[0][0].shape[0], generator=g)
         q = torch.randn(q_len, HEADS, DIM, generator=g)
-        times: dict[str, list[float]] = {name: [] for name in builds}
-        for _ in range(args.repeats):
-            for name, kernels in builds.items():
-                start = time.perf_counter()
-                for k, v in caches:
-                    kernels.paged_prefill_attention(q, k, v, table, seq_len, None, DIM**-0.5)
-                times[name].append(time.perf_counter() - start)
-        print(f"{q_len} new x {seq_len} cached: " + ", ".join(f"{n} {1e3 * min(t):.0f} ms" for n, t in times.items()))
+
+        def run(kernels: NativeKernels) -> None:
+            for k, v in caches:  # noqa: B023 - run is called in this iteration only
+                kernels.paged_prefill_attention(q, k, v, table, seq_len, None, DIM**-0.5)  # noqa: B023
+
+        best = fastest_alternated(builds, args.repeats, run)
+        print(f"{q_len} new x {seq_len} cached: " + ", ".join(f"{n} {1e3 * t:.0f} ms" for n, t in best.items()))
 
 
 if __name__ == "__main__":

@@ -148,15 +148,21 @@ inline void weighted_columns(const float* p, const void* const* vrow, int64_t n,
     pf = ahead;
 }
 
-// The chunk's weighted sum of V for all `group` heads: column slices of 4, 2 or 1 vectors (the widest whose
-// accumulators for up to kMaxHeads heads fit kAccRegs), heads in even passes of at most kMaxHeads; columns past the
-// last whole vector (a head size that is no multiple of kLanes) one at a time.
+// The widest column slice, in vectors (4, 2 or 1), whose accumulators for a weighted-sum pass's heads (at most
+// kMaxHeads of `group`) fit kAccRegs.
+inline int column_vectors(int64_t group) {
+    const int64_t heads = std::min<int64_t>(group, kMaxHeads);
+    return heads * 4 <= kAccRegs ? 4 : heads * 2 <= kAccRegs ? 2 : 1;
+}
+
+// The chunk's weighted sum of V for all `group` heads: column slices of column_vectors(group), then narrower, heads
+// in even passes of at most kMaxHeads; columns past the last whole vector (a head size that is no multiple of kLanes)
+// one at a time.
 template <typename E>
 void weighted_sum(int64_t group, const float* p, const void* const* vrow, int64_t n, const float* alpha, float* o,
                   int64_t dim, LinePrefetcher& pf) {
     const int64_t vecs = dim / kLanes;
-    const int64_t heads = std::min<int64_t>(group, kMaxHeads);
-    const int wide = heads * 4 <= kAccRegs ? 4 : heads * 2 <= kAccRegs ? 2 : 1;
+    const int wide = column_vectors(group);
     const int64_t passes = (group + kMaxHeads - 1) / kMaxHeads;
     for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t g0 = pass * group / passes, g1 = (pass + 1) * group / passes;
@@ -291,11 +297,11 @@ inline void weighted_columns_bf16(const uint32_t* pp, const void* const* vrow, i
 }
 
 // The chunk's weighted sum of V for all `group` heads (o: `odim` = dim rounded up to 32 floats a head): blocks of 64
-// dims where the accumulators of up to kMaxHeads heads fit kAccRegs, else of 32; heads in even passes.
+// dims where column_vectors allows 4 vectors, else of 32; heads in even passes.
 inline void weighted_sum_bf16(int64_t group, const uint32_t* pp, const void* const* vrow, int64_t n,
                               const float* alpha, float* o, int64_t odim, int64_t dim, LinePrefetcher& pf) {
-    const int64_t heads = std::min<int64_t>(group, kMaxHeads), passes = (group + kMaxHeads - 1) / kMaxHeads;
-    const bool wide = heads * 4 <= kAccRegs;
+    const int64_t passes = (group + kMaxHeads - 1) / kMaxHeads;
+    const bool wide = column_vectors(group) == 4;
     for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t g0 = pass * group / passes, g1 = (pass + 1) * group / passes;
         int64_t c = 0;
@@ -342,10 +348,10 @@ constexpr bool kBf16DotProducts = false;
 // The passes over a chunk's keys that weighted_sum (bf16: weighted_sum_bf16) makes for `group` heads of `dim` sums:
 // head passes x column slices (dims past the last whole vector, done one at a time, excepted).
 inline int64_t weighted_passes(int64_t group, int64_t dim, bool bf16) {
-    const int64_t heads = std::min<int64_t>(group, kMaxHeads), head_passes = (group + kMaxHeads - 1) / kMaxHeads;
-    if (bf16) return head_passes * (heads * 4 <= kAccRegs ? dim / 64 + dim % 64 / 32 : dim / 32);
+    const int64_t head_passes = (group + kMaxHeads - 1) / kMaxHeads;
+    const int wide = column_vectors(group);
+    if (bf16) return head_passes * (wide == 4 ? dim / 64 + dim % 64 / 32 : dim / 32);
     const int64_t vecs = dim / kLanes;
-    const int wide = heads * 4 <= kAccRegs ? 4 : heads * 2 <= kAccRegs ? 2 : 1;
     return head_passes * (wide == 4 ? vecs / 4 + vecs % 4 / 2 + vecs % 2 : wide == 2 ? vecs / 2 + vecs % 2 : vecs);
 }
 
@@ -372,11 +378,12 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
     // The bfloat16 dot-product path (kBf16DotProducts) keeps each head's sums in whole blocks of 32 dims (odim).
     const bool pairs = kBf16DotProducts && std::is_same_v<E, kvserve::kv::Bfloat16> && dim % 16 == 0;
     const int64_t odim = pairs ? (dim + 31) / 32 * 32 : dim, qld = odim / 2;
-    for (int64_t i = 0; i < heads * dim; ++i) sc.qs[i] = q[i] * scale;
 #if defined(__AVX512BF16__)
     if (pairs)
         for (int64_t g = 0; g < heads; ++g) pack_query_bf16(q + g * dim, dim, scale, qld, sc.qp.data() + g * qld);
 #endif
+    if (!pairs)
+        for (int64_t i = 0; i < heads * dim; ++i) sc.qs[i] = q[i] * scale;
     std::fill(sc.o.begin(), sc.o.begin() + heads * odim, 0.0f);
     std::fill(sc.m.begin(), sc.m.begin() + heads, -INFINITY);
     std::fill(sc.l.begin(), sc.l.begin() + heads, 0.0f);
@@ -420,26 +427,25 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
         pf.slot = ahead, pf.slots = n_next, pf.lines = (slot_bytes + 63) / 64, pf.v_offset = v_offset;
         pf.per_step = (2 * pf.lines * n_next + steps - 1) / std::max<int64_t>(steps, 1);
         for (int64_t h = 0; h < kv_heads; ++h) {
-            // Scores of the group's heads, kLanes keys at a time; lanes past the chunk's end get -inf.
-            for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
-                const int64_t nt = std::min(kLanes, n - t0);
+            // Scores of the group's heads, kLanes keys at a time (the bfloat16 path: 32); lanes past the chunk's end
+            // get -inf.
+            const int64_t tile_keys = pairs ? 32 : kLanes;
+            for (int64_t t0 = 0; t0 < n; t0 += tile_keys) {
+                const int64_t nt = std::min(tile_keys, n - t0);
 #if defined(__AVX512BF16__)
-                if (pairs) {  // 32 keys at a time (two tiles); missing rows repeat the first (their lanes are masked)
-                    if (t0 % 32 == 0) {
-                        const int64_t nt2 = std::min<int64_t>(32, n - t0);
-                        const uint16_t* rows[32];
-                        for (int64_t t = 0; t < 32; ++t)
-                            rows[t] = reinterpret_cast<const uint16_t*>(k_cache +
-                                                                        (slots[t0 + (t < nt2 ? t : 0)] * kv_heads + h) * dim);
-                        transpose_keys_bf16(rows, dim, sc.kt.data());
-                        for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kMaxHeads)
-                            kvserve::with_count<kMaxHeads>((h + 1) * group - g0, [&](auto G) {
-                                scores_bf16<decltype(G)::value>(sc.qp.data() + g0 * qld, qld, sc.kt.data(),
-                                                                scores + g0 * kChunk + t0, pf);
-                            });
-                        for (int64_t g = h * group; g < (h + 1) * group; ++g)
-                            for (int64_t t = nt2; t < 32; ++t) scores[g * kChunk + t0 + t] = -INFINITY;
-                    }
+                if (pairs) {  // missing rows repeat the first (their lanes are masked)
+                    const uint16_t* rows[32];
+                    for (int64_t t = 0; t < 32; ++t)
+                        rows[t] = reinterpret_cast<const uint16_t*>(k_cache +
+                                                                    (slots[t0 + (t < nt ? t : 0)] * kv_heads + h) * dim);
+                    transpose_keys_bf16(rows, dim, sc.kt.data());
+                    for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kMaxHeads)
+                        kvserve::with_count<kMaxHeads>((h + 1) * group - g0, [&](auto G) {
+                            scores_bf16<decltype(G)::value>(sc.qp.data() + g0 * qld, qld, sc.kt.data(),
+                                                            scores + g0 * kChunk + t0, pf);
+                        });
+                    for (int64_t g = h * group; g < (h + 1) * group; ++g)
+                        for (int64_t t = nt; t < 32; ++t) scores[g * kChunk + t0 + t] = -INFINITY;
                     continue;
                 }
 #endif
