@@ -8,7 +8,7 @@ step figures of docs/PERFORMANCE_NOTES.md attempts 51-52. Not run by CI.
 The two builds must share kernels.h's structs (the engine's layer descriptions are built once).
 
 Usage: python scripts/ab_decode_step.py OLD.so [--batch 1] [--activation-quantization int8] [--rounds 12]
-       [--steps 40]
+       [--steps 40] [--model NAME]
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ def main() -> None:
     parser.add_argument("--activation-quantization", default="int8")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--model", default=None, help="a packaged model's name (default: the default model)")
     args = parser.parse_args()
     engine = LLMEngine.from_config(
         EngineConfig(
-            kv_cache_memory_bytes=1 << 30, quantization="auto", activation_quantization=args.activation_quantization
+            model=args.model,
+            kv_cache_memory_bytes=1 << 30,
+            quantization="auto",
+            activation_quantization=args.activation_quantization,
         )
     )
     kernels = engine.core.runner.model.kernels

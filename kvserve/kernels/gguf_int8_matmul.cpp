@@ -14,7 +14,8 @@
 // Two shapes, chosen by the number of activation rows:
 // - up to 4 rows (decode): each weight row's runs decoded to their stored unsigned codes (gguf_formats.h's
 //   visit<true>) and dotted with each activation row in registers, codes (unsigned) times x (signed), the
-//   format's offset taken back as kZero * sum(x) in the integer sum's initial value, Q8_0's signed bytes as
+//   format's offset taken back as kZero * sum(x) (for one-run blocks once a block for four weight rows, in float;
+//   for Q6_K in the integer sum's initial value), Q8_0's signed bytes as
 //   w + 128 with offset 128: `vpdpbusd` where the CPU has VNNI (AVX-512 VNNI on 256-bit registers, or
 //   AVX-VNNI); else `vpmaddubsw` + `vpmaddwd` (AVX2), Q8_0 as |w| times x with w's sign (codes <= 63,
 //   |w| <= 128 and |x| <= 127 keep its 16-bit pair sums from saturating);
@@ -134,7 +135,7 @@ constexpr int kOffset = F::kSigned ? (kFlipSigned ? 128 : 0) : F::kZero;
 template <typename F>
 std::vector<int32_t> zero_offsets(const Q8Rows& a) {
     const int64_t runs = a.k / 32;
-    std::vector<int32_t> out(kOffset<F> == 0 ? 0 : a.m * runs * 8, 0);
+    std::vector<int32_t> out(kOffset<F> == 0 || F::kBlock == 32 ? 0 : a.m * runs * 8, 0);
     for (int64_t i = 0; i < static_cast<int64_t>(out.size()) / 8; ++i) {
         out[i * 8] = -kOffset<F> * a.sums16[2 * i];
         out[i * 8 + 4] = -kOffset<F> * a.sums16[2 * i + 1];
@@ -153,30 +154,45 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
     alignas(32) int8_t tmp[32];
     const int64_t k = a.k, runs = k / 32;
     constexpr bool kSignTrick = F::kSigned && !kFlipSigned;
-    // The runs' scale products s * dx are made a block at a time in vectors and broadcast from memory into the
-    // runs' FMAs (a scalar product and a register broadcast each run took two to five operations more): for
-    // one-run blocks (Q4_0, Q5_0, Q8_0: an f16 d first) the R rows' at once; for K-quants a row's 8 runs (16 half
-    // runs for Q6_K) at once, and its mins' products with the runs' d * sum(q) as one FMA a block.
-    constexpr int kScales = F::kBlock == 32 ? 4 : F::kSplitScale ? 16 : 8;  // one-run blocks: R <= 4 rows
+    constexpr bool kOneRun = F::kBlock == 32;
+    // One-run blocks (Q4_0, Q5_0, Q8_0): the R rows' f16 scales gathered in a general register, converted together and
+    // multiplied by each activation row's d; each row's product then broadcast from that register (an in-lane
+    // permute) into the run's FMA. The format's offset is taken off per block for the R rows at once, as
+    // kOffset * s * dsum (dsum: d * sum(q) of the activation run), instead of as an integer term of every run's dot.
+    // K-quants: a row's 8 runs' scale products (16 half runs for Q6_K) made a block at a time and broadcast from
+    // memory, its mins' products with the runs' d * sum(q) as one FMA a block; Q6_K's offset as `offsets`.
+    constexpr int kScales = F::kSplitScale ? 16 : 8;
     alignas(32) float sdx[C][kScales];
     __m256 acc[R][C], min_acc[R][C];
+    __m128 off[C];
+    for (int c = 0; c < C; ++c) off[c] = _mm_setzero_ps();
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = min_acc[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / F::kBlock; ++b) {
-        if constexpr (F::kBlock == 32) {
-            __m128i d = _mm_setzero_si128();
+        __m256 sd[C];
+        if constexpr (kOneRun) {
+            uint64_t halves = 0;
             for (int r = 0; r < R; ++r) {
                 uint16_t h;
                 memcpy(&h, rows + r * row_bytes + b * F::kBytes, 2);
-                d = _mm_insert_epi16(d, h, r);
+                halves |= static_cast<uint64_t>(h) << (16 * r);
             }
-            const __m128 s = _mm_cvtph_ps(d);
-            for (int c = 0; c < C; ++c) _mm_store_ps(sdx[c], _mm_mul_ps(s, _mm_set1_ps(a.d[(c0 + c) * runs + b])));
+            const __m128 s = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(halves)));
+            for (int c = 0; c < C; ++c) {
+                const __m128 p = _mm_mul_ps(s, _mm_set1_ps(a.d[(c0 + c) * runs + b]));
+                sd[c] = _mm256_set_m128(p, p);
+                if constexpr (kOffset<F> != 0)
+                    off[c] = _mm_fmadd_ps(s, _mm_set1_ps(static_cast<float>(kOffset<F>) * a.dsum[(c0 + c) * runs + b]),
+                                          off[c]);
+            }
         }
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
-            prefetch_ahead<F>(block, R * row_bytes, groups_after);
-            if constexpr (F::kBlock != 32) {
+            // Blocks of at most half a cache line (Q4_0, Q5_0): every other block's prefetch still touches every line
+            // ahead, at half the instructions (these gemvs are bound by their instructions on AVX2).
+            constexpr int64_t kEvery = F::kBytes * 2 <= 64 ? 2 : 1;
+            if (b % kEvery == 0) prefetch_ahead<F>(block, R * row_bytes, groups_after);
+            if constexpr (!kOneRun) {
                 alignas(32) float s[16], mn[8];
                 F::block_scales(block, s, mn);
                 for (int c = 0; c < C; ++c) {
@@ -203,18 +219,19 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
                     const int64_t row = c0 + c;
                     const __m256i x =
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * k + 32 * run));
+                    const __m256i u =  // flipped signed bytes where kOffset takes them back (VNNI)
+                        F::kSigned && !kSignTrick ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : w;
                     __m256i dot;
                     if constexpr (kSignTrick)
                         dot = dot_u8s8(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
-                    else if constexpr (kOffset<F> != 0)
+                    else if constexpr (kOffset<F> != 0 && !kOneRun)
                         dot = dot_u8s8(
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + (row * runs + run) * 8)),
-                            F::kSigned ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : w, x);
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + (row * runs + run) * 8)), u, x);
                     else
-                        dot = dot_u8s8(_mm256_setzero_si256(), w, x);
+                        dot = dot_u8s8(_mm256_setzero_si256(), u, x);
                     __m256 scale;
-                    if constexpr (F::kBlock == 32)
-                        scale = _mm256_broadcast_ss(&sdx[c][r]);
+                    if constexpr (kOneRun)
+                        scale = _mm256_permute_ps(sd[c], r * 0x55);
                     else if constexpr (F::kSplitScale)  // lanes 0-3 the run's first 16 weights, 4-7 the rest
                         scale = _mm256_set_m128(_mm_broadcast_ss(&sdx[c][2 * j + 1]), _mm_broadcast_ss(&sdx[c][2 * j]));
                     else
@@ -226,7 +243,10 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
     }
     for (int c = 0; c < C; ++c) {
         float* out = y + c * ldy;
-        for (int r = 0; r < R; ++r) out[r] = F::kMin ? hsum(acc[r][c]) - hsum(min_acc[r][c]) : hsum(acc[r][c]);
+        alignas(16) float o[4];
+        _mm_store_ps(o, off[c]);
+        for (int r = 0; r < R; ++r)
+            out[r] = (F::kMin ? hsum(acc[r][c]) - hsum(min_acc[r][c]) : hsum(acc[r][c])) - o[r];
     }
 }
 
