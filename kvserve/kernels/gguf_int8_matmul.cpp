@@ -233,7 +233,8 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
                     if constexpr (kOneRun)
                         scale = _mm256_permute_ps(sd[c], r * 0x55);
                     else if constexpr (F::kSplitScale)  // lanes 0-3 the run's first 16 weights, 4-7 the rest
-                        scale = _mm256_set_m128(_mm_broadcast_ss(&sdx[c][2 * j + 1]), _mm_broadcast_ss(&sdx[c][2 * j]));
+                        scale = _mm256_set_m128(_mm_broadcast_ss(&sdx[c][2 * j + 1]),
+                                                _mm_broadcast_ss(&sdx[c][2 * j]));
                     else
                         scale = _mm256_broadcast_ss(&sdx[c][j]);
                     acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][c]);
