@@ -2,7 +2,8 @@
 one process (the machine's speed drifts more between runs than most kernel changes gain). The "old and new
 alternated" figures of docs/PERFORMANCE_NOTES.md. Not run by CI.
 
-Usage: python scripts/ab_kernels.py OLD.so [--rounds 5] [--decode-contexts 32,512,2000]
+Usage: python scripts/ab_kernels.py OLD.so [--rounds 5] [--decode-contexts 32,512,2000] [--model NAME]
+       [--activation-quantization none|int8]
 (an older library is any kvserve_kernels_*.so under ~/.cache/kvserve/kernels, e.g. the second newest)
 """
 
@@ -26,10 +27,20 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-contexts", default="32,512,2000")
     parser.add_argument("--decode-steps", type=int, default=20)
+    parser.add_argument("--model", default=None, help="a packaged model's name (default: the default model)")
+    parser.add_argument("--activation-quantization", default="none", choices=["none", "int8"])
     args = parser.parse_args()
-    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False))
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=args.model,
+            kv_cache_memory_bytes=1 << 30,
+            enable_prefix_caching=False,
+            activation_quantization=args.activation_quantization,
+        )
+    )
     model = engine.core.runner.model
-    kernels = {"new": model.embed_tokens.kernels, "old": NativeKernels(load_native_library(args.old))}
+    old = NativeKernels(load_native_library(args.old), activation_quantization=args.activation_quantization)
+    kernels = {"new": model.embed_tokens.kernels, "old": old}
     serial = iter(range(10**9))
 
     def run(prompt_len: int, max_tokens: int) -> float:

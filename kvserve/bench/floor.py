@@ -52,14 +52,16 @@ class ModelCost:
 
     def _compute_s(self, ceilings: Ceilings, flops: float, matmul_flops: float, int8: bool) -> float:
         """With int8 activations the matmuls' share of the FLOPs runs at the int8 rate, the rest (attention) at
-        the float32 one."""
+        the float32 one. The int8 rate is the better of the library's int8 matmul and its float32 one: on an AVX2
+        host without VNNI torch._int_mm runs at a few GOP/s (2 on a Zen 3), far below what integer dot products
+        there reach (kvserve's own run faster than its float32 ones), and a floor above the measured time says
+        nothing."""
         if not int8:
             return flops / (ceilings.matmul_gflops * 1e9)
         if ceilings.int8_matmul_gops is None:
             raise ValueError("an int8 floor needs ceilings measured with int8=True")
-        return matmul_flops / (ceilings.int8_matmul_gops * 1e9) + (flops - matmul_flops) / (
-            ceilings.matmul_gflops * 1e9
-        )
+        int8_rate = max(ceilings.int8_matmul_gops, ceilings.matmul_gflops)
+        return matmul_flops / (int8_rate * 1e9) + (flops - matmul_flops) / (ceilings.matmul_gflops * 1e9)
 
     def decode_floor_ms(self, ceilings: Ceilings, batch: int, context: int, int8: bool = False) -> float:
         """A step can be no faster than its bytes over bandwidth, nor its FLOPs over the matmul rate (`int8`:

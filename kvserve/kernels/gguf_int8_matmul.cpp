@@ -19,12 +19,16 @@
 //   w + 128 with offset 128: `vpdpbusd` where the CPU has VNNI (AVX-512 VNNI on 256-bit registers, or
 //   AVX-VNNI); else `vpmaddubsw` + `vpmaddwd` (AVX2), Q8_0 as |w| times x with w's sign (codes <= 63,
 //   |w| <= 128 and |x| <= 127 keep its 16-bit pair sums from saturating);
+// - more rows, with no VNNI at all (AVX2): the quantized rows dequantized back to float32 (d q, per run) and
+//   multiplied by gguf_matmul.cpp's blocked float32 matmul, which widens each weight block once for all the rows:
+//   the same definition (the dequantized weights times the dequantized activations), where the four-row gemvs
+//   decoded every block again for each four rows (a 512-token prefill of the instruct model on a Zen 3 took 5.1 s
+//   that way, hardly ahead of its exact path);
 // - more rows, with AVX-512 VNNI: weights packed 32 rows at a time in an L2-resident panel whose 16 lanes are
 //   16 weight rows (each 32-bit lane 4 consecutive weights of its row, offset to unsigned by +128), so that one
 //   `vpdpbusd` multiplies 16 rows by 4 broadcast activation bytes and a run's scales are applied to 16 outputs
-//   per instruction; the +128 is taken back as -128 * sum(q) per run of the activation row. Without AVX-512 VNNI
-//   the rows go through the first shape four at a time (correct, not fast: an AVX2 host's figures are reported
-//   against its own floors).
+//   per instruction; the +128 is taken back as -128 * sum(q) per run of the activation row. With AVX-VNNI only
+//   (256-bit, no AVX-512) the rows go through the first shape four at a time.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -523,13 +527,36 @@ template <typename F>
 void pack_panels(const uint8_t*, int64_t, int64_t, uint8_t*) {}
 #endif
 
+// Builds with no integer dot-product instruction: more than 4 rows go through the float32 matmul (see the top).
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+constexpr bool kWidenedRows = false;
+#else
+constexpr bool kWidenedRows = true;
+#endif
+
 template <typename F>
-void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy,
+void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n, float* y, int64_t ldy,
             const uint8_t* packed = nullptr) {
     Q8Rows a;
     quantize_rows(x, m, k, a);
-    if (kPanelPath && m > 4) panel_gemm<F>(a, w, packed, n, y, ldy);
-    else gemv_all<F>(a, w, n, y, ldy);
+    if (kWidenedRows && m > 4) {
+        std::vector<float> dequantized(m * k);
+        const int64_t runs = k / 32;
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t j = 0; j < runs; ++j) {
+                const __m256 d = _mm256_set1_ps(a.d[r * runs + j]);
+                const int8_t* q = a.q.data() + r * k + 32 * j;
+                for (int i = 0; i < 4; ++i)
+                    _mm256_storeu_ps(dequantized.data() + r * k + 32 * j + 8 * i,
+                                     _mm256_mul_ps(cvt8(q + 8 * i), d));
+            }
+        kvserve_gguf_matmul(dequantized.data(), m, k, w, type, n, y, ldy);
+    } else if (kPanelPath && m > 4) {
+        panel_gemm<F>(a, w, packed, n, y, ldy);
+    } else {
+        gemv_all<F>(a, w, n, y, ldy);
+    }
 }
 
 }  // namespace
@@ -539,7 +566,7 @@ extern "C" {
 // As kvserve_gguf_matmul, with x quantized to 8 bits per run of 32 (see the top of this file).
 void kvserve_gguf_matmul_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
                               float* y, int64_t ldy) {
-    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, n, y, ldy); });
+    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, type, n, y, ldy); });
 }
 
 // Bytes of w [n, k] of `type` packed into panels ahead of time (kvserve_gguf_pack_panels_int8); 0 where this
@@ -559,7 +586,7 @@ void kvserve_gguf_pack_panels_int8(const uint8_t* w, int32_t type, int64_t n, in
 // kvserve_gguf_matmul_int8 with w's panels packed ahead of time (read in place above 4 rows; w below).
 void kvserve_gguf_matmul_int8_packed(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint8_t* packed,
                                      int32_t type, int64_t n, float* y, int64_t ldy) {
-    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, n, y, ldy, packed); });
+    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, type, n, y, ldy, packed); });
 }
 
 // x [m, k] (k a multiple of 32) -> q [m, k] int8 and d [m, k / 32]: the activation quantization above, exposed
