@@ -2,8 +2,9 @@
 scripts/ab_kernel_shapes.py for how to get one) against the current sources' build, swapped under the same model,
 KV cache and requests, so that the drift of a noisy VM hits both alike. Each round runs fresh requests (a 32-token
 prompt, as `kvserve bench latency`'s batched decode) through their prefill and two steps untimed, then STEPS timed
-decode steps, then aborts them, so the context stays short. Prints each build's median and fastest round. The
-step figures of docs/PERFORMANCE_NOTES.md attempts 51-52. Not run by CI.
+decode steps, then aborts them, so the context stays short. Prints each build's median and fastest round, and the
+median time of the step's LM head (the model's compute_logits). The step figures of docs/PERFORMANCE_NOTES.md
+attempts 51-52 and 70. Not run by CI.
 
 The two builds must share kernels.h's structs (the engine's layer descriptions are built once).
 
@@ -17,6 +18,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
@@ -45,8 +47,20 @@ def main() -> None:
     kernels = engine.core.runner.model.kernels
     assert isinstance(kernels, NativeKernels), "needs the native kernels"
     builds = {"old": load_native_library(args.old), "new": kernels.library}
+    model = engine.core.runner.model
+    compute_logits = model.compute_logits
+    lm_head: list[float] = []
+
+    def timed_logits(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        logits = compute_logits(*a, **k)
+        lm_head.append(time.perf_counter() - start)
+        return logits
+
+    model.compute_logits = timed_logits  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=args.steps + 10, ignore_eos=True, temperature=0)
     times: dict[str, list[float]] = {name: [] for name in builds}
+    heads: dict[str, list[float]] = {name: [] for name in builds}
     for round_ in range(args.rounds):
         for name, library in builds.items():
             object.__setattr__(kernels, "library", library)  # the one object every layer and the LM head call
@@ -55,17 +69,22 @@ def main() -> None:
                 engine.add_request(request_id, list(range(100 + i, 132 + i)), params)
             for _ in range(3):  # the prefill and two decode steps
                 engine.step()
+            lm_head.clear()
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             times[name].append(1e3 * (time.perf_counter() - start) / args.steps)
+            heads[name].append(1e3 * statistics.fmean(lm_head))
             for request_id in ids:
                 engine.abort_request(request_id)
             engine.step()
     object.__setattr__(kernels, "library", builds["new"])
     print(f"decode step at batch {args.batch}, {args.activation_quantization} activations, {args.rounds} rounds:")
     for name, ms in times.items():
-        print(f"  {name}: median {statistics.median(ms):.2f} ms, fastest round {min(ms):.2f} ms")
+        print(
+            f"  {name}: median {statistics.median(ms):.2f} ms, fastest round {min(ms):.2f} ms; "
+            f"LM head median {statistics.median(heads[name]):.2f} ms"
+        )
     print(f"  old / new: {statistics.median(times['old']) / statistics.median(times['new']):.3f}x")
 
 

@@ -15,10 +15,14 @@
 #pragma once
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <algorithm>
+#include <utility>
 
 namespace kvserve::gguf {
 
@@ -238,27 +242,53 @@ __attribute__((always_inline)) inline void prefetch_block(const uint8_t* p) {
         _mm_prefetch(reinterpret_cast<const char*>(p + o), static_cast<_mm_hint>(kHint));
 }
 
-// How many groups of weight rows ahead the gemvs (1-4 activation rows, 4 weight rows a group) prefetch. One
-// group ahead ran the Q8_0 LM head at one row at ~20 GB/s (float32 activations) and ~26 GB/s (int8) on 2 cores
-// of a Zen 5 host whose measured read bandwidth is ~53; four groups (~11 KB ahead at k = 640) took them to ~37
-// and ~52 GB/s (eight: a little slower than four).
-constexpr int kPrefetchGroups = 4;
+// How far ahead the gemvs (1-4 activation rows, 4 weight rows a group) prefetch, in groups of rows, for a thread whose
+// share of the rows is `share` groups (thread_share): into L1 that far, into L2 only twice as far.
+// - AVX-512 builds: four groups. Four (~11 KB ahead at k = 640) took the Q8_0 LM head at one row on a Zen 5 host
+//   (measured read bandwidth ~53 GB/s) from ~20 to ~37 GB/s (float32 activations) and from ~26 to ~52 (int8) against
+//   one group (eight: a little slower than four); the L2 prefetch at eight took an Intel host's int8 decode step at
+//   batch 1 from 11.7 to 11.2 ms and the exact path's from 14.1 to 14.0 (scripts/ab_decode_step.py; a second L1
+//   prefetch at that distance, or an L1 distance of 8, gained nothing).
+// - AVX2 builds (Zen 3-class hosts, whose memory under the VM answers later): ~43 KB of weights ahead (sixteen groups
+//   of the default model's LM head rows), at least four groups and at most a 32nd of the share, whose first groups
+//   are prefetched at the start (prefetch_lead_in). On a Zen 3 host that took the default model's Q8_0 LM head in a
+//   decode step from 10.0 to 8.5 ms with int8 activations and its step by ~7% (docs/PERFORMANCE_NOTES.md attempt 70);
+//   at sixteen groups for every matrix, with no cap and no lead-in, the LM head gained as much but the layers' small
+//   matrices lost it all again (their first groups went unprefetched, ~20% of a 128-group share).
+#if defined(__AVX512F__)
+__attribute__((always_inline)) inline int64_t prefetch_groups(int64_t, int64_t) { return 4; }
+#else
+constexpr int64_t kPrefetchBytes = 16 * 4 * 680;  // sixteen groups of the default model's LM head rows
+__attribute__((always_inline)) inline int64_t prefetch_groups(int64_t group_bytes, int64_t share) {
+    return std::clamp<int64_t>(kPrefetchBytes / group_bytes, 4, std::max<int64_t>(4, share / 32));
+}
+#endif
 
-// And, into L2 only, the same block kPrefetchL2Groups groups ahead: on an Intel host whose gemvs stalled on their
-// L1 prefetches, the int8 decode step at batch 1 went from 11.7 to 11.2 ms and the exact path's from 14.1 to 14.0
-// (scripts/ab_decode_step.py; a second L1 prefetch at that distance, or an L1 distance of 8, gained nothing).
-constexpr int kPrefetchL2Groups = 8;
+// The calling thread's share [first, last) of `groups` groups of rows inside an OpenMP parallel region: contiguous
+// and as even as it can be, as schedule(static) would split them. The gemvs prefetch only within their own share
+// (past its end are the next thread's rows, which that thread reads and prefetches itself).
+__attribute__((always_inline)) inline std::pair<int64_t, int64_t> thread_share(int64_t groups) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = groups / threads, extra = groups % threads;
+    const int64_t first = t * per + std::min(t, extra);
+    return {first, first + per + (t < extra ? 1 : 0)};
+}
 
-// A gemv's prefetches of the weight block at `block`, for the rows that many groups ahead where they exist
-// (groups_after: the groups of rows after this one; group_bytes: the bytes of a group of rows).
+// The first `ahead` groups of a thread's share, which prefetch_ahead leaves out: every line of them, at the start.
+__attribute__((always_inline)) inline void prefetch_lead_in(const uint8_t* first, int64_t group_bytes, int64_t ahead) {
+    for (int64_t o = 0; o < ahead * group_bytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(first + o), _MM_HINT_T0);
+}
+
+// A gemv's prefetches of the weight block at `block`, for the rows `ahead` groups on (into L1) and twice as far
+// (into L2) where they exist (groups_after: the groups of rows after this one in the thread's share; group_bytes:
+// the bytes of a group of rows).
 template <typename F>
 __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* block, int64_t group_bytes,
-                                                          int64_t groups_after) {
-    static_assert(kPrefetchL2Groups > kPrefetchGroups);
-    if (groups_after >= kPrefetchGroups) {
-        prefetch_block<F>(block + kPrefetchGroups * group_bytes);
-        if (groups_after >= kPrefetchL2Groups)
-            prefetch_block<F, _MM_HINT_T1>(block + kPrefetchL2Groups * group_bytes);
+                                                          int64_t groups_after, int64_t ahead) {
+    if (groups_after >= ahead) {
+        prefetch_block<F>(block + ahead * group_bytes);
+        if (groups_after >= 2 * ahead) prefetch_block<F, _MM_HINT_T1>(block + 2 * ahead * group_bytes);
     }
 }
 

@@ -154,7 +154,7 @@ std::vector<int32_t> zero_offsets(const Q8Rows& a) {
 // sign.
 template <typename F, int R, int C>
 inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* rows, int64_t row_bytes,
-                      int64_t groups_after, float* y, int64_t ldy) {
+                      int64_t groups_after, int64_t ahead, float* y, int64_t ldy) {
     alignas(32) int8_t tmp[32];
     const int64_t k = a.k, runs = k / 32;
     constexpr bool kSignTrick = F::kSigned && !kFlipSigned;
@@ -195,7 +195,7 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
             // Blocks of at most half a cache line (Q4_0, Q5_0): every other block's prefetch still touches every line
             // ahead, at half the instructions (these gemvs are bound by their instructions on AVX2).
             constexpr int64_t kEvery = F::kBytes * 2 <= 64 ? 2 : 1;
-            if (b % kEvery == 0) prefetch_ahead<F>(block, R * row_bytes, groups_after);
+            if (b % kEvery == 0) prefetch_ahead<F>(block, R * row_bytes, groups_after, ahead);
             if constexpr (!kOneRun) {
                 alignas(32) float s[16], mn[8];
                 F::block_scales(block, s, mn);
@@ -228,14 +228,15 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
                     __m256i dot;
                     if constexpr (kSignTrick)
                         dot = dot_u8s8(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(x, w));
-                    else if constexpr (kOffset<F> != 0 && !kOneRun)
-                        dot = dot_u8s8(
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + (row * runs + run) * 8)), u, x);
-                    else
+                    else if constexpr (kOffset<F> != 0 && !kOneRun) {
+                        const int32_t* o = offsets + (row * runs + run) * 8;
+                        dot = dot_u8s8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)), u, x);
+                    } else {
                         dot = dot_u8s8(_mm256_setzero_si256(), u, x);
+                    }
                     __m256 scale;
-                    if constexpr (kOneRun)
-                        scale = _mm256_permute_ps(sd[c], r * 0x55);
+                    if constexpr (kOneRun)  // row r's lane of each 128-bit half (vpermilps; an immediate once unrolled)
+                        scale = _mm256_permutevar_ps(sd[c], _mm256_set1_epi32(r));
                     else if constexpr (F::kSplitScale)  // lanes 0-3 the run's first 16 weights, 4-7 the rest
                         scale = _mm256_set_m128(_mm_broadcast_ss(&sdx[c][2 * j + 1]),
                                                 _mm_broadcast_ss(&sdx[c][2 * j]));
@@ -261,11 +262,16 @@ void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w,
     constexpr int R = 4;
     const int64_t row_bytes = a.k / F::kBlock * F::kBytes, groups = n / R;
     float* yc = y + c0 * ldy;
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; ++g)
-        gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, row_bytes, groups - 1 - g, yc + g * R, ldy);
+#pragma omp parallel
+    {
+        const auto [first, last] = thread_share(groups);
+        const int64_t ahead = std::min(prefetch_groups(R * row_bytes, last - first), last - first);
+        prefetch_lead_in(w + first * R * row_bytes, R * row_bytes, ahead);
+        for (int64_t g = first; g < last; ++g)
+            gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, row_bytes, last - 1 - g, ahead, yc + g * R, ldy);
+    }
     for (int64_t r = groups * R; r < n; ++r)
-        gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, 0, yc + r, ldy);
+        gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, 0, 1, yc + r, ldy);
 }
 
 template <typename F>

@@ -151,7 +151,7 @@ __attribute__((always_inline)) inline GemvVec gemv_run(const int8_t* q, const fl
 
 template <typename F, int R, int C>
 inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, int64_t groups_after,
-                      const float* xsum, float* y, int64_t ldy) {
+                      int64_t ahead, const float* xsum, float* y, int64_t ldy) {
 #if defined(__AVX512F__)
     constexpr bool kCodes = false;  // the decoded values, widened in registers
 #else
@@ -169,7 +169,7 @@ inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t ro
     for (int64_t b = 0; b < k / F::kBlock; ++b) {
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
-            prefetch_ahead<F>(block, R * row_bytes, groups_after);
+            prefetch_ahead<F>(block, R * row_bytes, groups_after, ahead);
             const auto run = [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
                 const int64_t at = b * F::kBlock + offset;
                 for (int c = 0; c < C; ++c) {
@@ -226,11 +226,16 @@ void gemv(const float* x, int64_t k, const uint8_t* w, int64_t n, float* y, int6
         x = permuted.data();
     }
 #endif
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; ++g)
-        gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, row_bytes, groups - 1 - g, xs, y + g * R, ldy);
+#pragma omp parallel
+    {
+        const auto [first, last] = thread_share(groups);
+        const int64_t ahead = std::min(prefetch_groups(R * row_bytes, last - first), last - first);
+        prefetch_lead_in(w + first * R * row_bytes, R * row_bytes, ahead);
+        for (int64_t g = first; g < last; ++g)
+            gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, row_bytes, last - 1 - g, ahead, xs, y + g * R, ldy);
+    }
     for (int64_t r = groups * R; r < n; ++r)
-        gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, 0, xs, y + r, ldy);
+        gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, 0, 1, xs, y + r, ldy);
 }
 
 template <typename F>
