@@ -21,6 +21,7 @@ import torch
 
 from kvserve.kernels.native import SIGNATURES, supported_isas
 from kvserve.kernels.ops import NativeKernels, load_kernels
+from kvserve.kv.huge_pages import empty_huge
 from kvserve.model.tokenizer import default_cache_dir
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 14, 2, 64, 16, 24
@@ -46,12 +47,18 @@ def kernel_builds(old: Path | None, entry: str) -> dict[str, NativeKernels]:
     return builds
 
 
-def layer_caches(seq_len: int, dtype: torch.dtype, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """LAYERS layers' K and V caches of seq_len random tokens (the callers shuffle the block table)."""
+def layer_caches(
+    seq_len: int, dtype: torch.dtype, g: torch.Generator, huge_pages: bool = True
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """LAYERS layers' K and V caches of seq_len random tokens (the callers shuffle the block table), on huge pages
+    as the engine allocates them (kv/huge_pages.py) or, with huge_pages=False, on the default 4 KiB pages."""
     shape = (-(-seq_len // BLOCK), BLOCK, KV_HEADS, DIM)
-    return [
-        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)) for _ in range(LAYERS)
-    ]
+
+    def cache() -> torch.Tensor:
+        t = empty_huge(shape, dtype, torch.device("cpu")) if huge_pages else torch.empty(shape, dtype=dtype)
+        return t.copy_(torch.randn(shape, generator=g))
+
+    return [(cache(), cache()) for _ in range(LAYERS)]
 
 
 def fastest_alternated(

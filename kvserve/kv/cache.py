@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kvserve.capacity import KVShape
 from kvserve.dtypes import dtype_name, torch_dtype
 from kvserve.kv.groups import KVCacheLayout, make_kv_cache_layout
+from kvserve.kv.huge_pages import empty_huge
 from kvserve.kv.quant import load, quant_format, store
 from kvserve.units import GiB, MiB
 from kvserve.vocab import KV_DTYPES, check_choice
@@ -116,7 +117,8 @@ def allocate_kv_cache(spec: KVCacheConfig, num_blocks: int, device: torch.device
 
     The data is not zero-filled: attention never reads a slot before it is written (decode padding re-reads
     the sequence's last token), and filling 1 GiB costs 0.3 s of every start. Pages are touched on first use,
-    except under a KV offload tier, which touches them at start (touch_pages)."""
+    except under a KV offload tier, which touches them at start (touch_pages). Host tensors are on huge pages where
+    the OS allows (kv/huge_pages.py): decode attention reads blocks in any order."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     layout = spec.groups
 
@@ -125,8 +127,8 @@ def allocate_kv_cache(spec: KVCacheConfig, num_blocks: int, device: torch.device
 
     tensors = [
         (
-            torch.empty(shape, dtype=spec.dtype, device=device),
-            torch.empty(shape, dtype=spec.dtype, device=device),
+            empty_huge(shape, spec.dtype, device),
+            empty_huge(shape, spec.dtype, device),
             scales(),
             scales(),
         )
