@@ -252,9 +252,10 @@ __attribute__((always_inline)) inline void prefetch_block(const uint8_t* p) {
 // - AVX2 builds (Zen 3-class hosts, whose memory under the VM answers later): ~43 KB of weights ahead (sixteen groups
 //   of the default model's LM head rows), at least four groups and at most a 32nd of the share, whose first groups
 //   are prefetched at the start (prefetch_lead_in). On a Zen 3 host that took the default model's Q8_0 LM head in a
-//   decode step from 10.0 to 8.5 ms with int8 activations and its step by ~7% (docs/PERFORMANCE_NOTES.md attempt 70);
-//   at sixteen groups for every matrix, with no cap and no lead-in, the LM head gained as much but the layers' small
-//   matrices lost it all again (their first groups went unprefetched, ~20% of a 128-group share).
+//   decode step from 10.6 to 9.7 ms with int8 activations and the step 1.062x faster (scripts/ab_decode_step.py
+//   OLD.so; docs/PERFORMANCE_NOTES.md attempt 70); at sixteen groups for every matrix, with no cap and no lead-in, the
+//   LM head gained as much but the layers' small matrices lost most of it again (their first 16-24 groups of a
+//   128-group share went unprefetched).
 #if defined(__AVX512F__)
 __attribute__((always_inline)) inline int64_t prefetch_groups(int64_t, int64_t) { return 4; }
 #else

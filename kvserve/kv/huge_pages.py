@@ -3,14 +3,15 @@
 Why: decode attention walks a sequence's blocks in block-table order, which in memory is any order, and a block of a
 KV head's rows is a few KiB, so with 4 KiB pages nearly every block is its own TLB miss (under a hypervisor a
 two-level page walk), and the hardware prefetchers stop at page edges. One step at 16k tokens touches ~50,000 such
-pages on Qwen2.5-0.5B's shapes. On a 2-core Zen 3 VM one decode step's attention over 16k cached tokens (24 layers'
-bfloat16 caches in shuffled block order, scripts/ab_decode_attention_depth.py) took 59 ms on 4 KiB pages and 42 ms
-with huge pages (docs/PERFORMANCE_NOTES.md).
+pages on Qwen2.5-0.5B's shapes. On a 2-core Zen 3 VM, where that attention is bound by its arithmetic rather than its
+misses, one decode step's attention over 16k cached tokens (24 layers' bfloat16 caches in shuffled block order) took
+2-5% less on huge pages, alternated in one process (`scripts/ab_decode_attention_depth.py --pages both`;
+docs/PERFORMANCE_NOTES.md attempt 72).
 
 How: the tensor is carved from a byte buffer 2 MiB longer at a 2 MiB boundary, and the range is advised with
 madvise(MADV_HUGEPAGE) before anything touches it, so that its first-touch faults map huge pages wherever the
-kernel's THP mode is `madvise` (the usual default) or `always`. Nothing else changes: under `never`, off Linux, on a
-device, or for a tensor under 2 MiB it is a plain torch.empty. The slack past the tensor is never touched, so it
+kernel's THP mode is `madvise` (the usual default) or `always` (under `never` the advice changes nothing). Off Linux, on
+a device, or for a tensor under 2 MiB it is a plain torch.empty. The slack past the tensor is never touched, so it
 costs address space, not memory.
 """
 
