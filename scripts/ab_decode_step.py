@@ -8,8 +8,12 @@ attempts 51-52 and 70. Not run by CI.
 
 The two builds must share kernels.h's structs (the engine's layer descriptions are built once).
 
-Usage: python scripts/ab_decode_step.py OLD.so [--batch 1] [--activation-quantization int8] [--rounds 12]
-       [--steps 40] [--model NAME]
+`file-layout` in OLD.so's place compares the weights' layouts instead, on the current build: "old" is a second
+engine whose loader leaves the GGUF blocks as the file stores them (interleave_gguf_rows skipped), "new" the
+usual one (rows interleaved four at a time); both engines live in the process, their rounds alternated.
+
+Usage: python scripts/ab_decode_step.py OLD.so|file-layout [--batch 1] [--activation-quantization int8]
+       [--rounds 12] [--steps 40] [--model NAME]
 """
 
 from __future__ import annotations
@@ -24,46 +28,58 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kernels.native import load_native_library
 from kvserve.kernels.ops import NativeKernels
+from kvserve.model import loader
 from kvserve.sampling_params import SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old", type=Path)
+    parser.add_argument("old", help="an earlier build's .so, or file-layout")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--activation-quantization", default="int8")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--model", default=None, help="a packaged model's name (default: the default model)")
     args = parser.parse_args()
-    engine = LLMEngine.from_config(
-        EngineConfig(
-            model=args.model,
-            kv_cache_memory_bytes=1 << 30,
-            quantization="auto",
-            activation_quantization=args.activation_quantization,
-        )
+    config = EngineConfig(
+        model=args.model,
+        kv_cache_memory_bytes=1 << 30,
+        quantization="auto",
+        activation_quantization=args.activation_quantization,
     )
+    file_layout = None
+    if args.old == "file-layout":
+        interleave = loader.interleave_gguf_rows
+        loader.interleave_gguf_rows = lambda model, kernels: 0  # type: ignore[assignment]
+        file_layout = LLMEngine.from_config(config)
+        loader.interleave_gguf_rows = interleave
+    engine = LLMEngine.from_config(config)
     kernels = engine.core.runner.model.kernels
     assert isinstance(kernels, NativeKernels), "needs the native kernels"
-    builds = {"old": load_native_library(args.old), "new": kernels.library}
-    model = engine.core.runner.model
-    compute_logits = model.compute_logits
+    # name -> (engine, the library its kernels call)
+    builds = {
+        "old": (file_layout, kernels.library) if file_layout else (engine, load_native_library(Path(args.old))),
+        "new": (engine, kernels.library),
+    }
     lm_head: list[float] = []
+    for each in {id(e): e for e, _ in builds.values()}.values():
+        model = each.core.runner.model
+        compute_logits = model.compute_logits
 
-    def timed_logits(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        logits = compute_logits(*a, **k)
-        lm_head.append(time.perf_counter() - start)
-        return logits
+        def timed_logits(*a: Any, compute_logits: Any = compute_logits, **k: Any) -> Any:
+            start = time.perf_counter()
+            logits = compute_logits(*a, **k)
+            lm_head.append(time.perf_counter() - start)
+            return logits
 
-    model.compute_logits = timed_logits  # type: ignore[method-assign]
+        model.compute_logits = timed_logits  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=args.steps + 10, ignore_eos=True, temperature=0)
     times: dict[str, list[float]] = {name: [] for name in builds}
     heads: dict[str, list[float]] = {name: [] for name in builds}
     for round_ in range(args.rounds):
-        for name, library in builds.items():
-            object.__setattr__(kernels, "library", library)  # the one object every layer and the LM head call
+        for name, (engine, library) in builds.items():
+            # the one object every layer and the LM head call
+            object.__setattr__(engine.core.runner.model.kernels, "library", library)
             ids = [f"{round_}-{name}-{i}" for i in range(args.batch)]
             for i, request_id in enumerate(ids):
                 engine.add_request(request_id, list(range(100 + i, 132 + i)), params)
@@ -78,7 +94,7 @@ def main() -> None:
             for request_id in ids:
                 engine.abort_request(request_id)
             engine.step()
-    object.__setattr__(kernels, "library", builds["new"])
+    object.__setattr__(kernels, "library", builds["new"][1])
     print(f"decode step at batch {args.batch}, {args.activation_quantization} activations, {args.rounds} rounds:")
     for name, ms in times.items():
         print(

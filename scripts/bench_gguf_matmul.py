@@ -9,7 +9,10 @@ that, as in a decode step, the weights come from memory rather than from a cache
 `--against int8` times the GGUF matmul with int8 activations (`--activation-quantization int8`) in q8_0's place:
 the same blocks, float32 activations against 8-bit ones.
 
-Usage: python scripts/bench_gguf_matmul.py [--rows 1,8,32,512] [--cold] [--against q8_0|int8]
+`--model` takes another packaged model's name or a GGUF path (the default model by default); each line also gives
+the bytes of weights read a second (GB/s) by the faster side.
+
+Usage: python scripts/bench_gguf_matmul.py [--rows 1,8,32,512] [--cold] [--against q8_0|int8] [--model NAME]
 """
 
 from __future__ import annotations
@@ -66,13 +69,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32,512")
     parser.add_argument("--cold", action="store_true", help="every layer's copy of each projection per timing")
     parser.add_argument("--against", choices=["q8_0", "int8"], default="q8_0", help="the other side of each timing")
+    parser.add_argument("--model", default=None, help="a packaged model's name or a GGUF path")
     args = parser.parse_args()
     kernels = load_kernels(default_cache_dir() / "kernels")
     if not isinstance(kernels, NativeKernels):
         raise SystemExit("the native kernels did not build here")
     int8 = load_kernels(default_cache_dir() / "kernels", activation_quantization="int8")
     other = args.against
-    with GGUFFile(resolve_model(None).path) as f:
+    with GGUFFile(resolve_model(args.model).path) as f:
         for label, qtype, names in weight_sets(f, args.cold):
             blocks = [torch.from_numpy(f.tensor_blocks(name)) for name in names]
             q8 = [quantize_q8(torch.from_numpy(f.tensor_float32(name))) for name in names] if other == "q8_0" else []
@@ -96,10 +100,12 @@ def main() -> None:
                     times[other] = min(times[other], end - middle)
                 name = NATIVE_GGUF_TYPES[qtype].name
                 flops = 2e-9 * m * n * k * len(names)
+                gbps = 1e-9 * sum(b.numel() * b.element_size() for b in blocks) / min(times.values())
                 print(
                     f"{label:9} {name} {n:>6} x {k:<4} rows {m:>3}: gguf "
                     f"{1e3 * times['gguf']:7.3f} ms  {other} {1e3 * times[other]:7.3f} ms  "
-                    f"ratio {times[other] / times['gguf']:.2f}  ({flops / times['gguf']:5.1f} GFLOP/s)"
+                    f"ratio {times[other] / times['gguf']:.2f}  "
+                    f"({flops / times['gguf']:5.1f} GFLOP/s, {gbps:5.1f} GB/s)"
                 )
 
 

@@ -214,11 +214,37 @@ struct Q6_K {
 // ggml's type ids (GGMLQuantizationType).
 enum : int32_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-// call(Format{}) for a type id; another type is a bug in the caller (callers pass only
+// The kernels' type ids: a ggml type id, plus kRows4 where the weight rows are interleaved four at a time
+// (RowBlocks below; gguf_blocks.py's ROWS4).
+constexpr int32_t kRows4 = 256;
+inline bool rows4(int32_t type) { return (type & kRows4) != 0; }
+
+// Where each weight row's blocks lie, for a weight [n, k] of blocks of F. As the file stores it: row after row.
+// Interleaved (kRows4): rows 4g .. 4g + 3 of each whole group of four are stored block by block (block b of row
+// 4g + r at group g's start + (4 b + r) * kBytes; a group takes the bytes of its four rows), the last n % 4 rows
+// as in the file. Why: the gemvs read four rows at a time, and four rows read side by side are four streams of a
+// few hundred bytes each, which a Zen 3 host's memory served at 14-16 GB/s where one stream of the same bytes
+// came at 22-27 (two threads, a scratch loop of loads); interleaved, the four rows are one stream.
+struct RowBlocks {
+    const uint8_t* w;
+    int64_t row_bytes, block_bytes;
+    int64_t grouped;  // rows in whole interleaved groups (0 in the file's layout)
+    RowBlocks(const uint8_t* weights, int32_t type, int64_t n, int64_t k, int64_t block, int64_t bytes)
+        : w(weights), row_bytes(k / block * bytes), block_bytes(bytes), grouped(rows4(type) ? n / 4 * 4 : 0) {}
+    const uint8_t* block(int64_t row, int64_t b) const {
+        if (row >= grouped) return w + row * row_bytes + b * block_bytes;
+        return w + (row - row % 4) * row_bytes + (4 * b + row % 4) * block_bytes;
+    }
+    // Bytes from one row's block to the next row's (within a group of four from 4g), and to the row's next block.
+    int64_t row_step(int64_t row) const { return row < grouped ? block_bytes : row_bytes; }
+    int64_t block_step(int64_t row) const { return row < grouped ? 4 * block_bytes : block_bytes; }
+};
+
+// call(Format{}) for a type id (kRows4 or not); another type is a bug in the caller (callers pass only
 // gguf_blocks.NATIVE_GGUF_TYPES), never an unwritten output: the process aborts with a message.
 template <typename Call>
 void dispatch(int32_t type, const Call& call) {
-    switch (type) {
+    switch (type & ~kRows4) {
         case kQ4_0: call(Q4_0{}); break;
         case kQ5_0: call(Q5_0{}); break;
         case kQ8_0: call(Q8_0{}); break;

@@ -147,14 +147,29 @@ std::vector<int32_t> zero_offsets(const Q8Rows& a) {
     return out;
 }
 
+// Lane r (0-3) of each 128-bit half of v, in all four lanes of that half: vshufps with an immediate (r is a
+// constant once gemv_rows is unrolled). _mm256_permutevar_ps with a broadcast index did the same in one
+// instruction, but GCC built the index vector again for each use (vmovd + vpbroadcastd, or a reload from the
+// stack): a Zen 3 host's Q5_0 gemv ran cold at 0.63 G runs a second that way and at 0.87 with the immediate.
+inline __m256 lane_of_halves(__m256 v, int r) {
+    switch (r) {
+        case 0: return _mm256_shuffle_ps(v, v, 0x00);
+        case 1: return _mm256_shuffle_ps(v, v, 0x55);
+        case 2: return _mm256_shuffle_ps(v, v, 0xAA);
+        default: return _mm256_shuffle_ps(v, v, 0xFF);
+    }
+}
+
 // R weight rows against C activation rows (rows c0 .. c0 + C - 1 of a), in registers; see gguf_matmul.cpp's
 // gemv_rows for the R x C accumulator layout. Lanes 0-3 of a run's dot hold its first 16 weights, lanes 4-7 the
 // rest, so a format with a scale per 16 (Q6_K) scales the halves apart. The weights' codes go in as they are,
 // their offset taken off by `offsets` (zero_offsets); without VNNI, Q8_0's signed bytes as |w| against x with w's
-// sign.
+// sign. rows: the first row's first block; row r's block b at rows + r * row_step + b * block_step (RowBlocks);
+// group_bytes: the bytes of R rows, the distance to the same block of the next group.
 template <typename F, int R, int C>
-inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* rows, int64_t row_bytes,
-                      int64_t groups_after, int64_t ahead, float* y, int64_t ldy) {
+inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* rows, int64_t group_bytes,
+                      int64_t row_step, int64_t block_step, int64_t groups_after, int64_t ahead, float* y,
+                      int64_t ldy) {
     alignas(32) int8_t tmp[32];
     const int64_t k = a.k, runs = k / 32;
     constexpr bool kSignTrick = F::kSigned && !kFlipSigned;
@@ -178,7 +193,7 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
             uint64_t halves = 0;
             for (int r = 0; r < R; ++r) {
                 uint16_t h;
-                memcpy(&h, rows + r * row_bytes + b * F::kBytes, 2);
+                memcpy(&h, rows + r * row_step + b * block_step, 2);
                 halves |= static_cast<uint64_t>(h) << (16 * r);
             }
             const __m128 s = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(halves)));
@@ -191,11 +206,11 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
             }
         }
         for (int r = 0; r < R; ++r) {
-            const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
+            const uint8_t* block = rows + r * row_step + b * block_step;
             // Blocks of at most half a cache line (Q4_0, Q5_0): every other block's prefetch still touches every line
             // ahead, at half the instructions (these gemvs are bound by their instructions on AVX2).
             constexpr int64_t kEvery = F::kBytes * 2 <= 64 ? 2 : 1;
-            if (b % kEvery == 0) prefetch_ahead<F>(block, R * row_bytes, groups_after, ahead);
+            if (b % kEvery == 0) prefetch_ahead<F>(block, group_bytes, groups_after, ahead);
             if constexpr (!kOneRun) {
                 alignas(32) float s[16], mn[8];
                 F::block_scales(block, s, mn);
@@ -235,8 +250,8 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
                         dot = dot_u8s8(_mm256_setzero_si256(), u, x);
                     }
                     __m256 scale;
-                    if constexpr (kOneRun)  // row r's lane of each 128-bit half (vpermilps; an immediate once unrolled)
-                        scale = _mm256_permutevar_ps(sd[c], _mm256_set1_epi32(r));
+                    if constexpr (kOneRun)  // row r's lane of each 128-bit half
+                        scale = lane_of_halves(sd[c], r);
                     else if constexpr (F::kSplitScale)  // lanes 0-3 the run's first 16 weights, 4-7 the rest
                         scale = _mm256_set_m128(_mm_broadcast_ss(&sdx[c][2 * j + 1]),
                                                 _mm_broadcast_ss(&sdx[c][2 * j]));
@@ -258,9 +273,11 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
 
 // Activation rows [c0, c0 + C) against all n weight rows, four weight rows at a time.
 template <typename F, int C>
-void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w, int32_t type, int64_t n, float* y,
+          int64_t ldy) {
     constexpr int R = 4;
-    const int64_t row_bytes = a.k / F::kBlock * F::kBytes, groups = n / R;
+    const RowBlocks wb(w, type, n, a.k, F::kBlock, F::kBytes);
+    const int64_t row_bytes = wb.row_bytes, groups = n / R;
     float* yc = y + c0 * ldy;
 #pragma omp parallel
     {
@@ -268,22 +285,23 @@ void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w,
         const int64_t ahead = std::min(prefetch_groups(R * row_bytes, last - first), last - first);
         prefetch_lead_in(w + first * R * row_bytes, R * row_bytes, ahead);
         for (int64_t g = first; g < last; ++g)
-            gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, row_bytes, last - 1 - g, ahead, yc + g * R, ldy);
+            gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, R * row_bytes, wb.row_step(g * R),
+                               wb.block_step(g * R), last - 1 - g, ahead, yc + g * R, ldy);
     }
     for (int64_t r = groups * R; r < n; ++r)
-        gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, 0, 1, yc + r, ldy);
+        gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, row_bytes, F::kBytes, 0, 1, yc + r, ldy);
 }
 
 template <typename F>
-void gemv_all(const Q8Rows& a, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+void gemv_all(const Q8Rows& a, const uint8_t* w, int32_t type, int64_t n, float* y, int64_t ldy) {
     const std::vector<int32_t> offsets = zero_offsets<F>(a);
     const int32_t* o = offsets.data();
     int64_t c0 = 0;
-    for (; c0 + 4 <= a.m; c0 += 4) gemv<F, 4>(a, o, c0, w, n, y, ldy);
+    for (; c0 + 4 <= a.m; c0 += 4) gemv<F, 4>(a, o, c0, w, type, n, y, ldy);
     switch (a.m - c0) {
-        case 3: gemv<F, 3>(a, o, c0, w, n, y, ldy); break;
-        case 2: gemv<F, 2>(a, o, c0, w, n, y, ldy); break;
-        case 1: gemv<F, 1>(a, o, c0, w, n, y, ldy); break;
+        case 3: gemv<F, 3>(a, o, c0, w, type, n, y, ldy); break;
+        case 2: gemv<F, 2>(a, o, c0, w, type, n, y, ldy); break;
+        case 1: gemv<F, 1>(a, o, c0, w, type, n, y, ldy); break;
         default: break;
     }
 }
@@ -374,9 +392,9 @@ inline void transpose_quads(const int8_t* src, int64_t stride, uint8_t* out) {
 // one by one straight from the decode (4-byte scatters) packed at ~6 GB/s of blocks and dominated the LM head
 // at batch 32.
 template <typename F>
-void pack_panel(const uint8_t* w, int64_t k, int64_t n, int64_t n0, Panel& p) {
+void pack_panel(const RowBlocks& w, int64_t k, int64_t n, int64_t n0, Panel& p) {
     alignas(32) int8_t tmp[32];
-    const int64_t row_bytes = k / F::kBlock * F::kBytes, runs = k / 32;
+    const int64_t runs = k / 32;
     for (int i = 0; i < kPanelRows; ++i) {
         const int64_t panel = i / kLanes, lane = i % kLanes;
         int8_t* dst = p.rows.data() + i * k;
@@ -388,11 +406,11 @@ void pack_panel(const uint8_t* w, int64_t k, int64_t n, int64_t n0, Panel& p) {
             }
             continue;
         }
-        const uint8_t* row = w + (n0 + i) * row_bytes;
-        const bool prefetch = n0 + i + kPanelRows < n;  // the same row of the next panel, block by block
+        const int64_t row = n0 + i;
+        const bool prefetch = row + kPanelRows < n;  // the same row of the next panel, block by block
         for (int64_t b = 0; b < k / F::kBlock; ++b) {
-            if (prefetch) prefetch_block<F>(row + kPanelRows * row_bytes + b * F::kBytes);
-            F::visit(row + b * F::kBytes, tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
+            if (prefetch) prefetch_block<F>(w.block(row + kPanelRows, b));
+            F::visit(w.block(row, b), tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
                 const int64_t at = b * F::kBlock + offset, s = (at / 32 * 2 + panel) * kLanes + lane;
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + at),
                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
@@ -470,8 +488,10 @@ inline void panel_micro(const PanelView& p, const Q8Rows& a, int64_t m0, float* 
 // packed: the weights packed ahead of time (kvserve_gguf_pack_panels_int8), read in place; null: each panel is
 // packed here, once per activation tile.
 template <typename F>
-void panel_gemm(const Q8Rows& a, const uint8_t* w, const uint8_t* packed, int64_t n, float* y, int64_t ldy) {
+void panel_gemm(const Q8Rows& a, const uint8_t* weights, int32_t type, const uint8_t* packed, int64_t n, float* y,
+                int64_t ldy) {
     const int64_t k = a.k, m = a.m, panels = (n + kPanelRows - 1) / kPanelRows;
+    const RowBlocks w(weights, type, n, k, F::kBlock, F::kBytes);
     // Activation rows in tiles whose int8 rows stay in a core's L2 while a tile runs against every panel; a panel
     // is repacked once per tile (k * 32 bytes against 2 * k * 32 * tile multiply-adds).
     const int64_t tile = std::max<int64_t>(kMicroRows, (512 * 1024 / k) / kMicroRows * kMicroRows);
@@ -503,7 +523,8 @@ void panel_gemm(const Q8Rows& a, const uint8_t* w, const uint8_t* packed, int64_
 
 // Every panel of w [n, k] packed into out, panel after panel (packed_panel_bytes each).
 template <typename F>
-void pack_panels(const uint8_t* w, int64_t k, int64_t n, uint8_t* out) {
+void pack_panels(const uint8_t* weights, int32_t type, int64_t k, int64_t n, uint8_t* out) {
+    const RowBlocks w(weights, type, n, k, F::kBlock, F::kBytes);
     const int64_t panels = (n + kPanelRows - 1) / kPanelRows, bytes = packed_panel_bytes<F>(k);
     const int64_t runs = k / 32, quads = runs * 2 * 8 * 64, scales = runs * 2 * kLanes * sizeof(float);
 #pragma omp parallel
@@ -526,11 +547,11 @@ constexpr bool kPanelPath = true;
 #else
 constexpr bool kPanelPath = false;
 template <typename F>
-void panel_gemm(const Q8Rows&, const uint8_t*, const uint8_t*, int64_t, float*, int64_t) {}
+void panel_gemm(const Q8Rows&, const uint8_t*, int32_t, const uint8_t*, int64_t, float*, int64_t) {}
 template <typename F>
 int64_t packed_panel_bytes(int64_t) { return 0; }
 template <typename F>
-void pack_panels(const uint8_t*, int64_t, int64_t, uint8_t*) {}
+void pack_panels(const uint8_t*, int32_t, int64_t, int64_t, uint8_t*) {}
 #endif
 
 // Builds with no integer dot-product instruction: more than 4 rows go through the float32 matmul (see the top).
@@ -559,9 +580,9 @@ void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type
             }
         kvserve_gguf_matmul(dequantized.data(), m, k, w, type, n, y, ldy);
     } else if (kPanelPath && m > 4) {
-        panel_gemm<F>(a, w, packed, n, y, ldy);
+        panel_gemm<F>(a, w, type, packed, n, y, ldy);
     } else {
-        gemv_all<F>(a, w, n, y, ldy);
+        gemv_all<F>(a, w, type, n, y, ldy);
     }
 }
 
@@ -586,7 +607,7 @@ void kvserve_gguf_packed_panels_bytes(int32_t type, int64_t n, int64_t k, int64_
 // w's panels, as kvserve_gguf_matmul_int8 packs them at every call above 4 rows, packed once into out (the LM head's
 // at batch 32 took about as long to pack as to multiply).
 void kvserve_gguf_pack_panels_int8(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8_t* out) {
-    dispatch(type, [&](auto format) { pack_panels<decltype(format)>(w, k, n, out); });
+    dispatch(type, [&](auto format) { pack_panels<decltype(format)>(w, type, k, n, out); });
 }
 
 // kvserve_gguf_matmul_int8 with w's panels packed ahead of time (read in place above 4 rows; w below).

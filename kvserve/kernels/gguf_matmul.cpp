@@ -55,16 +55,14 @@ inline void decode(const uint8_t* b, float* dst) {
 
 // Columns [k0, k0 + kc) (whole blocks) of rows [n0, n0 + rows) of w to float32 in buf[rows][kc].
 template <typename F>
-inline void widen_blocks(const uint8_t* w, int64_t k, int64_t n, int64_t n0, int rows, int64_t k0, int64_t kc,
-                         float* buf) {
-    const int64_t row_bytes = k / F::kBlock * F::kBytes;
+inline void widen_blocks(const RowBlocks& w, int64_t n, int64_t n0, int rows, int64_t k0, int64_t kc, float* buf) {
     // The same columns of the next block of rows are prefetched (see prefetch_block).
     const bool prefetch = n0 + 2 * kvserve::kWidenRows <= n;
     for (int r = 0; r < rows; ++r) {
-        const uint8_t* src = w + (n0 + r) * row_bytes + k0 / F::kBlock * F::kBytes;
+        const int64_t row = n0 + r, b0 = k0 / F::kBlock;
         for (int64_t b = 0; b < kc / F::kBlock; ++b) {
-            if (prefetch) prefetch_block<F>(src + kvserve::kWidenRows * row_bytes + b * F::kBytes);
-            decode<F>(src + b * F::kBytes, buf + r * kc + b * F::kBlock);
+            if (prefetch) prefetch_block<F>(w.block(row + kvserve::kWidenRows, b0 + b));
+            decode<F>(w.block(row, b0 + b), buf + r * kc + b * F::kBlock);
         }
     }
 }
@@ -149,9 +147,12 @@ __attribute__((always_inline)) inline GemvVec gemv_run(const int8_t* q, const fl
 }
 #endif
 
+// rows: the first row's first block; row r's block b at rows + r * row_step + b * block_step (RowBlocks);
+// group_bytes: the bytes of R rows, the distance to the same block of the next group.
 template <typename F, int R, int C>
-inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, int64_t groups_after,
-                      int64_t ahead, const float* xsum, float* y, int64_t ldy) {
+inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t group_bytes, int64_t row_step,
+                      int64_t block_step, int64_t groups_after, int64_t ahead, const float* xsum, float* y,
+                      int64_t ldy) {
 #if defined(__AVX512F__)
     constexpr bool kCodes = false;  // the decoded values, widened in registers
 #else
@@ -168,8 +169,8 @@ inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t ro
     const int64_t runs = k / 32;
     for (int64_t b = 0; b < k / F::kBlock; ++b) {
         for (int r = 0; r < R; ++r) {
-            const uint8_t* block = rows + r * row_bytes + b * F::kBytes;
-            prefetch_ahead<F>(block, R * row_bytes, groups_after, ahead);
+            const uint8_t* block = rows + r * row_step + b * block_step;
+            prefetch_ahead<F>(block, group_bytes, groups_after, ahead);
             const auto run = [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
                 const int64_t at = b * F::kBlock + offset;
                 for (int c = 0; c < C; ++c) {
@@ -205,8 +206,9 @@ inline void gemv_rows(const float* x, int64_t k, const uint8_t* rows, int64_t ro
 // more than it saves. Four weight rows at a time (measured against two at C = 3 and 4: four is faster even where
 // the accumulators spill); the last n % 4 rows one at a time.
 template <typename F, int C>
-void gemv(const float* x, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+void gemv(const float* x, int64_t k, const uint8_t* w, int32_t type, int64_t n, float* y, int64_t ldy) {
     constexpr int R = 4;
+    const RowBlocks wb(w, type, n, k, F::kBlock, F::kBytes);
     const int64_t row_bytes = k / F::kBlock * F::kBytes, runs = k / 32, groups = n / R;
     std::vector<float> xsum(F::kMin ? C * runs : 0);
     if constexpr (F::kMin) {
@@ -232,50 +234,69 @@ void gemv(const float* x, int64_t k, const uint8_t* w, int64_t n, float* y, int6
         const int64_t ahead = std::min(prefetch_groups(R * row_bytes, last - first), last - first);
         prefetch_lead_in(w + first * R * row_bytes, R * row_bytes, ahead);
         for (int64_t g = first; g < last; ++g)
-            gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, row_bytes, last - 1 - g, ahead, xs, y + g * R, ldy);
+            gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, R * row_bytes, wb.row_step(g * R), wb.block_step(g * R),
+                               last - 1 - g, ahead, xs, y + g * R, ldy);
     }
     for (int64_t r = groups * R; r < n; ++r)
-        gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, 0, 1, xs, y + r, ldy);
+        gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, row_bytes, F::kBytes, 0, 1, xs, y + r, ldy);
 }
 
 template <typename F>
-void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int64_t ldy) {
+void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n, float* y, int64_t ldy) {
     switch (m) {
-        case 1: gemv<F, 1>(x, k, w, n, y, ldy); return;
-        case 2: gemv<F, 2>(x, k, w, n, y, ldy); return;
-        case 3: gemv<F, 3>(x, k, w, n, y, ldy); return;
-        case 4: gemv<F, 4>(x, k, w, n, y, ldy); return;
+        case 1: gemv<F, 1>(x, k, w, type, n, y, ldy); return;
+        case 2: gemv<F, 2>(x, k, w, type, n, y, ldy); return;
+        case 3: gemv<F, 3>(x, k, w, type, n, y, ldy); return;
+        case 4: gemv<F, 4>(x, k, w, type, n, y, ldy); return;
         default: break;
     }
+    const RowBlocks wb(w, type, n, k, F::kBlock, F::kBytes);
     kvserve::widened_matmul(x, m, k, n, F::kBlock, y, ldy, [&](int64_t n0, int rows, int64_t k0, int64_t kc,
                                                                 float* buf) {
-        widen_blocks<F>(w, k, n, n0, rows, k0, kc, buf);
+        widen_blocks<F>(wb, n, n0, rows, k0, kc, buf);
     });
 }
 
 template <typename F>
-void dequantize(const uint8_t* w, int64_t rows, int64_t k, float* out) {
-    const int64_t row_bytes = k / F::kBlock * F::kBytes;
+void dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out) {
+    const RowBlocks wb(w, type, rows, k, F::kBlock, F::kBytes);
 #pragma omp parallel for schedule(static) if (rows >= 64)
     for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < k / F::kBlock; ++b) decode<F>(wb.block(r, b), out + r * k + b * F::kBlock);
+}
+
+// w [n, k] in the file's layout -> out in the interleaved one (kRows4), the same bytes.
+template <typename F>
+void interleave_rows(const uint8_t* w, int64_t n, int64_t k, uint8_t* out) {
+    const RowBlocks src(w, 0, n, k, F::kBlock, F::kBytes), dst(out, kRows4, n, k, F::kBlock, F::kBytes);
+#pragma omp parallel for schedule(static) if (n >= 64)
+    for (int64_t r = 0; r < n; ++r)
         for (int64_t b = 0; b < k / F::kBlock; ++b)
-            decode<F>(w + r * row_bytes + b * F::kBytes, out + r * k + b * F::kBlock);
+            memcpy(const_cast<uint8_t*>(dst.block(r, b)), src.block(r, b), F::kBytes);
 }
 
 }  // namespace
 
 extern "C" {
 
-// x: [m, k] contiguous; w: [n, k / block] blocks of `type`, rows contiguous; y: [m, >= n], rows ldy apart.
+// x: [m, k] contiguous; w: [n, k / block] blocks of `type`, rows contiguous, or interleaved four at a time where
+// type has kRows4 (gguf_formats.h's RowBlocks); y: [m, >= n], rows ldy apart.
 // Requires k to be a multiple of the type's block (32 or 256).
 void kvserve_gguf_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
                          float* y, int64_t ldy) {
-    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, n, y, ldy); });
+    dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, type, n, y, ldy); });
 }
 
-// rows of k weights stored as blocks of `type` -> out [rows, k] float32 (an embedding's looked-up rows).
+// rows of k weights stored as blocks of `type` (kRows4: interleaved) -> out [rows, k] float32 (an embedding's
+// looked-up rows).
 void kvserve_gguf_dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out) {
-    dispatch(type, [&](auto format) { dequantize<decltype(format)>(w, rows, k, out); });
+    dispatch(type, [&](auto format) { dequantize<decltype(format)>(w, type, rows, k, out); });
+}
+
+// w [n, k] of ggml type `type` as the file stores it -> out (as many bytes) with its rows interleaved four at a
+// time, for the type id type | kRows4.
+void kvserve_gguf_interleave_rows(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8_t* out) {
+    dispatch(type, [&](auto format) { interleave_rows<decltype(format)>(w, n, k, out); });
 }
 
 }

@@ -30,9 +30,10 @@ from kvserve.kernels.abi import (
     StepDesc,
 )
 from kvserve.kernels.activation_quant import fake_quantize_activations
-from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, row_length
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, ggml_type, row_length
 from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library, supported_isas
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
+from kvserve.kv.huge_pages import empty_huge
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,10 @@ class Kernels(Protocol):
         self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [M, K] @ W^T with W [N, K] held as GGUF blocks of ggml type `qtype` (uint8 [N, row_bytes], see
-        kernels/gguf_blocks.py) -> [M, N] float32; into `out` ([M, N] float32 whose rows may be a column slice of
-        a wider buffer) when given, and then `out` is returned. With activation_quantization "int8", x is first
-        quantized to 8 bits per run of 32 (kernels/activation_quant.py)."""
+        kernels/gguf_blocks.py; `qtype` plus ROWS4 where the rows are interleaved four at a time) -> [M, N] float32;
+        into `out` ([M, N] float32 whose rows may be a column slice of a wider buffer) when given, and then `out` is
+        returned. With activation_quantization "int8", x is first quantized to 8 bits per run of 32
+        (kernels/activation_quant.py)."""
         ...
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -386,7 +388,7 @@ class NativeKernels:
     def gguf_matmul(
         self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if qtype not in NATIVE_GGUF_TYPES or x.device.type != "cpu" or blocks.device.type != "cpu":
+        if ggml_type(qtype) not in NATIVE_GGUF_TYPES or x.device.type != "cpu" or blocks.device.type != "cpu":
             return self.fallback.gguf_matmul(x, blocks, qtype, out)
         x, y = _gguf_matmul_operands(x, blocks, qtype, out)
         m, k = x.shape
@@ -405,7 +407,8 @@ class NativeKernels:
         gguf_matmul_packed; None where that matmul has no panel path (builds without AVX-512 VNNI, float32
         activations, types it has no kernel for). About the bytes of the weights as int8 plus float32 scales: 1.0x
         Q8_0's for the tied LM head."""
-        if self.activation_quantization != "int8" or qtype not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":
+        native = ggml_type(qtype) in NATIVE_GGUF_TYPES
+        if self.activation_quantization != "int8" or not native or blocks.device.type != "cpu":
             return None
         blocks = blocks.contiguous()
         n, k = blocks.shape[0], row_length(qtype, blocks.shape[1])
@@ -508,8 +511,22 @@ class NativeKernels:
             rows.ctypes.data + rows.strides[0],
         )
 
+    def interleave_rows(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor | None:
+        """Host blocks [N, row_bytes] of ggml type `qtype` in the file's layout -> the same bytes with the rows
+        interleaved four at a time, for the kernel type qtype + ROWS4 (gguf_blocks.py), on huge pages like the file's
+        numpy copies; None where there is no whole group of four rows or the blocks are not this library's."""
+        if ggml_type(qtype) != qtype or qtype not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":
+            return None
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] < 4:
+            return None
+        blocks = blocks.contiguous()
+        n, k = blocks.shape[0], row_length(qtype, blocks.shape[1])
+        out = empty_huge(tuple(blocks.shape), torch.uint8, blocks.device)
+        self.library.kvserve_gguf_interleave_rows(blocks.data_ptr(), qtype, n, k, out.data_ptr())
+        return out
+
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-        if qtype not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":
+        if ggml_type(qtype) not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":
             return self.fallback.gguf_dequantize(blocks, qtype)
         blocks = blocks.contiguous()
         rows, k = blocks.shape[0], row_length(qtype, blocks.shape[1])
@@ -928,7 +945,7 @@ def _gguf_matmul_operands(
     n = blocks.shape[0]
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_length(qtype, blocks.shape[1]) != k:
         raise ValueError(
-            f"gguf matmul shapes do not fit: x {tuple(x.shape)}, {NATIVE_GGUF_TYPES[qtype].name} "
+            f"gguf matmul shapes do not fit: x {tuple(x.shape)}, {NATIVE_GGUF_TYPES[ggml_type(qtype)].name} "
             f"blocks {blocks.dtype} {tuple(blocks.shape)}"
         )
     if out is not None and (

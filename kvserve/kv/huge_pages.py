@@ -1,4 +1,6 @@
-"""Host tensors on transparent huge pages (2 MiB) for the KV cache.
+"""Host tensors on transparent huge pages (2 MiB) for the KV cache, and for the GGUF weights the native kernels
+interleave at load (NativeKernels.interleave_rows: a new tensor, where the file's numpy copies are on huge pages
+by numpy's own advice).
 
 Why: decode attention walks a sequence's blocks in block-table order, which in memory is any order, and a block of a
 KV head's rows is a few KiB, so with 4 KiB pages nearly every block is its own TLB miss (under a hypervisor a

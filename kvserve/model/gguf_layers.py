@@ -4,7 +4,11 @@ HF transformers dequantizes from the same file (up to summation order), and a de
 
 A fused projection (QKV, gate/up) keeps one block tensor per source tensor, since a file may store Q, K and V in
 different types; each part writes its own columns of the output. A layer any of whose parts has a type without a
-native kernel (Q3_K, IQ4_XS, F16, ...) stays a float32 nn.Linear, filled from the dequantized tensors (logged)."""
+native kernel (Q3_K, IQ4_XS, F16, ...) stays a float32 nn.Linear, filled from the dequantized tensors (logged).
+
+With the native kernels the loader then interleaves each matrix's rows four at a time (interleave_gguf_rows: the
+same bytes, read by the gemvs as one stream; kernels/gguf_blocks.py's ROWS4); `qtypes` stay the file's types and
+`rows4` says which layout the blocks are in."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, row_length
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, ROWS4, gather_rows, row_length
 from kvserve.kernels.ops import Kernels, NativeKernels
 
 
@@ -32,6 +36,7 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"blocks{i}", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernels = kernels
+        self.rows4 = False  # the blocks' rows interleaved four at a time (interleave_rows)
 
     def packed_weight_counts(self) -> list[tuple[torch.Tensor, int]]:
         """(buffer, weights it holds): a buffer of packed blocks has far fewer elements than weights, so FLOP
@@ -41,12 +46,31 @@ class GGUFLinear(nn.Module):
     def part_blocks(self, i: int) -> torch.Tensor:
         return getattr(self, f"blocks{i}")
 
+    @property
+    def kernel_qtypes(self) -> tuple[int, ...]:
+        """The parts' type ids as the kernels take them: the file's, plus ROWS4 once interleaved."""
+        return tuple(qtype + ROWS4 if self.rows4 else qtype for qtype in self.qtypes)
+
     def replace_blocks(self, qtype: int, blocks: torch.Tensor) -> None:
-        """A one-part layer's weights as other blocks of the same rows (--lm-head-quantization)."""
+        """A one-part layer's weights as other blocks of the same rows in the file's layout (--lm-head-quantization)."""
         if len(self.qtypes) != 1 or blocks.shape[0] != self.out_features:
             raise ValueError("replace_blocks takes the rows of a one-part layer")
         self.qtypes = (qtype,)
+        self.rows4 = False
         self.register_buffer("blocks0", blocks)
+
+    def interleave_rows(self, kernels: NativeKernels) -> bool:
+        """Every part's blocks in the ROWS4 layout (NativeKernels.interleave_rows); False, unchanged, where a part
+        cannot be (fewer than four rows) or the blocks already are."""
+        if self.rows4:
+            return False
+        interleaved = [kernels.interleave_rows(self.part_blocks(i), qtype) for i, qtype in enumerate(self.qtypes)]
+        if any(blocks is None for blocks in interleaved):
+            return False
+        for i, blocks in enumerate(interleaved):
+            self.register_buffer(f"blocks{i}", blocks)
+        self.rows4 = True
+        return True
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: an [N, out_features] float32 buffer to write into (N = x's rows)."""
@@ -54,7 +78,7 @@ class GGUFLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).float()
         y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=x.device) if out is None else out
         start = 0
-        for i, (qtype, rows) in enumerate(zip(self.qtypes, self.part_rows)):
+        for i, (qtype, rows) in enumerate(zip(self.kernel_qtypes, self.part_rows)):
             dst = y if len(self.qtypes) == 1 else y[:, start : start + rows]
             self.kernels.gguf_matmul(flat, getattr(self, f"blocks{i}"), qtype, out=dst)
             start += rows
@@ -63,7 +87,7 @@ class GGUFLinear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        types = "+".join(NATIVE_GGUF_TYPES[t].name for t in self.qtypes)
+        types = "+".join(NATIVE_GGUF_TYPES[t].name for t in self.qtypes) + (", rows x4" if self.rows4 else "")
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}, kernels={self.kernels.name}"
 
 
@@ -84,6 +108,8 @@ class GGUFEmbedding(nn.Module):
         self.register_buffer("head_qweight", None)  # bench/floor.py counts it as the LM head, when set
         self.dtype = dtype
         self.kernels = kernels
+        # qweight's / head_qweight's rows interleaved four at a time (interleave_rows): the matrix `attend` reads
+        self.rows4 = self.head_rows4 = False
         # (kernels, blocks, their int8 panels): the LM head's weights packed once for int8 activations above 4 rows
         # (NativeKernels.pack_int8_panels), made at the first such call; packing them at every call took about as
         # long as the multiply at 32 rows. Not a buffer: derived, and dropped when the kernels or blocks change.
@@ -95,6 +121,20 @@ class GGUFEmbedding(nn.Module):
             raise ValueError("the head's blocks must hold the embedding's rows")
         self.head_qtype = qtype
         self.head_qweight = blocks
+        self.head_rows4 = False
+
+    def interleave_rows(self, kernels: NativeKernels) -> bool:
+        """The blocks `attend` reads (the LM head's) in the ROWS4 layout; lookups then gather their rows from it.
+        False, unchanged, where they cannot be or already are."""
+        if self.head_qweight is None:
+            blocks = None if self.rows4 else kernels.interleave_rows(self.qweight, self.qtype)
+            if blocks is not None:
+                self.qweight, self.rows4 = blocks, True
+        else:
+            blocks = None if self.head_rows4 else kernels.interleave_rows(self.head_qweight, self.head_qtype)
+            if blocks is not None:
+                self.head_qweight, self.head_rows4 = blocks, True
+        return blocks is not None
 
     def packed_weight_counts(self) -> list[tuple[torch.Tensor, int]]:
         """See GGUFLinear.packed_weight_counts."""
@@ -102,22 +142,26 @@ class GGUFEmbedding(nn.Module):
         return [(self.qweight, weights)] + ([] if self.head_qweight is None else [(self.head_qweight, weights)])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.kernels.gguf_dequantize(self.qweight[ids.reshape(-1)], self.qtype)
+        qtype = self.qtype + ROWS4 if self.rows4 else self.qtype
+        rows = self.kernels.gguf_dequantize(gather_rows(self.qweight, qtype, ids.reshape(-1)), self.qtype)
         return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def attend(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        blocks = self.qweight if self.head_qweight is None else self.head_qweight
+        if self.head_qweight is None:
+            blocks, qtype = self.qweight, self.qtype + ROWS4 if self.rows4 else self.qtype
+        else:
+            blocks, qtype = self.head_qweight, self.head_qtype + ROWS4 if self.head_rows4 else self.head_qtype
         x = hidden.reshape(-1, self.embedding_dim)
         kernels = self.kernels
         if isinstance(kernels, NativeKernels) and kernels.activation_quantization == "int8" and x.shape[0] > 4:
-            panels = self._int8_panels(kernels, blocks)
+            panels = self._int8_panels(kernels, blocks, qtype)
             if panels is not None:
-                return kernels.gguf_matmul_packed(x, blocks, panels, self.head_qtype, out)
-        return kernels.gguf_matmul(x, blocks, self.head_qtype, out)
+                return kernels.gguf_matmul_packed(x, blocks, panels, qtype, out)
+        return kernels.gguf_matmul(x, blocks, qtype, out)
 
-    def _int8_panels(self, kernels: NativeKernels, blocks: torch.Tensor) -> torch.Tensor | None:
+    def _int8_panels(self, kernels: NativeKernels, blocks: torch.Tensor, qtype: int) -> torch.Tensor | None:
         if self._panels is None or self._panels[0] is not kernels or self._panels[1] is not blocks:
-            packed = kernels.pack_int8_panels(blocks, self.head_qtype)
+            packed = kernels.pack_int8_panels(blocks, qtype)
             if packed is None:
                 return None
             self._panels = (kernels, blocks, packed)
@@ -126,7 +170,8 @@ class GGUFEmbedding(nn.Module):
     def extra_repr(self) -> str:
         name = NATIVE_GGUF_TYPES[self.qtype].name
         head = "" if self.head_qweight is None else f", LM head {NATIVE_GGUF_TYPES[self.head_qtype].name}"
-        return f"{self.num_embeddings}, {self.embedding_dim}, {name}{head}, kernels={self.kernels.name}"
+        rows4 = ", rows x4" if self.rows4 or self.head_rows4 else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, {name}{head}{rows4}, kernels={self.kernels.name}"
 
 
 # A fused module's sub-name -> the checkpoint sub-names of its parts, in row order (DecoderModel.load_weights).
@@ -166,3 +211,14 @@ def use_gguf_blocks(model: nn.Module, blocks: Mapping[str, tuple[int, torch.Tens
                 setattr(parent, name, GGUFLinear([blocks[s] for s in sources], bias, kernels))
             used.update(sources)
     return used
+
+
+def interleave_gguf_rows(model: nn.Module, kernels: Kernels) -> int:
+    """Every GGUF matrix of `model` (GGUFLinear, and the embedding's LM head) in the ROWS4 layout, where the kernels
+    are the native ones (nothing else reads it); returns how many were interleaved. The loader's last step, after
+    --lm-head-quantization has re-quantized the head from the file's layout."""
+    if not isinstance(kernels, NativeKernels):
+        return 0
+    return sum(
+        module.interleave_rows(kernels) for module in model.modules() if isinstance(module, GGUFLinear | GGUFEmbedding)
+    )

@@ -25,7 +25,7 @@ from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES
 from kvserve.kernels.ops import TORCH_KERNELS, Kernels, load_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderModel
-from kvserve.model.gguf_layers import use_gguf_blocks
+from kvserve.model.gguf_layers import interleave_gguf_rows, use_gguf_blocks
 from kvserve.model.gguf_reader import GGUFFile
 from kvserve.model.lm_head import quantize_lm_head
 from kvserve.model.quantization import quantize_model
@@ -114,6 +114,7 @@ def load_model(
         _load_gguf_blocks(model, source, config, kernels, device)
         if lm_head_quantization is not None:
             quantize_lm_head(model, lm_head_quantization, kernels)
+        interleave_gguf_rows(model, kernels)
         return _loaded(config, model, source, dtype, device, quantization, start)
     if lm_head_quantization is not None:
         raise ValueError(

@@ -30,7 +30,7 @@ from kvserve.kernels.abi import (
     LinearDesc,
     StepDesc,
 )
-from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, ggml_type
 from kvserve.kernels.ops import NATIVE_ACTIVATIONS, Kernels, NativeKernels, kv_dtype_code
 from kvserve.kv.cache import LayerKVCache
 from kvserve.model.gguf_layers import GGUFLinear
@@ -72,11 +72,11 @@ def _describe_linear(module: nn.Module, what: str) -> LinearDesc:
         if len(module.qtypes) > MAX_PARTS:
             raise NativeLayerUnsupported(f"{what} has {len(module.qtypes)} GGUF parts (at most {MAX_PARTS})")
         d.kind, d.parts = LINEAR_GGUF, len(module.qtypes)
-        for i, (qtype, rows) in enumerate(zip(module.qtypes, module.part_rows)):
+        for i, (qtype, rows) in enumerate(zip(module.kernel_qtypes, module.part_rows)):
             blocks = getattr(module, f"blocks{i}")
             if blocks.device.type != "cpu" or not blocks.is_contiguous():
                 raise NativeLayerUnsupported(f"{what}: GGUF blocks not contiguous on the CPU")
-            if qtype not in NATIVE_GGUF_TYPES:  # the library would abort on it
+            if ggml_type(qtype) not in NATIVE_GGUF_TYPES:  # the library would abort on it
                 raise NativeLayerUnsupported(f"{what}: no native kernel for ggml type {qtype}")
             d.weight[i], d.qtype[i], d.rows[i] = blocks.data_ptr(), qtype, rows
         d.int8_activations = int(module.kernels.activation_quantization == "int8")

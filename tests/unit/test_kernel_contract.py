@@ -39,6 +39,7 @@ NATIVE_ONLY = {
     "copy_rows",
     "row_max",
     "pack_int8_panels",
+    "interleave_rows",
     "gguf_matmul_packed",
     "decoder_layer",
     "decoder_layer_scratch",

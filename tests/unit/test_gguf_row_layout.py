@@ -1,0 +1,114 @@
+"""GGUF weights with their rows interleaved four at a time (kernels/gguf_blocks.py's ROWS4; gguf_formats.h's
+RowBlocks): the layout the loader gives every GGUF matrix when the native kernels run it. It is only another order
+of the same bytes, so every kernel must give the same bits on it as on the file's layout: the float32 and int8
+matmuls at every row count (the four-row gemvs, the blocked and panel paths), the dequantization, the int8 panels
+packed ahead of time; the torch reference must read it too (it de-interleaves), and an embedding tied to an
+interleaved LM head must look up the same rows. N runs through 4 (one group), tails of 1-3 rows after whole groups,
+and fewer than four rows (not interleaved at all). Each test runs on every build this CPU can run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf_kernels import TYPES, random_blocks
+
+from kvserve.kernels.gguf_blocks import (
+    NATIVE_GGUF_TYPES,
+    ROWS4,
+    deinterleave_rows,
+    dequantize_blocks,
+    gather_rows,
+    interleave_rows,
+)
+from kvserve.kernels.native import cpu_supports_native, supported_isas
+from kvserve.kernels.ops import NativeKernels, TorchKernels, load_kernels
+from kvserve.model.gguf_layers import GGUFEmbedding, GGUFLinear, interleave_gguf_rows
+from kvserve.model.tokenizer import default_cache_dir
+
+NATIVE_OK, WHY = cpu_supports_native()
+NAMES = [NATIVE_GGUF_TYPES[t].name for t in TYPES]
+ROW_COUNTS = (4, 5, 7, 30, 66)
+
+
+def k_of(qtype: int) -> int:
+    return 160 if NATIVE_GGUF_TYPES[qtype].block == 32 else 512
+
+
+@pytest.fixture(scope="module", params=[(isa, act) for isa in supported_isas() or ["none"] for act in ("none", "int8")])
+def native(request) -> NativeKernels:
+    if not NATIVE_OK:
+        pytest.skip(WHY)
+    isa, activations = request.param
+    kernels = load_kernels(default_cache_dir() / "kernels", isa=isa, activation_quantization=activations)
+    assert isinstance(kernels, NativeKernels)
+    return kernels
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_the_native_interleave_is_the_reference_one_and_undoes(native, qtype: int) -> None:
+    for n in ROW_COUNTS:
+        blocks = random_blocks(qtype, n, k_of(qtype), seed=n)
+        rows4 = native.interleave_rows(blocks, qtype)
+        assert rows4 is not None and rows4.shape == blocks.shape
+        assert torch.equal(rows4, interleave_rows(blocks, qtype))
+        assert torch.equal(deinterleave_rows(rows4, qtype), blocks)
+        if n > 4:  # the layout moved bytes: a test of it could fail
+            assert not torch.equal(rows4, blocks)
+        assert torch.equal(rows4[n // 4 * 4 :], blocks[n // 4 * 4 :])  # the tail rows stay as the file has them
+    assert native.interleave_rows(random_blocks(qtype, 3, k_of(qtype)), qtype) is None  # no whole group
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_every_row_count_gives_the_same_bits_on_both_layouts(native, qtype: int) -> None:
+    """1-4 rows (gemvs), 5-9 (blocked float32, widened or panel int8 paths), 33: bit-equal outputs."""
+    for n in ROW_COUNTS:
+        k = k_of(qtype)
+        blocks = random_blocks(qtype, n, k, seed=7 * n)
+        rows4 = native.interleave_rows(blocks, qtype)
+        assert rows4 is not None
+        for m in (1, 2, 3, 4, 5, 9, 33):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            expected = native.gguf_matmul(x, blocks, qtype)
+            assert torch.equal(native.gguf_matmul(x, rows4, qtype + ROWS4), expected), (n, m)
+        assert torch.equal(native.gguf_dequantize(rows4, qtype + ROWS4), native.gguf_dequantize(blocks, qtype))
+        packed = native.pack_int8_panels(rows4, qtype + ROWS4)
+        if packed is not None:  # AVX-512 VNNI builds with int8 activations
+            assert torch.equal(packed, native.pack_int8_panels(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_the_torch_reference_reads_the_layout(qtype: int) -> None:
+    """dequantize_blocks de-interleaves (also a slice that starts on a group, as the torch matmul's slabs do), and
+    the torch kernels give the file layout's numbers."""
+    blocks = random_blocks(qtype, 30, k_of(qtype), seed=3)
+    rows4 = interleave_rows(blocks, qtype)
+    assert torch.equal(dequantize_blocks(rows4, qtype + ROWS4), dequantize_blocks(blocks, qtype))
+    assert torch.equal(dequantize_blocks(rows4[8:], qtype + ROWS4), dequantize_blocks(blocks[8:], qtype))
+    torch_kernels = TorchKernels()
+    x = torch.randn(3, k_of(qtype), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch_kernels.gguf_matmul(x, rows4, qtype + ROWS4), torch_kernels.gguf_matmul(x, blocks, qtype))
+
+
+def test_gather_rows_finds_each_row_in_either_layout() -> None:
+    blocks = random_blocks(8, 31, 64, seed=5)  # 7 whole groups and a tail of 3
+    ids = torch.tensor([0, 3, 4, 27, 28, 30, 5, 5, 29])
+    assert torch.equal(gather_rows(blocks, 8, ids), blocks[ids])
+    assert torch.equal(gather_rows(interleave_rows(blocks, 8), 8 + ROWS4, ids), blocks[ids])
+
+
+def test_the_loader_step_interleaves_layers_and_a_tied_head(native) -> None:
+    """interleave_gguf_rows: a fused GGUFLinear (parts of different types) and a tied embedding: their outputs and
+    lookups bit-equal to the file layout's, each module interleaved once; torch kernels interleave nothing."""
+    q, kv = random_blocks(6, 12, 64, seed=1), random_blocks(8, 8, 64, seed=2)
+    linear = GGUFLinear([(6, q), (8, kv)], torch.randn(20), native)
+    embed = GGUFEmbedding(8, random_blocks(8, 70, 64, seed=3), torch.float32, native)
+    model = torch.nn.ModuleList([linear, embed])
+    x, ids = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)), torch.tensor([[0, 69, 33], [68, 1, 2]])
+    before = [linear(x[:1]), linear(x), embed.attend(x[:2]), embed.attend(x), embed(ids)]
+    assert interleave_gguf_rows(model, TorchKernels()) == 0
+    assert interleave_gguf_rows(model, native) == 2 and linear.rows4 and embed.rows4
+    assert linear.kernel_qtypes == (6 + ROWS4, 8 + ROWS4) and linear.qtypes == (6, 8)
+    after = [linear(x[:1]), linear(x), embed.attend(x[:2]), embed.attend(x), embed(ids)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert "rows x4" in repr(linear) and "rows x4" in repr(embed)
+    assert interleave_gguf_rows(model, native) == 0  # once
