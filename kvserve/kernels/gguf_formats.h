@@ -215,27 +215,89 @@ struct Q6_K {
 enum : int32_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // The kernels' type ids: a ggml type id, plus kRows4 where the weight rows are interleaved four at a time
-// (RowBlocks below; gguf_blocks.py's ROWS4).
-constexpr int32_t kRows4 = 256;
+// (RowBlocks below; gguf_blocks.py's ROWS4), plus kQ5Tiles (Q5_0 only) where each group of four rows is stored in
+// tiles of 128 weights (Q5Tile below; gguf_blocks.py's Q5_TILES).
+constexpr int32_t kRows4 = 256, kQ5Tiles = 512;
 inline bool rows4(int32_t type) { return (type & kRows4) != 0; }
+inline bool q5_tiles(int32_t type) { return (type & kQ5Tiles) != 0; }
+
+// A tile of Q5_0 (kQ5Tiles): rows 4g .. 4g + 3 by weights 128 j .. 128 j + 127 (blocks 4 j .. 4 j + 3 of each row),
+// 352 bytes, the same as its 16 blocks: [0, 32) the 16 f16 scales, row r's block i at 2 (4 r + i); [32, 96) the
+// fifth bits, 16 bytes a row (row r at 32 + 16 r): bit 2 i of byte t is weight t's of block i, bit 2 i + 1 weight
+// t + 16's; [96, 352) the low four bits, 64 bytes a row (row r at 96 + 64 r): byte t of its first 32 holds weight t
+// of block 0 (low nibble) and of block 1 (high nibble), of its last 32 blocks 2 and 3. Why: the file's Q5_0 gathers
+// each weight's fifth bit from a 32-bit mask with a byte shuffle, a compare and two masks a block (six operations of
+// the ~14 an AVX2 int8 gemv spends on a block of one row, and these gemvs are bound by their instructions there);
+// from a tile's bit planes it is a shift, a mask and an or, its nibbles two blocks to a load, and a row's four scales
+// one load (gguf_int8_matmul.cpp's q5_tile_rows).
+struct Q5Tile {
+    static constexpr int64_t kWeights = 128, kBytes = 352;
+    // Row r's block i (0-3) of the tile as the file stores it (22 bytes at out).
+    static void block(const uint8_t* tile, int r, int i, uint8_t* out) {
+        memcpy(out, tile + 2 * (4 * r + i), 2);
+        const uint8_t* bits = tile + 32 + 16 * r;
+        const uint8_t* low = tile + 96 + 64 * r + 32 * (i / 2);
+        const int shift = 4 * (i % 2);
+        uint32_t fifth = 0;
+        for (int t = 0; t < 16; ++t)
+            fifth |= static_cast<uint32_t>((bits[t] >> (2 * i)) & 1) << t |
+                     static_cast<uint32_t>((bits[t] >> (2 * i + 1)) & 1) << (t + 16);
+        memcpy(out + 2, &fifth, 4);
+        for (int t = 0; t < 16; ++t)
+            out[6 + t] = static_cast<uint8_t>(((low[t] >> shift) & 15) | ((low[t + 16] >> shift) & 15) << 4);
+    }
+    // The file's block (22 bytes) into row r's block i of a tile whose bits and nibbles start zeroed.
+    static void put(const uint8_t* block, int r, int i, uint8_t* tile) {
+        memcpy(tile + 2 * (4 * r + i), block, 2);
+        uint32_t fifth;
+        memcpy(&fifth, block + 2, 4);
+        uint8_t* bits = tile + 32 + 16 * r;
+        uint8_t* low = tile + 96 + 64 * r + 32 * (i / 2);
+        const int shift = 4 * (i % 2);
+        for (int t = 0; t < 16; ++t) {
+            bits[t] |= static_cast<uint8_t>((fifth >> t & 1) << (2 * i) | (fifth >> (t + 16) & 1) << (2 * i + 1));
+            low[t] |= static_cast<uint8_t>((block[6 + t] & 15) << shift);
+            low[t + 16] |= static_cast<uint8_t>((block[6 + t] >> 4) << shift);
+        }
+    }
+};
 
 // Where each weight row's blocks lie, for a weight [n, k] of blocks of F. As the file stores it: row after row.
 // Interleaved (kRows4): rows 4g .. 4g + 3 of each whole group of four are stored block by block (block b of row
 // 4g + r at group g's start + (4 b + r) * kBytes; a group takes the bytes of its four rows), the last n % 4 rows
-// as in the file. Why: the gemvs read four rows at a time, and four rows read side by side are four streams of a
-// few hundred bytes each, which a Zen 3 host's memory served at 14-16 GB/s where one stream of the same bytes
-// came at 22-27 (two threads, a scratch loop of loads); interleaved, the four rows are one stream.
+// as in the file; with kQ5Tiles a group is its tiles instead, one after another along k. Why: the gemvs read four
+// rows at a time, and four rows read side by side are four streams of a few hundred bytes each, which a Zen 3
+// host's memory served at 14-16 GB/s where one stream of the same bytes came at 22-27 (two threads, a scratch loop
+// of loads); interleaved, the four rows are one stream.
 struct RowBlocks {
     const uint8_t* w;
     int64_t row_bytes, block_bytes;
     int64_t grouped;  // rows in whole interleaved groups (0 in the file's layout)
+    bool tiles;
     RowBlocks(const uint8_t* weights, int32_t type, int64_t n, int64_t k, int64_t block, int64_t bytes)
-        : w(weights), row_bytes(k / block * bytes), block_bytes(bytes), grouped(rows4(type) ? n / 4 * 4 : 0) {}
-    const uint8_t* block(int64_t row, int64_t b) const {
-        if (row >= grouped) return w + row * row_bytes + b * block_bytes;
-        return w + (row - row % 4) * row_bytes + (4 * b + row % 4) * block_bytes;
+        : w(weights), row_bytes(k / block * bytes), block_bytes(bytes), grouped(rows4(type) ? n / 4 * 4 : 0),
+          tiles(q5_tiles(type)) {
+        if (tiles && ((type & ~(kRows4 | kQ5Tiles)) != kQ5_0 || !rows4(type) || k % Q5Tile::kWeights != 0)) {
+            fprintf(stderr, "kvserve: Q5_0 tiles need type Q5_0 with kRows4 and k a multiple of 128; aborting\n");
+            abort();
+        }
     }
-    // Bytes from one row's block to the next row's (within a group of four from 4g), and to the row's next block.
+    // Row `row`'s block b: in place, or (tiles) copied out of its tile into tmp (kBytes).
+    const uint8_t* block(int64_t row, int64_t b, uint8_t* tmp) const {
+        if (row >= grouped) return w + row * row_bytes + b * block_bytes;
+        const uint8_t* group = w + (row - row % 4) * row_bytes;
+        if (!tiles) return group + (4 * b + row % 4) * block_bytes;
+        Q5Tile::block(group + b / 4 * Q5Tile::kBytes, static_cast<int>(row % 4), static_cast<int>(b % 4), tmp);
+        return tmp;
+    }
+    // An address in row `row`'s block b (tiles: in its tile), to prefetch.
+    const uint8_t* near(int64_t row, int64_t b) const {
+        if (row >= grouped) return w + row * row_bytes + b * block_bytes;
+        const uint8_t* group = w + (row - row % 4) * row_bytes;
+        return tiles ? group + b / 4 * Q5Tile::kBytes + 96 + 64 * (row % 4) : group + (4 * b + row % 4) * block_bytes;
+    }
+    // Bytes from one row's block to the next row's (within a group of four from 4g), and to the row's next block;
+    // not for tiles.
     int64_t row_step(int64_t row) const { return row < grouped ? block_bytes : row_bytes; }
     int64_t block_step(int64_t row) const { return row < grouped ? 4 * block_bytes : block_bytes; }
 };
@@ -244,7 +306,7 @@ struct RowBlocks {
 // gguf_blocks.NATIVE_GGUF_TYPES), never an unwritten output: the process aborts with a message.
 template <typename Call>
 void dispatch(int32_t type, const Call& call) {
-    switch (type & ~kRows4) {
+    switch (type & ~(kRows4 | kQ5Tiles)) {
         case kQ4_0: call(Q4_0{}); break;
         case kQ5_0: call(Q5_0{}); break;
         case kQ8_0: call(Q8_0{}); break;

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_formats.h"
@@ -271,6 +272,73 @@ inline void gemv_rows(const Q8Rows& a, const int32_t* offsets, int64_t c0, const
     }
 }
 
+// Activation rows [c0, c0 + C) against one group of four weight rows stored in Q5_0 tiles (gguf_formats.h's
+// Q5Tile), in registers: per tile and weight row, its four blocks' codes (nibbles | the fifth bit shifted out of
+// its bit plane to bit 4), their dots with each activation row's four runs, the row's four scales (one load) times
+// the runs' d applied per run, and the offset 16 taken off per tile as 16 s * dsum. y[c * ldy + r] for row r.
+template <int C>
+inline void q5_tile_rows(const Q8Rows& a, int64_t c0, const uint8_t* group, int64_t group_bytes, int64_t groups_after,
+                         int64_t ahead, float* y, int64_t ldy) {
+    const int64_t k = a.k, runs = k / 32;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    // the shifts that bring block i's fifth bits (bits 2 i in the low 16 bytes, 2 i + 1 in the high) to bit 4
+    const __m256i up0 = _mm256_setr_epi32(4, 4, 4, 4, 3, 3, 3, 3), up1 = _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1);
+    const __m256i down2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), down3 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    __m256 acc[4][C];
+    __m128 off[4][C];
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < C; ++c) {
+            acc[r][c] = _mm256_setzero_ps();
+            off[r][c] = _mm_setzero_ps();
+        }
+    for (int64_t t = 0; t < k / Q5Tile::kWeights; ++t) {
+        const uint8_t* tile = group + t * Q5Tile::kBytes;
+        if (groups_after >= ahead)
+            for (int64_t o = 0; o < Q5Tile::kBytes; o += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(tile + ahead * group_bytes + o), _MM_HINT_T0);
+                if (groups_after >= 2 * ahead)
+                    _mm_prefetch(reinterpret_cast<const char*>(tile + 2 * ahead * group_bytes + o), _MM_HINT_T1);
+            }
+        __m256i xq[C][4];
+        __m128 xd[C], xs[C];
+        for (int c = 0; c < C; ++c) {
+            const int64_t row = c0 + c;
+            for (int i = 0; i < 4; ++i)
+                xq[c][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * k + 128 * t + 32 * i));
+            xd[c] = _mm_loadu_ps(a.d.data() + row * runs + 4 * t);
+            xs[c] = _mm_mul_ps(_mm_loadu_ps(a.dsum.data() + row * runs + 4 * t), _mm_set1_ps(16.0f));
+        }
+        for (int r = 0; r < 4; ++r) {
+            const __m128 s = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 8 * r)));
+            const __m256i h = _mm256_broadcastsi128_si256(load16(tile + 32 + 16 * r));
+            const __m256i n01 = load32(tile + 96 + 64 * r), n23 = load32(tile + 128 + 64 * r);
+            const __m256i codes[4] = {
+                _mm256_or_si256(_mm256_and_si256(n01, low4), _mm256_and_si256(_mm256_sllv_epi32(h, up0), bit4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n01, 4), low4),
+                                _mm256_and_si256(_mm256_sllv_epi32(h, up1), bit4)),
+                _mm256_or_si256(_mm256_and_si256(n23, low4), _mm256_and_si256(_mm256_srlv_epi32(h, down2), bit4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n23, 4), low4),
+                                _mm256_and_si256(_mm256_srlv_epi32(h, down3), bit4)),
+            };
+            for (int c = 0; c < C; ++c) {
+                const __m128 sd = _mm_mul_ps(s, xd[c]);
+                const __m256 sd2 = _mm256_set_m128(sd, sd);
+                off[r][c] = _mm_fmadd_ps(s, xs[c], off[r][c]);
+                for (int i = 0; i < 4; ++i) {
+                    const __m256i dot = dot_u8s8(_mm256_setzero_si256(), codes[i], xq[c][i]);
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), lane_of_halves(sd2, i), acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < 4; ++r) {
+            __m128 o = _mm_add_ps(off[r][c], _mm_movehl_ps(off[r][c], off[r][c]));
+            o = _mm_add_ss(o, _mm_movehdup_ps(o));
+            y[c * ldy + r] = hsum(acc[r][c]) - _mm_cvtss_f32(o);
+        }
+}
+
 // Activation rows [c0, c0 + C) against all n weight rows, four weight rows at a time.
 template <typename F, int C>
 void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w, int32_t type, int64_t n, float* y,
@@ -284,9 +352,16 @@ void gemv(const Q8Rows& a, const int32_t* offsets, int64_t c0, const uint8_t* w,
         const auto [first, last] = thread_share(groups);
         const int64_t ahead = std::min(prefetch_groups(R * row_bytes, last - first), last - first);
         prefetch_lead_in(w + first * R * row_bytes, R * row_bytes, ahead);
-        for (int64_t g = first; g < last; ++g)
+        for (int64_t g = first; g < last; ++g) {
+            if constexpr (std::is_same_v<F, Q5_0>) {  // RowBlocks allows tiles of Q5_0 only
+                if (wb.tiles) {
+                    q5_tile_rows<C>(a, c0, w + g * R * row_bytes, R * row_bytes, last - 1 - g, ahead, yc + g * R, ldy);
+                    continue;
+                }
+            }
             gemv_rows<F, R, C>(a, offsets, c0, w + g * R * row_bytes, R * row_bytes, wb.row_step(g * R),
                                wb.block_step(g * R), last - 1 - g, ahead, yc + g * R, ldy);
+        }
     }
     for (int64_t r = groups * R; r < n; ++r)
         gemv_rows<F, 1, C>(a, offsets, c0, w + r * row_bytes, row_bytes, row_bytes, F::kBytes, 0, 1, yc + r, ldy);
@@ -408,9 +483,10 @@ void pack_panel(const RowBlocks& w, int64_t k, int64_t n, int64_t n0, Panel& p) 
         }
         const int64_t row = n0 + i;
         const bool prefetch = row + kPanelRows < n;  // the same row of the next panel, block by block
+        alignas(32) uint8_t copy[F::kBytes];
         for (int64_t b = 0; b < k / F::kBlock; ++b) {
-            if (prefetch) prefetch_block<F>(w.block(row + kPanelRows, b));
-            F::visit(w.block(row, b), tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
+            if (prefetch) prefetch_block<F>(w.near(row + kPanelRows, b));
+            F::visit(w.block(row, b, copy), tmp, [&](int64_t offset, const int8_t* q, float s_lo, float s_hi, float min) {
                 const int64_t at = b * F::kBlock + offset, s = (at / 32 * 2 + panel) * kLanes + lane;
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + at),
                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));

@@ -58,11 +58,12 @@ template <typename F>
 inline void widen_blocks(const RowBlocks& w, int64_t n, int64_t n0, int rows, int64_t k0, int64_t kc, float* buf) {
     // The same columns of the next block of rows are prefetched (see prefetch_block).
     const bool prefetch = n0 + 2 * kvserve::kWidenRows <= n;
+    alignas(32) uint8_t tmp[F::kBytes];
     for (int r = 0; r < rows; ++r) {
         const int64_t row = n0 + r, b0 = k0 / F::kBlock;
         for (int64_t b = 0; b < kc / F::kBlock; ++b) {
-            if (prefetch) prefetch_block<F>(w.block(row + kvserve::kWidenRows, b0 + b));
-            decode<F>(w.block(row, b0 + b), buf + r * kc + b * F::kBlock);
+            if (prefetch) prefetch_block<F>(w.near(row + kvserve::kWidenRows, b0 + b));
+            decode<F>(w.block(row, b0 + b, tmp), buf + r * kc + b * F::kBlock);
         }
     }
 }
@@ -231,11 +232,22 @@ void gemv(const float* x, int64_t k, const uint8_t* w, int32_t type, int64_t n, 
 #pragma omp parallel
     {
         const auto [first, last] = thread_share(groups);
-        const int64_t ahead = std::min(prefetch_groups(R * row_bytes, last - first), last - first);
-        prefetch_lead_in(w + first * R * row_bytes, R * row_bytes, ahead);
-        for (int64_t g = first; g < last; ++g)
-            gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, R * row_bytes, wb.row_step(g * R), wb.block_step(g * R),
-                               last - 1 - g, ahead, xs, y + g * R, ldy);
+        if (wb.tiles) {  // each group's rows copied out of their tiles first (the int8 gemv reads tiles in place)
+            std::vector<uint8_t> rows(R * row_bytes);
+            alignas(32) uint8_t tmp[F::kBytes];
+            for (int64_t g = first; g < last; ++g) {
+                for (int r = 0; r < R; ++r)
+                    for (int64_t b = 0; b < k / F::kBlock; ++b)
+                        memcpy(rows.data() + r * row_bytes + b * F::kBytes, wb.block(g * R + r, b, tmp), F::kBytes);
+                gemv_rows<F, R, C>(x, k, rows.data(), R * row_bytes, row_bytes, F::kBytes, 0, 1, xs, y + g * R, ldy);
+            }
+        } else {
+            const int64_t ahead = std::min(prefetch_groups(R * row_bytes, last - first), last - first);
+            prefetch_lead_in(w + first * R * row_bytes, R * row_bytes, ahead);
+            for (int64_t g = first; g < last; ++g)
+                gemv_rows<F, R, C>(x, k, w + g * R * row_bytes, R * row_bytes, wb.row_step(g * R),
+                                   wb.block_step(g * R), last - 1 - g, ahead, xs, y + g * R, ldy);
+        }
     }
     for (int64_t r = groups * R; r < n; ++r)
         gemv_rows<F, 1, C>(x, k, w + r * row_bytes, row_bytes, row_bytes, F::kBytes, 0, 1, xs, y + r, ldy);
@@ -261,18 +273,33 @@ template <typename F>
 void dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out) {
     const RowBlocks wb(w, type, rows, k, F::kBlock, F::kBytes);
 #pragma omp parallel for schedule(static) if (rows >= 64)
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < k / F::kBlock; ++b) decode<F>(wb.block(r, b), out + r * k + b * F::kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+        alignas(32) uint8_t tmp[F::kBytes];
+        for (int64_t b = 0; b < k / F::kBlock; ++b) decode<F>(wb.block(r, b, tmp), out + r * k + b * F::kBlock);
+    }
 }
 
-// w [n, k] in the file's layout -> out in the interleaved one (kRows4), the same bytes.
+// w [n, k] in the file's layout -> out in the layout of kernel type `type` (kRows4, and kQ5Tiles or not), the same
+// bytes.
 template <typename F>
-void interleave_rows(const uint8_t* w, int64_t n, int64_t k, uint8_t* out) {
-    const RowBlocks src(w, 0, n, k, F::kBlock, F::kBytes), dst(out, kRows4, n, k, F::kBlock, F::kBytes);
+void interleave_rows(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8_t* out) {
+    const RowBlocks src(w, 0, n, k, F::kBlock, F::kBytes), dst(out, type, n, k, F::kBlock, F::kBytes);
+    const int64_t blocks = k / F::kBlock, row_bytes = src.row_bytes;
+    uint8_t* unused = nullptr;
 #pragma omp parallel for schedule(static) if (n >= 64)
-    for (int64_t r = 0; r < n; ++r)
-        for (int64_t b = 0; b < k / F::kBlock; ++b)
-            memcpy(const_cast<uint8_t*>(dst.block(r, b)), src.block(r, b), F::kBytes);
+    for (int64_t g = 0; g < n / 4; ++g) {
+        uint8_t* group = out + 4 * g * row_bytes;
+        if (dst.tiles) memset(group, 0, 4 * row_bytes);
+        for (int r = 0; r < 4; ++r)
+            for (int64_t b = 0; b < blocks; ++b) {
+                const uint8_t* block = src.block(4 * g + r, b, unused);
+                if (dst.tiles)
+                    Q5Tile::put(block, r, static_cast<int>(b % 4), group + b / 4 * Q5Tile::kBytes);
+                else
+                    memcpy(group + (4 * b + r) * F::kBytes, block, F::kBytes);
+            }
+    }
+    memcpy(out + n / 4 * 4 * row_bytes, w + n / 4 * 4 * row_bytes, n % 4 * row_bytes);  // the rows after the groups
 }
 
 }  // namespace
@@ -293,10 +320,10 @@ void kvserve_gguf_dequantize(const uint8_t* w, int32_t type, int64_t rows, int64
     dispatch(type, [&](auto format) { dequantize<decltype(format)>(w, type, rows, k, out); });
 }
 
-// w [n, k] of ggml type `type` as the file stores it -> out (as many bytes) with its rows interleaved four at a
-// time, for the type id type | kRows4.
+// w [n, k] of a ggml type as the file stores it -> out (as many bytes) in the layout of kernel type `type` (that
+// ggml type plus kRows4, and plus kQ5Tiles for Q5_0 tiles).
 void kvserve_gguf_interleave_rows(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8_t* out) {
-    dispatch(type, [&](auto format) { interleave_rows<decltype(format)>(w, n, k, out); });
+    dispatch(type, [&](auto format) { interleave_rows<decltype(format)>(w, type, n, k, out); });
 }
 
 }

@@ -30,7 +30,15 @@ from kvserve.kernels.abi import (
     StepDesc,
 )
 from kvserve.kernels.activation_quant import fake_quantize_activations
-from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, dequantize_blocks, ggml_type, row_length
+from kvserve.kernels.gguf_blocks import (
+    NATIVE_GGUF_TYPES,
+    Q5_TILES,
+    ROWS4,
+    dequantize_blocks,
+    ggml_type,
+    q5_tiles_fit,
+    row_length,
+)
 from kvserve.kernels.native import build_native_library, cpu_supports_native, load_native_library, supported_isas
 from kvserve.kernels.q8 import GROUP_SIZE, dequantize_q8
 from kvserve.kv.huge_pages import empty_huge
@@ -511,19 +519,21 @@ class NativeKernels:
             rows.ctypes.data + rows.strides[0],
         )
 
-    def interleave_rows(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor | None:
-        """Host blocks [N, row_bytes] of ggml type `qtype` in the file's layout -> the same bytes with the rows
-        interleaved four at a time, for the kernel type qtype + ROWS4 (gguf_blocks.py), on huge pages like the file's
-        numpy copies; None where there is no whole group of four rows or the blocks are not this library's."""
+    def interleave_rows(self, blocks: torch.Tensor, qtype: int, tiles: bool = False) -> tuple[int, torch.Tensor] | None:
+        """Host blocks [N, row_bytes] of ggml type `qtype` in the file's layout -> (kernel type, the same bytes with
+        the rows interleaved four at a time): qtype + ROWS4, or with `tiles` and Q5_0 rows of a multiple of 128
+        weights qtype + ROWS4 + Q5_TILES (gguf_blocks.py). On huge pages like the file's numpy copies; None where
+        there is no whole group of four rows or the blocks are not this library's."""
         if ggml_type(qtype) != qtype or qtype not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":
             return None
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] < 4:
             return None
         blocks = blocks.contiguous()
         n, k = blocks.shape[0], row_length(qtype, blocks.shape[1])
+        kernel_type = qtype + ROWS4 + (Q5_TILES if tiles and q5_tiles_fit(qtype, k) else 0)
         out = empty_huge(tuple(blocks.shape), torch.uint8, blocks.device)
-        self.library.kvserve_gguf_interleave_rows(blocks.data_ptr(), qtype, n, k, out.data_ptr())
-        return out
+        self.library.kvserve_gguf_interleave_rows(blocks.data_ptr(), kernel_type, n, k, out.data_ptr())
+        return kernel_type, out
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         if ggml_type(qtype) not in NATIVE_GGUF_TYPES or blocks.device.type != "cpu":

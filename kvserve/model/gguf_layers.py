@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, ROWS4, gather_rows, row_length
+from kvserve.kernels.gguf_blocks import NATIVE_GGUF_TYPES, Q5_TILES, ROWS4, gather_rows, row_length
 from kvserve.kernels.ops import Kernels, NativeKernels
 
 
@@ -37,6 +37,7 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernels = kernels
         self.rows4 = False  # the blocks' rows interleaved four at a time (interleave_rows)
+        self.kernel_qtypes = self.qtypes  # the parts' type ids as the kernels take them (the file's, or its layout's)
 
     def packed_weight_counts(self) -> list[tuple[torch.Tensor, int]]:
         """(buffer, weights it holds): a buffer of packed blocks has far fewer elements than weights, so FLOP
@@ -46,30 +47,30 @@ class GGUFLinear(nn.Module):
     def part_blocks(self, i: int) -> torch.Tensor:
         return getattr(self, f"blocks{i}")
 
-    @property
-    def kernel_qtypes(self) -> tuple[int, ...]:
-        """The parts' type ids as the kernels take them: the file's, plus ROWS4 once interleaved."""
-        return tuple(qtype + ROWS4 if self.rows4 else qtype for qtype in self.qtypes)
-
     def replace_blocks(self, qtype: int, blocks: torch.Tensor) -> None:
         """A one-part layer's weights as other blocks of the same rows in the file's layout (--lm-head-quantization)."""
         if len(self.qtypes) != 1 or blocks.shape[0] != self.out_features:
             raise ValueError("replace_blocks takes the rows of a one-part layer")
-        self.qtypes = (qtype,)
+        self.qtypes = self.kernel_qtypes = (qtype,)
         self.rows4 = False
         self.register_buffer("blocks0", blocks)
 
     def interleave_rows(self, kernels: NativeKernels) -> bool:
-        """Every part's blocks in the ROWS4 layout (NativeKernels.interleave_rows); False, unchanged, where a part
-        cannot be (fewer than four rows) or the blocks already are."""
+        """Every part's blocks in the ROWS4 layout (NativeKernels.interleave_rows), Q5_0 parts as Q5_TILES where the
+        activations are int8 (the int8 gemv reads tiles in place; the float32 one would copy blocks out of them);
+        False, unchanged, where a part cannot be (fewer than four rows) or the blocks already are."""
         if self.rows4:
             return False
-        interleaved = [kernels.interleave_rows(self.part_blocks(i), qtype) for i, qtype in enumerate(self.qtypes)]
-        if any(blocks is None for blocks in interleaved):
+        tiles = kernels.activation_quantization == "int8"
+        interleaved = [kernels.interleave_rows(self.part_blocks(i), q, tiles) for i, q in enumerate(self.qtypes)]
+        if any(part is None for part in interleaved):
             return False
-        for i, blocks in enumerate(interleaved):
-            self.register_buffer(f"blocks{i}", blocks)
-        self.rows4 = True
+        kernel_qtypes = []
+        for i, part in enumerate(interleaved):
+            assert part is not None
+            kernel_qtypes.append(part[0])
+            self.register_buffer(f"blocks{i}", part[1])
+        self.kernel_qtypes, self.rows4 = tuple(kernel_qtypes), True
         return True
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,7 +88,8 @@ class GGUFLinear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        types = "+".join(NATIVE_GGUF_TYPES[t].name for t in self.qtypes) + (", rows x4" if self.rows4 else "")
+        tiles = ", Q5_0 tiles" if any(q & Q5_TILES for q in self.kernel_qtypes) else ""
+        types = "+".join(NATIVE_GGUF_TYPES[t].name for t in self.qtypes) + (", rows x4" if self.rows4 else "") + tiles
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}, kernels={self.kernels.name}"
 
 
@@ -127,14 +129,14 @@ class GGUFEmbedding(nn.Module):
         """The blocks `attend` reads (the LM head's) in the ROWS4 layout; lookups then gather their rows from it.
         False, unchanged, where they cannot be or already are."""
         if self.head_qweight is None:
-            blocks = None if self.rows4 else kernels.interleave_rows(self.qweight, self.qtype)
-            if blocks is not None:
-                self.qweight, self.rows4 = blocks, True
+            part = None if self.rows4 else kernels.interleave_rows(self.qweight, self.qtype)
+            if part is not None:
+                self.qweight, self.rows4 = part[1], True
         else:
-            blocks = None if self.head_rows4 else kernels.interleave_rows(self.head_qweight, self.head_qtype)
-            if blocks is not None:
-                self.head_qweight, self.head_rows4 = blocks, True
-        return blocks is not None
+            part = None if self.head_rows4 else kernels.interleave_rows(self.head_qweight, self.head_qtype)
+            if part is not None:
+                self.head_qweight, self.head_rows4 = part[1], True
+        return part is not None
 
     def packed_weight_counts(self) -> list[tuple[torch.Tensor, int]]:
         """See GGUFLinear.packed_weight_counts."""

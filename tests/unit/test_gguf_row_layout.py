@@ -4,7 +4,10 @@ of the same bytes, so every kernel must give the same bits on it as on the file'
 matmuls at every row count (the four-row gemvs, the blocked and panel paths), the dequantization, the int8 panels
 packed ahead of time; the torch reference must read it too (it de-interleaves), and an embedding tied to an
 interleaved LM head must look up the same rows. N runs through 4 (one group), tails of 1-3 rows after whole groups,
-and fewer than four rows (not interleaved at all). Each test runs on every build this CPU can run."""
+and fewer than four rows (not interleaved at all). Q5_0 rows of a multiple of 128 weights may be stored as tiles
+(Q5_TILES, for int8 activations): there the int8 gemv (1-4 rows) sums in its own order and is held to the int8
+reference within 1e-4 sqrt(K) (weights and inputs of order 1, as tests/unit/test_gguf_int8_kernels.py), every other
+path bit-equal again. Each test runs on every build this CPU can run."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from test_gguf_kernels import TYPES, random_blocks
 
 from kvserve.kernels.gguf_blocks import (
     NATIVE_GGUF_TYPES,
+    Q5_TILES,
     ROWS4,
     deinterleave_rows,
     dequantize_blocks,
@@ -48,9 +52,10 @@ def native(request) -> NativeKernels:
 def test_the_native_interleave_is_the_reference_one_and_undoes(native, qtype: int) -> None:
     for n in ROW_COUNTS:
         blocks = random_blocks(qtype, n, k_of(qtype), seed=n)
-        rows4 = native.interleave_rows(blocks, qtype)
-        assert rows4 is not None and rows4.shape == blocks.shape
-        assert torch.equal(rows4, interleave_rows(blocks, qtype))
+        interleaved = native.interleave_rows(blocks, qtype)
+        assert interleaved is not None and interleaved[0] == qtype + ROWS4
+        rows4 = interleaved[1]
+        assert rows4.shape == blocks.shape and torch.equal(rows4, interleave_rows(blocks, qtype))
         assert torch.equal(deinterleave_rows(rows4, qtype), blocks)
         if n > 4:  # the layout moved bytes: a test of it could fail
             assert not torch.equal(rows4, blocks)
@@ -64,8 +69,9 @@ def test_every_row_count_gives_the_same_bits_on_both_layouts(native, qtype: int)
     for n in ROW_COUNTS:
         k = k_of(qtype)
         blocks = random_blocks(qtype, n, k, seed=7 * n)
-        rows4 = native.interleave_rows(blocks, qtype)
-        assert rows4 is not None
+        interleaved = native.interleave_rows(blocks, qtype)
+        assert interleaved is not None
+        rows4 = interleaved[1]
         for m in (1, 2, 3, 4, 5, 9, 33):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             expected = native.gguf_matmul(x, blocks, qtype)
@@ -112,3 +118,46 @@ def test_the_loader_step_interleaves_layers_and_a_tied_head(native) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert "rows x4" in repr(linear) and "rows x4" in repr(embed)
     assert interleave_gguf_rows(model, native) == 0  # once
+
+
+@pytest.mark.parametrize("n", ROW_COUNTS)
+def test_q5_0_tiles(native, n: int) -> None:
+    """Tiles where asked for and where K is a multiple of 128 (else plain ROWS4); undone by the reference; the int8
+    gemv on them within tolerance of the int8 reference, every other path bit-equal to the file layout's."""
+    assert native.interleave_rows(random_blocks(6, 8, 96), 6, tiles=True)[0] == 6 + ROWS4  # type: ignore[index]
+    k = 384
+    blocks = random_blocks(6, n, k, seed=n)
+    interleaved = native.interleave_rows(blocks, 6, tiles=True)
+    assert interleaved is not None
+    qtype, tiles = interleaved
+    assert qtype == 6 + ROWS4 + Q5_TILES
+    assert not torch.equal(tiles, interleave_rows(blocks, 6))  # tiles are not the plain interleave
+    assert torch.equal(deinterleave_rows(tiles, qtype), blocks)
+    ids = torch.tensor([n - 1, 0, n // 2, 1])
+    assert torch.equal(gather_rows(tiles, qtype, ids), blocks[ids])
+    assert torch.equal(native.gguf_dequantize(tiles, qtype), native.gguf_dequantize(blocks, 6))
+    reference = TorchKernels(activation_quantization=native.activation_quantization)
+    for m in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got = native.gguf_matmul(x, tiles, qtype)
+        if native.activation_quantization == "int8" and m <= 4:
+            assert torch.allclose(got, reference.gguf_matmul(x, blocks, 6), rtol=0, atol=1e-4 * k**0.5), m
+            assert not torch.equal(got, torch.zeros_like(got))
+        else:
+            assert torch.equal(got, native.gguf_matmul(x, blocks, 6)), m
+    packed = native.pack_int8_panels(tiles, qtype)
+    if packed is not None:
+        assert torch.equal(packed, native.pack_int8_panels(blocks, 6))
+
+
+def test_int8_layers_store_q5_0_as_tiles(native) -> None:
+    """GGUFLinear.interleave_rows: Q5_0 parts of a multiple of 128 weights as tiles with int8 activations only."""
+    q, v = random_blocks(6, 12, 128, seed=1), random_blocks(8, 8, 128, seed=2)
+    linear = GGUFLinear([(6, q), (8, v)], None, native)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4))
+    before = linear(x)
+    assert linear.interleave_rows(native)
+    tiled = native.activation_quantization == "int8"
+    assert linear.kernel_qtypes == (6 + ROWS4 + (Q5_TILES if tiled else 0), 8 + ROWS4)
+    assert ("Q5_0 tiles" in repr(linear)) == tiled
+    assert torch.allclose(linear(x), before, rtol=0, atol=1e-4 * 128**0.5)
