@@ -232,19 +232,27 @@ inline bool q5_tiles(int32_t type) { return (type & kQ5Tiles) != 0; }
 // one load (gguf_int8_matmul.cpp's q5_tile_rows).
 struct Q5Tile {
     static constexpr int64_t kWeights = 128, kBytes = 352;
+    // The 32 codes (0-31: the file's nibble | fifth bit << 4) of row r's block i (0-3), in weight order.
+    static __m256i codes(const uint8_t* tile, int r, int i) {
+        const __m256i h = _mm256_broadcastsi128_si256(load16(tile + 32 + 16 * r));
+        const __m256i n = load32(tile + 96 + 64 * r + 32 * (i / 2));
+        const __m256i low = _mm256_and_si256(i % 2 ? _mm256_srli_epi16(n, 4) : n, _mm256_set1_epi8(0x0F));
+        // block i's fifth bits are bits 2 i (weights 0-15, the low 16 bytes) and 2 i + 1 (16-31): to bit 4
+        const int lo = 4 - 2 * i, hi = 3 - 2 * i;
+        const __m256i bit = hi >= 0 ? _mm256_sllv_epi32(h, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi))
+                                    : _mm256_srlv_epi32(h, _mm256_setr_epi32(-lo, -lo, -lo, -lo, -hi, -hi, -hi, -hi));
+        return _mm256_or_si256(low, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+    }
     // Row r's block i (0-3) of the tile as the file stores it (22 bytes at out).
     static void block(const uint8_t* tile, int r, int i, uint8_t* out) {
         memcpy(out, tile + 2 * (4 * r + i), 2);
-        const uint8_t* bits = tile + 32 + 16 * r;
-        const uint8_t* low = tile + 96 + 64 * r + 32 * (i / 2);
-        const int shift = 4 * (i % 2);
-        uint32_t fifth = 0;
-        for (int t = 0; t < 16; ++t)
-            fifth |= static_cast<uint32_t>((bits[t] >> (2 * i)) & 1) << t |
-                     static_cast<uint32_t>((bits[t] >> (2 * i + 1)) & 1) << (t + 16);
+        const __m256i c = codes(tile, r, i);
+        const uint32_t fifth = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(c, 3)));
         memcpy(out + 2, &fifth, 4);
-        for (int t = 0; t < 16; ++t)
-            out[6 + t] = static_cast<uint8_t>(((low[t] >> shift) & 15) | ((low[t + 16] >> shift) & 15) << 4);
+        const __m128i low = _mm256_castsi256_si128(c), high = _mm256_extracti128_si256(c, 1);  // weights 0-15, 16-31
+        const __m128i packed = _mm_or_si128(_mm_and_si128(low, _mm_set1_epi8(0x0F)),
+                                            _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(0x0F)), 4));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 6), packed);
     }
     // The file's block (22 bytes) into row r's block i of a tile whose bits and nibbles start zeroed.
     static void put(const uint8_t* block, int r, int i, uint8_t* tile) {

@@ -280,10 +280,6 @@ template <int C>
 inline void q5_tile_rows(const Q8Rows& a, int64_t c0, const uint8_t* group, int64_t group_bytes, int64_t groups_after,
                          int64_t ahead, float* y, int64_t ldy) {
     const int64_t k = a.k, runs = k / 32;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-    // the shifts that bring block i's fifth bits (bits 2 i in the low 16 bytes, 2 i + 1 in the high) to bit 4
-    const __m256i up0 = _mm256_setr_epi32(4, 4, 4, 4, 3, 3, 3, 3), up1 = _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1);
-    const __m256i down2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), down3 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     __m256 acc[4][C];
     __m128 off[4][C];
     for (int r = 0; r < 4; ++r)
@@ -310,16 +306,8 @@ inline void q5_tile_rows(const Q8Rows& a, int64_t c0, const uint8_t* group, int6
         }
         for (int r = 0; r < 4; ++r) {
             const __m128 s = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 8 * r)));
-            const __m256i h = _mm256_broadcastsi128_si256(load16(tile + 32 + 16 * r));
-            const __m256i n01 = load32(tile + 96 + 64 * r), n23 = load32(tile + 128 + 64 * r);
-            const __m256i codes[4] = {
-                _mm256_or_si256(_mm256_and_si256(n01, low4), _mm256_and_si256(_mm256_sllv_epi32(h, up0), bit4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n01, 4), low4),
-                                _mm256_and_si256(_mm256_sllv_epi32(h, up1), bit4)),
-                _mm256_or_si256(_mm256_and_si256(n23, low4), _mm256_and_si256(_mm256_srlv_epi32(h, down2), bit4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n23, 4), low4),
-                                _mm256_and_si256(_mm256_srlv_epi32(h, down3), bit4)),
-            };
+            const __m256i codes[4] = {Q5Tile::codes(tile, r, 0), Q5Tile::codes(tile, r, 1), Q5Tile::codes(tile, r, 2),
+                                      Q5Tile::codes(tile, r, 3)};
             for (int c = 0; c < C; ++c) {
                 const __m128 sd = _mm_mul_ps(s, xd[c]);
                 const __m256 sd2 = _mm256_set_m128(sd, sd);

@@ -216,11 +216,15 @@ def use_gguf_blocks(model: nn.Module, blocks: Mapping[str, tuple[int, torch.Tens
 
 
 def interleave_gguf_rows(model: nn.Module, kernels: Kernels) -> int:
-    """Every GGUF matrix of `model` (GGUFLinear, and the embedding's LM head) in the ROWS4 layout, where the kernels
-    are the native ones (nothing else reads it); returns how many were interleaved. The loader's last step, after
-    --lm-head-quantization has re-quantized the head from the file's layout."""
+    """Every GGUF matrix of `model` (GGUFLinear, and the embedding where it is the LM head too) in the ROWS4 layout,
+    where the kernels are the native ones (nothing else reads it); returns how many were interleaved. An embedding
+    beside a separate LM head (`model.lm_head` set) is only looked up, so it keeps the file's layout. The loader's
+    last step, after --lm-head-quantization has re-quantized the head from the file's layout."""
     if not isinstance(kernels, NativeKernels):
         return 0
+    tied = getattr(model, "lm_head", None) is None
     return sum(
-        module.interleave_rows(kernels) for module in model.modules() if isinstance(module, GGUFLinear | GGUFEmbedding)
+        module.interleave_rows(kernels)
+        for module in model.modules()
+        if isinstance(module, GGUFLinear) or (isinstance(module, GGUFEmbedding) and tied)
     )

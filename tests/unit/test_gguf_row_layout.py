@@ -120,6 +120,19 @@ def test_the_loader_step_interleaves_layers_and_a_tied_head(native) -> None:
     assert interleave_gguf_rows(model, native) == 0  # once
 
 
+def test_an_embedding_beside_its_own_lm_head_keeps_the_file_layout(native) -> None:
+    """Only looked up (an untied model: `lm_head` set), the embedding is left as the file stores it."""
+
+    class Untied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = GGUFEmbedding(8, random_blocks(8, 16, 64, seed=3), torch.float32, native)
+            self.lm_head = GGUFLinear([(8, random_blocks(8, 16, 64, seed=4))], None, native)
+
+    model = Untied()
+    assert interleave_gguf_rows(model, native) == 1 and model.lm_head.rows4 and not model.embed.rows4
+
+
 @pytest.mark.parametrize("n", ROW_COUNTS)
 def test_q5_0_tiles(native, n: int) -> None:
     """Tiles where asked for and where K is a multiple of 128 (else plain ROWS4); undone by the reference; the int8
