@@ -310,7 +310,7 @@ struct RowBlocks {
     int64_t block_step(int64_t row) const { return row < grouped ? 4 * block_bytes : block_bytes; }
 };
 
-// call(Format{}) for a type id (kRows4 or not); another type is a bug in the caller (callers pass only
+// call(Format{}) for a type id (with kRows4 / kQ5Tiles or not); another type is a bug in the caller (callers pass only
 // gguf_blocks.NATIVE_GGUF_TYPES), never an unwritten output: the process aborts with a message.
 template <typename Call>
 void dispatch(int32_t type, const Call& call) {

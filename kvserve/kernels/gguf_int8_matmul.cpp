@@ -299,8 +299,8 @@ inline void q5_tile_rows(const Q8Rows& a, int64_t c0, const uint8_t* group, int6
         __m128 xd[C], xs[C];
         for (int c = 0; c < C; ++c) {
             const int64_t row = c0 + c;
-            for (int i = 0; i < 4; ++i)
-                xq[c][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * k + 128 * t + 32 * i));
+            const int8_t* q = a.q.data() + row * k + 128 * t;
+            for (int i = 0; i < 4; ++i) xq[c][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
             xd[c] = _mm_loadu_ps(a.d.data() + row * runs + 4 * t);
             xs[c] = _mm_mul_ps(_mm_loadu_ps(a.dsum.data() + row * runs + 4 * t), _mm_set1_ps(16.0f));
         }
