@@ -7,8 +7,8 @@ different types; each part writes its own columns of the output. A layer any of 
 native kernel (Q3_K, IQ4_XS, F16, ...) stays a float32 nn.Linear, filled from the dequantized tensors (logged).
 
 With the native kernels the loader then interleaves each matrix's rows four at a time (interleave_gguf_rows: the
-same bytes, read by the gemvs as one stream; kernels/gguf_blocks.py's ROWS4); `qtypes` stay the file's types and
-`rows4` says which layout the blocks are in."""
+same bytes, read by the gemvs as one stream; kernels/gguf_blocks.py's ROWS4, and Q5_TILES for Q5_0 with int8
+activations); `qtypes` stay the file's types, `kernel_qtypes` are the ids the kernels take (the layout's)."""
 
 from __future__ import annotations
 
