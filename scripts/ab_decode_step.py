@@ -11,8 +11,9 @@ The two builds must share kernels.h's structs (the engine's layer descriptions a
 `file-layout` in OLD.so's place compares the weights' layouts instead, on the current build: "old" is a second
 engine whose loader leaves the GGUF blocks as the file stores them (interleave_gguf_rows skipped), "new" the
 usual one (rows interleaved four at a time); both engines live in the process, their rounds alternated.
+`plain-rows` the same, "old" with the rows interleaved but no Q5_0 tiles (gguf_blocks.py's Q5_TILES).
 
-Usage: python scripts/ab_decode_step.py OLD.so|file-layout [--batch 1] [--activation-quantization int8]
+Usage: python scripts/ab_decode_step.py OLD.so|file-layout|plain-rows [--batch 1] [--activation-quantization int8]
        [--rounds 12] [--steps 40] [--model NAME]
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.kernels import ops
 from kvserve.kernels.native import load_native_library
 from kvserve.kernels.ops import NativeKernels
 from kvserve.model import loader
@@ -34,7 +36,7 @@ from kvserve.sampling_params import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old", help="an earlier build's .so, or file-layout")
+    parser.add_argument("old", help="an earlier build's .so, file-layout or plain-rows")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--activation-quantization", default="int8")
     parser.add_argument("--rounds", type=int, default=12)
@@ -47,18 +49,23 @@ def main() -> None:
         quantization="auto",
         activation_quantization=args.activation_quantization,
     )
-    file_layout = None
+    other_layout = None
     if args.old == "file-layout":
         interleave = loader.interleave_gguf_rows
         loader.interleave_gguf_rows = lambda model, kernels: 0  # type: ignore[assignment]
-        file_layout = LLMEngine.from_config(config)
+        other_layout = LLMEngine.from_config(config)
         loader.interleave_gguf_rows = interleave
+    elif args.old == "plain-rows":
+        tiles_fit = ops.q5_tiles_fit
+        ops.q5_tiles_fit = lambda qtype, k: False  # type: ignore[assignment]
+        other_layout = LLMEngine.from_config(config)
+        ops.q5_tiles_fit = tiles_fit
     engine = LLMEngine.from_config(config)
     kernels = engine.core.runner.model.kernels
     assert isinstance(kernels, NativeKernels), "needs the native kernels"
     # name -> (engine, the library its kernels call)
     builds = {
-        "old": (file_layout, kernels.library) if file_layout else (engine, load_native_library(Path(args.old))),
+        "old": (other_layout, kernels.library) if other_layout else (engine, load_native_library(Path(args.old))),
         "new": (engine, kernels.library),
     }
     lm_head: list[float] = []

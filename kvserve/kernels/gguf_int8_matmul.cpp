@@ -151,7 +151,7 @@ std::vector<int32_t> zero_offsets(const Q8Rows& a) {
 // Lane r (0-3) of each 128-bit half of v, in all four lanes of that half: vshufps with an immediate (r is a
 // constant once gemv_rows is unrolled). _mm256_permutevar_ps with a broadcast index did the same in one
 // instruction, but GCC built the index vector again for each use (vmovd + vpbroadcastd, or a reload from the
-// stack): a Zen 3 host's Q5_0 gemv ran cold at 0.63 G runs a second that way and at 0.87 with the immediate.
+// stack). Fewer instructions; no change measured in a decode step (docs/PERFORMANCE_NOTES.md attempt 73).
 inline __m256 lane_of_halves(__m256 v, int r) {
     switch (r) {
         case 0: return _mm256_shuffle_ps(v, v, 0x00);
@@ -289,12 +289,7 @@ inline void q5_tile_rows(const Q8Rows& a, int64_t c0, const uint8_t* group, int6
         }
     for (int64_t t = 0; t < k / Q5Tile::kWeights; ++t) {
         const uint8_t* tile = group + t * Q5Tile::kBytes;
-        if (groups_after >= ahead)
-            for (int64_t o = 0; o < Q5Tile::kBytes; o += 64) {
-                _mm_prefetch(reinterpret_cast<const char*>(tile + ahead * group_bytes + o), _MM_HINT_T0);
-                if (groups_after >= 2 * ahead)
-                    _mm_prefetch(reinterpret_cast<const char*>(tile + 2 * ahead * group_bytes + o), _MM_HINT_T1);
-            }
+        prefetch_ahead<Q5Tile>(tile, group_bytes, groups_after, ahead);  // the whole tile, as a block
         __m256i xq[C][4];
         __m128 xd[C], xs[C];
         for (int c = 0; c < C; ++c) {

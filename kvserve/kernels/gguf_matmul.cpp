@@ -331,14 +331,14 @@ void interleave_rows(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8
 extern "C" {
 
 // x: [m, k] contiguous; w: [n, k / block] blocks of `type`, rows contiguous, or interleaved four at a time where
-// type has kRows4 (gguf_formats.h's RowBlocks); y: [m, >= n], rows ldy apart.
+// type has kRows4 (and in Q5_0 tiles with kQ5Tiles; gguf_formats.h's RowBlocks); y: [m, >= n], rows ldy apart.
 // Requires k to be a multiple of the type's block (32 or 256).
 void kvserve_gguf_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n,
                          float* y, int64_t ldy) {
     dispatch(type, [&](auto format) { matmul<decltype(format)>(x, m, k, w, type, n, y, ldy); });
 }
 
-// rows of k weights stored as blocks of `type` (kRows4: interleaved) -> out [rows, k] float32 (an embedding's
+// rows of k weights stored as blocks of `type` (in either layout) -> out [rows, k] float32 (an embedding's
 // looked-up rows).
 void kvserve_gguf_dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out) {
     dispatch(type, [&](auto format) { dequantize<decltype(format)>(w, type, rows, k, out); });

@@ -135,7 +135,8 @@ void kvserve_q8_matmul(const float* x, int64_t m, int64_t k, const int8_t* w, co
 // gguf_matmul.cpp: x [m, k] @ W^T, W [n, k] as GGUF blocks of ggml `type` -> y [m, >= n], rows ldy apart. A type
 // it has no kernel for aborts the process with a message (callers check it first: gguf_blocks.NATIVE_GGUF_TYPES).
 // Every GGUF entry point takes a type id with kRows4 (256) added for rows interleaved four at a time
-// (gguf_formats.h's RowBlocks), as kvserve_gguf_interleave_rows lays them out from the file's.
+// (gguf_formats.h's RowBlocks), and for Q5_0 kQ5Tiles (512) as well for tiles (Q5Tile), as
+// kvserve_gguf_interleave_rows lays them out from the file's.
 void kvserve_gguf_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int32_t type, int64_t n, float* y,
                          int64_t ldy);
 // gguf_int8_matmul.cpp: as kvserve_gguf_matmul with x quantized to 8 bits per run of 32 (--activation-quantization
@@ -150,7 +151,7 @@ void kvserve_gguf_matmul_int8_packed(const float* x, int64_t m, int64_t k, const
                                      int32_t type, int64_t n, float* y, int64_t ldy);
 void kvserve_int8_dot_isa(int64_t* isa);
 // rows of k weights stored as blocks of `type` -> out [rows, k] float32 (an embedding's looked-up rows); a weight
-// [n, k] of ggml `type` in the file's layout -> the same bytes with its rows interleaved (for type | 256).
+// [n, k] of a ggml type in the file's layout -> the same bytes in the layout of kernel type `type` (+ 256, + 512).
 void kvserve_gguf_dequantize(const uint8_t* w, int32_t type, int64_t rows, int64_t k, float* out);
 void kvserve_gguf_interleave_rows(const uint8_t* w, int32_t type, int64_t n, int64_t k, uint8_t* out);
 // rms_norm.cpp: RMSNorm over the last axis of x [tokens, groups, dim] (rows x_stride apart) times w.

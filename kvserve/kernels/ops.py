@@ -81,7 +81,7 @@ class Kernels(Protocol):
         self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [M, K] @ W^T with W [N, K] held as GGUF blocks of ggml type `qtype` (uint8 [N, row_bytes], see
-        kernels/gguf_blocks.py; `qtype` plus ROWS4 where the rows are interleaved four at a time) -> [M, N] float32;
+        kernels/gguf_blocks.py; `qtype` plus ROWS4, and Q5_TILES, for the native layouts) -> [M, N] float32;
         into `out` ([M, N] float32 whose rows may be a column slice of a wider buffer) when given, and then `out` is
         returned. With activation_quantization "int8", x is first quantized to 8 bits per run of 32
         (kernels/activation_quant.py)."""
