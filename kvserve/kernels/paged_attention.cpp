@@ -23,6 +23,12 @@
 // - Weighted sum of V: the group's heads x a slice of columns accumulate in registers across the chunk's keys, each
 //   V row converted in registers once (bf16 by a shift, fp16 and fp8 by F16C, int8 by a widening convert).
 // - An 8-bit cache's K scale multiplies each score, its V scale each softmax weight (after their sum).
+// - With AVX2 alone, a group of at least four query heads a KV head takes the heads-on-lanes path instead
+//   (attend_part_lanes): each K row read once, converted in registers, against all the group's heads, one vector of
+//   scores a key with a head on each lane, so that the softmax runs down the keys with no horizontal max or sum.
+//   On a Zen 3 host, against the keys-on-lanes path (which widens K into a tile, reads it once a head and reduces 8
+//   sums a key and head): one step's attention at Qwen2.5-0.5B's shapes 1.2-1.3x faster at 4k-32k tokens
+//   (docs/PERFORMANCE_NOTES.md, attempt 75).
 // - On a bfloat16 cache where the library is built for AVX512_BF16, scores and the weighted sum take bfloat16 dot
 //   products (vdpbf16ps: a pair of products a float32 lane, twice a float32 FMA's multiply-adds), as prefill attention
 //   does (the "bfloat16 dot-product path" below): K's rows are transposed in registers, 16 keys at a time, into pairs
@@ -76,6 +82,7 @@ struct Scratch {
     std::vector<float> kscale;       // [kv_heads, kChunk]: each key's K scale (8-bit caches)
     std::vector<float> vscale;       // [kv_heads, kChunk]
     std::vector<int64_t> slot;       // [kChunk]: each key's slot in the cache
+    std::vector<const void*> krow;   // heads-on-lanes path: [kv_heads, kChunk]: each key's K row
     std::vector<const void*> vrow;   // [kv_heads, kChunk]: each key's V row
     std::vector<const char*> ahead;  // [kChunk]: the next chunk's slots (K, then V at `v_offset`), prefetched meanwhile
     std::vector<uint32_t> qp;        // bfloat16 path: [heads, padded dim / 2] the scaled queries as bfloat16 pairs
@@ -545,6 +552,212 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
     }
 }
 
+#if !defined(__AVX512F__)
+// The heads-on-lanes path (AVX2; a group of at least kMinLaneHeads query heads a KV head, head size a multiple of
+// 16). Where the keys-on-lanes path above widens each tile of K into float32 in memory, then reads it once per head
+// and reduces 8 sums a key per head, this one reads each K row once, converted in registers, against every head of
+// the group (the queries are FMA's memory operands), and one tree of shuffles (sum_lanes) turns the group's 8
+// accumulators into one vector of scores: lane g is head g's. The online softmax then runs down the keys with the
+// heads on the lanes (one exp a key for the whole group, no horizontal max or sum), and each weight is broadcast from
+// its lane into the weighted sum of V. A row is read 16 values at a time (load16): a bfloat16 row as the even and the
+// odd elements of one 32-byte load, by a shift and a mask (one operation a vector of 8 where a widening takes two),
+// the queries permuted to match and the weighted sums put back in order once a part.
+constexpr int64_t kMinLaneHeads = 4;  // fewer: most of a score vector's lanes would be idle
+constexpr int kLaneHeads = 8;         // heads a pass of scores holds (a vector's lanes)
+constexpr int kSumHeads = 6;          // heads a weighted-sum pass holds: 6 x 2 accumulators, 2 V vectors, a weight
+
+// 16 elements of a row -> two float32 vectors: bfloat16's even elements (lanes 0-7 of lo) and odd ones (hi), the
+// other types' first and last 8 (bf16_order says which).
+template <typename E>
+__attribute__((always_inline)) inline void load16(const typename E::T* p, __m256& lo, __m256& hi) {
+    if constexpr (std::is_same_v<E, kvserve::kv::Bfloat16>) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    } else {
+        lo = E::load8(p), hi = E::load8(p + 8);
+    }
+}
+
+// A head's `dim` values in load16's order (bfloat16: each block of 16 as its 8 even elements, then its 8 odd ones),
+// times `scale`; and back (unpermute: in order again).
+template <typename E>
+inline void permute16(const float* x, int64_t dim, float scale, float* out) {
+    for (int64_t b = 0; b < dim; b += 16)
+        for (int64_t i = 0; i < 16; ++i)
+            out[b + i] = scale * (std::is_same_v<E, kvserve::kv::Bfloat16> ? x[b + 2 * (i % 8) + i / 8] : x[b + i]);
+}
+template <typename E>
+inline void unpermute16(const float* x, int64_t dim, float* out) {
+    for (int64_t b = 0; b < dim; b += 16)
+        for (int64_t i = 0; i < 16; ++i)
+            out[b + i] = std::is_same_v<E, kvserve::kv::Bfloat16> ? x[b + (i % 2) * 8 + i / 2] : x[b + i];
+}
+
+// s[j * 8 + g] = q_g . k_j for the G heads at qs (their rows `dim` apart, in load16's order) and the n keys' rows;
+// lanes G .. 7 get 0.
+template <typename E, int G>
+inline void lane_scores(const float* qs, const void* const* krow, int64_t n, int64_t dim, float* s,
+                        LinePrefetcher& pf) {
+    LinePrefetcher ahead = pf;
+    for (int64_t j = 0; j < n; ++j) {
+        ahead.step();
+        const typename E::T* k = static_cast<const typename E::T*>(krow[j]);
+        __m256 acc[kLaneHeads];
+        for (int g = 0; g < kLaneHeads; ++g) acc[g] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+            __m256 lo, hi;
+            load16<E>(k + d, lo, hi);
+            for (int g = 0; g < G; ++g) {
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * dim + d), lo, acc[g]);
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * dim + d + 8), hi, acc[g]);
+            }
+        }
+        _mm256_storeu_ps(s + 8 * j, kvserve::F32x8::sum_lanes(acc));
+    }
+    pf = ahead;
+}
+
+// o[g][d .. d + 16) = alpha[g] o[g][...] + sum over the n keys of s[j * 8 + g] V_j[...], for G heads.
+template <typename E, int G>
+inline void lane_weighted(const float* s, const void* const* vrow, int64_t n, int64_t d, const float* alpha, float* o,
+                          int64_t dim, LinePrefetcher& pf) {
+    __m256 acc[G][2];
+    for (int g = 0; g < G; ++g) {
+        const __m256 a = _mm256_set1_ps(alpha[g]);
+        acc[g][0] = _mm256_mul_ps(_mm256_loadu_ps(o + g * dim + d), a);
+        acc[g][1] = _mm256_mul_ps(_mm256_loadu_ps(o + g * dim + d + 8), a);
+    }
+    LinePrefetcher ahead = pf;
+    for (int64_t j = 0; j < n; ++j) {
+        ahead.step();
+        __m256 lo, hi;
+        load16<E>(static_cast<const typename E::T*>(vrow[j]) + d, lo, hi);
+        for (int g = 0; g < G; ++g) {
+            const __m256 w = _mm256_broadcast_ss(s + 8 * j + g);
+            acc[g][0] = _mm256_fmadd_ps(w, lo, acc[g][0]);
+            acc[g][1] = _mm256_fmadd_ps(w, hi, acc[g][1]);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        _mm256_storeu_ps(o + g * dim + d, acc[g][0]);
+        _mm256_storeu_ps(o + g * dim + d + 8, acc[g][1]);
+    }
+    pf = ahead;
+}
+
+// attend_part's job on the heads-on-lanes path.
+template <typename E>
+void attend_part_lanes(const KvserveDecodeAttention& a, int64_t b, int64_t first, int64_t last, Scratch& sc,
+                       float* part) {
+    using T = typename E::T;
+    const int64_t heads = a.heads, kv_heads = a.kv_heads, group = heads / kv_heads, dim = a.dim;
+    const int64_t block_size = a.block_size, stride = kv_heads * dim;
+    const int64_t* table = a.block_tables + b * a.table_width;
+    const T* k_cache = static_cast<const T*>(a.k_cache);
+    const T* v_cache = static_cast<const T*>(a.v_cache);
+    const float* q = a.q + b * heads * dim;
+    const void** const krows = sc.krow.data();
+    const void** const vrows = sc.vrow.data();
+    const char** const ahead = sc.ahead.data();
+    float* const s = sc.s.data();
+    float* const o = sc.o.data();
+    for (int64_t g = 0; g < heads; ++g)
+        permute16<E>(q + g * dim, dim, static_cast<float>(a.scale), sc.qs.data() + g * dim);
+    std::fill(o, o + heads * dim, 0.0f);
+    std::fill(sc.m.begin(), sc.m.begin() + heads, -INFINITY);
+    std::fill(sc.l.begin(), sc.l.begin() + heads, 0.0f);
+    // Score passes of at most kLaneHeads heads, weighted-sum passes of at most kSumHeads, each split evenly.
+    const int64_t lane_passes = (group + kLaneHeads - 1) / kLaneHeads;
+    const int64_t slot_bytes = stride * static_cast<int64_t>(sizeof(T));
+    const int64_t v_offset = reinterpret_cast<const char*>(v_cache) - reinterpret_cast<const char*>(k_cache);
+    auto slots_of = [&](int64_t pos, int64_t n, auto&& out) {
+        int64_t block = pos / block_size, off = pos % block_size;
+        for (int64_t j = 0; j < n;) {
+            const int64_t base = table[block] * block_size, run = std::min(n - j, block_size - off);
+            for (int64_t i = 0; i < run; ++i) out(j + i, base + off + i);
+            j += run, ++block, off = 0;
+        }
+    };
+    int64_t sum_passes = 0;  // weighted-sum passes over a chunk's keys, for the prefetcher's steps
+    for (int64_t lp = 0; lp < lane_passes; ++lp) {
+        const int64_t lg = (lp + 1) * group / lane_passes - lp * group / lane_passes;
+        sum_passes += (lg + kSumHeads - 1) / kSumHeads * (dim / 16);
+    }
+    for (int64_t c0 = first; c0 < last;) {
+        const int64_t c1 = std::min(last, c0 + kChunk), n = c1 - c0;
+        slots_of(c0, n, [&](int64_t j, int64_t slot) {
+            for (int64_t h = 0; h < kv_heads; ++h) {
+                const int64_t row = slot * kv_heads + h;
+                krows[h * kChunk + j] = k_cache + row * dim;
+                vrows[h * kChunk + j] = v_cache + row * dim;
+                if constexpr (E::kScaled) {
+                    sc.kscale[h * kChunk + j] = a.k_scales[row] * E::kUnit;
+                    sc.vscale[h * kChunk + j] = a.v_scales[row] * E::kUnit;
+                }
+            }
+        });
+        const int64_t n_next = std::min(last, c1 + kChunk) - c1;
+        slots_of(c1, n_next, [&](int64_t j, int64_t slot) {
+            ahead[j] = reinterpret_cast<const char*>(k_cache + slot * stride);
+        });
+        const int64_t steps = kv_heads * n * (lane_passes + sum_passes);
+        LinePrefetcher pf;
+        pf.slot = ahead, pf.slots = n_next, pf.lines = (slot_bytes + 63) / 64, pf.v_offset = v_offset;
+        pf.per_step = (2 * pf.lines * n_next + steps - 1) / std::max<int64_t>(steps, 1);
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t lp = 0; lp < lane_passes; ++lp) {
+                const int64_t g0 = h * group + lp * group / lane_passes;
+                const int64_t lg = h * group + (lp + 1) * group / lane_passes - g0;
+                kvserve::with_count<kLaneHeads>(lg, [&](auto G) {
+                    lane_scores<E, decltype(G)::value>(sc.qs.data() + g0 * dim, krows + h * kChunk, n, dim, s, pf);
+                });
+                // The online softmax down the keys, a head a lane: the chunk's max, the earlier sums rescaled.
+                __m256 mx = _mm256_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < n; ++j) {
+                    __m256 sj = _mm256_loadu_ps(s + 8 * j);
+                    if constexpr (E::kScaled) sj = _mm256_mul_ps(sj, _mm256_broadcast_ss(&sc.kscale[h * kChunk + j]));
+                    _mm256_storeu_ps(s + 8 * j, sj);
+                    mx = _mm256_max_ps(mx, sj);
+                }
+                alignas(32) float m_old[8] = {}, l_old[8] = {}, alpha[8], l_new[8], m_new[8];
+                for (int64_t g = 0; g < lg; ++g) m_old[g] = sc.m[g0 + g], l_old[g] = sc.l[g0 + g];
+                const __m256 mv = _mm256_max_ps(_mm256_load_ps(m_old), mx);
+                // exp of (-inf) - m is clamped to exp(-87), and multiplies sums that are still 0
+                const __m256 av = kvserve::exp256(_mm256_sub_ps(_mm256_load_ps(m_old), mv));
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t j = 0; j < n; ++j) {
+                    __m256 e = kvserve::exp256(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * j), mv));
+                    sum = _mm256_add_ps(sum, e);
+                    if constexpr (E::kScaled) e = _mm256_mul_ps(e, _mm256_broadcast_ss(&sc.vscale[h * kChunk + j]));
+                    _mm256_storeu_ps(s + 8 * j, e);
+                }
+                _mm256_store_ps(l_new, _mm256_fmadd_ps(_mm256_load_ps(l_old), av, sum));
+                _mm256_store_ps(alpha, av), _mm256_store_ps(m_new, mv);
+                for (int64_t g = 0; g < lg; ++g) sc.m[g0 + g] = m_new[g], sc.l[g0 + g] = l_new[g];
+                const int64_t sum_count = (lg + kSumHeads - 1) / kSumHeads;
+                for (int64_t sp = 0; sp < sum_count; ++sp) {
+                    const int64_t w0 = sp * lg / sum_count, w1 = (sp + 1) * lg / sum_count;
+                    for (int64_t d = 0; d < dim; d += 16)
+                        kvserve::with_count<kSumHeads>(w1 - w0, [&](auto G) {
+                            lane_weighted<E, decltype(G)::value>(s + w0, vrows + h * kChunk, n, d, alpha + w0,
+                                                                 o + (g0 + w0) * dim, dim, pf);
+                        });
+                }
+            }
+        pf.rest();
+        c0 = c1;
+    }
+    const int64_t stride_out = dim + 2;
+    for (int64_t g = 0; g < heads; ++g) {
+        float* pg = part + g * stride_out;
+        pg[0] = sc.m[g];
+        pg[1] = sc.l[g];
+        unpermute16<E>(o + g * dim, dim, pg + 2);
+    }
+}
+#endif
+
 template <typename E>
 void decode_attention(const KvserveDecodeAttention& a) {
     const int64_t batch = a.batch, heads = a.heads, kv_heads = a.kv_heads, dim = a.dim;
@@ -567,11 +780,12 @@ void decode_attention(const KvserveDecodeAttention& a) {
     {
         thread_local Scratch sc;
         const int64_t odim = (dim + 31) / 32 * 32;  // the bfloat16 path's blocks of 32 dims
-        sc.qs.resize(heads * dim), sc.o.resize(heads * odim), sc.s.resize(heads * kChunk);
+        sc.qs.resize(heads * dim), sc.o.resize(heads * odim), sc.s.resize(std::max(heads, int64_t{8}) * kChunk);
         sc.qp.resize(heads * odim / 2), sc.pp.resize(heads * kChunk / 2), sc.kt.resize(odim / 2 * 32);
         sc.m.resize(heads), sc.l.resize(heads), sc.alpha.resize(heads);
         sc.tile.resize(kLanes * dim), sc.kscale.resize(kv_heads * kChunk), sc.vscale.resize(kv_heads * kChunk);
-        sc.slot.resize(kChunk), sc.vrow.resize(kv_heads * kChunk), sc.ahead.resize(kChunk);
+        sc.slot.resize(kChunk), sc.krow.resize(kv_heads * kChunk), sc.vrow.resize(kv_heads * kChunk);
+        sc.ahead.resize(kChunk);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < batch * splits; ++item) {
             const int64_t b = item / splits, part = item % splits;
@@ -580,7 +794,14 @@ void decode_attention(const KvserveDecodeAttention& a) {
             const int64_t base = lo / kLanes * kLanes;
             const int64_t per = ((len - base + splits - 1) / splits + kLanes - 1) / kLanes * kLanes;
             const int64_t first = std::max(lo, base + part * per), last = std::min(len, base + (part + 1) * per);
-            attend_part<E>(a, b, first, std::max(first, last), sc, partial.data() + item * heads * stride_out);
+            float* out = partial.data() + item * heads * stride_out;
+#if !defined(__AVX512F__)
+            if (heads / kv_heads >= kMinLaneHeads && dim % 16 == 0) {
+                attend_part_lanes<E>(a, b, first, std::max(first, last), sc, out);
+                continue;
+            }
+#endif
+            attend_part<E>(a, b, first, std::max(first, last), sc, out);
         }
         // Merge the parts of each (sequence, query head): each part's sums rescaled to their common max.
 #pragma omp for schedule(static)

@@ -9,6 +9,7 @@ same softmax over the same values; only summation order and the polynomial exp d
 so that the 8-bit scales differ). Shapes: Qwen2.5-0.5B's (14 query
 heads over 2 KV heads of 64), Gemma 3's (4 over 1 of 256), and head sizes with tails (12, 40); contexts around the
 kernels' boundaries (a key tile of 8 or 16, chunks of 128 or 256 keys, parts of a split context), block sizes 1, 5, 16;
+groups of 1-16 query heads a KV head (AVX2 takes groups of 4 or more with the heads on a vector's lanes);
 sliding windows; 1-4 threads (the split over threads)."""
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ DECODE_CASES = {
     "block_1_window": ([(90, 1), (33, 1)], 1, 3, 1, 12, 17),
     "mha_many_heads": ([(50, 1)], 4, 9, 1, 16, None),
     "dims_past_whole_pair_blocks": ([(150, 1), (33, 1)], 16, 8, 2, 48, None),
+    # the AVX2 heads-on-lanes path: two score passes of 8 heads, weighted-sum passes of 4; a group of 6 at 128
+    "group_of_16_head_128": ([(200, 1), (31, 1)], 16, 16, 1, 128, None),
+    "group_of_6_head_128_window": ([(300, 1), (140, 1)], 16, 12, 2, 128, 100),
 }
 PREFILL_CASES = {
     "qwen_chunk_over_cached_prefix": ([(600, 37), (9, 1)], 16, 14, 2, 64, None),
