@@ -21,6 +21,8 @@ from kvserve.bench.options import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvserve.bench.report import Report, Table
     from kvserve.bench.systems import System, Timeline
     from kvserve.engine.engine import LLMEngine
@@ -142,7 +144,15 @@ def run(args: argparse.Namespace) -> int:
     model = engine.core.runner.model
     assert isinstance(model, torch.nn.Module), "the floor is counted over a loaded torch module's tensors"
     cost = model_cost(model, engine.core.model_config, engine.core.kv_config.bytes_per_token)
-    single, batch = measure(systems, plan, engine)
+    # llama-bench's pp / tg runs between the halves of kvserve's repeats (as --depth's do), so that a host whose speed
+    # drifts over the minutes of a run moves both systems' figures alike.
+    llama_rows: tuple[list[dict], list[dict]] = ([], [])
+
+    def llama_midway() -> None:
+        nonlocal llama_rows
+        llama_rows = llama_cpp_rows(args, plan, report)
+
+    single, batch = measure(systems, plan, engine, midway=llama_midway if "llama-cpp" in args.peer else None)
     depth_plan, depth_rows = depth_section.plan_from_args(args), []
     if depth_plan is not None:
         llama = llama_cpp_depth(args, engine, report) if "llama-cpp" in args.peer else None
@@ -151,10 +161,8 @@ def run(args: argparse.Namespace) -> int:
     # Measured again afterwards: on a shared machine the ceilings drift too, and a floor must be the best case.
     ceilings = ceilings.best_of(measure_ceilings(device=device, int8=ceilings.int8_matmul_gops is not None))
     depth_section.add_floors(depth_rows, cost, ceilings, int8="kvserve" in int8)
-    if "llama-cpp" in args.peer:
-        llama_rows = llama_cpp_rows(args, plan, report)
-        single += llama_rows[0]
-        batch += llama_rows[1]
+    single += llama_rows[0]
+    batch += llama_rows[1]
     # Each system's rows against its own floor: int8 activations' matmuls at the int8 rate, the others' at float32's.
     for row in single:
         i8 = row["system"] in int8
@@ -188,8 +196,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(systems: list[System], plan: LatencyPlan, engine: LLMEngine) -> tuple[list[dict], list[dict]]:
-    """Alternate systems inside every repeat, with fresh random prompts each time (no prefix-cache hits)."""
+def measure(
+    systems: list[System], plan: LatencyPlan, engine: LLMEngine, midway: Callable[[], None] | None = None
+) -> tuple[list[dict], list[dict]]:
+    """Alternate systems inside every repeat, with fresh random prompts each time (no prefix-cache hits); `midway`
+    (a peer measured outside this process) runs once, before repeat repeats // 2."""
     from kvserve.bench.systems import special_token_ids
     from kvserve.bench.workload import random_token_ids
 
@@ -197,7 +208,9 @@ def measure(systems: list[System], plan: LatencyPlan, engine: LLMEngine) -> tupl
     rng = random.Random(plan.seed)
     single_runs: dict[tuple[str, int], list[Timeline]] = {(s.name, n): [] for s in systems for n in plan.prompt_lens}
     batch_runs: dict[tuple[str, int], list[Timeline]] = {(s.name, b): [] for s in systems for b in plan.batch_sizes}
-    for _ in range(plan.repeats):
+    for repeat in range(plan.repeats):
+        if midway is not None and repeat == plan.repeats // 2:
+            midway()
         for n in plan.prompt_lens:
             prompt = random_token_ids(rng, n, vocab, exclude)
             for s in systems:

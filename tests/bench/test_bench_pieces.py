@@ -177,3 +177,27 @@ def test_bench_help_documents_each_schema():
         text = sub.format_help()
         assert "JSON schema" in text and "--json" in text and "--plot" in text, name
     assert isinstance(parser.parse_args(["bench", "latency", "--batch-sizes", "1,8"]), argparse.Namespace)
+
+
+def test_latency_runs_an_outside_peer_between_the_halves_of_its_repeats(monkeypatch):
+    """llama-bench's pp / tg (a peer outside the process) runs midway through kvserve's repeats, as --depth's
+    llama-bench -d does, so that a host whose speed drifts during a run moves both systems alike."""
+    from types import SimpleNamespace
+
+    from kvserve.bench import latency, systems
+
+    calls: list[str] = []
+
+    class Recorder:
+        name = "kvserve"
+
+        def timed_generate(self, prompts: list[list[int]], output_len: int) -> Timeline:
+            calls.append("kvserve")
+            return Timeline(start=0.0, stamps=[0.1, 0.2, 0.3])
+
+    monkeypatch.setattr(systems, "special_token_ids", lambda engine: [])
+    engine = SimpleNamespace(core=SimpleNamespace(model_config=SimpleNamespace(vocab_size=50)))
+    plan = latency.LatencyPlan([8], 2, [1], 4, 2, 4, 0)
+    latency.measure([Recorder()], plan, engine, midway=lambda: calls.append("peer"))  # type: ignore[arg-type]
+    # each repeat: one single-request run and one batch run; the peer before the third of four repeats
+    assert calls == ["kvserve"] * 4 + ["peer"] + ["kvserve"] * 4
