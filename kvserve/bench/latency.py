@@ -54,7 +54,8 @@ ratios: {"prefill_speed@prompt<L>:kvserve/<peer>", "decode_speed@prompt<L>:kvser
 Times are medians over --repeats runs, a run's decode time its median step (a stall of the host moves a mean over
 the steps, not the median: decode_ms_per_token_mean_runs has the means); floors are max(bytes read / bandwidth,
 FLOPs / matmul rate) with both rates measured in the same run. llama.cpp rows come from llama-bench (pp and tg at
-empty context; tg after a context of N tokens at depth)."""
+empty context, run midway through kvserve's repeats; tg after a context of N tokens at depth, between the halves of
+each depth's runs)."""
 )
 
 
