@@ -33,6 +33,29 @@ from kvserve.kernels.ops import NativeKernels
 from kvserve.model import loader
 from kvserve.sampling_params import SamplingParams
 
+LAYOUTS = ("file-layout", "plain-rows", "tiles")
+
+
+def engine_with_layout(config: EngineConfig, layout: str) -> LLMEngine:
+    """An engine whose loader lays the GGUF weights out as `layout` says: "file-layout" as the file stores them
+    (interleave_gguf_rows skipped), "plain-rows" interleaved four at a time without Q5_0 tiles, "tiles" as the
+    engine's own loader does (interleaved, Q5_0 in tiles)."""
+    if layout == "file-layout":
+        interleave = loader.interleave_gguf_rows
+        loader.interleave_gguf_rows = lambda model, kernels: 0  # type: ignore[assignment]
+        try:
+            return LLMEngine.from_config(config)
+        finally:
+            loader.interleave_gguf_rows = interleave
+    if layout == "plain-rows":
+        tiles_fit = ops.q5_tiles_fit
+        ops.q5_tiles_fit = lambda qtype, k: False  # type: ignore[assignment]
+        try:
+            return LLMEngine.from_config(config)
+        finally:
+            ops.q5_tiles_fit = tiles_fit
+    return LLMEngine.from_config(config)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,17 +72,7 @@ def main() -> None:
         quantization="auto",
         activation_quantization=args.activation_quantization,
     )
-    other_layout = None
-    if args.old == "file-layout":
-        interleave = loader.interleave_gguf_rows
-        loader.interleave_gguf_rows = lambda model, kernels: 0  # type: ignore[assignment]
-        other_layout = LLMEngine.from_config(config)
-        loader.interleave_gguf_rows = interleave
-    elif args.old == "plain-rows":
-        tiles_fit = ops.q5_tiles_fit
-        ops.q5_tiles_fit = lambda qtype, k: False  # type: ignore[assignment]
-        other_layout = LLMEngine.from_config(config)
-        ops.q5_tiles_fit = tiles_fit
+    other_layout = engine_with_layout(config, args.old) if args.old in LAYOUTS[:2] else None
     engine = LLMEngine.from_config(config)
     kernels = engine.core.runner.model.kernels
     assert isinstance(kernels, NativeKernels), "needs the native kernels"

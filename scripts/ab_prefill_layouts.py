@@ -1,8 +1,8 @@
 """A prefill of one request on three engines whose loaders lay the GGUF weights out differently, alternated in one
-process: the file's layout (interleave_gguf_rows skipped), rows interleaved four at a time without Q5_0 tiles, and
-the engine's own layout (rows interleaved, Q5_0 in tiles): docs/BENCHMARKS.md's check that the layouts of
-docs/PERFORMANCE_NOTES.md attempts 73-74 did not slow the prefill. Each round a fresh random prompt per engine (prefix
-caching off), timed to its first token. Not run by CI.
+process (scripts/ab_decode_step.py's engine_with_layout): the file's layout, rows interleaved four at a time without
+Q5_0 tiles, and the engine's own layout (rows interleaved, Q5_0 in tiles): docs/BENCHMARKS.md's check that the
+layouts of docs/PERFORMANCE_NOTES.md attempts 73-74 did not slow the prefill. Each round a fresh random prompt per
+engine (prefix caching off), timed to its first token. Not run by CI.
 
 Usage: python scripts/ab_prefill_layouts.py [--model qwen2.5-coder-0.5b-instruct] [--prompt-len 512] [--rounds 5]
        [--activation-quantization int8]
@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
-from kvserve.kernels import ops
-from kvserve.model import loader
 from kvserve.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_decode_step import LAYOUTS, engine_with_layout
 
 
 def main() -> None:
@@ -36,16 +38,7 @@ def main() -> None:
         kv_cache_dtype="bfloat16",
         enable_prefix_caching=False,
     )
-    interleave = loader.interleave_gguf_rows
-    loader.interleave_gguf_rows = lambda model, kernels: 0  # type: ignore[assignment]
-    file_layout = LLMEngine.from_config(config)
-    loader.interleave_gguf_rows = interleave
-    tiles_fit = ops.q5_tiles_fit
-    ops.q5_tiles_fit = lambda qtype, k: False  # type: ignore[assignment]
-    plain_rows = LLMEngine.from_config(config)
-    ops.q5_tiles_fit = tiles_fit
-    tiled = LLMEngine.from_config(config)
-    engines = {"file layout": file_layout, "interleaved rows": plain_rows, "rows with tiles": tiled}
+    engines = {layout: engine_with_layout(config, layout) for layout in LAYOUTS}
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
     times: dict[str, list[float]] = {name: [] for name in engines}

@@ -114,6 +114,30 @@ struct LinePrefetcher {
     }
 };
 
+// out(j, slot) for the slots of a sequence's positions [pos, pos + n) (its block table `table`), block by block (no
+// division a key).
+template <typename Out>
+__attribute__((always_inline)) inline void slots_of(const int64_t* table, int64_t block_size, int64_t pos, int64_t n,
+                                                    Out&& out) {
+    int64_t block = pos / block_size, off = pos % block_size;
+    for (int64_t j = 0; j < n;) {
+        const int64_t base = table[block] * block_size, run = std::min(n - j, block_size - off);
+        for (int64_t i = 0; i < run; ++i) out(j + i, base + off + i);
+        j += run, ++block, off = 0;
+    }
+}
+
+// The prefetcher of the next chunk's n slots (positions from pos; their K rows into ahead[]), its lines spread over
+// `steps` steps of this chunk's loops. A slot's K row (every KV head) is slot_bytes long, its V row v_offset on.
+inline LinePrefetcher next_chunk(const int64_t* table, int64_t block_size, int64_t pos, int64_t n, const char* k_cache,
+                                 int64_t slot_bytes, int64_t v_offset, int64_t steps, const char** ahead) {
+    slots_of(table, block_size, pos, n, [&](int64_t j, int64_t slot) { ahead[j] = k_cache + slot * slot_bytes; });
+    LinePrefetcher pf;
+    pf.slot = ahead, pf.slots = n, pf.lines = (slot_bytes + 63) / 64, pf.v_offset = v_offset;
+    pf.per_step = (2 * pf.lines * n + steps - 1) / std::max<int64_t>(steps, 1);
+    return pf;
+}
+
 // s[t] = q . k_t over the first `dims` (a multiple of kLanes) elements, for the kLanes rows k + t * stride: a vector of
 // q against the same slice of every row, the rows addressed four at a time from one pointer (16 row pointers, as a
 // first version had, spilled the general registers). Inlined, so that the kLanes sums stay in registers through
@@ -399,21 +423,13 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
     std::fill(sc.m.begin(), sc.m.begin() + heads, -INFINITY);
     std::fill(sc.l.begin(), sc.l.begin() + heads, 0.0f);
     const int64_t slot_bytes = stride * static_cast<int64_t>(sizeof(T));
-    const int64_t v_offset = reinterpret_cast<const char*>(v_cache) - reinterpret_cast<const char*>(k_cache);
-    // The slots of positions [pos, pos + n) into out[], block by block (no division per key).
-    auto slots_of = [&](int64_t pos, int64_t n, auto&& out) {
-        int64_t block = pos / block_size, off = pos % block_size;
-        for (int64_t j = 0; j < n;) {
-            const int64_t base = table[block] * block_size, run = std::min(n - j, block_size - off);
-            for (int64_t i = 0; i < run; ++i) out(j + i, base + off + i);
-            j += run, ++block, off = 0;
-        }
-    };
+    const char* const k_bytes = reinterpret_cast<const char*>(k_cache);
+    const int64_t v_offset = reinterpret_cast<const char*>(v_cache) - k_bytes;
     // Chunks end at multiples of kLanes positions, so that after the first one each run of kLanes keys lies in one
     // block wherever blocks hold a multiple of kLanes tokens, and is read in place (float32).
     for (int64_t c0 = first; c0 < last;) {
         const int64_t c1 = std::min(last, (c0 / kLanes) * kLanes + kChunk), n = c1 - c0;
-        slots_of(c0, n, [&](int64_t j, int64_t slot) {
+        slots_of(table, block_size, c0, n, [&](int64_t j, int64_t slot) {
             slots[j] = slot;
             for (int64_t h = 0; h < kv_heads; ++h) {
                 const int64_t row = slot * kv_heads + h;
@@ -424,19 +440,15 @@ void attend_part(const KvserveDecodeAttention& a, int64_t b, int64_t first, int6
                 }
             }
         });
-        const int64_t n_next = std::min(last, c1 + kChunk) - c1;  // the next chunk's slots, prefetched meanwhile
-        slots_of(c1, n_next, [&](int64_t j, int64_t slot) {
-            ahead[j] = reinterpret_cast<const char*>(k_cache + slot * stride);
-        });
         const int64_t tiles = (n + kLanes - 1) / kLanes;
         // The steps of this chunk (LinePrefetcher): on the bfloat16 path each pair of dims of a 32-key tile's scores
         // and each key pair of a weighted-sum pass; else each head's scores of a tile and each key of a pass.
         const int64_t steps = kv_heads * (pairs ? (group + kMaxHeads - 1) / kMaxHeads * (n + 31) / 32 * qld +
                                                       (n + 1) / 2 * weighted_passes(group, odim, true)
                                                 : tiles * group + n * weighted_passes(group, dim, false));
-        LinePrefetcher pf;
-        pf.slot = ahead, pf.slots = n_next, pf.lines = (slot_bytes + 63) / 64, pf.v_offset = v_offset;
-        pf.per_step = (2 * pf.lines * n_next + steps - 1) / std::max<int64_t>(steps, 1);
+        // the next chunk's slots, prefetched meanwhile
+        LinePrefetcher pf = next_chunk(table, block_size, c1, std::min(last, c1 + kChunk) - c1, k_bytes, slot_bytes,
+                                       v_offset, steps, ahead);
         for (int64_t h = 0; h < kv_heads; ++h) {
             // Scores of the group's heads, kLanes keys at a time (the bfloat16 path: 32); lanes past the chunk's end
             // get -inf.
@@ -670,15 +682,8 @@ void attend_part_lanes(const KvserveDecodeAttention& a, int64_t b, int64_t first
     // Score passes of at most kLaneHeads heads, weighted-sum passes of at most kSumHeads, each split evenly.
     const int64_t lane_passes = (group + kLaneHeads - 1) / kLaneHeads;
     const int64_t slot_bytes = stride * static_cast<int64_t>(sizeof(T));
-    const int64_t v_offset = reinterpret_cast<const char*>(v_cache) - reinterpret_cast<const char*>(k_cache);
-    auto slots_of = [&](int64_t pos, int64_t n, auto&& out) {
-        int64_t block = pos / block_size, off = pos % block_size;
-        for (int64_t j = 0; j < n;) {
-            const int64_t base = table[block] * block_size, run = std::min(n - j, block_size - off);
-            for (int64_t i = 0; i < run; ++i) out(j + i, base + off + i);
-            j += run, ++block, off = 0;
-        }
-    };
+    const char* const k_bytes = reinterpret_cast<const char*>(k_cache);
+    const int64_t v_offset = reinterpret_cast<const char*>(v_cache) - k_bytes;
     int64_t sum_passes = 0;  // weighted-sum passes over a chunk's keys, for the prefetcher's steps
     for (int64_t lp = 0; lp < lane_passes; ++lp) {
         const int64_t lg = (lp + 1) * group / lane_passes - lp * group / lane_passes;
@@ -686,7 +691,7 @@ void attend_part_lanes(const KvserveDecodeAttention& a, int64_t b, int64_t first
     }
     for (int64_t c0 = first; c0 < last;) {
         const int64_t c1 = std::min(last, c0 + kChunk), n = c1 - c0;
-        slots_of(c0, n, [&](int64_t j, int64_t slot) {
+        slots_of(table, block_size, c0, n, [&](int64_t j, int64_t slot) {
             for (int64_t h = 0; h < kv_heads; ++h) {
                 const int64_t row = slot * kv_heads + h;
                 krows[h * kChunk + j] = k_cache + row * dim;
@@ -697,14 +702,8 @@ void attend_part_lanes(const KvserveDecodeAttention& a, int64_t b, int64_t first
                 }
             }
         });
-        const int64_t n_next = std::min(last, c1 + kChunk) - c1;
-        slots_of(c1, n_next, [&](int64_t j, int64_t slot) {
-            ahead[j] = reinterpret_cast<const char*>(k_cache + slot * stride);
-        });
-        const int64_t steps = kv_heads * n * (lane_passes + sum_passes);
-        LinePrefetcher pf;
-        pf.slot = ahead, pf.slots = n_next, pf.lines = (slot_bytes + 63) / 64, pf.v_offset = v_offset;
-        pf.per_step = (2 * pf.lines * n_next + steps - 1) / std::max<int64_t>(steps, 1);
+        LinePrefetcher pf = next_chunk(table, block_size, c1, std::min(last, c1 + kChunk) - c1, k_bytes, slot_bytes,
+                                       v_offset, kv_heads * n * (lane_passes + sum_passes), ahead);
         for (int64_t h = 0; h < kv_heads; ++h)
             for (int64_t lp = 0; lp < lane_passes; ++lp) {
                 const int64_t g0 = h * group + lp * group / lane_passes;
