@@ -3,8 +3,9 @@ context, over 24 layers' caches so that K and V come from memory as in the model
 figures of docs/PERFORMANCE_NOTES.md's decode-at-depth attempts: the avx512bf16 build's bfloat16 dot products against
 the avx512vnni build (which widens a bfloat16 cache to float32 in registers), on the same cache; with OLD.so, this
 build against an older one (as in scripts/ab_prefill_attention_depth.py); with --pages both, the caches on huge pages
-(as the engine allocates them, kvserve/kv/huge_pages.py) against the same caches on 4 KiB pages. Fastest of alternated
-repeats. Not run by CI.
+(as the engine allocates them, kvserve/kv/huge_pages.py) against the same caches on 4 KiB pages. Fastest and median of
+alternated repeats (on a noisy VM, medians of a few hundred repeats told 5-10% apart where the fastest did not: a
+step's attention takes tens of ms, so --repeats 200 costs under a minute). Not run by CI.
 
 Usage: python scripts/ab_decode_attention_depth.py [--old OLD.so] [--dtype bfloat16|float32|float16]
            [--contexts 4096,16384,32000] [--pages huge|small|both]
@@ -13,6 +14,7 @@ Usage: python scripts/ab_decode_attention_depth.py [--old OLD.so] [--dtype bfloa
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,7 +61,10 @@ def main() -> None:
                 start = time.perf_counter()
                 run(kernels, layers)
                 times[name].append(time.perf_counter() - start)
-        print(f"{seq_len} cached: " + ", ".join(f"{n} {1e3 * min(t):.2f} ms" for n, t in times.items()))
+        print(
+            f"{seq_len} cached, fastest / median: "
+            + ", ".join(f"{n} {1e3 * min(t):.2f} / {1e3 * statistics.median(t):.2f} ms" for n, t in times.items())
+        )
 
 
 if __name__ == "__main__":

@@ -774,7 +774,7 @@ void decode_attention(const KvserveDecodeAttention& a) {
     };
     // Items: (sequence, part of its keys), in parts of kMinPart keys at least. One sequence: a part a thread (its parts
     // are equal, and each more costs a first chunk that nothing prefetched and a merge: two a thread made the 24
-    // layers' attention of a step at 4k / 16k on a Zen 3 host 1.04-1.10x slower, medians of 200-300 alternated
+    // layers' attention of a step at 4k / 16k on a Zen 3 host 1.04-1.11x slower, medians of 200-300 alternated
     // repeats). Fewer sequences than twice the threads: about twice as many items as threads, so that sequences of
     // different lengths (or a thread that the OS parks for a while) leave their slack to the others.
     const int64_t threads = omp_get_max_threads();
