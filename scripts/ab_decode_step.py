@@ -72,7 +72,7 @@ def main() -> None:
         quantization="auto",
         activation_quantization=args.activation_quantization,
     )
-    other_layout = engine_with_layout(config, args.old) if args.old in LAYOUTS[:2] else None
+    other_layout = engine_with_layout(config, args.old) if args.old in ("file-layout", "plain-rows") else None
     engine = LLMEngine.from_config(config)
     kernels = engine.core.runner.model.kernels
     assert isinstance(kernels, NativeKernels), "needs the native kernels"
